@@ -1,0 +1,206 @@
+"""The run's typed configuration.
+
+Every knob lives in one of these dataclasses, registered in Hydra's ConfigStore as the
+schema; the YAML files in ``conf/`` only select a group member and override values, so a
+typo or a wrong type is refused by Hydra before anything runs. Cross-field rules (batch
+arithmetic, divisibility, ZeRO with pipelining) are checked by ``trainer3d.validate``.
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-style decoder: RMSNorm, rotary positions, SwiGLU MLP, no biases."""
+
+    name: str = "tiny"
+    dim: int = 128
+    """Hidden size."""
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); equal to n_heads for plain multi-head."""
+    ffn_dim: int = 384
+    """Width of the SwiGLU hidden layer."""
+    vocab_size: int = 257
+    """Logical vocabulary; tensor parallelism pads it to a multiple of tp, padding masked out of the loss."""
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    """Std of the normal init; output projections are scaled by 1/sqrt(2 * n_layers)."""
+
+
+@dataclass
+class ParallelConfig:
+    """The 3D layout. World size = tp * pp * dp; rank order is TP fastest, then DP, then PP."""
+
+    tp: int = 1
+    """Tensor-parallel degree (Megatron-style column/row split inside each layer)."""
+    pp: int = 1
+    """Pipeline-parallel degree (stages)."""
+    dp: int = 1
+    """Data-parallel degree (model replicas, each taking a slice of the global batch)."""
+    zero_stage: int = 0
+    """0: replicated optimizer; 1: optimizer state sharded over dp; 2/3 (pp == 1 only): FSDP2."""
+    sequence_parallel: bool = False
+    """Shard norm regions along the sequence across tp (needs tp > 1)."""
+    pp_schedule: str = "1f1b"
+    """1f1b | gpipe | interleaved_1f1b."""
+    pp_virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved_1f1b only)."""
+    pp_layers: Optional[List[int]] = None
+    """Layers per stage, e.g. [3, 5]; default: as even as possible."""
+    bucket_mb: float = 25.0
+    """Size of the gradient-reduction buckets over dp, in MiB."""
+    zero_reduce: str = "auto"
+    """How ZeRO-1 reduces gradients: all_reduce | reduce_scatter | auto (all_reduce on gloo, reduce_scatter on NCCL)."""
+    backend: str = "auto"
+    """torch.distributed backend: auto (nccl with GPUs, else gloo) | gloo | nccl."""
+    timeout_s: float = 120.0
+    """Collective timeout: a dead or stuck rank ends the job after this long instead of hanging."""
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop. Give any two of micro_batch_size, grad_accum_steps and
+    global_batch_size; the third is derived as global = micro * grad_accum * dp."""
+
+    micro_batch_size: Optional[int] = 8
+    """Sequences per micro-batch on one data-parallel rank."""
+    grad_accum_steps: Optional[int] = None
+    """Micro-batches per optimizer step on one data-parallel rank (the pipeline's micro-batches)."""
+    global_batch_size: Optional[int] = 32
+    """Sequences per optimizer step over all data-parallel ranks."""
+    seq_len: int = 128
+    max_steps: int = 300
+    seed: int = 1234
+    log_every: int = 10
+    """Read metrics from the device, print and write them every this many steps."""
+    dtype: str = "fp32"
+    """Parameter/activation dtype: fp32 | bf16 | fp16 (master weights stay fp32)."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in backward instead of keeping them."""
+    resume: str = "auto"
+    """auto (newest complete checkpoint of the run, if any) | never | a checkpoint path."""
+    device: str = "auto"
+    """auto (cuda if available, else cpu) | cpu | cuda."""
+    peak_tflops: Optional[float] = None
+    """Peak TFLOP/s per rank for MFU; default from the device name where known."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up and cosine decay to min_lr."""
+
+    name: str = "adamw"
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    decay_steps: Optional[int] = None
+    """Steps of the cosine decay after warm-up; default: the rest of train.max_steps."""
+    weight_decay: float = 0.1
+    """Applied to matrices and embeddings, not to norm weights."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+
+
+@dataclass
+class DataConfig:
+    """Training tokens: the built-in corpus, or a token file made by tools/prepare_data.py."""
+
+    name: str = "stdlib"
+    """stdlib (this Python's standard-library source, byte-level, no download) | tokens."""
+    path: Optional[str] = None
+    """Token file (.bin, with its .json header) when name=tokens."""
+    cache_dir: str = "~/.cache/trainer3d"
+    """Where the built-in corpus is tokenised once and kept."""
+
+
+@dataclass
+class LauncherConfig:
+    """How ranks are started: local processes or a Slurm job, both through submitit."""
+
+    name: str = "local"
+    """local (one process per rank on this machine) | slurm | inplace (already inside srun/torchrun)."""
+    folder: str = "${hydra:runtime.output_dir}/submitit"
+    """submitit's folder: pickled job, per-rank logs."""
+    timeout_min: int = 60
+    wait: bool = True
+    """Follow the job's progress and exit with its status (slurm: false = submit and return)."""
+    nodes: int = 1
+    tasks_per_node: Optional[int] = None
+    """Ranks per node; default: world size / nodes."""
+    gpus_per_node: int = 0
+    cpus_per_task: Optional[int] = None
+    mem_gb: Optional[float] = None
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    job_name: str = "trainer3d"
+    sbatch_extra: List[str] = field(default_factory=list)
+    """Extra '#SBATCH' options, e.g. ['--exclusive', '--reservation=foo']."""
+    setup: List[str] = field(default_factory=list)
+    """Shell lines run in the job before the ranks start (module load, conda activate)."""
+    signal_delay_s: int = 90
+    """Slurm sends USR2 this long before the time limit: ranks checkpoint and the job requeues."""
+    max_requeues: int = 3
+    """Cap on requeues after preemption or time limit."""
+
+
+@dataclass
+class LoggerConfig:
+    """Where metrics go besides metrics.jsonl and the console."""
+
+    name: str = "console"
+    """console | wandb."""
+    mode: str = "offline"
+    """wandb mode: offline (no key needed; `wandb sync` later) | online | disabled."""
+    project: str = "trainer3d"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+    run_name: Optional[str] = None
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save every this many steps (0: only at the end and on preemption)."""
+    keep: int = 2
+    """Published checkpoints kept; older ones are deleted."""
+    dir: Optional[str] = None
+    """Default: <run_dir>/checkpoints."""
+    save_final: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run_dir: str = "${hydra:runtime.output_dir}"
+    """Where metrics.jsonl, checkpoints and logs of this run go."""
+    dry_run: bool = False
+    """Validate and print the rank layout and memory plan, start nothing."""
+
+
+def register_configs() -> None:
+    """Register the schema so conf/config.yaml can name it first in its defaults list."""
+    cs = ConfigStore.instance()
+    cs.store(name="trainer3d_schema", node=Config)
+
+
+register_configs()

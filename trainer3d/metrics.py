@@ -1,0 +1,102 @@
+"""Step metrics: kept on the device between logging intervals, reduced once per interval.
+
+Every step's loss and gradient norm stay device tensors; every ``train.log_every`` steps
+(and at the end) they are stacked and reduced to rank 0 in one collective — the only
+host-device sync of the loop. Rank 0 then writes one JSON object per step to
+``<run_dir>/metrics.jsonl`` and prints one progress line.
+
+The loss exists on the last pipeline stage only, where every tp rank holds the same value
+and every dp replica its own; ranks of other stages (and tp ranks > 0) contribute zero,
+so the sum over the world divided by dp is the mean over dp replicas.
+"""
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from trainer3d.topology import ParallelDims
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+class MetricsLogger:
+    def __init__(self, dims: ParallelDims, run_dir: str, max_steps: int, tokens_per_step: int,
+                 start_step: int = 0):
+        self.dims = dims
+        self.max_steps = max_steps
+        self.tokens_per_step = tokens_per_step
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._steps: List[int] = []
+        self._losses: List[torch.Tensor] = []
+        self._norms: List[torch.Tensor] = []
+        self._lrs: List[float] = []
+        self._interval_start = time.perf_counter()
+        self._owns_loss = dims.is_last_stage and dims.tp_rank == 0
+        self.last: Optional[dict] = None
+        if dims.rank == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._truncate_after(start_step)
+
+    def _truncate_after(self, start_step: int) -> None:
+        """On resume, drop rows of steps the restored run will redo (none lost, none doubled)."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] < start_step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def record(self, step: int, loss: Optional[torch.Tensor], grad_norm: torch.Tensor, lr: float) -> None:
+        """Keep this step's device tensors; no sync."""
+        self._steps.append(step)
+        zero = torch.zeros((), device=grad_norm.device)
+        self._losses.append(loss.detach().float() if (loss is not None and self._owns_loss) else zero)
+        self._norms.append(grad_norm.detach().float())
+        self._lrs.append(lr)
+
+    def flush(self) -> Optional[dict]:
+        """Reduce the interval's metrics to rank 0 and write them; returns rank 0's last row."""
+        if not self._steps:
+            return self.last
+        packed = torch.stack(self._losses)
+        dist.reduce(packed, dst=0)
+        now = time.perf_counter()
+        elapsed, n = now - self._interval_start, len(self._steps)
+        self._interval_start = now
+        if self.dims.rank == 0:
+            losses = (packed / self.dims.dp).tolist()
+            norms = torch.stack(self._norms).tolist()
+            self._write(losses, norms, elapsed / n)
+        self._steps, self._losses, self._norms, self._lrs = [], [], [], []
+        return self.last
+
+    def _write(self, losses: List[float], norms: List[float], step_time: float) -> None:
+        tokens_per_s = self.tokens_per_step / step_time if step_time > 0 else float("nan")
+        rows = [{"step": s, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens_per_s,
+                 "step_time_s": step_time}
+                for s, loss, norm, lr in zip(self._steps, losses, norms, self._lrs)]
+        with open(self.path, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        self.last = rows[-1]
+        self._print(rows[-1])
+
+    def _print(self, row: dict) -> None:
+        done = row["step"] + 1
+        eta = format_duration((self.max_steps - done) * row["step_time_s"])
+        loss = row["loss"]
+        loss_text = f"{loss:.4f}" if math.isfinite(loss) else str(loss)
+        print(f"step {done:>{len(str(self.max_steps))}}/{self.max_steps} | loss {loss_text} | "
+              f"lr {row['lr']:.2e} | grad_norm {row['grad_norm']:.3f} | "
+              f"{row['tokens_per_s']:,.0f} tok/s | {row['step_time_s']:.3f} s/step | eta {eta}",
+              file=sys.stdout, flush=True)

@@ -1,0 +1,147 @@
+"""A Llama-style decoder-only transformer, written once and untouched by parallelism.
+
+RMSNorm (Zhang & Sennrich 2019), rotary position embeddings (Su et al. 2021), SwiGLU MLP
+(Shazeer 2020), grouped-query attention (Ainslie et al. 2023), no biases, no dropout.
+
+Parallelism is applied from outside: ``parallel/tensor.py`` swaps the Linear/Embedding
+submodules for tensor-parallel ones, ``parallel/pipeline.py`` deletes the layers another
+stage owns (setting ``tok_embeddings`` / ``norm`` / ``output`` to None). So this file
+never reads ``n_heads`` to shape a tensor at run time: it reads the shapes its Linear
+layers produce (a TP rank has n_heads/tp heads; with sequence parallelism the block input
+holds a slice of the sequence while attention sees all of it).
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer3d.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the activation dtype (bf16 loses the mean square).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device):
+    """cos/sin tables of shape (seq_len, head_dim), computed in fp32.
+
+    Recomputed per forward (O(seq * head_dim), negligible next to the matmuls), which keeps
+    the model free of buffers that meta-device construction would have to re-materialise.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + head_dim/2) of x: (batch, seq, heads, head_dim)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return (x.float() * cos + rotated.float() * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.rope_theta = cfg.rope_theta
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        batch, seq = q.shape[:2]  # the projections' shapes, not x's (see module docstring)
+        q = q.view(batch, seq, -1, self.head_dim)
+        k = k.view(batch, seq, -1, self.head_dim)
+        v = v.view(batch, seq, -1, self.head_dim)
+        cos, sin = rotary_cos_sin(seq, self.head_dim, self.rope_theta, x.device)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return self.wo(out.transpose(1, 2).flatten(2))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """tokens (batch, seq) -> logits (batch, seq, vocab).
+
+    A pipeline stage keeps a subset: without ``tok_embeddings`` it takes hidden states,
+    without ``output`` it returns them. Layers live in a ModuleDict keyed by their global
+    index, so parameter names (``layers.7.attention.wq.weight``) are the same in every
+    layout — checkpoints and the layout-independent initialisation rely on it.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy, computed in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def count_parameters(cfg: ModelConfig) -> int:
+    """Parameters of the full (1-rank, unpadded) model, from its shapes alone."""
+    head_dim = cfg.dim // cfg.n_heads
+    attn = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    ffn = 3 * cfg.dim * cfg.ffn_dim
+    per_layer = attn + ffn + 2 * cfg.dim
+    return cfg.n_layers * per_layer + 2 * cfg.vocab_size * cfg.dim + cfg.dim
+
+
+def output_projection_std(cfg: ModelConfig) -> float:
+    """Residual-branch output projections start smaller (GPT-2, Radford et al. 2019, sec. 2.3)."""
+    return cfg.init_std / math.sqrt(2 * cfg.n_layers)

@@ -1,0 +1,65 @@
+"""Entry point: ``python -m trainer3d.train [group=option ...] [key=value ...]``.
+
+Hydra composes the config (``--cfg job`` prints it, ``-m`` sweeps); this module resolves
+it, validates it in this process — a refused config exits with status 2 and one line per
+problem, before any rank starts — prepares the data, and hands it to the launcher.
+"""
+
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from trainer3d.config import Config  # noqa: F401  (registers the schema in the ConfigStore)
+from trainer3d.validate import ConfigError, validate
+
+
+def resolve(dcfg: DictConfig) -> Config:
+    """The composed config as plain dataclasses, interpolations resolved (picklable)."""
+    return OmegaConf.to_object(dcfg)
+
+
+def allocation_world_size(cfg: Config):
+    """World size fixed by an existing allocation (in-place launch), else None."""
+    from trainer3d.launch import in_distributed_env
+    if cfg.launcher.name == "inplace" or in_distributed_env():
+        return int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
+    return None
+
+
+def run(cfg: Config) -> int:
+    """Validate, prepare and launch; return the exit status."""
+    try:
+        cfg = validate(cfg, allocation_world_size(cfg))
+    except ConfigError as err:
+        for problem in err.problems:
+            print(f"trainer3d: config error: {problem}", file=sys.stderr)
+        return 2
+    if cfg.dry_run:
+        from trainer3d.plan import print_plan
+        print_plan(cfg)
+        return 0
+    from trainer3d.data import prepare_dataset
+    from trainer3d.launch import launch
+    try:
+        prepare_dataset(cfg.data)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"trainer3d: data error: {err}", file=sys.stderr)
+        return 2
+    return launch(cfg)
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="config")
+def _main(dcfg: DictConfig) -> None:
+    status = run(resolve(dcfg))
+    if status:
+        sys.exit(status)
+
+
+def main() -> None:
+    _main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The training loop of one rank, as small named steps.
+
+``Trainer.__init__`` builds this rank's model chunks, optimizer and data loader from the
+config and the layout; ``train_step`` is forward_backward (all grad_accum micro-batches,
+through the pipeline schedule when pp > 1) -> reduce gradients over dp -> clip by the
+global norm -> optimizer step; ``train`` repeats it and logs at the interval.
+"""
+
+import time
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from trainer3d.config import Config
+from trainer3d.data import DataLoader, TokenFile, prepare_dataset
+from trainer3d.metrics import MetricsLogger
+from trainer3d.model.transformer import cross_entropy_loss
+from trainer3d.optim import lr_at
+from trainer3d.parallel import build_model_chunks
+from trainer3d.parallel.zero import build_optimizer
+from trainer3d.topology import ParallelDims
+
+
+class Trainer:
+    def __init__(self, cfg: Config, dims: ParallelDims):
+        self.cfg = cfg
+        self.dims = dims
+        t = cfg.train
+        self.chunks: List[nn.Module] = build_model_chunks(cfg, dims)
+        self.optimizer = build_optimizer(self.chunks, cfg, dims)
+        self.loss_fn = cross_entropy_loss
+        token_file = TokenFile.open(prepare_dataset(cfg.data))
+        if token_file.vocab_size > cfg.model.vocab_size:
+            raise ValueError(f"data vocabulary {token_file.vocab_size} > model.vocab_size={cfg.model.vocab_size}")
+        self.data = DataLoader(token_file, t.seq_len, t.micro_batch_size, t.grad_accum_steps,
+                               dims.dp, dims.dp_rank, t.seed)
+        self.start_step = 0
+        self.metrics = MetricsLogger(dims, cfg.run_dir, t.max_steps,
+                                     tokens_per_step=t.global_batch_size * t.seq_len, start_step=self.start_step)
+
+    # ------------------------------------------------------------------ one step
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> Optional[torch.Tensor]:
+        """Run the step's micro-batches forward and backward, accumulating gradients.
+
+        Returns the mean loss over micro-batches on ranks that compute it (the last
+        stage), None elsewhere. Each micro-batch's loss is divided by grad_accum before
+        backward, so the accumulated gradient is that of the mean.
+        """
+        model = self.chunks[0]
+        accum = inputs.shape[0]
+        total = torch.zeros((), device=self.dims.device)
+        for m in range(accum):
+            loss = self.loss_fn(model(inputs[m]), targets[m])
+            (loss / accum).backward()
+            total += loss.detach()
+        return total / accum
+
+    def train_step(self, step: int) -> Tuple[Optional[torch.Tensor], torch.Tensor, float]:
+        inputs, targets = self.data.batch(step)
+        device = self.dims.device
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        self.optimizer.zero_grad()
+        loss = self.forward_backward(inputs, targets)
+        self.optimizer.reduce_gradients()
+        grad_norm = self.optimizer.clip_grad_norm(self.cfg.optim.grad_clip)
+        lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
+        self.optimizer.step(lr)
+        return loss, grad_norm, lr
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> Optional[dict]:
+        """Train to train.max_steps; return rank 0's summary (None on other ranks)."""
+        t = self.cfg.train
+        started = time.perf_counter()
+        for step in range(self.start_step, t.max_steps):
+            loss, grad_norm, lr = self.train_step(step)
+            self.metrics.record(step, loss, grad_norm, lr)
+            if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
+                self.metrics.flush()
+        last = self.metrics.flush()
+        if self.dims.rank != 0:
+            return None
+        return {"final_loss": last["loss"] if last else None, "steps": t.max_steps - self.start_step,
+                "wall_s": time.perf_counter() - started, "metrics": str(self.metrics.path)}

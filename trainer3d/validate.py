@@ -1,0 +1,240 @@
+"""Check a config before anything launches.
+
+``validate`` is a pure function of the config (and the world size the launcher will
+give): it derives the missing batch knob and returns a completed copy, or raises
+``ConfigError`` listing every problem, each naming the knob to change and the fix.
+"""
+
+import copy
+from typing import List, Optional
+
+from trainer3d.config import Config
+
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+DTYPES = ("fp32", "bf16", "fp16")
+LAUNCHERS = ("local", "slurm", "inplace")
+LOGGERS = ("console", "wandb")
+WANDB_MODES = ("offline", "online", "disabled")
+ZERO_REDUCE = ("auto", "all_reduce", "reduce_scatter")
+BACKENDS = ("auto", "gloo", "nccl")
+DATASETS = ("stdlib", "tokens")
+
+
+class ConfigError(ValueError):
+    """A config the engine refuses; ``problems`` holds one line per broken rule."""
+
+    def __init__(self, problems: List[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+def world_size_of(cfg: Config) -> int:
+    p = cfg.parallel
+    return p.tp * p.pp * p.dp
+
+
+def validate(cfg: Config, world_size: Optional[int] = None) -> Config:
+    """Return a copy of ``cfg`` with the batch arithmetic completed, or raise ConfigError.
+
+    ``world_size`` is what the launcher will start (Slurm: nodes * tasks_per_node;
+    in place: $WORLD_SIZE); None means the local launcher, which starts tp * pp * dp.
+    """
+    cfg = copy.deepcopy(cfg)
+    problems: List[str] = []
+    _check_positive(cfg, problems)
+    if problems:  # the rules below divide by these knobs
+        raise ConfigError(problems)
+    _check_world(cfg, world_size, problems)
+    _derive_batch(cfg, problems)
+    _check_pipeline(cfg, problems)
+    _check_tensor(cfg, problems)
+    _check_zero_and_precision(cfg, problems)
+    _check_choices(cfg, problems)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def _check_positive(cfg: Config, problems: List[str]) -> None:
+    knobs = {
+        "parallel.tp": cfg.parallel.tp, "parallel.pp": cfg.parallel.pp,
+        "parallel.dp": cfg.parallel.dp, "parallel.pp_virtual_stages": cfg.parallel.pp_virtual_stages,
+        "model.dim": cfg.model.dim, "model.n_layers": cfg.model.n_layers,
+        "model.n_heads": cfg.model.n_heads, "model.n_kv_heads": cfg.model.n_kv_heads,
+        "model.ffn_dim": cfg.model.ffn_dim, "model.vocab_size": cfg.model.vocab_size,
+        "model.max_seq_len": cfg.model.max_seq_len, "train.seq_len": cfg.train.seq_len,
+        "train.max_steps": cfg.train.max_steps, "train.log_every": cfg.train.log_every,
+        "launcher.nodes": cfg.launcher.nodes, "checkpoint.keep": cfg.checkpoint.keep,
+    }
+    for knob in ("train.micro_batch_size", "train.grad_accum_steps", "train.global_batch_size",
+                 "launcher.tasks_per_node"):
+        section, name = knob.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is not None:
+            knobs[knob] = value
+    for knob, value in knobs.items():
+        if value < 1:
+            problems.append(f"{knob}={value} must be >= 1")
+    for knob, value in {"optim.lr": cfg.optim.lr, "parallel.timeout_s": cfg.parallel.timeout_s,
+                        "parallel.bucket_mb": cfg.parallel.bucket_mb}.items():
+        if value <= 0:
+            problems.append(f"{knob}={value} must be > 0")
+    for knob, value in {"optim.min_lr": cfg.optim.min_lr, "optim.warmup_steps": cfg.optim.warmup_steps,
+                        "optim.weight_decay": cfg.optim.weight_decay, "optim.grad_clip": cfg.optim.grad_clip,
+                        "checkpoint.every": cfg.checkpoint.every}.items():
+        if value < 0:
+            problems.append(f"{knob}={value} must be >= 0")
+    if cfg.optim.min_lr > cfg.optim.lr:
+        problems.append(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}; "
+                        "set optim.min_lr <= optim.lr")
+
+
+def _check_world(cfg: Config, world_size: Optional[int], problems: List[str]) -> None:
+    p, launcher = cfg.parallel, cfg.launcher
+    layout = world_size_of(cfg)
+    if launcher.name == "slurm":
+        tasks = launcher.tasks_per_node
+        if tasks is None:
+            if layout % launcher.nodes:
+                problems.append(
+                    f"tp({p.tp}) * pp({p.pp}) * dp({p.dp}) = {layout} ranks do not split evenly over "
+                    f"launcher.nodes={launcher.nodes}; change launcher.nodes or parallel.dp")
+                return
+            tasks = layout // launcher.nodes
+        world_size = launcher.nodes * tasks
+        if world_size != layout:
+            problems.append(
+                f"launcher.nodes({launcher.nodes}) * launcher.tasks_per_node({tasks}) = {world_size} "
+                f"ranks, but tp({p.tp}) * pp({p.pp}) * dp({p.dp}) = {layout}; "
+                f"set parallel.dp={_suggest_dp(cfg, world_size)} or change launcher.tasks_per_node")
+    elif world_size is not None and world_size != layout:
+        problems.append(
+            f"the allocation has {world_size} ranks but tp({p.tp}) * pp({p.pp}) * dp({p.dp}) = {layout}; "
+            f"set parallel.dp={_suggest_dp(cfg, world_size)}")
+
+
+def _suggest_dp(cfg: Config, world_size: int) -> str:
+    model_parallel = cfg.parallel.tp * cfg.parallel.pp
+    if world_size % model_parallel == 0:
+        return str(world_size // model_parallel)
+    return f"<world_size / (tp*pp)> (but {world_size} is not a multiple of tp*pp={model_parallel})"
+
+
+def _derive_batch(cfg: Config, problems: List[str]) -> None:
+    """global = micro * grad_accum * dp. DP, never the world size: TP and PP ranks share a batch."""
+    t, dp = cfg.train, cfg.parallel.dp
+    micro, accum, glob = t.micro_batch_size, t.grad_accum_steps, t.global_batch_size
+    given = sum(v is not None for v in (micro, accum, glob))
+    if given < 2:
+        problems.append("give two of train.micro_batch_size, train.grad_accum_steps, "
+                        "train.global_batch_size (the third is derived: global = micro * grad_accum * dp)")
+        return
+    if glob is None:
+        t.global_batch_size = micro * accum * dp
+    elif accum is None:
+        if glob % (micro * dp):
+            problems.append(
+                f"train.global_batch_size={glob} is not a multiple of micro_batch_size({micro}) * dp({dp}) "
+                f"= {micro * dp}; set train.global_batch_size={max(1, round(glob / (micro * dp))) * micro * dp}")
+        else:
+            t.grad_accum_steps = glob // (micro * dp)
+    elif micro is None:
+        if glob % (accum * dp):
+            problems.append(
+                f"train.global_batch_size={glob} is not a multiple of grad_accum_steps({accum}) * dp({dp}) "
+                f"= {accum * dp}; set train.global_batch_size={max(1, round(glob / (accum * dp))) * accum * dp}")
+        else:
+            t.micro_batch_size = glob // (accum * dp)
+    elif micro * accum * dp != glob:
+        problems.append(
+            f"train.global_batch_size={glob} is not micro_batch_size({micro}) * grad_accum_steps({accum}) "
+            f"* dp({dp}) = {micro * accum * dp}; set train.global_batch_size={micro * accum * dp} "
+            f"or leave one of the three unset (null)")
+
+
+def _check_pipeline(cfg: Config, problems: List[str]) -> None:
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    if p.pp_schedule not in PP_SCHEDULES:
+        problems.append(f"parallel.pp_schedule={p.pp_schedule} is not one of {', '.join(PP_SCHEDULES)}")
+        return
+    if p.pp_virtual_stages > 1 and p.pp_schedule != "interleaved_1f1b":
+        problems.append(f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs "
+                        "parallel.pp_schedule=interleaved_1f1b (or set pp_virtual_stages=1)")
+    stages = p.pp * p.pp_virtual_stages
+    if m.n_layers < stages:
+        problems.append(f"model.n_layers={m.n_layers} < pp({p.pp}) * pp_virtual_stages({p.pp_virtual_stages}) "
+                        f"= {stages} stages; every stage needs a layer: lower parallel.pp")
+    if p.pp_layers is not None:
+        if len(p.pp_layers) != stages:
+            problems.append(f"parallel.pp_layers has {len(p.pp_layers)} entries, needs one per stage "
+                            f"(pp * pp_virtual_stages = {stages})")
+        elif sum(p.pp_layers) != m.n_layers or min(p.pp_layers) < 1:
+            problems.append(f"parallel.pp_layers={list(p.pp_layers)} must be >= 1 each and sum to "
+                            f"model.n_layers={m.n_layers}")
+    accum = t.grad_accum_steps
+    if p.pp > 1 and accum is not None and accum < p.pp and p.pp_schedule != "gpipe":
+        problems.append(
+            f"train.grad_accum_steps={accum} < parallel.pp={p.pp}: {p.pp_schedule} needs at least one "
+            f"micro-batch per stage in flight; set train.grad_accum_steps>={p.pp} "
+            f"(e.g. train.global_batch_size={p.pp * (t.micro_batch_size or 1) * p.dp})")
+    if p.pp_schedule == "interleaved_1f1b" and p.pp > 1 and accum is not None and accum % p.pp:
+        problems.append(f"train.grad_accum_steps={accum} must be a multiple of parallel.pp={p.pp} "
+                        "for interleaved_1f1b")
+
+
+def _check_tensor(cfg: Config, problems: List[str]) -> None:
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    if m.dim % m.n_heads:
+        problems.append(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
+    if m.n_heads % m.n_kv_heads:
+        problems.append(f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads}")
+    elif (m.dim // m.n_heads) % 2:
+        problems.append(f"head dim model.dim/model.n_heads={m.dim // m.n_heads} must be even for rotary "
+                        "embeddings; change model.dim or model.n_heads")
+    for knob, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
+                        ("model.ffn_dim", m.ffn_dim)):
+        if value % p.tp:
+            problems.append(f"{knob}={value} is not divisible by parallel.tp={p.tp}; "
+                            f"each tensor-parallel rank needs an equal share: change parallel.tp")
+    if t.seq_len > m.max_seq_len:
+        problems.append(f"train.seq_len={t.seq_len} > model.max_seq_len={m.max_seq_len}; "
+                        "lower train.seq_len or raise model.max_seq_len")
+    if p.sequence_parallel and p.tp == 1:
+        problems.append("parallel.sequence_parallel=true needs parallel.tp > 1")
+    if p.sequence_parallel and t.seq_len % p.tp:
+        problems.append(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp}, "
+                        "which sequence parallelism needs")
+
+
+def _check_zero_and_precision(cfg: Config, problems: List[str]) -> None:
+    p, t = cfg.parallel, cfg.train
+    if p.zero_stage not in (0, 1, 2, 3):
+        problems.append(f"parallel.zero_stage={p.zero_stage} is not one of 0, 1, 2, 3")
+    elif p.zero_stage >= 2 and p.pp > 1:
+        problems.append(
+            f"parallel.zero_stage={p.zero_stage} with parallel.pp={p.pp}: pipelining accumulates full "
+            "gradients over a step's micro-batches, so partitioned gradients/parameters buy nothing and "
+            "break the schedule; use parallel.zero_stage=1 (or 0) with pipelining")
+    if t.dtype not in DTYPES:
+        problems.append(f"train.dtype={t.dtype} is not one of {', '.join(DTYPES)}")
+    if p.zero_reduce not in ZERO_REDUCE:
+        problems.append(f"parallel.zero_reduce={p.zero_reduce} is not one of {', '.join(ZERO_REDUCE)}")
+    if p.backend not in BACKENDS:
+        problems.append(f"parallel.backend={p.backend} is not one of {', '.join(BACKENDS)}")
+
+
+def _check_choices(cfg: Config, problems: List[str]) -> None:
+    if cfg.launcher.name not in LAUNCHERS:
+        problems.append(f"launcher={cfg.launcher.name} is not one of {', '.join(LAUNCHERS)}")
+    if cfg.logger.name not in LOGGERS:
+        problems.append(f"logger={cfg.logger.name} is not one of {', '.join(LOGGERS)}")
+    if cfg.logger.mode not in WANDB_MODES:
+        problems.append(f"logger.mode={cfg.logger.mode} is not one of {', '.join(WANDB_MODES)}")
+    if cfg.data.name not in DATASETS:
+        problems.append(f"data={cfg.data.name} is not one of {', '.join(DATASETS)}")
+    elif cfg.data.name == "tokens" and not cfg.data.path:
+        problems.append("data=tokens needs data.path=<file.bin> (make one with tools/prepare_data.py)")
+    if cfg.optim.name != "adamw":
+        problems.append(f"optim={cfg.optim.name}: only adamw is implemented")
+    if cfg.train.device not in ("auto", "cpu", "cuda"):
+        problems.append(f"train.device={cfg.train.device} is not one of auto, cpu, cuda")
