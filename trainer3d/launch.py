@@ -155,6 +155,7 @@ def follow(job: submitit.Job, grace_s: float) -> int:
     tasks = list(range(job.num_tasks))
     tail = _Tail(job.task(0).paths.stdout)
     failed_at: Optional[float] = None
+    cancelled = False
     while not job.done():
         tail.echo()
         outcomes = {t: _task_outcome(job, t) for t in tasks}
@@ -162,24 +163,45 @@ def follow(job: submitit.Job, grace_s: float) -> int:
             failed_at = time.time()
         if failed_at is not None and time.time() - failed_at > grace_s:
             job.cancel()  # the survivors should have timed out by now: do not wait for them
+            cancelled = True
+            _wait_done(job, timeout_s=30)
             break
         time.sleep(POLL_S)
     tail.echo()
-    return report(job, tasks)
+    return report(job, tasks, cancelled)
 
 
-def report(job: submitit.Job, tasks: List[int]) -> int:
+def _wait_done(job: submitit.Job, timeout_s: float) -> None:
+    deadline = time.time() + timeout_s
+    while not job.done() and time.time() < deadline:
+        time.sleep(POLL_S)
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def report(job: submitit.Job, tasks: List[int], cancelled: bool = False) -> int:
+    """0 if every rank returned; else print what happened to each failed rank, cause first."""
     outcomes = {t: _task_outcome(job, t) for t in tasks}
     errors = {t: o[1] for t, o in outcomes.items() if o and o[0] == "error"}
     missing = [t for t, o in outcomes.items() if o is None]
     if not errors and not missing:
         return 0
-    # The earliest error is the cause; later ones are peers seeing its connection close.
-    first = min(errors, key=lambda t: job.task(t).paths.result_pickle.stat().st_mtime) if errors else missing[0]
-    print(f"\ntrainer3d: job {job.job_id} failed: rank(s) {sorted(errors) or missing} did not finish", file=sys.stderr)
-    if first in errors:
-        print(f"--- rank {first} traceback ---\n{errors[first]}", file=sys.stderr)
-    else:
-        print(f"--- rank {first} log tail ({job.task(first).paths.stderr}) ---\n"
-              f"{_log_tail(job.task(first).paths.stderr)}", file=sys.stderr)
+    print(f"\ntrainer3d: job {job.job_id} failed", file=sys.stderr)
+    for t in missing:
+        fate = "still running after the others failed; cancelled" if cancelled else \
+            "exited without a result (killed, out of memory, or crashed outside Python)"
+        print(f"  rank {t}: {fate}", file=sys.stderr)
+    # The earliest error is the likeliest cause; later ones are peers seeing its connection close.
+    by_time = sorted(errors, key=lambda t: job.task(t).paths.result_pickle.stat().st_mtime)
+    for t in by_time:
+        print(f"  rank {t}: {_last_line(errors[t])}", file=sys.stderr)
+    if missing and not cancelled:
+        t = missing[0]
+        print(f"--- rank {t} log tail ({job.task(t).paths.stderr}) ---\n{_log_tail(job.task(t).paths.stderr)}",
+              file=sys.stderr)
+    elif by_time:
+        print(f"--- rank {by_time[0]} traceback ---\n{errors[by_time[0]]}", file=sys.stderr)
     return 1

@@ -1,0 +1,63 @@
+"""The local launcher with real submitit processes: failures end the job, with the cause shown."""
+
+import datetime
+import os
+import time
+
+import pytest
+import submitit
+import torch.distributed as dist
+
+from trainer3d.launch import follow
+
+
+def _init():
+    submitit.helpers.TorchDistributedEnvironment().export(overwrite=True)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
+    return dist.get_rank()
+
+
+def raise_on_rank_1():
+    rank = _init()
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    time.sleep(0.5)
+    dist.barrier()  # rank 0 waits for a peer that is gone
+
+
+def exit_on_rank_1():
+    rank = _init()
+    if rank == 1:
+        os._exit(3)  # dies without a word (OOM killer, segfault)
+    dist.barrier()
+
+
+def hang_on_rank_1():
+    rank = _init()
+    if rank == 1:
+        time.sleep(3600)  # alive but stuck
+    dist.barrier()
+
+
+def _submit(tmp_path, fn, tasks=2):
+    executor = submitit.AutoExecutor(folder=tmp_path, cluster="local")
+    executor.update_parameters(tasks_per_node=tasks, timeout_min=5)
+    return executor.submit(fn)
+
+
+@pytest.mark.parametrize("fn,shown", [
+    (raise_on_rank_1, ["rank 1: ValueError: boom on rank 1", "--- rank 1 traceback", "raise_on_rank_1"]),
+    (exit_on_rank_1, ["rank 1: exited without a result", "--- rank 1 log tail"]),
+    (hang_on_rank_1, ["rank 1: still running after the others failed; cancelled", "--- rank 0 traceback"]),
+])
+def test_a_failing_rank_ends_the_job_with_its_cause(tmp_path, capfd, fn, shown):
+    job = _submit(tmp_path, fn)
+    started = time.monotonic()
+    status = follow(job, grace_s=10)
+    elapsed = time.monotonic() - started
+    err = capfd.readouterr().err
+    assert status == 1
+    for fragment in shown:
+        assert fragment in err, err
+    assert elapsed < 60, f"the failure took {elapsed:.0f}s to end the job"
+    assert job.done()

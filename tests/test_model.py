@@ -1,0 +1,96 @@
+"""The parallelism-agnostic model and its layout-independent initialisation."""
+
+import torch
+import torch.nn.functional as F
+
+from trainer3d.config import ModelConfig
+from trainer3d.model.init import full_init, init_parameters, local_init, mark_tp_shard
+from trainer3d.model.transformer import Transformer, count_parameters, cross_entropy_loss
+
+CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=101, max_seq_len=32)
+
+
+def build(cfg=CFG, seed=0):
+    model = Transformer(cfg)
+    init_parameters(model, cfg, seed)
+    return model
+
+
+def test_shapes_and_parameter_count():
+    model = build()
+    tokens = torch.randint(0, CFG.vocab_size, (3, 16))
+    assert model(tokens).shape == (3, 16, CFG.vocab_size)
+    assert sum(p.numel() for p in model.parameters()) == count_parameters(CFG)
+    assert all(not n.endswith("bias") for n, _ in model.named_parameters())
+
+
+def test_causal():
+    model = build()
+    tokens = torch.randint(0, CFG.vocab_size, (1, 16))
+    changed = tokens.clone()
+    changed[0, 10:] = (changed[0, 10:] + 1) % CFG.vocab_size
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, :10], b[:, :10])
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_grouped_query_attention_equals_repeated_heads():
+    """GQA with 2 kv-heads == MHA whose kv projections repeat each kv-head's weights."""
+    gqa = build()
+    mha_cfg = ModelConfig(**{**CFG.__dict__, "n_kv_heads": CFG.n_heads})
+    mha = Transformer(mha_cfg)
+    state = gqa.state_dict()
+    hd, rep = CFG.dim // CFG.n_heads, CFG.n_heads // CFG.n_kv_heads
+    for name in list(state):
+        if name.endswith(("wk.weight", "wv.weight")):
+            w = state[name].view(CFG.n_kv_heads, hd, CFG.dim)
+            state[name] = w.repeat_interleave(rep, dim=0).reshape(CFG.n_heads * hd, CFG.dim)
+    mha.load_state_dict(state)
+    tokens = torch.randint(0, CFG.vocab_size, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(gqa(tokens), mha(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_loss_matches_torch_reference():
+    logits = torch.randn(2, 5, 11)
+    targets = torch.randint(0, 11, (2, 5))
+    expected = F.cross_entropy(logits.reshape(10, 11), targets.reshape(10))
+    torch.testing.assert_close(cross_entropy_loss(logits, targets), expected)
+
+
+def test_initialisation_is_deterministic_and_seeded():
+    a, b, c = build(seed=3), build(seed=3), build(seed=4)
+    for (n, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), n
+        if not n.endswith("norm.weight"):
+            assert not torch.equal(pa, pc), n
+
+
+def test_initialisation_does_not_depend_on_other_parameters():
+    """A pipeline stage that holds fewer layers gets the same values for the ones it has."""
+    full = build(seed=7)
+    stage = Transformer(CFG)
+    del stage.layers["0"]
+    stage.tok_embeddings = None
+    init_parameters(stage, CFG, seed=7)
+    full_params = dict(full.named_parameters())
+    for name, p in stage.named_parameters():
+        assert torch.equal(p, full_params[name]), name
+
+
+def test_tp_shard_init_is_a_slice_of_the_full_tensor_with_zero_padding():
+    vocab, dim, tp = 101, 8, 4  # 101 rows padded to 104 = 4 x 26
+    full = full_init("tok_embeddings.weight", (vocab, dim), CFG, seed=1)
+    pieces = []
+    for rank in range(tp):
+        shard = mark_tp_shard(torch.nn.Parameter(torch.empty(26, dim)), dim=0, rank=rank, size=tp, full=vocab)
+        pieces.append(local_init("tok_embeddings.weight", shard, CFG, seed=1))
+    stacked = torch.cat(pieces)
+    assert torch.equal(stacked[:vocab], full)
+    assert torch.equal(stacked[vocab:], torch.zeros(3, dim))
+    col = [local_init("layers.0.attention.wo.weight",
+                      mark_tp_shard(torch.nn.Parameter(torch.empty(dim, 16)), dim=1, rank=r, size=2, full=32), CFG, 1)
+           for r in range(2)]
+    torch.testing.assert_close(torch.cat(col, dim=1), full_init("layers.0.attention.wo.weight", (dim, 32), CFG, 1),
+                               rtol=0, atol=0)
