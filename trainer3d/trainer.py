@@ -7,7 +7,7 @@ global norm -> optimizer step; ``train`` repeats it and logs at the interval.
 """
 
 import time
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -15,11 +15,39 @@ from torch import nn
 from trainer3d.config import Config
 from trainer3d.data import DataLoader, TokenFile, prepare_dataset
 from trainer3d.metrics import MetricsLogger
-from trainer3d.model.transformer import cross_entropy_loss
 from trainer3d.optim import lr_at
-from trainer3d.parallel import build_model_chunks
+from trainer3d.parallel import build_loss_fn, build_model_chunks
 from trainer3d.parallel.zero import build_optimizer
 from trainer3d.topology import ParallelDims
+
+
+class MicroBatchLoss:
+    """The loss function of one micro-batch, as the pipeline schedule and the plain loop call it.
+
+    It keeps the plain loss (detached, for logging) and returns what backward needs: the
+    loss divided by grad_accum (so accumulated gradients are those of the step's mean
+    loss; the schedule's own gradient scaling stays off) and multiplied by the optimizer's
+    loss scale (fp16).
+    """
+
+    def __init__(self, loss_fn: Callable, grad_accum_steps: int, optimizer):
+        self.loss_fn = loss_fn
+        self.grad_accum_steps = grad_accum_steps
+        self.optimizer = optimizer
+        self.losses: List[torch.Tensor] = []
+
+    def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(output, targets)
+        self.losses.append(loss.detach())
+        return self.optimizer.scale_loss(loss) / self.grad_accum_steps
+
+    def pop_mean(self) -> Optional[torch.Tensor]:
+        """Mean loss of the micro-batches since the last call (None where no loss is computed)."""
+        if not self.losses:
+            return None
+        mean = torch.stack(self.losses).mean()
+        self.losses = []
+        return mean
 
 
 class Trainer:
@@ -29,7 +57,11 @@ class Trainer:
         t = cfg.train
         self.chunks: List[nn.Module] = build_model_chunks(cfg, dims)
         self.optimizer = build_optimizer(self.chunks, cfg, dims)
-        self.loss_fn = cross_entropy_loss
+        self.micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims), t.grad_accum_steps, self.optimizer)
+        self.pipeline = None
+        if dims.pp > 1:
+            from trainer3d.parallel.pipeline import build_pipeline
+            self.pipeline = build_pipeline(self.chunks, self.micro_loss, cfg, dims)
         token_file = TokenFile.open(prepare_dataset(cfg.data))
         if token_file.vocab_size > cfg.model.vocab_size:
             raise ValueError(f"data vocabulary {token_file.vocab_size} > model.vocab_size={cfg.model.vocab_size}")
@@ -44,18 +76,16 @@ class Trainer:
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> Optional[torch.Tensor]:
         """Run the step's micro-batches forward and backward, accumulating gradients.
 
-        Returns the mean loss over micro-batches on ranks that compute it (the last
-        stage), None elsewhere. Each micro-batch's loss is divided by grad_accum before
-        backward, so the accumulated gradient is that of the mean.
+        ``inputs``/``targets`` are (grad_accum, micro_batch, seq). Returns the mean loss
+        over micro-batches on ranks that compute it (the last stage), None elsewhere.
         """
-        model = self.chunks[0]
-        accum = inputs.shape[0]
-        total = torch.zeros((), device=self.dims.device)
-        for m in range(accum):
-            loss = self.loss_fn(model(inputs[m]), targets[m])
-            (loss / accum).backward()
-            total += loss.detach()
-        return total / accum
+        if self.pipeline is not None:
+            self.pipeline.forward_backward(inputs, targets)
+        else:
+            model = self.chunks[0]
+            for m in range(inputs.shape[0]):
+                self.micro_loss(model(inputs[m]), targets[m]).backward()
+        return self.micro_loss.pop_mean()
 
     def train_step(self, step: int) -> Tuple[Optional[torch.Tensor], torch.Tensor, float]:
         inputs, targets = self.data.batch(step)
@@ -64,6 +94,9 @@ class Trainer:
         self.optimizer.zero_grad()
         loss = self.forward_backward(inputs, targets)
         self.optimizer.reduce_gradients()
+        if self.cfg.parallel.sequence_parallel:
+            from trainer3d.parallel.tensor import sync_sequence_parallel_grads
+            sync_sequence_parallel_grads(self.chunks, self.optimizer, self.dims)
         grad_norm = self.optimizer.clip_grad_norm(self.cfg.optim.grad_clip)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         self.optimizer.step(lr)

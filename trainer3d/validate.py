@@ -238,3 +238,21 @@ def _check_choices(cfg: Config, problems: List[str]) -> None:
         problems.append(f"optim={cfg.optim.name}: only adamw is implemented")
     if cfg.train.device not in ("auto", "cpu", "cuda"):
         problems.append(f"train.device={cfg.train.device} is not one of auto, cpu, cuda")
+
+
+def check_implemented(cfg: Config) -> None:
+    """Refuse valid settings this version cannot run yet (each line goes when its feature lands)."""
+    problems: List[str] = []
+    p = cfg.parallel
+    if p.tp > 1:
+        problems.append(f"parallel.tp={p.tp}: tensor parallelism is not implemented yet; set parallel.tp=1")
+    if p.pp > 1:
+        problems.append(f"parallel.pp={p.pp}: pipeline parallelism is not implemented yet; set parallel.pp=1")
+    if p.zero_stage > 0:
+        problems.append(f"parallel.zero_stage={p.zero_stage}: only stage 0 is implemented yet")
+    if cfg.train.dtype != "fp32":
+        problems.append(f"train.dtype={cfg.train.dtype}: only fp32 is implemented yet")
+    if cfg.train.activation_checkpointing:
+        problems.append("train.activation_checkpointing=true is not implemented yet")
+    if problems:
+        raise ConfigError(problems)

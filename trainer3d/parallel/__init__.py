@@ -5,27 +5,44 @@
 2. pipeline: keep only this rank's stage(s) (parallel/pipeline.py);
 3. tensor parallel: swap Linear/Embedding layers for sharded ones (parallel/tensor.py);
 4. materialise on this rank's device and fill with the layout-independent init;
-5. per-layer activation checkpointing, if asked.
+5. cast to the training dtype; per-layer activation checkpointing, if asked.
 Data parallelism (ZeRO) wraps the result in the optimizer (parallel/zero.py).
 """
 
-from typing import List
+from typing import Callable, List
 
 import torch
 from torch import nn
 
 from trainer3d.config import Config
 from trainer3d.model.init import init_parameters
-from trainer3d.model.transformer import Transformer
+from trainer3d.model.transformer import Transformer, cross_entropy_loss
 from trainer3d.topology import ParallelDims
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_model_chunks(cfg: Config, dims: ParallelDims) -> List[nn.Module]:
     """This rank's model chunks (one per pipeline stage it runs; one when pp == 1)."""
+    from trainer3d.parallel.pipeline import split_into_stages
+    from trainer3d.parallel.tensor import apply_tensor_parallel
+
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    chunks = [model]
+    chunks = split_into_stages(model, cfg, dims) if dims.pp > 1 else [model]
+    if dims.tp > 1:
+        for chunk in chunks:
+            apply_tensor_parallel(chunk, cfg, dims)
     for chunk in chunks:
         chunk.to_empty(device=dims.device)
         init_parameters(chunk, cfg.model, cfg.train.seed)
+        chunk.to(dtype=DTYPES[cfg.train.dtype])
     return chunks
+
+
+def build_loss_fn(cfg: Config, dims: ParallelDims) -> Callable:
+    """(logits, targets) -> mean token loss; vocabulary-parallel when tp > 1."""
+    if dims.tp > 1:
+        from trainer3d.parallel.tensor import vocab_parallel_loss_fn
+        return vocab_parallel_loss_fn(cfg, dims)
+    return cross_entropy_loss

@@ -35,6 +35,14 @@ class ReplicatedOptimizer:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """What backward starts from (fp16 multiplies by the dynamic loss scale)."""
+        return loss
+
+    def grad(self, param: torch.Tensor) -> torch.Tensor:
+        """The tensor holding ``param``'s dp-reduced gradient after reduce_gradients()."""
+        return param.grad
+
     def reduce_gradients(self) -> None:
         if self.dims.dp == 1:
             return
