@@ -161,8 +161,9 @@ class LoggerConfig:
 
     name: str = "console"
     """console | wandb."""
-    mode: str = "offline"
-    """wandb mode: offline (no key needed; `wandb sync` later) | online | disabled."""
+    mode: str = "auto"
+    """wandb mode: auto ($WANDB_MODE if set, else online when $WANDB_API_KEY is set, else offline)
+    | offline (no key needed; `wandb sync` later) | online | disabled."""
     project: str = "trainer3d"
     entity: Optional[str] = None
     group: Optional[str] = None
