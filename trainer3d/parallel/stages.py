@@ -99,6 +99,6 @@ def describe_stages(cfg: Config) -> str:
 
     p, accum = cfg.parallel, cfg.train.grad_accum_steps
     ranges = stage_layer_ranges(cfg.model.n_layers, n_stages(cfg), p.pp_layers)
-    layers = ", ".join(f"stage {s} (rank {s % p.pp}): layers {r.start}-{r.stop - 1}" for s, r in enumerate(ranges))
+    layers = ", ".join(f"stage {s} (pp rank {s % p.pp}): layers {r.start}-{r.stop - 1}" for s, r in enumerate(ranges))
     return (f"pipeline: {p.pp_schedule}, {len(ranges)} stages, {accum} micro-batches, "
             f"bubble_theory {bubble_theory(p.pp, accum, p.pp_virtual_stages):.3f}\n  {layers}")
