@@ -157,3 +157,67 @@ def test_1f1b_bounds_activation_memory_gpipe_does_not(pp):
         # GPipe: every micro-batch's activations live until the first backward.
         for n_micro in (few, many):
             assert peaks["gpipe", n_micro] == pytest.approx(n_micro * one, rel=0.10), (stage, n_micro, peaks, one)
+
+
+# ----------------------------------------------------------------- the bubble, measured
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        import time
+        time.sleep(seconds)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        import time
+        time.sleep(0.04)
+        return grad, None
+
+
+class _SleepStage(torch.nn.Module):
+    """A stage of fixed duration (20 ms forward, 40 ms backward) that uses no CPU, so the
+    measured bubble is the schedule's alone, not the 2-core machine's contention."""
+
+    def __init__(self, first, last):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(TINY.vocab_size, 8) if first else None
+        self.scale = torch.nn.Parameter(torch.ones(8))
+        self.head = torch.nn.Linear(8, TINY.vocab_size) if last else None
+
+    def forward(self, x):
+        h = self.embedding(x) if self.embedding is not None else x
+        h = _Sleep.apply(h * self.scale, 0.02)
+        return self.head(h) if self.head is not None else h
+
+
+def measured_bubbles(rank, world, schedule, n_micros):
+    from trainer3d.model.transformer import cross_entropy_loss
+    from trainer3d.parallel.pipeline import build_pipeline
+    from trainer3d.trainer import MicroBatchLoss
+
+    dims = dims_for(pp=world)
+    out = {}
+    for n_micro in n_micros:
+        chunks = [_SleepStage(rank == 0, rank == world - 1)]
+        micro_loss = MicroBatchLoss(cross_entropy_loss, n_micro, SimpleNamespace(scale_loss=lambda loss: loss))
+        pipe = build_pipeline(chunks, micro_loss, _cfg(world, schedule, 1, n_micro), dims)
+        x, y = _batch(n_micro)
+        for _ in range(3):
+            pipe.forward_backward(x, y)
+        out[n_micro] = pipe.clock.pop_bubbles()[1:]  # the first step also infers shapes
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_measured_bubble_follows_theory(schedule):
+    """On stages of fixed, equal duration each stage idles (p - 1) / (m + p - 1) of the step
+    (plus a few ms of hand-over per micro-batch: the margin is one-sided)."""
+    from trainer3d.parallel.bubble import bubble_theory
+
+    results = run_ranks(measured_bubbles, 2, schedule, (2, 8), timeout=300)
+    for n_micro in (2, 8):
+        theory = bubble_theory(2, n_micro)
+        for stage, bubbles in enumerate(results):
+            for bubble in bubbles[n_micro]:
+                assert theory - 0.02 <= bubble <= theory + 0.06, (schedule, n_micro, stage, bubble, theory)
