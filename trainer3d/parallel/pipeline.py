@@ -19,6 +19,12 @@ pitfalls:
   so a receive fails instead of hanging and the launcher ends the job.
 
 Stage compute is timed (``StageClock``) so the bubble is measured, not assumed.
+
+Memory: 1F1B bounds the saved activations at (stages - stage index) micro-batches
+(tests/test_pipeline.py measures it). Outside that bound, torch 2.13's PipelineStage
+allocates one receive buffer per micro-batch for the step (activations in, gradients
+back: one hidden state each), so those grow with grad_accum; and a stage's output is
+kept until its backward although only its graph is needed then (Megatron frees the data).
 """
 
 from typing import List
