@@ -18,7 +18,7 @@ from tests.runs import PARITY
 from trainer3d.launch import follow, run_rank
 from trainer3d.validate import validate
 
-TIMEOUT_S = 10
+TIMEOUT_S = 20  # also bounds the rendezvous: leave room for 4 ranks importing torch on 2 busy cores
 
 
 def _config(tmp_path, overrides):

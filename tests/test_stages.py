@@ -170,3 +170,20 @@ def test_dry_run_plan_shows_the_stages():
     plan = describe_plan(validate(cfg))
     assert "pipeline: 1f1b, 4 stages, 8 micro-batches, bubble_theory 0.273" in plan  # 3 / (8 + 3)
     assert "stage 0 (pp rank 0): layers 0-2" in plan and "stage 3 (pp rank 3): layers 8-9" in plan
+
+
+# ----------------------------------------------------------------- the saved-activation meter
+
+def test_meter_counts_saved_tensors_once_until_backward_frees_them():
+    from trainer3d.parallel.activations import SavedActivationMeter
+
+    w = torch.nn.Parameter(torch.randn(64, 32))
+    x = torch.randn(16, 64, requires_grad=True)
+    with SavedActivationMeter([w]) as meter:
+        h = x @ w                 # saves x (and w: a parameter, not counted)
+        y = (h * h).sum()         # saves h twice: one storage, counted once
+        assert meter.live_bytes == x.nbytes + h.nbytes == 16 * 64 * 4 + 16 * 32 * 4
+        y.backward()
+    assert meter.live_bytes == 0 and meter.peak_bytes == x.nbytes + h.nbytes
+    meter.reset_peak()
+    assert meter.peak_bytes == 0
