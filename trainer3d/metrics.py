@@ -15,7 +15,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ class MetricsLogger:
         self._lrs: List[float] = []
         self._interval_start = time.perf_counter()
         self._owns_loss = dims.is_last_stage and dims.tp_rank == 0
+        self._columns: Dict[str, Callable[[], List[float]]] = {}
+        self.constants: Dict[str, float] = {}
+        """Values written unchanged into every row (e.g. the pipeline's bubble_theory)."""
         self.last: Optional[dict] = None
         if dims.rank == 0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -55,6 +58,11 @@ class MetricsLogger:
         kept = [line for line in self.path.read_text().splitlines()
                 if line.strip() and json.loads(line)["step"] < start_step]
         self.path.write_text("".join(line + "\n" for line in kept))
+
+    def add_column(self, name: str, read: Callable[[], List[float]]) -> None:
+        """A per-step metric averaged over all ranks: at each flush ``read()`` returns this
+        rank's values for the steps recorded since the last flush (it may read the device)."""
+        self._columns[name] = read
 
     def record(self, step: int, loss: Optional[torch.Tensor], grad_norm: torch.Tensor, lr: float) -> None:
         """Keep this step's device tensors; no sync."""
@@ -69,22 +77,30 @@ class MetricsLogger:
         if not self._steps:
             return self.last
         packed = torch.stack(self._losses)
+        if self._columns:  # one reduce for all: (steps, 1 + columns)
+            extra = [torch.tensor(read(), dtype=packed.dtype, device=packed.device) for read in self._columns.values()]
+            packed = torch.stack([packed, *extra], dim=1)
         dist.reduce(packed, dst=0)
         now = time.perf_counter()
         elapsed, n = now - self._interval_start, len(self._steps)
         self._interval_start = now
         if self.dims.rank == 0:
-            losses = (packed / self.dims.dp).tolist()
+            losses = ((packed[:, 0] if self._columns else packed) / self.dims.dp).tolist()
             norms = torch.stack(self._norms).tolist()
-            self._write(losses, norms, elapsed / n)
+            columns = {name: (packed[:, i + 1] / dist.get_world_size()).tolist()
+                       for i, name in enumerate(self._columns)}
+            self._write(losses, norms, elapsed / n, columns)
         self._steps, self._losses, self._norms, self._lrs = [], [], [], []
         return self.last
 
-    def _write(self, losses: List[float], norms: List[float], step_time: float) -> None:
+    def _write(self, losses: List[float], norms: List[float], step_time: float,
+               columns: Dict[str, List[float]]) -> None:
         tokens_per_s = self.tokens_per_step / step_time if step_time > 0 else float("nan")
         rows = [{"step": s, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens_per_s,
                  "step_time_s": step_time}
                 for s, loss, norm, lr in zip(self._steps, losses, norms, self._lrs)]
+        for i, row in enumerate(rows):
+            row.update({name: values[i] for name, values in columns.items()}, **self.constants)
         with open(self.path, "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")

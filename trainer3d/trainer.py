@@ -70,6 +70,8 @@ class Trainer:
         self.start_step = 0
         self.metrics = MetricsLogger(dims, cfg.run_dir, t.max_steps,
                                      tokens_per_step=t.global_batch_size * t.seq_len, start_step=self.start_step)
+        if self.pipeline is not None:
+            self.pipeline.report_to(self.metrics)
 
     # ------------------------------------------------------------------ one step
 
