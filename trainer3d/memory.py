@@ -15,27 +15,30 @@ momentum, variance), so per rank
     stage 3 (P_os+g+p)      (2 + 2 + K) Ψ/N
 
 This engine allocates, term by term (``engine_model_state_bytes``; b = 2 for bf16/fp16,
-L = the flat buffer's padded length, S = the per-parameter padded shard length):
+L = the flat buffer's padded length, S = N x the per-parameter padded shard length,
+S' = N x the rank's unpadded shard length):
 
     stage   parameters   gradients   fp32 master      Adam moments
     0       bΨ | 4Ψ      4Ψ          4Ψ | none        8Ψ
     1       bL | 4L      4L          4L/N | none      8L/N
-    2       4S/N + bΨ    4S/N        (the 4S/N)       8S/N
-    3       4S/N         4S/N        (the 4S/N)       8S/N
+    2       4S/N + bΨ    4S/N        (the 4S/N)       8S'/N
+    3       4S/N         4S/N        (the 4S/N)       8S'/N
 
 (first of a pair: bf16/fp16 training; second: fp32) plus 4 bytes of step counter and, for
 fp16, 16 bytes of loss-scaler state. Why each term differs from the paper's:
 
 - gradients are 4 bytes, not 2: micro-batch gradients are accumulated and reduced over dp
   in an fp32 buffer (Megatron-LM's choice for bf16: summing many micro-batches and ranks
-  in 16 bits loses small updates). That is +2Ψ for stages 0/1, +2Ψ/N for 2/3. The
-  low-precision ``.grad`` of one parameter lives only until its hook adds it in.
-- fp32 training needs no master copy: the parameters are fp32 (16Ψ at stage 0, as K=12
-  with 4-byte params and grads). Stages 2/3 keep fp32 shards as the parameters themselves
+  in 16 bits loses small updates). That is +2Ψ for stages 0/1, +2Ψ/N for 2. Stage 3
+  comes out equal to the paper's 16Ψ/N: it keeps no 16-bit parameter shard (FSDP2 casts
+  while gathering), which gives those 2Ψ/N back. The low-precision ``.grad`` of one
+  parameter lives only until its hook adds it into the fp32 buffer.
+- fp32 training needs no master copy: the fp32 parameters are the master weights (stage 0:
+  4Ψ + 4Ψ + 8Ψ = 16Ψ, the paper's total with every term in 4-byte words). Stages 2/3 keep fp32 shards as the parameters themselves
   and FSDP2 all-gathers a compute-dtype copy: stage 2 holds it for the whole forward and
   backward (the paper's replicated 2Ψ; 4Ψ in fp32), stage 3 one block at a time (not counted).
 - padding: stage 1 pads each gradient bucket to a multiple of N so every rank owns an equal
-  slice (L - Ψ < N per bucket); FSDP2 pads each parameter's dim 0 to a multiple of N.
+  slice (L - Ψ < N per bucket); FSDP2 gives every rank ceil(rows/N) rows of each parameter.
 - no bucket buffers: buckets are slices of the flat buffers, reduced and gathered in place.
 """
 
@@ -87,11 +90,13 @@ def _shapes(shapes: Shapes) -> List[Tuple[int, ...]]:
 
 
 def engine_model_state_bytes(shapes: Shapes, dp: int, stage: int, dtype: str,
-                             bucket_numel: int = 25 * 2 ** 20 // 4) -> ModelStateBytes:
+                             bucket_numel: int = 25 * 2 ** 20 // 4, dp_rank: int = 0) -> ModelStateBytes:
     """What this engine allocates per rank for parameters of ``shapes`` (this rank's model
     replica, in registration order; an int Ψ stands for one flat tensor of Ψ elements).
 
     ``bucket_numel`` is ``parallel.bucket_mb`` in fp32 elements (it sets stage 1's padding).
+    ``dp_rank`` matters for stages 2/3 only: FSDP2 keeps parameter and gradient shards padded
+    to ceil(rows/N) rows, but the moments cover the rank's real rows (rank 0 has the most).
     """
     shapes, b = _shapes(shapes), BYTES[dtype]
     scalars = STEP_BYTES + (FP16_SCALER_BYTES if dtype == "fp16" else 0)
@@ -103,9 +108,11 @@ def engine_model_state_bytes(shapes: Shapes, dp: int, stage: int, dtype: str,
         master = 4 * owned if b != 4 else 0
         return ModelStateBytes(params=b * flat, grads=4 * flat, master=master, optimizer=8 * owned + scalars)
     if stage in (2, 3):
-        shard = sum(-(-s[0] // dp) * prod(s[1:]) for s in shapes)
+        rows = [-(-s[0] // dp) for s in shapes]
+        shard = sum(r * prod(s[1:]) for r, s in zip(rows, shapes))
+        real = sum(min(r, max(0, s[0] - dp_rank * r)) * prod(s[1:]) for r, s in zip(rows, shapes))
         gathered = b * psi if stage == 2 else 0
-        return ModelStateBytes(params=4 * shard, grads=4 * shard, master=0, optimizer=8 * shard + scalars,
+        return ModelStateBytes(params=4 * shard, grads=4 * shard, master=0, optimizer=8 * real + scalars,
                                gathered=gathered)
     raise ValueError(f"zero stage {stage}")
 
