@@ -188,7 +188,7 @@ def report(out, args) -> None:
     psi = out[(0, "ours")][3]
     print(f"dp={args.dp}, {psi:,} parameters, grad_accum={args.grad_accum}, micro_batch={args.micro_batch}x"
           f"{args.seq_len}, {args.steps - args.warmup} timed steps (median, slowest rank); bytes on rank 0")
-    print(f"{'':28} {'step ms':>9} {'optimizer MB':>13} {'model state MB':>15}")
+    print(f"{'':34} {'step ms':>9} {'optimizer MB':>13} {'model state MB':>15}")
     names = {(0, "ours"): "stage 0: ours", (0, "torch"): "stage 0: DDP + AdamW",
              (1, "ours"): "stage 1: ours", (1, "torch"): "stage 1: DDP + ZeroRedundancyOptimizer"}
     for key, name in names.items():
