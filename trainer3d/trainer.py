@@ -112,7 +112,7 @@ class Trainer:
         started = time.perf_counter()
         for step in range(self.start_step, t.max_steps):
             loss, grad_norm, lr = self.train_step(step)
-            self.metrics.record(step, loss, grad_norm, lr)
+            self.metrics.record(step, loss, grad_norm, lr, self.optimizer.step_metrics())
             if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
                 self.metrics.flush()
         last = self.metrics.flush()

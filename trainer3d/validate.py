@@ -76,7 +76,8 @@ def _check_positive(cfg: Config, problems: List[str]) -> None:
         if value < 1:
             problems.append(f"{knob}={value} must be >= 1")
     for knob, value in {"optim.lr": cfg.optim.lr, "parallel.timeout_s": cfg.parallel.timeout_s,
-                        "parallel.bucket_mb": cfg.parallel.bucket_mb}.items():
+                        "parallel.bucket_mb": cfg.parallel.bucket_mb,
+                        "train.loss_scale_init": cfg.train.loss_scale_init}.items():
         if value <= 0:
             problems.append(f"{knob}={value} must be > 0")
     for knob, value in {"optim.min_lr": cfg.optim.min_lr, "optim.warmup_steps": cfg.optim.warmup_steps,
@@ -272,10 +273,6 @@ def check_implemented(cfg: Config) -> None:
     p = cfg.parallel
     if p.tp > 1:
         problems.append(f"parallel.tp={p.tp}: tensor parallelism is not implemented yet; set parallel.tp=1")
-    if p.zero_stage > 0:
-        problems.append(f"parallel.zero_stage={p.zero_stage}: only stage 0 is implemented yet")
-    if cfg.train.dtype != "fp32":
-        problems.append(f"train.dtype={cfg.train.dtype}: only fp32 is implemented yet")
     if cfg.train.activation_checkpointing:
         problems.append("train.activation_checkpointing=true is not implemented yet")
     if problems:
