@@ -273,7 +273,5 @@ def check_implemented(cfg: Config) -> None:
     p = cfg.parallel
     if p.tp > 1:
         problems.append(f"parallel.tp={p.tp}: tensor parallelism is not implemented yet; set parallel.tp=1")
-    if cfg.train.activation_checkpointing:
-        problems.append("train.activation_checkpointing=true is not implemented yet")
     if problems:
         raise ConfigError(problems)

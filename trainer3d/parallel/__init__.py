@@ -37,6 +37,9 @@ def build_model_chunks(cfg: Config, dims: ParallelDims) -> List[nn.Module]:
         chunk.to_empty(device=dims.device)
         init_parameters(chunk, cfg.model, cfg.train.seed)
         chunk.to(dtype=DTYPES[cfg.train.dtype])
+    if cfg.train.activation_checkpointing:
+        from trainer3d.parallel.recompute import checkpoint_layers
+        checkpoint_layers(chunks)
     return chunks
 
 
