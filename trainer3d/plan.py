@@ -1,29 +1,101 @@
-"""Dry run: the rank layout of a validated config, printed without starting a process."""
+"""Dry run (``dry_run=true``): the layout of a validated config, printed without starting a process.
+
+It shows which global rank is which (pp, dp, tp), the groups, the layers of each pipeline
+stage and each stage's model-state memory per rank. The memory comes from the engine's own
+accounting (``trainer3d.memory.engine_model_state_bytes``, held to measured tensor bytes by
+tests/test_zero_memory.py) applied to the parameter shapes a rank of that stage really
+holds: the model is built on the meta device (no memory) and cut by the same stage split
+and tensor-parallel layers the ranks use, so the figures hold for any world size (e.g. 512).
+"""
+
+from typing import List, Tuple
+
+import torch
 
 from trainer3d.config import Config
-from trainer3d.model.transformer import count_parameters
-from trainer3d.topology import Topology
+from trainer3d.memory import engine_model_state_bytes, paper_model_state_bytes
+from trainer3d.model.transformer import Transformer, count_parameters
+from trainer3d.topology import ParallelDims, Topology
+
+MiB, GiB = 2 ** 20, 2 ** 30
 
 
-def describe_plan(cfg: Config, max_ranks: int = 64) -> str:
+def planning_dims(cfg: Config, rank: int) -> ParallelDims:
+    """The ParallelDims of ``rank`` without process groups (for building shapes on meta)."""
+    p = cfg.parallel
+    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp)
+    return ParallelDims(topo=topo, rank=rank, mesh=None, tp_group=None, dp_group=None, pp_group=None,
+                        device=torch.device("meta"))
+
+
+def rank_parameter_shapes(cfg: Config, rank: int) -> List[Tuple[int, ...]]:
+    """Shapes of the parameters ``rank`` holds, in registration order (its stages, TP-sharded)."""
+    from trainer3d.parallel.pipeline import split_into_stages
+    from trainer3d.parallel.tensor import apply_tensor_parallel
+
+    dims = planning_dims(cfg, rank)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    chunks = split_into_stages(model, cfg, dims) if dims.pp > 1 else [model]
+    if dims.tp > 1:
+        for chunk in chunks:
+            apply_tensor_parallel(chunk, cfg, dims)
+    return [tuple(p.shape) for chunk in chunks for p in chunk.parameters()]
+
+
+def _size(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
+
+
+def memory_lines(cfg: Config) -> List[str]:
+    """Model-state bytes per rank of every pipeline rank (tp rank 0, dp rank 0)."""
+    p, t = cfg.parallel, cfg.train
+    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp)
+    bucket = max(1, int(p.bucket_mb * MiB) // 4)
+    lines = [f"model state per rank (parameters + gradients + optimizer; dtype={t.dtype}, "
+             f"zero_stage={p.zero_stage}, dp={p.dp}; trainer3d/memory.py):",
+             f"  {'pp rank':>7}  {'parameters':>14}  {'this engine':>12}  {'ZeRO paper*':>12}  "
+             f"params / grads / master / optimizer"]
+    for pp_rank in range(p.pp):
+        shapes = rank_parameter_shapes(cfg, topo.rank(pp_rank, 0, 0))
+        psi = sum(torch.Size(s).numel() for s in shapes)
+        engine = engine_model_state_bytes(shapes, p.dp, p.zero_stage, t.dtype, bucket)
+        paper = paper_model_state_bytes(psi, p.dp, p.zero_stage)
+        terms = " / ".join(_size(getattr(engine, k)) for k in ("params", "grads", "master", "optimizer"))
+        lines.append(f"  {pp_rank:>7}  {psi:>14,}  {_size(engine.total):>12}  {_size(paper):>12}  {terms}")
+    lines.append("  * the paper's mixed-precision accounting (2+2+12 bytes per parameter); activations not included")
+    return lines
+
+
+def _group(ranks: List[int]) -> str:
+    if len(ranks) > 8 and ranks == list(range(ranks[0], ranks[-1] + 1, ranks[1] - ranks[0])):
+        return f"[{ranks[0]},{ranks[1]},...,{ranks[-1]}]"
+    return "[" + ",".join(map(str, ranks)) + "]"
+
+
+def _groups(topo: Topology, dim: str, shown: int = 6) -> str:
+    groups = topo.groups(dim)
+    text = " ".join(_group(g) for g in groups[:shown])
+    return f"{len(groups)} {dim} groups of {len(groups[0])}: {text}" + (" ..." if len(groups) > shown else "")
+
+
+def describe_plan(cfg: Config) -> str:
     p, t = cfg.parallel, cfg.train
     topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp)
     lines = [
-        f"layout: tp={p.tp} x pp={p.pp} x dp={p.dp} = {topo.world_size} ranks, zero_stage={p.zero_stage}",
+        f"layout: tp={p.tp} x pp={p.pp} x dp={p.dp} = {topo.world_size} ranks, zero_stage={p.zero_stage}"
+        + (", sequence parallel" if p.sequence_parallel else ""),
         f"model: {cfg.model.name}, {count_parameters(cfg.model):,} parameters",
         f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x grad_accum {t.grad_accum_steps} "
         f"x dp {p.dp} sequences of {t.seq_len} tokens",
-        f"groups: {len(topo.groups('tp'))} tp of {p.tp}, {len(topo.groups('dp'))} dp of {p.dp}, "
-        f"{len(topo.groups('pp'))} pp of {p.pp}",
+        *(_groups(topo, dim) for dim in ("tp", "dp", "pp")),
     ]
     if p.pp > 1:
         from trainer3d.parallel.stages import describe_stages
         lines.append(describe_stages(cfg))
-    shown = min(topo.world_size, max_ranks)
-    lines += ["rank    pp  dp  tp"] + [f"{r:<7} {c.pp:>2}  {c.dp:>2}  {c.tp:>2}"
-                                        for r in range(shown) for c in [topo.coords(r)]]
-    if shown < topo.world_size:
-        lines.append(f"... {topo.world_size - shown} more ranks")
+    lines += memory_lines(cfg)
+    lines += ["rank     pp    dp    tp"] + [f"{r:<7} {c.pp:>3}  {c.dp:>4}  {c.tp:>4}"
+                                         for r in range(topo.world_size) for c in [topo.coords(r)]]
     return "\n".join(lines)
 
 
