@@ -271,7 +271,5 @@ def check_implemented(cfg: Config) -> None:
     """Refuse valid settings this version cannot run yet (each line goes when its feature lands)."""
     problems: List[str] = []
     p = cfg.parallel
-    if p.tp > 1:
-        problems.append(f"parallel.tp={p.tp}: tensor parallelism is not implemented yet; set parallel.tp=1")
     if problems:
         raise ConfigError(problems)

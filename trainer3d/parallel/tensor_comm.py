@@ -1,0 +1,129 @@
+"""The communication of tensor parallelism, as autograd functions over the tp group.
+
+Megatron-LM's two conjugate operators (Shoeybi et al. 2019, sec. 3, fig. 3), and their
+sequence-parallel counterparts (Korthikanti et al. 2022, "Reducing Activation Recomputation
+in Large Transformer Models", sec. 4.2.2, fig. 5):
+
+    name                      forward                 backward
+    copy_to_tp        (f)     identity                all-reduce
+    reduce_from_tp    (g)     all-reduce              identity
+    gather_sequence   (g-bar) all-gather along seq    reduce-scatter along seq
+    reduce_scatter_sequence   reduce-scatter along seq  all-gather along seq
+
+A column-parallel region starts with ``copy_to_tp`` (or ``gather_sequence``) and a row-
+parallel layer ends it with ``reduce_from_tp`` (or ``reduce_scatter_sequence``): every
+rank computes a partial result from the same input, so the input's gradient is partial
+and must be summed, and the output must be summed once.
+
+Activations are batch-first ``(batch, seq, ...)``; the sequence is dim 1. Collectives
+work on dim 0, so the sequence is moved to the front for them and back after (one copy
+each way: cheap next to the collective itself). Everything is out of place: a gradient
+handed to a backward may be shared with another branch (a residual add passes the same
+tensor to both of its inputs).
+"""
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the "into tensor" collectives and deprecated the old names; the
+# package admits torch >= 2.6, which has only the old ones (FACTS.md: keep one shim).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """(batch, s, ...) on each rank -> (batch, size * s, ...), rank order along the sequence."""
+    size = _size(group)
+    front = x.movedim(1, 0).contiguous()
+    out = front.new_empty((size * front.shape[0], *front.shape[1:]))
+    _all_gather_single(out, front, group=group)
+    return out.movedim(0, 1).contiguous()
+
+
+def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """(batch, s, ...) partial sums -> this rank's (batch, s / size, ...) slice of the sum."""
+    size = _size(group)
+    if x.shape[1] % size:
+        raise ValueError(f"sequence length {x.shape[1]} is not divisible by tp={size}")
+    front = x.movedim(1, 0).contiguous()
+    out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
+    _reduce_scatter_single(out, front, group=group)
+    return out.movedim(0, 1).contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_seq(grad, ctx.group), None
+
+
+def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Enter a column-parallel region: identity forward, all-reduce of the gradient backward."""
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Leave a row-parallel region: all-reduce forward, identity backward."""
+    return _ReduceFromTP.apply(x, group)
+
+
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Enter a column-parallel region from a sequence shard: all-gather forward, reduce-scatter backward."""
+    return _GatherSequence.apply(x, group)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Leave a row-parallel region into a sequence shard: reduce-scatter forward, all-gather backward."""
+    return _ReduceScatterSequence.apply(x, group)
+
+
+# How a layer enters (column) or leaves (row) its tensor-parallel region, by name.
+ENTER = {"copy": copy_to_tp, "gather": gather_sequence}
+LEAVE = {"all_reduce": reduce_from_tp, "reduce_scatter": reduce_scatter_sequence}
