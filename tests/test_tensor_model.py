@@ -75,18 +75,22 @@ def _whole_model(rank, world_size, sp):
     ref_loss = cross_entropy_loss(ref(tokens), targets)
     ref_loss.backward()
     loss_fn = build_loss_fn(cfg, dims)
+    # The optimizer owns the gradients (its hooks accumulate them into one fp32 buffer): build it
+    # before backward and read each parameter's gradient through it, as the trainer does.
+    optimizer = ReplicatedOptimizer(chunks, cfg, dims)
+    optimizer.zero_grad()
     loss = loss_fn(model(tokens), targets)
     loss.backward()
-    optimizer = ReplicatedOptimizer(chunks, cfg, dims)
+    optimizer.reduce_gradients()
     if sp:
         sync_sequence_parallel_grads(chunks, optimizer, dims)
     out["loss"] = abs(loss.item() - ref_loss.item())
     for name, p in model.named_parameters():
-        full = ref_params[name].grad
+        full, grad = ref_params[name].grad, optimizer.grad(p)
         expect = _shard(full, p) if tp_shard_of(p) is not None else full
         valid = _valid_rows(p, dims) if name in VOCAB_PARAMS else p.shape[0]
-        out["grad"] = max(out["grad"], _max_diff(p.grad[:valid], expect[:valid]))
-        out["padding.grad"] = max(out["padding.grad"], p.grad[valid:].abs().max().item() if valid < p.shape[0] else 0)
+        out["grad"] = max(out["grad"], _max_diff(grad[:valid], expect[:valid]))
+        out["padding.grad"] = max(out["padding.grad"], grad[valid:].abs().max().item() if valid < p.shape[0] else 0)
     ref_norm = torch.stack([p.grad.norm() for p in ref.parameters()]).norm()
     out["grad_norm_rel"] = abs(optimizer.clip_grad_norm(0.0).item() - ref_norm.item()) / ref_norm.item()
 
