@@ -1,0 +1,37 @@
+"""Tensor parallelism through the real entry point: same per-step loss as one process.
+
+The tiny model has 4 heads and 2 kv-heads, which tp=4 cannot split; tp=4 runs (and their
+1-rank reference) use 8 heads and 4 kv-heads at the same width, so grouped-query attention
+is exercised at every tp. The byte-level vocabulary (257) is odd: it is padded at every tp.
+"""
+
+import pytest
+
+from tests.runs import PARITY, assert_parity, losses, reference_losses
+
+GQA_8_4 = ("model.n_heads=8", "model.n_kv_heads=4")
+
+
+def _check(tmp_path, session_tmp, model, layout):
+    ref = reference_losses(session_tmp, [*PARITY, *model])
+    got = losses(tmp_path, [*PARITY, *model, "parallel=single", *layout])
+    worst = assert_parity(got, ref)
+    print(f"{' '.join(layout)}: worst relative loss difference {worst:.2e}")
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(("parallel.tp=2",), id="tp2"),
+    pytest.param(("parallel.tp=2", "parallel.sequence_parallel=true"), id="tp2-sp"),
+    pytest.param(("parallel.tp=2", "parallel.dp=2"), id="tp2-dp2", marks=pytest.mark.slow),
+])
+def test_tp2_matches_single_process(tmp_path, session_tmp, layout):
+    _check(tmp_path, session_tmp, (), layout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    pytest.param(("parallel.tp=4",), id="tp4"),
+    pytest.param(("parallel.tp=4", "parallel.sequence_parallel=true"), id="tp4-sp"),
+])
+def test_tp4_matches_single_process(tmp_path, session_tmp, layout):
+    _check(tmp_path, session_tmp, GQA_8_4, layout)
