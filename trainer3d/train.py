@@ -12,7 +12,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from trainer3d.config import Config  # noqa: F401  (registers the schema in the ConfigStore)
-from trainer3d.validate import ConfigError, check_implemented, validate
+from trainer3d.validate import ConfigError, validate
 
 
 def resolve(dcfg: DictConfig) -> Config:
@@ -32,7 +32,6 @@ def run(cfg: Config) -> int:
     """Validate, prepare and launch; return the exit status."""
     try:
         cfg = validate(cfg, allocation_world_size(cfg))
-        check_implemented(cfg)
     except ConfigError as err:
         for problem in err.problems:
             print(f"trainer3d: config error: {problem}", file=sys.stderr)

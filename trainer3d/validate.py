@@ -265,11 +265,3 @@ def _check_choices(cfg: Config, problems: List[str]) -> None:
         problems.append(f"optim={cfg.optim.name}: only adamw is implemented")
     if cfg.train.device not in ("auto", "cpu", "cuda"):
         problems.append(f"train.device={cfg.train.device} is not one of auto, cpu, cuda")
-
-
-def check_implemented(cfg: Config) -> None:
-    """Refuse valid settings this version cannot run yet (each line goes when its feature lands)."""
-    problems: List[str] = []
-    p = cfg.parallel
-    if problems:
-        raise ConfigError(problems)
