@@ -50,7 +50,7 @@ class WandbLogger:
     def __init__(self, cfg: Config, layout: dict):
         import wandb
 
-        run_dir = Path(cfg.run_dir)
+        run_dir = self.run_dir = Path(cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         lc = cfg.logger
         self.mode = wandb_mode(lc.mode)
@@ -66,6 +66,18 @@ class WandbLogger:
 
     def close(self) -> None:
         self.run.finish()
+        hint = sync_hint(self.run_dir) if self.mode == "offline" else None
+        if hint:
+            print(f"wandb: offline run saved; to upload it: {hint}", flush=True)
+
+
+def layout_of(cfg: Config) -> dict:
+    """The run's layout as logged once with the config."""
+    p = cfg.parallel
+    return {"world_size": p.tp * p.pp * p.dp, "tp": p.tp, "pp": p.pp, "dp": p.dp, "zero_stage": p.zero_stage,
+            "pp_schedule": p.pp_schedule if p.pp > 1 else None, "sequence_parallel": p.sequence_parallel,
+            "global_batch_size": cfg.train.global_batch_size, "micro_batch_size": cfg.train.micro_batch_size,
+            "grad_accum_steps": cfg.train.grad_accum_steps, "dtype": cfg.train.dtype}
 
 
 def build_sinks(cfg: Config, layout: dict) -> list:

@@ -16,8 +16,17 @@ from trainer3d.validate import ConfigError, validate
 
 
 def resolve(dcfg: DictConfig) -> Config:
-    """The composed config as plain dataclasses, interpolations resolved (picklable)."""
-    return OmegaConf.to_object(dcfg)
+    """The composed config as plain dataclasses, interpolations resolved (picklable).
+
+    In a sweep (``-m``) every point's wandb run joins one group, named after the sweep's
+    directory, unless ``logger.group`` is set.
+    """
+    cfg = OmegaConf.to_object(dcfg)
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    if cfg.logger.group is None and HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        cfg.logger.group = os.path.basename(os.path.normpath(HydraConfig.get().sweep.dir))
+    return cfg
 
 
 def allocation_world_size(cfg: Config):

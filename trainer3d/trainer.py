@@ -68,10 +68,24 @@ class Trainer:
         self.data = DataLoader(token_file, t.seq_len, t.micro_batch_size, t.grad_accum_steps,
                                dims.dp, dims.dp_rank, t.seed)
         self.start_step = 0
-        self.metrics = MetricsLogger(dims, cfg.run_dir, t.max_steps,
-                                     tokens_per_step=t.global_batch_size * t.seq_len, start_step=self.start_step)
+        self.metrics = self._build_metrics()
         if self.pipeline is not None:
             self.pipeline.report_to(self.metrics)
+
+    def _build_metrics(self) -> MetricsLogger:
+        """metrics.jsonl + progress line on rank 0, wandb there too when logger=wandb."""
+        from trainer3d.loggers import build_sinks, layout_of
+        from trainer3d.model.flops import flops_per_token
+        from trainer3d.telemetry import model_state_bytes, resolve_peak_tflops
+
+        cfg, dims, t = self.cfg, self.dims, self.cfg.train
+        rank0 = dims.rank == 0
+        metrics = MetricsLogger(dims, cfg.run_dir, t.max_steps, tokens_per_step=t.global_batch_size * t.seq_len,
+                                start_step=self.start_step, flops_per_token=flops_per_token(cfg.model, t.seq_len),
+                                peak_tflops=resolve_peak_tflops(t.peak_tflops, dims.device, t.dtype) if rank0 else None,
+                                sinks=build_sinks(cfg, layout_of(cfg)) if rank0 else ())
+        metrics.state_bytes = lambda: model_state_bytes(self.chunks, self.optimizer)
+        return metrics
 
     # ------------------------------------------------------------------ one step
 
@@ -95,11 +109,12 @@ class Trainer:
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         self.optimizer.zero_grad()
         loss = self.forward_backward(inputs, targets)
-        self.optimizer.reduce_gradients()
-        if self.cfg.parallel.sequence_parallel:
-            from trainer3d.parallel.tensor import sync_sequence_parallel_grads
-            sync_sequence_parallel_grads(self.chunks, self.optimizer, self.dims)
-        grad_norm = self.optimizer.clip_grad_norm(self.cfg.optim.grad_clip)
+        with self.metrics.comm():  # communication the backward did not overlap, and the norm's all-reduce
+            self.optimizer.reduce_gradients()
+            if self.cfg.parallel.sequence_parallel:
+                from trainer3d.parallel.tensor import sync_sequence_parallel_grads
+                sync_sequence_parallel_grads(self.chunks, self.optimizer, self.dims)
+            grad_norm = self.optimizer.clip_grad_norm(self.cfg.optim.grad_clip)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         self.optimizer.step(lr)
         return loss, grad_norm, lr
@@ -116,6 +131,7 @@ class Trainer:
             if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
                 self.metrics.flush()
         last = self.metrics.flush()
+        self.metrics.close()
         if self.dims.rank != 0:
             return None
         return {"final_loss": last["loss"] if last else None, "steps": t.max_steps - self.start_step,

@@ -1,0 +1,159 @@
+"""Observability: metrics.jsonl's keys, wandb (offline, for real), the progress line, no syncs."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+from tests.harness import dims_for, run_ranks
+from tests.runs import read_metrics, run_train
+from tests.wandb_records import read_run, run_files
+
+KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_rank", "tflops_per_rank", "mfu",
+        "step_time_s", "comm_s", "bubble", "bubble_theory", "skipped", "mem_state_bytes", "mem_rss_bytes"}
+SMALL = ("train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=8", "train.grad_accum_steps=null",
+         "optim.warmup_steps=2", "parallel.timeout_s=60")
+
+
+def test_one_offline_wandb_run_per_training_run_with_config_and_every_metric(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "sk-must-never-be-written-0123456789abcdef")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    run_dir = tmp_path / "run"
+    proc = run_train(run_dir, [*SMALL, "parallel=single", "parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1",
+                               "train.max_steps=6", "train.log_every=3", "logger=wandb", "logger.mode=offline",
+                               "logger.tags=[ci]", "train.peak_tflops=0.5"])
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(6))
+    for row in rows:
+        assert KEYS <= row.keys(), KEYS - row.keys()
+        assert row["tokens_per_s_per_rank"] == pytest.approx(row["tokens_per_s"] / 4)
+        # MFU = model FLOPs per rank per second / the configured peak; FLOPs per token from
+        # trainer3d/model/flops.py (held to a hand count in tests/test_flops.py).
+        from trainer3d.config import ModelConfig
+        from trainer3d.model.flops import flops_per_token
+        assert row["tflops_per_rank"] == pytest.approx(row["tokens_per_s_per_rank"] * flops_per_token(ModelConfig(), 64) / 1e12)
+        assert row["mfu"] == pytest.approx(row["tflops_per_rank"] / 0.5)
+        assert 0 < row["bubble"] < 1 and row["bubble_theory"] == pytest.approx(1 / 3)  # pp 2, 2 micro-batches
+        assert row["mem_state_bytes"] > 0 and row["mem_rss_bytes"] > row["mem_state_bytes"]
+        assert row["comm_s"] >= 0 and row["skipped"] == 0
+    files = run_files(run_dir)
+    assert len({f.stem for f in files}) == 1, f"one wandb run per training run (4 ranks), got {files}"
+    run = read_run(files[0])
+    assert list(run["run"].tags) == ["ci"]
+    assert run["config"]["parallel"]["pp"] == 2 and run["config"]["layout"]["world_size"] == 4
+    history = run["history"]
+    assert [h["_step"] for h in history] == list(range(6))
+    assert [h["loss"] for h in history] == pytest.approx([r["loss"] for r in rows])
+    assert KEYS - {"step"} <= history[0].keys()
+    assert "wandb sync" in proc.stdout + proc.stderr or any("wandb sync" in p.read_text(errors="ignore")
+                                                            for p in (run_dir / "submitit").glob("*_0_log.out"))
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert b"sk-must-never-be-written" not in path.read_bytes(), f"API key written to {path}"
+
+
+def test_sweep_points_are_separate_wandb_runs_in_one_group(tmp_path):
+    cmd = [sys.executable, "-m", "trainer3d.train", "-m", *SMALL, "parallel=single", "parallel.dp=1,2",
+           "train.max_steps=2", "logger=wandb", "logger.mode=offline", f"hydra.sweep.dir={tmp_path}/sweep-42"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env=dict(os.environ, WANDB_MODE="offline"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [read_run(f) for point in ("0", "1") for f in run_files(tmp_path / "sweep-42" / point)]
+    assert len({r["run"].run_id for r in runs}) == 2
+    assert {r["run"].run_group for r in runs} == {"sweep-42"}
+
+
+def _logger(stream, max_steps=3):
+    from trainer3d.config import Config
+    from trainer3d.metrics import MetricsLogger
+    from trainer3d.plan import planning_dims
+    return MetricsLogger(planning_dims(Config(), 0), "/nonexistent-not-written", max_steps, 1000, stream=stream)
+
+
+ROW = {"step": 0, "loss": 3.2, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 12345.0, "mfu": 0.012,
+       "step_time_s": 0.5}
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_line_in_a_file_is_plain_lines():
+    out = io.StringIO()
+    logger = _logger(out)
+    for step in range(3):
+        logger._print(dict(ROW, step=step))
+    text = out.getvalue()
+    assert "\r" not in text and text.count("\n") == 3
+    assert text.splitlines()[0] == ("step 1/3 | loss 3.2000 | lr 1.00e-03 | grad_norm 1.000 | 12,345 tok/s | "
+                                    "MFU 1.2% | 0.500 s/step | eta 1s")
+
+
+def test_progress_line_in_a_terminal_rewrites_one_line():
+    out = _Terminal()
+    logger = _logger(out)
+    for step in range(3):
+        logger._print(dict(ROW, step=step))
+    text = out.getvalue()
+    assert text.count("\r") == 3 and text.count("\n") == 1 and text.endswith("eta 0s\n")
+
+
+# ------------------------------------------------------------------ no host sync inside the step
+
+READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+def _count_reads(rank, world, layout):
+    from trainer3d.config import Config
+    from trainer3d.trainer import Trainer
+    from trainer3d.validate import validate
+
+    cfg = Config()
+    cfg.run_dir = layout.pop("run_dir")
+    cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.grad_accum_steps = 2, 8, None
+    cfg.train.seq_len, cfg.train.max_steps, cfg.train.log_every = 32, 4, 4
+    for key, value in layout.items():
+        setattr(cfg.parallel, key, value)
+    cfg = validate(cfg)
+    trainer = Trainer(cfg, dims_for(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp))
+    for step in range(2):  # warm-up: the pipeline infers shapes on its first step
+        trainer.metrics.record(step, *trainer.train_step(step))
+    trainer.metrics.flush()
+    counts = {"step": 0, "flush": 0}
+    phase = ["step"]
+    originals = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def counting(name):
+        def read(self, *args, **kwargs):
+            counts[phase[0]] += 1
+            return originals[name](self, *args, **kwargs)
+        return read
+
+    for name in READS:
+        setattr(torch.Tensor, name, counting(name))
+    try:
+        for step in range(2, 4):
+            loss, grad_norm, lr = trainer.train_step(step)
+            trainer.metrics.record(step, loss, grad_norm, lr, trainer.optimizer.step_metrics())
+        phase[0] = "flush"
+        trainer.metrics.flush()
+    finally:
+        for name, method in originals.items():
+            setattr(torch.Tensor, name, method)
+    return counts
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2, zero_stage=1), dict(pp=2, dp=1), dict(tp=2, dp=1, sequence_parallel=True)],
+                         ids=["dp2-zero1", "pp2-1f1b", "tp2-sp"])
+def test_no_host_reads_of_tensors_inside_the_step(tmp_path, layout):
+    world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1)
+    counts = run_ranks(_count_reads, world, dict(layout, run_dir=str(tmp_path)), timeout=300)
+    for rank, c in enumerate(counts):
+        assert c["step"] == 0, f"rank {rank}: {c['step']} tensor reads inside train_step/record"
+    assert counts[0]["flush"] > 0  # the reads happen at the logging interval, on rank 0 at least

@@ -1,0 +1,129 @@
+"""What a rank measures about itself for the metrics: memory, time in communication, its peak.
+
+Everything here is host-side and cheap; nothing reads a device tensor. ``metrics.py``
+gathers these per-rank figures once per logging interval.
+
+- ``model_state_bytes``: bytes of every tensor storage reachable from the model's
+  parameters (and their gradients) and from the optimizer object, each storage counted
+  once however many views share it — the measured counterpart of ``trainer3d.memory``.
+- ``process_memory``: on CPU the process's resident set (peak, from the kernel); on GPU
+  torch's peak allocated and reserved bytes (allocator statistics, no sync).
+- ``CommTimer``: wall time the host spends inside the step's communication calls (the dp
+  gradient reduction's wait, the sequence-parallel sync, the global-norm all-reduce). On
+  gloo these calls block until the data has moved, so this is the communication the step
+  did not overlap; on NCCL they return once queued, so it counts host waits only (device
+  time in kernels needs a profiler). Pipeline send/recv happen inside torch's schedule and
+  show up as the pipeline ``bubble`` instead.
+- ``measured_peak_tflops``: for devices without a data-sheet figure (CPUs), the best fp32
+  matmul rate this rank reaches on its own threads, measured once at start-up: MFU on a
+  CPU is then "fraction of what a dense matmul gets here", which makes layouts comparable.
+"""
+
+import resource
+import sys
+import time
+from contextlib import contextmanager
+from typing import Dict, Iterable, Optional
+
+import torch
+from torch import nn
+
+
+def model_state_bytes(chunks: Iterable[nn.Module], optimizer) -> int:
+    storages: Dict[int, int] = {}
+    seen = set()
+
+    def visit(obj) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            local = getattr(obj, "_local_tensor", obj)  # a DTensor's shard
+            if local.device.type == "meta":
+                return
+            storage = local.untyped_storage()
+            storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+            if isinstance(obj, nn.Parameter) and obj.grad is not None:
+                visit(obj.grad)
+        elif isinstance(obj, dict):
+            for key, value in obj.items():
+                visit(key)
+                visit(value)
+        elif isinstance(obj, (list, tuple, set)):
+            for value in obj:
+                visit(value)
+        elif type(obj).__module__.startswith("trainer3d") and hasattr(obj, "__dict__"):
+            visit(vars(obj))
+
+    for chunk in chunks:
+        for param in chunk.parameters():
+            visit(param)
+    visit(optimizer)
+    return sum(storages.values())
+
+
+def process_memory(device: torch.device) -> Dict[str, float]:
+    """Peak memory of this rank's process, in bytes."""
+    if device.type == "cuda":
+        return {"mem_allocated_bytes": float(torch.cuda.max_memory_allocated(device)),
+                "mem_reserved_bytes": float(torch.cuda.max_memory_reserved(device))}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return {"mem_rss_bytes": float(rss if sys.platform == "darwin" else rss * 1024)}
+
+
+class CommTimer:
+    """Accumulates host time spent in communication calls: ``with timer: ...``."""
+
+    def __init__(self):
+        self.steps = []
+        self._current = 0.0
+
+    @contextmanager
+    def __call__(self):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._current += time.perf_counter() - started
+
+    def end_step(self) -> None:
+        self.steps.append(self._current)
+        self._current = 0.0
+
+    def pop(self):
+        """This interval's per-step seconds (then forgotten)."""
+        steps, self.steps = self.steps, []
+        return steps
+
+
+def measured_peak_tflops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 768,
+                         repeats: int = 10) -> float:
+    """Best-of-``repeats`` dense matmul TFLOP/s on ``device`` after two warm-up products
+    (about a tenth of a second on one CPU core). On a loaded machine this under-estimates."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(2):
+        torch.mm(a, b)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return 2 * size ** 3 / best / 1e12
+
+
+def resolve_peak_tflops(configured: Optional[float], device: torch.device, dtype: str) -> float:
+    """``train.peak_tflops`` if set, else the device's data-sheet peak, else measured here."""
+    if configured:
+        return float(configured)
+    if device.type == "cuda":
+        from trainer3d.model.flops import peak_tflops
+        known = peak_tflops(torch.cuda.get_device_name(device), dtype)
+        if known:
+            return known
+    from trainer3d.parallel import DTYPES
+    return measured_peak_tflops(device, DTYPES[dtype] if device.type == "cuda" else torch.float32)
