@@ -23,13 +23,13 @@ LAYOUTS = [
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[" ".join(o.split(".")[-1] for o in lay) for lay in LAYOUTS])
 def test_zero_matches_single_process(tmp_path, session_tmp, layout):
     ref = reference_losses(session_tmp, PARITY)
-    assert_parity(losses(tmp_path, [*PARITY, *layout]), ref)
+    assert_parity(losses(tmp_path, [*PARITY, "parallel=single", *layout]), ref)
 
 
 @pytest.mark.slow
 def test_bf16_trains_like_fp32(tmp_path, session_tmp):
     ref = reference_losses(session_tmp, PARITY)
-    got = losses(tmp_path, [*PARITY, "parallel.zero_stage=1", "parallel.dp=2", "train.dtype=bf16"])
+    got = losses(tmp_path, [*PARITY, "parallel=single", "parallel.zero_stage=1", "parallel.dp=2", "train.dtype=bf16"])
     assert got[-1] < got[0] - 1.5
     assert got[-1] == pytest.approx(ref[-1], rel=0.1)
 
@@ -39,7 +39,7 @@ def test_fp16_skips_overflowing_steps_and_says_so(tmp_path):
     """Starting from a loss scale of 2^20 the first steps overflow: each is skipped on every
     rank, reported in metrics.jsonl and the progress line, and halves the scale."""
     steps = 12
-    proc = run_train(tmp_path, [*PARITY, "parallel.zero_stage=1", "parallel.dp=2", "train.dtype=fp16",
+    proc = run_train(tmp_path, [*PARITY, "parallel=single", "parallel.zero_stage=1", "parallel.dp=2", "train.dtype=fp16",
                                 f"train.max_steps={steps}", "train.log_every=4", "train.loss_scale_init=1048576"])
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(steps))
