@@ -67,7 +67,9 @@ class Trainer:
             raise ValueError(f"data vocabulary {token_file.vocab_size} > model.vocab_size={cfg.model.vocab_size}")
         self.data = DataLoader(token_file, t.seq_len, t.micro_batch_size, t.grad_accum_steps,
                                dims.dp, dims.dp_rank, t.seed)
-        self.start_step = 0
+        from trainer3d.checkpoint.manager import Checkpointer
+        self.checkpointer = Checkpointer(cfg, dims, self.chunks, self.optimizer)
+        self.start_step = self.checkpointer.resume()
         self.metrics = self._build_metrics()
         if self.pipeline is not None:
             self.pipeline.report_to(self.metrics)
@@ -130,9 +132,17 @@ class Trainer:
             self.metrics.record(step, loss, grad_norm, lr, self.optimizer.step_metrics())
             if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
                 self.metrics.flush()
+            if self.checkpointer.due(step + 1):
+                self.save_checkpoint(step + 1)
         last = self.metrics.flush()
+        if self.cfg.checkpoint.save_final and self.start_step < t.max_steps:
+            self.save_checkpoint(t.max_steps)
         self.metrics.close()
         if self.dims.rank != 0:
             return None
         return {"final_loss": last["loss"] if last else None, "steps": t.max_steps - self.start_step,
                 "wall_s": time.perf_counter() - started, "metrics": str(self.metrics.path)}
+
+    def save_checkpoint(self, step: int) -> None:
+        """Save everything a resumed run needs to start at ``step`` (steps done); every rank calls it."""
+        self.checkpointer.save(step)

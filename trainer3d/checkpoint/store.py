@@ -128,3 +128,8 @@ def prune(root: Path, keep: int) -> List[Path]:
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
+
+
+def read_marker(path: Path) -> dict:
+    """The marker's JSON: step, layout, world size, config."""
+    return json.loads((Path(path) / MARKER).read_text())

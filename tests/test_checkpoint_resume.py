@@ -1,0 +1,139 @@
+"""Checkpoints through the real entry point: exact resume, resharding, a kill mid-save, export.
+
+All runs use the PARITY settings (20 steps, global batch 16) and a model with 8 heads in 4
+kv-groups so that tp=4 can split it; losses after a resume are compared with the same
+steps of the uninterrupted 1-rank run.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.runs import PARITY, REL_TOL, read_metrics, reference_losses, run_train
+from trainer3d.checkpoint import store
+
+MODEL = ("model.n_heads=8", "model.n_kv_heads=4")
+BASE = (*PARITY, *MODEL, "parallel=single", "checkpoint.keep=10")
+
+
+def layout(tp, pp, dp, zero=0):
+    return (f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}", f"parallel.zero_stage={zero}")
+
+
+def losses_from(run_dir: Path, first: int):
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(len(rows))), "one row per step, none lost or doubled"
+    return [r["loss"] for r in rows[first:]]
+
+
+def assert_close(got, ref, tol=REL_TOL):
+    assert len(got) == len(ref) > 0
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+    assert worst <= tol, f"worst relative difference {worst:.2e}\n" + "\n".join(
+        f"  {a:.8f} vs {b:.8f}" for a, b in zip(got, ref))
+    return worst
+
+
+def test_resume_continues_exactly(tmp_path):
+    run = tmp_path / "run"
+    args = [*BASE, *layout(1, 2, 2, zero=1), "checkpoint.every=10"]
+    run_train(run, args)
+    uninterrupted = losses_from(run, 0)
+    # A restart after step 10: the step-20 checkpoint and the rows of steps 10+ never happened.
+    import shutil
+    shutil.rmtree(store.step_dir(run / "checkpoints", 20))
+    proc = run_train(run, args)
+    assert f"resumed from {store.step_dir(run / 'checkpoints', 10)} at step 10" in proc.stdout
+    resumed = losses_from(run, 0)
+    assert resumed[:10] == uninterrupted[:10]  # rows before the resume kept
+    assert resumed[10:] == uninterrupted[10:], "same layout: the resumed run is bit-identical"
+
+
+def test_reshard_chain_with_tp_changes(tmp_path, session_tmp):
+    """2x2x2 (z1) -> 1x4x2 (z1) -> 4x1x1 -> 1x1x1, each continuing from the previous one's checkpoint."""
+    ref = reference_losses(session_tmp, [*PARITY, *MODEL])
+    chain = [(layout(2, 2, 2, zero=1), None), (layout(1, 4, 2, zero=1), 5), (layout(4, 1, 1), 10),
+             (layout(1, 1, 1), 15)]
+    previous = None
+    for i, (lay, start) in enumerate(chain):
+        run = tmp_path / f"run{i}"
+        resume = [f"train.resume={store.step_dir(previous / 'checkpoints', start)}"] if start else []
+        proc = run_train(run, [*BASE, *lay, "checkpoint.every=5", *resume], timeout=900)
+        if start:
+            assert "layout changed since the checkpoint" in proc.stdout
+            rows = read_metrics(run)
+            assert [r["step"] for r in rows] == list(range(start, 20))
+            got = [r["loss"] for r in rows]
+            print(f"{' '.join(lay)} from step {start}: worst {assert_close(got, ref[start:]):.1e}")
+        else:
+            assert_close(losses_from(run, 0), ref)
+        previous = run
+
+
+@pytest.mark.slow
+def test_reshard_zero1_pipeline_to_tp_zero0(tmp_path, session_tmp):
+    ref = reference_losses(session_tmp, [*PARITY, *MODEL])
+    run_train(tmp_path / "a", [*BASE, *layout(1, 2, 2, zero=1), "checkpoint.every=10"])
+    run_train(tmp_path / "b", [*BASE, *layout(2, 1, 2, zero=0),
+                               f"train.resume={store.step_dir(tmp_path / 'a' / 'checkpoints', 10)}"])
+    assert_close([r["loss"] for r in read_metrics(tmp_path / "b")], ref[10:])
+
+
+def test_kill_mid_save_keeps_the_previous_checkpoint(tmp_path, session_tmp):
+    run = tmp_path / "run"
+    args = [*BASE, *layout(1, 1, 2), "checkpoint.every=5", "train.max_steps=20", "parallel.timeout_s=20"]
+    env = dict(os.environ, TRAINER3D_TEST_STALL_SAVE="1:10", WANDB_MODE="offline")
+    cmd = [sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run}", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    marker = run / "checkpoints" / "stalled-rank1"
+    deadline = time.time() + 300
+    while not marker.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert marker.exists(), "rank 1 never reached the step-10 save"
+    time.sleep(0.5)
+    os.kill(int(marker.read_text()), signal.SIGKILL)  # rank 1 dies after writing, before publication
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0, out
+    root = run / "checkpoints"
+    assert store.partial_dir(root, 10).exists() and not store.step_dir(root, 10).exists()
+    assert store.latest_complete(root)[0] == 5
+    marker.unlink()
+    # The restart picks step 5 and the run ends as if nothing had happened.
+    proc = run_train(run, [*args[:-1], "parallel.timeout_s=60"])
+    assert "resumed from" in proc.stdout and "step_00000005 at step 5" in proc.stdout
+    ref = reference_losses(session_tmp, [*PARITY, *MODEL])
+    assert_close(losses_from(run, 0), ref)
+    assert not store.partial_dir(root, 10).exists()  # the stale partial save was cleaned up
+
+
+def test_exported_weights_give_the_same_loss_in_the_1_rank_model(tmp_path):
+    from safetensors.torch import load_file
+
+    from trainer3d.config import Config, ModelConfig
+    from trainer3d.data import DataLoader, TokenFile, prepare_dataset
+    from trainer3d.model.transformer import Transformer, cross_entropy_loss
+
+    run = tmp_path / "run"
+    run_train(run, [*BASE, *layout(2, 2, 1), "checkpoint.every=10"])
+    rows = read_metrics(run)
+    out = tmp_path / "export"
+    proc = subprocess.run([sys.executable, "tools/export_model.py", str(store.step_dir(run / "checkpoints", 10)),
+                           str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    import json
+    model_cfg = ModelConfig(**json.loads((out / "config.json").read_text()))
+    model = Transformer(model_cfg)
+    missing, unexpected = model.load_state_dict(load_file(out / "model.safetensors"), strict=True), None
+    assert unexpected is None and not missing.missing_keys and not missing.unexpected_keys
+    cfg = Config()
+    data = DataLoader(TokenFile.open(prepare_dataset(cfg.data)), 64, 2, 8, 1, 0, cfg.train.seed)
+    inputs, targets = data.batch(10)
+    with torch.no_grad():
+        loss = torch.stack([cross_entropy_loss(model(inputs[m]), targets[m]) for m in range(8)]).mean()
+    assert abs(loss.item() - rows[10]["loss"]) / rows[10]["loss"] <= REL_TOL

@@ -1,0 +1,160 @@
+"""Save, find and resume checkpoints: what the trainer calls.
+
+    checkpointer = Checkpointer(cfg, dims, chunks, optimizer)
+    start_step = checkpointer.resume()          # train.resume: auto | never | <path>
+    ...
+    checkpointer.save(step)                      # every checkpoint.every steps, at the end, on preemption
+
+A save: every rank writes its pieces (trainer3d/checkpoint/state.py) with DCP into
+``step_N.partial/``; a barrier proves all of them finished; rank 0 writes the marker (step,
+layout, config) and renames the directory to ``step_N/`` (trainer3d/checkpoint/store.py),
+then prunes to ``checkpoint.keep``; a second barrier keeps ranks from racing ahead of the
+rename. A crash anywhere before the rename leaves the previous checkpoint the newest one.
+
+A resume: rank 0 picks the checkpoint (the newest complete one for ``auto``; broken ones are
+skipped with a warning) and tells the others; every rank describes the pieces it holds in
+its *current* layout and DCP reads exactly those regions, so the saved layout does not
+matter. A layout change is reported.
+"""
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import torch.distributed as dist
+from torch import nn
+
+from trainer3d.checkpoint import store
+from trainer3d.checkpoint.state import PieceMaker, after_load, rank_state
+from trainer3d.config import Config
+from trainer3d.topology import ParallelDims
+
+LAYOUT_KEYS = ("tp", "pp", "dp", "zero_stage", "pp_schedule", "pp_virtual_stages", "sequence_parallel")
+
+
+def layout_of(cfg: Config) -> dict:
+    return {k: getattr(cfg.parallel, k) for k in LAYOUT_KEYS}
+
+
+def checkpoint_root(cfg: Config) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run_dir) / "checkpoints"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+class Checkpointer:
+    def __init__(self, cfg: Config, dims: ParallelDims, chunks: List[nn.Module], optimizer):
+        self.cfg, self.dims, self.chunks, self.optimizer = cfg, dims, chunks, optimizer
+        self.root = checkpoint_root(cfg)
+        self._make = None
+        self.last_saved: Optional[int] = None
+
+    @property
+    def make(self) -> PieceMaker:
+        if self._make is None:
+            self._make = PieceMaker(self.dims)
+        return self._make
+
+    def _say(self, text: str) -> None:
+        if self.dims.rank == 0:
+            print(f"trainer3d: {text}", flush=True)
+
+    # ------------------------------------------------------------------ save
+
+    def due(self, steps_done: int) -> bool:
+        every = self.cfg.checkpoint.every
+        return every > 0 and steps_done % every == 0
+
+    def save(self, steps_done: int) -> Path:
+        """Save the state after ``steps_done`` steps (resume starts at that step); every rank."""
+        import torch.distributed.checkpoint as dcp
+
+        if self.last_saved == steps_done:
+            return store.step_dir(self.root, steps_done)
+        started = time.perf_counter()
+        partial, final = store.partial_dir(self.root, steps_done), store.step_dir(self.root, steps_done)
+        if self.dims.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if partial.exists():  # left by a crash: start clean
+                import shutil
+                shutil.rmtree(partial)
+        dist.barrier()
+        dcp.save(rank_state(self.chunks, self.optimizer, self.dims, self.make), checkpoint_id=str(partial))
+        _test_hook_after_write(self.dims.rank, partial)
+        dist.barrier()  # every rank's files are complete
+        if self.dims.rank == 0:
+            info = {"step": steps_done, "layout": layout_of(self.cfg), "world_size": self.dims.topo.world_size,
+                    "config": _plain(self.cfg), "saved_at": time.time()}
+            store.publish(partial, final, info)
+            store.prune(self.root, self.cfg.checkpoint.keep)
+        dist.barrier()
+        self.last_saved = steps_done
+        self._say(f"checkpoint at step {steps_done} saved to {final} ({time.perf_counter() - started:.1f} s)")
+        return final
+
+    # ------------------------------------------------------------------ resume
+
+    def _choose(self) -> Optional[Tuple[int, Path, dict]]:
+        """Rank 0's choice of checkpoint, or None; raises CheckpointError for a bad explicit path."""
+        want = self.cfg.train.resume
+        if want == "never":
+            return None
+        if want == "auto":
+            found = store.latest_complete(self.root)
+            if found is None:
+                return None
+            step, path = found
+        else:
+            path = Path(want)
+            ok, why = store.is_complete(path)
+            if not ok:
+                raise CheckpointError(f"train.resume={want}: not a complete checkpoint ({why})")
+        info = store.read_marker(path)
+        return info["step"], path, info
+
+    def resume(self) -> int:
+        """Load the chosen checkpoint into this rank's model and optimizer; returns the step to start at."""
+        import torch.distributed.checkpoint as dcp
+
+        choice: List[object] = [None]
+        if self.dims.rank == 0:
+            try:
+                choice[0] = self._choose()
+            except CheckpointError as err:
+                choice[0] = err
+        dist.broadcast_object_list(choice, src=0)
+        if isinstance(choice[0], CheckpointError):
+            raise choice[0]
+        if choice[0] is None:
+            return 0
+        step, path, info = choice[0]
+        same_world = info.get("world_size") == self.dims.topo.world_size and info.get("layout") == layout_of(self.cfg)
+        state = rank_state(self.chunks, self.optimizer, self.dims, self.make, with_rng=same_world)
+        dcp.load(state, checkpoint_id=str(path))
+        after_load(self.optimizer, state, self.dims, with_rng=same_world)
+        self.last_saved = step
+        self._say(f"resumed from {path} at step {step}")
+        if info.get("layout") != layout_of(self.cfg):
+            saved, now = info.get("layout", {}), layout_of(self.cfg)
+            changes = ", ".join(f"{k} {saved.get(k)} -> {now[k]}" for k in LAYOUT_KEYS if saved.get(k) != now[k])
+            self._say(f"layout changed since the checkpoint: {changes} (state resharded on load)")
+        return step
+
+
+def _plain(cfg: Config) -> dict:
+    from trainer3d.loggers import scrub
+    return scrub(dataclasses.asdict(cfg))
+
+
+def _test_hook_after_write(rank: int, partial: Path) -> None:
+    """Tests only: ``TRAINER3D_TEST_STALL_SAVE=<rank>:<step>`` makes that rank stall after writing
+    its files of that step's save (its pid in ``stalled-rank<r>``), so a test can kill it
+    mid-save. Unset (always, outside tests) it does nothing."""
+    stall = os.environ.get("TRAINER3D_TEST_STALL_SAVE")  # "<rank>:<step>"
+    if stall is not None and stall == f"{rank}:{int(partial.name[5:13])}":
+        (partial.parent / f"stalled-rank{rank}").write_text(str(os.getpid()))
+        time.sleep(3600)
