@@ -9,6 +9,8 @@ import os
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from trainer3d.config import Config  # noqa: F401  (registers the schema in the ConfigStore)
@@ -52,10 +54,13 @@ def run(cfg: Config) -> int:
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
-def _main(dcfg: DictConfig) -> None:
+def _main(dcfg: DictConfig) -> int:
     status = run(resolve(dcfg))
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        return status  # one failed point must not end the sweep: trainer3d.sweep reports them all
     if status:
         sys.exit(status)
+    return status
 
 
 def main() -> None:
