@@ -82,6 +82,9 @@ class TrainConfig:
     """Read metrics from the device, print and write them every this many steps."""
     dtype: str = "fp32"
     """Parameter/activation dtype: fp32 | bf16 | fp16 (master weights stay fp32)."""
+    loss_scale_init: float = 65536.0
+    """fp16 only: the dynamic loss scale's first value (halved on each step with inf/nan gradients,
+    which is skipped; doubled after 2000 clean steps)."""
     activation_checkpointing: bool = False
     """Recompute each layer's activations in backward instead of keeping them."""
     resume: str = "auto"
@@ -161,8 +164,9 @@ class LoggerConfig:
 
     name: str = "console"
     """console | wandb."""
-    mode: str = "offline"
-    """wandb mode: offline (no key needed; `wandb sync` later) | online | disabled."""
+    mode: str = "auto"
+    """wandb mode: auto ($WANDB_MODE if set, else online when $WANDB_API_KEY is set, else offline)
+    | offline (no key needed; `wandb sync` later) | online | disabled."""
     project: str = "trainer3d"
     entity: Optional[str] = None
     group: Optional[str] = None

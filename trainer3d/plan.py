@@ -16,6 +16,9 @@ def describe_plan(cfg: Config, max_ranks: int = 64) -> str:
         f"groups: {len(topo.groups('tp'))} tp of {p.tp}, {len(topo.groups('dp'))} dp of {p.dp}, "
         f"{len(topo.groups('pp'))} pp of {p.pp}",
     ]
+    if p.pp > 1:
+        from trainer3d.parallel.stages import describe_stages
+        lines.append(describe_stages(cfg))
     shown = min(topo.world_size, max_ranks)
     lines += ["rank    pp  dp  tp"] + [f"{r:<7} {c.pp:>2}  {c.dp:>2}  {c.tp:>2}"
                                         for r in range(shown) for c in [topo.coords(r)]]

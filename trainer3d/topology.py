@@ -104,7 +104,13 @@ class ParallelDims:
         world = dist.get_world_size()
         if world != topo.world_size:
             raise RuntimeError(f"process group has {world} ranks, layout tp*pp*dp needs {topo.world_size}")
-        mesh = init_device_mesh(device.type, (topo.pp, topo.dp, topo.tp), mesh_dim_names=DIMS)
+        # The mesh's sub-groups would otherwise get torch's default timeout (30 min on gloo),
+        # not the one given to init_process_group: a stuck pipeline peer or dp replica would
+        # hang the job that long. Give every dimension the default group's own options.
+        options = dist.distributed_c10d._get_default_group()._get_backend(device).options
+        override = {name: (dist.get_backend(), options) for name in DIMS}
+        mesh = init_device_mesh(device.type, (topo.pp, topo.dp, topo.tp), mesh_dim_names=DIMS,
+                                backend_override=override)
         return cls(topo=topo, rank=dist.get_rank(), mesh=mesh, tp_group=mesh["tp"].get_group(),
                    dp_group=mesh["dp"].get_group(), pp_group=mesh["pp"].get_group(), device=device)
 

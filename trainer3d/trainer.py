@@ -74,6 +74,8 @@ class Trainer:
         self.start_step = 0
         self.metrics = MetricsLogger(dims, cfg.run_dir, t.max_steps,
                                      tokens_per_step=t.global_batch_size * t.seq_len, start_step=self.start_step)
+        if self.pipeline is not None:
+            self.pipeline.report_to(self.metrics)
 
     # ------------------------------------------------------------------ one step
 
@@ -114,7 +116,7 @@ class Trainer:
         started = time.perf_counter()
         for step in range(self.start_step, t.max_steps):
             loss, grad_norm, lr = self.train_step(step)
-            self.metrics.record(step, loss, grad_norm, lr)
+            self.metrics.record(step, loss, grad_norm, lr, self.optimizer.step_metrics())
             if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
                 self.metrics.flush()
             # The same on every rank (trainer3d/preemption.py); after the last step there is nothing to stop.

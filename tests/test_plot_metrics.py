@@ -1,0 +1,38 @@
+"""tools/plot_metrics.py draws PNGs from two runs' metrics.jsonl."""
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def _fake_run(path, scale, overrides):
+    (path / ".hydra").mkdir(parents=True)
+    (path / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    rows = [{"step": s, "loss": scale * (5.0 - s / 10), "tokens_per_s": 1000.0 + s, "lr": 1e-3} for s in range(30)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_plot_two_runs(tmp_path):
+    _fake_run(tmp_path / "a", 1.0, ["parallel.dp=2"])
+    _fake_run(tmp_path / "b", 1.1, ["parallel.dp=4"])
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(tmp_path / "a"),
+                           str(tmp_path / "b"), "--out", str(tmp_path / "plots"), "--smooth", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("loss.png", "throughput.png"):
+        png = (tmp_path / "plots" / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert not (tmp_path / "plots" / "mfu.png").exists()
+
+
+def test_sweep_dir_and_missing_input(tmp_path):
+    _fake_run(tmp_path / "sweep" / "0", 1.0, ["parallel.dp=1"])
+    _fake_run(tmp_path / "sweep" / "1", 1.0, ["parallel.dp=2"])
+    tool = str(ROOT / "tools" / "plot_metrics.py")
+    ok = subprocess.run([sys.executable, tool, str(tmp_path / "sweep"), "--out", str(tmp_path)],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "2 run(s)" in ok.stdout, ok.stderr
+    missing = subprocess.run([sys.executable, tool, str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
+    assert missing.returncode != 0 and "not found" in missing.stderr

@@ -1,0 +1,150 @@
+"""ZeRO optimizers on real gloo ranks against a single-process torch reference.
+
+Every rank also runs the reference (torch AdamW + clip_grad_norm_ on the whole global batch,
+one process's worth of work), so each rank can compare its own parameters.
+"""
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+from tests.zero_ranks import (build, forward_backward, make_cfg, params_by_name, reference_steps,
+                              train_step)
+
+STEPS = 3
+# (stage, zero_reduce, bucket_mb): several buckets at 0.01 MiB (~2.6k fp32 elements each).
+CONFIGS = {
+    2: [(0, "auto", 0.01), (0, "auto", 100.0), (1, "all_reduce", 0.01), (1, "reduce_scatter", 0.01),
+        (1, "reduce_scatter", 100.0), (2, "auto", 0.01), (3, "auto", 0.01)],
+    4: [(0, "auto", 0.01), (1, "all_reduce", 0.01), (1, "reduce_scatter", 0.01)],
+}
+
+
+def _against_reference(rank, world):
+    out = {}
+    for stage, mode, bucket_mb in CONFIGS[world]:
+        cfg = make_cfg(world, stage, bucket_mb=bucket_mb, zero_reduce=mode, grad_clip=0.5)
+        dims, model, opt = build(cfg)
+        norms = [train_step(model, opt, cfg, dims.dp_rank, s).item() for s in range(STEPS)]
+        out[(stage, mode, bucket_mb)] = (_numpy(params_by_name(model)), norms)
+    ref_params, ref_norms = reference_steps(make_cfg(world, 0, grad_clip=0.5), STEPS)
+    return out, _numpy(ref_params), ref_norms
+
+
+def _numpy(params: dict) -> dict:
+    """Tensors cross the process boundary by value (a shared-memory handle dies with its rank)."""
+    return {n: t.numpy() for n, t in params.items()}
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_optimizer_step_equals_torch_adamw(dp):
+    """Stages 0-3: parameters after 3 clipped AdamW steps and every step's global gradient norm
+    equal torch AdamW + clip_grad_norm_ on the whole batch in one process."""
+    results = run_ranks(_against_reference, dp, timeout=300)
+    for rank, (out, ref_params, ref_norms) in enumerate(results):
+        for key, (params, norms) in out.items():
+            assert norms == pytest.approx(ref_norms, rel=1e-5), (rank, key)
+            assert norms[0] > 0.5, "the clip must be active for this test to mean anything"
+            for name, ref in ref_params.items():
+                torch.testing.assert_close(torch.from_numpy(params[name]), torch.from_numpy(ref), rtol=1e-5, atol=4e-6,
+                                           msg=f"{rank} {key} {name}")
+    # Within a stage, the reduction mode and the bucket boundaries change nothing but the order
+    # of sums (stage 1's buckets also move the owners' split of the norm's sum of squares).
+    out = results[0][0]
+    for key, (params, _) in out.items():
+        first = next(p for k, (p, _) in out.items() if k[0] == key[0])
+        for name in first:
+            torch.testing.assert_close(torch.from_numpy(params[name]), torch.from_numpy(first[name]), rtol=0,
+                                       atol=1e-6, msg=f"{key} {name}")
+
+
+def _overlap(rank, world):
+    cfg = make_cfg(world, 0, bucket_mb=0.01)
+    dims, model, opt = build(cfg)
+    reducer = opt.reducer
+    n_buckets = len(opt.buffers.buckets)
+    opt.zero_grad()
+    from tests.zero_ranks import global_batch, loss_of
+    x, y = global_batch(cfg, 0)
+    accum = cfg.train.grad_accum_steps
+    seen = []
+    for m in range(accum):
+        (loss_of(model, x[rank * accum + m], y[rank * accum + m]) / accum).backward()
+        seen.append((list(reducer.launch_order), reducer.launched_in_backward,
+                     sum(b.work is not None for b in opt.buffers.buckets)))
+    opt.reduce_gradients()
+    return n_buckets, seen
+
+
+def test_buckets_launch_inside_the_last_micro_batch_backward():
+    """No bucket launches before the last micro-batch; then all of them launch from the hooks
+    (not from reduce_gradients), head first, as async work still pending when backward returns."""
+    for n_buckets, seen in run_ranks(_overlap, 2, timeout=120):
+        assert n_buckets >= 3
+        (order_0, in_bwd_0, _), (order_1, in_bwd_1, pending) = seen
+        assert order_0 == [] and in_bwd_0 == 0
+        assert in_bwd_1 == n_buckets and sorted(order_1) == list(range(n_buckets))
+        assert order_1[0] == 0, "the bucket holding the output head is ready first"
+        assert pending == n_buckets
+
+
+def _fp16_skip(rank, world, stage):
+    cfg = make_cfg(world, stage, dtype="fp16")
+    dims, model, opt = build(cfg)
+    before = params_by_name(model)
+    opt.zero_grad()
+    forward_backward(model, opt, cfg, dims.dp_rank, 0)
+    if rank == 1:  # one rank's overflow must make every rank skip
+        grad = opt.grad(next(model.parameters()))
+        (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
+    opt.reduce_gradients()
+    opt.clip_grad_norm(1.0)
+    opt.step(1e-2)
+    skipped = {k: v.item() for k, v in opt.step_metrics().items()}
+    unchanged = all(torch.equal(before[n], p) for n, p in params_by_name(model).items())
+    step_after_skip = opt.step_count.item()
+    train_step(model, opt, cfg, dims.dp_rank, 1)
+    clean = {k: v.item() for k, v in opt.step_metrics().items()}
+    changed = not any(torch.equal(before[n], p) for n, p in params_by_name(model).items() if p.ndim == 2)
+    return skipped, unchanged, step_after_skip, clean, changed, opt.scaler.scale.item()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(stage):
+    for skipped, unchanged, step_after_skip, clean, changed, scale in run_ranks(_fp16_skip, 2, stage, timeout=180):
+        assert skipped == {"loss_scale": 65536.0, "skipped": True}
+        assert unchanged and step_after_skip == 0
+        assert clean == {"loss_scale": 32768.0, "skipped": False} and changed and scale == 32768.0
+
+
+def _grad_and_ownership(rank, world, mode):
+    cfg = make_cfg(world, 1, zero_reduce=mode)
+    dims, model, opt = build(cfg)
+    opt.zero_grad()
+    forward_backward(model, opt, cfg, dims.dp_rank, 0)
+    opt.reduce_gradients()
+    norm_w = model.layers["0"].attention_norm.weight
+    opt.grad(norm_w).zero_()  # in place on grad(p): the step must see it (as the SP sync relies on)
+    before = norm_w.detach().clone()
+    opt.clip_grad_norm(1.0)
+    opt.step(1e-2)
+    owned = [(o["name"], o["range"]) for o in opt.owned()]
+    state = opt.state_dict()
+    opt.load_state_dict(state)
+    sizes = {n: p.numel() for n, p in params_by_name(model).items()}
+    return torch.equal(before, norm_w.detach()), owned, sizes
+
+
+@pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
+def test_stage1_grad_is_the_tensor_the_step_reads_and_owners_cover_every_element_once(mode):
+    results = run_ranks(_grad_and_ownership, 4, mode, timeout=180)
+    sizes = results[0][2]
+    covered = {n: [] for n in sizes}
+    for unchanged, owned, _ in results:
+        assert unchanged, "a zeroed grad(p) of an undecayed parameter must leave it unchanged (Adam step 1)"
+        for name, (lo, hi) in owned:
+            covered[name].append((lo, hi))
+    for name, ranges in covered.items():
+        ranges.sort()
+        assert ranges[0][0] == 0 and ranges[-1][1] == sizes[name], name
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), (name, ranges)

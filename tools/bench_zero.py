@@ -1,0 +1,229 @@
+"""Our ZeRO stages against torch's own, on the same model in one run.
+
+    python tools/bench_zero.py [--dp 2] [--steps 12] [--dim 256] [--layers 4] [--bucket-mb 25]
+
+Each of ``dp`` gloo ranks trains the same Llama-style model, one fresh copy per variant,
+with the same micro-batches (grad_accum of them per step), gradient clipping and AdamW
+(torch's fused kernel everywhere, so only the data-parallel machinery differs):
+
+- stage 0: ours (flat buffers, buckets reduced from the backward hooks) vs torch DDP
+  (``gradient_as_bucket_view=True``, ``no_sync`` on early micro-batches) + AdamW;
+- stage 1: ours (flat-buffer shards, zero_reduce=auto) vs DDP + torch's
+  ``ZeroRedundancyOptimizer(parameters_as_bucket_view=True)``.
+
+Printed: median step time (slowest rank), optimizer-state bytes and model-state bytes
+(parameters + gradients + optimizer state, tensor storages reachable from Python, each
+counted once) on rank 0, and ours/torch ratios. DDP's own bucket copies are not counted
+when they are gradient views (as here); torch's defaults would add 4Ψ more.
+
+Measured on the 2-core development machine (CPU, gloo; shared with other jobs, so times
+are noisy), ``python tools/bench_zero.py`` (dp=2, 3.3M parameters, 12 steps):
+
+    see the commit that adds this file / the project report for the latest table
+"""
+
+import argparse
+import contextlib
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from trainer3d.model.transformer import cross_entropy_loss  # noqa: E402
+
+
+def storage_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def make_cfg(args):
+    from trainer3d.config import Config
+    cfg = Config()
+    m = cfg.model
+    m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim = args.dim, args.layers, 8, 4, 3 * args.dim
+    cfg.parallel.dp, cfg.parallel.bucket_mb = args.dp, args.bucket_mb
+    t = cfg.train
+    t.seq_len, t.micro_batch_size, t.grad_accum_steps = args.seq_len, args.micro_batch, args.grad_accum
+    t.global_batch_size = args.micro_batch * args.grad_accum * args.dp
+    return cfg
+
+
+def batches(cfg, rank, steps):
+    g = torch.Generator().manual_seed(rank)
+    shape = (steps, cfg.train.grad_accum_steps, cfg.train.micro_batch_size, cfg.train.seq_len + 1)
+    tokens = torch.randint(0, cfg.model.vocab_size, shape, generator=g)
+    return tokens[..., :-1], tokens[..., 1:]
+
+
+class Ours:
+    def __init__(self, model, cfg, dims, stage):
+        from trainer3d.parallel.zero import build_optimizer
+        cfg.parallel.zero_stage = stage
+        self.model, self.opt = model, build_optimizer([model], cfg, dims)
+
+    def forward_backward(self, inputs, targets):
+        accum = inputs.shape[0]
+        for m in range(accum):
+            (self.opt.scale_loss(cross_entropy_loss(self.model(inputs[m]), targets[m])) / accum).backward()
+
+    def step(self, lr):
+        self.opt.reduce_gradients()
+        self.opt.clip_grad_norm(1.0)
+        self.opt.step(lr)
+
+    def zero_grad(self):
+        self.opt.zero_grad()
+
+    def optimizer_tensors(self):
+        a = self.opt.adam
+        return [a.exp_avg, a.exp_avg_sq, a.step_count, a.master]
+
+    def model_state_tensors(self):
+        return self.optimizer_tensors() + [self.opt.buffers.param_buffer, self.opt.buffers.grad_buffer]
+
+
+class Torch:
+    """DDP + AdamW (stage 0) or DDP + ZeroRedundancyOptimizer(AdamW) (stage 1)."""
+
+    def __init__(self, model, cfg, dims, stage):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from trainer3d.optim import param_groups
+        o = cfg.optim
+        kw = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
+        groups = param_groups(model.named_parameters(), o.weight_decay)
+        self.model = model
+        self.ddp = DDP(model, process_group=dims.dp_group, gradient_as_bucket_view=True,
+                       bucket_cap_mb=cfg.parallel.bucket_mb)
+        if stage == 0:
+            self.opt = torch.optim.AdamW(groups, **kw)
+            self.local = self.opt
+        else:
+            self.opt = ZeroRedundancyOptimizer(groups[0]["params"], torch.optim.AdamW, process_group=dims.dp_group,
+                                               parameters_as_bucket_view=True, weight_decay=o.weight_decay, **kw)
+            self.opt.add_param_group(groups[1])
+            self.local = self.opt.optim
+
+    def forward_backward(self, inputs, targets):
+        accum = inputs.shape[0]
+        for m in range(accum):  # DDP reduces in the last micro-batch's backward only
+            with self.ddp.no_sync() if m < accum - 1 else contextlib.nullcontext():
+                (cross_entropy_loss(self.ddp(inputs[m]), targets[m]) / accum).backward()
+
+    def step(self, lr):
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.step()
+
+    def zero_grad(self):
+        self.opt.zero_grad(set_to_none=False)
+
+    def optimizer_tensors(self):
+        return [t for s in self.local.state.values() for t in s.values() if torch.is_tensor(t)]
+
+    def model_state_tensors(self):
+        params = list(self.model.parameters())
+        return self.optimizer_tensors() + params + [p.grad for p in params]
+
+
+VARIANTS = ((0, "ours"), (0, "torch"), (1, "ours"), (1, "torch"))
+
+
+def run_variants(cfg, dims, inputs, targets, warmup) -> dict:
+    """All four engines on fresh copies of one model, their steps interleaved (A B C D A B ...)
+    so that load from other processes on a shared machine hits every variant alike."""
+    from trainer3d.parallel import build_model_chunks
+    engines = {}
+    for stage, kind in VARIANTS:
+        engines[(stage, kind)] = (Ours if kind == "ours" else Torch)(build_model_chunks(cfg, dims)[0], cfg, dims, stage)
+    times = {key: [] for key in engines}
+    for step in range(inputs.shape[0]):
+        for key, engine in engines.items():
+            dist.barrier()
+            start = time.perf_counter()
+            engine.zero_grad()
+            engine.forward_backward(inputs[step], targets[step])
+            engine.step(cfg.optim.lr)
+            times[key].append(time.perf_counter() - start)
+    return {key: (statistics.median(times[key][warmup:]), storage_bytes(e.optimizer_tensors()),
+                  storage_bytes(e.model_state_tensors()), sum(p.numel() for p in e.model.parameters()))
+            for key, e in engines.items()}
+
+
+def rank_main(rank, args, init_file, queue):
+    from trainer3d.topology import ParallelDims, Topology
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.dp))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.dp,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        dims = ParallelDims.build(Topology(tp=1, pp=1, dp=args.dp), torch.device("cpu"))
+        cfg = make_cfg(args)
+        inputs, targets = batches(cfg, rank, args.steps)
+        out = run_variants(cfg, dims, inputs, targets, args.warmup)
+        for key, (t, opt_bytes, state_bytes, psi) in out.items():
+            slowest = torch.tensor([t])
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            out[key] = (slowest.item(), opt_bytes, state_bytes, psi)
+        queue.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+def report(out, args) -> None:
+    psi = out[(0, "ours")][3]
+    print(f"dp={args.dp}, {psi:,} parameters, grad_accum={args.grad_accum}, micro_batch={args.micro_batch}x"
+          f"{args.seq_len}, {args.steps - args.warmup} timed steps (median, slowest rank); bytes on rank 0")
+    print(f"{'':34} {'step ms':>9} {'optimizer MB':>13} {'model state MB':>15}")
+    names = {(0, "ours"): "stage 0: ours", (0, "torch"): "stage 0: DDP + AdamW",
+             (1, "ours"): "stage 1: ours", (1, "torch"): "stage 1: DDP + ZeroRedundancyOptimizer"}
+    for key, name in names.items():
+        t, ob, sb, _ = out[key]
+        print(f"{name:34} {t * 1e3:9.1f} {ob / 2**20:13.2f} {sb / 2**20:15.2f}")
+    for stage, vs in ((0, "DDP"), (1, "ZeroRedundancyOptimizer")):
+        (t0, o0, s0, _), (t1, o1, s1, _) = out[(stage, "ours")], out[(stage, "torch")]
+        print(f"stage {stage} ours/{vs}: step time {t0 / t1:.2f}x, optimizer bytes {o0 / o1:.3f}x, "
+              f"model-state bytes {s0 / s1:.3f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--grad-accum", type=int, default=2)
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=rank_main, args=(r, args, os.path.join(tmp, "store"), queue))
+                 for r in range(args.dp)]
+        for p in procs:
+            p.start()
+        results = dict(queue.get(timeout=1800) for _ in procs)
+        for p in procs:
+            p.join()
+    report(results[0], args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+#!/usr/bin/env python
+"""Draw loss and throughput curves from one or more runs' metrics.jsonl into PNG files.
+
+    python tools/plot_metrics.py outputs/2026-11-22/08-15-24 outputs/2026-11-22/09-01-02
+    python tools/plot_metrics.py multirun/2026-11-22/10-00-00      # every point of a sweep
+    python tools/plot_metrics.py RUN --out plots/ --smooth 10
+
+Each argument is a run dir, a metrics.jsonl file, or a sweep dir (every sub-dir holding a
+metrics.jsonl becomes one curve). Curves are labelled by the run's layout and overrides
+(from its .hydra/overrides.yaml) when present, else by the directory name. Writes
+``loss.png`` and ``throughput.png`` (plus ``mfu.png`` when the runs logged MFU) into --out.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def find_runs(paths: List[str]) -> List[Path]:
+    """metrics.jsonl files for the given run dirs, files or sweep dirs."""
+    found = []
+    for arg in map(Path, paths):
+        if arg.is_file():
+            found.append(arg)
+        elif (arg / "metrics.jsonl").is_file():
+            found.append(arg / "metrics.jsonl")
+        elif arg.is_dir():
+            found.extend(sorted(arg.glob("*/metrics.jsonl"), key=lambda p: p.parent.name))
+        else:
+            raise SystemExit(f"plot_metrics: {arg} not found")
+    if not found:
+        raise SystemExit(f"plot_metrics: no metrics.jsonl under {', '.join(paths)}")
+    return found
+
+
+def label_of(metrics: Path) -> str:
+    overrides = metrics.parent / ".hydra" / "overrides.yaml"
+    if overrides.is_file():
+        items = [line.strip()[2:] for line in overrides.read_text().splitlines() if line.strip().startswith("- ")]
+        items = [i for i in items if not i.startswith("hydra.")]
+        if items:
+            return " ".join(items)
+    return metrics.parent.name
+
+
+def load(metrics: Path) -> Dict[str, List[Tuple[int, float]]]:
+    series: Dict[str, List[Tuple[int, float]]] = {}
+    for line in metrics.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)) and value == value:  # skip NaN
+                series.setdefault(key, []).append((row["step"], float(value)))
+    return series
+
+
+def smooth(values: List[float], window: int) -> List[float]:
+    if window <= 1:
+        return values
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot(runs: Dict[str, Dict], key: str, ylabel: str, path: Path, window: int, log_y: bool = False) -> bool:
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    drawn = False
+    for label, series in runs.items():
+        points = series.get(key)
+        if points:
+            steps, values = zip(*points)
+            ax.plot(steps, smooth(list(values), window), label=label, linewidth=1.4)
+            drawn = True
+    if drawn:
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        if log_y:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return drawn
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="run dirs, metrics.jsonl files or sweep dirs")
+    parser.add_argument("--out", default=".", help="directory for the PNG files (default: here)")
+    parser.add_argument("--smooth", type=int, default=1, help="moving-average window in steps")
+    args = parser.parse_args(argv)
+    runs: Dict[str, Dict] = {}
+    for metrics in find_runs(args.runs):
+        label = label_of(metrics)
+        while label in runs:
+            label += "'"
+        runs[label] = load(metrics)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [name for name, key, ylabel, log_y in (("loss.png", "loss", "loss", False),
+                                                    ("throughput.png", "tokens_per_s", "tokens/s", False),
+                                                    ("mfu.png", "mfu", "MFU", False))
+               if plot(runs, key, ylabel, out / name, args.smooth, log_y)]
+    for name in written:
+        print(f"plot_metrics: wrote {out / name} ({len(runs)} run(s))")
+    return 0 if written else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

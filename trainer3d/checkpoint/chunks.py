@@ -1,0 +1,92 @@
+"""Where a rank's piece of a tensor sits in the full, layout-free tensor.
+
+Checkpoints store every tensor under its 1-rank name in its full logical shape (vocabulary
+unpadded), so any layout can read what any other wrote. A rank holds either a whole tensor
+(replicated), a tensor-parallel shard (a block along one dim, possibly with padding rows at
+the end), or — for ZeRO-1 optimizer state — a flat range of such a shard. A flat range of
+a 2-D block is at most three rectangles (a partial first row, whole rows, a partial last
+row), each contiguous in the flat buffer, so every piece can be named by (offsets, sizes)
+in the full tensor and read or written in place.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+from trainer3d.model.init import TPShard
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``sizes`` elements at ``offsets`` of the full tensor = flat elements
+    ``[flat_start, flat_start + numel)`` of the rank's local (shard) tensor."""
+
+    offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+    flat_start: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+
+def full_shape(local_shape: Sequence[int], shard: Optional[TPShard]) -> Tuple[int, ...]:
+    """The logical 1-rank shape of a tensor whose local block has ``local_shape``."""
+    shape = list(local_shape)
+    if shard is not None:
+        shape[shard.dim] = shard.full
+    return tuple(shape)
+
+
+def _local_rectangles(shape: Sequence[int], start: int, end: int) -> List[Tuple[Tuple[int, ...], Tuple[int, ...], int]]:
+    """Rectangles (local offsets, sizes, flat start) covering flat range [start, end) of ``shape``."""
+    if start >= end:
+        return []
+    if len(shape) == 1:
+        return [((start,), (end - start,), start)]
+    if len(shape) != 2:
+        raise ValueError(f"checkpoint pieces support 1-D and 2-D tensors, got shape {tuple(shape)}")
+    cols = shape[1]
+    r0, c0 = divmod(start, cols)
+    r1, c1 = divmod(end, cols)
+    if r0 == r1:
+        return [((r0, c0), (1, c1 - c0), start)]
+    out = []
+    if c0:
+        out.append(((r0, c0), (1, cols - c0), start))
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0, 0), (r1 - r0, cols), r0 * cols))
+    if c1:
+        out.append(((r1, 0), (1, c1), r1 * cols))
+    return out
+
+
+def pieces(local_shape: Sequence[int], shard: Optional[TPShard], start: int = 0,
+           end: Optional[int] = None) -> List[Piece]:
+    """The pieces of the full tensor held by flat range [start, end) of the local block.
+
+    ``end`` defaults to the whole block. Padding (rows of a TP shard past ``shard.full``)
+    belongs to no piece: it is never saved and never loaded.
+    """
+    numel = 1
+    for s in local_shape:
+        numel *= s
+    end = numel if end is None else end
+    out = []
+    for offsets, sizes, flat_start in _local_rectangles(local_shape, start, end):
+        offsets, sizes = list(offsets), list(sizes)
+        if shard is not None:
+            d = shard.dim
+            base = shard.rank * local_shape[d]
+            lo = base + offsets[d]
+            hi = min(lo + sizes[d], shard.full)
+            if hi <= lo:
+                continue  # all padding
+            if hi - lo < sizes[d] and d != 0 and sizes[0] > 1:
+                raise ValueError("padding inside a multi-row piece along a non-leading dim is not supported")
+            offsets[d], sizes[d] = lo, hi - lo
+        out.append(Piece(tuple(offsets), tuple(sizes), flat_start))
+    return out

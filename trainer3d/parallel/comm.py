@@ -1,0 +1,37 @@
+"""The data-parallel collectives ZeRO needs, behind one small shim.
+
+torch 2.13 renamed the flat-tensor collectives (``reduce_scatter_tensor`` ->
+``reduce_scatter_single``, ``all_gather_into_tensor`` -> ``all_gather_single``) and the old
+names warn as deprecated; older torch (the package admits >= 2.6) has only the old names.
+Everything here is asynchronous: callers keep the work handle and wait for it later.
+
+All three run in place on the flat buffers (output is a slice of input, or the reverse):
+gloo and NCCL both accept that (checked on gloo at dp 2 and 4; NCCL documents in-place
+reduce-scatter/all-gather when the chunk is the rank's own slice), so no bucket-sized copy
+is allocated by us.
+"""
+
+import torch
+import torch.distributed as dist
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_reduce_avg(tensor: torch.Tensor, group) -> dist.Work:
+    """Average ``tensor`` over ``group`` in place."""
+    return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group, async_op=True)
+
+
+def reduce_scatter_avg(output: torch.Tensor, input: torch.Tensor, group) -> dist.Work:
+    """Average ``input`` over ``group``; this rank's equal slice lands in ``output``."""
+    return _reduce_scatter(output, input, op=dist.ReduceOp.AVG, group=group, async_op=True)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group) -> dist.Work:
+    """Concatenate every rank's ``input`` (equal sizes, in rank order) into ``output``."""
+    return _all_gather(output, input, group=group, async_op=True)
+
+
+def backend_of(group) -> str:
+    return str(dist.get_backend(group))
