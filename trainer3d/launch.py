@@ -62,26 +62,64 @@ def run_rank(cfg: Config):
     from trainer3d.topology import ParallelDims, Topology
     from trainer3d.trainer import Trainer
 
+    from trainer3d.preemption import leave
+
     device = init_distributed(cfg)
     try:
         p = cfg.parallel
         dims = ParallelDims.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp), device)
-        return Trainer(cfg, dims).train()
+        trainer = Trainer(cfg, dims)
+        summary = trainer.train()
+        if trainer.stopped is not None:  # SIGUSR2/SIGTERM: every rank stopped at the same step
+            leave(trainer.stopped, trainer.stop_signal, dims.rank)
+        return summary
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-class TrainTask:
-    """What submitit runs on every task. Picklable: it holds only the resolved config."""
+def export_rank_env() -> None:
+    """Set torch.distributed's env:// variables (RANK, WORLD_SIZE, MASTER_ADDR/PORT, LOCAL_*).
 
-    def __init__(self, cfg: Config):
+    A submitit task (local or Slurm): from submitit's TorchDistributedEnvironment, replacing
+    what a parent job left. torchrun (or anyone who set RANK/WORLD_SIZE/MASTER_ADDR): kept.
+    A task of a plain ``srun`` step (slurm/train.sbatch): the same TorchDistributedEnvironment
+    over Slurm's variables (SLURM_PROCID, SLURM_NTASKS, ...) — submitit recognises a Slurm
+    job only by SUBMITIT_EXECUTOR, which srun does not set, so it is set here.
+    """
+    if "SUBMITIT_EXECUTOR" not in os.environ:
+        if "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+            return
+        if "SLURM_STEP_ID" not in os.environ or "SLURM_PROCID" not in os.environ:
+            raise RuntimeError("launcher=inplace needs to run inside an srun step or under torchrun "
+                               "(RANK, WORLD_SIZE, MASTER_ADDR unset); use launcher=local to start the ranks here")
+        os.environ["SUBMITIT_EXECUTOR"] = "slurm"
+    submitit.helpers.TorchDistributedEnvironment().export(overwrite=True)
+
+
+class TrainTask:
+    """What submitit runs on every task. Picklable: it holds the resolved config and how many
+    times the job was requeued (the cap is launcher.max_requeues)."""
+
+    def __init__(self, cfg: Config, requeues: int = 0):
         self.cfg = cfg
+        self.requeues = requeues
 
     def __call__(self):
-        if "SUBMITIT_EXECUTOR" in os.environ or "SLURM_JOB_ID" in os.environ:
-            submitit.helpers.TorchDistributedEnvironment().export(overwrite=True)
+        export_rank_env()
         return run_rank(self.cfg)
+
+    def checkpoint(self, *args, **kwargs) -> Optional[submitit.helpers.DelayedSubmission]:
+        """submitit's requeue hook, run on rank 0 once every rank has stopped at the same step and
+        saved (trainer3d/preemption.py): the same task again (it resumes from the newest
+        checkpoint, train.resume=auto), or None past launcher.max_requeues, which ends the job."""
+        cap = self.cfg.launcher.max_requeues
+        if self.requeues >= cap:
+            print(f"trainer3d: not requeuing: launcher.max_requeues={cap} requeue(s) done already",
+                  file=sys.stderr, flush=True)
+            return None
+        print(f"trainer3d: requeuing (requeue {self.requeues + 1} of at most {cap})", file=sys.stderr, flush=True)
+        return submitit.helpers.DelayedSubmission(TrainTask(self.cfg, self.requeues + 1))
 
 
 # --------------------------------------------------------------------------- submitting process

@@ -9,6 +9,8 @@ import os
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from trainer3d.config import Config  # noqa: F401  (registers the schema in the ConfigStore)
@@ -22,8 +24,6 @@ def resolve(dcfg: DictConfig) -> Config:
     directory, unless ``logger.group`` is set.
     """
     cfg = OmegaConf.to_object(dcfg)
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
     if cfg.logger.group is None and HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         cfg.logger.group = os.path.basename(os.path.normpath(HydraConfig.get().sweep.dir))
     return cfg
@@ -60,10 +60,13 @@ def run(cfg: Config) -> int:
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
-def _main(dcfg: DictConfig) -> None:
+def _main(dcfg: DictConfig) -> int:
     status = run(resolve(dcfg))
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        return status  # one failed point must not end the sweep: trainer3d.sweep reports them all
     if status:
         sys.exit(status)
+    return status
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ from trainer3d.metrics import MetricsLogger
 from trainer3d.optim import lr_at
 from trainer3d.parallel import build_loss_fn, build_model_chunks
 from trainer3d.parallel.zero import build_optimizer
+from trainer3d.preemption import Stop, StopSignal
 from trainer3d.topology import ParallelDims
 
 
@@ -54,6 +55,9 @@ class Trainer:
     def __init__(self, cfg: Config, dims: ParallelDims):
         self.cfg = cfg
         self.dims = dims
+        # First, so a SIGUSR2/SIGTERM during set-up is held for the first step boundary.
+        self.stop_signal = StopSignal()
+        self.stopped: Optional[Stop] = None
         t = cfg.train
         self.chunks: List[nn.Module] = build_model_chunks(cfg, dims)
         self.optimizer = build_optimizer(self.chunks, cfg, dims)
@@ -134,15 +138,26 @@ class Trainer:
                 self.metrics.flush()
             if self.checkpointer.due(step + 1):
                 self.save_checkpoint(step + 1)
+            # The same on every rank (trainer3d/preemption.py); after the last step there is nothing to stop.
+            flag = self.stop_signal.agreed() if step + 1 < t.max_steps else 0
+            if flag:
+                self.stopped = Stop(step=step + 1, flag=flag)
+                break
         last = self.metrics.flush()
-        if self.cfg.checkpoint.save_final and self.start_step < t.max_steps:
+        self.stop_signal.close()
+        if self.stopped is not None:
+            self.save_checkpoint(self.stopped.step)
+        elif self.cfg.checkpoint.save_final and self.start_step < t.max_steps:
             self.save_checkpoint(t.max_steps)
         self.metrics.close()
         if self.dims.rank != 0:
             return None
-        return {"final_loss": last["loss"] if last else None, "steps": t.max_steps - self.start_step,
-                "wall_s": time.perf_counter() - started, "metrics": str(self.metrics.path)}
+        done = self.stopped.step if self.stopped else t.max_steps
+        return {"final_loss": last["loss"] if last else None, "steps": done - self.start_step,
+                "wall_s": time.perf_counter() - started, "metrics": str(self.metrics.path),
+                "stopped_at": self.stopped.step if self.stopped else None}
 
     def save_checkpoint(self, step: int) -> None:
-        """Save everything a resumed run needs to start at ``step`` (steps done); every rank calls it."""
+        """Save everything a resumed run needs to start at ``step`` (steps done); every rank calls
+        it: every checkpoint.every steps, at the end, and after a preemption stop."""
         self.checkpointer.save(step)

@@ -1,0 +1,166 @@
+"""Stop every rank at the same step boundary when Slurm says the job must end, then requeue.
+
+Slurm warns a job before it ends: SIGUSR2 ``launcher.signal_delay_s`` before the time limit
+(submitit's ``#SBATCH --signal=USR2@<delay>``) or on ``scancel --signal=USR2``, which asks
+for a checkpoint and a requeue; SIGTERM when the job is cancelled or preempted, which asks
+for a checkpoint and an exit. The signal need not reach every rank (``scancel --batch``
+reaches only the batch shell's step; submitit's own handler acts on rank 0 alone and lets
+the others die on a closed connection), and ranks that stop at different steps hang the
+ones still inside the next step's collectives. So the handler only records the signal,
+and the ranks agree at step boundaries:
+
+- after step s, each rank starts an all-reduce (MAX) of its flag over a CPU gloo group of
+  its own, without waiting for it (``async_op``);
+- after step s+1, each waits for that result — long done by then — and every rank sees
+  the same value, so all stop after the same step s+1, one step after the first signal.
+
+The check costs no synchronisation on the hot path, on CPU or GPU: the flag is a CPU tensor
+on a gloo group separate from the training's (NCCL on GPUs), and its round trip overlaps a
+whole step (tools/bench_stop_check.py measures it). After the stop the trainer saves a
+checkpoint and ``leave`` ends the ranks: on SIGUSR2 in a submitit job rank 0 runs
+submitit's handler (``TrainTask.checkpoint`` -> dump -> ``scontrol requeue``) and every
+rank exits without a result, so the requeued attempt starts clean.
+"""
+
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+# Flags, ordered: a job told to end (TERM) must not requeue because another rank saw USR2.
+NONE, REQUEUE, END = 0, 1, 2
+FLAG_OF = {signal.SIGUSR2: REQUEUE, signal.SIGTERM: END}
+NAME_OF = {REQUEUE: "SIGUSR2", END: "SIGTERM"}
+
+NOT_SUBMITIT = "not a submitit job: nothing requeues it"
+EXITED, REQUEUED, REFUSED = 0, 1, 2  # what leave() does after the stop
+EXIT_STOPPED = 75
+"""Exit status of ranks stopped for good (sysexits' EX_TEMPFAIL: resubmit to resume)."""
+
+
+class TrainingStopped(RuntimeError):
+    """The ranks stopped on a signal and the job could not be requeued."""
+
+
+@dataclass
+class Stop:
+    step: int
+    """Steps completed (the step a resumed run starts at)."""
+    flag: int
+
+    @property
+    def signal_name(self) -> str:
+        return NAME_OF[self.flag]
+
+
+class StopSignal:
+    """Record SIGUSR2/SIGTERM, and agree across ranks on the step boundary to stop at.
+
+    Construct on every rank (it creates a gloo group: a collective); call ``agreed()`` at
+    every step boundary, on every rank; ``close()`` at the end restores the handlers it
+    replaced (submitit's) and settles the last check.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None):
+        if group is None and dist.is_initialized():
+            group = dist.new_group(backend="gloo")
+        self.group = group
+        self.local = NONE
+        self._pending: Optional[dist.Work] = None
+        self._buf = torch.zeros(1, dtype=torch.int32)
+        self.previous: Dict[int, object] = {}
+        for sig in FLAG_OF:
+            try:
+                self.previous[sig] = signal.signal(sig, self._record)
+            except ValueError:  # not the main thread: nothing can be caught here, nothing to agree on
+                pass
+
+    def _record(self, signum, frame) -> None:
+        self.local = max(self.local, FLAG_OF[signum])
+
+    def agreed(self) -> int:
+        """At a step boundary: the flag every rank agrees on (NONE: go on), one boundary late."""
+        seen = NONE
+        if self._pending is not None:
+            self._pending.wait()
+            seen = int(self._buf.item())
+            self._pending = None
+        if seen == NONE:
+            self._buf.fill_(self.local)
+            if self.group is None:  # one process, no process group: nothing to agree with
+                self._pending = _Done()
+            else:
+                self._pending = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return seen
+
+    def agreed_now(self) -> int:
+        """Blocking variant (one all-reduce round trip per call): for measurements and the end of a run."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        self._buf.fill_(self.local)
+        if self.group is not None:
+            dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group)
+        return int(self._buf.item())
+
+    def close(self) -> None:
+        if self._pending is not None:  # every rank started the same checks: this one completes
+            self._pending.wait()
+            self._pending = None
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+def leave(stop: Stop, stop_signal: StopSignal, rank: int) -> None:
+    """End every rank after an agreed stop and a saved checkpoint. Never returns.
+
+    SIGUSR2 in a submitit job: rank 0 calls submitit's handler, which calls
+    ``TrainTask.checkpoint`` (a DelayedSubmission of the same task, or None past
+    launcher.max_requeues), dumps it and runs ``scontrol requeue``; then every rank exits
+    without writing a result (SystemExit), so the next attempt's results are the only ones.
+    A refused requeue raises TrainingStopped on every rank: the job fails with the reason.
+    SIGTERM, or no submitit: every rank exits with EXIT_STOPPED.
+    """
+    submitit_exit: Optional[SystemExit] = None
+    outcome, reason = EXITED, NOT_SUBMITIT
+    if stop.flag == END:
+        reason = "SIGTERM: the job was cancelled or preempted"
+    elif rank == 0:
+        handler = stop_signal.previous.get(signal.SIGUSR2)
+        if callable(handler):
+            outcome, reason = REFUSED, "submitit's handler returned without requeuing"
+            try:
+                handler(signal.SIGUSR2, None)
+            except SystemExit as requeued:  # submitit exits after `scontrol requeue`
+                outcome, submitit_exit = REQUEUED, requeued
+            except Exception as err:  # noqa: BLE001 - e.g. UncompletedJobError past max_requeues
+                reason = f"{type(err).__name__}: {err}"
+    outcome = _broadcast(outcome, stop_signal.group)
+    what = f"stopped after step {stop.step} on {stop.signal_name}; checkpoint saved"
+    if outcome == REQUEUED:
+        if submitit_exit is not None:
+            print(f"trainer3d: {what}; job requeued", flush=True)
+            raise submitit_exit  # its exit status is how submitit's local executor sees a requeue
+        sys.exit(0)
+    if outcome == REFUSED:
+        raise TrainingStopped(f"{what}; not requeued: {reason if rank == 0 else 'see rank 0'}")
+    if rank == 0:
+        print(f"trainer3d: {what}; not requeued ({reason}): resubmit or requeue to resume",
+              file=sys.stderr, flush=True)
+    sys.exit(EXIT_STOPPED)
+
+
+def _broadcast(value: int, group: Optional[dist.ProcessGroup]) -> int:
+    if group is None:
+        return value
+    buf = torch.tensor([value], dtype=torch.int32)
+    dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
+    return int(buf.item())
