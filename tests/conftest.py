@@ -14,3 +14,4 @@ os.environ.setdefault("WANDB_MODE", "offline")
 def session_tmp(tmp_path_factory) -> Path:
     """A directory shared by a whole test session (cached reference runs)."""
     return tmp_path_factory.mktemp("session")
+from tests.slurm_cluster import slurm_cluster  # noqa: E402,F401  (session fixture)

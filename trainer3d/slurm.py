@@ -102,6 +102,28 @@ def check_reachable() -> None:
             "For the one-node dev cluster: `slurm/cluster.sh start` (`slurm/cluster.sh status` shows it).")
 
 
+def check_nodes(cfg: Config) -> None:
+    """Refuse more nodes than the partition has: Slurm would accept such a job and leave it
+    pending for ever (reason PartitionNodeLimit) unless the site enforces partition limits."""
+    cmd = ["sinfo", "-h", "-o", "%P %D"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+    except subprocess.TimeoutExpired:
+        return  # sbatch will tell
+    sizes = {}
+    for line in out.splitlines():
+        name, _, count = line.strip().partition(" ")
+        if count.strip().isdigit():
+            sizes[name.rstrip("*")] = sizes.get(name.rstrip("*"), 0) + int(count)
+            if name.endswith("*"):
+                sizes[None] = sizes[name.rstrip("*")]
+    have = sizes.get(cfg.launcher.partition)
+    if have is not None and cfg.launcher.nodes > have:
+        where = f"partition {cfg.launcher.partition}" if cfg.launcher.partition else "the default partition"
+        raise ValueError(f"launcher.nodes={cfg.launcher.nodes} but {where} has {have} node(s) (`sinfo -s`): "
+                         "the job would wait for ever; set launcher.nodes (and launcher.tasks_per_node) to fit")
+
+
 def make_slurm_executor(cfg: Config, world_size: int) -> submitit.AutoExecutor:
     executor = submitit.AutoExecutor(folder=Path(cfg.launcher.folder), cluster="slurm",
                                      slurm_max_num_timeout=cfg.launcher.max_requeues)
@@ -121,6 +143,7 @@ def explain_refusal(message: str) -> str:
 def submit(cfg: Config, world_size: int, task) -> submitit.Job:
     """Submit ``task``; raise SlurmUnavailable, or ValueError with sbatch's refusal explained."""
     check_reachable()
+    check_nodes(cfg)
     executor = make_slurm_executor(cfg, world_size)
     # submitit prints sbatch's stderr itself before raising; we show it once, in our message.
     with contextlib.redirect_stderr(io.StringIO()):

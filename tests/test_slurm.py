@@ -1,0 +1,127 @@
+"""The Slurm launcher against a real one-node cluster (slurm/cluster.sh): jobs, sweeps,
+preemption requeue with resume, errors, and the users' own sbatch template."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.runs import read_metrics, run_train
+
+pytestmark = pytest.mark.slurm
+
+SMALL = ("train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=16", "train.grad_accum_steps=null",
+         "optim.warmup_steps=5", "train.log_every=1", "parallel.timeout_s=60", "parallel=single")
+PP2_DP2 = ("parallel.pp=2", "parallel.dp=2")
+
+
+def train(env, run_dir: Path, *overrides, timeout=600):
+    cmd = [sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run_dir}", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def losses(run_dir: Path):
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(len(rows))), "one row per step: none lost, none repeated"
+    return [r["loss"] for r in rows]
+
+
+@pytest.fixture(scope="module")
+def local_40(tmp_path_factory):
+    """The pp2 x dp2 run of 40 steps on local ranks: what every Slurm run must reproduce."""
+    run = tmp_path_factory.mktemp("local") / "run"
+    run_train(run, [*SMALL, *PP2_DP2, "train.max_steps=40"])
+    return losses(run)
+
+
+def test_job_through_slurm_matches_the_local_run(slurm_cluster, tmp_path, local_40):
+    proc = train(slurm_cluster, tmp_path / "run", *SMALL, *PP2_DP2, "train.max_steps=40", "launcher=slurm",
+                 "launcher.wait=true")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "submitted Slurm job" in proc.stdout and "step 40/40" in proc.stdout
+    record = json.loads((tmp_path / "run" / "slurm_job.json").read_text())
+    assert record["num_tasks"] == 4
+    assert losses(tmp_path / "run") == local_40  # same layout, same numbers
+
+
+def test_usr2_twice_requeues_twice_and_resumes_exactly(slurm_cluster, tmp_path, local_40):
+    run = tmp_path / "run"
+    proc = train(slurm_cluster, run, *SMALL, *PP2_DP2, "train.max_steps=40", "launcher=slurm", "launcher.wait=false")
+    assert proc.returncode == 0, proc.stderr
+    job = json.loads((run / "slurm_job.json").read_text())["job_id"]
+    for i, at in enumerate((12, 24)):
+        deadline = time.time() + 300
+        while len(read_metrics(run)) < at if (run / "metrics.jsonl").exists() else True:
+            assert time.time() < deadline, f"the job did not reach step {at}"
+            time.sleep(0.5)
+        subprocess.run(["scancel", "--signal=USR2", job], check=True, env=slurm_cluster)
+        deadline = time.time() + 300  # wait for the requeued attempt to resume
+        while f"resumed from" not in _rank0_log(run, job).split("requeuing")[-1] or \
+                _rank0_log(run, job).count("resumed from") < i + 1:
+            assert time.time() < deadline, f"no resume after signal {i + 1}:\n{_rank0_log(run, job)[-3000:]}"
+            time.sleep(1)
+    deadline = time.time() + 600
+    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, env=slurm_cluster).stdout.strip():
+        assert time.time() < deadline
+        time.sleep(2)
+    log = _rank0_log(run, job)
+    assert log.count("job requeued") == 2 and log.count("resumed from") == 2, log[-3000:]
+    assert losses(run) == local_40
+
+
+def _rank0_log(run: Path, job: str) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted((run / "submitit").glob(f"{job}_0_log.*")))
+
+
+def test_two_point_sweep_runs_as_two_jobs(slurm_cluster, tmp_path):
+    cmd = [sys.executable, "-m", "trainer3d.train", "-m", *SMALL, "train.max_steps=4", "parallel.dp=1,2",
+           "launcher=slurm", "launcher.wait=true", f"hydra.sweep.dir={tmp_path}/sweep"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=slurm_cluster, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    jobs = {json.loads((tmp_path / "sweep" / n / "slurm_job.json").read_text())["job_id"] for n in ("0", "1")}
+    assert len(jobs) == 2
+    for n in ("0", "1"):
+        assert len(read_metrics(tmp_path / "sweep" / n)) == 4
+
+
+@pytest.mark.parametrize("override,expect", [
+    ("launcher.partition=nosuchpartition", "invalid partition"),
+    ("launcher.nodes=2", "launcher.nodes=2 but the default partition has 1 node(s)"),
+])
+def test_sbatch_refusals_are_explained(slurm_cluster, tmp_path, override, expect):
+    extra = ("launcher.tasks_per_node=1", "parallel.dp=2") if "nodes" in override else ()
+    proc = train(slurm_cluster, tmp_path / "run", *SMALL, "train.max_steps=2", "launcher=slurm", override, *extra)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert expect in proc.stderr.lower() if expect.islower() else expect in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unreachable_cluster_is_explained(tmp_path):
+    env = dict(os.environ, PATH="/usr/bin/nonexistent:" + os.path.dirname(sys.executable))
+    proc = train(env, tmp_path / "run", *SMALL, "train.max_steps=2", "launcher=slurm")
+    assert proc.returncode == 1 and "Slurm is not reachable" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_job_failing_on_the_cluster_shows_the_failing_rank(slurm_cluster, tmp_path):
+    # A vocabulary smaller than the data's passes validation but fails on every rank at start.
+    proc = train(slurm_cluster, tmp_path / "run", *SMALL, "parallel.dp=2", "train.max_steps=2", "model.vocab_size=100",
+                 "launcher=slurm", "launcher.wait=true")
+    assert proc.returncode != 0
+    assert "data vocabulary 257 > model.vocab_size=100" in proc.stdout + proc.stderr
+
+
+def test_own_sbatch_template_trains_with_srun(slurm_cluster, tmp_path):
+    env = dict(slurm_cluster, TRAINER3D_PYTHON=sys.executable)
+    proc = subprocess.run(["sbatch", "--parsable", "--wait", f"--output={tmp_path}/slurm-%j.out", f"--chdir={ROOT}",
+                           str(ROOT / "slurm" / "train.sbatch"), *SMALL, "parallel.dp=2", "train.max_steps=4",
+                           f"hydra.run.dir={tmp_path}/run"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    job = proc.stdout.strip().split(";")[0]
+    out = (tmp_path / f"slurm-{job}.out").read_text() if job else ""
+    assert proc.returncode == 0, proc.stderr + out[-3000:]
+    assert len(read_metrics(tmp_path / "run")) == 4 and "step 4/4" in out
