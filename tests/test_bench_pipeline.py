@@ -16,4 +16,7 @@ def test_bench_pipeline_prints_measured_bubble_and_theory():
     for row in rows:
         theory, measured = float(row[3]), float(row[4])
         assert abs(theory - (2 - 1) / (int(row[2]) + 2 - 1)) < 1e-3
-        assert theory - 0.02 <= measured <= theory + 0.08, proc.stdout
+        # Sleeping stages use no CPU, but on a loaded machine a woken rank may wait for a core:
+        # that only ever adds idle time, so the bound above theory is loose, the one below tight.
+        assert theory - 0.02 <= measured <= theory + 0.15, proc.stdout
+    assert float(rows[1][4]) < float(rows[0][4])  # more micro-batches, smaller bubble

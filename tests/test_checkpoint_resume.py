@@ -137,3 +137,18 @@ def test_exported_weights_give_the_same_loss_in_the_1_rank_model(tmp_path):
     with torch.no_grad():
         loss = torch.stack([cross_entropy_loss(model(inputs[m]), targets[m]) for m in range(8)]).mean()
     assert abs(loss.item() - rows[10]["loss"]) / rows[10]["loss"] <= REL_TOL
+
+
+def test_fsdp_zero3_checkpoint_loads_into_tp2_zero1(tmp_path, session_tmp):
+    ref = reference_losses(session_tmp, [*PARITY, *MODEL])
+    run_train(tmp_path / "a", [*BASE, *layout(1, 1, 2, zero=3), "checkpoint.every=10"])
+    proc = run_train(tmp_path / "b", [*BASE, *layout(2, 1, 1, zero=1),
+                                      f"train.resume={store.step_dir(tmp_path / 'a' / 'checkpoints', 10)}"])
+    assert "zero_stage 3 -> 1" in proc.stdout
+    assert_close([r["loss"] for r in read_metrics(tmp_path / "b")], ref[10:])
+
+
+def test_explicit_resume_path_is_checked_before_launch(tmp_path):
+    proc = run_train(tmp_path / "run", [*BASE, f"train.resume={tmp_path}/nope"], expect_ok=False)
+    assert proc.returncode == 2 and "train.resume" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "submitit").exists()

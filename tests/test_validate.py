@@ -13,10 +13,12 @@ from tests.conftest import CONF_DIR
 
 
 def make(overrides=()) -> Config:
-    """Compose the real conf/ with overrides, as the entry point does."""
+    """Compose the real conf/ with overrides, as the entry point does; the cases below are
+    written against the 2-rank data-parallel layout (parallel=dp2) unless they pick one."""
+    base = [] if any(o.startswith("parallel=") for o in overrides) else ["parallel=dp2"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        dcfg = compose(config_name="config", overrides=list(overrides) + ["launcher.folder=/tmp/unused",
-                                                                          "run_dir=/tmp/unused"])
+        dcfg = compose(config_name="config", overrides=base + list(overrides) + ["launcher.folder=/tmp/unused",
+                                                                                 "run_dir=/tmp/unused"])
     return OmegaConf.to_object(dcfg)
 
 
@@ -85,6 +87,15 @@ def test_pipelines_torch_runs_are_accepted(overrides):
 
 def test_enough_bad_configs():
     assert len(BAD) >= 20
+
+
+def test_the_embedded_default_is_a_valid_3d_layout():
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = validate(OmegaConf.to_object(compose(config_name="config", overrides=["run_dir=/tmp/unused",
+                                                                                    "launcher.folder=/tmp/unused"])))
+    p = cfg.parallel
+    assert (p.tp, p.pp, p.dp, p.zero_stage) == (2, 2, 2, 1)
+    assert cfg.train.global_batch_size == cfg.train.micro_batch_size * cfg.train.grad_accum_steps * p.dp
 
 
 def test_allocation_world_size_must_match():

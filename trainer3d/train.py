@@ -45,6 +45,13 @@ def run(cfg: Config) -> int:
         for problem in err.problems:
             print(f"trainer3d: config error: {problem}", file=sys.stderr)
         return 2
+    if cfg.train.resume not in ("auto", "never"):
+        from trainer3d.checkpoint.store import is_complete
+        ok, why = is_complete(cfg.train.resume)
+        if not ok:
+            print(f"trainer3d: config error: train.resume={cfg.train.resume} is not a complete checkpoint "
+                  f"({why}); give a published step_<N> directory, auto or never", file=sys.stderr)
+            return 2
     if cfg.dry_run:
         from trainer3d.plan import print_plan
         print_plan(cfg)

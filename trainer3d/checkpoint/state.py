@@ -74,24 +74,28 @@ def parameters_by_name(chunks: List[nn.Module]) -> Dict[str, nn.Parameter]:
 def rank_state(chunks: List[nn.Module], optimizer, dims: ParallelDims, make: PieceMaker,
                with_rng: bool = True) -> Dict[str, object]:
     """The DCP state dict of this rank (views: saving reads them, loading writes into them)."""
-    if not hasattr(optimizer, "owned"):
-        raise NotImplementedError("checkpoints support zero_stage 0 and 1 (FSDP stages 2/3 are not covered yet)")
     state: Dict[str, object] = {}
     params = parameters_by_name(chunks)
-    for name, p in params.items():
-        local = p.detach()
-        piece = make(local.view(-1), local.shape, tp_shard_of(p), 0, local.numel())
-        if piece is not None:
-            state[f"model.{name}"] = piece
-    for o in optimizer.owned():
+    owned = optimizer.owned()
+    sharded_params = all("param" in o for o in owned)  # FSDP (stages 2/3): parameters are shards too
+    # fp32 training keeps no separate master copy (the parameters are the master weights).
+    has_master = getattr(getattr(optimizer, "adam", None), "master", None) is not None
+    if not sharded_params:
+        for name, p in params.items():
+            local = p.detach()
+            piece = make(local.view(-1), local.shape, tp_shard_of(p), 0, local.numel())
+            if piece is not None:
+                state[f"model.{name}"] = piece
+    for o in owned:
         p = params[o["name"]]
         lo, hi = o["range"]
-        for kind in ("exp_avg", "exp_avg_sq", "master"):
-            if o.get(kind) is None:
+        kinds = ("param", "exp_avg", "exp_avg_sq", "master") if sharded_params else ("exp_avg", "exp_avg_sq", "master")
+        for kind in kinds:
+            if o.get(kind) is None or (kind == "master" and not has_master):
                 continue
             piece = make(o[kind], p.shape, o["tp_shard"], lo, hi)
             if piece is not None:
-                state[f"optim.{kind}.{o['name']}"] = piece
+                state[f"model.{o['name']}" if kind == "param" else f"optim.{kind}.{o['name']}"] = piece
     state["optim.step"] = optimizer.step_count
     scaler = getattr(optimizer, "scaler", None)
     if scaler is not None:

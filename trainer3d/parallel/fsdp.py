@@ -16,13 +16,14 @@ sync on early micro-batches would keep an unsharded one). bf16/fp16 compute thro
 stages 0/1, run on the local shards; fp16 loss scaling and the global-norm clip as there.
 """
 
+import math
 from typing import Dict, List
 
 import torch
 from torch import nn
 
 from trainer3d.config import Config
-from trainer3d.model.init import canonical_name
+from trainer3d.model.init import canonical_name, tp_shard_of
 from trainer3d.optim import decays
 from trainer3d.parallel.adamw import adamw_update_
 from trainer3d.parallel.clip import clip_by_global_norm_, sum_of_squares
@@ -56,6 +57,7 @@ class FSDPOptimizer:
         model = chunks[0]
         before = {canonical_name(n): p for n, p in model.named_parameters() if p.requires_grad}
         counted = {n: counted_once_over_tp(p, dims) for n, p in before.items()}  # tp_shard is lost by sharding
+        self.tp_shards = {n: tp_shard_of(p) for n, p in before.items()}
         decay = {n: decays(n, p) for n, p in before.items()}
         dtype = before[next(iter(before))].dtype
         shard_model(model, cfg, dims)
@@ -106,6 +108,19 @@ class FSDPOptimizer:
 
     def step_metrics(self) -> Dict[str, torch.Tensor]:
         return self.scaler.metrics() if self.scaler is not None else {}
+
+    def owned(self) -> List[dict]:
+        """Per parameter: the flat range of its (tp-local) tensor this rank's shard covers
+        (FSDP2 gives rank r rows [r*ceil(rows/dp), ...)), and views of the shard, its moments
+        (the fp32 parameters are the master weights): what a resharding checkpoint needs."""
+        out = []
+        for (name, param), local, a, b in zip(self.named, self.local, self.exp_avg, self.exp_avg_sq):
+            rows, per_row = param.shape[0], math.prod(param.shape[1:])
+            first = min(self.dims.dp_rank * -(-rows // self.dims.dp), rows)
+            lo = first * per_row
+            out.append({"name": name, "tp_shard": self.tp_shards[name], "range": (lo, lo + local.numel()),
+                        "param": local.view(-1), "master": None, "exp_avg": a.view(-1), "exp_avg_sq": b.view(-1)})
+        return out
 
     def state_dict(self) -> dict:
         state = {"step": self.step_count.clone(),
