@@ -76,15 +76,6 @@ def test_reshard_chain_with_tp_changes(tmp_path, session_tmp):
         previous = run
 
 
-@pytest.mark.slow
-def test_reshard_zero1_pipeline_to_tp_zero0(tmp_path, session_tmp):
-    ref = reference_losses(session_tmp, [*PARITY, *MODEL])
-    run_train(tmp_path / "a", [*BASE, *layout(1, 2, 2, zero=1), "checkpoint.every=10"])
-    run_train(tmp_path / "b", [*BASE, *layout(2, 1, 2, zero=0),
-                               f"train.resume={store.step_dir(tmp_path / 'a' / 'checkpoints', 10)}"])
-    assert_close([r["loss"] for r in read_metrics(tmp_path / "b")], ref[10:])
-
-
 def test_kill_mid_save_keeps_the_previous_checkpoint(tmp_path, session_tmp):
     run = tmp_path / "run"
     args = [*BASE, *layout(1, 1, 2), "checkpoint.every=5", "train.max_steps=20", "parallel.timeout_s=20"]

@@ -22,7 +22,6 @@ def _check(tmp_path, session_tmp, model, layout):
 @pytest.mark.parametrize("layout", [
     pytest.param(("parallel.tp=2",), id="tp2"),
     pytest.param(("parallel.tp=2", "parallel.sequence_parallel=true"), id="tp2-sp"),
-    pytest.param(("parallel.tp=2", "parallel.dp=2"), id="tp2-dp2", marks=pytest.mark.slow),
 ])
 def test_tp2_matches_single_process(tmp_path, session_tmp, layout):
     _check(tmp_path, session_tmp, (), layout)
