@@ -120,8 +120,7 @@ def test_exported_weights_give_the_same_loss_in_the_1_rank_model(tmp_path):
     import json
     model_cfg = ModelConfig(**json.loads((out / "config.json").read_text()))
     model = Transformer(model_cfg)
-    missing, unexpected = model.load_state_dict(load_file(out / "model.safetensors"), strict=True), None
-    assert unexpected is None and not missing.missing_keys and not missing.unexpected_keys
+    model.load_state_dict(load_file(out / "model.safetensors"), strict=True)  # every name, every shape
     cfg = Config()
     data = DataLoader(TokenFile.open(prepare_dataset(cfg.data)), 64, 2, 8, 1, 0, cfg.train.seed)
     inputs, targets = data.batch(10)

@@ -67,33 +67,10 @@ def test_engine_accounting_is_the_paper_plus_stated_differences(stage, dtype):
 
 def _tensor_bytes(model, opt) -> int:
     """Bytes of every tensor storage reachable from the model's parameters (and their .grad)
-    and from the optimizer object, each storage counted once however many views share it."""
-    storages, seen = {}, set()
-
-    def visit(obj):
-        if id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            local = getattr(obj, "_local_tensor", obj)  # a DTensor's shard
-            storage = local.untyped_storage()
-            storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
-            if isinstance(obj, torch.nn.Parameter) and obj.grad is not None:
-                visit(obj.grad)
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                visit(k)
-                visit(v)
-        elif isinstance(obj, (list, tuple, set)):
-            for v in obj:
-                visit(v)
-        elif type(obj).__module__.startswith("trainer3d") and hasattr(obj, "__dict__"):
-            visit(vars(obj))
-
-    for p in model.parameters():
-        visit(p)
-    visit(opt)
-    return sum(storages.values())
+    and from the optimizer object, each storage counted once (trainer3d.telemetry, which the
+    metrics report as mem_state_bytes)."""
+    from trainer3d.telemetry import model_state_bytes
+    return model_state_bytes([model], opt)
 
 
 def _measure(rank, world):

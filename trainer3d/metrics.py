@@ -99,7 +99,7 @@ class MetricsLogger:
         self._extras.append(extra or {})
         self.comm.end_step()
 
-    def _per_rank(self, device: torch.device) -> Dict[str, float]:
+    def _per_rank(self) -> Dict[str, float]:
         return {"mem_state_bytes": float(self.state_bytes()), **process_memory(self.dims.device)}
 
     def flush(self) -> Optional[dict]:
@@ -112,7 +112,7 @@ class MetricsLogger:
         extra = [torch.tensor(read(), dtype=packed.dtype, device=device) for read in self._columns.values()]
         packed = torch.stack([packed, *extra], dim=1)
         dist.reduce(packed, dst=0)
-        per_rank = self._per_rank(device)
+        per_rank = self._per_rank()
         peaks = torch.tensor(list(per_rank.values()), dtype=torch.float64, device=device)
         dist.reduce(peaks, dst=0, op=dist.ReduceOp.MAX)
         now = time.perf_counter()

@@ -14,7 +14,7 @@ import torch
 
 from trainer3d.config import Config
 from trainer3d.memory import engine_model_state_bytes, paper_model_state_bytes
-from trainer3d.model.transformer import Transformer, count_parameters
+from trainer3d.model.transformer import count_parameters
 from trainer3d.topology import ParallelDims, Topology
 
 MiB, GiB = 2 ** 20, 2 ** 30
@@ -30,16 +30,9 @@ def planning_dims(cfg: Config, rank: int) -> ParallelDims:
 
 def rank_parameter_shapes(cfg: Config, rank: int) -> List[Tuple[int, ...]]:
     """Shapes of the parameters ``rank`` holds, in registration order (its stages, TP-sharded)."""
-    from trainer3d.parallel.pipeline import split_into_stages
-    from trainer3d.parallel.tensor import apply_tensor_parallel
+    from trainer3d.parallel import build_meta_chunks
 
-    dims = planning_dims(cfg, rank)
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    chunks = split_into_stages(model, cfg, dims) if dims.pp > 1 else [model]
-    if dims.tp > 1:
-        for chunk in chunks:
-            apply_tensor_parallel(chunk, cfg, dims)
+    chunks = build_meta_chunks(cfg, planning_dims(cfg, rank))
     return [tuple(p.shape) for chunk in chunks for p in chunk.parameters()]
 
 

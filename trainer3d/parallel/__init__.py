@@ -22,8 +22,9 @@ from trainer3d.topology import ParallelDims
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def build_model_chunks(cfg: Config, dims: ParallelDims) -> List[nn.Module]:
-    """This rank's model chunks (one per pipeline stage it runs; one when pp == 1)."""
+def build_meta_chunks(cfg: Config, dims: ParallelDims) -> List[nn.Module]:
+    """Steps 1-3: this rank's chunks, split and tensor-parallel, still on the meta device
+    (the dry run reads their shapes without allocating anything)."""
     from trainer3d.parallel.pipeline import split_into_stages
     from trainer3d.parallel.tensor import apply_tensor_parallel
 
@@ -33,6 +34,12 @@ def build_model_chunks(cfg: Config, dims: ParallelDims) -> List[nn.Module]:
     if dims.tp > 1:
         for chunk in chunks:
             apply_tensor_parallel(chunk, cfg, dims)
+    return chunks
+
+
+def build_model_chunks(cfg: Config, dims: ParallelDims) -> List[nn.Module]:
+    """This rank's model chunks (one per pipeline stage it runs; one when pp == 1)."""
+    chunks = build_meta_chunks(cfg, dims)
     for chunk in chunks:
         chunk.to_empty(device=dims.device)
         init_parameters(chunk, cfg.model, cfg.train.seed)
