@@ -95,8 +95,7 @@ def _fp16_skip(rank, world, stage):
     opt.zero_grad()
     forward_backward(model, opt, cfg, dims.dp_rank, 0)
     if rank == 1:  # one rank's overflow must make every rank skip
-        grad = opt.grad(next(model.parameters()))
-        (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
+        opt.grad(opt.parameters()[0]).view(-1)[0] = float("inf")
     opt.reduce_gradients()
     opt.clip_grad_norm(1.0)
     opt.step(1e-2)
@@ -128,9 +127,7 @@ def _grad_and_ownership(rank, world, mode):
     before = norm_w.detach().clone()
     opt.clip_grad_norm(1.0)
     opt.step(1e-2)
-    owned = [(o["name"], o["range"]) for o in opt.owned()]
-    state = opt.state_dict()
-    opt.load_state_dict(state)
+    owned = [(v.name, (v.start, v.end)) for v in opt.checkpoint_views() if "exp_avg" in v.tensors]
     sizes = {n: p.numel() for n, p in params_by_name(model).items()}
     return torch.equal(before, norm_w.detach()), owned, sizes
 

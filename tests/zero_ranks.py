@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from trainer3d.config import Config, ModelConfig
 from trainer3d.model.init import canonical_name
 from trainer3d.optim import param_groups
-from trainer3d.parallel import build_model_chunks
-from trainer3d.parallel.zero import build_optimizer
+from trainer3d.parallel import build_model_chunks, build_optimizer
 from tests.harness import dims_for
 
 MODEL = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=61, max_seq_len=16)

@@ -18,6 +18,7 @@ is the step number: resuming at step ``s`` reads exactly what an uninterrupted r
 
 import json
 import os
+import sys
 import sysconfig
 import tempfile
 from dataclasses import dataclass
@@ -90,7 +91,6 @@ def stdlib_sources() -> list:
 
 def stdlib_corpus(cache_dir: str) -> Path:
     """Tokenise the standard library once into ``cache_dir``; return the token file path."""
-    import sys
     tag = f"stdlib-py{sys.version_info.major}{sys.version_info.minor}{sys.version_info.micro}"
     path = Path(cache_dir).expanduser() / f"{tag}.bin"
     if path.exists() and path.with_suffix(".json").exists():

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from trainer3d.config import Config
+from trainer3d.preemption import leave
+from trainer3d.topology import ParallelDims, Topology
 
 POLL_S = 0.5
 
@@ -59,10 +61,10 @@ def init_distributed(cfg: Config) -> torch.device:
 
 def run_rank(cfg: Config):
     """The body of every rank: process group, layout, trainer. Returns rank 0's summary."""
-    from trainer3d.topology import ParallelDims, Topology
+    # The engine is imported here, inside a rank, and not at the top: the submitting process
+    # (which imports this module to submit TrainTask) never trains, and importing the model,
+    # FSDP, pipelining and checkpoint code would cost it seconds per launch.
     from trainer3d.trainer import Trainer
-
-    from trainer3d.preemption import leave
 
     device = init_distributed(cfg)
     try:
@@ -132,14 +134,8 @@ def make_executor(cfg: Config, world_size: int) -> submitit.Executor:
     return executor
 
 
-def launch(cfg: Config) -> int:
-    """Run the job described by a validated config; return the process exit status."""
-    if cfg.launcher.name == "inplace" or in_distributed_env():
-        TrainTask(cfg)()
-        return 0
-    if cfg.launcher.name == "slurm":
-        from trainer3d.slurm import launch_slurm  # noqa: F401  (see the Slurm launcher)
-        return launch_slurm(cfg)
+def launch_local(cfg: Config) -> int:
+    """Run a validated config as local processes, one per rank; return the exit status."""
     p = cfg.parallel
     world = p.tp * p.pp * p.dp
     executor = make_executor(cfg, world)

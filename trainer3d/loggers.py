@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from trainer3d.config import Config
+from trainer3d.validate import layout_of
 
 SECRET_MARKERS = ("key", "token", "secret", "password")
 
@@ -47,15 +48,15 @@ def _run_id(run_dir: Path) -> str:
 class WandbLogger:
     """Rank 0's wandb run: the resolved config and layout once, then one entry per step."""
 
-    def __init__(self, cfg: Config, layout: dict):
-        import wandb
+    def __init__(self, cfg: Config):
+        import wandb  # optional and slow to import: only runs that log to wandb pay for it
 
         run_dir = self.run_dir = Path(cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         lc = cfg.logger
         self.mode = wandb_mode(lc.mode)
         config = scrub(dataclasses.asdict(cfg))
-        config["layout"] = layout
+        config["layout"] = layout_of(cfg)
         self.run = wandb.init(project=lc.project, entity=lc.entity, group=lc.group, tags=list(lc.tags) or None,
                               name=lc.run_name or run_dir.name, id=_run_id(run_dir), resume="allow",
                               dir=str(run_dir), mode=self.mode, config=config)
@@ -71,19 +72,10 @@ class WandbLogger:
             print(f"wandb: offline run saved; to upload it: {hint}", flush=True)
 
 
-def layout_of(cfg: Config) -> dict:
-    """The run's layout as logged once with the config."""
-    p = cfg.parallel
-    return {"world_size": p.tp * p.pp * p.dp, "tp": p.tp, "pp": p.pp, "dp": p.dp, "zero_stage": p.zero_stage,
-            "pp_schedule": p.pp_schedule if p.pp > 1 else None, "sequence_parallel": p.sequence_parallel,
-            "global_batch_size": cfg.train.global_batch_size, "micro_batch_size": cfg.train.micro_batch_size,
-            "grad_accum_steps": cfg.train.grad_accum_steps, "dtype": cfg.train.dtype}
-
-
-def build_sinks(cfg: Config, layout: dict) -> list:
+def build_sinks(cfg: Config) -> list:
     """The extra metric sinks rank 0 writes to (empty for logger=console)."""
     if cfg.logger.name == "wandb" and wandb_mode(cfg.logger.mode) != "disabled":
-        return [WandbLogger(cfg, layout)]
+        return [WandbLogger(cfg)]
     return []
 
 

@@ -32,6 +32,3 @@ def param_groups(named_params: Iterable[Tuple[str, torch.Tensor]], weight_decay:
         {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0},
     ]
 
-
-def adamw(groups: List[dict], cfg: OptimConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)

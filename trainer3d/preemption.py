@@ -96,16 +96,6 @@ class StopSignal:
                 self._pending = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         return seen
 
-    def agreed_now(self) -> int:
-        """Blocking variant (one all-reduce round trip per call): for measurements and the end of a run."""
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
-        self._buf.fill_(self.local)
-        if self.group is not None:
-            dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group)
-        return int(self._buf.item())
-
     def close(self) -> None:
         if self._pending is not None:  # every rank started the same checks: this one completes
             self._pending.wait()

@@ -24,7 +24,12 @@ from typing import Dict, List, Optional, Union
 
 import submitit
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+
 from trainer3d.config import Config
+from trainer3d.launch import TrainTask, follow
+from trainer3d.validate import world_size_of
 
 # Hints for sbatch's refusals (its message is shown in full; the hint names the knob).
 _SBATCH_HINTS = (
@@ -180,9 +185,6 @@ def describe_submission(cfg: Config, job: submitit.Job, world_size: int) -> str:
 
 def launch_slurm(cfg: Config, task=None) -> int:
     """Submit a validated config as a Slurm job; with launcher.wait, follow it and return its status."""
-    from trainer3d.launch import TrainTask
-    from trainer3d.validate import world_size_of
-
     world = world_size_of(cfg)
     try:
         job = submit(cfg, world, task if task is not None else TrainTask(cfg))
@@ -201,8 +203,6 @@ def launch_slurm(cfg: Config, task=None) -> int:
 
 def follow_slurm(job: submitit.Job, timeout_s: float) -> int:
     """``launch.follow`` plus Slurm's own verdict when the job ended without every rank's result."""
-    from trainer3d.launch import follow
-
     status = follow(job, grace_s=timeout_s + 10)
     if status:
         state = _final_state(job)
@@ -222,8 +222,6 @@ def defer_follow() -> bool:
     """In a Hydra sweep (-m) every point is submitted first and followed at the end
     (trainer3d.sweep), so the points run side by side instead of one after another."""
     try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
         return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     except Exception:  # noqa: BLE001 - not under Hydra (a test calling launch_slurm directly)
         return False

@@ -19,9 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig
+
+from trainer3d.slurm import follow_slurm, load_job
 
 
 @dataclass
@@ -43,9 +47,6 @@ class SweepReport(Callback):
         self.points = []
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
         hydra_cfg = config.hydra if "hydra" in config else HydraConfig.get()
         if hydra_cfg.mode != RunMode.MULTIRUN:
             return
@@ -61,8 +62,6 @@ class SweepReport(Callback):
             follow=launcher.get("name") == "slurm" and bool(launcher.get("wait"))))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from trainer3d.slurm import follow_slurm, load_job
-
         for point in self.points:
             record = point.run_dir / "slurm_job.json"
             if point.status == 0 and record.exists():

@@ -3,9 +3,10 @@
 Everything here is host-side and cheap; nothing reads a device tensor. ``metrics.py``
 gathers these per-rank figures once per logging interval.
 
-- ``model_state_bytes``: bytes of every tensor storage reachable from the model's
-  parameters (and their gradients) and from the optimizer object, each storage counted
-  once however many views share it — the measured counterpart of ``trainer3d.memory``.
+- ``model_state_bytes``: bytes of every tensor storage behind the model's parameters (and
+  their gradients) and the optimizer's declared state (``ZeroOptimizer.state_tensors``),
+  each storage counted once however many views share it — the measured counterpart of
+  ``trainer3d.memory``.
 - ``process_memory``: on CPU the process's resident set (peak, from the kernel); on GPU
   torch's peak allocated and reserved bytes (allocator statistics, no sync).
 - ``CommTimer``: wall time the host spends inside the step's communication calls (the dp
@@ -28,38 +29,32 @@ from typing import Dict, Iterable, Optional
 import torch
 from torch import nn
 
+from trainer3d.model.flops import peak_tflops
+from trainer3d.parallel.optimizer import ZeroOptimizer
+from trainer3d.parallel.precision import DTYPES
 
-def model_state_bytes(chunks: Iterable[nn.Module], optimizer) -> int:
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once;
+    a DTensor counts its local shard; meta tensors count nothing)."""
     storages: Dict[int, int] = {}
-    seen = set()
-
-    def visit(obj) -> None:
-        if id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            local = getattr(obj, "_local_tensor", obj)  # a DTensor's shard
-            if local.device.type == "meta":
-                return
-            storage = local.untyped_storage()
-            storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
-            if isinstance(obj, nn.Parameter) and obj.grad is not None:
-                visit(obj.grad)
-        elif isinstance(obj, dict):
-            for key, value in obj.items():
-                visit(key)
-                visit(value)
-        elif isinstance(obj, (list, tuple, set)):
-            for value in obj:
-                visit(value)
-        elif type(obj).__module__.startswith("trainer3d") and hasattr(obj, "__dict__"):
-            visit(vars(obj))
-
-    for chunk in chunks:
-        for param in chunk.parameters():
-            visit(param)
-    visit(optimizer)
+    for t in tensors:
+        local = getattr(t, "_local_tensor", t)
+        if local.device.type == "meta":
+            continue
+        storage = local.untyped_storage()
+        storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
     return sum(storages.values())
+
+
+def model_state_bytes(chunks: Iterable[nn.Module], optimizer: ZeroOptimizer) -> int:
+    """Parameters, their gradients and the optimizer's state, as tensor storage bytes on this
+    rank right now: the model's parameters as it holds them at this moment (FSDP's gathered
+    ones included while they live) and every tensor the optimizer declares it holds."""
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    grads = [p.grad for p in params if p.grad is not None]
+    held = [t for tensors in optimizer.state_tensors().values() for t in tensors]
+    return storage_bytes([*params, *grads, *held])
 
 
 def process_memory(device: torch.device) -> Dict[str, float]:
@@ -121,9 +116,7 @@ def resolve_peak_tflops(configured: Optional[float], device: torch.device, dtype
     if configured:
         return float(configured)
     if device.type == "cuda":
-        from trainer3d.model.flops import peak_tflops
         known = peak_tflops(torch.cuda.get_device_name(device), dtype)
         if known:
             return known
-    from trainer3d.parallel import DTYPES
     return measured_peak_tflops(device, DTYPES[dtype] if device.type == "cuda" else torch.float32)

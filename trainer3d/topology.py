@@ -25,6 +25,7 @@ from typing import Dict, List, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 DIMS = ("pp", "dp", "tp")  # slowest to fastest
 
@@ -90,7 +91,7 @@ class ParallelDims:
 
     topo: Topology
     rank: int
-    mesh: "torch.distributed.device_mesh.DeviceMesh"
+    mesh: DeviceMesh
     tp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
@@ -99,8 +100,6 @@ class ParallelDims:
     @classmethod
     def build(cls, topo: Topology, device: torch.device) -> "ParallelDims":
         """Needs an initialised default process group whose world size is topo.world_size."""
-        from torch.distributed.device_mesh import init_device_mesh
-
         world = dist.get_world_size()
         if world != topo.world_size:
             raise RuntimeError(f"process group has {world} ranks, layout tp*pp*dp needs {topo.world_size}")
@@ -143,14 +142,5 @@ class ParallelDims:
         return self.topo.pp
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.topo.pp - 1
-
-    def stage_rank(self, pp_rank: int) -> int:
-        """Global rank of the peer in stage ``pp_rank`` with this rank's dp and tp coordinates."""
-        c = self.coords
-        return self.topo.rank(pp_rank, c.dp, c.tp)

@@ -13,7 +13,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from trainer3d.checkpoint.store import CheckpointError, require_complete
 from trainer3d.config import Config  # noqa: F401  (registers the schema in the ConfigStore)
+from trainer3d.data import prepare_dataset
+from trainer3d.launch import TrainTask, in_distributed_env, launch_local
+from trainer3d.plan import print_plan
+from trainer3d.slurm import launch_slurm
 from trainer3d.validate import ConfigError, validate
 
 
@@ -31,7 +36,6 @@ def resolve(dcfg: DictConfig) -> Config:
 
 def allocation_world_size(cfg: Config):
     """World size fixed by an existing allocation (in-place launch), else None."""
-    from trainer3d.launch import in_distributed_env
     if cfg.launcher.name == "inplace" or in_distributed_env():
         return int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
     return None
@@ -46,24 +50,31 @@ def run(cfg: Config) -> int:
             print(f"trainer3d: config error: {problem}", file=sys.stderr)
         return 2
     if cfg.train.resume not in ("auto", "never"):
-        from trainer3d.checkpoint.store import is_complete
-        ok, why = is_complete(cfg.train.resume)
-        if not ok:
-            print(f"trainer3d: config error: train.resume={cfg.train.resume} is not a complete checkpoint "
-                  f"({why}); give a published step_<N> directory, auto or never", file=sys.stderr)
+        try:
+            require_complete(cfg.train.resume, "train.resume", fix="give a published step_<N> directory, auto or never")
+        except CheckpointError as err:
+            print(f"trainer3d: config error: {err}", file=sys.stderr)
             return 2
     if cfg.dry_run:
-        from trainer3d.plan import print_plan
         print_plan(cfg)
         return 0
-    from trainer3d.data import prepare_dataset
-    from trainer3d.launch import launch
     try:
         prepare_dataset(cfg.data)
     except (FileNotFoundError, ValueError) as err:
         print(f"trainer3d: data error: {err}", file=sys.stderr)
         return 2
     return launch(cfg)
+
+
+def launch(cfg: Config) -> int:
+    """Start the ranks of a validated config: in place (already one rank of an allocation), as
+    a Slurm job, or as local processes; return the exit status."""
+    if cfg.launcher.name == "inplace" or in_distributed_env():
+        TrainTask(cfg)()
+        return 0
+    if cfg.launcher.name == "slurm":
+        return launch_slurm(cfg)
+    return launch_local(cfg)
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")

@@ -12,13 +12,19 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from trainer3d.checkpoint.manager import Checkpointer
 from trainer3d.config import Config
 from trainer3d.data import DataLoader, TokenFile, prepare_dataset
+from trainer3d.loggers import build_sinks
 from trainer3d.metrics import MetricsLogger
+from trainer3d.model.flops import flops_per_token
 from trainer3d.optim import lr_at
-from trainer3d.parallel import build_loss_fn, build_model_chunks
-from trainer3d.parallel.zero import build_optimizer
+from trainer3d.parallel import build_loss_fn, build_model_chunks, build_optimizer
+from trainer3d.parallel.optimizer import ZeroOptimizer
+from trainer3d.parallel.pipeline import Pipeline
+from trainer3d.parallel.tensor import sync_sequence_parallel_grads
 from trainer3d.preemption import Stop, StopSignal
+from trainer3d.telemetry import model_state_bytes, resolve_peak_tflops
 from trainer3d.topology import ParallelDims
 
 
@@ -31,7 +37,7 @@ class MicroBatchLoss:
     loss scale (fp16).
     """
 
-    def __init__(self, loss_fn: Callable, grad_accum_steps: int, optimizer):
+    def __init__(self, loss_fn: Callable, grad_accum_steps: int, optimizer: ZeroOptimizer):
         self.loss_fn = loss_fn
         self.grad_accum_steps = grad_accum_steps
         self.optimizer = optimizer
@@ -60,19 +66,15 @@ class Trainer:
         self.stopped: Optional[Stop] = None
         t = cfg.train
         self.chunks: List[nn.Module] = build_model_chunks(cfg, dims)
-        self.optimizer = build_optimizer(self.chunks, cfg, dims)
+        self.optimizer: ZeroOptimizer = build_optimizer(self.chunks, cfg, dims)
         self.micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims), t.grad_accum_steps, self.optimizer)
-        self.pipeline = None
-        if dims.pp > 1:
-            from trainer3d.parallel.pipeline import build_pipeline
-            self.pipeline = build_pipeline(self.chunks, self.micro_loss, cfg, dims)
+        self.pipeline = Pipeline(self.chunks, self.micro_loss, cfg, dims) if dims.pp > 1 else None
         token_file = TokenFile.open(prepare_dataset(cfg.data))
         if token_file.vocab_size > cfg.model.vocab_size:
             raise ValueError(f"data vocabulary {token_file.vocab_size} > model.vocab_size={cfg.model.vocab_size}")
         self.data = DataLoader(token_file, t.seq_len, t.micro_batch_size, t.grad_accum_steps,
                                dims.dp, dims.dp_rank, t.seed)
-        from trainer3d.checkpoint.manager import Checkpointer
-        self.checkpointer = Checkpointer(cfg, dims, self.chunks, self.optimizer)
+        self.checkpointer = Checkpointer(cfg, dims, self.optimizer)
         self.start_step = self.checkpointer.resume()
         self.metrics = self._build_metrics()
         if self.pipeline is not None:
@@ -80,16 +82,12 @@ class Trainer:
 
     def _build_metrics(self) -> MetricsLogger:
         """metrics.jsonl + progress line on rank 0, wandb there too when logger=wandb."""
-        from trainer3d.loggers import build_sinks, layout_of
-        from trainer3d.model.flops import flops_per_token
-        from trainer3d.telemetry import model_state_bytes, resolve_peak_tflops
-
         cfg, dims, t = self.cfg, self.dims, self.cfg.train
         rank0 = dims.rank == 0
         metrics = MetricsLogger(dims, cfg.run_dir, t.max_steps, tokens_per_step=t.global_batch_size * t.seq_len,
                                 start_step=self.start_step, flops_per_token=flops_per_token(cfg.model, t.seq_len),
                                 peak_tflops=resolve_peak_tflops(t.peak_tflops, dims.device, t.dtype) if rank0 else None,
-                                sinks=build_sinks(cfg, layout_of(cfg)) if rank0 else ())
+                                sinks=build_sinks(cfg) if rank0 else ())
         metrics.state_bytes = lambda: model_state_bytes(self.chunks, self.optimizer)
         return metrics
 
@@ -118,8 +116,7 @@ class Trainer:
         with self.metrics.comm():  # communication the backward did not overlap, and the norm's all-reduce
             self.optimizer.reduce_gradients()
             if self.cfg.parallel.sequence_parallel:
-                from trainer3d.parallel.tensor import sync_sequence_parallel_grads
-                sync_sequence_parallel_grads(self.chunks, self.optimizer, self.dims)
+                sync_sequence_parallel_grads(self.optimizer, self.dims)
             grad_norm = self.optimizer.clip_grad_norm(self.cfg.optim.grad_clip)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         self.optimizer.step(lr)

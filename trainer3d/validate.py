@@ -28,9 +28,18 @@ class ConfigError(ValueError):
         super().__init__("\n".join(problems))
 
 
+LAYOUT_KEYS = ("tp", "pp", "dp", "zero_stage", "pp_schedule", "pp_virtual_stages", "sequence_parallel")
+
+
 def world_size_of(cfg: Config) -> int:
     p = cfg.parallel
     return p.tp * p.pp * p.dp
+
+
+def layout_of(cfg: Config) -> dict:
+    """The run's layout: the world size and the ``parallel.*`` knobs that decide what each
+    rank holds (logged with the config, kept in every checkpoint's marker, compared on resume)."""
+    return {"world_size": world_size_of(cfg), **{k: getattr(cfg.parallel, k) for k in LAYOUT_KEYS}}
 
 
 def validate(cfg: Config, world_size: Optional[int] = None) -> Config:

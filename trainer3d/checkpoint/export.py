@@ -19,17 +19,14 @@ from pathlib import Path
 from typing import Dict, List
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from trainer3d.checkpoint import store
 
 
 def load_full_model(path: Path) -> Dict[str, torch.Tensor]:
     """Every ``model.*`` tensor of the checkpoint, full size, keyed by its 1-rank name."""
-    import torch.distributed.checkpoint as dcp
-
-    ok, why = store.is_complete(path)
-    if not ok:
-        raise ValueError(f"{path}: not a complete checkpoint ({why})")
+    store.require_complete(path, "checkpoint")
     metadata = store.read_metadata(path)
     state = {}
     for key, meta in metadata.state_dict_metadata.items():

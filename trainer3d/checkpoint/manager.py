@@ -1,6 +1,6 @@
 """Save, find and resume checkpoints: what the trainer calls.
 
-    checkpointer = Checkpointer(cfg, dims, chunks, optimizer)
+    checkpointer = Checkpointer(cfg, dims, optimizer)
     start_step = checkpointer.resume()          # train.resume: auto | never | <path>
     ...
     checkpointer.save(step)                      # every checkpoint.every steps, at the end, on preemption
@@ -18,37 +18,31 @@ matter. A layout change is reported.
 """
 
 import dataclasses
-import os
+import shutil
 import time
 from pathlib import Path
 from typing import List, Optional, Tuple
 
 import torch.distributed as dist
-from torch import nn
+import torch.distributed.checkpoint as dcp
 
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.state import PieceMaker, after_load, rank_state
+from trainer3d.checkpoint.store import CheckpointError
 from trainer3d.config import Config
+from trainer3d.loggers import scrub
+from trainer3d.parallel.optimizer import ZeroOptimizer
 from trainer3d.topology import ParallelDims
-
-LAYOUT_KEYS = ("tp", "pp", "dp", "zero_stage", "pp_schedule", "pp_virtual_stages", "sequence_parallel")
-
-
-def layout_of(cfg: Config) -> dict:
-    return {k: getattr(cfg.parallel, k) for k in LAYOUT_KEYS}
+from trainer3d.validate import layout_of
 
 
 def checkpoint_root(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run_dir) / "checkpoints"
 
 
-class CheckpointError(RuntimeError):
-    pass
-
-
 class Checkpointer:
-    def __init__(self, cfg: Config, dims: ParallelDims, chunks: List[nn.Module], optimizer):
-        self.cfg, self.dims, self.chunks, self.optimizer = cfg, dims, chunks, optimizer
+    def __init__(self, cfg: Config, dims: ParallelDims, optimizer: ZeroOptimizer):
+        self.cfg, self.dims, self.optimizer = cfg, dims, optimizer
         self.root = checkpoint_root(cfg)
         self._make = None
         self.last_saved: Optional[int] = None
@@ -71,8 +65,6 @@ class Checkpointer:
 
     def save(self, steps_done: int) -> Path:
         """Save the state after ``steps_done`` steps (resume starts at that step); every rank."""
-        import torch.distributed.checkpoint as dcp
-
         if self.last_saved == steps_done:
             return store.step_dir(self.root, steps_done)
         started = time.perf_counter()
@@ -80,15 +72,13 @@ class Checkpointer:
         if self.dims.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             if partial.exists():  # left by a crash: start clean
-                import shutil
                 shutil.rmtree(partial)
         dist.barrier()
-        dcp.save(rank_state(self.chunks, self.optimizer, self.dims, self.make), checkpoint_id=str(partial))
-        _test_hook_after_write(self.dims.rank, partial)
+        dcp.save(rank_state(self.optimizer, self.dims, self.make), checkpoint_id=str(partial))
         dist.barrier()  # every rank's files are complete
         if self.dims.rank == 0:
-            info = {"step": steps_done, "layout": layout_of(self.cfg), "world_size": self.dims.topo.world_size,
-                    "config": _plain(self.cfg), "saved_at": time.time()}
+            info = {"step": steps_done, "layout": layout_of(self.cfg), "config": scrub(dataclasses.asdict(self.cfg)),
+                    "saved_at": time.time()}
             store.publish(partial, final, info)
             store.prune(self.root, self.cfg.checkpoint.keep)
         dist.barrier()
@@ -109,17 +99,12 @@ class Checkpointer:
                 return None
             step, path = found
         else:
-            path = Path(want)
-            ok, why = store.is_complete(path)
-            if not ok:
-                raise CheckpointError(f"train.resume={want}: not a complete checkpoint ({why})")
+            path = store.require_complete(want, "train.resume")
         info = store.read_marker(path)
         return info["step"], path, info
 
     def resume(self) -> int:
         """Load the chosen checkpoint into this rank's model and optimizer; returns the step to start at."""
-        import torch.distributed.checkpoint as dcp
-
         choice: List[object] = [None]
         if self.dims.rank == 0:
             try:
@@ -132,29 +117,15 @@ class Checkpointer:
         if choice[0] is None:
             return 0
         step, path, info = choice[0]
-        same_world = info.get("world_size") == self.dims.topo.world_size and info.get("layout") == layout_of(self.cfg)
-        state = rank_state(self.chunks, self.optimizer, self.dims, self.make, with_rng=same_world)
+        same_world = info.get("layout") == layout_of(self.cfg)
+        state = rank_state(self.optimizer, self.dims, self.make, with_rng=same_world)
         dcp.load(state, checkpoint_id=str(path))
         after_load(self.optimizer, state, self.dims, with_rng=same_world)
         self.last_saved = step
         self._say(f"resumed from {path} at step {step}")
         if info.get("layout") != layout_of(self.cfg):
             saved, now = info.get("layout", {}), layout_of(self.cfg)
-            changes = ", ".join(f"{k} {saved.get(k)} -> {now[k]}" for k in LAYOUT_KEYS if saved.get(k) != now[k])
+            changes = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v)
             self._say(f"layout changed since the checkpoint: {changes} (state resharded on load)")
         return step
 
-
-def _plain(cfg: Config) -> dict:
-    from trainer3d.loggers import scrub
-    return scrub(dataclasses.asdict(cfg))
-
-
-def _test_hook_after_write(rank: int, partial: Path) -> None:
-    """Tests only: ``TRAINER3D_TEST_STALL_SAVE=<rank>:<step>`` makes that rank stall after writing
-    its files of that step's save (its pid in ``stalled-rank<r>``), so a test can kill it
-    mid-save. Unset (always, outside tests) it does nothing."""
-    stall = os.environ.get("TRAINER3D_TEST_STALL_SAVE")  # "<rank>:<step>"
-    if stall is not None and stall == f"{rank}:{int(partial.name[5:13])}":
-        (partial.parent / f"stalled-rank{rank}").write_text(str(os.getpid()))
-        time.sleep(3600)

@@ -12,8 +12,10 @@ unpadded), whatever the layout that wrote it:
                                   world size is unchanged; training draws no random numbers,
                                   so this is for the record and for user code)
 
-A rank describes what it holds as pieces of those full tensors (trainer3d/checkpoint/
-chunks.py: a TP shard, or a ZeRO-1 flat range of one, is at most three rectangles) and
+A rank describes what it holds as pieces of those full tensors — the optimizer's
+``checkpoint_views`` (trainer3d/parallel/optimizer.py) name, for each parameter, a flat range
+of its tp-local tensor and the tensors holding it; trainer3d/checkpoint/chunks.py turns a
+TP shard, or a ZeRO flat range of one, into at most three rectangles — and
 hands them to DCP as a DTensor whose local part is a ``LocalShardsWrapper`` of views into
 its own storage, with each piece's offsets in the full tensor. DCP then writes each piece
 once (replicas over dp and tp write the same pieces; DCP keeps one) and, on load, reads
@@ -25,13 +27,15 @@ Only tensors go into the checkpoint (no pickled Python objects), so loading one 
 unpickles anything; the step, the layout and the config go into the JSON marker.
 """
 
-from typing import Dict, List, Sequence
+from typing import Dict, Sequence
 
 import torch
-from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 from trainer3d.checkpoint.chunks import full_shape, pieces
-from trainer3d.model.init import canonical_name, tp_shard_of
+from trainer3d.parallel.optimizer import ZeroOptimizer
 from trainer3d.topology import ParallelDims
 
 
@@ -47,16 +51,11 @@ class PieceMaker:
     """Wraps views of this rank's storage as DTensors over a 1-D mesh of the whole world."""
 
     def __init__(self, dims: ParallelDims):
-        from torch.distributed.device_mesh import init_device_mesh
-
         self.mesh = init_device_mesh(dims.device.type, (dims.topo.world_size,))
 
     def __call__(self, flat: torch.Tensor, local_shape: Sequence[int], shard, start: int, end: int):
         """``flat`` holds elements [start, end) of the flattened local tensor of ``local_shape``;
         None when they are all padding."""
-        from torch.distributed.tensor import DTensor, Shard
-        from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
-
         pcs = pieces(local_shape, shard, start, end)
         if not pcs:
             return None
@@ -67,51 +66,30 @@ class PieceMaker:
                                   stride=_contiguous_stride(shape))
 
 
-def parameters_by_name(chunks: List[nn.Module]) -> Dict[str, nn.Parameter]:
-    return {canonical_name(n): p for chunk in chunks for n, p in chunk.named_parameters()}
+def state_key(kind: str, name: str) -> str:
+    """The checkpoint key of one kind of state of parameter ``name``."""
+    return f"model.{name}" if kind == "param" else f"optim.{kind}.{name}"
 
 
-def rank_state(chunks: List[nn.Module], optimizer, dims: ParallelDims, make: PieceMaker,
+def rank_state(optimizer: ZeroOptimizer, dims: ParallelDims, make: PieceMaker,
                with_rng: bool = True) -> Dict[str, object]:
     """The DCP state dict of this rank (views: saving reads them, loading writes into them)."""
     state: Dict[str, object] = {}
-    params = parameters_by_name(chunks)
-    owned = optimizer.owned()
-    sharded_params = all("param" in o for o in owned)  # FSDP (stages 2/3): parameters are shards too
-    # fp32 training keeps no separate master copy (the parameters are the master weights).
-    has_master = getattr(getattr(optimizer, "adam", None), "master", None) is not None
-    if not sharded_params:
-        for name, p in params.items():
-            local = p.detach()
-            piece = make(local.view(-1), local.shape, tp_shard_of(p), 0, local.numel())
+    for view in optimizer.checkpoint_views():
+        for kind, tensor in view.tensors.items():
+            piece = make(tensor, view.local_shape, view.tp_shard, view.start, view.end)
             if piece is not None:
-                state[f"model.{name}"] = piece
-    for o in owned:
-        p = params[o["name"]]
-        lo, hi = o["range"]
-        kinds = ("param", "exp_avg", "exp_avg_sq", "master") if sharded_params else ("exp_avg", "exp_avg_sq", "master")
-        for kind in kinds:
-            if o.get(kind) is None or (kind == "master" and not has_master):
-                continue
-            piece = make(o[kind], p.shape, o["tp_shard"], lo, hi)
-            if piece is not None:
-                state[f"model.{o['name']}" if kind == "param" else f"optim.{kind}.{o['name']}"] = piece
+                state[state_key(kind, view.name)] = piece
     state["optim.step"] = optimizer.step_count
-    scaler = getattr(optimizer, "scaler", None)
-    if scaler is not None:
-        state["loss_scaler.scale"], state["loss_scaler.growth_tracker"] = scaler.scale, scaler.growth_tracker
+    if optimizer.scaler is not None:
+        state.update({f"loss_scaler.{k}": t for k, t in optimizer.scaler.persistent().items()})
     if with_rng:
         state[f"rng.rank{dims.rank}"] = torch.get_rng_state()
     return state
 
 
-def after_load(optimizer, state: Dict[str, object], dims: ParallelDims, with_rng: bool) -> None:
+def after_load(optimizer: ZeroOptimizer, state: Dict[str, object], dims: ParallelDims, with_rng: bool) -> None:
     """Put what DCP loaded into its place where it could not be loaded in place."""
-    adam = getattr(optimizer, "adam", None)
-    if adam is not None and adam.master is not None:  # mixed precision: params := master (cast)
-        torch._foreach_copy_(adam.param_views, adam.master_views)
+    optimizer.after_load()
     if with_rng:
         torch.set_rng_state(state[f"rng.rank{dims.rank}"])
-    if adam is not None and adam.master is not None and optimizer.sharded and dims.dp > 1:
-        optimizer._all_gather_params()  # every dp rank's full flat parameters from the owners' masters
-

@@ -131,5 +131,18 @@ def prune(root: Path, keep: int) -> List[Path]:
 
 
 def read_marker(path: Path) -> dict:
-    """The marker's JSON: step, layout, world size, config."""
+    """The marker's JSON: step, layout (world size included), config."""
     return json.loads((Path(path) / MARKER).read_text())
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the knob that pointed at it."""
+
+
+def require_complete(path: Path, knob: str, fix: str = "give a published step_<N> directory") -> Path:
+    """``path`` if it is a complete checkpoint, else CheckpointError naming ``knob`` and the fix:
+    the one refusal of an explicitly named checkpoint (resume, export)."""
+    ok, why = is_complete(path)
+    if not ok:
+        raise CheckpointError(f"{knob}={path} is not a complete checkpoint ({why}); {fix}")
+    return Path(path)

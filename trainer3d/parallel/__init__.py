@@ -2,11 +2,13 @@
 
 ``build_model_chunks`` is the whole recipe, in order:
 1. build the full model on the meta device (no memory);
-2. pipeline: keep only this rank's stage(s) (parallel/pipeline.py);
+2. pipeline: keep only this rank's stage(s) (parallel/stages.py);
 3. tensor parallel: swap Linear/Embedding layers for sharded ones (parallel/tensor.py);
-4. materialise on this rank's device and fill with the layout-independent init;
-5. cast to the training dtype; per-layer activation checkpointing, if asked.
-Data parallelism (ZeRO) wraps the result in the optimizer (parallel/zero.py).
+4. materialise on this rank's device and fill with the layout-independent fp32 init;
+5. per-layer activation checkpointing, if asked.
+``build_optimizer`` then wraps the chunks in the data-parallel optimizer (ZeRO stages 0/1:
+parallel/zero.py, 2/3: parallel/fsdp.py), which keeps the fp32 values as its master weights
+and gives the model its training dtype (``train.dtype``).
 """
 
 from typing import Callable, List
@@ -17,17 +19,19 @@ from torch import nn
 from trainer3d.config import Config
 from trainer3d.model.init import init_parameters
 from trainer3d.model.transformer import Transformer, cross_entropy_loss
+from trainer3d.parallel.fsdp import FSDPOptimizer
+from trainer3d.parallel.optimizer import ZeroOptimizer
+from trainer3d.parallel.recompute import checkpoint_layers
+from trainer3d.parallel.stages import split_into_stages
+from trainer3d.parallel.tensor import apply_tensor_parallel
+from trainer3d.parallel.tensor_loss import vocab_parallel_loss_fn
+from trainer3d.parallel.zero import ReplicatedOptimizer, ShardedOptimizer
 from trainer3d.topology import ParallelDims
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_meta_chunks(cfg: Config, dims: ParallelDims) -> List[nn.Module]:
     """Steps 1-3: this rank's chunks, split and tensor-parallel, still on the meta device
     (the dry run reads their shapes without allocating anything)."""
-    from trainer3d.parallel.pipeline import split_into_stages
-    from trainer3d.parallel.tensor import apply_tensor_parallel
-
     with torch.device("meta"):
         model = Transformer(cfg.model)
     chunks = split_into_stages(model, cfg, dims) if dims.pp > 1 else [model]
@@ -38,21 +42,28 @@ def build_meta_chunks(cfg: Config, dims: ParallelDims) -> List[nn.Module]:
 
 
 def build_model_chunks(cfg: Config, dims: ParallelDims) -> List[nn.Module]:
-    """This rank's model chunks (one per pipeline stage it runs; one when pp == 1)."""
+    """This rank's model chunks (one per pipeline stage it runs; one when pp == 1), fp32."""
     chunks = build_meta_chunks(cfg, dims)
     for chunk in chunks:
         chunk.to_empty(device=dims.device)
         init_parameters(chunk, cfg.model, cfg.train.seed)
-        chunk.to(dtype=DTYPES[cfg.train.dtype])
     if cfg.train.activation_checkpointing:
-        from trainer3d.parallel.recompute import checkpoint_layers
         checkpoint_layers(chunks)
     return chunks
+
+
+def build_optimizer(chunks: List[nn.Module], cfg: Config, dims: ParallelDims) -> ZeroOptimizer:
+    """The optimizer of ``parallel.zero_stage`` over this rank's chunks."""
+    stage = cfg.parallel.zero_stage
+    if stage == 0:
+        return ReplicatedOptimizer(chunks, cfg, dims)
+    if stage == 1:
+        return ShardedOptimizer(chunks, cfg, dims)
+    return FSDPOptimizer(chunks, cfg, dims)
 
 
 def build_loss_fn(cfg: Config, dims: ParallelDims) -> Callable:
     """(logits, targets) -> mean token loss; vocabulary-parallel when tp > 1."""
     if dims.tp > 1:
-        from trainer3d.parallel.tensor import vocab_parallel_loss_fn
         return vocab_parallel_loss_fn(cfg, dims)
     return cross_entropy_loss

@@ -37,9 +37,6 @@ class SavedActivationMeter:
         self.peak_bytes = 0
         self._hooks = None
 
-    def reset_peak(self) -> None:
-        self.peak_bytes = self.live_bytes
-
     def _pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()
         key = storage.data_ptr()

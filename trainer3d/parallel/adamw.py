@@ -85,10 +85,15 @@ def adamw_update_(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avg
 
 
 class FlatAdamW:
-    """AdamW state for owned pieces of the flat buffers, and its fused update."""
+    """AdamW state for owned pieces of the flat buffers, and its fused update.
+
+    ``initial`` holds each segment's fp32 starting values (the model's fp32 initialisation,
+    taken before the parameters were cast to the training dtype): the master weights start
+    from them, not from their rounded copy in the parameter buffer.
+    """
 
     def __init__(self, segments: List[Segment], owned_numel: int, param_buffer: torch.Tensor,
-                 grad_buffer: torch.Tensor, cfg: OptimConfig):
+                 grad_buffer: torch.Tensor, cfg: OptimConfig, initial: List[torch.Tensor]):
         self.segments, self.cfg = segments, cfg
         device = param_buffer.device
         self.exp_avg = torch.zeros(owned_numel, dtype=torch.float32, device=device)
@@ -103,9 +108,9 @@ class FlatAdamW:
                              else self.param_views)
         self.exp_avg_views = [self._state_view(self.exp_avg, s) for s in segments]
         self.exp_avg_sq_views = [self._state_view(self.exp_avg_sq, s) for s in segments]
-        if self.master is not None:
+        if self.master is not None and segments:
             with torch.no_grad():
-                torch._foreach_copy_(self.master_views, self.param_views)
+                torch._foreach_copy_(self.master_views, initial)
         self.decay = [decays(s.name, s.param) for s in segments]
 
     @staticmethod
@@ -117,32 +122,21 @@ class FlatAdamW:
         """One AdamW update of the owned master weights (skipped on the device if found_inf)."""
         adamw_update_(self.master_views, self.grad_views, self.exp_avg_views, self.exp_avg_sq_views,
                       self.decay, self.step_count, lr, self.cfg, found_inf)
-        if self.master is not None:
-            torch._foreach_copy_(self.param_views, self.master_views)  # fp32 -> bf16/fp16
-
-    # ---------------------------------------------------------------- checkpoint view
-
-    def owned(self) -> List[dict]:
-        """Per owned parameter range: name, tp_shard, range of its flattened local tensor, and
-        views of master / exp_avg / exp_avg_sq for that range (what a resharding checkpoint needs)."""
-        return [{"name": s.name, "tp_shard": s.tp_shard, "range": s.local_range, "master": m,
-                 "exp_avg": a, "exp_avg_sq": b}
-                for s, m, a, b in zip(self.segments, self.master_views, self.exp_avg_views, self.exp_avg_sq_views)]
-
-    def state_dict(self) -> dict:
-        return {"step": self.step_count.clone(),
-                "params": {(o["name"], o["range"]): {k: o[k].clone() for k in ("master", "exp_avg", "exp_avg_sq")}
-                           for o in self.owned()}}
+        self.copy_master_to_params()
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        mine = {(o["name"], o["range"]): o for o in self.owned()}
-        if set(mine) != set(state["params"]):
-            raise ValueError("optimizer state holds other parameter ranges than this rank owns; "
-                             "loading into another layout is the checkpoint module's resharding job")
-        for key, o in mine.items():
-            for k in ("master", "exp_avg", "exp_avg_sq"):
-                o[k].copy_(state["params"][key][k])
-        self.step_count.copy_(state["step"])
-        if self.master is not None:
-            torch._foreach_copy_(self.param_views, self.master_views)
+    def copy_master_to_params(self) -> None:
+        """The owned parameters := their master weights, cast (nothing to do in fp32)."""
+        if self.master is not None and self.segments:
+            torch._foreach_copy_(self.param_views, self.master_views)  # fp32 -> bf16/fp16
+
+    def state_views(self) -> List[Tuple[Segment, Dict[str, torch.Tensor]]]:
+        """Per owned segment, its views of the optimizer state by kind (``master`` only when it
+        is a separate copy)."""
+        out = []
+        for i, s in enumerate(self.segments):
+            kinds = {"exp_avg": self.exp_avg_views[i], "exp_avg_sq": self.exp_avg_sq_views[i]}
+            if self.master is not None:
+                kinds["master"] = self.master_views[i]
+            out.append((s, kinds))
+        return out

@@ -81,14 +81,16 @@ def plan_buckets(numels: Sequence[int], bucket_numel: int, pad_multiple: int
 
 
 class FlatBuffers:
-    """One flat parameter buffer (model dtype) and one flat fp32 gradient buffer."""
+    """One flat parameter buffer in the training dtype and one flat fp32 gradient buffer.
 
-    def __init__(self, params: Sequence[nn.Parameter], bucket_numel: int, pad_multiple: int):
+    The parameters' values are copied (cast to ``dtype``) into the parameter buffer and each
+    parameter becomes a view of it; whoever needs their previous (fp32) values keeps a
+    reference to them before (the optimizer's master weights do).
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], bucket_numel: int, pad_multiple: int, dtype: torch.dtype):
         self.params = list(reversed(list(params)))  # backward order: head first
-        dtypes = {p.dtype for p in self.params}
-        if len(dtypes) != 1:
-            raise ValueError(f"parameters must share one dtype, got {dtypes}")
-        self.param_dtype = dtypes.pop()
+        self.param_dtype = dtype
         device = self.params[0].device
         offsets, plan, total = plan_buckets([p.numel() for p in self.params], bucket_numel, pad_multiple)
         self.offset: Dict[nn.Parameter, int] = dict(zip(self.params, offsets))
@@ -136,12 +138,9 @@ class GradReducer:
         self.launch_order: List[int] = []
         """Bucket indices in launch order this step, and how many launched inside backward."""
         self.launched_in_backward = 0
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in buffers.params]
+        for p in buffers.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
         self.zero_grad()
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
 
     def zero_grad(self) -> None:
         """Start a step: zero the fp32 buffer, reset the counts, point fp32 ``.grad`` at it."""

@@ -12,6 +12,14 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from trainer3d.model.init import tp_shard_of
+from trainer3d.topology import ParallelDims
+
+
+def counted_once_over_tp(param: torch.Tensor, dims: ParallelDims) -> bool:
+    """TP shards are distinct on every tp rank; replicated parameters are counted on tp rank 0."""
+    return tp_shard_of(param) is not None or dims.tp_rank == 0
+
 
 def sum_of_squares(tensors: List[torch.Tensor], device: torch.device) -> torch.Tensor:
     if not tensors:

@@ -35,7 +35,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from trainer3d.config import Config
 from trainer3d.parallel.bubble import StageClock, bubble_theory
-from trainer3d.parallel.stages import split_into_stages, stages_of_rank  # noqa: F401  (re-exported)
+from trainer3d.parallel.stages import stages_of_rank
 from trainer3d.topology import ParallelDims
 from trainer3d.validate import pipeline_micro_batch_problem
 
@@ -118,8 +118,3 @@ class Pipeline:
         """Add the per-step ``bubble`` (mean over all ranks) and ``bubble_theory`` columns."""
         metrics.add_column("bubble", self.clock.pop_bubbles)
         metrics.constants["bubble_theory"] = self.bubble_theory
-
-
-def build_pipeline(chunks: List[nn.Module], micro_loss, cfg: Config, dims: ParallelDims) -> Pipeline:
-    return Pipeline(chunks, micro_loss, cfg, dims)
-

@@ -18,14 +18,8 @@ from typing import Dict, Optional
 
 import torch
 
-from trainer3d.parallel import DTYPES
-
-__all__ = ["DTYPES", "LossScaler", "master_dtype_needed"]
-
-
-def master_dtype_needed(param_dtype: torch.dtype) -> bool:
-    """A separate fp32 master copy exists only when the model's parameters are not fp32."""
-    return param_dtype != torch.float32
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""``train.dtype`` -> the dtype the model computes in."""
 
 
 class LossScaler:
@@ -65,12 +59,13 @@ class LossScaler:
         """Device tensors for metrics.jsonl: the scale this step used, and whether it was skipped."""
         return {"loss_scale": self.used_scale.squeeze(0).clone(), "skipped": self.found_inf.squeeze(0).bool()}
 
-    def state_dict(self) -> dict:
-        return {"scale": self.scale.clone(), "growth_tracker": self.growth_tracker.clone()}
+    def persistent(self) -> Dict[str, torch.Tensor]:
+        """What a resumed run needs (saved and loaded in place by the checkpoint)."""
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.scale.copy_(state["scale"])
-        self.growth_tracker.copy_(state["growth_tracker"])
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        """Every tensor the scaler holds (for memory accounting)."""
+        return {**self.persistent(), "found_inf": self.found_inf, "used_scale": self.used_scale}
 
 
 def make_loss_scaler(param_dtype: torch.dtype, device: torch.device, init_scale: float) -> Optional[LossScaler]:

@@ -22,6 +22,7 @@ from typing import List, Optional, Sequence
 from torch import nn
 
 from trainer3d.config import Config
+from trainer3d.parallel.bubble import bubble_theory
 from trainer3d.topology import ParallelDims
 
 
@@ -95,8 +96,6 @@ def split_into_stages(model: nn.Module, cfg: Config, dims: ParallelDims) -> List
 
 def describe_stages(cfg: Config) -> str:
     """The dry-run plan's pipeline line: schedule, micro-batches, each stage's layers and rank."""
-    from trainer3d.parallel.bubble import bubble_theory
-
     p, accum = cfg.parallel, cfg.train.grad_accum_steps
     ranges = stage_layer_ranges(cfg.model.n_layers, n_stages(cfg), p.pp_layers)
     layers = ", ".join(f"stage {s} (pp rank {s % p.pp}): layers {r.start}-{r.stop - 1}" for s, r in enumerate(ranges))

@@ -27,7 +27,7 @@ weights then see only their shard's tokens: ``sync_sequence_parallel_grads`` sum
 gradients over tp.
 """
 
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,8 +36,8 @@ from torch import nn
 
 from trainer3d.config import Config
 from trainer3d.model.init import mark_tp_shard, tp_shard_of
+from trainer3d.parallel.optimizer import ZeroOptimizer
 from trainer3d.parallel.tensor_comm import ENTER, LEAVE
-from trainer3d.parallel.tensor_loss import vocab_parallel_loss_fn  # noqa: F401  (the seam's name)
 from trainer3d.topology import ParallelDims
 
 
@@ -230,23 +230,20 @@ def apply_tensor_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
                                             out.weight.device, out.weight.dtype)
 
 
-def replicated_parameters(chunks: Iterable[nn.Module]) -> List[nn.Parameter]:
-    """The parameters every tp rank holds whole (the norm weights)."""
-    return [p for chunk in chunks for p in chunk.parameters() if p.requires_grad and tp_shard_of(p) is None]
-
-
-def sync_sequence_parallel_grads(chunks: Iterable[nn.Module], optimizer, dims: ParallelDims) -> None:
+def sync_sequence_parallel_grads(optimizer: ZeroOptimizer, dims: ParallelDims) -> None:
     """Sum the gradients of tp-replicated parameters over tp (sequence parallelism only).
 
     Under sequence parallelism every replicated parameter (the norms) lives in a sequence-
     sharded region, so each tp rank's gradient covers only its tokens; the sum over tp is
     the full gradient, after which every tp rank holds the same one and the replicas stay
-    in sync. Works on ``optimizer.grad(param)``, the dp-reduced gradient (one flat all-
-    reduce for all of them).
+    in sync. Works on ``optimizer.grad(param)``, this rank's part of the dp-reduced
+    gradient (one flat all-reduce for all of them): the whole gradient for ZeRO 0/1, the
+    dp shard under FSDP, where the tp ranks of one dp rank hold the same rows.
     """
     if dims.tp == 1:
         return
-    grads = [g for g in (optimizer.grad(p) for p in replicated_parameters(chunks)) if g is not None]
+    replicated = [p for p in optimizer.parameters() if tp_shard_of(p) is None]
+    grads = [g for g in (optimizer.grad(p) for p in replicated) if g is not None]
     if not grads:
         return
     flat = torch._utils._flatten_dense_tensors(grads)

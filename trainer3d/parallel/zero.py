@@ -18,9 +18,10 @@ update):
 Stages 2 and 3 (pp == 1) go through FSDP2: parallel/fsdp.py. ``trainer3d.memory`` states what
 each stage allocates; tests/test_zero_memory.py holds the engine to it.
 
-The interface the trainer uses: zero_grad, scale_loss, reduce_gradients, grad,
-clip_grad_norm, step, step_metrics, state_dict/load_state_dict; for checkpoints, ``owned``
-and ``step_count``.
+Both implement the optimizer contract of parallel/optimizer.py, the only way the trainer,
+checkpoints and metrics reach them. The master weights start from the model's fp32
+initialisation; the parameters are cast to ``train.dtype`` when they move into the flat
+buffer.
 """
 
 from typing import Dict, List, Tuple
@@ -33,14 +34,10 @@ from trainer3d.model.init import canonical_name, tp_shard_of
 from trainer3d.parallel import comm
 from trainer3d.parallel.adamw import FlatAdamW, segments_of
 from trainer3d.parallel.buckets import FlatBuffers, GradReducer
-from trainer3d.parallel.clip import clip_by_global_norm_, sum_of_squares
-from trainer3d.parallel.precision import make_loss_scaler
+from trainer3d.parallel.clip import clip_by_global_norm_, counted_once_over_tp, sum_of_squares
+from trainer3d.parallel.optimizer import StateView, ZeroOptimizer
+from trainer3d.parallel.precision import DTYPES, make_loss_scaler
 from trainer3d.topology import ParallelDims
-
-
-def counted_once_over_tp(param: torch.Tensor, dims: ParallelDims) -> bool:
-    """TP shards are distinct on every tp rank; replicated parameters are counted on tp rank 0."""
-    return tp_shard_of(param) is not None or dims.tp_rank == 0
 
 
 def bucket_numel(cfg: Config) -> int:
@@ -50,30 +47,35 @@ def bucket_numel(cfg: Config) -> int:
 
 def reduce_mode(cfg: Config, dims: ParallelDims) -> str:
     """ZeRO-1's reduction: on gloo all-reduce is faster than reduce-scatter, on NCCL the
-    reverse (shared/FACTS.md: gloo 32 MiB dp=2, all_reduce 18.8 ms vs reduce_scatter 32.7 ms)."""
+    reverse (measured here on gloo, 32 MiB at dp=2: all_reduce 18.8 ms, reduce_scatter 32.7 ms)."""
     mode = cfg.parallel.zero_reduce
     if mode == "auto":
         mode = "reduce_scatter" if comm.backend_of(dims.dp_group) == "nccl" else "all_reduce"
     return mode
 
 
-class FlatZeroOptimizer:
+class FlatZeroOptimizer(ZeroOptimizer):
     """ZeRO stage 0 (``sharded=False``) or stage 1 (``sharded=True``) over flat buffers."""
 
     def __init__(self, chunks: List[nn.Module], cfg: Config, dims: ParallelDims, sharded: bool):
         self.cfg, self.dims, self.sharded = cfg, dims, sharded
         named = [(canonical_name(n), p) for chunk in chunks for n, p in chunk.named_parameters() if p.requires_grad]
-        names: Dict[nn.Parameter, str] = {p: n for n, p in named}
-        self.buffers = FlatBuffers([p for _, p in named], bucket_numel(cfg), dims.dp if sharded else 1)
+        self.names: Dict[nn.Parameter, str] = {p: n for n, p in named}
+        fp32 = {p: p.detach().float() for _, p in named}  # the init, before the flat buffer casts it
+        dtype = DTYPES[cfg.train.dtype]
+        self.buffers = FlatBuffers([p for _, p in named], bucket_numel(cfg), dims.dp if sharded else 1, dtype)
         mode = reduce_mode(cfg, dims) if sharded else "all_reduce"
         self.reducer = GradReducer(self.buffers, dims.dp_group, dims.dp, dims.dp_rank,
                                    cfg.train.grad_accum_steps, mode)
         self.pieces = self._owned_pieces()
         ranges = {p: self.buffers.range_of(p) for p in self.buffers.params}
-        segments = segments_of(names, ranges, self.pieces)
+        segments = segments_of(self.names, ranges, self.pieces)
         owned_numel = sum(hi - lo for lo, hi in self.pieces)
-        self.adam = FlatAdamW(segments, owned_numel, self.buffers.param_buffer, self.buffers.grad_buffer, cfg.optim)
-        self.scaler = make_loss_scaler(self.buffers.param_dtype, dims.device, cfg.train.loss_scale_init)
+        initial = [fp32[s.param].view(-1)[slice(*s.local_range)] for s in segments]
+        self.adam = FlatAdamW(segments, owned_numel, self.buffers.param_buffer, self.buffers.grad_buffer,
+                              cfg.optim, initial)
+        self.step_count = self.adam.step_count
+        self.scaler = make_loss_scaler(dtype, dims.device, cfg.train.loss_scale_init)
         self._owned_grads = [self.buffers.grad_buffer[lo:hi] for lo, hi in self.pieces]
         # Each gradient element counted once over the world: ZeRO-1 owners count their slices;
         # stage 0's replicas are identical, so dp rank 0 counts for all of them.
@@ -91,14 +93,13 @@ class FlatZeroOptimizer:
             out.append((lo, lo + size))
         return out
 
-    # ---------------------------------------------------------------- the trainer's interface
+    def parameters(self) -> List[nn.Parameter]:
+        return list(self.names)
+
+    # ---------------------------------------------------------------- one step
 
     def zero_grad(self) -> None:
         self.reducer.zero_grad()
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """What backward starts from (fp16 multiplies by the dynamic loss scale)."""
-        return self.scaler.scale_loss(loss) if self.scaler is not None else loss
 
     def reduce_gradients(self) -> None:
         """Wait for every bucket's reduction (fp16: and unscale the owned gradients)."""
@@ -112,7 +113,6 @@ class FlatZeroOptimizer:
         return self.buffers.grad_view(param)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global norm over tp, pp and dp in one all-reduce; scales the owned gradients."""
         local_sq = sum_of_squares(self._counted, self.dims.device)
         norm = clip_by_global_norm_(local_sq, self._owned_grads, max_norm)
         if self.scaler is not None:
@@ -121,48 +121,44 @@ class FlatZeroOptimizer:
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        found_inf = None
+        found_inf = self.scaler.found_inf if self.scaler is not None else None
+        self.adam.step(lr, found_inf)
         if self.scaler is not None:
-            found_inf = self.scaler.found_inf
-            self.adam.step(lr, found_inf)
             self.scaler.update()
-        else:
-            self.adam.step(lr)
-        if self.sharded and self.dims.dp > 1:
-            self._all_gather_params()
+        self._gather_params()
 
-    def _all_gather_params(self) -> None:
+    def _gather_params(self) -> None:
+        """Stage 1: every bucket's parameters from their owners, in place in the flat buffer."""
+        if not self.sharded or self.dims.dp == 1:
+            return
         flat, works = self.buffers.param_buffer, []
         for b, (lo, hi) in zip(self.buffers.buckets, self.pieces):
             works.append(comm.all_gather(flat[b.start:b.end], flat[lo:hi], self.dims.dp_group))
         for w in works:
             w.wait()
 
-    def step_metrics(self) -> Dict[str, torch.Tensor]:
-        """Device tensors for metrics.jsonl (fp16: loss_scale and skipped)."""
-        return self.scaler.metrics() if self.scaler is not None else {}
+    # ---------------------------------------------------------------- checkpoints, memory
 
-    # ---------------------------------------------------------------- checkpoints
+    def checkpoint_views(self) -> List[StateView]:
+        """Every parameter whole (each rank holds all of them), and the optimizer state of the
+        owned segments: a parameter's range of its flattened tp-local tensor."""
+        views = [StateView(self.names[p], tuple(p.shape), tp_shard_of(p), 0, p.numel(), {"param": p.detach().view(-1)})
+                 for p in self.buffers.params]
+        for s, kinds in self.adam.state_views():
+            views.append(StateView(s.name, tuple(s.param.shape), s.tp_shard, *s.local_range, kinds))
+        return views
 
-    @property
-    def step_count(self) -> torch.Tensor:
-        return self.adam.step_count
+    @torch.no_grad()
+    def after_load(self) -> None:
+        if self.adam.master is not None:  # mixed precision: the parameters are the masters' cast
+            self.adam.copy_master_to_params()
+            self._gather_params()
 
-    def owned(self) -> List[dict]:
-        """Per owned parameter range: name, tp_shard, range of its flattened local tensor and
-        views of its fp32 master / exp_avg / exp_avg_sq (see FlatAdamW.owned)."""
-        return self.adam.owned()
-
-    def state_dict(self) -> dict:
-        state = {"adam": self.adam.state_dict()}
-        if self.scaler is not None:
-            state["loss_scaler"] = self.scaler.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        self.adam.load_state_dict(state["adam"])
-        if self.scaler is not None and "loss_scaler" in state:
-            self.scaler.load_state_dict(state["loss_scaler"])
+    def state_tensors(self) -> Dict[str, List[torch.Tensor]]:
+        a = self.adam
+        return {"params": [self.buffers.param_buffer], "grads": [self.buffers.grad_buffer],
+                "master": [a.master] if a.master is not None else [],
+                "optimizer": [a.exp_avg, a.exp_avg_sq, *self._scalar_tensors()]}
 
 
 class ReplicatedOptimizer(FlatZeroOptimizer):
@@ -177,13 +173,3 @@ class ShardedOptimizer(FlatZeroOptimizer):
 
     def __init__(self, chunks: List[nn.Module], cfg: Config, dims: ParallelDims):
         super().__init__(chunks, cfg, dims, sharded=True)
-
-
-def build_optimizer(chunks: List[nn.Module], cfg: Config, dims: ParallelDims):
-    stage = cfg.parallel.zero_stage
-    if stage == 0:
-        return ReplicatedOptimizer(chunks, cfg, dims)
-    if stage == 1:
-        return ShardedOptimizer(chunks, cfg, dims)
-    from trainer3d.parallel.fsdp import FSDPOptimizer
-    return FSDPOptimizer(chunks, cfg, dims)
