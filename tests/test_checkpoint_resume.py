@@ -79,7 +79,9 @@ def test_reshard_chain_with_tp_changes(tmp_path, session_tmp):
 def test_kill_mid_save_keeps_the_previous_checkpoint(tmp_path, session_tmp):
     run = tmp_path / "run"
     args = [*BASE, *layout(1, 1, 2), "checkpoint.every=5", "train.max_steps=20", "parallel.timeout_s=20"]
-    env = dict(os.environ, TRAINER3D_TEST_STALL_SAVE="1:10", WANDB_MODE="offline")
+    plugin = Path(__file__).parent / "plugins" / "stall_save"  # its sitecustomize stalls rank 1 in the step-10 save
+    env = dict(os.environ, TRAINER3D_TEST_STALL_SAVE="1:10", WANDB_MODE="offline",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(plugin), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run}", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     marker = run / "checkpoints" / "stalled-rank1"

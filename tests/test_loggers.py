@@ -6,6 +6,7 @@ import pytest
 
 from trainer3d.config import Config
 from trainer3d.loggers import WandbLogger, scrub, wandb_mode
+from trainer3d.validate import layout_of
 from tests.wandb_records import read_run, run_files
 
 
@@ -27,7 +28,7 @@ def test_offline_run_holds_config_and_steps_and_resumes_by_id(tmp_path, monkeypa
     cfg = Config(run_dir=str(tmp_path))
     cfg.logger = dataclasses.replace(cfg.logger, name="wandb", mode="offline", group="sweep-7", tags=["t1"])
     for attempt in range(2):  # a requeued job opens the same run dir again
-        logger = WandbLogger(cfg, layout={"world_size": 2, "dp": 2})
+        logger = WandbLogger(cfg)
         logger.log([{"step": s, "loss": 5.0 - s, "lr": 1e-3} for s in range(attempt * 3, attempt * 3 + 3)])
         logger.close()
     files = run_files(tmp_path)
@@ -36,7 +37,7 @@ def test_offline_run_holds_config_and_steps_and_resumes_by_id(tmp_path, monkeypa
     runs = [read_run(f) for f in files]
     assert runs[0]["run"].run_group == "sweep-7" and list(runs[0]["run"].tags) == ["t1"]
     config = runs[0]["config"]
-    assert config["parallel"]["dp"] == cfg.parallel.dp and config["layout"]["world_size"] == 2
+    assert config["parallel"]["dp"] == cfg.parallel.dp and config["layout"] == layout_of(cfg)
     steps = [h for r in runs for h in r["history"]]
     assert [h["_step"] for h in steps] == list(range(6))
     assert [h["loss"] for h in steps] == [5.0 - s for s in range(6)]

@@ -1,4 +1,5 @@
-"""Pipelined steps on gloo ranks against one process: losses, gradients, activation memory."""
+"""Pipelined steps on gloo ranks against one process: losses, gradients, activation memory.
+(The measured bubble against theory: tests/test_bench_pipeline.py.)"""
 
 from types import SimpleNamespace
 
@@ -8,6 +9,12 @@ import torch
 
 from tests.harness import dims_for, run_ranks
 from trainer3d.config import Config, ModelConfig
+from trainer3d.model.init import init_parameters
+from trainer3d.model.transformer import Transformer, cross_entropy_loss
+from trainer3d.parallel import build_model_chunks, build_optimizer
+from trainer3d.parallel.activations import SavedActivationMeter
+from trainer3d.parallel.pipeline import Pipeline
+from trainer3d.trainer import MicroBatchLoss
 
 TINY = ModelConfig(dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50, max_seq_len=16)
 MICRO, SEQ = 2, 16
@@ -30,15 +37,9 @@ def _batch(n_micro, seed=1):
 
 
 def _pipeline(cfg, dims, chunks=None):
-    from trainer3d.model.transformer import cross_entropy_loss
-    from trainer3d.parallel import build_model_chunks
-    from trainer3d.parallel.pipeline import build_pipeline
-    from trainer3d.parallel.zero import build_optimizer
-    from trainer3d.trainer import MicroBatchLoss
-
     chunks = chunks or build_model_chunks(cfg, dims)
     micro_loss = MicroBatchLoss(cross_entropy_loss, cfg.train.grad_accum_steps, build_optimizer(chunks, cfg, dims))
-    return chunks, micro_loss, build_pipeline(chunks, micro_loss, cfg, dims)
+    return chunks, micro_loss, Pipeline(chunks, micro_loss, cfg, dims)
 
 
 def pipelined_steps(rank, world, pp, schedule, virtual_stages, n_micro):
@@ -56,9 +57,6 @@ def pipelined_steps(rank, world, pp, schedule, virtual_stages, n_micro):
 
 
 def reference_steps(n_micro):
-    from trainer3d.model.init import init_parameters
-    from trainer3d.model.transformer import Transformer, cross_entropy_loss
-
     model = Transformer(TINY)
     init_parameters(model, TINY, seed=7)
     x, y = _batch(n_micro)
@@ -95,8 +93,6 @@ def test_pipelined_losses_and_grads_equal_one_process(schedule, pp, virtual_stag
 
 
 def test_too_few_micro_batches_fail_before_any_send():
-    from trainer3d.parallel.pipeline import Pipeline
-
     cfg = _cfg(4, "1f1b", 1, 3)
     with pytest.raises(ValueError, match=r"train.grad_accum_steps=3 < parallel.pp=4: 1f1b"):
         Pipeline([], None, cfg, SimpleNamespace(pp_rank=0))
@@ -106,9 +102,6 @@ def test_too_few_micro_batches_fail_before_any_send():
 
 def _one_micro_batch_bytes(chunk, stage, n_stages, x, y):
     """Saved-activation bytes of one micro-batch's forward (and loss) on this stage, alone."""
-    from trainer3d.model.transformer import cross_entropy_loss
-    from trainer3d.parallel.activations import SavedActivationMeter
-
     if stage > 0:
         x = torch.randn(MICRO, SEQ, TINY.dim, requires_grad=True)
     with SavedActivationMeter(chunk.parameters()) as meter:
@@ -123,8 +116,6 @@ def _one_micro_batch_bytes(chunk, stage, n_stages, x, y):
 
 def activation_peaks(rank, world, pp, n_micros):
     """Per schedule and micro-batch count: this stage's peak saved-activation bytes in a step."""
-    from trainer3d.parallel.activations import SavedActivationMeter
-
     dims = dims_for(pp=pp)
     chunks = None
     peaks = {}
@@ -157,67 +148,3 @@ def test_1f1b_bounds_activation_memory_gpipe_does_not(pp):
         # GPipe: every micro-batch's activations live until the first backward.
         for n_micro in (few, many):
             assert peaks["gpipe", n_micro] == pytest.approx(n_micro * one, rel=0.10), (stage, n_micro, peaks, one)
-
-
-# ----------------------------------------------------------------- the bubble, measured
-
-class _Sleep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, seconds):
-        import time
-        time.sleep(seconds)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        import time
-        time.sleep(0.04)
-        return grad, None
-
-
-class _SleepStage(torch.nn.Module):
-    """A stage of fixed duration (20 ms forward, 40 ms backward) that uses no CPU, so the
-    measured bubble is the schedule's alone, not the 2-core machine's contention."""
-
-    def __init__(self, first, last):
-        super().__init__()
-        self.embedding = torch.nn.Embedding(TINY.vocab_size, 8) if first else None
-        self.scale = torch.nn.Parameter(torch.ones(8))
-        self.head = torch.nn.Linear(8, TINY.vocab_size) if last else None
-
-    def forward(self, x):
-        h = self.embedding(x) if self.embedding is not None else x
-        h = _Sleep.apply(h * self.scale, 0.02)
-        return self.head(h) if self.head is not None else h
-
-
-def measured_bubbles(rank, world, schedule, n_micros):
-    from trainer3d.model.transformer import cross_entropy_loss
-    from trainer3d.parallel.pipeline import build_pipeline
-    from trainer3d.trainer import MicroBatchLoss
-
-    dims = dims_for(pp=world)
-    out = {}
-    for n_micro in n_micros:
-        chunks = [_SleepStage(rank == 0, rank == world - 1)]
-        micro_loss = MicroBatchLoss(cross_entropy_loss, n_micro, SimpleNamespace(scale_loss=lambda loss: loss))
-        pipe = build_pipeline(chunks, micro_loss, _cfg(world, schedule, 1, n_micro), dims)
-        x, y = _batch(n_micro)
-        for _ in range(3):
-            pipe.forward_backward(x, y)
-        out[n_micro] = pipe.clock.pop_bubbles()[1:]  # the first step also infers shapes
-    return out
-
-
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_measured_bubble_follows_theory(schedule):
-    """On stages of fixed, equal duration each stage idles (p - 1) / (m + p - 1) of the step
-    (plus a few ms of hand-over per micro-batch: the margin is one-sided)."""
-    from trainer3d.parallel.bubble import bubble_theory
-
-    results = run_ranks(measured_bubbles, 2, schedule, (2, 8), timeout=300)
-    for n_micro in (2, 8):
-        theory = bubble_theory(2, n_micro)
-        for stage, bubbles in enumerate(results):
-            for bubble in bubbles[n_micro]:
-                assert theory - 0.02 <= bubble <= theory + 0.08, (schedule, n_micro, stage, bubble, theory)

@@ -83,7 +83,7 @@ def _whole_model(rank, world_size, sp):
     loss.backward()
     optimizer.reduce_gradients()
     if sp:
-        sync_sequence_parallel_grads(chunks, optimizer, dims)
+        sync_sequence_parallel_grads(optimizer, dims)
     out["loss"] = abs(loss.item() - ref_loss.item())
     for name, p in model.named_parameters():
         full, grad = ref_params[name].grad, optimizer.grad(p)
@@ -110,7 +110,7 @@ def _whole_model(rank, world_size, sp):
         loss_fn(model(tokens), targets).backward()
         optimizer.reduce_gradients()
         if sp:
-            sync_sequence_parallel_grads(chunks, optimizer, dims)
+            sync_sequence_parallel_grads(optimizer, dims)
         optimizer.clip_grad_norm(1.0)
         optimizer.step(1e-2)
     flat = torch.cat([p.detach().flatten() for n, p in model.named_parameters() if tp_shard_of(p) is None])

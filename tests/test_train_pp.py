@@ -33,7 +33,7 @@ def test_pp_matches_single_process(tmp_path, session_tmp, pp, schedule, extra, m
     virtual = 2 if extra else 1
     for row in rows:
         assert row["bubble_theory"] == pytest.approx((pp - 1) / (virtual * (8 + pp - 1)))
-        assert 0.0 <= row["bubble"] < 1.0
+        assert row["bubble"] > 0  # measured: every stage waits on its neighbour some of the step
 
 
 def test_pp2_dp2_matches_single_process(tmp_path, session_tmp):

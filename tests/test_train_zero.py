@@ -1,6 +1,7 @@
 """ZeRO stages and mixed precision through the real entry point.
 
-fp32: every stage's per-step loss equals the single-process run's (relative 1e-5, 20 steps).
+fp32: every stage's per-step loss equals the single-process run's (relative 1e-5, 20 steps),
+stages 2 and 3 also over tensor-parallel slices (tp2 x dp2).
 bf16/fp16 train (the loss falls as fp32's does); fp16 reports its loss scale and skipped steps.
 """
 
@@ -16,6 +17,9 @@ LAYOUTS = [
     ("parallel.zero_stage=1", "parallel.dp=4", "parallel.zero_reduce=reduce_scatter", SMALL_BUCKETS),
     ("parallel.zero_stage=2", "parallel.dp=2"),
     ("parallel.zero_stage=3", "parallel.dp=2"),
+    # FSDP over tp slices (tests/test_zero.py runs all four of stage 2/3 x sequence parallel)
+    ("parallel.zero_stage=2", "parallel.tp=2", "parallel.dp=2", "parallel.sequence_parallel=true"),
+    ("parallel.zero_stage=3", "parallel.tp=2", "parallel.dp=2"),
 ]
 
 

@@ -5,7 +5,7 @@
     python tools/bench_pipeline.py --model sleep --schedules 1f1b,gpipe,interleaved_1f1b:2
 
 Each point starts pp gloo ranks on this machine (one thread each) that run the project's
-own pipeline (``build_pipeline`` -> ``Pipeline.forward_backward``, the trainer's
+own pipeline (``Pipeline.forward_backward``, the trainer's
 ``MicroBatchLoss``) for ``--warmup`` unmeasured steps (the first one also infers shapes)
 and ``--steps`` measured ones. A rank's bubble is 1 - busy / wall over the measured steps
 (parallel/bubble.py); the table shows the mean over stages (what metrics.jsonl's
@@ -72,9 +72,6 @@ theory); re-measure on one core per stage.
 """
 
 import argparse
-import datetime
-import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -82,12 +79,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 
 from trainer3d.config import Config, ModelConfig  # noqa: E402
+from trainer3d.local_ranks import run_ranks  # noqa: E402
+from trainer3d.model.transformer import cross_entropy_loss  # noqa: E402
+from trainer3d.parallel import build_model_chunks, build_optimizer  # noqa: E402
 from trainer3d.parallel.bubble import bubble_theory  # noqa: E402
+from trainer3d.parallel.pipeline import Pipeline  # noqa: E402
+from trainer3d.parallel.stages import stages_of_rank  # noqa: E402
+from trainer3d.topology import ParallelDims, Topology  # noqa: E402
+from trainer3d.trainer import MicroBatchLoss  # noqa: E402
 from trainer3d.validate import pipeline_micro_batch_problem  # noqa: E402
 
 MODEL = ModelConfig(name="bench", dim=256, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=768,
@@ -136,9 +138,6 @@ class SleepStage(nn.Module):
 
 
 def _chunks(model: str, cfg: Config, dims):
-    from trainer3d.parallel import build_model_chunks
-    from trainer3d.parallel.stages import stages_of_rank
-
     if model == "transformer":
         return build_model_chunks(cfg, dims)
     n_stages = cfg.parallel.pp * cfg.parallel.pp_virtual_stages
@@ -148,58 +147,31 @@ def _chunks(model: str, cfg: Config, dims):
             for s in stages_of_rank(dims.pp_rank, cfg.parallel.pp, v)]
 
 
-def _rank(rank: int, pp: int, n_micro: int, schedule: str, model: str, steps: int, warmup: int, port: int, out):
-    from trainer3d.model.transformer import cross_entropy_loss
-    from trainer3d.parallel.pipeline import build_pipeline
-    from trainer3d.parallel.zero import build_optimizer
-    from trainer3d.topology import ParallelDims, Topology
-    from trainer3d.trainer import MicroBatchLoss
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=pp, timeout=datetime.timedelta(seconds=300))
-    try:
-        cfg = _config(pp, n_micro, schedule)
-        dims = ParallelDims.build(Topology(tp=1, pp=pp, dp=1), torch.device("cpu"))
-        chunks = _chunks(model, cfg, dims)
-        optimizer = build_optimizer(chunks, cfg, dims)
-        micro_loss = MicroBatchLoss(cross_entropy_loss, n_micro, optimizer)
-        pipe = build_pipeline(chunks, micro_loss, cfg, dims)
-        g = torch.Generator().manual_seed(0)
-        inputs = torch.randint(0, MODEL.vocab_size, (n_micro, MICRO_BATCH, SEQ), generator=g)
-        targets = torch.randint(0, MODEL.vocab_size, (n_micro, MICRO_BATCH, SEQ), generator=g)
-        for step in range(warmup + steps):
-            optimizer.zero_grad()
-            pipe.forward_backward(inputs, targets)
-            micro_loss.pop_mean()
-            if step == warmup - 1:
-                pipe.clock.pop_times()
-        times = pipe.clock.pop_times()  # (busy, wall) per measured step
-        out.put((rank, sum(b for b, _ in times) / sum(w for _, w in times), sum(w for _, w in times) / len(times)))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rank(rank: int, world: int, n_micro: int, schedule: str, model: str, steps: int, warmup: int):
+    """(busy share of the measured steps' wall time, mean step wall time) of this stage."""
+    cfg = _config(world, n_micro, schedule)
+    dims = ParallelDims.build(Topology(tp=1, pp=world, dp=1), torch.device("cpu"))
+    chunks = _chunks(model, cfg, dims)
+    optimizer = build_optimizer(chunks, cfg, dims)
+    micro_loss = MicroBatchLoss(cross_entropy_loss, n_micro, optimizer)
+    pipe = Pipeline(chunks, micro_loss, cfg, dims)
+    g = torch.Generator().manual_seed(0)
+    inputs = torch.randint(0, MODEL.vocab_size, (n_micro, MICRO_BATCH, SEQ), generator=g)
+    targets = torch.randint(0, MODEL.vocab_size, (n_micro, MICRO_BATCH, SEQ), generator=g)
+    for step in range(warmup + steps):
+        optimizer.zero_grad()
+        pipe.forward_backward(inputs, targets)
+        micro_loss.pop_mean()
+        if step == warmup - 1:
+            pipe.clock.pop_times()
+    times = pipe.clock.pop_times()  # (busy, wall) per measured step
+    return sum(b for b, _ in times) / sum(w for _, w in times), sum(w for _, w in times) / len(times)
 
 
 def measure(pp: int, n_micro: int, schedule: str, model: str, steps: int, warmup: int):
     """(bubble per stage, mean step wall time) of one point."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, pp, n_micro, schedule, model, steps, warmup, port, out))
-             for r in range(pp)]
-    for p in procs:
-        p.start()
-    results = sorted(out.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
-    bubbles = [1.0 - busy_share for _, busy_share, _ in results]
-    return bubbles, max(wall for _, _, wall in results)
+    results = run_ranks(_rank, pp, n_micro, schedule, model, steps, warmup, timeout=1800, pg_timeout_s=300)
+    return [1.0 - busy_share for busy_share, _ in results], max(wall for _, wall in results)
 
 
 def main() -> None:

@@ -27,27 +27,32 @@ are noisy, ratios less so), ``python tools/bench_tp.py``:
     DTensor TP             328.9             5.6133
     DTensor / ours: 1.61 x step time
 
-(2026-11-22; in line with FACTS.md's 1.55x at d=256 for hand-written vs DTensor layers.)
+(2026-11-22.)
 """
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from trainer3d.config import Config, ModelConfig  # noqa: E402
+from trainer3d.local_ranks import run_ranks  # noqa: E402
+from trainer3d.model.init import init_parameters  # noqa: E402
+from trainer3d.model.transformer import Transformer, cross_entropy_loss  # noqa: E402
+from trainer3d.parallel import build_loss_fn, build_model_chunks  # noqa: E402
+from trainer3d.parallel.zero import ReplicatedOptimizer  # noqa: E402
+from trainer3d.topology import ParallelDims, Topology  # noqa: E402
+
 
 def _config(args):
-    from trainer3d.config import Config, ModelConfig
-
     cfg = Config()
     cfg.model = ModelConfig(name="bench", dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4,
                             ffn_dim=args.dim * 3, vocab_size=257, max_seq_len=args.seq)
@@ -57,9 +62,6 @@ def _config(args):
 
 
 def _ours(cfg, dims):
-    from trainer3d.parallel import build_loss_fn, build_model_chunks
-    from trainer3d.parallel.zero import ReplicatedOptimizer
-
     chunks = build_model_chunks(cfg, dims)
     optimizer = ReplicatedOptimizer(chunks, cfg, dims)
     loss_fn = build_loss_fn(cfg, dims)
@@ -76,12 +78,6 @@ def _ours(cfg, dims):
 
 
 def _dtensor(cfg, dims):
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from trainer3d.model.init import init_parameters
-    from trainer3d.model.transformer import Transformer, cross_entropy_loss
-
     model = Transformer(cfg.model)
     init_parameters(model, cfg.model, cfg.train.seed)
     mesh = dims.mesh["tp"]
@@ -92,8 +88,7 @@ def _dtensor(cfg, dims):
             plan[f"layers.{i}.{name}"] = ColwiseParallel()
         for name in ("attention.wo", "feed_forward.w2"):
             plan[f"layers.{i}.{name}"] = RowwiseParallel()
-    parallelize_module(model, mesh, plan)
-    assert Shard  # (the plan's default layouts shard weights on dim 0 / 1)
+    parallelize_module(model, mesh, plan)  # the plan's default layouts shard weights on dim 0 / 1
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
     def step(tokens, targets):
@@ -109,8 +104,6 @@ def _dtensor(cfg, dims):
 def _clip_mixed(parameters, max_norm, group):
     """clip_grad_norm_ over DTensor (sharded) and plain (replicated) gradients: torch's own
     refuses the mix. Sharded squares are summed over tp, replicated ones counted once."""
-    from torch.distributed.tensor import DTensor
-
     grads = [p.grad for p in parameters if p.grad is not None]
     sharded = [g.to_local() for g in grads if isinstance(g, DTensor) and not g.placements[0].is_replicate()]
     replicated = [g.to_local() if isinstance(g, DTensor) else g for g in grads
@@ -123,12 +116,8 @@ def _clip_mixed(parameters, max_norm, group):
         (g.to_local() if isinstance(g, DTensor) else g).mul_(scale)
 
 
-def _rank(rank, args, init_file, results):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.tp)
-    from trainer3d.topology import ParallelDims, Topology
-
-    dims = ParallelDims.build(Topology(tp=args.tp, pp=1, dp=1), torch.device("cpu"))
+def _rank(rank, world, args):
+    dims = ParallelDims.build(Topology(tp=world, pp=1, dp=1), torch.device("cpu"))
     cfg = _config(args)
     variants = {"ours": _ours(cfg, dims), "DTensor TP": _dtensor(cfg, dims)}
     g = torch.Generator().manual_seed(0)
@@ -145,9 +134,7 @@ def _rank(rank, args, init_file, results):
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time
             if i >= args.warmup:
                 times[name].append(elapsed.item())
-    if rank == 0:
-        results.put({name: (statistics.median(t), last[name].item()) for name, t in times.items()})
-    dist.destroy_process_group()
+    return {name: (statistics.median(t), last[name].item()) for name, t in times.items()}
 
 
 def main(argv=None) -> int:
@@ -160,25 +147,11 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args(argv)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, args, os.path.join(tmp, "store"), results))
-                 for r in range(args.tp)]
-        for p in procs:
-            p.start()
-        out = None
-        while out is None:
-            try:
-                out = results.get(timeout=5)
-            except Exception:  # queue.Empty: check that every rank still lives
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    for p in procs:
-                        p.kill()
-                    print("bench_tp: a rank failed (its traceback is above)", file=sys.stderr)
-                    return 1
-        for p in procs:
-            p.join(60)
+    try:
+        out = run_ranks(_rank, args.tp, args, timeout=1800, pg_timeout_s=300)[0]
+    except (RuntimeError, TimeoutError) as err:
+        print(f"bench_tp: {err}", file=sys.stderr)
+        return 1
     print(f"tp={args.tp}, dim {args.dim}, {args.layers} layers, 8 heads, vocab 257, "
           f"{args.batch} x {args.seq} tokens per step, {args.steps} timed steps")
     print(f"{'variant':<12} {'median step ms':>15} {'loss at last step':>18}")

@@ -33,34 +33,29 @@ are noisy), ``python tools/bench_zero.py`` (dp=2, 3.3M parameters, 12 steps):
 
 import argparse
 import contextlib
-import datetime
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from trainer3d.config import Config  # noqa: E402
+from trainer3d.local_ranks import run_ranks  # noqa: E402
 from trainer3d.model.transformer import cross_entropy_loss  # noqa: E402
-
-
-def storage_bytes(tensors) -> int:
-    seen = {}
-    for t in tensors:
-        if t is not None:
-            s = t.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
+from trainer3d.optim import param_groups  # noqa: E402
+from trainer3d.parallel import build_model_chunks, build_optimizer  # noqa: E402
+from trainer3d.telemetry import storage_bytes  # noqa: E402
+from trainer3d.topology import ParallelDims, Topology  # noqa: E402
 
 
 def make_cfg(args):
-    from trainer3d.config import Config
     cfg = Config()
     m = cfg.model
     m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim = args.dim, args.layers, 8, 4, 3 * args.dim
@@ -80,7 +75,6 @@ def batches(cfg, rank, steps):
 
 class Ours:
     def __init__(self, model, cfg, dims, stage):
-        from trainer3d.parallel.zero import build_optimizer
         cfg.parallel.zero_stage = stage
         self.model, self.opt = model, build_optimizer([model], cfg, dims)
 
@@ -98,20 +92,17 @@ class Ours:
         self.opt.zero_grad()
 
     def optimizer_tensors(self):
-        a = self.opt.adam
-        return [a.exp_avg, a.exp_avg_sq, a.step_count, a.master]
+        held = self.opt.state_tensors()
+        return held["optimizer"] + held["master"]
 
     def model_state_tensors(self):
-        return self.optimizer_tensors() + [self.opt.buffers.param_buffer, self.opt.buffers.grad_buffer]
+        return [t for tensors in self.opt.state_tensors().values() for t in tensors]
 
 
 class Torch:
     """DDP + AdamW (stage 0) or DDP + ZeroRedundancyOptimizer(AdamW) (stage 1)."""
 
     def __init__(self, model, cfg, dims, stage):
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        from trainer3d.optim import param_groups
         o = cfg.optim
         kw = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
         groups = param_groups(model.named_parameters(), o.weight_decay)
@@ -147,7 +138,7 @@ class Torch:
 
     def model_state_tensors(self):
         params = list(self.model.parameters())
-        return self.optimizer_tensors() + params + [p.grad for p in params]
+        return self.optimizer_tensors() + params + [p.grad for p in params if p.grad is not None]
 
 
 VARIANTS = ((0, "ours"), (0, "torch"), (1, "ours"), (1, "torch"))
@@ -156,7 +147,6 @@ VARIANTS = ((0, "ours"), (0, "torch"), (1, "ours"), (1, "torch"))
 def run_variants(cfg, dims, inputs, targets, warmup) -> dict:
     """All four engines on fresh copies of one model, their steps interleaved (A B C D A B ...)
     so that load from other processes on a shared machine hits every variant alike."""
-    from trainer3d.parallel import build_model_chunks
     engines = {}
     for stage, kind in VARIANTS:
         engines[(stage, kind)] = (Ours if kind == "ours" else Torch)(build_model_chunks(cfg, dims)[0], cfg, dims, stage)
@@ -174,23 +164,16 @@ def run_variants(cfg, dims, inputs, targets, warmup) -> dict:
             for key, e in engines.items()}
 
 
-def rank_main(rank, args, init_file, queue):
-    from trainer3d.topology import ParallelDims, Topology
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.dp))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.dp,
-                            timeout=datetime.timedelta(seconds=300))
-    try:
-        dims = ParallelDims.build(Topology(tp=1, pp=1, dp=args.dp), torch.device("cpu"))
-        cfg = make_cfg(args)
-        inputs, targets = batches(cfg, rank, args.steps)
-        out = run_variants(cfg, dims, inputs, targets, args.warmup)
-        for key, (t, opt_bytes, state_bytes, psi) in out.items():
-            slowest = torch.tensor([t])
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            out[key] = (slowest.item(), opt_bytes, state_bytes, psi)
-        queue.put((rank, out))
-    finally:
-        dist.destroy_process_group()
+def rank_main(rank, world, args):
+    dims = ParallelDims.build(Topology(tp=1, pp=1, dp=world), torch.device("cpu"))
+    cfg = make_cfg(args)
+    inputs, targets = batches(cfg, rank, args.steps)
+    out = run_variants(cfg, dims, inputs, targets, args.warmup)
+    for key, (t, opt_bytes, state_bytes, psi) in out.items():
+        slowest = torch.tensor([t])
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        out[key] = (slowest.item(), opt_bytes, state_bytes, psi)
+    return out
 
 
 def report(out, args) -> None:
@@ -221,16 +204,8 @@ def main() -> None:
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=rank_main, args=(r, args, os.path.join(tmp, "store"), queue))
-                 for r in range(args.dp)]
-        for p in procs:
-            p.start()
-        results = dict(queue.get(timeout=1800) for _ in procs)
-        for p in procs:
-            p.join()
+    results = run_ranks(rank_main, args.dp, args, timeout=1800, threads=max(1, (os.cpu_count() or 1) // args.dp),
+                        pg_timeout_s=300)
     report(results[0], args)
 
 

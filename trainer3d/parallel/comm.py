@@ -1,9 +1,11 @@
-"""The data-parallel collectives ZeRO needs, behind one small shim.
+"""The flat-tensor collectives, behind one small shim, and the ones ZeRO needs.
 
 torch 2.13 renamed the flat-tensor collectives (``reduce_scatter_tensor`` ->
 ``reduce_scatter_single``, ``all_gather_into_tensor`` -> ``all_gather_single``) and the old
 names warn as deprecated; older torch (the package admits >= 2.6) has only the old names.
-Everything here is asynchronous: callers keep the work handle and wait for it later.
+``all_gather_single`` and ``reduce_scatter_single`` are whichever this torch has (tensor
+parallelism's sequence collectives use them too). The ZeRO wrappers below are asynchronous:
+callers keep the work handle and wait for it later.
 
 All three run in place on the flat buffers (output is a slice of input, or the reverse):
 gloo and NCCL both accept that (checked on gloo at dp 2 and 4; NCCL documents in-place
@@ -14,8 +16,8 @@ is allocated by us.
 import torch
 import torch.distributed as dist
 
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def all_reduce_avg(tensor: torch.Tensor, group) -> dist.Work:
@@ -25,12 +27,12 @@ def all_reduce_avg(tensor: torch.Tensor, group) -> dist.Work:
 
 def reduce_scatter_avg(output: torch.Tensor, input: torch.Tensor, group) -> dist.Work:
     """Average ``input`` over ``group``; this rank's equal slice lands in ``output``."""
-    return _reduce_scatter(output, input, op=dist.ReduceOp.AVG, group=group, async_op=True)
+    return reduce_scatter_single(output, input, op=dist.ReduceOp.AVG, group=group, async_op=True)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group) -> dist.Work:
     """Concatenate every rank's ``input`` (equal sizes, in rank order) into ``output``."""
-    return _all_gather(output, input, group=group, async_op=True)
+    return all_gather_single(output, input, group=group, async_op=True)
 
 
 def backend_of(group) -> str:

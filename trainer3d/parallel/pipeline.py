@@ -1,7 +1,7 @@
 """Pipeline parallelism: a step's micro-batches through 1F1B, GPipe or interleaved 1F1B.
 
-The schedules are torch.distributed.pipelining's (they matched a single process to 1e-8
-on gloo, FACTS.md). This module builds them over ``dims.pp_group`` and guards their
+The schedules are torch.distributed.pipelining's (tests/test_pipeline.py holds their losses
+and gradients to a single process). This module builds them over ``dims.pp_group`` and guards their
 pitfalls:
 
 - gradient scaling: ``scale_grads=False``. The trainer's ``MicroBatchLoss`` is the

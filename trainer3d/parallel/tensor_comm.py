@@ -25,10 +25,7 @@ tensor to both of its inputs).
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed the "into tensor" collectives and deprecated the old names; the
-# package admits torch >= 2.6, which has only the old ones (FACTS.md: keep one shim).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from trainer3d.parallel.comm import all_gather_single, reduce_scatter_single
 
 
 def _size(group) -> int:
@@ -46,7 +43,7 @@ def all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     size = _size(group)
     front = x.movedim(1, 0).contiguous()
     out = front.new_empty((size * front.shape[0], *front.shape[1:]))
-    _all_gather_single(out, front, group=group)
+    all_gather_single(out, front, group=group)
     return out.movedim(0, 1).contiguous()
 
 
@@ -57,7 +54,7 @@ def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
         raise ValueError(f"sequence length {x.shape[1]} is not divisible by tp={size}")
     front = x.movedim(1, 0).contiguous()
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
-    _reduce_scatter_single(out, front, group=group)
+    reduce_scatter_single(out, front, group=group)
     return out.movedim(0, 1).contiguous()
 
 
