@@ -1,12 +1,16 @@
 """tools/bench_pipeline.py runs the project's pipeline on stages of fixed duration and prints
 the measured bubble next to theory, for 1F1B and GPipe.
 
-The stages sleep (20 ms forward, 40 ms backward per micro-batch: no CPU), so the schedule
-alone decides how long each stage waits. The bounds are not timing windows: a loaded
-machine only adds idle time, so the lower bound is theory itself (less a rounding margin)
-and the upper bound is what a broken measurement would cross — one that missed the
-backward (2/3 of each stage's work) reads 1 - m f / ((m + p - 1)(f + b)) = 0.78 at m = 2 and
-0.70 at m = 8, above theory + (1 - theory) / 2 = 0.67 and 0.56.
+The stages sleep (30 ms forward, 60 ms backward per micro-batch: no CPU) and start each step
+together, so on an idle machine the schedule alone decides how long each stage waits and
+the bubble is theory plus the hand-over (about 0.01-0.03, the tool's docstring). A loaded
+machine stretches both: a stage's small compute around its sleeps (embedding, head, loss)
+waits for a core, which counts as busy and makes the stages unequal, and a woken rank
+waits, which counts as idle. So the bounds are not a timing window but what a broken
+measurement would cross: counting the waits as busy reads near 0, under theory / 2; missing
+the backward (2/3 of each stage's work) reads 1 - m f / ((m + p - 1)(f + b)) = 0.78 at m = 2
+and 0.70 at m = 8, above theory + (1 - theory) / 2 = 0.67 and 0.56; a bubble that does not
+shrink with more micro-batches is no pipeline's.
 """
 
 import subprocess
@@ -29,6 +33,6 @@ def test_bench_pipeline_prints_measured_bubble_and_theory():
         theory = bubble_theory(pp, m)  # (pp - 1) / (m + pp - 1): 1/3 and 1/9
         assert abs(float(row[3]) - theory) < 1e-3, row
         measured[schedule, m] = float(row[4])
-        assert theory - 0.02 <= measured[schedule, m] < theory + (1 - theory) / 2, proc.stdout
+        assert theory / 2 <= measured[schedule, m] < theory + (1 - theory) / 2, proc.stdout
     for schedule in ("1f1b", "gpipe"):  # the fill and drain shrink as m grows (theory: 0.33 -> 0.11)
         assert measured[schedule, 8] < measured[schedule, 2], proc.stdout
