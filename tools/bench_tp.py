@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Our tensor parallelism against torch's DTensor TP, on the same model in one run.
 
-    python tools/bench_tp.py [--tp 2] [--dim 256] [--layers 4] [--steps 8] [--seq 128] [--batch 4]
+    python tools/bench_tp.py [--tp 2] [--dim 256] [--layers 4] [--steps 8] [--seq-len 128] [--micro-batch 4]
 
 ``tp`` gloo ranks build the same Llama-style model twice, interleaving the two variants step
 by step so both see the same machine load:
@@ -43,7 +43,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer3d.config import Config, ModelConfig  # noqa: E402
+from bench_common import add_model_arguments, bench_config  # noqa: E402
 from trainer3d.local_ranks import run_ranks  # noqa: E402
 from trainer3d.model.init import init_parameters  # noqa: E402
 from trainer3d.model.transformer import Transformer, cross_entropy_loss  # noqa: E402
@@ -53,9 +53,7 @@ from trainer3d.topology import ParallelDims, Topology  # noqa: E402
 
 
 def _config(args):
-    cfg = Config()
-    cfg.model = ModelConfig(name="bench", dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4,
-                            ffn_dim=args.dim * 3, vocab_size=257, max_seq_len=args.seq)
+    cfg = bench_config(args)
     cfg.parallel.tp, cfg.parallel.dp = args.tp, 1
     cfg.train.grad_accum_steps = 1
     return cfg
@@ -124,8 +122,8 @@ def _rank(rank, world, args):
     times = {name: [] for name in variants}
     last = {}
     for i in range(args.warmup + args.steps):
-        tokens = torch.randint(0, 257, (args.batch, args.seq), generator=g)
-        targets = torch.randint(0, 257, (args.batch, args.seq), generator=g)
+        tokens = torch.randint(0, 257, (args.micro_batch, args.seq_len), generator=g)
+        targets = torch.randint(0, 257, (args.micro_batch, args.seq_len), generator=g)
         for name, step in variants.items():
             dist.barrier()
             started = time.perf_counter()
@@ -140,12 +138,7 @@ def _rank(rank, world, args):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
+    add_model_arguments(parser, steps=8)
     args = parser.parse_args(argv)
     try:
         out = run_ranks(_rank, args.tp, args, timeout=1800, pg_timeout_s=300)[0]
@@ -153,7 +146,7 @@ def main(argv=None) -> int:
         print(f"bench_tp: {err}", file=sys.stderr)
         return 1
     print(f"tp={args.tp}, dim {args.dim}, {args.layers} layers, 8 heads, vocab 257, "
-          f"{args.batch} x {args.seq} tokens per step, {args.steps} timed steps")
+          f"{args.micro_batch} x {args.seq_len} tokens per step, {args.steps} timed steps")
     print(f"{'variant':<12} {'median step ms':>15} {'loss at last step':>18}")
     for name, (median, loss) in out.items():
         print(f"{name:<12} {median * 1e3:>15.1f} {loss:>18.4f}")

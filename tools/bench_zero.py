@@ -1,6 +1,6 @@
 """Our ZeRO stages against torch's own, on the same model in one run.
 
-    python tools/bench_zero.py [--dp 2] [--steps 12] [--dim 256] [--layers 4] [--bucket-mb 25]
+    python tools/bench_zero.py [--dp 2] [--steps 10] [--dim 256] [--layers 4] [--bucket-mb 25]
 
 Each of ``dp`` gloo ranks trains the same Llama-style model, one fresh copy per variant,
 with the same micro-batches (grad_accum of them per step), gradient clipping and AdamW
@@ -17,7 +17,7 @@ counted once) on rank 0, and ours/torch ratios. DDP's own bucket copies are not 
 when they are gradient views (as here); torch's defaults would add 4Ψ more.
 
 Measured on the 2-core development machine (CPU, gloo; shared with other jobs, so times
-are noisy), ``python tools/bench_zero.py`` (dp=2, 3.3M parameters, 12 steps):
+are noisy), ``python tools/bench_zero.py`` (dp=2, 3.3M parameters, 2 + 10 steps):
 
     dp=2, 3,279,616 parameters, grad_accum=2, micro_batch=4x128, 10 timed steps (median, slowest rank)
                                          step ms  optimizer MB  model state MB
@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer3d.config import Config  # noqa: E402
+from bench_common import add_model_arguments, bench_config  # noqa: E402
 from trainer3d.local_ranks import run_ranks  # noqa: E402
 from trainer3d.model.transformer import cross_entropy_loss  # noqa: E402
 from trainer3d.optim import param_groups  # noqa: E402
@@ -56,13 +56,10 @@ from trainer3d.topology import ParallelDims, Topology  # noqa: E402
 
 
 def make_cfg(args):
-    cfg = Config()
-    m = cfg.model
-    m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim = args.dim, args.layers, 8, 4, 3 * args.dim
+    cfg = bench_config(args)
     cfg.parallel.dp, cfg.parallel.bucket_mb = args.dp, args.bucket_mb
-    t = cfg.train
-    t.seq_len, t.micro_batch_size, t.grad_accum_steps = args.seq_len, args.micro_batch, args.grad_accum
-    t.global_batch_size = args.micro_batch * args.grad_accum * args.dp
+    cfg.train.grad_accum_steps = args.grad_accum
+    cfg.train.global_batch_size = args.micro_batch * args.grad_accum * args.dp
     return cfg
 
 
@@ -167,7 +164,7 @@ def run_variants(cfg, dims, inputs, targets, warmup) -> dict:
 def rank_main(rank, world, args):
     dims = ParallelDims.build(Topology(tp=1, pp=1, dp=world), torch.device("cpu"))
     cfg = make_cfg(args)
-    inputs, targets = batches(cfg, rank, args.steps)
+    inputs, targets = batches(cfg, rank, args.warmup + args.steps)
     out = run_variants(cfg, dims, inputs, targets, args.warmup)
     for key, (t, opt_bytes, state_bytes, psi) in out.items():
         slowest = torch.tensor([t])
@@ -179,7 +176,7 @@ def rank_main(rank, world, args):
 def report(out, args) -> None:
     psi = out[(0, "ours")][3]
     print(f"dp={args.dp}, {psi:,} parameters, grad_accum={args.grad_accum}, micro_batch={args.micro_batch}x"
-          f"{args.seq_len}, {args.steps - args.warmup} timed steps (median, slowest rank); bytes on rank 0")
+          f"{args.seq_len}, {args.steps} timed steps (median, slowest rank); bytes on rank 0")
     print(f"{'':34} {'step ms':>9} {'optimizer MB':>13} {'model state MB':>15}")
     names = {(0, "ours"): "stage 0: ours", (0, "torch"): "stage 0: DDP + AdamW",
              (1, "ours"): "stage 1: ours", (1, "torch"): "stage 1: DDP + ZeroRedundancyOptimizer"}
@@ -195,12 +192,7 @@ def report(out, args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dp", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--micro-batch", type=int, default=4)
+    add_model_arguments(parser, steps=10)
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     args = parser.parse_args()

@@ -17,10 +17,13 @@ class ModelConfig:
     """A Llama-style decoder: RMSNorm, rotary positions, SwiGLU MLP, no biases."""
 
     name: str = "tiny"
+    """The conf/model member this came from (for the record)."""
     dim: int = 128
     """Hidden size."""
     n_layers: int = 4
+    """Transformer blocks."""
     n_heads: int = 4
+    """Query heads; head_dim = dim / n_heads."""
     n_kv_heads: int = 2
     """Key/value heads (grouped-query attention); equal to n_heads for plain multi-head."""
     ffn_dim: int = 384
@@ -28,8 +31,11 @@ class ModelConfig:
     vocab_size: int = 257
     """Logical vocabulary; tensor parallelism pads it to a multiple of tp, padding masked out of the loss."""
     max_seq_len: int = 256
+    """Longest sequence the rotary tables cover (train.seq_len must not exceed it)."""
     rope_theta: float = 10000.0
+    """Base of the rotary position frequencies."""
     norm_eps: float = 1e-5
+    """RMSNorm's epsilon."""
     init_std: float = 0.02
     """Std of the normal init; output projections are scaled by 1/sqrt(2 * n_layers)."""
 
@@ -100,16 +106,23 @@ class OptimConfig:
     """AdamW with linear warm-up and cosine decay to min_lr."""
 
     name: str = "adamw"
+    """The conf/optim member this came from (for the record)."""
     lr: float = 3e-3
+    """Peak learning rate, reached at the end of warm-up."""
     min_lr: float = 3e-4
+    """Where the cosine decay ends."""
     warmup_steps: int = 20
+    """Steps of linear warm-up from lr / warmup_steps to lr."""
     decay_steps: Optional[int] = None
     """Steps of the cosine decay after warm-up; default: the rest of train.max_steps."""
     weight_decay: float = 0.1
     """Applied to matrices and embeddings, not to norm weights."""
     beta1: float = 0.9
+    """AdamW's decay of the first moment."""
     beta2: float = 0.95
+    """AdamW's decay of the second moment."""
     eps: float = 1e-8
+    """Added to the square root of the second moment."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
 

@@ -117,29 +117,13 @@ class ParallelDims:
     def coords(self) -> Coords:
         return self.topo.coords(self.rank)
 
-    @property
-    def tp_rank(self) -> int:
-        return self.coords.tp
-
-    @property
-    def dp_rank(self) -> int:
-        return self.coords.dp
-
-    @property
-    def pp_rank(self) -> int:
-        return self.coords.pp
-
-    @property
-    def tp(self) -> int:
-        return self.topo.tp
-
-    @property
-    def dp(self) -> int:
-        return self.topo.dp
-
-    @property
-    def pp(self) -> int:
-        return self.topo.pp
+    # This rank's coordinate along each dimension, and the layout's size of it.
+    tp_rank = property(lambda self: self.coords.tp)
+    dp_rank = property(lambda self: self.coords.dp)
+    pp_rank = property(lambda self: self.coords.pp)
+    tp = property(lambda self: self.topo.tp)
+    dp = property(lambda self: self.topo.dp)
+    pp = property(lambda self: self.topo.pp)
 
     @property
     def is_last_stage(self) -> bool:

@@ -141,20 +141,16 @@ def _derive_batch(cfg: Config, problems: List[str]) -> None:
         return
     if glob is None:
         t.global_batch_size = micro * accum * dp
-    elif accum is None:
-        if glob % (micro * dp):
+    elif accum is None or micro is None:  # the missing one is global / (the given one * dp)
+        given_name, given, missing = (("micro_batch_size", micro, "grad_accum_steps") if accum is None
+                                      else ("grad_accum_steps", accum, "micro_batch_size"))
+        unit = given * dp
+        if glob % unit:
             problems.append(
-                f"train.global_batch_size={glob} is not a multiple of micro_batch_size({micro}) * dp({dp}) "
-                f"= {micro * dp}; set train.global_batch_size={max(1, round(glob / (micro * dp))) * micro * dp}")
+                f"train.global_batch_size={glob} is not a multiple of {given_name}({given}) * dp({dp}) "
+                f"= {unit}; set train.global_batch_size={max(1, round(glob / unit)) * unit}")
         else:
-            t.grad_accum_steps = glob // (micro * dp)
-    elif micro is None:
-        if glob % (accum * dp):
-            problems.append(
-                f"train.global_batch_size={glob} is not a multiple of grad_accum_steps({accum}) * dp({dp}) "
-                f"= {accum * dp}; set train.global_batch_size={max(1, round(glob / (accum * dp))) * accum * dp}")
-        else:
-            t.micro_batch_size = glob // (accum * dp)
+            setattr(t, missing, glob // unit)
     elif micro * accum * dp != glob:
         problems.append(
             f"train.global_batch_size={glob} is not micro_batch_size({micro}) * grad_accum_steps({accum}) "

@@ -58,67 +58,42 @@ def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     return out.movedim(0, 1).contiguous()
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(grad, ctx.group), None
+def _identity(x: torch.Tensor, group) -> torch.Tensor:
+    return x.view_as(x)  # a view: an autograd Function must not return its input itself
 
 
-class _ReduceFromTP(torch.autograd.Function):
+class _Conjugate(torch.autograd.Function):
+    """``forward_comm`` on the way in, ``backward_comm`` on the gradient: each operator of the
+    table above is one such pair."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(x, group)
+    def forward(ctx, x, group, forward_comm, backward_comm):
+        ctx.group, ctx.backward_comm = group, backward_comm
+        return forward_comm(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
-
-
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_seq(grad, ctx.group), None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_seq(grad, ctx.group), None
+        return ctx.backward_comm(grad, ctx.group), None, None, None
 
 
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     """Enter a column-parallel region: identity forward, all-reduce of the gradient backward."""
-    return _CopyToTP.apply(x, group)
+    return _Conjugate.apply(x, group, _identity, all_reduce)
 
 
 def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     """Leave a row-parallel region: all-reduce forward, identity backward."""
-    return _ReduceFromTP.apply(x, group)
+    return _Conjugate.apply(x, group, all_reduce, _identity)
 
 
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """Enter a column-parallel region from a sequence shard: all-gather forward, reduce-scatter backward."""
-    return _GatherSequence.apply(x, group)
+    return _Conjugate.apply(x, group, all_gather_seq, reduce_scatter_seq)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """Leave a row-parallel region into a sequence shard: reduce-scatter forward, all-gather backward."""
-    return _ReduceScatterSequence.apply(x, group)
+    return _Conjugate.apply(x, group, reduce_scatter_seq, all_gather_seq)
 
 
 # How a layer enters (column) or leaves (row) its tensor-parallel region, by name.
