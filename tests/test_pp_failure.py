@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from tests.conftest import CONF_DIR
 from tests.runs import PARITY
 from trainer3d.launch import follow, run_rank
+from trainer3d.parallel.pipeline import Pipeline
 from trainer3d.validate import validate
 
 TIMEOUT_S = 20  # also bounds the rendezvous: leave room for 4 ranks importing torch on 2 busy cores
@@ -30,8 +31,6 @@ def _config(tmp_path, overrides):
 
 
 def train_with_a_faulty_rank(cfg, faulty_rank, how, at_step):
-    from trainer3d.parallel.pipeline import Pipeline
-
     submitit.helpers.TorchDistributedEnvironment().export(overwrite=True)
     if int(os.environ["RANK"]) == faulty_rank:
         original, calls = Pipeline.forward_backward, itertools.count()
@@ -53,30 +52,30 @@ def _run(tmp_path, capfd, overrides, faulty_rank, how):
     executor = submitit.AutoExecutor(folder=tmp_path / "submitit", cluster="local")
     executor.update_parameters(tasks_per_node=world, timeout_min=10)
     job = executor.submit(train_with_a_faulty_rank, cfg, faulty_rank, how, 3)
-    started = time.monotonic()
     try:
         status = follow(job, grace_s=TIMEOUT_S + 10)  # what launch() does
     finally:
         if not job.done():  # a failing test must not leave its ranks behind
             job.cancel()
-    elapsed = time.monotonic() - started
-    return status, elapsed, capfd.readouterr().err, job
+    return status, capfd.readouterr().err, job
 
 
+# Bounded by the test's timeout, not by a wall-time assertion: a peer left waiting on a group
+# without parallel.timeout_s would hang for gloo's default 30 minutes, far past it.
+@pytest.mark.timeout(600)
 def test_dead_stage_ends_the_job(tmp_path, capfd):
-    status, elapsed, err, job = _run(tmp_path, capfd, ["parallel.pp=2"], faulty_rank=1, how="exit")
+    status, err, job = _run(tmp_path, capfd, ["parallel.pp=2"], faulty_rank=1, how="exit")
     assert status == 1 and job.done()
     assert "rank 1: exited without a result" in err, err
     assert "rank 0: " in err and "--- rank 1 log tail" in err, err  # the survivor's error is shown too
-    assert elapsed < 120, f"the dead stage took {elapsed:.0f}s to end the job"
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_stuck_stage_times_out_instead_of_hanging(tmp_path, capfd):
     """pp=2 x dp=2: every survivor blocks on a pp or dp sub-group, never on the default group,
     so this ends only if the sub-groups carry parallel.timeout_s (torch would give them 30 min)."""
-    status, elapsed, err, job = _run(tmp_path, capfd, ["parallel.pp=2", "parallel.dp=2"], faulty_rank=2, how="hang")
+    status, err, job = _run(tmp_path, capfd, ["parallel.pp=2", "parallel.dp=2"], faulty_rank=2, how="hang")
     assert status == 1 and job.done()
     assert "rank 2: still running after the others failed; cancelled" in err, err
     assert "Timed out" in err or "timed out" in err, err
-    assert elapsed < 180, f"the stuck stage took {elapsed:.0f}s to end the job"
