@@ -4,6 +4,7 @@ Every rank also runs the reference (torch AdamW + clip_grad_norm_ on the whole g
 one process's worth of work), so each rank can compare its own parameters.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +12,8 @@ from tests.harness import dims_for, run_ranks
 from tests.test_tensor import _shard
 from tests.zero_ranks import (build, forward_backward, global_batch, loss_of, make_cfg, params_by_name,
                               reference_steps, train_step)
-from trainer3d.model.init import canonical_name, tp_shard_of
+from trainer3d.model.init import canonical_name, init_parameters, tp_shard_of
+from trainer3d.model.transformer import Transformer
 from trainer3d.parallel import build_loss_fn, build_model_chunks, build_optimizer
 from trainer3d.parallel.tensor import sync_sequence_parallel_grads
 
@@ -199,3 +201,31 @@ def test_fsdp_with_tensor_parallelism_equals_torch_adamw(stage, sp):
         for name, ref in want.items():
             torch.testing.assert_close(torch.from_numpy(got[name]), torch.from_numpy(ref), rtol=1e-5, atol=3e-5,
                                        msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+# ----------------------------------------------------------------- fp32 masters of a bf16 model
+
+def _masters(rank, world, stage):
+    """This rank's fp32 masters right after construction (stages 0/1: the ``master`` views;
+    FSDP: its fp32 parameter shards), next to the same ranges of the 1-rank fp32 init."""
+    cfg = make_cfg(world, stage, dtype="bf16")
+    dims, model, opt = build(cfg)
+    kind = "param" if stage >= 2 else "master"
+    reference = Transformer(cfg.model)
+    init_parameters(reference, cfg.model, cfg.train.seed)
+    init = {n: p.detach().reshape(-1) for n, p in reference.named_parameters()}
+    return [(v.tensors[kind].numpy().copy(), init[v.name][v.start:v.end].numpy().copy())
+            for v in opt.checkpoint_views() if kind in v.tensors]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_bf16_masters_start_from_the_fp32_init(stage):
+    """Not from the bf16-rounded parameters: the run would otherwise start from other weights
+    than the fp32 run's, by the rounding of every one of them."""
+    for rank, pairs in enumerate(run_ranks(_masters, 2, stage, timeout=120)):
+        assert pairs, rank
+        for master, init in pairs:
+            assert master.dtype == np.float32
+            np.testing.assert_array_equal(master, init)
+        assert any(not np.array_equal(torch.from_numpy(init).bfloat16().float().numpy(), init) for _, init in pairs), \
+            "the init must not be representable in bf16, or this test could not tell"

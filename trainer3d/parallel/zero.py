@@ -18,7 +18,7 @@ update):
 Stages 2 and 3 (pp == 1) go through FSDP2: parallel/fsdp.py. ``trainer3d.memory`` states what
 each stage allocates; tests/test_zero_memory.py holds the engine to it.
 
-Both implement the optimizer contract of parallel/optimizer.py, the only way the trainer,
+Stages 0-3 implement the optimizer contract of parallel/optimizer.py, the only way the trainer,
 checkpoints and metrics reach them. The master weights start from the model's fp32
 initialisation; the parameters are cast to ``train.dtype`` when they move into the flat
 buffer.
