@@ -44,18 +44,37 @@ def _chain(err: BaseException) -> Iterator[BaseException]:
         err = err.__cause__ or err.__context__
 
 
+def is_full(path: str) -> bool:
+    """The file system holding ``path`` is (nearly) full: after a failed write, the likely cause."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return False
+    return stat.f_bavail * stat.f_frsize < max(16 << 20, stat.f_blocks * stat.f_frsize // 100)
+
+
 def _full_dir(candidates: Sequence[str]) -> Optional[str]:
-    for path in candidates:
-        path = Path(path)
-        while not path.exists() and path != path.parent:
-            path = path.parent
-        try:
-            stat = os.statvfs(path)
-        except OSError:
-            continue
-        if stat.f_bavail * stat.f_frsize < 1 << 20:  # less than a MiB left: this is the full one
-            return str(path)
-    return None
+    return next((str(path) for path in candidates if is_full(path)), None)
+
+
+@contextlib.contextmanager
+def naming_a_full_disk(path: str):
+    """A write under ``path`` that fails on a full file system raises ENOSPC naming ``path``.
+    Needed where the errno is lost: torch's zip writer (torch.save, DCP's pieces) turns a short
+    write into ``RuntimeError: ... unexpected pos`` (the OSError only in its unpicklable
+    context), and DCP pickles each rank's error to the others. Checked at the failure, before
+    anything is cleaned up and the space comes back."""
+    try:
+        yield
+    except Exception as err:
+        if isinstance(err, OSError) and err.errno in _FULL and err.filename:
+            raise
+        if _is_full(err) or is_full(path):  # as an OSError of its own: the errno survives DCP's pickling
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from err
+        raise
 
 
 def headline(err: BaseException, dirs: Sequence[str] = ()) -> str:

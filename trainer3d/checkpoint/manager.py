@@ -28,6 +28,7 @@ from torch import nn
 
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.state import PieceMaker, after_load, rank_state
+from trainer3d.checkpoint.writer import CheckpointWriter
 from trainer3d.config import Config
 from trainer3d.topology import ParallelDims
 
@@ -84,7 +85,8 @@ class Checkpointer:
                 shutil.rmtree(partial)
         dist.barrier()
         try:
-            dcp.save(rank_state(self.chunks, self.optimizer, self.dims, self.make), checkpoint_id=str(partial))
+            dcp.save(rank_state(self.chunks, self.optimizer, self.dims, self.make),
+                     storage_writer=CheckpointWriter(str(partial)))
             _test_hook_after_write(self.dims.rank, partial)
             dist.barrier()  # every rank's files are complete
             if self.dims.rank == 0:
