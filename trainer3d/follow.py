@@ -32,7 +32,8 @@ _OWN_PREFIX = "trainer3d.failure.RankFailed: "
 
 
 class _Tail:
-    """Echo the new complete lines of a growing log file (rank 0's stdout)."""
+    """Echo the new complete lines of a growing log file (rank 0's stdout). A requeued Slurm
+    job's next attempt truncates it (sbatch's default --open-mode): start again from its top."""
 
     def __init__(self, path: Path):
         self.path, self.pos = path, 0
@@ -40,6 +41,8 @@ class _Tail:
     def echo(self) -> None:
         try:
             with open(self.path, "rb") as f:
+                if f.seek(0, 2) < self.pos:
+                    self.pos = 0
                 f.seek(self.pos)
                 data = f.read()
         except FileNotFoundError:
