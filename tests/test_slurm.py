@@ -1,4 +1,4 @@
-"""The Slurm launcher against a real one-node cluster (slurm/cluster.sh): jobs, sweeps,
+"""The Slurm launcher against a real cluster on this machine (slurm/cluster.sh): jobs, sweeps,
 preemption requeue with resume, errors, and the users' own sbatch template."""
 
 import json

@@ -94,7 +94,7 @@ def check_reachable() -> None:
     if missing:
         raise SlurmUnavailable(
             f"launcher=slurm needs Slurm's client commands, and {', '.join(missing)} is not on PATH. "
-            "Run this on a Slurm login node, or start the one-node dev cluster on this machine with "
+            "Run this on a Slurm login node, or start the dev cluster on this machine with "
             "`slurm/cluster.sh start` (root, Debian); to train here without Slurm use launcher=local.")
     try:
         ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
@@ -105,7 +105,7 @@ def check_reachable() -> None:
         raise SlurmUnavailable(
             f"the Slurm controller does not answer (`scontrol ping`: {' '.join(answer.split()[:12])}). "
             "Is slurmctld running, and does $SLURM_CONF point at this cluster's slurm.conf? "
-            "For the one-node dev cluster: `slurm/cluster.sh start` (`slurm/cluster.sh status` shows it).")
+            "For the dev cluster on this machine: `slurm/cluster.sh start` (`slurm/cluster.sh status` shows it).")
 
 
 def check_nodes(cfg: Config) -> None:
