@@ -15,6 +15,7 @@ SMALL = ("parallel=dp2", "train.max_steps=100000", "train.log_every=1", "train.s
          "parallel.timeout_s=60")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
 def test_a_signal_to_the_submitting_process_ends_every_rank_and_child(tmp_path, sig):
     with Run(tmp_path / "run", SMALL, spawn_child=True) as run:
