@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.state import PieceMaker, after_load, rank_state
 from trainer3d.checkpoint.store import CheckpointError
+from trainer3d.checkpoint.writer import CheckpointWriter
 from trainer3d.config import Config
 from trainer3d.loggers import scrub
 from trainer3d.parallel.optimizer import ZeroOptimizer
@@ -74,13 +75,18 @@ class Checkpointer:
             if partial.exists():  # left by a crash: start clean
                 shutil.rmtree(partial)
         dist.barrier()
-        dcp.save(rank_state(self.optimizer, self.dims, self.make), checkpoint_id=str(partial))
-        dist.barrier()  # every rank's files are complete
-        if self.dims.rank == 0:
-            info = {"step": steps_done, "layout": layout_of(self.cfg), "config": scrub(dataclasses.asdict(self.cfg)),
-                    "saved_at": time.time()}
-            store.publish(partial, final, info)
-            store.prune(self.root, self.cfg.checkpoint.keep)
+        try:
+            dcp.save(rank_state(self.optimizer, self.dims, self.make), storage_writer=CheckpointWriter(str(partial)))
+            dist.barrier()  # every rank's files are complete
+            if self.dims.rank == 0:
+                info = {"step": steps_done, "layout": layout_of(self.cfg),
+                        "config": scrub(dataclasses.asdict(self.cfg)), "saved_at": time.time()}
+                store.publish(partial, final, info)
+                store.prune(self.root, self.cfg.checkpoint.keep)
+        except BaseException:  # DCP's CheckpointException is one: a failed save must not fill the disk
+            if self.dims.rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
         dist.barrier()
         self.last_saved = steps_done
         self._say(f"checkpoint at step {steps_done} saved to {final} ({time.perf_counter() - started:.1f} s)")

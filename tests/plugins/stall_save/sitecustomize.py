@@ -22,9 +22,10 @@ if _SPEC:
 
     _save = dcp.save
 
-    def _save_then_stall(state_dict, *args, checkpoint_id=None, **kwargs):
-        result = _save(state_dict, *args, checkpoint_id=checkpoint_id, **kwargs)
-        partial = Path(checkpoint_id)  # <checkpoints>/step_<8 digits>.partial
+    def _save_then_stall(state_dict, *args, **kwargs):
+        result = _save(state_dict, *args, **kwargs)
+        # <checkpoints>/step_<8 digits>.partial, named directly or by the storage writer
+        partial = Path(kwargs.get("checkpoint_id") or kwargs["storage_writer"].path)
         rank = dist.get_rank()
         if _SPEC == f"{rank}:{int(partial.name[5:13])}":
             (partial.parent / f"stalled-rank{rank}").write_text(str(os.getpid()))
