@@ -1,9 +1,9 @@
 """tools/bench_pipeline.py runs the project's pipeline on stages of fixed duration and prints
 the measured bubble next to theory, for 1F1B and GPipe.
 
-The stages sleep (30 ms forward, 60 ms backward per micro-batch: no CPU) and start each step
-together, so on an idle machine the schedule alone decides how long each stage waits and
-the bubble is theory plus the hand-over (about 0.01-0.03, the tool's docstring). A loaded
+The stages sleep (30 ms forward, 60 ms backward per micro-batch: no CPU), so on an idle
+machine the schedule alone decides how long each stage waits and the bubble is theory plus
+the hand-over (about 0.01-0.03, the tool's docstring). A loaded
 machine stretches both: a stage's small compute around its sleeps (embedding, head, loss)
 waits for a core, which counts as busy and makes the stages unequal, and a woken rank
 waits, which counts as idle. So the bounds are not a timing window but what a broken

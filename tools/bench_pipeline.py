@@ -79,7 +79,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from trainer3d.config import Config, ModelConfig  # noqa: E402
@@ -161,7 +160,6 @@ def _rank(rank: int, world: int, n_micro: int, schedule: str, model: str, steps:
     targets = torch.randint(0, MODEL.vocab_size, (n_micro, MICRO_BATCH, SEQ), generator=g)
     for step in range(warmup + steps):
         optimizer.zero_grad()
-        dist.barrier()  # every stage starts the step together: the bubble is the schedule's, not a late start's
         pipe.forward_backward(inputs, targets)
         micro_loss.pop_mean()
         if step == warmup - 1:
