@@ -44,7 +44,9 @@ def _train(rank, world, run_dir, dtype, zero_stage, resume):
     return state, scaler, opt.step_count.item()
 
 
-CASES = [("bf16", 1), ("fp16", 1), ("fp16", 3)]
+# bf16 with ZeRO-1's separate fp32 masters; fp16 (masters + loss scaler) under FSDP, whose fp32
+# parameters are the masters. The scaler's checkpoint path is the same for every stage.
+CASES = [("bf16", 1), ("fp16", 3)]
 
 
 @pytest.mark.parametrize("dtype,zero_stage", CASES, ids=[f"{d}-zero{z}" for d, z in CASES])

@@ -11,7 +11,6 @@ from tests.conftest import ROOT
 DEFERRED = {
     ("trainer3d.loggers", "wandb"): "optional sink, slow to import: only runs with logger=wandb pay for it",
     ("trainer3d.checkpoint.export", "safetensors.torch"): "only the export needs it",
-    ("trainer3d.launch", "trainer3d.trainer"): "the submitting process imports launch but never trains",
     ("trainer3d.plan", "trainer3d.parallel"): "the entry point imports plan; only a dry run builds models",
     ("trainer3d.plan", "trainer3d.parallel.stages"): "as above",
 }

@@ -28,6 +28,7 @@ from trainer3d.interrupt import TOKEN_VAR, Interrupted, JobSignals, end_processe
 from trainer3d.preemption import leave
 from trainer3d.runlock import RunDirBusy, RunDirLock
 from trainer3d.topology import ParallelDims, Topology
+from trainer3d.trainer import Trainer
 
 
 # --------------------------------------------------------------------------- inside a rank
@@ -67,11 +68,6 @@ def run_rank(cfg: Config, heartbeat: Optional[Heartbeat] = None, lock_run_dir: b
 
     ``lock_run_dir``: rank 0 takes the run dir's lock (Slurm and in-place runs, where no
     submitting process holds it); every rank fails alike when another run holds it."""
-    # The engine is imported here, inside a rank, and not at the top: the submitting process
-    # (which imports this module to submit TrainTask) never trains, and importing the model,
-    # FSDP, pipelining and checkpoint code would cost it seconds per launch.
-    from trainer3d.trainer import Trainer
-
     device = init_distributed(cfg)
     lock = None
     try:
