@@ -62,8 +62,24 @@ def process_memory(device: torch.device) -> Dict[str, float]:
     if device.type == "cuda":
         return {"mem_allocated_bytes": float(torch.cuda.max_memory_allocated(device)),
                 "mem_reserved_bytes": float(torch.cuda.max_memory_reserved(device))}
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return {"mem_rss_bytes": float(rss if sys.platform == "darwin" else rss * 1024)}
+    return {"mem_rss_bytes": peak_rss_bytes()}
+
+
+def peak_rss_bytes() -> float:
+    """This process's peak resident set. On Linux ``VmHWM`` of /proc/self/status: getrusage's
+    ``ru_maxrss`` also keeps the parent's resident set from before exec (fs/exec.c, exec_mmap
+    folds the old image's high-water mark into the process's maxrss), so a rank started by
+    a launcher holding 300 MB would report at least 300 MB. Elsewhere ``ru_maxrss`` (macOS:
+    bytes)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return float(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return float(rss if sys.platform == "darwin" else rss * 1024)
 
 
 class CommTimer:
