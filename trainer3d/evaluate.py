@@ -15,7 +15,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from trainer3d.data import BatchReader
+from trainer3d.data.loader import BatchReader
 
 
 class Evaluator:

@@ -57,7 +57,7 @@ def run(cfg: Config) -> int:
         from trainer3d.plan import print_plan
         print_plan(cfg)
         return 0
-    from trainer3d.data import check_data
+    from trainer3d.data.checks import check_data
     from trainer3d.launch import launch
     problems = check_data(cfg)
     for problem in problems:

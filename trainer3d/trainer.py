@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from trainer3d.config import Config
-from trainer3d.data import Prefetcher, build_readers
+from trainer3d.data.loader import Prefetcher, build_readers
 from trainer3d.metrics import MetricsLogger
 from trainer3d.optim import lr_at
 from trainer3d.parallel import build_loss_fn, build_model_chunks
