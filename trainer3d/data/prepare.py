@@ -99,7 +99,7 @@ _WORKER: dict = {}
 
 
 def _init_worker(encoder: Encoder) -> None:
-    _WORKER["encoder"] = encoder
+    _WORKER["encoder"], _WORKER["tokenizer"] = encoder, None
     if encoder.tokenizer_json is not None:
         from tokenizers import Tokenizer
         _WORKER["tokenizer"] = Tokenizer.from_str(encoder.tokenizer_json)
@@ -107,7 +107,7 @@ def _init_worker(encoder: Encoder) -> None:
 
 def encode_batch(batch: List[Piece]) -> np.ndarray:
     """Token ids of a batch of pieces, the EOS id after each piece that ends a document."""
-    encoder, tokenizer = _WORKER["encoder"], _WORKER.get("tokenizer")
+    encoder, tokenizer = _WORKER["encoder"], _WORKER["tokenizer"]
     if tokenizer is None:
         data = [p.text if isinstance(p.text, bytes) else p.text.encode() for p in batch]
         ids = [np.frombuffer(d, dtype=np.uint8).astype(np.uint32) for d in data]
