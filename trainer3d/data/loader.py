@@ -108,8 +108,8 @@ def build_readers(cfg: Config, dp: int, dp_rank: int, inputs: bool = True,
 
     train, val = plan(cfg, n_tokens)
     for path, opened in files.items():  # checked before launch too; this guards any other way in
-        if opened.header.max_id >= cfg.model.vocab_size:
-            raise TokenFileError(f"{path} holds token id {opened.header.max_id} >= "
+        if opened.header.vocab_size > cfg.model.vocab_size:
+            raise TokenFileError(f"{path}: tokenizer vocabulary {opened.header.vocab_size} > "
                                  f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size")
 
     def reader(parts: List[Part], seed: int) -> BatchReader:
