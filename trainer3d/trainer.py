@@ -3,7 +3,8 @@
 ``Trainer.__init__`` builds this rank's model chunks, optimizer and data loader from the
 config and the layout; ``train_step`` is forward_backward (all grad_accum micro-batches,
 through the pipeline schedule when pp > 1) -> reduce gradients over dp -> clip by the
-global norm -> optimizer step; ``train`` repeats it and logs at the interval.
+global norm -> optimizer step; ``train`` repeats it, evaluates on the validation set
+every train.eval_every steps (``forward_only``, trainer3d/evaluate.py) and logs at the interval.
 """
 
 import time
