@@ -268,7 +268,7 @@ def _check_choices(cfg: Config, problems: List[str]) -> None:
 
 
 def _check_data(cfg: Config, problems: List[str]) -> None:
-    """The data knobs among themselves; the files are checked before launch by trainer3d.data.check_data."""
+    """The data knobs among themselves; the files are checked before launch by trainer3d.data.checks."""
     d, t = cfg.data, cfg.train
     if d.name == "tokens" and not d.path and not d.blend:
         problems.append("data=tokens needs data.path=<file.bin> or data.blend=[{path: ..., weight: ...}, ...] "
