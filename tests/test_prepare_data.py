@@ -10,7 +10,6 @@ import sys
 import tracemalloc
 
 import numpy as np
-import pytest
 
 from trainer3d.data import EOF_TOKEN, TokenFile, read_header
 from trainer3d.data import documents as docs

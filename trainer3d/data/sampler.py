@@ -11,9 +11,10 @@ is found in two steps, both pure functions of ``j`` and the seed:
    samples reaching it are divided as ``left = floor(T * w_left / (w_left + w_right) + 1/2)``,
    the rest to the right. Counts only grow with ``T`` (one sample moves one count at each
    level), they always sum to ``T``, and each level adds at most 1/2 sample of deviation,
-   so after any number of samples ``|count_k - T * w_k| <= ceil(log2 K) / 2`` (K sources).
-   One source (no blend) is the identity.
-2. **Shuffle** (``Source``): the n-th sample of a source is window
+   so after any number of samples ``|count_k - T * w_k| <= ceil(log2 K) / 2`` (K sources;
+   plus ``T * K / 2^21`` from rounding the weights to WEIGHT_UNITS). One source (no blend)
+   is the identity.
+2. **Shuffle** (``SampleOrder``): the n-th sample of a source is window
    ``permute(n mod W, W, key(seed, source, epoch = n // W))`` of its W windows, a seeded
    bijection (trainer3d/data/shuffle.py) — every window once per epoch, a new order each
    epoch, memory independent of W.
@@ -29,7 +30,7 @@ windows) from the same blend weights; every evaluation reads validation batches 
 """
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import numpy as np
 
@@ -125,8 +126,3 @@ def step_samples(step: int, global_batch_size: int, start: int, count: int) -> n
     first = step * global_batch_size + start
     return np.arange(first, first + count, dtype=np.int64)
 
-
-def blend_counts(order: SampleOrder, n_samples: int) -> List[int]:
-    """How many of the first ``n_samples`` samples each source gives (for reports and tests)."""
-    source, _ = order.blend(np.arange(n_samples))
-    return np.bincount(source, minlength=len(order.n_windows)).tolist()
