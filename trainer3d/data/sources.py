@@ -5,8 +5,9 @@
     data=tokens data.blend='[{path: a.bin, weight: 0.7}, {path: b.bin, weight: 0.3}]'
 
 Validation: ``data.val_fraction`` holds out the last fraction of every training file (the
-validation blend uses the training weights), or ``data.val_path`` names a token file of
-its own (weight 1). ``plan`` is shared by the checks before launch (from headers) and by
+validation blend uses the training weights; with ``train.eval_steps=null`` an evaluation
+reads as many batches as the held-out windows fill, so in a blend a file whose share runs
+out first starts over), or ``data.val_path`` names a token file of its own (weight 1). ``plan`` is shared by the checks before launch (from headers) and by
 the ranks (from the opened files), so both see the same windows.
 """
 
