@@ -83,3 +83,14 @@ def test_written_files_follow_the_umask(tmp_path, umask, mode):
         os.umask(old)
     assert oct(path.stat().st_mode & 0o777) == oct(mode)
     assert oct(header_path(path).stat().st_mode & 0o777) == oct(mode)
+
+
+def test_a_cache_that_cannot_be_written_means_a_scan_every_time(path, tmp_path, monkeypatch):
+    scans = []
+    real_scan = verify.scan
+    monkeypatch.setattr(verify, "scan", lambda *a: scans.append(a) or real_scan(*a))
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("a file where the cache directory would be")
+    for _ in range(2):
+        TokenFile.open(path, cache_dir=str(blocked))
+    assert len(scans) == 2

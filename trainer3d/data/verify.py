@@ -16,7 +16,7 @@ import fcntl
 import hashlib
 import json
 import os
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -50,6 +50,8 @@ def _record_path(cache_dir: Path, path: Path) -> Path:
 
 @contextmanager
 def _locked(record: Path):
+    """Hold an exclusive lock on ``record``; raises OSError where the cache cannot be written."""
+    record.parent.mkdir(parents=True, exist_ok=True)
     with open(record.with_suffix(".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
@@ -81,23 +83,30 @@ def verify_token_file(path: Path, header: TokenHeader, cache_dir: Optional[str])
     if cache_dir is None:
         _check(path, header)
         return
-    root = Path(cache_dir).expanduser()
-    record = _record_path(root, path)
-    try:
-        record.parent.mkdir(parents=True, exist_ok=True)
-    except OSError:  # a read-only cache: verify every time rather than never
-        _check(path, header)
-        return
-    with _locked(record):
-        want = _fingerprint(path, header)
+    record = _record_path(Path(cache_dir).expanduser(), path)
+    with ExitStack() as stack:
         try:
-            if json.loads(record.read_text()) == want:
-                return
-        except (OSError, ValueError):
-            pass
-        _check(path, header)
-        if _fingerprint(path, header) != want:  # changed while it was read: do not vouch for it
-            raise TokenFileError(f"{path} changed while it was being verified; try again once it is written")
-        tmp = record.with_suffix(f".{os.getpid()}.tmp")
+            stack.enter_context(_locked(record))
+        except OSError:  # a cache this process cannot write: verify every time rather than never
+            _check(path, header)
+            return
+        _verify_once(path, header, record)
+
+
+def _verify_once(path: Path, header: TokenHeader, record: Path) -> None:
+    """Under the record's lock: done if the record vouches for this version, else scan and record."""
+    want = _fingerprint(path, header)
+    try:
+        if json.loads(record.read_text()) == want:
+            return
+    except (OSError, ValueError):
+        pass
+    _check(path, header)
+    if _fingerprint(path, header) != want:  # changed while it was read: do not vouch for it
+        raise TokenFileError(f"{path} changed while it was being verified; try again once it is written")
+    tmp = record.with_suffix(f".{os.getpid()}.tmp")
+    try:
         tmp.write_text(json.dumps(want))
         os.replace(tmp, record)
+    except OSError:  # verified, but it cannot be remembered (a full disk): the next open scans again
+        tmp.unlink(missing_ok=True)
