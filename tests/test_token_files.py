@@ -94,3 +94,12 @@ def test_a_cache_that_cannot_be_written_means_a_scan_every_time(path, tmp_path, 
     for _ in range(2):
         TokenFile.open(path, cache_dir=str(blocked))
     assert len(scans) == 2
+
+
+def test_ids_at_or_above_the_vocabulary_are_refused_when_opened(path, tmp_path):
+    edit_header(path, vocab_size=150)  # the header's own max_id (199) no longer fits
+    with pytest.raises(TokenFileError, match="ids up to 199 .* but vocab_size 150: ids must be below the vocabulary"):
+        TokenFile.open(path)
+    edit_header(path, vocab_size=250, max_id=149)  # a header hiding the ids 150..199: the scan finds them
+    with pytest.raises(TokenFileError, match="holds ids up to 199, its header says max_id 149"):
+        TokenFile.open(path, cache_dir=str(tmp_path / "cache"))
