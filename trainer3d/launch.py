@@ -67,7 +67,7 @@ def run_rank(cfg: Config):
     device = init_distributed(cfg)
     try:
         p = cfg.parallel
-        dims = ParallelDims.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp), device)
+        dims = ParallelDims.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp), device, cfg.model.tie_embeddings)
         trainer = Trainer(cfg, dims)
         summary = trainer.train()
         if trainer.stopped is not None:  # SIGUSR2/SIGTERM: every rank stopped at the same step

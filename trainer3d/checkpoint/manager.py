@@ -29,6 +29,7 @@ from torch import nn
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.state import PieceMaker, after_load, rank_state
 from trainer3d.config import Config
+from trainer3d.parallel.tied import drop_tied_copies
 from trainer3d.topology import ParallelDims
 
 LAYOUT_KEYS = ("tp", "pp", "dp", "zero_stage", "pp_schedule", "pp_virtual_stages", "sequence_parallel")
@@ -83,7 +84,8 @@ class Checkpointer:
                 import shutil
                 shutil.rmtree(partial)
         dist.barrier()
-        dcp.save(rank_state(self.chunks, self.optimizer, self.dims, self.make), checkpoint_id=str(partial))
+        state = drop_tied_copies(rank_state(self.chunks, self.optimizer, self.dims, self.make), self.dims)
+        dcp.save(state, checkpoint_id=str(partial))
         _test_hook_after_write(self.dims.rank, partial)
         dist.barrier()  # every rank's files are complete
         if self.dims.rank == 0:
