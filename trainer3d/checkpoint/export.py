@@ -29,8 +29,9 @@ from trainer3d.checkpoint import store
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def load_full_model(path: Path) -> Dict[str, torch.Tensor]:
-    """Every ``model.*`` tensor of the checkpoint, full size, keyed by its 1-rank name."""
+def load_full_model(path: Path, prefix: str = "model.") -> Dict[str, torch.Tensor]:
+    """Every ``model.*`` tensor of the checkpoint (or those under another ``prefix``, e.g.
+    ``optim.exp_avg.``), full size, keyed by its 1-rank name."""
     import torch.distributed.checkpoint as dcp
 
     ok, why = store.is_complete(path)
@@ -39,10 +40,10 @@ def load_full_model(path: Path) -> Dict[str, torch.Tensor]:
     metadata = store.read_metadata(path)
     state = {}
     for key, meta in metadata.state_dict_metadata.items():
-        if key.startswith("model.") and hasattr(meta, "size"):
+        if key.startswith(prefix) and hasattr(meta, "size"):
             state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
     dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return {key[len("model."):]: tensor for key, tensor in state.items()}
+    return {key[len(prefix):]: tensor for key, tensor in state.items()}
 
 
 def model_config_of(run_config: dict):

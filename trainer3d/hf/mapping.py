@@ -145,8 +145,12 @@ def _rope_fields(config: dict, problems: List[str]) -> Dict[str, Any]:
 def unsupported(config: dict) -> List[str]:
     """config.json settings this model does not implement, one line each."""
     problems = []
+    architecture = {k: config.get(k) for k in ("architectures", "model_type") if config.get(k) is not None}
+    if any(value != FIXED[k] for k, value in architecture.items()):
+        said = ", ".join(f"{k}={v!r}" for k, v in architecture.items())
+        return [f"config.json: {said} is not a LlamaForCausalLM (model_type 'llama') checkpoint"]
     for key, want in FIXED.items():
-        if key in config and config[key] != want:
+        if key not in architecture and config.get(key) is not None and config[key] != want:
             problems.append(f"config.json: {key}={config[key]!r} is not supported (a plain Llama has {want!r})")
     factor = config.get("partial_rotary_factor", 1.0)
     if factor != 1.0:
