@@ -106,7 +106,8 @@ def test_kill_mid_save_keeps_the_previous_checkpoint(tmp_path, session_tmp):
 def test_exported_weights_give_the_same_loss_in_the_1_rank_model(tmp_path):
     from safetensors.torch import load_file
 
-    from trainer3d.config import Config, ModelConfig
+    from trainer3d.checkpoint.export import model_config_of
+    from trainer3d.config import Config
     from trainer3d.data import DataLoader, TokenFile, prepare_dataset
     from trainer3d.model.transformer import Transformer, cross_entropy_loss
 
@@ -115,10 +116,10 @@ def test_exported_weights_give_the_same_loss_in_the_1_rank_model(tmp_path):
     rows = read_metrics(run)
     out = tmp_path / "export"
     proc = subprocess.run([sys.executable, "tools/export_model.py", str(store.step_dir(run / "checkpoints", 10)),
-                           str(out)], capture_output=True, text=True, timeout=300)
+                           str(out), "--format", "trainer3d"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     import json
-    model_cfg = ModelConfig(**json.loads((out / "config.json").read_text()))
+    model_cfg = model_config_of({"model": json.loads((out / "config.json").read_text())})
     model = Transformer(model_cfg)
     model.load_state_dict(load_file(out / "model.safetensors"), strict=True)  # every name, every shape
     cfg = Config()

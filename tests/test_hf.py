@@ -262,18 +262,45 @@ def _huge_header(d: Path):
     shard.write_bytes(bytes(data))
 
 
+def _truncated_shard(d: Path):
+    shard = sorted(d.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-100])
+
+
 @pytest.mark.parametrize("spoil,expect", [
     (_other_architecture, "model_type='mistral' is not a LlamaForCausalLM"),
     (_missing_shard, "(listed in model.safetensors.index.json) is missing"),
     (_shape_mismatch, "config.json implies"),
     (_outside_index, "shard files must be plain names inside the directory"),
     (_huge_header, "header length"),
+    (_truncated_shard, "points outside the file (truncated?)"),
 ])
 def test_bad_hf_directory_is_refused_before_launch(tmp_path, monkeypatch, capsys, spoil, expect):
     directory = make_hf(tmp_path / "hf", max_shard_size="20KB")
     spoil(directory)
     line = _refusal(_cfg(directory), monkeypatch, capsys)
     assert expect in line and "model.init_from" in line
+
+
+@pytest.mark.parametrize("text,expect", [
+    ("{not json", "is not valid JSON"),
+    ("[1, 2]", "does not hold a JSON object"),
+    ('{"hidden_size": Infinity}', "hidden_size=inf is not a valid int"),
+    ('{"num_hidden_layers": true}', "num_hidden_layers=True is not a valid int"),
+    ('{"rope_scaling": {"rope_type": "yarn", "factor": 4}}', "rope_scaling.rope_type='yarn' is not supported"),
+    ('{"attention_bias": true}', "attention_bias=True is not supported"),
+])
+def test_malformed_config_json_is_refused_naming_the_field(tmp_path, monkeypatch, capsys, text, expect):
+    """A broken file, or a Llama config.json with one field changed (Infinity is valid to Python's json)."""
+    directory = make_hf(tmp_path / "hf")
+    try:
+        change = json.loads(text)
+    except ValueError:
+        change = None
+    if isinstance(change, dict):
+        text = json.dumps({**json.loads((directory / "config.json").read_text()), **change})
+    (directory / "config.json").write_text(text)
+    assert expect in _refusal(_cfg(directory), monkeypatch, capsys)
 
 
 def test_vocabulary_smaller_than_the_data_is_refused_before_launch(tmp_path, monkeypatch, capsys):

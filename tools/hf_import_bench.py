@@ -11,10 +11,11 @@ memory at a time. The measurement starts one process per rank of the layout, all
 as a launch would, each running the trainer's own build (``build_model_chunks``: meta
 model, stage split, tensor-parallel layers, materialisation, filling from the safetensors
 slices) without a process group, and reports per rank: its parameters, the time the build
-took, and its peak resident memory (the kernel's high-water mark) above what the process
-held before the build (torch imported). The weights are read through mmap, so the peak
-also counts the file pages a rank touched; a row-parallel slice touches every row of a
-tensor, which is why a rank's peak can exceed its parameter bytes.
+took, its peak resident memory (the kernel's high-water mark) above what the process held
+before the build (torch imported), and after the build its resident memory split into
+anonymous (the parameters it holds) and file-backed. The weights are read through mmap,
+so the peak also counts the file pages a rank touched: shared, reclaimable page cache, not
+memory the rank owns; a row-parallel slice touches the pages of every row of a tensor.
 """
 
 import argparse
@@ -76,6 +77,12 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def _rss_split() -> tuple:
+    """(anonymous, file-backed) resident bytes now: the process's own memory vs mapped file pages."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return tuple(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssFile"))
+
+
 def _rank(directory: str, tp: int, pp: int, dtype: str, rank: int, results) -> None:
     import dataclasses
 
@@ -90,13 +97,15 @@ def _rank(directory: str, tp: int, pp: int, dtype: str, rank: int, results) -> N
     cfg = apply_init_from(cfg)
     cfg.parallel.tp, cfg.parallel.pp, cfg.train.dtype = tp, pp, dtype
     dims = dataclasses.replace(planning_dims(cfg, rank), device=torch.device("cpu"))
-    before = _peak_rss()
+    before, anon_before = _peak_rss(), _rss_split()[0]
     started = time.perf_counter()
     chunks = build_model_chunks(cfg, dims)
     seconds = time.perf_counter() - started
     params = {p.data_ptr(): p for chunk in chunks for p in chunk.parameters()}.values()
     nbytes = sum(p.numel() * p.element_size() for p in params)
-    results.put((rank, dims.coords, sum(p.numel() for p in params), nbytes, seconds, before, _peak_rss()))
+    anon, mapped = _rss_split()
+    results.put((rank, dims.coords, sum(p.numel() for p in params), nbytes, seconds, before, _peak_rss(),
+                 anon - anon_before, mapped))
 
 
 def measure(directory: Path, tp: int, pp: int, dtype: str) -> None:
@@ -115,12 +124,14 @@ def measure(directory: Path, tp: int, pp: int, dtype: str) -> None:
     wall = time.perf_counter() - started
     print(f"{directory}: {len(files)} safetensors file(s), {file_bytes / GiB:.2f} GiB; "
           f"tp={tp} pp={pp}, {dtype} parameters, {world} ranks at once on {mp.cpu_count()} cores")
-    print(f"{'rank':>4} {'(pp,dp,tp)':>10} {'params':>8} {'param GiB':>9} {'build s':>8} "
-          f"{'RSS before':>10} {'peak RSS':>9} {'peak - before':>13} {'/ file':>7}")
-    for rank, coords, numel, nbytes, seconds, before, peak in rows:
+    print(f"{'rank':>4} {'(pp,dp,tp)':>10} {'params':>8} {'param GiB':>9} {'build s':>8} {'RSS before':>10} "
+          f"{'peak RSS':>9} {'peak-before':>11} {'/ file':>6} {'anon added':>10} {'file pages':>10}")
+    for rank, coords, numel, nbytes, seconds, before, peak, anon, mapped in rows:
         print(f"{rank:>4} {str(tuple(coords)):>10} {numel / 1e6:>7.0f}M {nbytes / GiB:>9.2f} {seconds:>8.1f} "
-              f"{before / GiB:>10.2f} {peak / GiB:>9.2f} {(peak - before) / GiB:>13.2f} "
-              f"{(peak - before) / file_bytes:>7.2f}")
+              f"{before / GiB:>10.2f} {peak / GiB:>9.2f} {(peak - before) / GiB:>11.2f} "
+              f"{(peak - before) / file_bytes:>6.2f} {anon / GiB:>10.2f} {mapped / GiB:>10.2f}")
+    print("(GiB; anon added: the process's own memory the build added; file pages: safetensors pages "
+          "still mapped after it, page cache shared between ranks)")
     print(f"all ranks built in {wall:.1f} s wall (process start and imports included)")
 
 

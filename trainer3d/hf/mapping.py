@@ -12,6 +12,7 @@ are read from the legacy (``rope_theta`` + ``rope_scaling``) or the transformers
 """
 
 import dataclasses
+import math
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -109,9 +110,10 @@ def hf_shapes(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
 
 def _typed(field: str, key: str, value: Any, problems: List[str]) -> Any:
     want = _TYPES.get(field, int)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     ok = isinstance(value, bool) if want is bool else (
-        isinstance(value, (int, float)) and not isinstance(value, bool) and (want is float or value == int(value)))
-    if not ok or (want is not bool and value < 0):
+        number and value >= 0 and (want is float or float(value).is_integer()))
+    if not ok:
         problems.append(f"config.json: {key}={value!r} is not a valid {want.__name__}")
         return None
     return want(value)
