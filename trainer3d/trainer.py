@@ -59,6 +59,8 @@ class Trainer:
         # First, so a SIGUSR2/SIGTERM during set-up is held for the first step boundary.
         self.stop_signal = StopSignal()
         self.stopped: Optional[Stop] = None
+        self.heartbeat = None
+        """Set by the launcher (trainer3d/heartbeat.py): told the steps completed at each step boundary."""
         t = cfg.train
         self.chunks: List[nn.Module] = build_model_chunks(cfg, dims)
         self.optimizer = build_optimizer(self.chunks, cfg, dims)
@@ -136,6 +138,8 @@ class Trainer:
         for step in range(self.start_step, t.max_steps):
             loss, grad_norm, lr = self.train_step(step)
             self.metrics.record(step, loss, grad_norm, lr, self.optimizer.step_metrics())
+            if self.heartbeat is not None:
+                self.heartbeat.step = step + 1
             if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
                 self.metrics.flush()
             if self.checkpointer.due(step + 1):
