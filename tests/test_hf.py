@@ -25,18 +25,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers  # a dev dependency: missing, these tests fail rather than skip
 
-transformers = pytest.importorskip("transformers")
-
-from tests.runs import REL_TOL, read_metrics, run_train  # noqa: E402
-from trainer3d.checkpoint import store  # noqa: E402
-from trainer3d.checkpoint.export import export, load_full_model  # noqa: E402
-from trainer3d.config import Config, DataConfig  # noqa: E402
-from trainer3d.hf.files import read_json  # noqa: E402
-from trainer3d.hf.mapping import from_hf, model_config  # noqa: E402
-from trainer3d.hf.source import HFSource  # noqa: E402
-from trainer3d.model.init import fill_parameters  # noqa: E402
-from trainer3d.model.transformer import Transformer  # noqa: E402
+from tests.runs import REL_TOL, read_metrics, run_train
+from trainer3d.checkpoint import store
+from trainer3d.checkpoint.export import export, load_full_model
+from trainer3d.config import Config, DataConfig
+from trainer3d.hf.files import read_json
+from trainer3d.hf.mapping import from_hf, model_config
+from trainer3d.hf.source import HFSource
+from trainer3d.model.init import fill_parameters
+from trainer3d.model.transformer import Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
