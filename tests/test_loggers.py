@@ -21,6 +21,11 @@ def test_scrub_removes_credentials():
         {"a": 1, "api_key": "<redacted>", "nested": {"Token": "<redacted>", "b": [1, {"password": "<redacted>"}]}}
 
 
+def test_scrub_keeps_token_ids_and_tokenizers():
+    kept = {"bos_token_id": 1, "eos_token_ids": [2, 3], "tokenizer": "t.json"}
+    assert scrub({"model": kept, "hfToken": "s"}) == {"model": kept, "hfToken": "<redacted>"}
+
+
 def test_offline_run_holds_config_and_steps_and_resumes_by_id(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", "sk-never-written-anywhere-0123456789")
     monkeypatch.delenv("WANDB_MODE", raising=False)
