@@ -63,8 +63,8 @@ def rank_shapes(cfg: ModelConfig, tp: int, pp: int, pp_rank: int) -> List[Tuple[
         parts = name.split(".")
         if parts[0] == "layers" and parts[1] not in keep:
             continue
-        if parts[0] == "tok_embeddings" and pp_rank != 0:
-            continue
+        if parts[0] == "tok_embeddings" and pp_rank != 0 and not (cfg.tie_embeddings and pp_rank == pp - 1):
+            continue  # a tied embedding is also the last stage's head
         if parts[0] in ("norm", "output") and pp_rank != pp - 1:
             continue
         shape = list(p.shape)

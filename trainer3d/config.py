@@ -10,6 +10,21 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class RopeScalingConfig:
+    """Rotary frequency scaling for contexts longer than pre-training's (Llama 3.1's "llama3"
+    scheme: long wavelengths divided by ``factor``, short ones kept, a smooth ramp between)."""
+
+    type: str = "none"
+    """none | llama3."""
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+    """The context length the model was pre-trained with before scaling."""
 
 
 @dataclass
@@ -26,6 +41,8 @@ class ModelConfig:
     """Query heads; head_dim = dim / n_heads."""
     n_kv_heads: int = 2
     """Key/value heads (grouped-query attention); equal to n_heads for plain multi-head."""
+    head_dim: Optional[int] = None
+    """Width of one attention head; default dim // n_heads."""
     ffn_dim: int = 384
     """Width of the SwiGLU hidden layer."""
     vocab_size: int = 257
@@ -36,8 +53,21 @@ class ModelConfig:
     """Base of the rotary position frequencies."""
     norm_eps: float = 1e-5
     """RMSNorm's epsilon."""
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    tie_embeddings: bool = False
+    """The output head reuses the input embedding matrix (with pipelining, the first and last
+    stage hold copies whose gradients are summed)."""
     init_std: float = 0.02
     """Std of the normal init; output projections are scaled by 1/sqrt(2 * n_layers)."""
+    init_from: Optional[str] = None
+    """A Hugging Face Llama directory (config.json + safetensors) to start from: the rest of
+    this section is derived from its config.json before launch, and every rank reads its own
+    slices of the weights. Explicit model.* overrides must agree with config.json."""
+    bos_token_id: Optional[int] = None
+    """Beginning-of-sequence token id, when known (from init_from's config.json); written into
+    exported Hugging Face configs."""
+    eos_token_ids: List[int] = field(default_factory=list)
+    """End-of-sequence token id(s), when known (Llama 3 chat models have several)."""
 
 
 @dataclass
@@ -99,6 +129,10 @@ class TrainConfig:
     """auto (cuda if available, else cpu) | cpu | cuda."""
     peak_tflops: Optional[float] = None
     """Peak TFLOP/s per rank for MFU; default from the device name where known."""
+    eval_every: int = 100
+    """Evaluate on the validation set (data.val_fraction or data.val_path) every this many steps; 0: never."""
+    eval_steps: Optional[int] = 10
+    """Global batches of validation windows per evaluation, the same ones each time; null: the whole set."""
 
 
 @dataclass
@@ -128,15 +162,32 @@ class OptimConfig:
 
 
 @dataclass
+class BlendSource:
+    """One token file of a blend and its share of the training samples."""
+
+    path: str = MISSING
+    """Token file (.bin, with its .json header)."""
+    weight: float = 1.0
+    """Relative share of the samples (weights are normalised by their sum)."""
+
+
+@dataclass
 class DataConfig:
-    """Training tokens: the built-in corpus, or a token file made by tools/prepare_data.py."""
+    """Training tokens: the built-in corpus, or token files made by tools/prepare_data.py."""
 
     name: str = "stdlib"
     """stdlib (this Python's standard-library source, byte-level, no download) | tokens."""
     path: Optional[str] = None
     """Token file (.bin, with its .json header) when name=tokens."""
+    blend: List[BlendSource] = field(default_factory=list)
+    """Several token files mixed by weight, instead of data.path (name=tokens), e.g.
+    '[{path: a.bin, weight: 0.7}, {path: b.bin, weight: 0.3}]'; they must share a tokenizer."""
+    val_fraction: float = 0.0
+    """Hold out the last fraction of every training file's tokens for validation (0: none)."""
+    val_path: Optional[str] = None
+    """A token file to validate on, instead of val_fraction (same tokenizer as the training data)."""
     cache_dir: str = "~/.cache/trainer3d"
-    """Where the built-in corpus is tokenised once and kept."""
+    """Where the built-in corpus is tokenised once and kept, with the record of verified token files."""
 
 
 @dataclass

@@ -18,6 +18,7 @@ WANDB_MODES = ("auto", "offline", "online", "disabled")
 ZERO_REDUCE = ("auto", "all_reduce", "reduce_scatter")
 BACKENDS = ("auto", "gloo", "nccl")
 DATASETS = ("stdlib", "tokens")
+ROPE_SCALING = ("none", "llama3")
 
 
 class ConfigError(ValueError):
@@ -216,13 +217,17 @@ def pipeline_micro_batch_problem(schedule: str, pp: int, n_micro: int) -> Option
 
 def _check_tensor(cfg: Config, problems: List[str]) -> None:
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    if m.dim % m.n_heads:
-        problems.append(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
+    if m.head_dim is None and m.dim % m.n_heads:
+        problems.append(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads} "
+                        "(or set model.head_dim)")
     if m.n_heads % m.n_kv_heads:
         problems.append(f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads}")
-    elif (m.dim // m.n_heads) % 2:
+    elif m.head_dim is not None and (m.head_dim < 2 or m.head_dim % 2):
+        problems.append(f"model.head_dim={m.head_dim} must be even (and >= 2) for rotary embeddings")
+    elif m.head_dim is None and (m.dim // m.n_heads) % 2:
         problems.append(f"head dim model.dim/model.n_heads={m.dim // m.n_heads} must be even for rotary "
                         "embeddings; change model.dim or model.n_heads")
+    _check_rope_scaling(cfg, problems)
     for knob, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
                         ("model.ffn_dim", m.ffn_dim)):
         if value % p.tp:
@@ -236,6 +241,18 @@ def _check_tensor(cfg: Config, problems: List[str]) -> None:
     if p.sequence_parallel and t.seq_len % p.tp:
         problems.append(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp}, "
                         "which sequence parallelism needs")
+
+
+def _check_rope_scaling(cfg: Config, problems: List[str]) -> None:
+    r = cfg.model.rope_scaling
+    if r.type not in ROPE_SCALING:
+        problems.append(f"model.rope_scaling.type={r.type} is not one of {', '.join(ROPE_SCALING)}")
+    elif r.type == "llama3":
+        if r.factor <= 0 or r.low_freq_factor <= 0 or r.original_max_seq_len < 1:
+            problems.append("model.rope_scaling.factor, .low_freq_factor and .original_max_seq_len must be > 0")
+        elif r.high_freq_factor <= r.low_freq_factor:
+            problems.append(f"model.rope_scaling.high_freq_factor={r.high_freq_factor} must exceed "
+                            f"model.rope_scaling.low_freq_factor={r.low_freq_factor}")
 
 
 def _check_zero_and_precision(cfg: Config, problems: List[str]) -> None:
@@ -264,9 +281,32 @@ def _check_choices(cfg: Config, problems: List[str]) -> None:
         problems.append(f"logger.mode={cfg.logger.mode} is not one of {', '.join(WANDB_MODES)}")
     if cfg.data.name not in DATASETS:
         problems.append(f"data={cfg.data.name} is not one of {', '.join(DATASETS)}")
-    elif cfg.data.name == "tokens" and not cfg.data.path:
-        problems.append("data=tokens needs data.path=<file.bin> (make one with tools/prepare_data.py)")
+    else:
+        _check_data(cfg, problems)
     if cfg.optim.name != "adamw":
         problems.append(f"optim={cfg.optim.name}: only adamw is implemented")
     if cfg.train.device not in ("auto", "cpu", "cuda"):
         problems.append(f"train.device={cfg.train.device} is not one of auto, cpu, cuda")
+
+
+def _check_data(cfg: Config, problems: List[str]) -> None:
+    """The data knobs among themselves; the files are checked before launch by trainer3d.data.checks."""
+    d, t = cfg.data, cfg.train
+    if d.name == "tokens" and not d.path and not d.blend:
+        problems.append("data=tokens needs data.path=<file.bin> or data.blend=[{path: ..., weight: ...}, ...] "
+                        "(make token files with tools/prepare_data.py)")
+    if d.path and d.blend:
+        problems.append("data.path and data.blend are both set; give one (a blend lists every file)")
+    if d.blend and d.name != "tokens":
+        problems.append(f"data.blend needs data=tokens (data={d.name} has a corpus of its own)")
+    for i, source in enumerate(d.blend):
+        if not source.weight > 0:
+            problems.append(f"data.blend[{i}].weight={source.weight} must be > 0")
+    if not 0 <= d.val_fraction < 1:
+        problems.append(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
+    if d.val_fraction > 0 and d.val_path:
+        problems.append("data.val_fraction and data.val_path are both set; give one (or set data.val_fraction=0)")
+    if t.eval_every < 0:
+        problems.append(f"train.eval_every={t.eval_every} must be >= 0 (0: never evaluate)")
+    if t.eval_steps is not None and t.eval_steps < 1:
+        problems.append(f"train.eval_steps={t.eval_steps} must be >= 1, or null for the whole validation set")

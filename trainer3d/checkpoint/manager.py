@@ -33,6 +33,7 @@ from trainer3d.checkpoint.writer import CheckpointWriter
 from trainer3d.config import Config
 from trainer3d.loggers import scrub
 from trainer3d.parallel.optimizer import ZeroOptimizer
+from trainer3d.parallel.tied import drop_tied_copies
 from trainer3d.topology import ParallelDims
 from trainer3d.validate import layout_of
 
@@ -76,7 +77,8 @@ class Checkpointer:
                 shutil.rmtree(partial)
         dist.barrier()
         try:
-            dcp.save(rank_state(self.optimizer, self.dims, self.make), storage_writer=CheckpointWriter(str(partial)))
+            state = drop_tied_copies(rank_state(self.optimizer, self.dims, self.make), self.dims)
+            dcp.save(state, storage_writer=CheckpointWriter(str(partial)))
             dist.barrier()  # every rank's files are complete
             if self.dims.rank == 0:
                 info = {"step": steps_done, "layout": layout_of(self.cfg),

@@ -4,11 +4,14 @@
 1. build the full model on the meta device (no memory);
 2. pipeline: keep only this rank's stage(s) (parallel/stages.py);
 3. tensor parallel: swap Linear/Embedding layers for sharded ones (parallel/tensor.py);
-4. materialise on this rank's device and fill with the layout-independent fp32 init;
+4. cast to the dtype the parameters are stored in (still on meta, so nothing is held in a
+   wider dtype first: ``train.dtype``, or fp32 under FSDP, whose parameters are the master
+   weights — parallel/precision.py), materialise on this rank's device and fill from the
+   parameter source: the layout-independent random init, or ``model.init_from``'s Hugging
+   Face weights;
 5. per-layer activation checkpointing, if asked.
 ``build_optimizer`` then wraps the chunks in the data-parallel optimizer (ZeRO stages 0/1:
-parallel/zero.py, 2/3: parallel/fsdp.py), which keeps the fp32 values as its master weights
-and gives the model its training dtype (``train.dtype``).
+parallel/zero.py, 2/3: parallel/fsdp.py).
 """
 
 from typing import Callable, List
@@ -17,10 +20,12 @@ import torch
 from torch import nn
 
 from trainer3d.config import Config
-from trainer3d.model.init import init_parameters
+from trainer3d.hf.source import HFSource
+from trainer3d.model.init import ParameterSource, RandomInit, fill_parameters
 from trainer3d.model.transformer import Transformer, cross_entropy_loss
 from trainer3d.parallel.fsdp import FSDPOptimizer
 from trainer3d.parallel.optimizer import ZeroOptimizer
+from trainer3d.parallel.precision import param_dtype
 from trainer3d.parallel.recompute import checkpoint_layers
 from trainer3d.parallel.stages import split_into_stages
 from trainer3d.parallel.tensor import apply_tensor_parallel
@@ -41,12 +46,21 @@ def build_meta_chunks(cfg: Config, dims: ParallelDims) -> List[nn.Module]:
     return chunks
 
 
+def parameter_source(cfg: Config) -> ParameterSource:
+    """Where the initial values come from: ``model.init_from``'s weights, else the random init."""
+    if cfg.model.init_from:
+        return HFSource(cfg.model.init_from, cfg.model)
+    return RandomInit(cfg.model, cfg.train.seed)
+
+
 def build_model_chunks(cfg: Config, dims: ParallelDims) -> List[nn.Module]:
-    """This rank's model chunks (one per pipeline stage it runs; one when pp == 1), fp32."""
+    """This rank's model chunks (one per pipeline stage it runs; one when pp == 1)."""
     chunks = build_meta_chunks(cfg, dims)
+    source = parameter_source(cfg)
     for chunk in chunks:
+        chunk.to(dtype=param_dtype(cfg))
         chunk.to_empty(device=dims.device)
-        init_parameters(chunk, cfg.model, cfg.train.seed)
+        fill_parameters(chunk, source)
     if cfg.train.activation_checkpointing:
         checkpoint_layers(chunks)
     return chunks

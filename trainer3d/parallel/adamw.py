@@ -85,15 +85,10 @@ def adamw_update_(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avg
 
 
 class FlatAdamW:
-    """AdamW state for owned pieces of the flat buffers, and its fused update.
-
-    ``initial`` holds each segment's fp32 starting values (the model's fp32 initialisation,
-    taken before the parameters were cast to the training dtype): the master weights start
-    from them, not from their rounded copy in the parameter buffer.
-    """
+    """AdamW state for owned pieces of the flat buffers, and its fused update."""
 
     def __init__(self, segments: List[Segment], owned_numel: int, param_buffer: torch.Tensor,
-                 grad_buffer: torch.Tensor, cfg: OptimConfig, initial: List[torch.Tensor]):
+                 grad_buffer: torch.Tensor, cfg: OptimConfig):
         self.segments, self.cfg = segments, cfg
         device = param_buffer.device
         self.exp_avg = torch.zeros(owned_numel, dtype=torch.float32, device=device)
@@ -110,7 +105,7 @@ class FlatAdamW:
         self.exp_avg_sq_views = [self._state_view(self.exp_avg_sq, s) for s in segments]
         if self.master is not None and segments:
             with torch.no_grad():
-                torch._foreach_copy_(self.master_views, initial)
+                torch._foreach_copy_(self.master_views, self.param_views)  # the model's values, as built
         self.decay = [decays(s.name, s.param) for s in segments]
 
     @staticmethod

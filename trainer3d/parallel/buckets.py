@@ -81,12 +81,8 @@ def plan_buckets(numels: Sequence[int], bucket_numel: int, pad_multiple: int
 
 
 class FlatBuffers:
-    """One flat parameter buffer in the training dtype and one flat fp32 gradient buffer.
-
-    The parameters' values are copied (cast to ``dtype``) into the parameter buffer and each
-    parameter becomes a view of it; whoever needs their previous (fp32) values keeps a
-    reference to them before (the optimizer's master weights do).
-    """
+    """One flat parameter buffer in the training dtype and one flat fp32 gradient buffer;
+    the parameters' values are copied into it and each parameter becomes a view of it."""
 
     def __init__(self, params: Sequence[nn.Parameter], bucket_numel: int, pad_multiple: int, dtype: torch.dtype):
         self.params = list(reversed(list(params)))  # backward order: head first

@@ -12,9 +12,9 @@ Every transformer block and then the root module are sharded over the dp sub-mes
 Gradients are reduce-scattered in fp32 after every micro-batch's backward and summed into
 the sharded gradient, so no rank ever holds the full gradient (FSDP's default; skipping the
 sync on early micro-batches would keep an unsharded one). bf16/fp16 compute through
-``MixedPrecisionPolicy(param_dtype=...)``: the model arrives in fp32 from its
-initialisation, so the sharded fp32 parameters — the master weights — start from the
-exact init, not from a rounded copy. The update is the same fused AdamW kernel as stages
+``MixedPrecisionPolicy(param_dtype=...)``: the model is built in fp32 for these stages
+(``precision.param_dtype``), so the sharded fp32 parameters — the master weights — start
+from the exact initial values, not from their rounding to ``train.dtype``. The update is the same fused AdamW kernel as stages
 0/1, run on the local shards; fp16 loss scaling and the global-norm clip as there.
 
 Tensor parallelism composes: FSDP shards each rank's tp slice over the dp sub-mesh, and

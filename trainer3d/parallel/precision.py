@@ -18,8 +18,18 @@ from typing import Dict, Optional
 
 import torch
 
+from trainer3d.config import Config
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """``train.dtype`` -> the dtype the model computes in."""
+
+
+def param_dtype(cfg: Config) -> torch.dtype:
+    """The dtype the model's parameters are built and stored in: ``train.dtype``, except under
+    FSDP (ZeRO stages 2/3), whose sharded parameters are the fp32 master weights (it casts
+    them to ``train.dtype`` as it gathers them for compute). Built in fp32 there, the masters
+    start from the exact initial values, not from their rounding to ``train.dtype``."""
+    return torch.float32 if cfg.parallel.zero_stage >= 2 else DTYPES[cfg.train.dtype]
 
 
 class LossScaler:

@@ -19,9 +19,7 @@ Stages 2 and 3 (pp == 1) go through FSDP2: parallel/fsdp.py. ``trainer3d.memory`
 each stage allocates; tests/test_zero_memory.py holds the engine to it.
 
 Stages 0-3 implement the optimizer contract of parallel/optimizer.py, the only way the trainer,
-checkpoints and metrics reach them. The master weights start from the model's fp32
-initialisation; the parameters are cast to ``train.dtype`` when they move into the flat
-buffer.
+checkpoints and metrics reach them.
 """
 
 from typing import Dict, List, Tuple
@@ -37,6 +35,7 @@ from trainer3d.parallel.buckets import FlatBuffers, GradReducer
 from trainer3d.parallel.clip import clip_by_global_norm_, counted_once_over_tp, sum_of_squares
 from trainer3d.parallel.optimizer import StateView, ZeroOptimizer
 from trainer3d.parallel.precision import DTYPES, make_loss_scaler
+from trainer3d.parallel.tied import is_tied_copy
 from trainer3d.topology import ParallelDims
 
 
@@ -62,7 +61,6 @@ class FlatZeroOptimizer(ZeroOptimizer):
         self.cfg, self.dims, self.sharded = cfg, dims, sharded
         named = [(canonical_name(n), p) for chunk in chunks for n, p in chunk.named_parameters() if p.requires_grad]
         self.names: Dict[nn.Parameter, str] = {p: n for n, p in named}
-        fp32 = {p: p.detach().float() for _, p in named}  # the init, before the flat buffer casts it
         dtype = DTYPES[cfg.train.dtype]
         self.buffers = FlatBuffers([p for _, p in named], bucket_numel(cfg), dims.dp if sharded else 1, dtype)
         mode = reduce_mode(cfg, dims) if sharded else "all_reduce"
@@ -72,9 +70,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
         ranges = {p: self.buffers.range_of(p) for p in self.buffers.params}
         segments = segments_of(self.names, ranges, self.pieces)
         owned_numel = sum(hi - lo for lo, hi in self.pieces)
-        initial = [fp32[s.param].view(-1)[slice(*s.local_range)] for s in segments]
-        self.adam = FlatAdamW(segments, owned_numel, self.buffers.param_buffer, self.buffers.grad_buffer,
-                              cfg.optim, initial)
+        self.adam = FlatAdamW(segments, owned_numel, self.buffers.param_buffer, self.buffers.grad_buffer, cfg.optim)
         self.step_count = self.adam.step_count
         self.scaler = make_loss_scaler(dtype, dims.device, cfg.train.loss_scale_init)
         self._owned_grads = [self.buffers.grad_buffer[lo:hi] for lo, hi in self.pieces]
@@ -82,7 +78,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
         # stage 0's replicas are identical, so dp rank 0 counts for all of them.
         counts_here = sharded or dims.dp_rank == 0
         self._counted = [g for s, g in zip(segments, self.adam.grad_views)
-                         if counts_here and counted_once_over_tp(s.param, dims)]
+                         if counts_here and counted_once_over_tp(s.param, dims) and not is_tied_copy(s.name, dims)]
 
     def _owned_pieces(self) -> List[Tuple[int, int]]:
         if not self.sharded:
