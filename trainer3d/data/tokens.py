@@ -34,6 +34,8 @@ from typing import Optional
 
 import numpy as np
 
+from trainer3d.jsonfile import read_json_object
+
 PREPARE_HINT = "rebuild it with: python tools/prepare_data.py --out <file.bin> <texts...>"
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 HEADER_KEYS = ("dtype", "vocab_size", "n_tokens", "max_id", "eos_id", "tokenizer", "sha256")
@@ -97,11 +99,9 @@ def read_header(path) -> TokenHeader:
         raise TokenFileError(f"token file {bin_path(path)} (or its header {hpath.name}) not found; "
                              "make one with: python tools/prepare_data.py --out <file.bin> <texts...>")
     try:
-        raw = json.loads(hpath.read_text())
-    except (ValueError, UnicodeDecodeError) as err:
-        raise TokenFileError(f"{hpath}: not a JSON header ({err}); {PREPARE_HINT}") from None
-    if not isinstance(raw, dict):
-        raise TokenFileError(f"{hpath}: not a JSON object; {PREPARE_HINT}")
+        raw = read_json_object(hpath)
+    except ValueError as err:
+        raise TokenFileError(f"{err}; {PREPARE_HINT}") from None
     missing = [k for k in HEADER_KEYS if k not in raw]
     tok = raw.get("tokenizer")
     if isinstance(tok, dict):

@@ -21,9 +21,10 @@ from typing import Dict, List, Tuple
 import torch
 from safetensors.torch import save_file
 
+from trainer3d.jsonfile import read_json_object
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-MAX_JSON_BYTES = 16 * 2 ** 20
 MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _ITEM_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -42,18 +43,13 @@ class TensorInfo:
 
 
 def read_json(path: Path) -> dict:
-    """A JSON object from a file of bounded size."""
+    """A JSON object from a file of bounded size (trainer3d/jsonfile.py)."""
     if not path.is_file():
         raise DirError(f"{path} is missing")
-    if path.stat().st_size > MAX_JSON_BYTES:
-        raise DirError(f"{path} is larger than {MAX_JSON_BYTES} bytes; not a config or index file")
     try:
-        value = json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as err:
-        raise DirError(f"{path} is not valid JSON ({err})") from None
-    if not isinstance(value, dict):
-        raise DirError(f"{path} does not hold a JSON object")
-    return value
+        return read_json_object(path)
+    except ValueError as err:
+        raise DirError(str(err)) from None
 
 
 def read_header(path: Path) -> Dict[str, TensorInfo]:
