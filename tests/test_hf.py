@@ -214,10 +214,10 @@ def test_bf16_export_writes_bf16_weights_and_config(runs, tmp_path):
 
 def _refusal(cfg: Config, monkeypatch, capsys, explicit=()) -> str:
     """Run the entry point's checks; nothing may launch. Returns its one error line."""
-    import trainer3d.launch
+    import trainer3d.train
     from trainer3d.train import run
 
-    monkeypatch.setattr(trainer3d.launch, "launch", lambda cfg: pytest.fail("launched"))
+    monkeypatch.setattr(trainer3d.train, "launch", lambda cfg: pytest.fail("launched"))
     capsys.readouterr()
     assert run(cfg, explicit) == 2
     lines = capsys.readouterr().err.strip().splitlines()
