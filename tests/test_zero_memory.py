@@ -58,9 +58,13 @@ def test_engine_accounting_is_the_paper_plus_stated_differences(stage, dtype):
     shapes, dp = [(64, 32), (32,), (128, 32)], 4
     psi = sum(torch.Size(s).numel() for s in shapes)
     got = engine_model_state_bytes(shapes, dp, stage, dtype, bucket_numel=10 ** 6)
-    scalars = 4 + (16 if dtype == "fp16" else 0)
+    # the fp32 step counter; fp16 adds the loss scaler's scale, growth count, overflow flag and
+    # the scale the last step used (four 4-byte tensors)
+    scalars = 4 + (4 * 4 if dtype == "fp16" else 0)
     if dtype == "fp32":  # every term in 4-byte words, and no separate master (K = 8)
-        per_param = {0: 16, 1: 8 + 8 / dp, 2: 4 + 16 / dp, 3: 16 / dp}[stage]
+        # params 4 + grads 4 + Adam 8; stage 1 shards Adam; stage 2 shards all but the gathered
+        # 4-byte parameters it holds between forward and backward; stage 3 shards everything
+        per_param = {0: 4 + 4 + 8, 1: 4 + 4 + 8 / dp, 2: 4 + (4 + 4 + 8) / dp, 3: (4 + 4 + 8) / dp}[stage]
         assert got.total == per_param * psi + scalars
     else:
         # +2 bytes/param of fp32 gradient; stage 3 keeps no 16-bit parameter shard (FSDP2 casts
