@@ -10,7 +10,7 @@ from tests.conftest import ROOT
 from tests.harness import dims_for, run_ranks
 from trainer3d.config import Config
 from trainer3d.memory import engine_model_state_bytes
-from trainer3d.plan import rank_parameter_shapes
+from trainer3d.memory import rank_parameter_shapes
 from trainer3d.validate import validate
 
 
@@ -58,7 +58,7 @@ def test_planned_shapes_are_the_ranks_real_shapes(layout):
 
 
 def test_planned_memory_is_the_engine_accounting_of_those_shapes():
-    from trainer3d.plan import memory_lines
+    from trainer3d.dry_run import memory_lines
     cfg = _cfg(pp=2, dp=4, zero_stage=1)
     shapes = rank_parameter_shapes(cfg, 0)
     engine = engine_model_state_bytes(shapes, 4, 1, "fp32", int(cfg.parallel.bucket_mb * 2 ** 20) // 4)

@@ -1,39 +1,25 @@
 """Dry run (``dry_run=true``): the layout of a validated config, printed without starting a process.
 
 It shows which global rank is which (pp, dp, tp), the groups, the layers of each pipeline
-stage and each stage's model-state memory per rank. The memory comes from the engine's own
-accounting (``trainer3d.memory.engine_model_state_bytes``, held to measured tensor bytes by
-tests/test_zero_memory.py) applied to the parameter shapes a rank of that stage really
-holds: the model is built on the meta device (no memory) and cut by the same stage split
-and tensor-parallel layers the ranks use, so the figures hold for any world size (e.g. 512).
+stage, each stage's model-state memory per rank next to the ZeRO paper's, and each stage's
+whole peak term by term — model states, saved activations at the schedule's peak, pipeline
+buffers, the largest backward transient — with the worst rank named
+(``trainer3d.peak_memory``: the accounting the planner uses too). Shapes come from the
+model built on the meta device (no memory) and cut by the same stage split and
+tensor-parallel layers the ranks use, so the figures hold for any world size (e.g. 512).
 """
 
-from typing import List, Tuple
+from typing import List
 
 import torch
 
 from trainer3d.config import Config
-from trainer3d.memory import engine_model_state_bytes, paper_model_state_bytes
+from trainer3d.memory import engine_model_state_bytes, paper_model_state_bytes, rank_parameter_shapes
 from trainer3d.model.transformer import count_parameters
-from trainer3d.topology import ParallelDims, Topology
+from trainer3d.peak_memory import RankMemory, rank_memory
+from trainer3d.topology import Topology
 
 MiB, GiB = 2 ** 20, 2 ** 30
-
-
-def planning_dims(cfg: Config, rank: int) -> ParallelDims:
-    """The ParallelDims of ``rank`` without process groups (for building shapes on meta)."""
-    p = cfg.parallel
-    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp)
-    return ParallelDims(topo=topo, rank=rank, mesh=None, tp_group=None, dp_group=None, pp_group=None,
-                        device=torch.device("meta"))
-
-
-def rank_parameter_shapes(cfg: Config, rank: int) -> List[Tuple[int, ...]]:
-    """Shapes of the parameters ``rank`` holds, in registration order (its stages, TP-sharded)."""
-    from trainer3d.parallel import build_meta_chunks
-
-    chunks = build_meta_chunks(cfg, planning_dims(cfg, rank))
-    return [tuple(p.shape) for chunk in chunks for p in chunk.parameters()]
 
 
 def _size(n: float) -> str:
@@ -58,6 +44,41 @@ def memory_lines(cfg: Config) -> List[str]:
         lines.append(f"  {pp_rank:>7}  {psi:>14,}  {_size(engine.total):>12}  {_size(paper):>12}  {terms}")
     lines.append("  * the paper's mixed-precision accounting (2+2+12 bytes per parameter); activations not included")
     return lines
+
+
+def _shown_ranks(pp: int) -> List[int]:
+    return list(range(pp)) if pp <= 8 else [0, 1, 2, pp - 3, pp - 2, pp - 1]
+
+
+def peak_lines(cfg: Config) -> List[str]:
+    """Every pipeline rank's peak in a step, term by term (trainer3d/peak_memory.py)."""
+    p, t = cfg.parallel, cfg.train
+    mems = [rank_memory(cfg, r) for r in range(p.pp)]
+    worst = max(mems, key=lambda mem: mem.total)
+    shown = [mems[r] for r in _shown_ranks(p.pp)]
+    rows = [("model states", lambda mem: mem.states.total)]
+    names = dict.fromkeys(k for mem in shown for k in mem.activations)
+    rows += [(f"  {k}", lambda mem, k=k: mem.activations.get(k, 0)) for k in names]
+    rows += [("activations (saved)", lambda mem: mem.activation_bytes)]
+    names = dict.fromkeys(k for mem in shown for k in (*mem.buffers, *mem.transients))
+    rows += [(f"{k}", lambda mem, k=k: mem.buffers.get(k, mem.transients.get(k, 0))) for k in names]
+    rows += [("peak (largest transient only)", lambda mem: mem.total)]
+    head = "".join(f"{'pp ' + str(mem.pp_rank):>12}" for mem in shown)
+    lines = [f"peak memory per rank in a step (trainer3d/peak_memory.py; micro-batch {t.micro_batch_size} x "
+             f"{t.seq_len} tokens, {t.grad_accum_steps} per step, "
+             f"recompute={'on' if t.activation_checkpointing else 'off'}):",
+             f"  {'term':<34}{head}",
+             f"  {'micro-batches in flight':<34}" + "".join(f"{_flight(mem):>12}" for mem in shown)]
+    lines += [f"  {label:<34}" + "".join(f"{_size(get(mem)):>12}" for mem in shown) for label, get in rows]
+    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp)
+    first = topo.rank(worst.pp_rank, 0, 0)
+    lines.append(f"  worst: pp rank {worst.pp_rank} (global ranks {first}..{first + p.dp * p.tp - 1}), "
+                 f"{_size(worst.total)} per rank")
+    return lines
+
+
+def _flight(mem: RankMemory) -> str:
+    return "+".join(map(str, mem.in_flight))
 
 
 def _group(ranks: List[int]) -> str:
@@ -87,6 +108,7 @@ def describe_plan(cfg: Config) -> str:
         from trainer3d.parallel.stages import describe_stages
         lines.append(describe_stages(cfg))
     lines += memory_lines(cfg)
+    lines += peak_lines(cfg)
     lines += ["rank     pp    dp    tp"] + [f"{r:<7} {c.pp:>3}  {c.dp:>4}  {c.tp:>4}"
                                          for r in range(topo.world_size) for c in [topo.coords(r)]]
     return "\n".join(lines)

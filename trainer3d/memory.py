@@ -42,11 +42,18 @@ fp16, 16 bytes of loss-scaler state. Why each term differs from the paper's:
 - no bucket buffers: buckets are slices of the flat buffers, reduced and gathered in place.
 """
 
+import copy
 from dataclasses import dataclass
 from math import prod
-from typing import List, Sequence, Tuple, Union
+from typing import Dict, List, Sequence, Tuple, Union
 
+import torch
+
+from trainer3d.config import Config, ModelConfig
+from trainer3d.parallel import build_meta_chunks
 from trainer3d.parallel.buckets import plan_buckets
+from trainer3d.parallel.stages import n_stages, stage_layer_ranges, stages_of_rank
+from trainer3d.topology import ParallelDims, Topology
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 STEP_BYTES = 4          # the fp32 step counter
@@ -115,6 +122,70 @@ def engine_model_state_bytes(shapes: Shapes, dp: int, stage: int, dtype: str,
         return ModelStateBytes(params=4 * shard, grads=4 * shard, master=0, optimizer=8 * real + scalars,
                                gathered=gathered)
     raise ValueError(f"zero stage {stage}")
+
+
+# ------------------------------------------------------------------ the shapes a rank holds
+
+def planning_dims(cfg: Config, rank: int) -> ParallelDims:
+    """The ParallelDims of ``rank`` without process groups (for building shapes on meta)."""
+    p = cfg.parallel
+    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp)
+    return ParallelDims(topo=topo, rank=rank, mesh=None, tp_group=None, dp_group=None, pp_group=None,
+                        device=torch.device("meta"))
+
+
+NamedShapes = Tuple[Tuple[str, Tuple[int, ...]], ...]
+_NAMED_SHAPES: Dict[Tuple[str, int], NamedShapes] = {}
+
+
+def named_parameter_shapes(model: ModelConfig, tp: int) -> NamedShapes:
+    """(name, shape) of every parameter of the whole model on one tp rank, in registration
+    order: the real model and tensor-parallel layers built on the meta device (no memory).
+
+    Every block has the same shapes, so one block is built and repeated under each layer's
+    name (a 70b meta build of all 80 blocks takes seconds; the planner asks about thousands
+    of layouts). Cached per model and tp.
+    """
+    key = (repr(sorted(vars(model).items())), tp)
+    if key not in _NAMED_SHAPES:
+        cfg = Config(model=copy.deepcopy(model))
+        cfg.model.n_layers, cfg.parallel.tp = 1, tp
+        (one_block,) = build_meta_chunks(cfg, planning_dims(cfg, 0))
+        before, block, after = [], [], []
+        for name, p in one_block.named_parameters():
+            if name.startswith("layers.0."):
+                block.append((name[len("layers.0."):], tuple(p.shape)))
+            else:
+                (after if block else before).append((name, tuple(p.shape)))
+        layers = [(f"layers.{i}.{suffix}", shape) for i in range(model.n_layers) for suffix, shape in block]
+        _NAMED_SHAPES[key] = tuple(before + layers + after)
+    return _NAMED_SHAPES[key]
+
+
+def stage_parameter_shapes(cfg: Config, stage: int) -> List[Tuple[int, ...]]:
+    """The shapes pipeline ``stage`` holds on one tp rank, as ``split_into_stages`` cuts the
+    model: its layers, plus what is registered before ``layers`` (the embedding) on the first
+    stage and after it (final norm, head) on the last (parallel/stages.py, ``keep_stage``)."""
+    ranges = stage_layer_ranges(cfg.model.n_layers, n_stages(cfg), cfg.parallel.pp_layers)
+    owned = {str(i) for i in ranges[stage]}
+    shapes, seen_layers = [], False
+    for name, shape in named_parameter_shapes(cfg.model, cfg.parallel.tp):
+        top, _, rest = name.partition(".")
+        if top == "layers":
+            seen_layers = True
+            keep = rest.split(".")[0] in owned
+        else:
+            keep = stage == len(ranges) - 1 if seen_layers else stage == 0
+        if keep:
+            shapes.append(shape)
+    return shapes
+
+
+def rank_parameter_shapes(cfg: Config, rank: int) -> List[Tuple[int, ...]]:
+    """Shapes of the parameters global ``rank`` holds, in registration order (its stages, TP-sharded)."""
+    p = cfg.parallel
+    pp_rank = Topology(tp=p.tp, pp=p.pp, dp=p.dp).coords(rank).pp
+    return [s for stage in stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages) for s in stage_parameter_shapes(cfg, stage)]
 
 
 # ------------------------------------------------------------------ the paper's Table 1
