@@ -17,8 +17,8 @@ activation (4 fp32, 2 bf16/fp16). Per layer, with the flash kernel:
     SwiGLU        4 p sbf/t                  w1 x, w3 x, silu(w1 x), their product
     RoPE tables   8 s head_dim               cos and sin, fp32
 
-The math kernel also keeps the attention probabilities (the 5as^2b of the paper is ours'
-p as^2b/t) and copies of q, k, v; activation checkpointing keeps only the block input
+The math kernel keeps the attention probabilities instead (the paper's 5as^2b is our
+p as^2b/t) and 4 p sbh/t of copies of q, k, v and the output; activation checkpointing keeps only the block input
 (p sbh, /t with SP) and recomputes the rest in backward (trainer3d/parallel/recompute.py).
 """
 
@@ -95,15 +95,14 @@ def _attention(z: Sizes) -> Dict[str, int]:
     local_heads, local_kv = z.heads // z.t, z.kv_heads // z.t
     q = z.p * z.n * local_heads * z.head_dim       # one tensor shaped like q (or like SDPA's output)
     kv = z.p * z.n * local_kv * z.head_dim
-    terms = {"q_k_v": q + 2 * kv}                   # RoPE'd q and k, and v: SDPA's inputs
     if z.kernel == "flash":
-        # output (which wo reads through a view) and the log-sum-exp per query and head
-        terms["attention"] = q + FP32 * z.n * local_heads
+        # SDPA's inputs (q and k after RoPE, v), its output (which wo reads through a view)
+        # and the log-sum-exp per query and head
+        terms = {"q_k_v": q + 2 * kv, "attention": q + FP32 * z.n * local_heads}
     elif z.kernel == "math":
-        # scaled q, a contiguous k^T, the probabilities, the output copy wo reads; and
-        # v expanded to every query head under grouped-query attention
-        probs = z.p * local_heads * z.s * z.s * z.b
-        terms["attention"] = 3 * q + probs + (q if local_kv != local_heads else 0)
+        # the composite keeps its own contiguous copies instead of the inputs: scaled q,
+        # k^T and v (expanded to every query head), the probabilities, and the output copy wo reads
+        terms = {"attention": 4 * q + z.p * local_heads * z.s * z.s * z.b}
     else:
         raise ValueError(f"attention kernel {z.kernel!r}: one of {ATTENTION_KERNELS}")
     return terms

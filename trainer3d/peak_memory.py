@@ -115,10 +115,16 @@ def rank_memory(cfg: Config, pp_rank: int, kernel: str = "flash") -> RankMemory:
     return mem
 
 
+def receive_buffer_bytes(z: Sizes, stages: List[int], last: int, m: int) -> int:
+    """torch's receive buffers on a rank: per micro-batch of the step, the input activation of
+    every chunk but the first stage and the output gradient of every chunk but the last."""
+    return sum(m * z.hidden_bytes() * ((s > 0) + (s < last)) for s in stages)
+
+
 def _pipeline_buffers(z: Sizes, stages: List[int], last: int, m: int, counts: List[int],
                       recompute: bool) -> Dict[str, int]:
     hidden = z.hidden_bytes()
-    receive = sum(m * hidden * ((s > 0) + (s < last)) for s in stages)
+    receive = receive_buffer_bytes(z, stages, last, m)
     kept_as_is = recompute or z.p == FP32  # the first block saves x (fp32) or its whole input (recompute)
     aliased = sum(n * hidden for s, n in zip(stages, counts) if s > 0 and kept_as_is)
     held = sum(n * (hidden if s < last else z.p * z.n * z.vocab_local) for s, n in zip(stages, counts))
