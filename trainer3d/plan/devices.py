@@ -1,0 +1,116 @@
+"""What a rank can do, as data: device presets with their sources, or a calibration file.
+
+A preset's rates are *achievable* figures: the dense data-sheet peak times 0.8 where nothing
+better is known (a bf16 8192^3 ``torch.mm`` measured 790 TFLOP/s on an H100 SXM 80GB with
+torch 2.11, 0.80 of the 989 TFLOP/s data-sheet figure), and collective bus bandwidths a
+little under the links' per-direction figures (nccl-tests reports bus bandwidth in those
+units: https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md). ``cpu`` is a
+placeholder: ``python -m trainer3d.plan --calibrate`` measures this machine
+(trainer3d/plan/calibrate.py) and ``cluster.gpu=calibrated`` reads what it wrote.
+
+On a GPU every rank owns its device, so a node's throughput grows with its ranks. CPU ranks
+share the node's cores (trainer3d/launch.py gives each cores // ranks threads, at least
+one), so the calibration also measures the node's total matmul rate with 1, 2, 4, 8 ranks
+busy at once: the step-time model bounds a step by the node's work over that rate.
+"""
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict
+
+DEFAULT_CALIBRATION = "~/.cache/trainer3d/calibration.json"
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory_gib: float
+    """Memory of one device (GPU), or of the node, shared by its ranks (``shared_memory``)."""
+    reserved_gib: float
+    """Held back for what the accounting does not count: CUDA context, NCCL, fragmentation."""
+    matmul_tflops: Dict[str, float]
+    """Achievable dense matmul TFLOP/s of one rank computing alone, by train.dtype."""
+    memory_gbps: float
+    """Achievable memory bandwidth of one rank (elementwise ops, the optimizer), GB/s."""
+    intra_gbps: float
+    """Collective bus bandwidth per rank inside a node (tensor parallelism), GB/s."""
+    inter_gbps: float
+    """... between nodes (data and pipeline parallelism across nodes), GB/s."""
+    latency_us: float
+    """Cost of one hop of a ring collective or one send/receive, microseconds."""
+    source: str
+    layer_overhead_us: float = 0.0
+    """Host time per block forward + backward that does not shrink with its size (op dispatch);
+    hidden by asynchronous kernel launches on GPUs, measured on CPUs."""
+    node_scaling: Dict[int, float] = field(default_factory=dict)
+    """CPU: the node's total matmul rate with N ranks busy, as a multiple of one rank alone
+    (missing: N, each rank has its own device)."""
+    shared_memory: bool = False
+
+    def node_rate(self, ranks: int) -> float:
+        """The node's total throughput with ``ranks`` busy, in units of one rank alone."""
+        if not self.node_scaling:
+            return float(ranks)
+        known = sorted(self.node_scaling)
+        below = max([k for k in known if k <= ranks], default=known[0])
+        return self.node_scaling[below]
+
+    def usable_bytes(self, ranks_per_node: int) -> float:
+        """Memory one rank may use."""
+        usable = (self.memory_gib - self.reserved_gib) * 2 ** 30
+        return usable / ranks_per_node if self.shared_memory else usable
+
+
+_NV = "NVIDIA data sheet"
+
+PRESETS: Dict[str, Device] = {
+    "h100-sxm": Device(
+        "h100-sxm", memory_gib=80, reserved_gib=4, matmul_tflops={"bf16": 790.0, "fp16": 790.0, "fp32": 53.6},
+        memory_gbps=2800, intra_gbps=360, inter_gbps=45, latency_us=8,
+        source=f"{_NV}: 989 TFLOP/s bf16, 67 fp32, 80 GB HBM3 3.35 TB/s, NVLink4 450 GB/s per direction; "
+               "DGX H100: one 400 Gb/s ConnectX-7 per GPU"),
+    "h100-pcie": Device(
+        "h100-pcie", memory_gib=80, reserved_gib=4, matmul_tflops={"bf16": 605.0, "fp16": 605.0, "fp32": 40.8},
+        memory_gbps=1700, intra_gbps=50, inter_gbps=22, latency_us=10,
+        source=f"{_NV}: 756 TFLOP/s bf16, 51 fp32, 80 GB HBM2e 2.0 TB/s, PCIe Gen5 64 GB/s per direction"),
+    "h200": Device(
+        "h200", memory_gib=141, reserved_gib=4, matmul_tflops={"bf16": 790.0, "fp16": 790.0, "fp32": 53.6},
+        memory_gbps=4000, intra_gbps=360, inter_gbps=45, latency_us=8,
+        source=f"{_NV}: 989 TFLOP/s bf16, 67 fp32, 141 GB HBM3e 4.8 TB/s, NVLink4 450 GB/s per direction"),
+    "a100-80g": Device(
+        "a100-80g", memory_gib=80, reserved_gib=3, matmul_tflops={"bf16": 250.0, "fp16": 250.0, "fp32": 15.6},
+        memory_gbps=1700, intra_gbps=230, inter_gbps=22, latency_us=10,
+        source=f"{_NV}: 312 TFLOP/s bf16, 19.5 fp32, 80 GB HBM2e 2.0 TB/s, NVLink3 300 GB/s per direction; "
+               "DGX A100: one 200 Gb/s ConnectX-6 per GPU"),
+    "a100-40g": Device(
+        "a100-40g", memory_gib=40, reserved_gib=3, matmul_tflops={"bf16": 250.0, "fp16": 250.0, "fp32": 15.6},
+        memory_gbps=1300, intra_gbps=230, inter_gbps=22, latency_us=10,
+        source=f"{_NV}: 312 TFLOP/s bf16, 19.5 fp32, 40 GB HBM2 1.6 TB/s, NVLink3 300 GB/s per direction"),
+    "cpu": Device(
+        "cpu", memory_gib=16, reserved_gib=2, matmul_tflops={"fp32": 0.04, "bf16": 0.01, "fp16": 0.005},
+        memory_gbps=5, intra_gbps=1.0, inter_gbps=0.1, latency_us=100, layer_overhead_us=1500,
+        node_scaling={1: 1.0, 2: 1.6, 4: 1.6, 8: 1.6}, shared_memory=True,
+        source="placeholder for a 2-core machine: run python -m trainer3d.plan --calibrate"),
+}
+
+
+def load_calibration(path: str) -> Device:
+    """The Device that ``--calibrate`` measured and saved to ``path``."""
+    file = Path(os.path.expanduser(path))
+    if not file.is_file():
+        raise FileNotFoundError(f"cluster.calibration={path} does not exist; run python -m trainer3d.plan "
+                                "--calibrate first (or pick a preset: cluster.gpu=" + "|".join(PRESETS) + ")")
+    data = json.loads(file.read_text())
+    data["node_scaling"] = {int(k): v for k, v in data.get("node_scaling", {}).items()}
+    return Device(**data)
+
+
+def device_for(gpu: str, calibration: str = DEFAULT_CALIBRATION) -> Device:
+    """``cluster.gpu``: a preset name, or ``calibrated`` for the file ``--calibrate`` wrote."""
+    if gpu == "calibrated":
+        return load_calibration(calibration)
+    if gpu not in PRESETS:
+        raise ValueError(f"cluster.gpu={gpu} is not one of {', '.join(PRESETS)}, calibrated")
+    return PRESETS[gpu]
