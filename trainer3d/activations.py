@@ -208,10 +208,14 @@ def peak_in_flight(ops: Sequence[Tuple[str, int]], per_micro: Sequence[int], per
     ``per_step[c]``: what chunk c keeps while any of its micro-batches is in flight.
     """
     alive: Dict[int, int] = defaultdict(int)
-    best, at = 0, [0] * len(per_micro)
+    live, best, at = 0, 0, [0] * len(per_micro)
     for kind, chunk in ops:
-        alive[chunk] += 1 if kind == "F" else -1
-        live = sum(n * per_micro[c] + (per_step[c] if n else 0) for c, n in alive.items())
+        step = 1 if kind == "F" else -1
+        before = alive[chunk]
+        alive[chunk] += step
+        live += step * per_micro[chunk]
+        if (before == 0) != (alive[chunk] == 0):  # the chunk's first micro-batch arrived or its last left
+            live += step * per_step[chunk]
         if live > best:
             best, at = live, [alive[c] for c in range(len(per_micro))]
     return best, at

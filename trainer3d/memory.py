@@ -134,51 +134,47 @@ def planning_dims(cfg: Config, rank: int) -> ParallelDims:
                         device=torch.device("meta"))
 
 
-NamedShapes = Tuple[Tuple[str, Tuple[int, ...]], ...]
-_NAMED_SHAPES: Dict[Tuple[str, int], NamedShapes] = {}
+Shape = Tuple[int, ...]
 
 
-def named_parameter_shapes(model: ModelConfig, tp: int) -> NamedShapes:
-    """(name, shape) of every parameter of the whole model on one tp rank, in registration
-    order: the real model and tensor-parallel layers built on the meta device (no memory).
+@dataclass(frozen=True)
+class ModelShapes:
+    """One tp rank's parameter shapes in registration order: what is registered before the
+    blocks (the embedding), one block, what comes after them (final norm, head)."""
 
-    Every block has the same shapes, so one block is built and repeated under each layer's
-    name (a 70b meta build of all 80 blocks takes seconds; the planner asks about thousands
-    of layouts). Cached per model and tp.
-    """
+    before: Tuple[Shape, ...]
+    block: Tuple[Shape, ...]
+    after: Tuple[Shape, ...]
+
+
+_MODEL_SHAPES: Dict[Tuple[str, int], ModelShapes] = {}
+
+
+def model_shapes(model: ModelConfig, tp: int) -> ModelShapes:
+    """The real model and tensor-parallel layers built on the meta device (no memory), with one
+    block: every block has the same shapes (a 70b meta build of all 80 takes seconds, and the
+    planner asks about thousands of layouts). Cached per model and tp."""
     key = (repr(sorted(vars(model).items())), tp)
-    if key not in _NAMED_SHAPES:
+    if key not in _MODEL_SHAPES:
         cfg = Config(model=copy.deepcopy(model))
         cfg.model.n_layers, cfg.parallel.tp = 1, tp
         (one_block,) = build_meta_chunks(cfg, planning_dims(cfg, 0))
-        before, block, after = [], [], []
+        parts: Dict[str, List[Shape]] = {"before": [], "block": [], "after": []}
         for name, p in one_block.named_parameters():
-            if name.startswith("layers.0."):
-                block.append((name[len("layers.0."):], tuple(p.shape)))
-            else:
-                (after if block else before).append((name, tuple(p.shape)))
-        layers = [(f"layers.{i}.{suffix}", shape) for i in range(model.n_layers) for suffix, shape in block]
-        _NAMED_SHAPES[key] = tuple(before + layers + after)
-    return _NAMED_SHAPES[key]
+            part = "block" if name.startswith("layers.") else "after" if parts["block"] else "before"
+            parts[part].append(tuple(p.shape))
+        _MODEL_SHAPES[key] = ModelShapes(**{k: tuple(v) for k, v in parts.items()})
+    return _MODEL_SHAPES[key]
 
 
-def stage_parameter_shapes(cfg: Config, stage: int) -> List[Tuple[int, ...]]:
+def stage_parameter_shapes(cfg: Config, stage: int) -> List[Shape]:
     """The shapes pipeline ``stage`` holds on one tp rank, as ``split_into_stages`` cuts the
-    model: its layers, plus what is registered before ``layers`` (the embedding) on the first
-    stage and after it (final norm, head) on the last (parallel/stages.py, ``keep_stage``)."""
+    model: its blocks, plus what is registered before them (the embedding) on the first stage
+    and after them (final norm, head) on the last (parallel/stages.py, ``keep_stage``)."""
     ranges = stage_layer_ranges(cfg.model.n_layers, n_stages(cfg), cfg.parallel.pp_layers)
-    owned = {str(i) for i in ranges[stage]}
-    shapes, seen_layers = [], False
-    for name, shape in named_parameter_shapes(cfg.model, cfg.parallel.tp):
-        top, _, rest = name.partition(".")
-        if top == "layers":
-            seen_layers = True
-            keep = rest.split(".")[0] in owned
-        else:
-            keep = stage == len(ranges) - 1 if seen_layers else stage == 0
-        if keep:
-            shapes.append(shape)
-    return shapes
+    shapes = model_shapes(cfg.model, cfg.parallel.tp)
+    return [*(shapes.before if stage == 0 else ()), *shapes.block * len(ranges[stage]),
+            *(shapes.after if stage == len(ranges) - 1 else ())]
 
 
 def rank_parameter_shapes(cfg: Config, rank: int) -> List[Tuple[int, ...]]:

@@ -30,8 +30,7 @@ from typing import Dict, List, Tuple
 from trainer3d.activations import (Sizes, chunk_terms, layer_terms, peak_in_flight, schedule_ops, shared_terms,
                                    FP32)
 from trainer3d.config import Config
-from trainer3d.memory import (BYTES, ModelStateBytes, engine_model_state_bytes, named_parameter_shapes,
-                              stage_parameter_shapes)
+from trainer3d.memory import BYTES, ModelStateBytes, engine_model_state_bytes, model_shapes, stage_parameter_shapes
 from trainer3d.parallel.stages import n_stages, stage_layer_ranges, stages_of_rank
 
 
@@ -138,11 +137,11 @@ def _transients(cfg: Config, z: Sizes, stages: List[int], last: int) -> Dict[str
         out["loss_backward"] = 2 * FP32 * z.n * z.vocab_local
     if t.activation_checkpointing:
         out["recomputed_block"] = sum(layer_terms(z).values()) - z.hidden_bytes()
-    shapes = [s for stage in stages for s in stage_parameter_shapes(cfg, stage)]
-    numels = [_numel(s) for s in shapes]
     b = BYTES[t.dtype]
-    if p.zero_stage in (0, 1) and b != FP32 and numels:
-        out["low_precision_grad"] = b * max(numels)
+    if p.zero_stage in (0, 1) and b != FP32:
+        shapes = model_shapes(cfg.model, p.tp)
+        held = [*shapes.block, *(shapes.before if 0 in stages else ()), *(shapes.after if last in stages else ())]
+        out["low_precision_grad"] = b * max(_numel(s) for s in held)
     if p.zero_stage in (2, 3):
         out["fsdp_unit"] = _fsdp_unit_bytes(cfg, b)
     return out
@@ -152,9 +151,9 @@ def _fsdp_unit_bytes(cfg: Config, b: int) -> int:
     """FSDP2 shards every block and the root (embedding, final norm, head) as units: one
     unit's gradients unsharded (compute dtype, then fp32 for the reduce-scatter) and, for
     stage 3, its parameters gathered with the next unit's prefetched."""
-    named = named_parameter_shapes(cfg.model, cfg.parallel.tp)
-    block = sum(_numel(s) for name, s in named if name.startswith("layers.0."))
-    root = sum(_numel(s) for name, s in named if not name.startswith("layers."))
+    shapes = model_shapes(cfg.model, cfg.parallel.tp)
+    block = sum(_numel(s) for s in shapes.block)
+    root = sum(_numel(s) for s in (*shapes.before, *shapes.after))
     unit = max(block, root)
     gathered = 2 * b * unit if cfg.parallel.zero_stage == 3 else 0
     return gathered + (b + FP32) * unit

@@ -45,9 +45,11 @@ class Device:
     """Host time per block forward + backward that does not shrink with its size (op dispatch);
     hidden by asynchronous kernel launches on GPUs, measured on CPUs."""
     node_scaling: Dict[int, float] = field(default_factory=dict)
-    """CPU: the node's total matmul rate with N ranks busy, as a multiple of one rank alone
-    (missing: N, each rank has its own device)."""
+    """CPU: the node's total matmul rate with N ranks busy (each with cores // N threads, at
+    least one), as a multiple of ``matmul_tflops`` (empty: each rank has its own device)."""
     shared_memory: bool = False
+    cores: int = 0
+    """CPU: cores per node, shared by its ranks (0: each rank has its own device)."""
 
     def node_rate(self, ranks: int) -> float:
         """The node's total throughput with ``ranks`` busy, in units of one rank alone."""
@@ -56,6 +58,15 @@ class Device:
         known = sorted(self.node_scaling)
         below = max([k for k in known if k <= ranks], default=known[0])
         return self.node_scaling[below]
+
+    def rank_speed(self, ranks: int) -> float:
+        """One rank's speed computing alone, in units of ``matmul_tflops`` (one thread on CPUs):
+        with fewer ranks than cores a rank runs cores // ranks threads (between one thread and
+        the whole node alone, ``node_rate(1)``, linearly)."""
+        threads = max(1, self.cores // ranks) if self.cores else 1
+        if threads == 1:
+            return 1.0
+        return 1.0 + (self.node_rate(1) - 1.0) * (threads - 1) / (self.cores - 1)
 
     def usable_bytes(self, ranks_per_node: int) -> float:
         """Memory one rank may use."""
@@ -91,7 +102,7 @@ PRESETS: Dict[str, Device] = {
     "cpu": Device(
         "cpu", memory_gib=16, reserved_gib=2, matmul_tflops={"fp32": 0.04, "bf16": 0.01, "fp16": 0.005},
         memory_gbps=5, intra_gbps=1.0, inter_gbps=0.1, latency_us=100, layer_overhead_us=1500,
-        node_scaling={1: 1.0, 2: 1.6, 4: 1.6, 8: 1.6}, shared_memory=True,
+        node_scaling={1: 1.6, 2: 1.6, 4: 1.6, 8: 1.6}, shared_memory=True, cores=2,
         source="placeholder for a 2-core machine: run python -m trainer3d.plan --calibrate"),
 }
 

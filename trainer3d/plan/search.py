@@ -5,7 +5,9 @@ The space: tp over the divisors of the ranks per node (tensor parallelism stays 
 node, trainer3d/topology.py), pp over the divisors of what is left (at most one layer per
 stage), dp the rest; then micro-batch size, ZeRO stage, sequence parallelism (tp > 1),
 recomputation and the schedule (1F1B, or interleaved 1F1B with v chunks per rank when
-pp > 1). Every candidate goes through the engine's own ``validate()`` (its refusals are
+pp > 1). Two of validate()'s rules shape the space instead of filtering it (ZeRO 2/3 only
+without a pipeline; at least one layer per stage), and without data parallelism only ZeRO
+stage 0 is tried (the others shard over dp = 1: the same layout). Every candidate goes through the engine's own ``validate()`` (its refusals are
 counted by the knob they name), then through the peak-memory accounting of the ranks that
 bound it (trainer3d/peak_memory.py), then through the step-time model (step_time.py).
 """
@@ -74,9 +76,10 @@ def candidates(cfg: PlanConfig, device: Device) -> Iterator[Config]:
                   launcher=launcher, run_dir=".")
     for tp in _divisors(c.gpus_per_node):
         for pp in (d for d in _divisors(world // tp) if d <= m.n_layers):
-            schedules = [("1f1b", 1)] + [("interleaved_1f1b", v) for v in s.virtual_stages if v > 1 and pp > 1]
+            schedules = [("1f1b", 1)] + [("interleaved_1f1b", v) for v in s.virtual_stages
+                                         if v > 1 and pp > 1 and pp * v <= m.n_layers]
             for micro in s.micro_batch_sizes:
-                for zero in s.zero_stages:
+                for zero in (z for z in s.zero_stages if (pp == 1 or z < 2) and (world > tp * pp or z == 0)):
                     for sp in (s.sequence_parallel if tp > 1 else [False]):
                         for recompute in s.recompute:
                             for schedule, v in schedules:
@@ -91,9 +94,21 @@ def candidates(cfg: PlanConfig, device: Device) -> Iterator[Config]:
 _KNOB = re.compile(r"([a-z_]+\.[a-z_]+)")
 
 
+def evaluate(cfg: Config, device: Device, ranks_per_node: int, backend: str) -> Plan:
+    """A validated layout's worst peak memory and predicted step (the step is timed even
+    when the memory does not fit; search() drops those)."""
+    mems = {r: rank_memory(cfg, r) for r in ranks_evaluated(cfg.parallel.pp)}
+    step = step_time(cfg, device, {r: mem.states for r, mem in mems.items()}, ranks_per_node, backend)
+    return Plan(cfg=cfg, memory=max(mems.values(), key=lambda mem: mem.total), step=step)
+
+
+def backend_of(cfg: PlanConfig, device: Device) -> str:
+    return cfg.cluster.backend if cfg.cluster.backend != "auto" else ("gloo" if device.shared_memory else "nccl")
+
+
 def search(cfg: PlanConfig, device: Device) -> SearchResult:
     c = cfg.cluster
-    backend = c.backend if c.backend != "auto" else ("gloo" if device.shared_memory else "nccl")
+    backend = backend_of(cfg, device)
     usable = device.usable_bytes(c.gpus_per_node)
     result = SearchResult()
     for candidate in candidates(cfg, device):
@@ -105,17 +120,14 @@ def search(cfg: PlanConfig, device: Device) -> SearchResult:
             result.refused[knob] += 1
             result.refusal_examples.setdefault(knob, err.problems[0])
             continue
-        ranks = ranks_evaluated(valid.parallel.pp)
-        mems = {r: rank_memory(valid, r) for r in ranks}
-        worst = max(mems.values(), key=lambda mem: mem.total)
-        if worst.total > usable:
+        plan = evaluate(valid, device, c.gpus_per_node, backend)
+        if plan.memory.total > usable:
             result.over_memory += 1
-            over = worst.total - usable
+            over = plan.memory.total - usable
             if result.closest_over is None or over < result.closest_over[0]:
-                result.closest_over = (over, valid, worst.pp_rank)
+                result.closest_over = (over, valid, plan.memory.pp_rank)
             continue
-        step = step_time(valid, device, {r: mem.states for r, mem in mems.items()}, c.gpus_per_node, backend)
-        result.plans.append(Plan(cfg=valid, memory=worst, step=step))
+        result.plans.append(plan)
     result.plans.sort(key=lambda plan: (-plan.tokens_per_s, plan.memory.total))
     return result
 

@@ -78,16 +78,17 @@ class StepTime:
         return max(critical, self.node_bound) + self.dp_comm + self.optimizer
 
 
-def micro_batch_times(cfg: Config, device: Device, pp_rank: int) -> RankTimes:
+def micro_batch_times(cfg: Config, device: Device, pp_rank: int, ranks_per_node: int) -> RankTimes:
     p, t, m = cfg.parallel, cfg.train, cfg.model
     z = Sizes.of(cfg)
-    rate = device.matmul_tflops[t.dtype] * 1e12
-    bw = device.memory_gbps * 1e9
+    speed = device.rank_speed(ranks_per_node)
+    rate = device.matmul_tflops[t.dtype] * 1e12 * speed
+    bw = device.memory_gbps * 1e9 * speed
     hidden = z.p * z.n * z.h
     region = all_reduce_s(hidden, p.tp, device.intra_gbps, device.latency_us)  # one all-reduce, or AG + RS
     flops = z.n * (2 * layer_matmul_params(m) + 2 * z.s * z.heads * z.head_dim) / p.tp
     saved = sum(layer_terms(z).values())
-    overhead = device.layer_overhead_us * 1e-6
+    overhead = device.layer_overhead_us * 1e-6 / speed
     block_fwd = flops / rate + FWD_PASSES * saved / bw + 2 * region + overhead / 3
     block_bwd = 2 * flops / rate + BWD_PASSES * saved / bw + 2 * region + 2 * overhead / 3
     if t.activation_checkpointing:
@@ -148,7 +149,8 @@ def step_time(cfg: Config, device: Device, states: Dict[int, ModelStateBytes], r
     last: the others differ only by the layers they hold, balanced by the stage split)."""
     p, t = cfg.parallel, cfg.train
     m, v = t.grad_accum_steps, p.pp_virtual_stages
-    times: Dict[int, RankTimes] = {r: micro_batch_times(cfg, device, r) for r in states}
+    node_ranks = min(ranks_per_node, p.tp * p.pp * p.dp)
+    times: Dict[int, RankTimes] = {r: micro_batch_times(cfg, device, r, node_ranks) for r in states}
     slowest = max(times, key=lambda r: times[r].forward + times[r].backward)
     busy = times[slowest].forward + times[slowest].backward
     z = Sizes.of(cfg)
@@ -160,8 +162,8 @@ def step_time(cfg: Config, device: Device, states: Dict[int, ModelStateBytes], r
     fill = (p.pp - 1) / v
     optimizer = max(_optimizer_s(cfg, device, s) for s in states.values())
     dp = max(_dp_exposed(cfg, device, s, times[r], ranks_per_node, backend) for r, s in states.items())
-    node_ranks = min(ranks_per_node, p.tp * p.pp * p.dp)
-    share = node_ranks / device.node_rate(node_ranks)  # > 1 where the node's ranks share cores
+    # > 1 where the node's ranks share cores: their work, at one rank's speed alone, over the node's rate
+    share = node_ranks * device.rank_speed(node_ranks) / device.node_rate(node_ranks)
     mean_compute = sum(m * (x.forward + x.backward) for x in times.values()) / len(times)
     return StepTime(compute=m * busy, tp_comm=m * times[slowest].tp_comm, bubble=fill * slot,
                     pp_comm=m * 2 * v * hop, dp_comm=share * dp, optimizer=share * optimizer,
