@@ -31,6 +31,10 @@ def test_dry_run_of_512_ranks_prints_every_rank_and_the_memory_without_processes
     assert "stage 7 (pp rank 7): layers 70-79" in out
     # Rank 0 of the first stage: embedding + 10 layers of the 70b model (8,818,688,000 parameters).
     assert " 0   8,818,688,000 " in out
+    # 1F1B: the first stage holds all 8 micro-batches in flight, the last one; the worst is named
+    flight = next(line for line in lines if "micro-batches in flight" in line).split()
+    assert flight[-8:] == ["8", "7", "6", "5", "4", "3", "2", "1"]  # pp ranks 0 .. 7
+    assert "worst: pp rank 0 (global ranks 0..63)" in out
 
 
 def _cfg(**parallel) -> Config:
@@ -55,6 +59,21 @@ def test_planned_shapes_are_the_ranks_real_shapes(layout):
     world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
     real = run_ranks(_real_shapes, world, cfg, timeout=120)
     assert [rank_parameter_shapes(cfg, r) for r in range(world)] == real
+
+
+def test_dry_run_peak_is_the_accounting_the_planner_uses():
+    from trainer3d.dry_run import peak_lines
+    from trainer3d.peak_memory import rank_memory
+
+    cfg = _cfg(tp=2, pp=2, dp=1, sequence_parallel=True)
+    lines = peak_lines(cfg)
+    total = next(line for line in lines if line.strip().startswith("peak ("))
+    mems = [rank_memory(cfg, r) for r in range(2)]
+    assert total.split()[-4:] == [f"{mems[0].total / 2 ** 20:.1f}", "MiB", f"{mems[1].total / 2 ** 20:.1f}", "MiB"]
+    worst = max(mems, key=lambda m: m.total)
+    assert f"worst: pp rank {worst.pp_rank}" in lines[-1]
+    # the first stage's activations: 2 micro-batches in flight of the per-micro-batch formula
+    assert mems[0].in_flight == [2] and mems[1].in_flight == [1]
 
 
 def test_planned_memory_is_the_engine_accounting_of_those_shapes():
