@@ -7,12 +7,14 @@ machine, written as a Device (devices.py) that ``cluster.gpu=calibrated`` reads:
   4 and 8 ranks computing at once, each with the threads trainer3d/launch.py gives it
   (cores // ranks, at least one): how the node's cores are shared, and what else runs on it
   (on a machine shared with other jobs, more ranks win a larger share of it);
-- memory bandwidth of one thread (a large in-place add), for elementwise work and the optimizer;
-- dispatch overhead of one transformer block forward + backward at a negligible size;
+- memory bandwidth of one thread (a large in-place add: the optimizer's kind of work);
+- a transformer block's forward + backward on one thread: its dispatch overhead (at a
+  negligible size) and the rate of its elementwise work (beyond the matmuls, at a reference
+  size);
 - gloo all-reduce between 2 ranks: latency (a 1 KiB message) and bus bandwidth (16 MiB).
 
-Rates are sustained over 1 s rounds (the best of three) in fresh processes, as ranks run;
-on a machine shared with other jobs, calibrate when the load is what the runs will see.
+Every figure is the best of several short rounds: what the machine does when the program
+has it, the same footing tools/plan_accuracy.py measures steps on (their fastest).
 """
 
 import argparse
@@ -34,14 +36,15 @@ MATMUL = 512
 RANKS = (1, 2, 4, 8)
 
 
-def _best_rate(work: Callable[[], None], units: float, seconds: float = 0.6) -> float:
-    """units / s of the fastest of several timed rounds of ``work``."""
+def _best_rate(work: Callable[[], None], units: float, seconds: float = 1.0, rounds: int = 8) -> float:
+    """units / s of the fastest timed round of ``work`` (at least ``rounds``, for ``seconds``)."""
     work()
-    best, deadline = float("inf"), time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
+    best, done, deadline = float("inf"), 0, time.perf_counter() + seconds
+    while done < rounds or time.perf_counter() < deadline:
         started = time.perf_counter()
         work()
         best = min(best, time.perf_counter() - started)
+        done += 1
     return units / best
 
 
@@ -55,13 +58,32 @@ def memory_gbps(numel: int = 8 * 2 ** 20) -> float:
     return _best_rate(lambda: a.add_(b), 3 * 4 * numel) / 1e9  # read a, read b, write a
 
 
-def layer_overhead_us() -> float:
-    from trainer3d.config import ModelConfig
-    from trainer3d.model.transformer import Block
+def block_figures(single_gflops: float) -> Dict[str, float]:
+    """Dispatch overhead and the elementwise rate of a transformer block, on one thread.
 
-    block = Block(ModelConfig(dim=8, n_heads=2, n_kv_heads=2, ffn_dim=8, max_seq_len=4))
+    The overhead is a block's forward + backward at a negligible size; the elementwise rate
+    is what a reference block (dim 512, 2 x 128 tokens) spends beyond its matmuls (at
+    ``single_gflops``) and that overhead, in bytes of the traffic the step-time model
+    charges (its FWD_PASSES + BWD_PASSES over the block's saved activations).
+    """
+    from trainer3d.activations import Sizes, layer_terms
+    from trainer3d.config import Config, ModelConfig
+    from trainer3d.model.flops import layer_matmul_params
+    from trainer3d.model.transformer import Block
+    from trainer3d.plan.step_time import BWD_PASSES, FWD_PASSES
+
+    tiny = Block(ModelConfig(dim=8, n_heads=2, n_kv_heads=2, ffn_dim=8, max_seq_len=4))
     x = torch.randn(1, 4, 8, requires_grad=True)
-    return 1e6 / _best_rate(lambda: block(x).sum().backward(), 1.0)
+    overhead = 1.0 / _best_rate(lambda: tiny(x).sum().backward(), 1.0)
+    cfg = Config(model=ModelConfig(dim=512, n_heads=8, n_kv_heads=8, ffn_dim=1408, max_seq_len=128))
+    cfg.train.micro_batch_size, cfg.train.seq_len = 2, 128
+    block = Block(cfg.model)
+    x = torch.randn(2, 128, 512, requires_grad=True)
+    took = 1.0 / _best_rate(lambda: block(x).sum().backward(), 1.0, seconds=2.0)
+    z = Sizes.of(cfg)
+    matmul = 3 * z.n * 2 * (layer_matmul_params(cfg.model) + z.s * z.h) / (single_gflops * 1e9)
+    traffic = (FWD_PASSES + BWD_PASSES) * sum(layer_terms(z).values())
+    return {"layer_overhead_us": overhead * 1e6, "elementwise_gbps": traffic / max(took - matmul - overhead, 1e-9) / 1e9}
 
 
 def _rank_matmul(rank: int, world: int, threads: int, rounds: int, seconds: float, barrier, out) -> None:
@@ -116,7 +138,7 @@ def _run(target: Callable, ranks: int, *args, results: int = 1) -> List:
     return out
 
 
-def node_gflops(ranks: int, threads: int, rounds: int = 3, seconds: float = 1.0) -> float:
+def node_gflops(ranks: int, threads: int, rounds: int = 8, seconds: float = 0.25) -> float:
     """The node's total fp32 matmul rate with ``ranks`` processes computing at once (best round)."""
     per_rank = _run(_rank_matmul, ranks, threads, rounds, seconds, results=ranks)
     return max(sum(rates) for rates in zip(*per_rank))
@@ -135,19 +157,18 @@ def all_reduce_figures() -> Dict[str, float]:
 def calibrate() -> dict:
     cores = os.cpu_count() or 1
     torch.set_num_threads(1)
-    # Sustained rates (1 s rounds in fresh processes, as the ranks run) set the scale; the
-    # in-process best-of-many figures give the ratios to it (bf16/fp16, memory, dispatch).
-    single = node_gflops(1, threads=1)
-    node = {r: node_gflops(r, threads=max(1, cores // r)) / single for r in RANKS}
-    scale = single / matmul_gflops()
+    alone = node_gflops(1, threads=1)
+    node = {r: node_gflops(r, threads=max(1, cores // r)) / alone for r in RANKS}
+    single = matmul_gflops()
+    block = block_figures(single)
     collective = all_reduce_figures()
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
     return {
         "name": "calibrated", "memory_gib": round(memory_gib, 1), "reserved_gib": 2.0,
-        "matmul_tflops": {"fp32": single / 1e3, "bf16": scale * matmul_gflops(torch.bfloat16) / 1e3,
-                          "fp16": scale * matmul_gflops(torch.float16) / 1e3},
-        "memory_gbps": scale * memory_gbps(), "intra_gbps": collective["gbps"], "inter_gbps": collective["gbps"],
-        "latency_us": collective["latency_us"], "layer_overhead_us": layer_overhead_us() / scale,
+        "matmul_tflops": {"fp32": single / 1e3, "bf16": matmul_gflops(torch.bfloat16) / 1e3,
+                          "fp16": matmul_gflops(torch.float16, repeats=1) / 1e3},
+        "memory_gbps": memory_gbps(), "elementwise_gbps": block["elementwise_gbps"], "intra_gbps": collective["gbps"], "inter_gbps": collective["gbps"],
+        "latency_us": collective["latency_us"], "layer_overhead_us": block["layer_overhead_us"],
         "node_scaling": node, "shared_memory": True, "cores": cores,
         "source": f"calibrated on {socket.gethostname()} ({cores} cores, torch {torch.__version__}) at "
                   f"{datetime.datetime.now():%Y-%m-%d %H:%M}",

@@ -41,6 +41,9 @@ class Device:
     latency_us: float
     """Cost of one hop of a ring collective or one send/receive, microseconds."""
     source: str
+    elementwise_gbps: float = 0.0
+    """Rate of a block's elementwise work (norms, RoPE, SwiGLU, softmax) in the model's bytes
+    (step_time.py); 0: ``memory_gbps``. On CPUs these ops run far below the memory bandwidth."""
     layer_overhead_us: float = 0.0
     """Host time per block forward + backward that does not shrink with its size (op dispatch);
     hidden by asynchronous kernel launches on GPUs, measured on CPUs."""
@@ -101,7 +104,7 @@ PRESETS: Dict[str, Device] = {
         source=f"{_NV}: 312 TFLOP/s bf16, 19.5 fp32, 40 GB HBM2 1.6 TB/s, NVLink3 300 GB/s per direction"),
     "cpu": Device(
         "cpu", memory_gib=16, reserved_gib=2, matmul_tflops={"fp32": 0.04, "bf16": 0.01, "fp16": 0.005},
-        memory_gbps=5, intra_gbps=1.0, inter_gbps=0.1, latency_us=100, layer_overhead_us=1500,
+        memory_gbps=10, elementwise_gbps=2, intra_gbps=1.0, inter_gbps=0.1, latency_us=100, layer_overhead_us=500,
         node_scaling={1: 1.6, 2: 1.6, 4: 1.6, 8: 1.6}, shared_memory=True, cores=2,
         source="placeholder for a 2-core machine: run python -m trainer3d.plan --calibrate"),
 }

@@ -83,7 +83,7 @@ def micro_batch_times(cfg: Config, device: Device, pp_rank: int, ranks_per_node:
     z = Sizes.of(cfg)
     speed = device.rank_speed(ranks_per_node)
     rate = device.matmul_tflops[t.dtype] * 1e12 * speed
-    bw = device.memory_gbps * 1e9 * speed
+    bw = (device.elementwise_gbps or device.memory_gbps) * 1e9 * speed
     hidden = z.p * z.n * z.h
     region = all_reduce_s(hidden, p.tp, device.intra_gbps, device.latency_us)  # one all-reduce, or AG + RS
     flops = z.n * (2 * layer_matmul_params(m) + 2 * z.s * z.heads * z.head_dim) / p.tp
