@@ -3,18 +3,20 @@
 What the step-time model (step_time.py) needs of a CPU node, measured with torch on this
 machine, written as a Device (devices.py) that ``cluster.gpu=calibrated`` reads:
 
-- matmul rate of one rank on one thread (fp32, bf16), and the node's total rate with 1, 2,
-  4 and 8 ranks computing at once, each with the threads trainer3d/launch.py gives it
-  (cores // ranks, at least one): how the node's cores are shared, and what else runs on it
-  (on a machine shared with other jobs, more ranks win a larger share of it);
-- memory bandwidth of one thread (a large in-place add: the optimizer's kind of work);
+- the fp32 (and bf16, fp16) matmul rate of one thread;
+- the node's total matmul rate with 1, 2, 4 and 8 ranks computing at once, each with the
+  threads trainer3d/launch.py gives it (cores // ranks, at least one): how the ranks share
+  the cores, their caches and memory;
+- the memory bandwidth of one thread (a large in-place add: the optimizer's kind of work);
 - a transformer block's forward + backward on one thread: its dispatch overhead (at a
-  negligible size) and the rate of its elementwise work (beyond the matmuls, at a reference
-  size);
+  negligible size) and the rate of its elementwise work (beyond its matmuls, at a reference
+  size, in the bytes step_time.py charges);
 - gloo all-reduce between 2 ranks: latency (a 1 KiB message) and bus bandwidth (16 MiB).
 
-Every figure is the best of several short rounds: what the machine does when the program
-has it, the same footing tools/plan_accuracy.py measures steps on (their fastest).
+Compute figures are per CPU-second (``time.thread_time`` / ``time.process_time``): what the
+machine does for a program that has it, whatever else runs on it meanwhile. The node's rate
+with N ranks is then min(N x threads, cores) CPU-seconds per second at the rate each rank
+reached while all ran. Each figure is the best of several rounds.
 """
 
 import argparse
@@ -36,16 +38,16 @@ MATMUL = 512
 RANKS = (1, 2, 4, 8)
 
 
-def _best_rate(work: Callable[[], None], units: float, seconds: float = 1.0, rounds: int = 8) -> float:
-    """units / s of the fastest timed round of ``work`` (at least ``rounds``, for ``seconds``)."""
+def _best_rate(work: Callable[[], None], units: float, clock: Callable[[], float] = time.thread_time,
+               rounds: int = 8) -> float:
+    """units per second of ``clock`` in the fastest of ``rounds`` timed rounds of ``work``."""
     work()
-    best, done, deadline = float("inf"), 0, time.perf_counter() + seconds
-    while done < rounds or time.perf_counter() < deadline:
-        started = time.perf_counter()
+    best = float("inf")
+    for _ in range(rounds):
+        started = clock()
         work()
-        best = min(best, time.perf_counter() - started)
-        done += 1
-    return units / best
+        best = min(best, clock() - started)
+    return units / max(best, 1e-9)
 
 
 def matmul_gflops(dtype: torch.dtype = torch.float32, size: int = MATMUL, repeats: int = 4) -> float:
@@ -59,12 +61,12 @@ def memory_gbps(numel: int = 8 * 2 ** 20) -> float:
 
 
 def block_figures(single_gflops: float) -> Dict[str, float]:
-    """Dispatch overhead and the elementwise rate of a transformer block, on one thread.
+    """Dispatch overhead and elementwise rate of a transformer block on one thread.
 
     The overhead is a block's forward + backward at a negligible size; the elementwise rate
     is what a reference block (dim 512, 2 x 128 tokens) spends beyond its matmuls (at
-    ``single_gflops``) and that overhead, in bytes of the traffic the step-time model
-    charges (its FWD_PASSES + BWD_PASSES over the block's saved activations).
+    ``single_gflops``) and that overhead, over the traffic the step-time model charges for
+    it (FWD_PASSES + BWD_PASSES times the block's saved activations).
     """
     from trainer3d.activations import Sizes, layer_terms
     from trainer3d.config import Config, ModelConfig
@@ -74,32 +76,33 @@ def block_figures(single_gflops: float) -> Dict[str, float]:
 
     tiny = Block(ModelConfig(dim=8, n_heads=2, n_kv_heads=2, ffn_dim=8, max_seq_len=4))
     x = torch.randn(1, 4, 8, requires_grad=True)
-    overhead = 1.0 / _best_rate(lambda: tiny(x).sum().backward(), 1.0)
+    overhead = 1.0 / _best_rate(lambda: tiny(x).sum().backward(), 1.0, rounds=20)
     cfg = Config(model=ModelConfig(dim=512, n_heads=8, n_kv_heads=8, ffn_dim=1408, max_seq_len=128))
     cfg.train.micro_batch_size, cfg.train.seq_len = 2, 128
     block = Block(cfg.model)
     x = torch.randn(2, 128, 512, requires_grad=True)
-    took = 1.0 / _best_rate(lambda: block(x).sum().backward(), 1.0, seconds=2.0)
+    took = 1.0 / _best_rate(lambda: block(x).sum().backward(), 1.0)
     z = Sizes.of(cfg)
     matmul = 3 * z.n * 2 * (layer_matmul_params(cfg.model) + z.s * z.h) / (single_gflops * 1e9)
     traffic = (FWD_PASSES + BWD_PASSES) * sum(layer_terms(z).values())
-    return {"layer_overhead_us": overhead * 1e6, "elementwise_gbps": traffic / max(took - matmul - overhead, 1e-9) / 1e9}
+    elementwise = traffic / max(took - matmul - overhead, 1e-9) / 1e9
+    return {"layer_overhead_us": overhead * 1e6, "elementwise_gbps": elementwise}
 
 
-def _rank_matmul(rank: int, world: int, threads: int, rounds: int, seconds: float, barrier, out) -> None:
-    """Rounds of ``seconds`` in which every rank multiplies at once (a barrier starts each)."""
+def _rank_matmul(rank: int, world: int, threads: int, rounds: int, barrier, out) -> None:
+    """Rounds in which every rank multiplies at once (a barrier starts each): the best
+    round's GFLOP per CPU-second of this process (its threads together)."""
     torch.set_num_threads(threads)
     a, b = torch.randn(MATMUL, MATMUL), torch.randn(MATMUL, MATMUL)
     torch.mm(a, b)
-    done = []
+    best = 0.0
     for _ in range(rounds):
         barrier.wait()
-        count, began = 0, time.perf_counter()
-        while time.perf_counter() - began < seconds:
+        started = time.process_time()
+        for _ in range(8):
             torch.mm(a, b)
-            count += 1
-        done.append(count * 2 * MATMUL ** 3 / (time.perf_counter() - began) / 1e9)
-    out.put(done)
+        best = max(best, 8 * 2 * MATMUL ** 3 / max(time.process_time() - started, 1e-9) / 1e9)
+    out.put(best)
 
 
 def _rank_all_reduce(rank: int, world: int, port: int, out, repeats: int = 20) -> None:
@@ -138,10 +141,12 @@ def _run(target: Callable, ranks: int, *args, results: int = 1) -> List:
     return out
 
 
-def node_gflops(ranks: int, threads: int, rounds: int = 8, seconds: float = 0.25) -> float:
-    """The node's total fp32 matmul rate with ``ranks`` processes computing at once (best round)."""
-    per_rank = _run(_rank_matmul, ranks, threads, rounds, seconds, results=ranks)
-    return max(sum(rates) for rates in zip(*per_rank))
+def node_gflops(ranks: int, cores: int, rounds: int = 6) -> float:
+    """The node's total fp32 matmul rate with ``ranks`` processes computing at once: the CPU
+    it has (min(ranks x threads, cores)) at the rate per CPU-second each rank reached."""
+    threads = max(1, cores // ranks)
+    per_cpu_second = _run(_rank_matmul, ranks, threads, rounds, results=ranks)
+    return min(ranks * threads, cores) * sum(per_cpu_second) / (ranks * threads)
 
 
 def all_reduce_figures() -> Dict[str, float]:
@@ -151,15 +156,14 @@ def all_reduce_figures() -> Dict[str, float]:
     (times,) = _run(_rank_all_reduce, 2, port)
     small, large = times[256], times[4 * 2 ** 20]
     # ring all-reduce over n = 2: 2 (n-1)/n B / bw + 2 (n-1) hops of latency
-    return {"latency_us": small / 2 * 1e6, "gbps": 4 * 4 * 2 ** 20 / (large - small) / 1e9}
+    return {"latency_us": small / 2 * 1e6, "gbps": 4 * 4 * 2 ** 20 / max(large - small, 1e-9) / 1e9}
 
 
 def calibrate() -> dict:
     cores = os.cpu_count() or 1
     torch.set_num_threads(1)
-    alone = node_gflops(1, threads=1)
-    node = {r: node_gflops(r, threads=max(1, cores // r)) / alone for r in RANKS}
     single = matmul_gflops()
+    node = {r: node_gflops(r, cores) / single for r in RANKS}
     block = block_figures(single)
     collective = all_reduce_figures()
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
@@ -167,11 +171,11 @@ def calibrate() -> dict:
         "name": "calibrated", "memory_gib": round(memory_gib, 1), "reserved_gib": 2.0,
         "matmul_tflops": {"fp32": single / 1e3, "bf16": matmul_gflops(torch.bfloat16) / 1e3,
                           "fp16": matmul_gflops(torch.float16, repeats=1) / 1e3},
-        "memory_gbps": memory_gbps(), "elementwise_gbps": block["elementwise_gbps"], "intra_gbps": collective["gbps"], "inter_gbps": collective["gbps"],
-        "latency_us": collective["latency_us"], "layer_overhead_us": block["layer_overhead_us"],
-        "node_scaling": node, "shared_memory": True, "cores": cores,
-        "source": f"calibrated on {socket.gethostname()} ({cores} cores, torch {torch.__version__}) at "
-                  f"{datetime.datetime.now():%Y-%m-%d %H:%M}",
+        "memory_gbps": memory_gbps(), "elementwise_gbps": block["elementwise_gbps"],
+        "intra_gbps": collective["gbps"], "inter_gbps": collective["gbps"], "latency_us": collective["latency_us"],
+        "layer_overhead_us": block["layer_overhead_us"], "node_scaling": node, "shared_memory": True,
+        "cores": cores, "source": f"calibrated on {socket.gethostname()} ({cores} cores, torch {torch.__version__}) "
+                                  f"at {datetime.datetime.now():%Y-%m-%d %H:%M}",
     }
 
 
