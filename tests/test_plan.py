@@ -80,7 +80,7 @@ def test_what_does_not_fit_is_dropped_with_how_far_over():
     # the closest miss is at least the 70b model states sharded 8 ways minus the usable memory
     assert over > 0 and layout.parallel.tp * layout.parallel.pp * layout.parallel.dp == 8
     text = report(cfg, device, result, [])
-    assert f"over by {over / GiB:.1f} GiB on stage {rank}" in text and "no layout fits" in text
+    assert f"over by {over / GiB:.2f} GiB on stage {rank}" in text and "no layout fits" in text
 
 
 def test_unknown_device_and_missing_calibration_name_the_knob(tmp_path):

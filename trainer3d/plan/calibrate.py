@@ -11,7 +11,9 @@ machine, written as a Device (devices.py) that ``cluster.gpu=calibrated`` reads:
 - a transformer block's forward + backward on one thread: its dispatch overhead (at a
   negligible size) and the rate of its elementwise work (beyond its matmuls, at a reference
   size, in the bytes step_time.py charges);
-- gloo all-reduce between 2 ranks: latency (a 1 KiB message) and bus bandwidth (16 MiB).
+- gloo all-reduce between 2 ranks: latency (a 1 KiB message) and bus bandwidth (16 MiB);
+  and the latency of a pair's all-reduce while 2, 4, 8 ranks compute between theirs: where
+  ranks outnumber cores a peer may be waiting for a core.
 
 Compute figures are per CPU-second (``time.thread_time`` / ``time.process_time``): what the
 machine does for a program that has it, whatever else runs on it meanwhile. The node's rate
@@ -125,6 +127,31 @@ def _rank_all_reduce(rank: int, world: int, port: int, out, repeats: int = 20) -
         out.put(times)
 
 
+def _rank_sync(rank: int, world: int, port: int, cores: int, out, iterations: int = 60) -> None:
+    """Pairs of ranks alternate ~1 ms of compute with an all-reduce of one number, as tensor-
+    parallel pairs do: the wall time per round beyond the compute's share of the cores."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    group, one = pairs[rank // 2], torch.ones(1)
+    a = torch.randn(384, 384)
+    compute, rounds = [], []
+    dist.barrier()
+    for _ in range(iterations):
+        started, cpu = time.perf_counter(), time.thread_time()
+        torch.mm(a, a)
+        compute.append(time.thread_time() - cpu)
+        dist.all_reduce(one, group=group)
+        rounds.append(time.perf_counter() - started)
+    dist.barrier()
+    dist.destroy_process_group()
+    rounds.sort()
+    compute.sort()
+    share = compute[len(compute) // 2] * max(1.0, world / cores)  # the compute's wall time with the cores shared
+    out.put(max(0.0, rounds[len(rounds) // 2] - share))
+
+
 def _run(target: Callable, ranks: int, *args, results: int = 1) -> List:
     """Start ``ranks`` processes running ``target(rank, ranks, *args, queue)``; the first
     ``results`` things they put on the queue."""
@@ -149,11 +176,54 @@ def node_gflops(ranks: int, cores: int, rounds: int = 6) -> float:
     return min(ranks * threads, cores) * sum(per_cpu_second) / (ranks * threads)
 
 
-def all_reduce_figures() -> Dict[str, float]:
+def _rank_busy(rank: int, world: int, seconds: float, out) -> None:
+    """Spin for ``seconds`` of wall time: the CPU-seconds this process got meanwhile."""
+    started, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - started < seconds:
+        pass
+    out.put(time.process_time() - cpu)
+
+
+def cores_available(ranks: int, seconds: float = 2.0) -> float:
+    """The cores ``ranks`` busy processes get right now (fewer than the node's when other jobs
+    run on it)."""
+    return sum(_run(_rank_busy, ranks, seconds, results=ranks)) / seconds
+
+
+def under_load(device, ranks: int):
+    """``device`` as the node is right now for ``ranks``: the node's rate scaled to the cores
+    they get, and the hop latency measured while they compute (tools/plan_accuracy.py)."""
+    import dataclasses
+
+    cores = device.cores or 1
+    threads = max(1, cores // ranks)
+    got = min(cores_available(ranks), min(ranks * threads, cores))
+    node = dict(device.node_scaling)
+    node[ranks] = device.node_rate(ranks) * got / min(ranks * threads, cores)
+    latency = dict(device.latency_by_ranks)
+    if ranks > 1:
+        waits = _run(_rank_sync, ranks - ranks % 2, _free_port(), cores, results=ranks - ranks % 2)
+        latency[ranks] = sorted(waits)[len(waits) // 2] / 2 * 1e6
+    return dataclasses.replace(device, node_scaling=node, latency_by_ranks=latency)
+
+
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    (times,) = _run(_rank_all_reduce, 2, port)
+        return s.getsockname()[1]
+
+
+def latency_by_ranks(cores: int) -> Dict[int, float]:
+    """Microseconds per hop of a two-rank all-reduce (two hops) while N ranks share the node."""
+    out = {}
+    for ranks in (2, 4, 8):
+        waits = _run(_rank_sync, ranks, _free_port(), cores, results=ranks)
+        out[ranks] = sorted(waits)[len(waits) // 2] / 2 * 1e6
+    return out
+
+
+def all_reduce_figures() -> Dict[str, float]:
+    (times,) = _run(_rank_all_reduce, 2, _free_port())
     small, large = times[256], times[4 * 2 ** 20]
     # ring all-reduce over n = 2: 2 (n-1)/n B / bw + 2 (n-1) hops of latency
     return {"latency_us": small / 2 * 1e6, "gbps": 4 * 4 * 2 ** 20 / max(large - small, 1e-9) / 1e9}
@@ -174,6 +244,7 @@ def calibrate() -> dict:
         "memory_gbps": memory_gbps(), "elementwise_gbps": block["elementwise_gbps"],
         "intra_gbps": collective["gbps"], "inter_gbps": collective["gbps"], "latency_us": collective["latency_us"],
         "layer_overhead_us": block["layer_overhead_us"], "node_scaling": node, "shared_memory": True,
+        "latency_by_ranks": latency_by_ranks(cores),
         "cores": cores, "source": f"calibrated on {socket.gethostname()} ({cores} cores, torch {torch.__version__}) "
                                   f"at {datetime.datetime.now():%Y-%m-%d %H:%M}",
     }

@@ -1,10 +1,10 @@
 """What a rank can do, as data: device presets with their sources, or a calibration file.
 
-A preset's rates are *achievable* figures: the dense data-sheet peak times 0.8 where nothing
-better is known (a bf16 8192^3 ``torch.mm`` measured 790 TFLOP/s on an H100 SXM 80GB with
-torch 2.11, 0.80 of the 989 TFLOP/s data-sheet figure), and collective bus bandwidths a
-little under the links' per-direction figures (nccl-tests reports bus bandwidth in those
-units: https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md). ``cpu`` is a
+A GPU preset's rates are *achievable* figures: the dense data-sheet peaks and memory
+bandwidth times ``ACHIEVABLE`` (0.8: a bf16 8192^3 ``torch.mm`` measured 790 TFLOP/s on an
+H100 SXM 80GB with torch 2.11, of the 989 the data sheet gives), and collective bus
+bandwidths a little under the links' per-direction figures (nccl-tests reports bus
+bandwidth in those units: https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md). ``cpu`` is a
 placeholder: ``python -m trainer3d.plan --calibrate`` measures this machine
 (trainer3d/plan/calibrate.py) and ``cluster.gpu=calibrated`` reads what it wrote.
 
@@ -51,6 +51,9 @@ class Device:
     """CPU: the node's total matmul rate with N ranks busy (each with cores // N threads, at
     least one), as a multiple of ``matmul_tflops`` (empty: each rank has its own device)."""
     shared_memory: bool = False
+    latency_by_ranks: Dict[int, float] = field(default_factory=dict)
+    """CPU: a hop's latency, microseconds, when N ranks share the node's cores and compute
+    between their collectives (a peer may be waiting for a core); missing N: ``latency_us``."""
     cores: int = 0
     """CPU: cores per node, shared by its ranks (0: each rank has its own device)."""
 
@@ -61,6 +64,11 @@ class Device:
         known = sorted(self.node_scaling)
         below = max([k for k in known if k <= ranks], default=known[0])
         return self.node_scaling[below]
+
+    def latency(self, ranks: int) -> float:
+        """Microseconds per hop with ``ranks`` on the node."""
+        known = [k for k in self.latency_by_ranks if k <= ranks]
+        return self.latency_by_ranks[max(known)] if known else self.latency_us
 
     def rank_speed(self, ranks: int) -> float:
         """One rank's speed computing alone, in units of ``matmul_tflops`` (one thread on CPUs):
@@ -77,36 +85,36 @@ class Device:
         return usable / ranks_per_node if self.shared_memory else usable
 
 
-_NV = "NVIDIA data sheet"
+ACHIEVABLE = 0.8
+"""Of a data-sheet rate: a bf16 8192^3 torch.mm measured 790 of the 989 TFLOP/s of an H100 SXM."""
 
+
+def _gpu(name: str, memory_gib: float, bf16_tflops: float, fp32_tflops: float, hbm_tbps: float,
+         intra_gbps: float, inter_gbps: float, sheet: str) -> Device:
+    """A GPU from its data sheet (dense peaks, memory, links) at ACHIEVABLE of each rate."""
+    rates = {"bf16": ACHIEVABLE * bf16_tflops, "fp16": ACHIEVABLE * bf16_tflops, "fp32": ACHIEVABLE * fp32_tflops}
+    return Device(name, memory_gib=memory_gib, reserved_gib=4, matmul_tflops=rates, memory_gbps=ACHIEVABLE * hbm_tbps * 1e3,
+                  intra_gbps=intra_gbps, inter_gbps=inter_gbps, latency_us=10, source=f"NVIDIA data sheet: {sheet}")
+
+
+# intra: NCCL bus bandwidth a little under the NVLink (PCIe) per-direction figure;
+# inter: one InfiniBand NIC per GPU as in DGX systems (H100: 400 Gb/s, A100: 200 Gb/s).
 PRESETS: Dict[str, Device] = {
-    "h100-sxm": Device(
-        "h100-sxm", memory_gib=80, reserved_gib=4, matmul_tflops={"bf16": 790.0, "fp16": 790.0, "fp32": 53.6},
-        memory_gbps=2800, intra_gbps=360, inter_gbps=45, latency_us=8,
-        source=f"{_NV}: 989 TFLOP/s bf16, 67 fp32, 80 GB HBM3 3.35 TB/s, NVLink4 450 GB/s per direction; "
-               "DGX H100: one 400 Gb/s ConnectX-7 per GPU"),
-    "h100-pcie": Device(
-        "h100-pcie", memory_gib=80, reserved_gib=4, matmul_tflops={"bf16": 605.0, "fp16": 605.0, "fp32": 40.8},
-        memory_gbps=1700, intra_gbps=50, inter_gbps=22, latency_us=10,
-        source=f"{_NV}: 756 TFLOP/s bf16, 51 fp32, 80 GB HBM2e 2.0 TB/s, PCIe Gen5 64 GB/s per direction"),
-    "h200": Device(
-        "h200", memory_gib=141, reserved_gib=4, matmul_tflops={"bf16": 790.0, "fp16": 790.0, "fp32": 53.6},
-        memory_gbps=4000, intra_gbps=360, inter_gbps=45, latency_us=8,
-        source=f"{_NV}: 989 TFLOP/s bf16, 67 fp32, 141 GB HBM3e 4.8 TB/s, NVLink4 450 GB/s per direction"),
-    "a100-80g": Device(
-        "a100-80g", memory_gib=80, reserved_gib=3, matmul_tflops={"bf16": 250.0, "fp16": 250.0, "fp32": 15.6},
-        memory_gbps=1700, intra_gbps=230, inter_gbps=22, latency_us=10,
-        source=f"{_NV}: 312 TFLOP/s bf16, 19.5 fp32, 80 GB HBM2e 2.0 TB/s, NVLink3 300 GB/s per direction; "
-               "DGX A100: one 200 Gb/s ConnectX-6 per GPU"),
-    "a100-40g": Device(
-        "a100-40g", memory_gib=40, reserved_gib=3, matmul_tflops={"bf16": 250.0, "fp16": 250.0, "fp32": 15.6},
-        memory_gbps=1300, intra_gbps=230, inter_gbps=22, latency_us=10,
-        source=f"{_NV}: 312 TFLOP/s bf16, 19.5 fp32, 40 GB HBM2 1.6 TB/s, NVLink3 300 GB/s per direction"),
+    "h100-sxm": _gpu("h100-sxm", 80, 989, 67, 3.35, 360, 45, "989 TFLOP/s bf16, 67 fp32, 80 GB HBM3 3.35 TB/s, "
+                     "NVLink4 450 GB/s per direction; one 400 Gb/s NIC per GPU"),
+    "h100-pcie": _gpu("h100-pcie", 80, 756, 51, 2.0, 50, 22, "756 TFLOP/s bf16, 51 fp32, 80 GB HBM2e 2.0 TB/s, "
+                      "PCIe Gen5 64 GB/s per direction; one 200 Gb/s NIC per GPU"),
+    "h200": _gpu("h200", 141, 989, 67, 4.8, 360, 45, "989 TFLOP/s bf16, 67 fp32, 141 GB HBM3e 4.8 TB/s, "
+                 "NVLink4 450 GB/s per direction; one 400 Gb/s NIC per GPU"),
+    "a100-80g": _gpu("a100-80g", 80, 312, 19.5, 2.0, 230, 22, "312 TFLOP/s bf16, 19.5 fp32, 80 GB HBM2e 2.0 TB/s, "
+                     "NVLink3 300 GB/s per direction; one 200 Gb/s NIC per GPU"),
+    "a100-40g": _gpu("a100-40g", 40, 312, 19.5, 1.555, 230, 22, "312 TFLOP/s bf16, 19.5 fp32, 40 GB HBM2 1.6 TB/s, "
+                     "NVLink3 300 GB/s per direction; one 200 Gb/s NIC per GPU"),
     "cpu": Device(
-        "cpu", memory_gib=16, reserved_gib=2, matmul_tflops={"fp32": 0.04, "bf16": 0.01, "fp16": 0.005},
-        memory_gbps=10, elementwise_gbps=2, intra_gbps=1.0, inter_gbps=0.1, latency_us=100, layer_overhead_us=500,
-        node_scaling={1: 1.6, 2: 1.6, 4: 1.6, 8: 1.6}, shared_memory=True, cores=2,
-        source="placeholder for a 2-core machine: run python -m trainer3d.plan --calibrate"),
+        "cpu", memory_gib=16, reserved_gib=2, matmul_tflops={"fp32": 0.09, "bf16": 0.4, "fp16": 0.002},
+        memory_gbps=50, elementwise_gbps=8, intra_gbps=1.0, inter_gbps=0.1, latency_us=100, layer_overhead_us=500,
+        node_scaling={1: 1.8, 2: 1.9, 4: 1.9, 8: 1.9}, shared_memory=True, cores=2,
+        source="placeholder (a 2-core x86 machine): run python -m trainer3d.plan --calibrate"),
 }
 
 
@@ -117,7 +125,8 @@ def load_calibration(path: str) -> Device:
         raise FileNotFoundError(f"cluster.calibration={path} does not exist; run python -m trainer3d.plan "
                                 "--calibrate first (or pick a preset: cluster.gpu=" + "|".join(PRESETS) + ")")
     data = json.loads(file.read_text())
-    data["node_scaling"] = {int(k): v for k, v in data.get("node_scaling", {}).items()}
+    for key in ("node_scaling", "latency_by_ranks"):
+        data[key] = {int(k): v for k, v in data.get(key, {}).items()}
     return Device(**data)
 
 

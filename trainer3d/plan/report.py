@@ -32,7 +32,7 @@ def summary_lines(cfg: PlanConfig, device: Device, result: SearchResult) -> List
              f"{len(result.plans):,} fit"]
     if result.closest_over is not None:
         over, closest, rank = result.closest_over
-        lines.append(f"  closest that does not fit: {_layout(closest)}, over by {over / GiB:.1f} GiB on stage {rank}")
+        lines.append(f"  closest that does not fit: {_layout(closest)}, over by {over / GiB:.2f} GiB on stage {rank}")
     for knob, example in result.refusal_examples.items():
         lines.append(f"  e.g. {example}")
     return lines

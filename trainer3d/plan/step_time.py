@@ -62,20 +62,30 @@ class RankTimes:
 
 @dataclass
 class StepTime:
-    compute: float
+    """Seconds of one step, by part; ``total`` is the prediction."""
+
+    compute: float = 0.0
     """m micro-batches of the slowest rank (its tensor-parallel collectives included)."""
-    tp_comm: float
-    bubble: float
-    pp_comm: float
-    dp_comm: float
-    optimizer: float
+    tp_comm: float = 0.0
+    """The tensor-parallel share of ``compute``."""
+    bubble: float = 0.0
+    """Pipeline fill and drain: (p - 1) / v slots of the slowest rank."""
+    pp_comm: float = 0.0
+    """Hand-overs between stages on the critical path."""
+    dp_comm: float = 0.0
+    """Data-parallel communication not hidden behind backward."""
+    optimizer: float = 0.0
+    """AdamW over the owned elements, zeroing and clipping the gradients."""
     node_bound: float = 0.0
     """Shared cores: the node's work over its throughput, when that exceeds the critical path."""
 
     @property
+    def critical_path(self) -> float:
+        return self.compute + self.bubble + self.pp_comm
+
+    @property
     def total(self) -> float:
-        critical = self.compute + self.bubble + self.pp_comm
-        return max(critical, self.node_bound) + self.dp_comm + self.optimizer
+        return max(self.critical_path, self.node_bound) + self.dp_comm + self.optimizer
 
 
 def micro_batch_times(cfg: Config, device: Device, pp_rank: int, ranks_per_node: int) -> RankTimes:
@@ -85,7 +95,8 @@ def micro_batch_times(cfg: Config, device: Device, pp_rank: int, ranks_per_node:
     rate = device.matmul_tflops[t.dtype] * 1e12 * speed
     bw = (device.elementwise_gbps or device.memory_gbps) * 1e9 * speed
     hidden = z.p * z.n * z.h
-    region = all_reduce_s(hidden, p.tp, device.intra_gbps, device.latency_us)  # one all-reduce, or AG + RS
+    lat = device.latency(ranks_per_node)
+    region = all_reduce_s(hidden, p.tp, device.intra_gbps, lat)  # one all-reduce, or AG + RS
     flops = z.n * (2 * layer_matmul_params(m) + 2 * z.s * z.heads * z.head_dim) / p.tp
     saved = sum(layer_terms(z).values())
     overhead = device.layer_overhead_us * 1e-6 / speed
@@ -105,7 +116,7 @@ def micro_batch_times(cfg: Config, device: Device, pp_rank: int, ranks_per_node:
     if last in stages:
         head = 2 * z.n * z.h * z.vocab_local / rate
         logits = FP32 * z.n * z.vocab_local
-        loss = 3 * all_reduce_s(FP32 * z.n, p.tp, device.intra_gbps, device.latency_us)
+        loss = 3 * all_reduce_s(FP32 * z.n, p.tp, device.intra_gbps, lat)
         fwd += head + 2 * logits / bw + loss
         bwd += 2 * head + 3 * logits / bw + region
         tp += loss + region
@@ -123,7 +134,7 @@ def _dp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: Ran
     if p.dp == 1:
         return 0.0
     gbps = _link_gbps(device, p.tp * p.dp, ranks_per_node)
-    lat = device.latency_us
+    lat = device.latency(min(ranks_per_node, p.tp * p.pp * p.dp))
     m = t.grad_accum_steps
     if p.zero_stage in (2, 3):
         params = states.params // FP32 * p.dp  # the unsharded fp32 parameters FSDP2 gathers from
@@ -157,7 +168,7 @@ def step_time(cfg: Config, device: Device, states: Dict[int, ModelStateBytes], r
     hop = 0.0
     if p.pp > 1:
         gbps = _link_gbps(device, p.tp * p.dp * p.pp, ranks_per_node)
-        hop = z.hidden_bytes() / (gbps * 1e9) + device.latency_us * 1e-6
+        hop = z.hidden_bytes() / (gbps * 1e9) + device.latency(node_ranks) * 1e-6
     slot = busy + 2 * v * hop
     fill = (p.pp - 1) / v
     optimizer = max(_optimizer_s(cfg, device, s) for s in states.values())
@@ -182,5 +193,7 @@ def tokens_per_s(cfg: Config, step: StepTime) -> float:
 
 def ranks_evaluated(pp: int) -> List[int]:
     """The pipeline ranks whose memory and time bound a layout: the first (most micro-batches
-    in flight, the embedding, the remainder layers) and the last (head, logits, loss)."""
-    return sorted({0, pp - 1})
+    in flight, the embedding, the remainder layers), the second (the most in flight of the
+    ranks holding both kinds of receive buffers, which grow with the step's micro-batches)
+    and the last (head, logits, loss). The dry run checks every rank."""
+    return sorted({0, min(1, pp - 1), pp - 1})
