@@ -6,13 +6,12 @@ through the real engine, predicted vs measured step time.
     python tools/plan_accuracy.py [--steps 8] [--calibration FILE] [--only 0,3,5]
 
 Each layout runs as ``python -m trainer3d.train <COMMON> <layout>`` for ``--steps`` steps
-(local ranks, gloo); its measured step time is the fastest ``step_time_s`` of metrics.jsonl
-after ``--warmup`` steps (on a machine shared with other jobs, the least disturbed one: the
-footing --calibrate measures on; the median is printed beside it). The prediction is trainer3d.plan's (``search.evaluate``) for the
-same validated config on the calibrated Device, with the layout's ranks on one node; on a
-machine shared with other jobs the cores the ranks can get and the hop latency among them
-are measured again just before each run (``calibrate.under_load``), and the prediction for
-an idle machine is printed beside it. The
+(local ranks, gloo), ``--rounds`` times, the layouts interleaved; its measured step time is
+the fastest ``step_time_s`` of metrics.jsonl after ``--warmup`` steps over the rounds (on a
+machine shared with other jobs: the least disturbed step, the footing --calibrate measures
+on; the median is printed beside it). The prediction is trainer3d.plan's
+(``search.evaluate``) for the same validated config on the calibrated Device, with the
+layout's ranks on one node. The
 table ends with the Spearman rank correlation, the median absolute error, and the layout
 the planner would pick among these (the fastest predicted) against the measured fastest.
 Timing is never asserted in the test suite; the README records a run.
@@ -33,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from trainer3d.plan.calibrate import under_load  # noqa: E402
 from trainer3d.plan.devices import DEFAULT_CALIBRATION, load_calibration  # noqa: E402
 from trainer3d.plan.search import evaluate  # noqa: E402
 from trainer3d.validate import validate  # noqa: E402
@@ -105,40 +103,35 @@ def main() -> None:
     parser.add_argument("--calibration", default=DEFAULT_CALIBRATION)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2, help="runs of every layout, interleaved")
     parser.add_argument("--only", help="comma-separated layout indices")
     args = parser.parse_args()
     device = load_calibration(args.calibration)
     chosen = [int(i) for i in args.only.split(",")] if args.only else range(len(LAYOUTS))
-    rows = []
+    predicted, steps = {}, {i: [] for i in chosen}
     with tempfile.TemporaryDirectory() as tmp:
-        for i in chosen:
-            overrides = [*COMMON, *LAYOUTS[i].split()]
-            cfg = training_config(overrides)
-            world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
-            idle = evaluate(cfg, device, world, "gloo").step.total
-            loaded = under_load(device, world)
-            load = os.getloadavg()[0]
-            predicted = evaluate(cfg, loaded, world, "gloo").step.total
-            steps = measured_step_s(overrides, args.steps, args.warmup, Path(tmp) / str(i))
-            measured = min(steps)
-            rows.append((i, LAYOUTS[i], world, predicted, measured, idle, load))
-            print(f"{i:>2} ranks {world}: predicted {predicted:.3f} s (idle machine {idle:.3f}), measured "
-                  f"{measured:.3f} s (median {statistics.median(steps):.3f}), load {load:.1f}: {LAYOUTS[i]}",
-                  flush=True)
-    print("\n| # | layout | ranks | load | predicted s | measured s | error | idle-machine prediction |\n"
-          "|---|---|---|---|---|---|---|---|")
-    for i, layout, world, predicted, measured, idle, load in rows:
-        print(f"| {i} | `{layout}` | {world} | {load:.1f} | {predicted:.3f} | {measured:.3f} | "
-              f"{(predicted - measured) / measured:+.0%} | {idle:.3f} |")
-    measured = [r[4] for r in rows]
-    for name, column in (("predicted", 3), ("idle-machine prediction", 5)):
-        predicted = [r[column] for r in rows]
-        errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
-        print(f"{name}: Spearman rank correlation {spearman(predicted, measured):.2f}, median |error| "
-              f"{statistics.median(errors):.0%} over {len(rows)} layouts")
-    pick, best = min(rows, key=lambda r: r[5]), min(rows, key=lambda r: r[4])
-    print(f"({device.source})\nthe planner's pick (idle-machine prediction): #{pick[0]} (measured {pick[4]:.3f} s); "
-          f"measured fastest: #{best[0]} ({best[4]:.3f} s)"
+        for round_ in range(args.rounds):
+            for i in chosen:
+                overrides = [*COMMON, *LAYOUTS[i].split()]
+                cfg = training_config(overrides)
+                world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+                predicted[i] = (world, evaluate(cfg, device, world, "gloo").step.total)
+                steps[i] += measured_step_s(overrides, args.steps, args.warmup, Path(tmp) / f"{round_}-{i}")
+                print(f"round {round_} #{i} ranks {world}: predicted {predicted[i][1]:.3f} s, fastest step so far "
+                      f"{min(steps[i]):.3f} s, load {os.getloadavg()[0]:.1f}: {LAYOUTS[i]}", flush=True)
+    rows = [(i, LAYOUTS[i], predicted[i][0], predicted[i][1], min(steps[i]), statistics.median(steps[i]))
+            for i in chosen]
+    print("\n| # | layout | ranks | predicted s | measured s (fastest step) | error | median step s |\n"
+          "|---|---|---|---|---|---|---|")
+    for i, layout, world, pred, fastest, median in rows:
+        print(f"| {i} | `{layout}` | {world} | {pred:.3f} | {fastest:.3f} | {(pred - fastest) / fastest:+.0%} | "
+              f"{median:.3f} |")
+    predicted, measured = [r[3] for r in rows], [r[4] for r in rows]
+    errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
+    print(f"\nSpearman rank correlation {spearman(predicted, measured):.2f}, median |error| "
+          f"{statistics.median(errors):.0%} over {len(rows)} layouts ({device.source})")
+    pick, best = min(rows, key=lambda r: r[3]), min(rows, key=lambda r: r[4])
+    print(f"the planner's pick: #{pick[0]} (measured {pick[4]:.3f} s); measured fastest: #{best[0]} ({best[4]:.3f} s)"
           + ("" if pick is best else f", the pick is {pick[4] / best[4] - 1:.0%} slower"))
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
-from trainer3d.activations import (Sizes, chunk_terms, layer_terms, peak_in_flight, schedule_ops, shared_terms,
-                                   FP32)
+from trainer3d.activations import (FP32, Sizes, chunk_terms, layer_terms, peak_in_flight, schedule_ops,
+                                   shared_terms)
 from trainer3d.config import Config
 from trainer3d.memory import BYTES, ModelStateBytes, engine_model_state_bytes, model_shapes, stage_parameter_shapes
 from trainer3d.parallel.stages import n_stages, stage_layer_ranges, stages_of_rank
@@ -104,9 +104,11 @@ def rank_memory(cfg: Config, pp_rank: int, kernel: str = "flash") -> RankMemory:
     shared = [shared_terms(z, m, s == 0, s == last, p.pp) for s in stages]
     _, counts = _in_flight(cfg, pp_rank, [sum(c.values()) for c in chunks], [sum(s.values()) for s in shared])
     activations: Dict[str, int] = {}
-    for terms, step_terms, n in zip(chunks, shared, counts):
-        for name, value in list(terms.items()) + [(k, v) for k, v in step_terms.items() if n]:
-            activations[name] = activations.get(name, 0) + (n * value if name in terms else value)
+    for per_micro, per_step, n in zip(chunks, shared, counts):
+        for name, value in per_micro.items():
+            activations[name] = activations.get(name, 0) + n * value
+        for name, value in per_step.items():  # kept while any of the chunk's micro-batches is in flight
+            activations[name] = activations.get(name, 0) + (value if n else 0)
     mem = RankMemory(pp_rank=pp_rank, states=_states_of(cfg, stages), activations=activations, in_flight=counts)
     if p.pp > 1:
         mem.buffers = _pipeline_buffers(z, stages, last, m, counts, recompute)

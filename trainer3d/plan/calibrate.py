@@ -129,7 +129,9 @@ def _rank_all_reduce(rank: int, world: int, port: int, out, repeats: int = 20) -
 
 def _rank_sync(rank: int, world: int, port: int, cores: int, out, iterations: int = 60) -> None:
     """Pairs of ranks alternate ~1 ms of compute with an all-reduce of one number, as tensor-
-    parallel pairs do: the wall time per round beyond the compute's share of the cores."""
+    parallel pairs do: the median round's wall time beyond the compute's share of the cores
+    (medians: the fastest round of an oversubscribed node is one where the peers happened to
+    wait, not the node's rate)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
@@ -146,10 +148,9 @@ def _rank_sync(rank: int, world: int, port: int, cores: int, out, iterations: in
         rounds.append(time.perf_counter() - started)
     dist.barrier()
     dist.destroy_process_group()
-    rounds.sort()
-    compute.sort()
-    share = compute[len(compute) // 2] * max(1.0, world / cores)  # the compute's wall time with the cores shared
-    out.put(max(0.0, rounds[len(rounds) // 2] - share))
+    median = len(rounds) // 2
+    share = sorted(compute)[median] * max(1.0, world / cores)  # the compute's wall time with the cores shared
+    out.put(max(0.0, sorted(rounds)[median] - share))
 
 
 def _run(target: Callable, ranks: int, *args, results: int = 1) -> List:
@@ -174,37 +175,6 @@ def node_gflops(ranks: int, cores: int, rounds: int = 6) -> float:
     threads = max(1, cores // ranks)
     per_cpu_second = _run(_rank_matmul, ranks, threads, rounds, results=ranks)
     return min(ranks * threads, cores) * sum(per_cpu_second) / (ranks * threads)
-
-
-def _rank_busy(rank: int, world: int, seconds: float, out) -> None:
-    """Spin for ``seconds`` of wall time: the CPU-seconds this process got meanwhile."""
-    started, cpu = time.perf_counter(), time.process_time()
-    while time.perf_counter() - started < seconds:
-        pass
-    out.put(time.process_time() - cpu)
-
-
-def cores_available(ranks: int, seconds: float = 2.0) -> float:
-    """The cores ``ranks`` busy processes get right now (fewer than the node's when other jobs
-    run on it)."""
-    return sum(_run(_rank_busy, ranks, seconds, results=ranks)) / seconds
-
-
-def under_load(device, ranks: int):
-    """``device`` as the node is right now for ``ranks``: the node's rate scaled to the cores
-    they get, and the hop latency measured while they compute (tools/plan_accuracy.py)."""
-    import dataclasses
-
-    cores = device.cores or 1
-    threads = max(1, cores // ranks)
-    got = min(cores_available(ranks), min(ranks * threads, cores))
-    node = dict(device.node_scaling)
-    node[ranks] = device.node_rate(ranks) * got / min(ranks * threads, cores)
-    latency = dict(device.latency_by_ranks)
-    if ranks > 1:
-        waits = _run(_rank_sync, ranks - ranks % 2, _free_port(), cores, results=ranks - ranks % 2)
-        latency[ranks] = sorted(waits)[len(waits) // 2] / 2 * 1e6
-    return dataclasses.replace(device, node_scaling=node, latency_by_ranks=latency)
 
 
 def _free_port() -> int:
