@@ -13,13 +13,13 @@ from omegaconf import OmegaConf
 from tests.conftest import CONF_DIR, ROOT
 from trainer3d import memory
 from trainer3d.config import Config
+from trainer3d.memory import format_bytes
 from trainer3d.model.flops import layer_matmul_params, matmul_params
 from trainer3d.plan.devices import PRESETS, Device, device_for, load_calibration
 from trainer3d.plan.search import evaluate, search
 from trainer3d.plan.step_time import step_time
 from trainer3d.validate import validate
 
-GiB = 2 ** 30
 
 
 def _plan_config(*overrides):
@@ -80,7 +80,7 @@ def test_what_does_not_fit_is_dropped_with_how_far_over():
     # the closest miss is at least the 70b model states sharded 8 ways minus the usable memory
     assert over > 0 and layout.parallel.tp * layout.parallel.pp * layout.parallel.dp == 8
     text = report(cfg, device, result, [])
-    assert f"over by {over / GiB:.2f} GiB on stage {rank}" in text and "no layout fits" in text
+    assert f"over by {format_bytes(over)} on stage {rank}" in text and "no layout fits" in text
 
 
 def test_unknown_device_and_missing_calibration_name_the_knob(tmp_path):

@@ -14,16 +14,12 @@ from typing import List
 import torch
 
 from trainer3d.config import Config
-from trainer3d.memory import engine_model_state_bytes, paper_model_state_bytes, rank_parameter_shapes
+from trainer3d.memory import engine_model_state_bytes, format_bytes, paper_model_state_bytes, rank_parameter_shapes
 from trainer3d.model.transformer import count_parameters
 from trainer3d.peak_memory import RankMemory, rank_memory
 from trainer3d.topology import Topology
 
 MiB, GiB = 2 ** 20, 2 ** 30
-
-
-def _size(n: float) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
 
 
 def memory_lines(cfg: Config) -> List[str]:
@@ -40,8 +36,8 @@ def memory_lines(cfg: Config) -> List[str]:
         psi = sum(torch.Size(s).numel() for s in shapes)
         engine = engine_model_state_bytes(shapes, p.dp, p.zero_stage, t.dtype, bucket)
         paper = paper_model_state_bytes(psi, p.dp, p.zero_stage)
-        terms = " / ".join(_size(getattr(engine, k)) for k in ("params", "grads", "master", "optimizer"))
-        lines.append(f"  {pp_rank:>7}  {psi:>14,}  {_size(engine.total):>12}  {_size(paper):>12}  {terms}")
+        terms = " / ".join(format_bytes(getattr(engine, k)) for k in ("params", "grads", "master", "optimizer"))
+        lines.append(f"  {pp_rank:>7}  {psi:>14,}  {format_bytes(engine.total):>12}  {format_bytes(paper):>12}  {terms}")
     lines.append("  * the paper's mixed-precision accounting (2+2+12 bytes per parameter); activations not included")
     return lines
 
@@ -69,11 +65,11 @@ def peak_lines(cfg: Config) -> List[str]:
              f"recompute={'on' if t.activation_checkpointing else 'off'}):",
              f"  {'term':<34}{head}",
              f"  {'micro-batches in flight':<34}" + "".join(f"{_flight(mem):>12}" for mem in shown)]
-    lines += [f"  {label:<34}" + "".join(f"{_size(get(mem)):>12}" for mem in shown) for label, get in rows]
+    lines += [f"  {label:<34}" + "".join(f"{format_bytes(get(mem)):>12}" for mem in shown) for label, get in rows]
     topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp)
     first = topo.rank(worst.pp_rank, 0, 0)
     lines.append(f"  worst: pp rank {worst.pp_rank} (global ranks {first}..{first + p.dp * p.tp - 1}), "
-                 f"{_size(worst.total)} per rank")
+                 f"{format_bytes(worst.total)} per rank")
     return lines
 
 

@@ -196,6 +196,11 @@ def table1() -> List[Tuple[str, int, float, float, float]]:
             for name, psi in TABLE1_MODELS for dp in TABLE1_DP]
 
 
+def format_bytes(n: float) -> str:
+    """Binary units for reports: 3.25 GiB, 812.5 MiB."""
+    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
+
+
 def format_gb(value: float) -> str:
     """Three significant figures, as the paper prints (1.88, 31.4, 536, 4187)."""
     return f"{value:.3g}" if value < 1000 else f"{value:.0f}"
