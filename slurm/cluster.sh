@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
-# A real one-node Slurm cluster on this machine: for the test suite, CI, and trying the
-# Slurm launcher without a cluster.
+# A real Slurm cluster on this machine: for the test suite, CI, and trying the Slurm
+# launcher without a cluster. Two compute nodes by default, each in network + UTS + mount
+# namespaces of its own with its own hostname and address (slurm/nodes.sh); one node on the
+# host itself where namespaces cannot be made (or with TRAINER3D_SLURM_NODES=1).
 #
 #   slurm/cluster.sh start    install the Debian packages if missing (root, apt-get), write the
-#                             configs, start munge, MariaDB, slurmdbd, slurmctld and slurmd,
-#                             wait until the node is idle and sacct answers
+#                             configs, start munge, MariaDB, slurmdbd, slurmctld and the
+#                             slurmd(s), wait until every node is idle and sacct answers
 #   slurm/cluster.sh stop     cancel the cluster's jobs, stop exactly the daemons `start`
-#                             started (by their pid files), remove the /etc/slurm link
-#   slurm/cluster.sh status   daemons, node state, queue (exit 0 only when the cluster is up)
+#                             started (by their pid files), remove the namespaces, the bridge
+#                             and the /etc/slurm link
+#   slurm/cluster.sh status   daemons, node states, queue (exit 0 only when the cluster is up)
 #   slurm/cluster.sh env      print the `export SLURM_CONF=...` clients need
+#   slurm/cluster.sh kill-node t3d-n2    lose a node: SIGKILL every process in its namespace
+#                                        (slurmd, job steps, ranks), as a power cut would
+#   slurm/cluster.sh start-node t3d-n2   bring it back (its slurmd again; the node returns)
 #
 # Everything it writes (configs, logs, pid files, spool, the accounting database, the munge
 # key) lives in $TRAINER3D_SLURM_DIR (default /tmp/trainer3d-slurm); the only file outside
 # is a /etc/slurm/slurm.conf symlink to it, made when none exists, so that plain `sbatch`
 # works. Exit status: 0 done; 3 the cluster cannot run here (not root, no apt-get, the
-# install failed) — the tests skip on 3 unless CI is set; 1 any other failure.
+# install failed) - the tests skip on 3 unless CI is set; 1 any other failure.
 #
 # Settings measured on this machine kind (docs/FACTS): CPUs=8 on the node line with
 # SlurmdParameters=config_overrides lets 4-8 tasks run on 2 cores; AuthInfo cred_expire=10
@@ -31,11 +37,27 @@ PACKAGES=(slurmctld slurmd slurm-client munge slurmdbd slurm-wlm-mysql-plugin ma
 NEEDED=(slurmctld slurmd slurmdbd sbatch sacct sacctmgr munged mariadbd mariadb-install-db)
 DB_PASS=trainer3d-local   # a throw-away account in a database that listens on 127.0.0.1 only
 ETC_LINK=/etc/slurm/slurm.conf
+NODES=${TRAINER3D_SLURM_NODES:-2}
 export SLURM_CONF=$STATE/etc/slurm.conf
 export PATH=$PATH:/usr/sbin:/sbin
 
 log() { printf '%s cluster.sh: %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { log "error: $*"; exit "${2:-1}"; }
+# shellcheck source=slurm/nodes.sh
+. "$(dirname "${BASH_SOURCE[0]}")/nodes.sh"
+
+choose_nodes() {  # two namespace nodes where namespaces work, else one node on the host
+    rm -f "$STATE/run/one-node-reason"
+    if [ "$NODES" -gt 1 ] && ! netns_usable; then
+        echo "network namespaces cannot be made here (needs root and ip netns)" >"$STATE/run/one-node-reason"
+        log "$(cat "$STATE/run/one-node-reason"): one node on the host instead of $NODES"
+        NODES=1
+    fi
+}
+
+node_names() {  # the NodeName of every compute node
+    if [ "$NODES" -eq 1 ]; then echo "$HOST"; else for k in $(seq "$NODES"); do node_name "$k"; done; fi
+}
 
 # ------------------------------------------------------------------ install
 
@@ -66,24 +88,37 @@ write_if_changed() {  # write stdin to $1 (mode $2) unless identical
     if cmp -s "$tmp" "$1" 2>/dev/null; then rm -f "$tmp"; else mv "$tmp" "$1"; log "wrote $1"; fi
 }
 
+node_lines() {  # slurm.conf's NodeName and PartitionName lines
+    local mem_mb k
+    mem_mb=$(awk -v n="$NODES" '/MemTotal/ {print int($2 / 1024 * 0.9 / n)}' /proc/meminfo)
+    if [ "$NODES" -eq 1 ]; then
+        echo "NodeName=$HOST NodeAddr=127.0.0.1 CPUs=8 RealMemory=$mem_mb State=UNKNOWN"
+    else
+        for k in $(seq "$NODES"); do
+            echo "NodeName=$(node_name "$k") NodeAddr=$(node_addr "$k") CPUs=8 RealMemory=$mem_mb State=UNKNOWN"
+        done
+    fi
+    echo "PartitionName=debug Nodes=$(node_names | paste -sd,) Default=YES MaxTime=INFINITE State=UP"
+}
+
 write_configs() {
-    local mem_mb
-    mem_mb=$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)
+    local ctld_addr=127.0.0.1
+    [ "$NODES" -gt 1 ] && ctld_addr=$CTLD_ADDR
     write_if_changed "$STATE/etc/slurm.conf" 644 <<EOF
-# Written by slurm/cluster.sh for a one-node dev cluster; regenerated on every start.
+# Written by slurm/cluster.sh for a dev cluster of $NODES node(s); regenerated on every start.
 ClusterName=$CLUSTER
-SlurmctldHost=$HOST(127.0.0.1)
+SlurmctldHost=$HOST($ctld_addr)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=cred_expire=10
 SlurmctldPidFile=$STATE/run/slurmctld.pid
-SlurmdPidFile=$STATE/run/slurmd.pid
+SlurmdPidFile=$STATE/run/slurmd-%n.pid
 SlurmctldLogFile=$STATE/log/slurmctld.log
-SlurmdLogFile=$STATE/log/slurmd.log
+SlurmdLogFile=$STATE/log/slurmd-%n.log
 StateSaveLocation=$STATE/spool/ctld
-SlurmdSpoolDir=$STATE/spool/d
+SlurmdSpoolDir=$STATE/spool/d-%n
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
@@ -97,8 +132,7 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1
 JobCompType=jobcomp/none
-NodeName=$HOST NodeAddr=127.0.0.1 CPUs=8 RealMemory=$mem_mb State=UNKNOWN
-PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
+$(node_lines)
 EOF
     # slurmdbd reads slurmdbd.conf next to \$SLURM_CONF and refuses one others can read.
     write_if_changed "$STATE/etc/slurmdbd.conf" 600 <<EOF
@@ -196,40 +230,51 @@ start_slurmctld() {
 }
 
 start_slurmd() {
-    alive slurmd && return 0
+    if [ "$NODES" -gt 1 ]; then
+        write_hosts
+        make_network
+        for k in $(seq "$NODES"); do start_node "$k"; done
+        return 0
+    fi
+    alive "slurmd-$HOST" && return 0
     log "starting slurmd"
-    slurmd || die "slurmd did not start (see $STATE/log/slurmd.log)"
+    slurmd || die "slurmd did not start (see $STATE/log/slurmd-$HOST.log)"
 }
 
-node_state() { sinfo -h -N -n "$HOST" -o %t 2>/dev/null | head -1; }
+node_state() { sinfo -h -N -n "$1" -o %t 2>/dev/null | head -1; }
 
-node_up() {  # idle, or running jobs; never down, drained or not responding
-    case "$(node_state)" in
-        idle | mix | alloc | comp) return 0 ;;
-        *) return 1 ;;
-    esac
+nodes_up() {  # every node idle, or running jobs; never down, drained or not responding
+    local name
+    for name in $(node_names); do
+        case "$(node_state "$name")" in
+            idle | mix | alloc | comp) ;;
+            *) return 1 ;;
+        esac
+    done
 }
 
 wait_until_ready() {
-    if ! wait_for 30 "node $HOST is up" node_up; then
-        local state
-        state=$(node_state)
-        case "$state" in
-            down* | drain* | drng*)  # left over from an earlier run that stopped badly
-                log "node is $state; resuming it"
-                scontrol update nodename="$HOST" state=resume || true
-                wait_for 30 "node $HOST is up" node_up || die "node stays $(node_state) (see $STATE/log/slurmd.log)" ;;
-            *) die "node is '$state' after 30 s (see $STATE/log/slurmctld.log, $STATE/log/slurmd.log)" ;;
-        esac
+    local name state
+    if ! wait_for 30 "nodes up" nodes_up; then
+        for name in $(node_names); do
+            state=$(node_state "$name")
+            case "$state" in
+                down* | drain* | drng*)  # left over from an earlier run that stopped badly, or a lost node
+                    log "node $name is $state; resuming it"
+                    scontrol update nodename="$name" state=resume || true ;;
+            esac
+        done
+        wait_for 30 "nodes up" nodes_up || die "nodes: $(sinfo -h -N -o '%N=%t' | paste -sd' ') (see $STATE/log/)"
     fi
-    log "node $HOST: $(node_state)"
+    log "nodes: $(sinfo -h -N -o '%N=%t' | paste -sd' ')"
     wait_for 30 "sacct answers" sacct -n -X --starttime=now || die "sacct does not answer (see $STATE/log/slurmdbd.log)"
 }
 
 cmd_start() {
     local started=$SECONDS
-    mkdir -p "$STATE"/{etc,log,run,spool/ctld,spool/d}
+    mkdir -p "$STATE"/{etc,log,run,spool/ctld}
     install_packages
+    choose_nodes
     write_configs
     start_munge
     start_mariadb
@@ -264,7 +309,11 @@ cmd_stop() {
             wait_for 30 "jobs ended" test -z "$(squeue -h -o %i 2>/dev/null)" || log "jobs still listed; stopping anyway"
         fi
     fi
-    stop_daemon slurmd
+    local pidfile
+    for pidfile in "$STATE"/run/slurmd-*.pid; do
+        [ -e "$pidfile" ] && stop_daemon "$(basename "$pidfile" .pid)"
+    done
+    remove_network
     stop_daemon slurmctld
     stop_daemon slurmdbd
     stop_daemon mariadbd
@@ -277,21 +326,25 @@ cmd_stop() {
 
 cmd_status() {
     local up=0
-    for d in munged mariadbd slurmdbd slurmctld slurmd; do
+    for d in munged mariadbd slurmdbd slurmctld $(node_names | sed 's/^/slurmd-/'); do
         if alive "$d"; then echo "$d: running (pid $(cat "$STATE/run/$d.pid"))"; else echo "$d: stopped"; up=1; fi
     done
     if [ $up -eq 0 ]; then
         sinfo -N -o "%N %t %c %m" || up=1
         squeue || up=1
-        node_up || up=1
+        nodes_up || up=1
     fi
     return $up
 }
 
+configured_nodes() { [ -f "$SLURM_CONF" ] && NODES=$(grep -c '^NodeName=' "$SLURM_CONF") || true; }
+
 case "${1:-}" in
     start) cmd_start ;;
-    stop) cmd_stop ;;
-    status) cmd_status ;;
+    stop) configured_nodes; cmd_stop ;;
+    status) configured_nodes; cmd_status ;;
     env) echo "export SLURM_CONF=$SLURM_CONF" ;;
-    *) echo "usage: $0 start|stop|status|env   (state in \$TRAINER3D_SLURM_DIR, default /tmp/trainer3d-slurm)" >&2; exit 2 ;;
+    kill-node) kill_node "${2:?node name}" ;;
+    start-node) write_hosts; start_node "${2#t3d-n}"; wait_for 60 "node $2 back" nodes_up ;;
+    *) echo "usage: $0 start|stop|status|env|kill-node NAME|start-node NAME   (state in \$TRAINER3D_SLURM_DIR, default /tmp/trainer3d-slurm)" >&2; exit 2 ;;
 esac

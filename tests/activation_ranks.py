@@ -41,12 +41,16 @@ def layout_config(tp=1, pp=1, micro=2, accum=2, schedule="1f1b", virtual=1, sp=F
     return cfg
 
 
-def _batch(cfg: Config):
-    """Like trainer3d/data.py: inputs and targets are views of one (accum, micro, seq + 1) tensor."""
+def _batch(cfg: Config, first: bool, last: bool):
+    """As trainer3d/data/loader.py reads them: without a pipeline inputs and targets are views of
+    one (accum, micro, seq + 1) tensor; a pipeline's first stage reads only the inputs, its last
+    only the targets, each its own (accum, micro, seq) tensor."""
     t = cfg.train
     g = torch.Generator().manual_seed(0)
     rows = torch.randint(0, cfg.model.vocab_size, (t.grad_accum_steps, t.micro_batch_size, t.seq_len + 1), generator=g)
-    return rows[..., :-1], rows[..., 1:]
+    if cfg.parallel.pp == 1:
+        return rows[..., :-1], rows[..., 1:]
+    return (rows[..., :-1].contiguous() if first else None), (rows[..., 1:].contiguous() if last else None)
 
 
 def _receive_buffer_bytes(pipeline) -> int:
@@ -78,7 +82,7 @@ def measure(rank: int, world: int, layouts: List[dict]) -> List[dict]:
         micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims), cfg.train.grad_accum_steps, optimizer)
         pipeline = build_pipeline(chunks, micro_loss, cfg, dims) if dims.pp > 1 else None
         trainer = SimpleNamespace(pipeline=pipeline, chunks=chunks, micro_loss=micro_loss)
-        inputs, targets = _batch(cfg)
+        inputs, targets = _batch(cfg, dims.is_first_stage, dims.is_last_stage)
         with sdpa_kernel(kernels[layout.get("kernel", "flash")]):
             optimizer.zero_grad()
             Trainer.forward_backward(trainer, inputs, targets)

@@ -1,4 +1,4 @@
-"""The one-node Slurm cluster of slurm/cluster.sh, for the tests marked ``slurm``.
+"""The dev Slurm cluster of slurm/cluster.sh (two namespace nodes, or one), for the tests marked ``slurm``.
 
 Started once per test session (a few seconds once the packages are installed; the first
 start installs them) and stopped at its end. Where it cannot run here (not root, no

@@ -106,9 +106,11 @@ def test_kill_mid_save_keeps_the_previous_checkpoint(tmp_path, session_tmp):
 def test_exported_weights_give_the_same_loss_in_the_1_rank_model(tmp_path):
     from safetensors.torch import load_file
 
-    from trainer3d.config import Config, ModelConfig
-    from trainer3d.data import DataLoader, TokenFile, prepare_dataset
+    from trainer3d.config import ModelConfig
+    from trainer3d.data.loader import build_readers
     from trainer3d.model.transformer import Transformer, cross_entropy_loss
+    from trainer3d.validate import validate
+    from tests.test_validate import make
 
     run = tmp_path / "run"
     run_train(run, [*BASE, *layout(2, 2, 1), "checkpoint.every=10"])
@@ -121,8 +123,7 @@ def test_exported_weights_give_the_same_loss_in_the_1_rank_model(tmp_path):
     model_cfg = ModelConfig(**json.loads((out / "config.json").read_text()))
     model = Transformer(model_cfg)
     model.load_state_dict(load_file(out / "model.safetensors"), strict=True)  # every name, every shape
-    cfg = Config()
-    data = DataLoader(TokenFile.open(prepare_dataset(cfg.data)), 64, 2, 8, 1, 0, cfg.train.seed)
+    data, _ = build_readers(validate(make([*BASE, *layout(2, 2, 1)])), dp=1, dp_rank=0)  # the run's batches
     inputs, targets = data.batch(10)
     with torch.no_grad():
         loss = torch.stack([cross_entropy_loss(model(inputs[m]), targets[m]) for m in range(8)]).mean()

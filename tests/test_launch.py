@@ -8,7 +8,7 @@ import pytest
 import submitit
 import torch.distributed as dist
 
-from trainer3d.launch import follow
+from trainer3d.follow import follow
 
 
 def _init():
@@ -53,7 +53,7 @@ def _submit(tmp_path, fn, tasks=2):
 def test_a_failing_rank_ends_the_job_with_its_cause(tmp_path, capfd, fn, shown):
     job = _submit(tmp_path, fn)
     started = time.monotonic()
-    status = follow(job, grace_s=10)
+    status = follow(job, timeout_s=5)
     elapsed = time.monotonic() - started
     err = capfd.readouterr().err
     assert status == 1

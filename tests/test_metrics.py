@@ -26,7 +26,7 @@ def test_one_offline_wandb_run_per_training_run_with_config_and_every_metric(tmp
     run_dir = tmp_path / "run"
     proc = run_train(run_dir, [*SMALL, "parallel=single", "parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1",
                                "train.max_steps=6", "train.log_every=3", "logger=wandb", "logger.mode=offline",
-                               "logger.tags=[ci]", "train.peak_tflops=0.5"])
+                               "logger.tags=[ci]", "train.peak_tflops=0.5", "train.eval_every=3", "train.eval_steps=1"])
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(6))
     for row in rows:
@@ -49,6 +49,10 @@ def test_one_offline_wandb_run_per_training_run_with_config_and_every_metric(tmp
     history = run["history"]
     assert [h["_step"] for h in history] == list(range(6))
     assert [h["loss"] for h in history] == pytest.approx([r["loss"] for r in rows])
+    # evaluated after steps 3 and 6 (train.eval_every=3): the same val_loss in both places
+    assert [r["step"] for r in rows if "val_loss" in r] == [h["_step"] for h in history if "val_loss" in h] == [2, 5]
+    assert [h["val_loss"] for h in history if "val_loss" in h] == pytest.approx(
+        [r["val_loss"] for r in rows if "val_loss" in r])
     assert KEYS - {"step"} <= history[0].keys()
     assert "wandb sync" in proc.stdout + proc.stderr or any("wandb sync" in p.read_text(errors="ignore")
                                                             for p in (run_dir / "submitit").glob("*_0_log.out"))
@@ -93,6 +97,12 @@ def test_progress_line_in_a_file_is_plain_lines():
     assert "\r" not in text and text.count("\n") == 3
     assert text.splitlines()[0] == ("step 1/3 | loss 3.2000 | lr 1.00e-03 | grad_norm 1.000 | 12,345 tok/s | "
                                     "MFU 1.2% | 0.500 s/step | eta 1s")
+
+
+def test_progress_line_shows_the_validation_loss_of_an_evaluated_step():
+    out = io.StringIO()
+    _logger(out)._print(dict(ROW, val_loss=2.5, val_ppl=12.1825))
+    assert out.getvalue().rstrip("\n").endswith("| eta 1s | val_loss 2.5000 (ppl 12.18)")
 
 
 def test_progress_line_in_a_terminal_rewrites_one_line():

@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 
 from tests.conftest import CONF_DIR
 from tests.runs import PARITY
-from trainer3d.launch import follow, run_rank
+from trainer3d.follow import follow
+from trainer3d.launch import run_rank
 from trainer3d.validate import validate
 
 TIMEOUT_S = 20  # also bounds the rendezvous: leave room for 4 ranks importing torch on 2 busy cores
@@ -55,7 +56,7 @@ def _run(tmp_path, capfd, overrides, faulty_rank, how):
     job = executor.submit(train_with_a_faulty_rank, cfg, faulty_rank, how, 3)
     started = time.monotonic()
     try:
-        status = follow(job, grace_s=TIMEOUT_S + 10)  # what launch() does
+        status = follow(job, TIMEOUT_S)
     finally:
         if not job.done():  # a failing test must not leave its ranks behind
             job.cancel()

@@ -1,4 +1,4 @@
-"""The Slurm launcher against a real one-node cluster (slurm/cluster.sh): jobs, sweeps,
+"""The Slurm launcher against a real cluster on this machine (slurm/cluster.sh): jobs, sweeps,
 preemption requeue with resume, errors, and the users' own sbatch template."""
 
 import json
@@ -91,10 +91,10 @@ def test_two_point_sweep_runs_as_two_jobs(slurm_cluster, tmp_path):
 
 @pytest.mark.parametrize("override,expect", [
     ("launcher.partition=nosuchpartition", "invalid partition"),
-    ("launcher.nodes=2", "launcher.nodes=2 but the default partition has 1 node(s)"),
+    ("launcher.nodes=8", "launcher.nodes=8 but the default partition has"),
 ])
 def test_sbatch_refusals_are_explained(slurm_cluster, tmp_path, override, expect):
-    extra = ("launcher.tasks_per_node=1", "parallel.dp=2") if "nodes" in override else ()
+    extra = ("launcher.tasks_per_node=1", "parallel.dp=8") if "nodes" in override else ()
     proc = train(slurm_cluster, tmp_path / "run", *SMALL, "train.max_steps=2", "launcher=slurm", override, *extra)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert expect in proc.stderr.lower() if expect.islower() else expect in proc.stderr

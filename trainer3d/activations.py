@@ -143,8 +143,8 @@ def head_terms(z: Sizes) -> Dict[str, int]:
 def shared_terms(z: Sizes, micro_batches: int, first: bool, last: bool, pp: int) -> Dict[str, int]:
     """Saved per step, not per micro-batch: with tp = 1 the embedding and the loss keep views
     of the step's token batch. Without a pipeline, inputs and targets are two views of one
-    (micro_batches, b, s + 1) tensor (trainer3d/data.py); the pipeline flattens each into
-    its own (micro_batches * b, s) copy."""
+    (micro_batches, b, s + 1) tensor; in a pipeline the first stage reads the inputs and the
+    last the targets, each a (micro_batches, b, s) tensor (trainer3d/data/loader.py)."""
     if z.t > 1:
         return {}
     if pp == 1:

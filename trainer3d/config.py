@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
 
 
 @dataclass
@@ -93,6 +94,10 @@ class TrainConfig:
     """auto (cuda if available, else cpu) | cpu | cuda."""
     peak_tflops: Optional[float] = None
     """Peak TFLOP/s per rank for MFU; default from the device name where known."""
+    eval_every: int = 100
+    """Evaluate on the validation set (data.val_fraction or data.val_path) every this many steps; 0: never."""
+    eval_steps: Optional[int] = 10
+    """Global batches of validation windows per evaluation, the same ones each time; null: the whole set."""
 
 
 @dataclass
@@ -115,15 +120,32 @@ class OptimConfig:
 
 
 @dataclass
+class BlendSource:
+    """One token file of a blend and its share of the training samples."""
+
+    path: str = MISSING
+    """Token file (.bin, with its .json header)."""
+    weight: float = 1.0
+    """Relative share of the samples (weights are normalised by their sum)."""
+
+
+@dataclass
 class DataConfig:
-    """Training tokens: the built-in corpus, or a token file made by tools/prepare_data.py."""
+    """Training tokens: the built-in corpus, or token files made by tools/prepare_data.py."""
 
     name: str = "stdlib"
     """stdlib (this Python's standard-library source, byte-level, no download) | tokens."""
     path: Optional[str] = None
     """Token file (.bin, with its .json header) when name=tokens."""
+    blend: List[BlendSource] = field(default_factory=list)
+    """Several token files mixed by weight, instead of data.path (name=tokens), e.g.
+    '[{path: a.bin, weight: 0.7}, {path: b.bin, weight: 0.3}]'; they must share a tokenizer."""
+    val_fraction: float = 0.0
+    """Hold out the last fraction of every training file's tokens for validation (0: none)."""
+    val_path: Optional[str] = None
+    """A token file to validate on, instead of val_fraction (same tokenizer as the training data)."""
     cache_dir: str = "~/.cache/trainer3d"
-    """Where the built-in corpus is tokenised once and kept."""
+    """Where the built-in corpus is tokenised once and kept, with the record of verified token files."""
 
 
 @dataclass

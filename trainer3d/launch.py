@@ -1,28 +1,31 @@
 """Start the ranks: through submitit (local processes or a Slurm job), or in place.
 
-The submitting process validates the config, prepares the data, submits ``TrainTask`` and
-follows the job: it echoes rank 0's progress lines, and if any rank fails it cancels the
-others and shows the failing rank's traceback. Inside each task, submitit's
-``TorchDistributedEnvironment`` exports MASTER_ADDR/PORT, RANK and WORLD_SIZE, and the
-process group starts with an explicit timeout, so a dead peer ends the job instead of
-hanging it for gloo's default 30 minutes.
+The submitting process validates the config, prepares the data, takes the run dir's lock
+(trainer3d/runlock.py), submits ``TrainTask`` and follows the job (trainer3d/follow.py):
+it echoes rank 0's progress lines; if a rank fails or stops beating it ends the job and
+names the cause; if it is itself told to stop (SIGTERM, SIGINT, SIGHUP) it ends the job
+first (trainer3d/interrupt.py). Inside each task, submitit's ``TorchDistributedEnvironment``
+exports MASTER_ADDR/PORT, RANK and WORLD_SIZE, the rank starts its heartbeat
+(trainer3d/heartbeat.py), and the process group starts with an explicit timeout, so a dead
+peer ends the job instead of hanging it for gloo's default 30 minutes.
 """
 
 import datetime
 import os
-import pickle
 import sys
-import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import submitit
 import torch
 import torch.distributed as dist
 
 from trainer3d.config import Config
-
-POLL_S = 0.5
+from trainer3d.failure import rank_failures
+from trainer3d.follow import follow
+from trainer3d.heartbeat import Heartbeat, heartbeat_dir
+from trainer3d.interrupt import TOKEN_VAR, Interrupted, JobSignals, end_processes, new_token, processes_with_token
+from trainer3d.runlock import RunDirBusy, RunDirLock
 
 
 # --------------------------------------------------------------------------- inside a rank
@@ -57,25 +60,48 @@ def init_distributed(cfg: Config) -> torch.device:
     return device
 
 
-def run_rank(cfg: Config):
-    """The body of every rank: process group, layout, trainer. Returns rank 0's summary."""
+def run_rank(cfg: Config, heartbeat: Optional[Heartbeat] = None, lock_run_dir: bool = False):
+    """The body of every rank: process group, layout, trainer. Returns rank 0's summary.
+
+    ``lock_run_dir``: rank 0 takes the run dir's lock (Slurm and in-place runs, where no
+    submitting process holds it); every rank fails alike when another run holds it."""
     from trainer3d.topology import ParallelDims, Topology
     from trainer3d.trainer import Trainer
 
     from trainer3d.preemption import leave
 
     device = init_distributed(cfg)
+    lock = None
     try:
+        if lock_run_dir:
+            lock = _lock_on_rank0(cfg)
         p = cfg.parallel
         dims = ParallelDims.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp), device)
         trainer = Trainer(cfg, dims)
+        trainer.heartbeat = heartbeat
         summary = trainer.train()
         if trainer.stopped is not None:  # SIGUSR2/SIGTERM: every rank stopped at the same step
             leave(trainer.stopped, trainer.stop_signal, dims.rank)
         return summary
     finally:
+        if lock is not None:
+            lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _lock_on_rank0(cfg: Config) -> Optional[RunDirLock]:
+    """Rank 0 takes the run dir's lock; all ranks learn whether it could (one broadcast)."""
+    lock, refusal = None, [None]
+    if dist.get_rank() == 0:
+        try:
+            lock = RunDirLock(cfg.run_dir).acquire(job_id=os.environ.get("SLURM_JOB_ID"))
+        except RunDirBusy as err:
+            refusal[0] = str(err)
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise RunDirBusy(refusal[0])
+    return lock
 
 
 def export_rank_env() -> None:
@@ -98,16 +124,23 @@ def export_rank_env() -> None:
 
 
 class TrainTask:
-    """What submitit runs on every task. Picklable: it holds the resolved config and how many
-    times the job was requeued (the cap is launcher.max_requeues)."""
+    """What submitit runs on every task. Picklable: it holds the resolved config, how many
+    times the job was requeued (the cap is launcher.max_requeues), and whether rank 0 must
+    take the run dir's lock (no submitting process holds it: Slurm, in place)."""
 
-    def __init__(self, cfg: Config, requeues: int = 0):
+    def __init__(self, cfg: Config, requeues: int = 0, lock_run_dir: bool = True):
         self.cfg = cfg
         self.requeues = requeues
+        self.lock_run_dir = lock_run_dir
 
     def __call__(self):
         export_rank_env()
-        return run_rank(self.cfg)
+        heartbeat = Heartbeat(heartbeat_dir(self.cfg.run_dir), int(os.environ.get("RANK", "0"))).start()
+        try:
+            with rank_failures([self.cfg.run_dir, self.cfg.checkpoint.dir or self.cfg.run_dir]):
+                return run_rank(self.cfg, heartbeat, self.lock_run_dir)
+        finally:
+            heartbeat.stop()
 
     def checkpoint(self, *args, **kwargs) -> Optional[submitit.helpers.DelayedSubmission]:
         """submitit's requeue hook, run on rank 0 once every rank has stopped at the same step and
@@ -119,7 +152,7 @@ class TrainTask:
                   file=sys.stderr, flush=True)
             return None
         print(f"trainer3d: requeuing (requeue {self.requeues + 1} of at most {cap})", file=sys.stderr, flush=True)
-        return submitit.helpers.DelayedSubmission(TrainTask(self.cfg, self.requeues + 1))
+        return submitit.helpers.DelayedSubmission(TrainTask(self.cfg, self.requeues + 1, self.lock_run_dir))
 
 
 # --------------------------------------------------------------------------- submitting process
@@ -138,108 +171,54 @@ def launch(cfg: Config) -> int:
         TrainTask(cfg)()
         return 0
     if cfg.launcher.name == "slurm":
-        from trainer3d.slurm import launch_slurm  # noqa: F401  (see the Slurm launcher)
+        from trainer3d.slurm import launch_slurm
         return launch_slurm(cfg)
+    try:
+        lock = RunDirLock(cfg.run_dir).acquire()
+    except RunDirBusy as err:
+        print(f"trainer3d: {err}", file=sys.stderr)
+        return 2
+    try:
+        return launch_local(cfg, lock)
+    finally:
+        lock.release()
+
+
+def submit_with_token(executor: submitit.Executor, task, token: str) -> submitit.Job:
+    """Submit with ``TRAINER3D_JOB=token`` in the job's environment (what ``end_processes`` finds)."""
+    before = os.environ.get(TOKEN_VAR)
+    os.environ[TOKEN_VAR] = token
+    try:
+        return executor.submit(task)
+    finally:
+        if before is None:
+            del os.environ[TOKEN_VAR]
+        else:
+            os.environ[TOKEN_VAR] = before
+
+
+def launch_local(cfg: Config, lock: RunDirLock) -> int:
+    """One process per rank on this machine; this process holds the run dir's lock meanwhile."""
     p = cfg.parallel
     world = p.tp * p.pp * p.dp
-    executor = make_executor(cfg, world)
-    job = executor.submit(TrainTask(cfg))
-    print(f"trainer3d: {world} local rank(s) (tp={p.tp} pp={p.pp} dp={p.dp}), job {job.job_id}, "
-          f"logs in {cfg.launcher.folder}", flush=True)
-    return follow(job, grace_s=cfg.parallel.timeout_s + 10)
+    token = new_token()
 
+    def end() -> None:
+        end_processes(token, reap=job.done)
 
-class _Tail:
-    """Echo the new complete lines of a growing log file (rank 0's stdout)."""
-
-    def __init__(self, path: Path):
-        self.path, self.pos = path, 0
-
-    def echo(self) -> None:
+    with JobSignals() as signals:
+        job = submit_with_token(make_executor(cfg, world), TrainTask(cfg, lock_run_dir=False), token)
+        lock.record(job.job_id)
+        print(f"trainer3d: {world} local rank(s) (tp={p.tp} pp={p.pp} dp={p.dp}), job {job.job_id}, "
+              f"logs in {cfg.launcher.folder}", flush=True)
         try:
-            with open(self.path, "rb") as f:
-                f.seek(self.pos)
-                data = f.read()
-        except FileNotFoundError:
-            return
-        end = data.rfind(b"\n") + 1
-        self.pos += end
-        for line in data[:end].decode(errors="replace").splitlines():
-            if not line.startswith("submitit "):
-                print(line, flush=True)
-
-
-def _task_outcome(job: submitit.Job, task: int) -> Optional[tuple]:
-    """("success", result) or ("error", traceback text) once task's result is written, else None."""
-    path = job.task(task).paths.result_pickle
-    if not path.exists():
-        return None
-    try:
-        with open(path, "rb") as f:
-            return pickle.load(f)
-    except (EOFError, pickle.UnpicklingError):  # being written
-        return None
-
-
-def _log_tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
-        return "(no log)"
-
-
-def follow(job: submitit.Job, grace_s: float) -> int:
-    """Echo rank 0's progress until every task ends; on a failure, cancel the rest and explain."""
-    tasks = list(range(job.num_tasks))
-    tail = _Tail(job.task(0).paths.stdout)
-    failed_at: Optional[float] = None
-    cancelled = False
-    while not job.done():
-        tail.echo()
-        outcomes = {t: _task_outcome(job, t) for t in tasks}
-        if failed_at is None and any(o and o[0] == "error" for o in outcomes.values()):
-            failed_at = time.time()
-        if failed_at is not None and time.time() - failed_at > grace_s:
-            job.cancel()  # the survivors should have timed out by now: do not wait for them
-            cancelled = True
-            _wait_done(job, timeout_s=30)
-            break
-        time.sleep(POLL_S)
-    tail.echo()
-    return report(job, tasks, cancelled)
-
-
-def _wait_done(job: submitit.Job, timeout_s: float) -> None:
-    deadline = time.time() + timeout_s
-    while not job.done() and time.time() < deadline:
-        time.sleep(POLL_S)
-
-
-def _last_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1][:300] if lines else ""
-
-
-def report(job: submitit.Job, tasks: List[int], cancelled: bool = False) -> int:
-    """0 if every rank returned; else print what happened to each failed rank, cause first."""
-    outcomes = {t: _task_outcome(job, t) for t in tasks}
-    errors = {t: o[1] for t, o in outcomes.items() if o and o[0] == "error"}
-    missing = [t for t, o in outcomes.items() if o is None]
-    if not errors and not missing:
-        return 0
-    print(f"\ntrainer3d: job {job.job_id} failed", file=sys.stderr)
-    for t in missing:
-        fate = "still running after the others failed; cancelled" if cancelled else \
-            "exited without a result (killed, out of memory, or crashed outside Python)"
-        print(f"  rank {t}: {fate}", file=sys.stderr)
-    # The earliest error is the likeliest cause; later ones are peers seeing its connection close.
-    by_time = sorted(errors, key=lambda t: job.task(t).paths.result_pickle.stat().st_mtime)
-    for t in by_time:
-        print(f"  rank {t}: {_last_line(errors[t])}", file=sys.stderr)
-    if missing and not cancelled:
-        t = missing[0]
-        print(f"--- rank {t} log tail ({job.task(t).paths.stderr}) ---\n{_log_tail(job.task(t).paths.stderr)}",
-              file=sys.stderr)
-    elif by_time:
-        print(f"--- rank {by_time[0]} traceback ---\n{errors[by_time[0]]}", file=sys.stderr)
-    return 1
+            signals.arm()
+            status = follow(job, p.timeout_s, heartbeat_dir(cfg.run_dir), end=end)
+        except Interrupted as sig:
+            print(f"trainer3d: {sig.name}: ending job {job.job_id} and its {world} rank(s)", file=sys.stderr,
+                  flush=True)
+            end()
+            raise SystemExit(128 + sig.signum) from None
+        if processes_with_token(token):  # e.g. a child a rank left behind
+            end()
+    return status

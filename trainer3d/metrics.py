@@ -13,7 +13,10 @@ step_time_s, comm_s (host time in the step's communication calls, mean over rank
 trainer3d/telemetry.py says what it counts), bubble and bubble_theory (0 without a
 pipeline), skipped (fp16 steps skipped on inf/nan; 0 otherwise), loss_scale (fp16 only),
 and memory, the max over ranks: mem_state_bytes (parameters + gradients + optimizer state,
-tensor bytes), and mem_rss_bytes on CPU or mem_allocated_bytes / mem_reserved_bytes on GPU.
+tensor bytes), and mem_rss_bytes on CPU or mem_allocated_bytes / mem_reserved_bytes on GPU;
+rows of steps after which the model was evaluated add val_loss (mean over the validation
+batches, reduced like the loss), val_ppl = exp(val_loss) and eval_s (rank 0's evaluation
+time, left out of step_time_s).
 
 The loss exists on the last pipeline stage only, where every tp rank holds the same value
 and every dp replica its own; ranks of other stages (and tp ranks > 0) contribute zero,
@@ -60,6 +63,8 @@ class MetricsLogger:
         self._norms: List[torch.Tensor] = []
         self._lrs: List[float] = []
         self._extras: List[Dict[str, torch.Tensor]] = []  # e.g. fp16's loss_scale, skipped (same on every rank)
+        self._val: Dict[int, torch.Tensor] = {}  # validation loss by step (trainer3d/evaluate.py)
+        self._eval_s: Dict[int, float] = {}
         self._interval_start = time.perf_counter()
         self._owns_loss = dims.is_last_stage and dims.tp_rank == 0
         self.comm = CommTimer()
@@ -99,6 +104,15 @@ class MetricsLogger:
         self._extras.append(extra or {})
         self.comm.end_step()
 
+    def record_eval(self, step: int, loss: Optional[torch.Tensor], seconds: float) -> None:
+        """Keep step ``step``'s validation loss (every rank calls it at the same steps); no sync.
+        Reduced like the training loss and written as ``val_loss``, ``val_ppl`` and ``eval_s`` in
+        that step's row; the ``seconds`` it took do not count as training time."""
+        kept = loss is not None and self._owns_loss
+        self._val[step] = loss.detach().float() if kept else torch.zeros((), device=self._norms[-1].device)
+        self._eval_s[step] = seconds
+        self._interval_start += seconds
+
     def _per_rank(self) -> Dict[str, float]:
         return {"mem_state_bytes": float(self.state_bytes()), **process_memory(self.dims.device)}
 
@@ -108,9 +122,10 @@ class MetricsLogger:
             return self.last
         packed = torch.stack(self._losses)
         device = packed.device
-        # One sum-reduce for the per-step values: (steps, 1 + columns).
+        val = torch.stack([self._val.get(s, torch.zeros((), device=device)) for s in self._steps])
+        # One sum-reduce for the per-step values: (steps, 2 + columns).
         extra = [torch.tensor(read(), dtype=packed.dtype, device=device) for read in self._columns.values()]
-        packed = torch.stack([packed, *extra], dim=1)
+        packed = torch.stack([packed, val, *extra], dim=1)
         dist.reduce(packed, dst=0)
         per_rank = self._per_rank()
         peaks = torch.tensor(list(per_rank.values()), dtype=torch.float64, device=device)
@@ -121,12 +136,13 @@ class MetricsLogger:
         if self.dims.rank == 0:
             losses = (packed[:, 0] / self.dims.dp).tolist()
             norms = torch.stack(self._norms).tolist()
-            columns = {name: (packed[:, i + 1] / self.world_size).tolist() for i, name in enumerate(self._columns)}
+            columns = {name: (packed[:, i + 2] / self.world_size).tolist() for i, name in enumerate(self._columns)}
+            val = {s: v for s, v in zip(self._steps, (packed[:, 1] / self.dims.dp).tolist()) if s in self._val}
             if self._extras[0]:
                 columns.update({k: torch.stack([e[k] for e in self._extras]).tolist() for k in self._extras[0]})
             memory = dict(zip(per_rank, [int(v) for v in peaks.tolist()]))
-            self._write(losses, norms, elapsed / n, columns, memory)
-        self._steps, self._losses, self._norms, self._lrs, self._extras = [], [], [], [], []
+            self._write(losses, norms, elapsed / n, columns, memory, val)
+        self._steps, self._losses, self._norms, self._lrs, self._extras, self._val = [], [], [], [], [], {}
         return self.last
 
     def _throughput(self, step_time: float) -> Dict[str, float]:
@@ -138,13 +154,15 @@ class MetricsLogger:
                 "tflops_per_rank": tflops, "mfu": mfu}
 
     def _write(self, losses: List[float], norms: List[float], step_time: float,
-               columns: Dict[str, List[float]], memory: Dict[str, int]) -> None:
+               columns: Dict[str, List[float]], memory: Dict[str, int], val: Dict[int, float]) -> None:
         throughput = self._throughput(step_time)
         rows = []
         for i, (s, loss, norm, lr) in enumerate(zip(self._steps, losses, norms, self._lrs)):
             row = {"step": s, "loss": loss, "lr": lr, "grad_norm": norm, **throughput, "step_time_s": step_time,
                    "skipped": 0, **self.constants}
             row.update({name: values[i] for name, values in columns.items()}, **memory)
+            if s in val:
+                row.update(val_loss=val[s], val_ppl=math.exp(min(val[s], 700.0)), eval_s=self._eval_s.pop(s, 0.0))
             rows.append(row)
         with open(self.path, "a") as f:
             for row in rows:
@@ -152,7 +170,9 @@ class MetricsLogger:
         for sink in self.sinks:
             sink.log(rows)
         self.last = rows[-1]
-        self._print(rows[-1], skipped=sum(bool(r.get("skipped")) for r in rows))
+        evaluated = [{"val_loss": r["val_loss"], "val_ppl": r["val_ppl"]} for r in rows if "val_loss" in r]
+        self._print({**rows[-1], **(evaluated[-1] if evaluated else {})},
+                    skipped=sum(bool(r.get("skipped")) for r in rows))
 
     def progress_line(self, row: dict, skipped: int = 0) -> str:
         done = row["step"] + 1
@@ -163,6 +183,7 @@ class MetricsLogger:
         return (f"step {done:>{len(str(self.max_steps))}}/{self.max_steps} | loss {loss_text} | "
                 f"lr {row['lr']:.2e} | grad_norm {row['grad_norm']:.3f} | "
                 f"{row['tokens_per_s']:,.0f} tok/s | MFU {mfu} | {row['step_time_s']:.3f} s/step | eta {eta}"
+                + (f" | val_loss {row['val_loss']:.4f} (ppl {row['val_ppl']:.2f})" if "val_loss" in row else "")
                 + (f" | loss_scale {row['loss_scale']:.0f}, {skipped} step(s) skipped" if "loss_scale" in row else ""))
 
     def _print(self, row: dict, skipped: int = 0) -> None:

@@ -4,12 +4,14 @@ The job is ``nodes x tasks_per_node`` tasks, one rank each; submitit writes the 
 script (``srun python -m submitit.core._submit``), and every task runs the same
 ``TrainTask`` as the local launcher (``trainer3d.launch``). This process prints the job id,
 the log paths and the commands to follow the job, writes ``<run_dir>/slurm_job.json``, and
-with ``launcher.wait=true`` follows it with ``launch.follow`` (rank 0's progress lines;
-on a failure the failing rank's error) and returns its status.
+with ``launcher.wait=true`` follows it with ``trainer3d.follow`` (rank 0's progress lines;
+on a failure the cause in one line, and the job cancelled) and returns its status; told to
+stop meanwhile (SIGTERM, SIGINT, SIGHUP) it cancels the job and waits until it is gone.
 
 What can go wrong before the job runs, each a one-paragraph message and a status:
 no Slurm client on PATH or slurmctld not answering (1), sbatch refusing the job — its own
-message, e.g. a bad partition or more nodes than the partition has (2).
+message, e.g. a bad partition or more nodes than the partition has (2), a run dir another
+run or a queued job still owns (2; rank 0 holds its lock once the job runs).
 """
 
 import contextlib
@@ -19,12 +21,16 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List, Optional, Union
 
 import submitit
 
 from trainer3d.config import Config
+from trainer3d.heartbeat import heartbeat_dir
+from trainer3d.interrupt import Interrupted, JobSignals, new_token
+from trainer3d.runlock import RunDirBusy, RunDirLock
 
 # Hints for sbatch's refusals (its message is shown in full; the hint names the knob).
 _SBATCH_HINTS = (
@@ -88,7 +94,7 @@ def check_reachable() -> None:
     if missing:
         raise SlurmUnavailable(
             f"launcher=slurm needs Slurm's client commands, and {', '.join(missing)} is not on PATH. "
-            "Run this on a Slurm login node, or start the one-node dev cluster on this machine with "
+            "Run this on a Slurm login node, or start the dev cluster on this machine with "
             "`slurm/cluster.sh start` (root, Debian); to train here without Slurm use launcher=local.")
     try:
         ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
@@ -99,7 +105,7 @@ def check_reachable() -> None:
         raise SlurmUnavailable(
             f"the Slurm controller does not answer (`scontrol ping`: {' '.join(answer.split()[:12])}). "
             "Is slurmctld running, and does $SLURM_CONF point at this cluster's slurm.conf? "
-            "For the one-node dev cluster: `slurm/cluster.sh start` (`slurm/cluster.sh status` shows it).")
+            "For the dev cluster on this machine: `slurm/cluster.sh start` (`slurm/cluster.sh status` shows it).")
 
 
 def check_nodes(cfg: Config) -> None:
@@ -140,15 +146,17 @@ def explain_refusal(message: str) -> str:
     return f"sbatch refused the job: {text}" + (f" -> check {hints[0]}" if hints else "")
 
 
-def submit(cfg: Config, world_size: int, task) -> submitit.Job:
-    """Submit ``task``; raise SlurmUnavailable, or ValueError with sbatch's refusal explained."""
+def submit(cfg: Config, world_size: int, task, how=None) -> submitit.Job:
+    """Submit ``task`` (through ``how(executor, task)`` if given); raise SlurmUnavailable,
+    RunDirBusy, or ValueError with sbatch's refusal explained."""
     check_reachable()
     check_nodes(cfg)
+    check_run_dir_free(cfg)
     executor = make_slurm_executor(cfg, world_size)
     # submitit prints sbatch's stderr itself before raising; we show it once, in our message.
     with contextlib.redirect_stderr(io.StringIO()):
         try:
-            return executor.submit(task)
+            return how(executor, task) if how else executor.submit(task)
         except (submitit.core.utils.FailedJobError, submitit.core.utils.FailedSubmissionError) as err:
             raise ValueError(explain_refusal(str(err))) from None
 
@@ -178,32 +186,74 @@ def describe_submission(cfg: Config, job: submitit.Job, world_size: int) -> str:
     ])
 
 
+def check_run_dir_free(cfg: Config) -> None:
+    """Raise RunDirBusy if another run owns the run dir: its lock is held (a local run, or a
+    running job's rank 0), or the Slurm job recorded there is still queued or running."""
+    RunDirLock(cfg.run_dir).check_free()
+    record = Path(cfg.run_dir) / "slurm_job.json"
+    if not record.exists():
+        return
+    job_id = json.loads(record.read_text())["job_id"]
+    state = queue_state(job_id)
+    if state:
+        raise RunDirBusy(f"run dir {cfg.run_dir} belongs to Slurm job {job_id}, still {state} (`squeue -j {job_id}`); "
+                         f"wait for it, `scancel {job_id}`, or give this run its own hydra.run.dir=...")
+
+
+def queue_state(job_id: str) -> str:
+    """The job's state while squeue lists it (PENDING, RUNNING, COMPLETING, ...), else ""."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True,
+                             timeout=30)
+    except subprocess.TimeoutExpired:
+        return ""
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+
+
+def cancel_and_wait(job: submitit.Job, wait_s: float = 120) -> None:
+    """scancel, then wait (bounded) until squeue no longer lists the job: its ranks are gone."""
+    subprocess.run(["scancel", str(job.job_id)], capture_output=True, timeout=60)
+    deadline = time.monotonic() + wait_s
+    while queue_state(job.job_id) and time.monotonic() < deadline:
+        time.sleep(1)
+
+
 def launch_slurm(cfg: Config, task=None) -> int:
-    """Submit a validated config as a Slurm job; with launcher.wait, follow it and return its status."""
-    from trainer3d.launch import TrainTask
+    """Submit a validated config as a Slurm job; with launcher.wait, follow it and return its status.
+    Told to stop while following (SIGTERM, SIGINT, SIGHUP), it cancels the job first."""
+    from trainer3d.launch import TrainTask, submit_with_token
     from trainer3d.validate import world_size_of
 
     world = world_size_of(cfg)
-    try:
-        job = submit(cfg, world, task if task is not None else TrainTask(cfg))
-    except SlurmUnavailable as err:
-        print(f"trainer3d: Slurm is not reachable: {err}", file=sys.stderr)
-        return 1
-    except ValueError as err:
-        print(f"trainer3d: {err}", file=sys.stderr)
-        return 2
-    write_job_record(cfg, job)
-    print(describe_submission(cfg, job, world), flush=True)
-    if not cfg.launcher.wait or defer_follow():
-        return 0
-    return follow_slurm(job, cfg.parallel.timeout_s)
+    with JobSignals() as signals:
+        try:
+            job = submit(cfg, world, task if task is not None else TrainTask(cfg),
+                         lambda executor, t: submit_with_token(executor, t, new_token()))
+        except SlurmUnavailable as err:
+            print(f"trainer3d: Slurm is not reachable: {err}", file=sys.stderr)
+            return 1
+        except (ValueError, RunDirBusy) as err:
+            print(f"trainer3d: {err}", file=sys.stderr)
+            return 2
+        write_job_record(cfg, job)
+        print(describe_submission(cfg, job, world), flush=True)
+        if not cfg.launcher.wait or defer_follow():
+            return 0
+        try:
+            signals.arm()
+            return follow_slurm(job, cfg.parallel.timeout_s, Path(cfg.run_dir))
+        except Interrupted as sig:
+            print(f"trainer3d: {sig.name}: cancelling Slurm job {job.job_id}", file=sys.stderr, flush=True)
+            cancel_and_wait(job)
+            raise SystemExit(128 + sig.signum) from None
 
 
-def follow_slurm(job: submitit.Job, timeout_s: float) -> int:
-    """``launch.follow`` plus Slurm's own verdict when the job ended without every rank's result."""
-    from trainer3d.launch import follow
+def follow_slurm(job: submitit.Job, timeout_s: float, run_dir: Optional[Path] = None) -> int:
+    """``follow`` plus Slurm's own verdict when the job ended without every rank's result."""
+    from trainer3d.follow import follow
 
-    status = follow(job, grace_s=timeout_s + 10)
+    beats = heartbeat_dir(str(run_dir)) if run_dir is not None else None
+    status = follow(job, timeout_s, beats, end=lambda: cancel_and_wait(job))
     if status:
         state = _final_state(job)
         print(f"  Slurm state: {state}; details: sacct -j {job.job_id} -o JobID,State,ExitCode,Elapsed; "

@@ -71,7 +71,7 @@ class SweepReport(Callback):
                 if point.follow:
                     print(f"\ntrainer3d: sweep point #{point.num}: following job {job.job_id} ({point.run_dir})",
                           flush=True)
-                    point.status = follow_slurm(job, timeout_s=float(config.parallel.timeout_s))
+                    point.status = follow_slurm(job, float(config.parallel.timeout_s), point.run_dir)
         worst = self.report()
         if worst:
             sys.exit(worst)

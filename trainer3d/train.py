@@ -2,7 +2,8 @@
 
 Hydra composes the config (``--cfg job`` prints it, ``-m`` sweeps); this module resolves
 it, validates it in this process — a refused config exits with status 2 and one line per
-problem, before any rank starts — prepares the data, and hands it to the launcher.
+problem, before any rank starts — checks the data the same way (trainer3d/data/checks.py),
+and hands it to the launcher.
 """
 
 import os
@@ -56,12 +57,12 @@ def run(cfg: Config) -> int:
         from trainer3d.dry_run import print_plan
         print_plan(cfg)
         return 0
-    from trainer3d.data import prepare_dataset
+    from trainer3d.data.checks import check_data
     from trainer3d.launch import launch
-    try:
-        prepare_dataset(cfg.data)
-    except (FileNotFoundError, ValueError) as err:
-        print(f"trainer3d: data error: {err}", file=sys.stderr)
+    problems = check_data(cfg)
+    for problem in problems:
+        print(f"trainer3d: data error: {problem}", file=sys.stderr)
+    if problems:
         return 2
     return launch(cfg)
 

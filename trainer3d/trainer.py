@@ -3,7 +3,8 @@
 ``Trainer.__init__`` builds this rank's model chunks, optimizer and data loader from the
 config and the layout; ``train_step`` is forward_backward (all grad_accum micro-batches,
 through the pipeline schedule when pp > 1) -> reduce gradients over dp -> clip by the
-global norm -> optimizer step; ``train`` repeats it and logs at the interval.
+global norm -> optimizer step; ``train`` repeats it, evaluates on the validation set
+every train.eval_every steps (``forward_only``, trainer3d/evaluate.py) and logs at the interval.
 """
 
 import time
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from trainer3d.config import Config
-from trainer3d.data import DataLoader, TokenFile, prepare_dataset
+from trainer3d.data.loader import Prefetcher, build_readers
 from trainer3d.metrics import MetricsLogger
 from trainer3d.optim import lr_at
 from trainer3d.parallel import build_loss_fn, build_model_chunks
@@ -58,6 +59,8 @@ class Trainer:
         # First, so a SIGUSR2/SIGTERM during set-up is held for the first step boundary.
         self.stop_signal = StopSignal()
         self.stopped: Optional[Stop] = None
+        self.heartbeat = None
+        """Set by the launcher (trainer3d/heartbeat.py): told the steps completed at each step boundary."""
         t = cfg.train
         self.chunks: List[nn.Module] = build_model_chunks(cfg, dims)
         self.optimizer = build_optimizer(self.chunks, cfg, dims)
@@ -66,17 +69,26 @@ class Trainer:
         if dims.pp > 1:
             from trainer3d.parallel.pipeline import build_pipeline
             self.pipeline = build_pipeline(self.chunks, self.micro_loss, cfg, dims)
-        token_file = TokenFile.open(prepare_dataset(cfg.data))
-        if token_file.vocab_size > cfg.model.vocab_size:
-            raise ValueError(f"data vocabulary {token_file.vocab_size} > model.vocab_size={cfg.model.vocab_size}")
-        self.data = DataLoader(token_file, t.seq_len, t.micro_batch_size, t.grad_accum_steps,
-                               dims.dp, dims.dp_rank, t.seed)
+        self.data, self.evaluator = self._build_data()
         from trainer3d.checkpoint.manager import Checkpointer
         self.checkpointer = Checkpointer(cfg, dims, self.chunks, self.optimizer)
         self.start_step = self.checkpointer.resume()
         self.metrics = self._build_metrics()
         if self.pipeline is not None:
             self.pipeline.report_to(self.metrics)
+
+    def _build_data(self):
+        """This rank's training batches (read ahead) and evaluator (None without a validation set);
+        the first stage reads inputs, the last targets, the stages between nothing."""
+        from trainer3d.data.sources import eval_batches, evaluates
+        from trainer3d.evaluate import Evaluator
+
+        dims, t = self.dims, self.cfg.train
+        train, val = build_readers(self.cfg, dims.dp, dims.dp_rank, dims.is_first_stage, dims.is_last_stage)
+        evaluator = None
+        if val is not None and evaluates(self.cfg):
+            evaluator = Evaluator(val, eval_batches(self.cfg, val.n_windows), t.eval_every, dims.device)
+        return Prefetcher(train, dims.device, last_step=t.max_steps), evaluator
 
     def _build_metrics(self) -> MetricsLogger:
         """metrics.jsonl + progress line on rank 0, wandb there too when logger=wandb."""
@@ -95,10 +107,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> Optional[torch.Tensor]:
+    def forward_backward(self, inputs: Optional[torch.Tensor],
+                         targets: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Run the step's micro-batches forward and backward, accumulating gradients.
 
-        ``inputs``/``targets`` are (grad_accum, micro_batch, seq). Returns the mean loss
+        ``inputs``/``targets`` are (grad_accum, micro_batch, seq) where this rank feeds them
+        (the first stage inputs, the last targets), None elsewhere. Returns the mean loss
         over micro-batches on ranks that compute it (the last stage), None elsewhere.
         """
         if self.pipeline is not None:
@@ -109,10 +123,19 @@ class Trainer:
                 self.micro_loss(model(inputs[m]), targets[m]).backward()
         return self.micro_loss.pop_mean()
 
+    def forward_only(self, inputs: Optional[torch.Tensor],
+                     targets: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The micro-batches forward, without a gradient (evaluation); the mean loss as forward_backward."""
+        with torch.no_grad():
+            if self.pipeline is not None:
+                self.pipeline.forward(inputs, targets)
+            else:
+                for m in range(inputs.shape[0]):
+                    self.micro_loss(self.chunks[0](inputs[m]), targets[m])
+        return self.micro_loss.pop_mean()
+
     def train_step(self, step: int) -> Tuple[Optional[torch.Tensor], torch.Tensor, float]:
-        inputs, targets = self.data.batch(step)
-        device = self.dims.device
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        inputs, targets = self.data.get(step)  # on the device, read ahead during the previous step
         self.optimizer.zero_grad()
         loss = self.forward_backward(inputs, targets)
         with self.metrics.comm():  # communication the backward did not overlap, and the norm's all-reduce
@@ -134,6 +157,10 @@ class Trainer:
         for step in range(self.start_step, t.max_steps):
             loss, grad_norm, lr = self.train_step(step)
             self.metrics.record(step, loss, grad_norm, lr, self.optimizer.step_metrics())
+            if self.heartbeat is not None:
+                self.heartbeat.step = step + 1
+            if self.evaluator is not None and self.evaluator.due(step + 1):
+                self.metrics.record_eval(step, *self.evaluator.run(self.forward_only))
             if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
                 self.metrics.flush()
             if self.checkpointer.due(step + 1):
@@ -144,6 +171,7 @@ class Trainer:
                 self.stopped = Stop(step=step + 1, flag=flag)
                 break
         last = self.metrics.flush()
+        self.data.close()
         self.stop_signal.close()
         if self.stopped is not None:
             self.save_checkpoint(self.stopped.step)

@@ -259,9 +259,32 @@ def _check_choices(cfg: Config, problems: List[str]) -> None:
         problems.append(f"logger.mode={cfg.logger.mode} is not one of {', '.join(WANDB_MODES)}")
     if cfg.data.name not in DATASETS:
         problems.append(f"data={cfg.data.name} is not one of {', '.join(DATASETS)}")
-    elif cfg.data.name == "tokens" and not cfg.data.path:
-        problems.append("data=tokens needs data.path=<file.bin> (make one with tools/prepare_data.py)")
+    else:
+        _check_data(cfg, problems)
     if cfg.optim.name != "adamw":
         problems.append(f"optim={cfg.optim.name}: only adamw is implemented")
     if cfg.train.device not in ("auto", "cpu", "cuda"):
         problems.append(f"train.device={cfg.train.device} is not one of auto, cpu, cuda")
+
+
+def _check_data(cfg: Config, problems: List[str]) -> None:
+    """The data knobs among themselves; the files are checked before launch by trainer3d.data.checks."""
+    d, t = cfg.data, cfg.train
+    if d.name == "tokens" and not d.path and not d.blend:
+        problems.append("data=tokens needs data.path=<file.bin> or data.blend=[{path: ..., weight: ...}, ...] "
+                        "(make token files with tools/prepare_data.py)")
+    if d.path and d.blend:
+        problems.append("data.path and data.blend are both set; give one (a blend lists every file)")
+    if d.blend and d.name != "tokens":
+        problems.append(f"data.blend needs data=tokens (data={d.name} has a corpus of its own)")
+    for i, source in enumerate(d.blend):
+        if not source.weight > 0:
+            problems.append(f"data.blend[{i}].weight={source.weight} must be > 0")
+    if not 0 <= d.val_fraction < 1:
+        problems.append(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
+    if d.val_fraction > 0 and d.val_path:
+        problems.append("data.val_fraction and data.val_path are both set; give one (or set data.val_fraction=0)")
+    if t.eval_every < 0:
+        problems.append(f"train.eval_every={t.eval_every} must be >= 0 (0: never evaluate)")
+    if t.eval_steps is not None and t.eval_steps < 1:
+        problems.append(f"train.eval_steps={t.eval_steps} must be >= 1, or null for the whole validation set")

@@ -28,6 +28,7 @@ from torch import nn
 
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.state import PieceMaker, after_load, rank_state
+from trainer3d.checkpoint.writer import CheckpointWriter
 from trainer3d.config import Config
 from trainer3d.topology import ParallelDims
 
@@ -83,14 +84,21 @@ class Checkpointer:
                 import shutil
                 shutil.rmtree(partial)
         dist.barrier()
-        dcp.save(rank_state(self.chunks, self.optimizer, self.dims, self.make), checkpoint_id=str(partial))
-        _test_hook_after_write(self.dims.rank, partial)
-        dist.barrier()  # every rank's files are complete
-        if self.dims.rank == 0:
-            info = {"step": steps_done, "layout": layout_of(self.cfg), "world_size": self.dims.topo.world_size,
-                    "config": _plain(self.cfg), "saved_at": time.time()}
-            store.publish(partial, final, info)
-            store.prune(self.root, self.cfg.checkpoint.keep)
+        try:
+            dcp.save(rank_state(self.chunks, self.optimizer, self.dims, self.make),
+                     storage_writer=CheckpointWriter(str(partial)))
+            _test_hook_after_write(self.dims.rank, partial)
+            dist.barrier()  # every rank's files are complete
+            if self.dims.rank == 0:
+                info = {"step": steps_done, "layout": layout_of(self.cfg), "world_size": self.dims.topo.world_size,
+                        "config": _plain(self.cfg), "saved_at": time.time()}
+                store.publish(partial, final, info)
+                store.prune(self.root, self.cfg.checkpoint.keep)
+        except BaseException:  # DCP's CheckpointException is one: a failed save must not fill the disk
+            if self.dims.rank == 0:
+                import shutil
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
         dist.barrier()
         self.last_saved = steps_done
         self._say(f"checkpoint at step {steps_done} saved to {final} ({time.perf_counter() - started:.1f} s)")

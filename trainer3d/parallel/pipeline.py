@@ -27,7 +27,7 @@ back: one hidden state each), so those grow with grad_accum; and a stage's outpu
 kept until its backward although only its graph is needed then (Megatron frees the data).
 """
 
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch import nn
@@ -85,25 +85,43 @@ class Pipeline:
             self.schedule = schedule_cls(self.stages[0], self.n_micro, loss_fn=loss_fn, scale_grads=False)
         self.bubble_theory = bubble_theory(p.pp, self.n_micro, p.pp_virtual_stages)
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    def _schedule_args(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]):
+        """The schedule's positional inputs (first stage) and target (last stage), flattened to
+        grad_accum * micro_batch rows that torch splits back into grad_accum equal chunks."""
+        for name, batch, needed in (("inputs", inputs, self.holds_first), ("targets", targets, self.holds_last)):
+            if needed and (batch is None or batch.dim() != 3 or batch.shape[0] != self.n_micro):
+                shape = None if batch is None else tuple(batch.shape)
+                raise ValueError(f"pipeline expects ({self.n_micro}, micro_batch, seq) {name}, got {shape}")
+        args = (inputs.flatten(0, 1),) if self.holds_first else ()
+        target = targets.flatten(0, 1) if self.holds_last else None
+        return args, target
+
+    def forward_backward(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]) -> None:
         """Run the step's micro-batches; gradients accumulate in the chunks' ``.grad``.
 
-        ``inputs``/``targets`` are (grad_accum, micro_batch, seq); the first stage feeds
-        the inputs, the last the targets, the others only pass hidden states along (their
+        ``inputs``/``targets`` are (grad_accum, micro_batch, seq), needed on the first and the
+        last stage only (None elsewhere); the other stages only pass hidden states along (their
         shape is inferred from the first micro-batch, so a sequence-sharded hidden state
         under tensor/sequence parallelism needs no change here).
         """
-        if inputs.shape[0] != self.n_micro or targets.shape[:2] != inputs.shape[:2]:
-            raise ValueError(f"pipeline expects ({self.n_micro}, micro_batch, seq) inputs and targets, "
-                             f"got {tuple(inputs.shape)} and {tuple(targets.shape)}")
-        args = (inputs.flatten(0, 1),) if self.holds_first else ()
-        target = targets.flatten(0, 1) if self.holds_last else None
+        args, target = self._schedule_args(inputs, targets)
         recorded = len(self.micro_loss.losses)
         self.clock.start_step()
         self.schedule.step(*args, target=target, return_outputs=False)
         self.clock.end_step()
         if self.holds_last:
             self._drop_shape_inference_loss(recorded)
+
+    def forward(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]) -> None:
+        """Forward only (validation): the micro-batches' losses are recorded, no gradient, no bubble.
+
+        torch's ``eval`` runs the schedule with its backward turned off; switching between
+        it and ``step`` re-infers the stages' shapes (and, back in training, calls the loss
+        once more: dropped as in every first step).
+        """
+        args, target = self._schedule_args(inputs, targets)
+        with torch.no_grad():
+            self.schedule.eval(*args, target=target, return_outputs=False)
 
     def _drop_shape_inference_loss(self, recorded: int) -> None:
         """Keep the step's grad_accum real losses (the first step also records shape inference's)."""

@@ -1,0 +1,27 @@
+"""Training and validation tokens.
+
+    tokens.py     token files: the header (``read_header``, ``TokenHeader``), the streaming
+                  writer (``TokenWriter``), ``TokenFile.open`` (memory-mapped, checked)
+    verify.py     the full scan (checksum, max id), once per version of a file
+    corpus.py     the built-in corpus (this Python's standard library, byte-level)
+    shuffle.py    a seeded bijection of range(n), one element at a time
+    sampler.py    which windows each step reads: blending, shuffling, the validation split
+    sources.py    the run's token files, weights and spans, from cfg.data
+    checks.py     ``check_data(cfg)``: everything knowable before launch
+    loader.py     this rank's batches (only what it feeds), read ahead of the step
+    documents.py  the inputs of tools/prepare_data.py, streamed as documents
+    prepare.py    tools/prepare_data.py's engine: documents -> tokenizer -> token file
+
+Other code reads a token file's facts through ``read_header(path)``: ``vocab_size``,
+``max_id``, ``eos_id``, ``tokenizer.path`` (the tokenizer.json to copy beside an exported
+model) and ``tokenizer.sha256``.
+"""
+
+from trainer3d.data.corpus import BYTE_LEVEL, BYTE_VOCAB, EOF_TOKEN, byte_tokens, stdlib_corpus
+from trainer3d.data.tokens import (TokenFile, TokenFileError, TokenHeader, TokenizerInfo, TokenWriter, read_header,
+                                   write_token_file)
+
+# Only numpy-level modules are imported here, so tools/prepare_data.py starts without torch;
+# the trainer imports trainer3d.data.loader and trainer3d.data.checks itself.
+__all__ = ["BYTE_LEVEL", "BYTE_VOCAB", "EOF_TOKEN", "TokenFile", "TokenFileError", "TokenHeader", "TokenWriter",
+           "TokenizerInfo", "byte_tokens", "read_header", "stdlib_corpus", "write_token_file"]

@@ -1,0 +1,84 @@
+"""Everything about the data that can be known before launch, checked in the submitting process.
+
+``check_data(cfg)`` returns one line per problem, each naming the file and the fix (the
+entry point prints them and exits with status 2, as for config errors): a missing file, an
+incomplete or inconsistent header, a size that disagrees with it, an empty file, data that
+fails its full scan (checksum, max id; trainer3d/data/verify.py caches a passed scan), a
+vocabulary or an id the model cannot embed, blended or validation files made with different
+tokenizers, a corpus shorter than one window or than a global batch, an empty validation
+split. The ranks re-check only what could have changed since (size and mtime, through the
+same cache).
+"""
+
+from pathlib import Path
+from typing import Dict, List
+
+from trainer3d.config import Config
+from trainer3d.data.sources import eval_batches, evaluates, plan, train_files, val_file
+from trainer3d.data.tokens import TokenFile, TokenFileError, TokenHeader
+
+
+def _open_headers(cfg: Config, problems: List[str]) -> Dict[Path, TokenHeader]:
+    paths = [p for p, _ in train_files(cfg.data)] + ([val_file(cfg.data)] if cfg.data.val_path else [])
+    headers: Dict[Path, TokenHeader] = {}
+    for path in dict.fromkeys(paths):
+        try:
+            headers[path] = TokenFile.open(path, cache_dir=cfg.data.cache_dir).header
+        except TokenFileError as err:
+            problems.append(str(err))
+    return headers
+
+
+def _check_vocab(cfg: Config, headers: Dict[Path, TokenHeader], problems: List[str]) -> None:
+    model_vocab = cfg.model.vocab_size
+    for path, h in headers.items():
+        # Every id is below the header's vocabulary (read_header) and the data holds no larger
+        # one (the scan), so this one comparison keeps every id inside the model's embedding.
+        if h.vocab_size > model_vocab:
+            problems.append(f"{path}: tokenizer vocabulary {h.vocab_size} > model.vocab_size={model_vocab}; "
+                            f"set model.vocab_size={h.vocab_size} (or more)")
+    identities = {h.tokenizer.sha256: (path, h.tokenizer.name) for path, h in headers.items()}
+    if len(identities) > 1:
+        (a, a_name), (b, b_name) = list(identities.values())[:2]
+        problems.append(f"{a} (tokenizer {a_name}) and {b} (tokenizer {b_name}) were made with different "
+                        "tokenizers: blended and validation files must share one; re-tokenize one of them "
+                        "with the other's tokenizer (tools/prepare_data.py --tokenizer ...)")
+
+
+def _check_windows(cfg: Config, headers: Dict[Path, TokenHeader], problems: List[str]) -> None:
+    t = cfg.train
+    window, batch = t.seq_len + 1, t.global_batch_size
+    train, val = plan(cfg, lambda path: headers[path].n_tokens)
+    for part in train:
+        if part.span.n_windows < 1:
+            problems.append(f"{part.path}: {part.span.n_tokens} training tokens, shorter than one window of "
+                            f"train.seq_len+1 = {window}; lower train.seq_len or use a longer corpus")
+    total = sum(p.span.n_windows for p in train)
+    if all(p.span.n_windows for p in train) and total < batch:
+        names = ", ".join(str(p.path) for p in train)
+        problems.append(f"{names}: {total} windows of train.seq_len+1 = {window} tokens, fewer than "
+                        f"train.global_batch_size={batch}; lower train.global_batch_size or train.seq_len")
+    if not evaluates(cfg):
+        return
+    have = sum(p.span.n_windows for p in val)
+    need = eval_batches(cfg, have) * batch
+    where = f"data.val_path={cfg.data.val_path}" if cfg.data.val_path else f"data.val_fraction={cfg.data.val_fraction}"
+    if have < batch:
+        problems.append(f"{where}: the validation split has {have} windows of {window} tokens, fewer than one "
+                        f"global batch ({batch}); raise data.val_fraction, give a longer data.val_path, or set "
+                        "train.eval_every=0")
+    elif need > have:
+        problems.append(f"{where}: train.eval_steps={t.eval_steps} needs {need} validation windows, the split has "
+                        f"{have}; set train.eval_steps={have // batch} or null (the whole set)")
+
+
+def check_data(cfg: Config) -> List[str]:
+    """One line per problem with the run's data (empty: all good). ``cfg`` is validated."""
+    problems: List[str] = []
+    headers = _open_headers(cfg, problems)
+    if problems:
+        return problems
+    _check_vocab(cfg, headers, problems)
+    _check_windows(cfg, headers, problems)
+    return problems
+

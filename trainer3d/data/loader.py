@@ -1,0 +1,120 @@
+"""This rank's batches: only the tokens it needs, read ahead of the step that uses them.
+
+``BatchReader.batch(step)`` returns (inputs, targets), each (grad_accum, micro_batch,
+seq_len) int64, for this data-parallel rank's slice of the step's global batch (samples
+``dp_rank * per_rank ...``, per_rank = micro_batch * grad_accum; trainer3d/data/sampler.py
+says which windows). A rank reads only what it feeds: the first pipeline stage the inputs,
+the last the targets, the stages between nothing (None); without a pipeline both. The
+tensor-parallel ranks of a replica read the same tokens themselves (no broadcast needed).
+
+``Prefetcher`` reads step ``s + 1`` in a background thread while step ``s`` computes; on
+CUDA into pinned host memory, so the copy to the device is asynchronous (``non_blocking``).
+A request for another step than the one read ahead (a resume, the first step) reads it
+in the foreground.
+"""
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from trainer3d.config import Config
+from trainer3d.data.sampler import SampleOrder, VALIDATION_KEY, step_samples
+from trainer3d.data.sources import Part, plan
+from trainer3d.data.tokens import TokenFile, TokenFileError
+
+Batch = Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
+
+
+class BatchReader:
+    """One data-parallel rank's micro-batches from token files, in a ``SampleOrder``."""
+
+    def __init__(self, files: List[TokenFile], parts: List[Part], order: SampleOrder, micro_batch_size: int,
+                 grad_accum_steps: int, dp: int, dp_rank: int, inputs: bool = True, targets: bool = True):
+        self.tokens = [f.tokens for f in files]
+        self.spans = [p.span for p in parts]
+        self.order = order
+        self.seq_len = parts[0].span.seq_len
+        self.micro, self.accum = micro_batch_size, grad_accum_steps
+        self.global_batch_size = micro_batch_size * grad_accum_steps * dp
+        self.dp_rank = dp_rank
+        self.want_inputs, self.want_targets = inputs, targets
+
+    @property
+    def n_windows(self) -> int:
+        """Windows over all sources (one epoch, when each is read once)."""
+        return sum(span.n_windows for span in self.spans)
+
+    def windows(self, step: int) -> Tuple[np.ndarray, np.ndarray]:
+        """(source, window) of this rank's samples of ``step``."""
+        per_rank = self.micro * self.accum
+        return self.order(step_samples(step, self.global_batch_size, self.dp_rank * per_rank, per_rank))
+
+    def batch(self, step: int) -> Batch:
+        if not (self.want_inputs or self.want_targets):
+            return None, None
+        seq = self.seq_len
+        first = 0 if self.want_inputs else 1  # the targets alone start one token later
+        length = seq + (1 if self.want_inputs and self.want_targets else 0)
+        sources, windows = self.windows(step)
+        rows = np.empty((len(windows), length), dtype=np.int64)
+        for i, (k, w) in enumerate(zip(sources.tolist(), windows.tolist())):
+            start = self.spans[k].start + w * seq + first
+            rows[i] = self.tokens[k][start:start + length]
+        rows = torch.from_numpy(rows).view(self.accum, self.micro, length)
+        inputs = rows[..., :seq] if self.want_inputs else None
+        targets = rows[..., length - seq:] if self.want_targets else None
+        return inputs, targets
+
+
+class Prefetcher:
+    """``get(step)``: a reader's batch on ``device``, the next step's read started in the background."""
+
+    def __init__(self, reader: BatchReader, device: torch.device, last_step: int):
+        self.reader, self.device, self.last_step = reader, device, last_step
+        self.pin = device.type == "cuda"
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer3d-prefetch")
+        self._ahead: Optional[Tuple[int, Future]] = None
+
+    def _read(self, step: int) -> Batch:
+        batch = self.reader.batch(step)
+        return tuple(t.pin_memory() if (t is not None and self.pin) else t for t in batch)
+
+    def get(self, step: int) -> Batch:
+        if self._ahead is not None and self._ahead[0] == step:
+            batch = self._ahead[1].result()
+        else:
+            if self._ahead is not None:
+                self._ahead[1].cancel()
+            batch = self._read(step)
+        self._ahead = (step + 1, self._pool.submit(self._read, step + 1)) if step + 1 < self.last_step else None
+        return tuple(t.to(self.device, non_blocking=True) if t is not None else None for t in batch)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def build_readers(cfg: Config, dp: int, dp_rank: int, inputs: bool = True,
+                  targets: bool = True) -> Tuple[BatchReader, Optional[BatchReader]]:
+    """(training reader, validation reader or None) of data-parallel rank ``dp_rank``."""
+    t = cfg.train
+    files = {}
+
+    def n_tokens(path):  # each file opened once; re-verified only if changed since the launch checks
+        if path not in files:
+            files[path] = TokenFile.open(path, cache_dir=cfg.data.cache_dir)
+        return files[path].header.n_tokens
+
+    train, val = plan(cfg, n_tokens)
+    for path, opened in files.items():  # checked before launch too; this guards any other way in
+        if opened.header.vocab_size > cfg.model.vocab_size:
+            raise TokenFileError(f"{path}: tokenizer vocabulary {opened.header.vocab_size} > "
+                                 f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size")
+
+    def reader(parts: List[Part], seed: int) -> BatchReader:
+        order = SampleOrder([p.span.n_windows for p in parts], [p.weight for p in parts], seed)
+        return BatchReader([files[p.path] for p in parts], parts, order, t.micro_batch_size,
+                           t.grad_accum_steps, dp, dp_rank, inputs, targets)
+
+    return reader(train, t.seed), (reader(val, VALIDATION_KEY) if val else None)

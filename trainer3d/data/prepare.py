@@ -1,0 +1,158 @@
+"""The engine of tools/prepare_data.py: documents -> token ids in worker processes -> a token file.
+
+Encoders: byte-level (the default; the built-in corpus's 257 ids) or a Hugging Face
+``tokenizers`` tokenizer (a tokenizer.json, or a directory holding one). Loading one only
+parses JSON (the Rust ``tokenizers`` library; no Python code from the directory runs).
+``train_tokenizer`` makes a byte-level BPE from the inputs, offline.
+
+Streaming: the main process reads documents in batches (trainer3d/data/documents.py),
+keeps at most ``2 * workers`` of them in flight, and writes the ids in input order, so
+memory stays bounded whatever the input size. Each worker is one process encoding with
+one thread (TOKENIZERS_PARALLELISM=false), so ``--workers N`` uses N cores.
+"""
+
+import collections
+import hashlib
+import json
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, List, Optional
+
+import numpy as np
+
+from trainer3d.data.corpus import BYTE_LEVEL, BYTE_VOCAB, EOF_TOKEN
+from trainer3d.data.documents import Piece
+from trainer3d.data.tokens import TokenHeader, TokenizerInfo, TokenWriter
+
+BATCH_BYTES = 1 << 20
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+TRAINED_EOS = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """What a worker needs to encode: the tokenizer's JSON (None: byte level) and the EOS id."""
+
+    tokenizer_json: Optional[str]
+    eos_id: int
+    vocab_size: int
+    info: TokenizerInfo
+
+
+BYTE_ENCODER = Encoder(None, EOF_TOKEN, BYTE_VOCAB, BYTE_LEVEL)
+
+
+def _eos_token(tokenizer_dir: Optional[Path], vocab: dict, eos_token: Optional[str], where: str) -> str:
+    if eos_token is None and tokenizer_dir is not None and (tokenizer_dir / "tokenizer_config.json").exists():
+        eos = json.loads((tokenizer_dir / "tokenizer_config.json").read_text()).get("eos_token")
+        eos_token = eos.get("content") if isinstance(eos, dict) else eos
+    if eos_token is None:
+        eos_token = next((t for t in EOS_CANDIDATES if t in vocab), None)
+    if eos_token is None or eos_token not in vocab:
+        raise ValueError(f"{where}: no end-of-document token {'' if eos_token is None else repr(eos_token) + ' '}"
+                         "in its vocabulary; name one with --eos-token")
+    return eos_token
+
+
+def load_tokenizer(spec: str, eos_token: Optional[str] = None) -> Encoder:
+    """An Encoder from a tokenizer.json or a directory holding one (and maybe tokenizer_config.json)."""
+    from tokenizers import Tokenizer
+
+    path = Path(spec).expanduser().resolve()
+    directory = path if path.is_dir() else None
+    file = path / "tokenizer.json" if directory else path
+    if not file.is_file():
+        raise ValueError(f"--tokenizer {spec}: no {file.name} there (give a tokenizer.json or a directory "
+                         "holding one, e.g. a Hugging Face model directory)")
+    text = file.read_text()
+    try:
+        tokenizer = Tokenizer.from_str(text)
+    except Exception as err:  # tokenizers raises its own exception type for a malformed file
+        raise ValueError(f"--tokenizer {spec}: {file} is not a tokenizers JSON file ({err})") from None
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    eos = _eos_token(directory, vocab, eos_token, f"--tokenizer {spec}")
+    info = TokenizerInfo(name=path.name, sha256=hashlib.sha256(text.encode()).hexdigest(), path=str(file))
+    return Encoder(text, vocab[eos], max(vocab.values()) + 1, info)
+
+
+def train_tokenizer(texts: Iterator[str], vocab_size: int, out: Path) -> Path:
+    """Train a byte-level BPE of ``vocab_size`` ids (``<|endoftext|>`` is id 0) on ``texts``; save it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[TRAINED_EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp.write_text(tokenizer.to_str())  # open(): the umask's permissions, as for the token file
+    os.replace(tmp, out)
+    return out
+
+
+# --------------------------------------------------------------------------- encoding
+
+_WORKER: dict = {}
+
+
+def _init_worker(encoder: Encoder) -> None:
+    _WORKER["encoder"], _WORKER["tokenizer"] = encoder, None
+    if encoder.tokenizer_json is not None:
+        from tokenizers import Tokenizer
+        _WORKER["tokenizer"] = Tokenizer.from_str(encoder.tokenizer_json)
+
+
+def encode_batch(batch: List[Piece]) -> np.ndarray:
+    """Token ids of a batch of pieces, the EOS id after each piece that ends a document."""
+    encoder, tokenizer = _WORKER["encoder"], _WORKER["tokenizer"]
+    if tokenizer is None:
+        data = [p.text if isinstance(p.text, bytes) else p.text.encode() for p in batch]
+        ids = [np.frombuffer(d, dtype=np.uint8).astype(np.uint32) for d in data]
+    else:
+        texts = [p.text.decode("utf-8", errors="replace") if isinstance(p.text, bytes) else p.text for p in batch]
+        ids = [np.asarray(e.ids, dtype=np.uint32) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+    eos = np.array([encoder.eos_id], dtype=np.uint32)
+    parts = [part for p, i in zip(batch, ids) for part in ((i, eos) if p.ends_document else (i,))]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
+
+
+def encode_all(batches: Iterator[List[Piece]], encoder: Encoder, workers: int) -> Iterator[np.ndarray]:
+    """Encoded batches, in input order; at most 2 * workers batches in flight."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: --workers decides the cores
+    if workers <= 1:
+        _init_worker(encoder)
+        yield from map(encode_batch, batches)
+        return
+    with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(encoder,)) as pool:
+        pending: collections.deque = collections.deque()
+        for batch in batches:
+            pending.append(pool.submit(encode_batch, batch))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+def prepare(pieces: Iterator[Piece], out: Path, encoder: Encoder, workers: int = 1,
+            vocab_size: Optional[int] = None, on_tokens: Callable[[int], None] = lambda n: None) -> TokenHeader:
+    """Encode ``pieces`` into the token file ``out``; returns its header. ``vocab_size`` (default:
+    the tokenizer's) is recorded in the header, and ids at or above it are refused."""
+    from trainer3d.data.documents import batched
+
+    with TokenWriter(out, vocab_size or encoder.vocab_size, encoder.info, encoder.eos_id) as writer:
+        for ids in encode_all(batched(pieces, BATCH_BYTES), encoder, workers):
+            writer.write(ids)
+            on_tokens(writer.n_tokens)
+        if writer.n_tokens == 0:
+            raise ValueError(f"{out}: the inputs hold no text")
+    return writer.header
+
+
+def texts_of(pieces: Iterator[Piece]) -> Iterator[str]:
+    """The pieces as strings (for tokenizer training)."""
+    for p in pieces:
+        yield p.text.decode("utf-8", errors="replace") if isinstance(p.text, bytes) else p.text
+

@@ -1,0 +1,70 @@
+"""What a run trains and evaluates on, from ``cfg.data``: token files, their weights and spans.
+
+    data=stdlib                        the built-in corpus (made once in data.cache_dir)
+    data=tokens data.path=a.bin        one token file
+    data=tokens data.blend='[{path: a.bin, weight: 0.7}, {path: b.bin, weight: 0.3}]'
+
+Validation: ``data.val_fraction`` holds out the last fraction of every training file (the
+validation blend uses the training weights; with ``train.eval_steps=null`` an evaluation
+reads as many batches as the held-out windows fill, so in a blend a file whose share runs
+out first starts over), or ``data.val_path`` names a token file of its own (weight 1). ``plan`` is shared by the checks before launch (from headers) and by
+the ranks (from the opened files), so both see the same windows.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, List, Optional, Tuple
+
+from trainer3d.config import Config, DataConfig
+from trainer3d.data.sampler import Span, split
+from trainer3d.data.tokens import bin_path
+
+
+@dataclass(frozen=True)
+class Part:
+    """One token file's share of the training (or validation) samples."""
+
+    path: Path
+    weight: float
+    span: Span
+
+
+def train_files(data: DataConfig) -> List[Tuple[Path, float]]:
+    """(token file, weight) of every training source; makes the built-in corpus if needed."""
+    if data.name == "stdlib":
+        from trainer3d.data.corpus import stdlib_corpus
+        return [(stdlib_corpus(data.cache_dir), 1.0)]
+    if data.blend:
+        return [(bin_path(s.path), float(s.weight)) for s in data.blend]
+    return [(bin_path(data.path), 1.0)]
+
+
+def val_file(data: DataConfig) -> Optional[Path]:
+    return bin_path(data.val_path) if data.val_path else None
+
+
+def plan(cfg: Config, n_tokens_of: Callable[[Path], int]) -> Tuple[List[Part], List[Part]]:
+    """(training parts, validation parts; empty without a validation set)."""
+    seq, data = cfg.train.seq_len, cfg.data
+    train, val = [], []
+    for path, weight in train_files(data):
+        n_train, n_val = split(n_tokens_of(path), data.val_fraction)
+        train.append(Part(path, weight, Span(0, n_train, seq)))
+        if n_val:
+            val.append(Part(path, weight, Span(n_train, n_val, seq)))
+    if data.val_path:
+        path = val_file(data)
+        val = [Part(path, 1.0, Span(0, n_tokens_of(path), seq))]
+    return train, val
+
+
+def eval_batches(cfg: Config, val_windows: int) -> int:
+    """Global batches per evaluation: train.eval_steps, or (null) as many as ``val_windows`` fill."""
+    if cfg.train.eval_steps is not None:
+        return cfg.train.eval_steps
+    return val_windows // cfg.train.global_batch_size
+
+
+def evaluates(cfg: Config) -> bool:
+    """Whether the run evaluates: an interval and a validation set."""
+    return cfg.train.eval_every > 0 and (cfg.data.val_fraction > 0 or cfg.data.val_path is not None)

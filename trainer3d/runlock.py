@@ -1,0 +1,86 @@
+"""One run per run dir: an exclusive lock held for the run's lifetime.
+
+Two runs writing one run dir interleave their metrics.jsonl rows and overwrite each
+other's checkpoints. So a run takes ``flock(LOCK_EX | LOCK_NB)`` on ``<run_dir>/run.lock``
+before anything launches and keeps it until it ends: the submitting process holds it for
+local runs; rank 0 holds it inside the job for Slurm and in-place runs, so a requeued Slurm
+job takes it again after the previous attempt died. The lock file also records who holds it
+(pid, host, job id, start time), which is what a refused second run prints.
+
+A holder that dies, however it dies, releases the lock: the kernel drops a flock with the
+last descriptor of the open file (flock(2)); a stale record is simply overwritten. On NFS,
+Linux emulates flock with byte-range locks, which the server arbitrates between nodes.
+"""
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Optional
+
+LOCK_NAME = "run.lock"
+
+
+class RunDirBusy(RuntimeError):
+    """Another run holds the run dir."""
+
+
+def describe_holder(record: dict) -> str:
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record["started"])) if "started" in record else "?"
+    job = f", job {record['job_id']}" if record.get("job_id") else ""
+    return f"pid {record.get('pid', '?')} on host {record.get('host', '?')}{job}, started {started}"
+
+
+class RunDirLock:
+    """``RunDirLock(run_dir).acquire()`` or RunDirBusy naming the holder; ``release()`` at the end."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_NAME
+        self._fd: Optional[int] = None
+
+    def acquire(self, job_id: Optional[str] = None) -> "RunDirLock":
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read(fd)
+            os.close(fd)
+            raise RunDirBusy(f"run dir {self.run_dir} is in use by another run ({describe_holder(holder)}); "
+                             "wait for it to end, or give this run its own hydra.run.dir=...") from None
+        self._fd = fd
+        self.record(job_id)
+        return self
+
+    def record(self, job_id: Optional[str]) -> None:
+        """Write who holds the lock (again, once the job id is known)."""
+        data = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "job_id": job_id,
+                           "started": time.time()}).encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, data, 0)
+
+    def check_free(self) -> None:
+        """Raise RunDirBusy if another run holds the lock; hold nothing afterwards."""
+        self.acquire()
+        self.release()
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor drops the flock
+            self._fd = None
+
+    def __enter__(self) -> "RunDirLock":
+        return self.acquire() if self._fd is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _read(fd: int) -> dict:
+    try:
+        return json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        return {}
