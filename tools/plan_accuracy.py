@@ -3,7 +3,8 @@
 through the real engine, predicted vs measured step time.
 
     python -m trainer3d.plan --calibrate          # once: this machine's figures
-    python tools/plan_accuracy.py [--steps 8] [--calibration FILE] [--only 0,3,5]
+    python tools/plan_accuracy.py [--rounds 2] [--calibration FILE] [--only 0,3,5] [--save steps.json]
+    python tools/plan_accuracy.py --measured steps.json    # predict again after recalibrating
 
 Each layout runs as ``python -m trainer3d.train <COMMON> <layout>`` for ``--steps`` steps
 (local ranks, gloo), ``--rounds`` times, the layouts interleaved; its measured step time is
@@ -104,22 +105,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2, help="runs of every layout, interleaved")
+    parser.add_argument("--save", help="write the measured step times here (JSON)")
+    parser.add_argument("--measured", help="predict the step times --save wrote, without running anything")
     parser.add_argument("--only", help="comma-separated layout indices")
     args = parser.parse_args()
     device = load_calibration(args.calibration)
     chosen = [int(i) for i in args.only.split(",")] if args.only else range(len(LAYOUTS))
-    predicted, steps = {}, {i: [] for i in chosen}
+    steps = {i: [] for i in chosen}
+    if args.measured:  # step times of an earlier run: predict again (after --calibrate), run nothing
+        steps.update({int(i): v for i, v in json.loads(Path(args.measured).read_text()).items() if int(i) in steps})
+    prediction = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for round_ in range(args.rounds):
+        for round_ in range(0 if args.measured else args.rounds):
             for i in chosen:
                 overrides = [*COMMON, *LAYOUTS[i].split()]
-                cfg = training_config(overrides)
-                world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
-                predicted[i] = (world, evaluate(cfg, device, world, "gloo").step.total)
                 steps[i] += measured_step_s(overrides, args.steps, args.warmup, Path(tmp) / f"{round_}-{i}")
-                print(f"round {round_} #{i} ranks {world}: predicted {predicted[i][1]:.3f} s, fastest step so far "
-                      f"{min(steps[i]):.3f} s, load {os.getloadavg()[0]:.1f}: {LAYOUTS[i]}", flush=True)
-    rows = [(i, LAYOUTS[i], predicted[i][0], predicted[i][1], min(steps[i]), statistics.median(steps[i]))
+                print(f"round {round_} #{i}: fastest step so far {min(steps[i]):.3f} s, load "
+                      f"{os.getloadavg()[0]:.1f}: {LAYOUTS[i]}", flush=True)
+                if args.save:
+                    Path(args.save).write_text(json.dumps(steps))
+    for i in chosen:
+        cfg = training_config([*COMMON, *LAYOUTS[i].split()])
+        world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+        prediction[i] = (world, evaluate(cfg, device, world, "gloo").step.total)
+    rows = [(i, LAYOUTS[i], *prediction[i], min(steps[i]), statistics.median(steps[i]))
             for i in chosen]
     print("\n| # | layout | ranks | predicted s | measured s (fastest step) | error | median step s |\n"
           "|---|---|---|---|---|---|---|")
@@ -133,6 +142,7 @@ def main() -> None:
     pick, best = min(rows, key=lambda r: r[3]), min(rows, key=lambda r: r[4])
     print(f"the planner's pick: #{pick[0]} (measured {pick[4]:.3f} s); measured fastest: #{best[0]} ({best[4]:.3f} s)"
           + ("" if pick is best else f", the pick is {pick[4] / best[4] - 1:.0%} slower"))
+
 
 if __name__ == "__main__":
     main()

@@ -9,16 +9,17 @@ machine, written as a Device (devices.py) that ``cluster.gpu=calibrated`` reads:
   the cores, their caches and memory;
 - the memory bandwidth of one thread (a large in-place add: the optimizer's kind of work);
 - a transformer block's forward + backward on one thread: its dispatch overhead (at a
-  negligible size) and the rate of its elementwise work (beyond its matmuls, at a reference
-  size, in the bytes step_time.py charges);
+  negligible size) and the rate of its elementwise work (the block without its projections,
+  in the bytes step_time.py charges);
 - gloo all-reduce between 2 ranks: latency (a 1 KiB message) and bus bandwidth (16 MiB);
   and the latency of a pair's all-reduce while 2, 4, 8 ranks compute between theirs: where
   ranks outnumber cores a peer may be waiting for a core.
 
-Compute figures are per CPU-second (``time.thread_time`` / ``time.process_time``): what the
-machine does for a program that has it, whatever else runs on it meanwhile. The node's rate
-with N ranks is then min(N x threads, cores) CPU-seconds per second at the rate each rank
-reached while all ran. Each figure is the best of several rounds.
+Compute figures are per CPU-second of one thread (``time.thread_time`` / ``process_time``):
+what the machine does for a program that has it, whatever else runs on it meanwhile; the
+node's rate with N one-thread ranks is min(N, cores) CPU-seconds per second at the rate
+each reached while all ran. A rank with several threads is timed by the wall clock (best
+round). Each figure is the best of several rounds.
 """
 
 import argparse
@@ -62,48 +63,52 @@ def memory_gbps(numel: int = 8 * 2 ** 20) -> float:
     return _best_rate(lambda: a.add_(b), 3 * 4 * numel) / 1e9  # read a, read b, write a
 
 
-def block_figures(single_gflops: float) -> Dict[str, float]:
+def block_figures() -> Dict[str, float]:
     """Dispatch overhead and elementwise rate of a transformer block on one thread.
 
-    The overhead is a block's forward + backward at a negligible size; the elementwise rate
-    is what a reference block (dim 512, 2 x 128 tokens) spends beyond its matmuls (at
-    ``single_gflops``) and that overhead, over the traffic the step-time model charges for
-    it (FWD_PASSES + BWD_PASSES times the block's saved activations).
+    The overhead is a block's forward + backward at a negligible size. The elementwise rate
+    is a block's forward + backward with its seven projections replaced by identities (dim =
+    FFN width = heads x head_dim = 512, 2 x 128 tokens): norms, RoPE, attention, SwiGLU's
+    product and the residual adds, less that overhead, over the traffic the step-time model
+    charges for them (FWD_PASSES + BWD_PASSES times the block's saved activations).
     """
+    from torch import nn
+
     from trainer3d.activations import Sizes, layer_terms
     from trainer3d.config import Config, ModelConfig
-    from trainer3d.model.flops import layer_matmul_params
     from trainer3d.model.transformer import Block
     from trainer3d.plan.step_time import BWD_PASSES, FWD_PASSES
 
     tiny = Block(ModelConfig(dim=8, n_heads=2, n_kv_heads=2, ffn_dim=8, max_seq_len=4))
     x = torch.randn(1, 4, 8, requires_grad=True)
     overhead = 1.0 / _best_rate(lambda: tiny(x).sum().backward(), 1.0, rounds=20)
-    cfg = Config(model=ModelConfig(dim=512, n_heads=8, n_kv_heads=8, ffn_dim=1408, max_seq_len=128))
+    cfg = Config(model=ModelConfig(dim=512, n_heads=8, n_kv_heads=8, ffn_dim=512, max_seq_len=128))
     cfg.train.micro_batch_size, cfg.train.seq_len = 2, 128
     block = Block(cfg.model)
+    for module in (block.attention, block.feed_forward):
+        for name, child in list(module.named_children()):
+            setattr(module, name, nn.Identity())
     x = torch.randn(2, 128, 512, requires_grad=True)
     took = 1.0 / _best_rate(lambda: block(x).sum().backward(), 1.0)
-    z = Sizes.of(cfg)
-    matmul = 3 * z.n * 2 * (layer_matmul_params(cfg.model) + z.s * z.h) / (single_gflops * 1e9)
-    traffic = (FWD_PASSES + BWD_PASSES) * sum(layer_terms(z).values())
-    elementwise = traffic / max(took - matmul - overhead, 1e-9) / 1e9
-    return {"layer_overhead_us": overhead * 1e6, "elementwise_gbps": elementwise}
+    traffic = (FWD_PASSES + BWD_PASSES) * sum(layer_terms(Sizes.of(cfg)).values())
+    return {"layer_overhead_us": overhead * 1e6, "elementwise_gbps": traffic / max(took - overhead, 1e-9) / 1e9}
 
 
 def _rank_matmul(rank: int, world: int, threads: int, rounds: int, barrier, out) -> None:
-    """Rounds in which every rank multiplies at once (a barrier starts each): the best
-    round's GFLOP per CPU-second of this process (its threads together)."""
+    """Rounds in which every rank multiplies at once (a barrier starts each): the best round's
+    GFLOP per CPU-second of this one-thread process, or per second with several threads
+    (OpenMP threads spin while they wait for each other: their CPU time overstates the work)."""
     torch.set_num_threads(threads)
+    clock = time.process_time if threads == 1 else time.perf_counter
     a, b = torch.randn(MATMUL, MATMUL), torch.randn(MATMUL, MATMUL)
     torch.mm(a, b)
     best = 0.0
     for _ in range(rounds):
         barrier.wait()
-        started = time.process_time()
+        started = clock()
         for _ in range(8):
             torch.mm(a, b)
-        best = max(best, 8 * 2 * MATMUL ** 3 / max(time.process_time() - started, 1e-9) / 1e9)
+        best = max(best, 8 * 2 * MATMUL ** 3 / max(clock() - started, 1e-9) / 1e9)
     out.put(best)
 
 
@@ -169,12 +174,15 @@ def _run(target: Callable, ranks: int, *args, results: int = 1) -> List:
     return out
 
 
-def node_gflops(ranks: int, cores: int, rounds: int = 6) -> float:
-    """The node's total fp32 matmul rate with ``ranks`` processes computing at once: the CPU
-    it has (min(ranks x threads, cores)) at the rate per CPU-second each rank reached."""
+def node_gflops(ranks: int, cores: int, rounds: int = 12) -> float:
+    """The node's total fp32 matmul rate with ``ranks`` processes computing at once: one-thread
+    ranks give the cores they can have (min(ranks, cores)) at the rate per CPU-second each
+    reached; a rank with several threads, its best round's rate."""
     threads = max(1, cores // ranks)
-    per_cpu_second = _run(_rank_matmul, ranks, threads, rounds, results=ranks)
-    return min(ranks * threads, cores) * sum(per_cpu_second) / (ranks * threads)
+    rates = _run(_rank_matmul, ranks, threads, rounds, results=ranks)
+    if threads > 1:
+        return sum(rates)
+    return min(ranks, cores) * sum(rates) / ranks
 
 
 def _free_port() -> int:
@@ -183,12 +191,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def latency_by_ranks(cores: int) -> Dict[int, float]:
-    """Microseconds per hop of a two-rank all-reduce (two hops) while N ranks share the node."""
+def latency_by_ranks(cores: int, repeats: int = 3) -> Dict[int, float]:
+    """Microseconds per hop of a two-rank all-reduce (two hops) while N ranks share the node
+    (the least of ``repeats`` runs' median over the ranks)."""
     out = {}
     for ranks in (2, 4, 8):
-        waits = _run(_rank_sync, ranks, _free_port(), cores, results=ranks)
-        out[ranks] = sorted(waits)[len(waits) // 2] / 2 * 1e6
+        medians = []
+        for _ in range(repeats):
+            waits = sorted(_run(_rank_sync, ranks, _free_port(), cores, results=ranks))
+            medians.append(waits[len(waits) // 2] / 2 * 1e6)
+        out[ranks] = min(medians)
     return out
 
 
@@ -204,7 +216,7 @@ def calibrate() -> dict:
     torch.set_num_threads(1)
     single = matmul_gflops()
     node = {r: node_gflops(r, cores) / single for r in RANKS}
-    block = block_figures(single)
+    block = block_figures()
     collective = all_reduce_figures()
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
     return {
