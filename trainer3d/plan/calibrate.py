@@ -13,7 +13,8 @@ machine, written as a Device (devices.py) that ``cluster.gpu=calibrated`` reads:
   in the bytes step_time.py charges);
 - gloo all-reduce between 2 ranks: latency (a 1 KiB message) and bus bandwidth (16 MiB);
   and the latency of a pair's all-reduce while 2, 4, 8 ranks compute between theirs: where
-  ranks outnumber cores a peer may be waiting for a core.
+  ranks outnumber cores a peer may be waiting for a core;
+- the host time of one action of torch's pipeline schedule (two stages computing nothing).
 
 Compute figures are per CPU-second of one thread (``time.thread_time`` / ``process_time``):
 what the machine does for a program that has it, whatever else runs on it meanwhile; the
@@ -158,6 +159,28 @@ def _rank_sync(rank: int, world: int, port: int, cores: int, out, iterations: in
     out.put(max(0.0, sorted(rounds)[median] - share))
 
 
+def _rank_pipeline(rank: int, world: int, port: int, out, micro_batches: int = 8) -> None:
+    """torch's 1F1B over two stages that compute next to nothing: the best step's time per
+    action on the critical path (2 (m + p - 1) of them), less a hop's latency."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    stage = PipelineStage(torch.nn.Linear(8, 8), rank, world, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, micro_batches, loss_fn=lambda out, target: out.sum(), scale_grads=False)
+    x = torch.randn(micro_batches, 8)
+    best = float("inf")
+    for _ in range(10):
+        dist.barrier()
+        started = time.perf_counter()
+        schedule.step(x) if rank == 0 else schedule.step(target=x, return_outputs=False)
+        best = min(best, time.perf_counter() - started)
+    dist.destroy_process_group()
+    if rank == 0:
+        out.put(best / (2 * (micro_batches + world - 1)))
+
+
 def _run(target: Callable, ranks: int, *args, results: int = 1) -> List:
     """Start ``ranks`` processes running ``target(rank, ranks, *args, queue)``; the first
     ``results`` things they put on the queue."""
@@ -218,6 +241,7 @@ def calibrate() -> dict:
     node = {r: node_gflops(r, cores) / single for r in RANKS}
     block = block_figures()
     collective = all_reduce_figures()
+    (action,) = _run(_rank_pipeline, 2, _free_port())
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
     return {
         "name": "calibrated", "memory_gib": round(memory_gib, 1), "reserved_gib": 2.0,
@@ -226,6 +250,7 @@ def calibrate() -> dict:
         "memory_gbps": memory_gbps(), "elementwise_gbps": block["elementwise_gbps"],
         "intra_gbps": collective["gbps"], "inter_gbps": collective["gbps"], "latency_us": collective["latency_us"],
         "layer_overhead_us": block["layer_overhead_us"], "node_scaling": node, "shared_memory": True,
+        "pipeline_action_us": max(0.0, action * 1e6 - collective["latency_us"]),
         "latency_by_ranks": latency_by_ranks(cores),
         "cores": cores, "source": f"calibrated on {socket.gethostname()} ({cores} cores, torch {torch.__version__}) "
                                   f"at {datetime.datetime.now():%Y-%m-%d %H:%M}",

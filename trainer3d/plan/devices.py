@@ -44,6 +44,10 @@ class Device:
     elementwise_gbps: float = 0.0
     """Rate of a block's elementwise work (norms, RoPE, SwiGLU, softmax) in the model's bytes
     (step_time.py); 0: ``memory_gbps``. On CPUs these ops run far below the memory bandwidth."""
+    pipeline_action_us: float = 0.0
+    """Host time of one pipeline action (a micro-batch's forward or backward on a stage: the
+    schedule's bookkeeping and its send/receive calls); measured on CPUs, hidden behind the
+    device's work on GPUs."""
     layer_overhead_us: float = 0.0
     """Host time per block forward + backward that does not shrink with its size (op dispatch);
     hidden by asynchronous kernel launches on GPUs, measured on CPUs."""
@@ -113,6 +117,7 @@ PRESETS: Dict[str, Device] = {
     "cpu": Device(
         "cpu", memory_gib=16, reserved_gib=2, matmul_tflops={"fp32": 0.09, "bf16": 0.4, "fp16": 0.002},
         memory_gbps=50, elementwise_gbps=8, intra_gbps=1.0, inter_gbps=0.1, latency_us=100, layer_overhead_us=500,
+        pipeline_action_us=300,
         node_scaling={1: 1.8, 2: 1.9, 4: 1.9, 8: 1.9}, shared_memory=True, cores=2,
         source="placeholder (a 2-core x86 machine): run python -m trainer3d.plan --calibrate"),
 }

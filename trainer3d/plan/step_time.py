@@ -14,7 +14,8 @@ the final norm, head and loss on the last):
     backward = 2 x the matmuls, 3 passes of elementwise traffic, the same collectives, and
                with recomputation the blocks' forward again
 
-    step = (m + (p - 1) / v) x (slowest rank's forward + backward + 2 v hand-overs)
+    step = (m + (p - 1) / v) x (slowest rank's forward + backward + 2 v hand-overs, each a
+                                              send and the schedule's host time per action)
                                               the bubble: (p - 1) / (v m) of the compute
          + data-parallel reduction            bucketed, overlapped with the last micro-batch's
                                               backward except the last bucket; ZeRO-1's
@@ -168,7 +169,7 @@ def step_time(cfg: Config, device: Device, states: Dict[int, ModelStateBytes], r
     hop = 0.0
     if p.pp > 1:
         gbps = _link_gbps(device, p.tp * p.dp * p.pp, ranks_per_node)
-        hop = z.hidden_bytes() / (gbps * 1e9) + device.latency(node_ranks) * 1e-6
+        hop = z.hidden_bytes() / (gbps * 1e9) + (device.latency(node_ranks) + device.pipeline_action_us) * 1e-6
     slot = busy + 2 * v * hop
     fill = (p.pp - 1) / v
     optimizer = max(_optimizer_s(cfg, device, s) for s in states.values())
