@@ -81,9 +81,9 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -
     return [out[r] for r in range(world_size)]
 
 
-def dims_for(tp: int = 1, pp: int = 1, dp: int = 1):
+def dims_for(tp: int = 1, pp: int = 1, dp: int = 1, tied_embeddings: bool = False):
     """This rank's ParallelDims on CPU (call inside a rank)."""
     import torch
     from trainer3d.topology import ParallelDims, Topology
 
-    return ParallelDims.build(Topology(tp=tp, pp=pp, dp=dp), torch.device("cpu"))
+    return ParallelDims.build(Topology(tp=tp, pp=pp, dp=dp), torch.device("cpu"), tied_embeddings)

@@ -92,9 +92,11 @@ def test_kill_mid_save_keeps_the_previous_checkpoint(tmp_path, session_tmp):
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0, out
     root = run / "checkpoints"
-    assert store.partial_dir(root, 10).exists() and not store.step_dir(root, 10).exists()
+    # Never published; rank 0 removes the partial directory of the failed save when it gets
+    # the chance before the job is ended (and a stale one is removed by the next save).
+    assert not store.step_dir(root, 10).exists()
     assert store.latest_complete(root)[0] == 5
-    marker.unlink()
+    marker.unlink(missing_ok=True)
     # The restart picks step 5 and the run ends as if nothing had happened.
     proc = run_train(run, [*args[:-1], "parallel.timeout_s=60"])
     assert "resumed from" in proc.stdout and "step_00000005 at step 5" in proc.stdout
@@ -106,7 +108,7 @@ def test_kill_mid_save_keeps_the_previous_checkpoint(tmp_path, session_tmp):
 def test_exported_weights_give_the_same_loss_in_the_1_rank_model(tmp_path):
     from safetensors.torch import load_file
 
-    from trainer3d.config import ModelConfig
+    from trainer3d.checkpoint.export import model_config_of
     from trainer3d.data.loader import build_readers
     from trainer3d.model.transformer import Transformer, cross_entropy_loss
     from trainer3d.validate import validate
@@ -117,10 +119,10 @@ def test_exported_weights_give_the_same_loss_in_the_1_rank_model(tmp_path):
     rows = read_metrics(run)
     out = tmp_path / "export"
     proc = subprocess.run([sys.executable, "tools/export_model.py", str(store.step_dir(run / "checkpoints", 10)),
-                           str(out)], capture_output=True, text=True, timeout=300)
+                           str(out), "--format", "trainer3d"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     import json
-    model_cfg = ModelConfig(**json.loads((out / "config.json").read_text()))
+    model_cfg = model_config_of({"model": json.loads((out / "config.json").read_text())})
     model = Transformer(model_cfg)
     model.load_state_dict(load_file(out / "model.safetensors"), strict=True)  # every name, every shape
     data, _ = build_readers(validate(make([*BASE, *layout(2, 2, 1)])), dp=1, dp_rank=0)  # the run's batches

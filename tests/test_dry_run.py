@@ -37,8 +37,9 @@ def test_dry_run_of_512_ranks_prints_every_rank_and_the_memory_without_processes
     assert "worst: pp rank 0 (global ranks 0..63)" in out
 
 
-def _cfg(**parallel) -> Config:
+def _cfg(tie_embeddings=False, **parallel) -> Config:
     cfg = Config()
+    cfg.model.tie_embeddings = tie_embeddings
     cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.grad_accum_steps = 2, 16, None
     for key, value in parallel.items():
         setattr(cfg.parallel, key, value)
@@ -52,8 +53,9 @@ def _real_shapes(rank, world, cfg):
 
 
 @pytest.mark.parametrize("layout", [dict(pp=2, dp=1), dict(pp=2, dp=1, pp_layers=[3, 1]),
-                                    dict(pp=2, dp=1, pp_schedule="interleaved_1f1b", pp_virtual_stages=2)],
-                         ids=["pp2", "pp2-uneven", "pp2-interleaved"])
+                                    dict(pp=2, dp=1, pp_schedule="interleaved_1f1b", pp_virtual_stages=2),
+                                    dict(pp=2, dp=1, tp=2, tie_embeddings=True)],
+                         ids=["pp2", "pp2-uneven", "pp2-interleaved", "tp2-pp2-tied"])
 def test_planned_shapes_are_the_ranks_real_shapes(layout):
     cfg = _cfg(**layout)
     world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp

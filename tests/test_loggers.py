@@ -1,6 +1,7 @@
 """The wandb sink, for real, offline: what it writes can be read back from the run's files."""
 
 import dataclasses
+import time
 
 import pytest
 
@@ -21,6 +22,11 @@ def test_scrub_removes_credentials():
         {"a": 1, "api_key": "<redacted>", "nested": {"Token": "<redacted>", "b": [1, {"password": "<redacted>"}]}}
 
 
+def test_scrub_keeps_token_ids_and_tokenizers():
+    kept = {"bos_token_id": 1, "eos_token_ids": [2, 3], "tokenizer": "t.json"}
+    assert scrub({"model": kept, "hfToken": "s"}) == {"model": kept, "hfToken": "<redacted>"}
+
+
 def test_offline_run_holds_config_and_steps_and_resumes_by_id(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", "sk-never-written-anywhere-0123456789")
     monkeypatch.delenv("WANDB_MODE", raising=False)
@@ -30,6 +36,9 @@ def test_offline_run_holds_config_and_steps_and_resumes_by_id(tmp_path, monkeypa
         logger = WandbLogger(cfg, layout={"world_size": 2, "dp": 2})
         logger.log([{"step": s, "loss": 5.0 - s, "lr": 1e-3} for s in range(attempt * 3, attempt * 3 + 3)])
         logger.close()
+        # wandb names an offline run's directory by the second it started: a requeued job starts
+        # seconds later, never within the same second (which would reuse, and overwrite, the dir).
+        time.sleep(1.1)
     files = run_files(tmp_path)
     ids = {f.stem for f in files}  # run-<id>: a resumed offline run writes a new dir, same id
     assert len(ids) == 1, f"one wandb run per training run, got {ids}"

@@ -70,7 +70,7 @@ def reference_steps(cfg: Config, steps: int, lr: float = 1e-2) -> Tuple[dict, Li
     """One process, torch AdamW and clip_grad_norm_ on the whole global batch: final
     parameters by canonical name, and the gradient norm of every step."""
     ref_cfg = make_cfg(1, 0)
-    ref_cfg.optim = cfg.optim
+    ref_cfg.optim, ref_cfg.model = cfg.optim, cfg.model
     model = build_model_chunks(ref_cfg, _single_dims())[0]
     named = [(canonical_name(n), p) for n, p in model.named_parameters()]
     opt = torch.optim.AdamW(param_groups(named, cfg.optim.weight_decay), lr=lr,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Export a checkpoint's model as safetensors: see trainer3d/checkpoint/export.py.
+"""Export a checkpoint's model (Hugging Face Llama by default): see trainer3d/checkpoint/export.py.
 
-    python tools/export_model.py outputs/.../checkpoints/step_00000300 exported/
+    python tools/export_model.py outputs/.../checkpoints/step_00000300 exported/ [--dtype bf16]
 """
 
 import sys

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 from trainer3d.config import Config, ModelConfig
+from trainer3d.model.transformer import head_dim_of
 
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ATTENTION_KERNELS = ("flash", "math")
@@ -34,8 +35,8 @@ INT64, FP32 = 8, 4
 
 
 def head_dim(model: ModelConfig) -> int:
-    """The width of one attention head (the one place the formulas read it)."""
-    return getattr(model, "head_dim", None) or model.dim // model.n_heads
+    """The width of one attention head (the one place the formulas read it: the model's own rule)."""
+    return head_dim_of(model)
 
 
 @dataclass(frozen=True)

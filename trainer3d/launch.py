@@ -76,7 +76,7 @@ def run_rank(cfg: Config, heartbeat: Optional[Heartbeat] = None, lock_run_dir: b
         if lock_run_dir:
             lock = _lock_on_rank0(cfg)
         p = cfg.parallel
-        dims = ParallelDims.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp), device)
+        dims = ParallelDims.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp), device, cfg.model.tie_embeddings)
         trainer = Trainer(cfg, dims)
         trainer.heartbeat = heartbeat
         summary = trainer.train()

@@ -170,11 +170,15 @@ def model_shapes(model: ModelConfig, tp: int) -> ModelShapes:
 def stage_parameter_shapes(cfg: Config, stage: int) -> List[Shape]:
     """The shapes pipeline ``stage`` holds on one tp rank, as ``split_into_stages`` cuts the
     model: its blocks, plus what is registered before them (the embedding) on the first stage
-    and after them (final norm, head) on the last (parallel/stages.py, ``keep_stage``)."""
+    and after them (final norm, head) on the last (parallel/stages.py, ``keep_stage``); with
+    tied embeddings the last stage also holds the embedding, as its head's weight."""
     ranges = stage_layer_ranges(cfg.model.n_layers, n_stages(cfg), cfg.parallel.pp_layers)
     shapes = model_shapes(cfg.model, cfg.parallel.tp)
-    return [*(shapes.before if stage == 0 else ()), *shapes.block * len(ranges[stage]),
-            *(shapes.after if stage == len(ranges) - 1 else ())]
+    last = len(ranges) - 1
+    # a tied head is the embedding matrix: the last stage keeps its own copy of it
+    before = stage == 0 or (stage == last and cfg.model.tie_embeddings)
+    return [*(shapes.before if before else ()), *shapes.block * len(ranges[stage]),
+            *(shapes.after if stage == last else ())]
 
 
 def rank_parameter_shapes(cfg: Config, rank: int) -> List[Tuple[int, ...]]:

@@ -18,10 +18,17 @@ DP once a step, PP once per micro-batch). With 16 ranks, tp=2, dp=4, pp=2::
     tp groups (8): [0,1] [2,3] ... [14,15]
     dp groups (4): [0,2,4,6] [1,3,5,7] [8,10,12,14] [9,11,13,15]
     pp groups (8): [0,8] [1,9] [2,10] ... [7,15]
+
+Models with tied input/output embeddings and pp > 1 also get the embedding groups: the
+first and the last stage of each (dp, tp) column, whose two copies of the embedding sum
+their gradients (Megatron-LM's embedding group), and the same ends of every dp rank of a
+tp column, for ZeRO-1, where each dp rank owns a different part of each copy. Above
+(pp=2) the embedding groups are the pp groups [0,8] [1,9] ..., and the embedding-dp groups
+[0,2,4,6,8,10,12,14] [1,3,5,7,9,11,13,15].
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, NamedTuple
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -78,6 +85,18 @@ class Topology:
             seen.setdefault(g[0], g)
         return [seen[k] for k in sorted(seen)]
 
+    def embedding_groups(self) -> List[List[int]]:
+        """(first stage, last stage) of each (dp, tp) column; none without a pipeline."""
+        if self.pp == 1:
+            return []
+        return [[self.rank(0, d, t), self.rank(self.pp - 1, d, t)] for d in range(self.dp) for t in range(self.tp)]
+
+    def embedding_dp_groups(self) -> List[List[int]]:
+        """The first and last stage's ranks of every dp rank, one group per tp rank."""
+        if self.pp == 1:
+            return []
+        return [[self.rank(s, d, t) for s in (0, self.pp - 1) for d in range(self.dp)] for t in range(self.tp)]
+
     def describe(self) -> str:
         """One line per rank: ``rank 5: pp 0 dp 2 tp 1``."""
         return "\n".join(f"rank {r}: pp {c.pp} dp {c.dp} tp {c.tp}"
@@ -95,10 +114,15 @@ class ParallelDims:
     dp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
     device: torch.device
+    embedding_group: Optional[dist.ProcessGroup] = None
+    """This rank's (first stage, last stage) pair, when it holds a tied embedding copy and pp > 1."""
+    embedding_dp_group: Optional[dist.ProcessGroup] = None
+    """Both ends' ranks of every dp rank of this tp column (ZeRO-1 sums owned parts over it)."""
 
     @classmethod
-    def build(cls, topo: Topology, device: torch.device) -> "ParallelDims":
-        """Needs an initialised default process group whose world size is topo.world_size."""
+    def build(cls, topo: Topology, device: torch.device, tied_embeddings: bool = False) -> "ParallelDims":
+        """Needs an initialised default process group whose world size is topo.world_size.
+        ``tied_embeddings``: also create the embedding groups (pp > 1)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         world = dist.get_world_size()
@@ -111,8 +135,12 @@ class ParallelDims:
         override = {name: (dist.get_backend(), options) for name in DIMS}
         mesh = init_device_mesh(device.type, (topo.pp, topo.dp, topo.tp), mesh_dim_names=DIMS,
                                 backend_override=override)
-        return cls(topo=topo, rank=dist.get_rank(), mesh=mesh, tp_group=mesh["tp"].get_group(),
+        dims = cls(topo=topo, rank=dist.get_rank(), mesh=mesh, tp_group=mesh["tp"].get_group(),
                    dp_group=mesh["dp"].get_group(), pp_group=mesh["pp"].get_group(), device=device)
+        if tied_embeddings and topo.pp > 1:
+            dims.embedding_group = _my_group(topo.embedding_groups(), dims.rank, options)
+            dims.embedding_dp_group = _my_group(topo.embedding_dp_groups(), dims.rank, options)
+        return dims
 
     @property
     def coords(self) -> Coords:
@@ -154,3 +182,14 @@ class ParallelDims:
         """Global rank of the peer in stage ``pp_rank`` with this rank's dp and tp coordinates."""
         c = self.coords
         return self.topo.rank(pp_rank, c.dp, c.tp)
+
+
+def _my_group(groups: List[List[int]], rank: int, options) -> Optional[dist.ProcessGroup]:
+    """Create every group (each rank must call new_group for all of them, in the same order)
+    with the default group's options (its timeout); return the one holding ``rank``."""
+    mine = None
+    for ranks in groups:
+        group = dist.new_group(ranks, backend=dist.get_backend(), pg_options=options)
+        if rank in ranks:
+            mine = group
+    return mine

@@ -1,13 +1,15 @@
 """Entry point: ``python -m trainer3d.train [group=option ...] [key=value ...]``.
 
 Hydra composes the config (``--cfg job`` prints it, ``-m`` sweeps); this module resolves
-it, validates it in this process — a refused config exits with status 2 and one line per
-problem, before any rank starts — checks the data the same way (trainer3d/data/checks.py),
-and hands it to the launcher.
+it (``model.init_from``: the model section from a Hugging Face config.json), validates it
+in this process — a refused config exits with status 2 and one line per problem, before
+any rank starts — checks the data the same way (trainer3d/data/checks.py), and hands it
+to the launcher.
 """
 
 import os
 import sys
+from typing import List, Sequence
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -30,6 +32,19 @@ def resolve(dcfg: DictConfig) -> Config:
     return cfg
 
 
+def explicit_model_fields() -> List[str]:
+    """The model fields set on the command line (``model.dim=256`` -> ``dim``), which
+    ``model.init_from`` must agree with; group choices (``model=7b``) are not among them."""
+    if not HydraConfig.initialized():
+        return []
+    fields = []
+    for override in HydraConfig.get().overrides.task:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key.startswith("model."):
+            fields.append(key[len("model."):])
+    return fields
+
+
 def allocation_world_size(cfg: Config):
     """World size fixed by an existing allocation (in-place launch), else None."""
     from trainer3d.launch import in_distributed_env
@@ -38,9 +53,13 @@ def allocation_world_size(cfg: Config):
     return None
 
 
-def run(cfg: Config) -> int:
-    """Validate, prepare and launch; return the exit status."""
+def run(cfg: Config, explicit_model: Sequence[str] = ()) -> int:
+    """Validate, prepare and launch; return the exit status. ``explicit_model``: the model
+    fields given on the command line (checked against ``model.init_from``'s config.json)."""
     try:
+        if cfg.model.init_from:
+            from trainer3d.hf.check import apply_init_from
+            cfg = apply_init_from(cfg, explicit_model)
         cfg = validate(cfg, allocation_world_size(cfg))
     except ConfigError as err:
         for problem in err.problems:
@@ -59,7 +78,7 @@ def run(cfg: Config) -> int:
         return 0
     from trainer3d.data.checks import check_data
     from trainer3d.launch import launch
-    problems = check_data(cfg)
+    problems = check_data(cfg)  # also a data vocabulary or id the model (init_from's included) cannot embed
     for problem in problems:
         print(f"trainer3d: data error: {problem}", file=sys.stderr)
     if problems:
@@ -69,7 +88,7 @@ def run(cfg: Config) -> int:
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def _main(dcfg: DictConfig) -> int:
-    status = run(resolve(dcfg))
+    status = run(resolve(dcfg), explicit_model_fields())
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         return status  # one failed point must not end the sweep: trainer3d.sweep reports them all
     if status:

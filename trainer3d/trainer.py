@@ -18,6 +18,7 @@ from trainer3d.data.loader import Prefetcher, build_readers
 from trainer3d.metrics import MetricsLogger
 from trainer3d.optim import lr_at
 from trainer3d.parallel import build_loss_fn, build_model_chunks
+from trainer3d.parallel.tied import sum_tied_gradients
 from trainer3d.parallel.zero import build_optimizer
 from trainer3d.preemption import Stop, StopSignal
 from trainer3d.topology import ParallelDims
@@ -143,6 +144,7 @@ class Trainer:
             if self.cfg.parallel.sequence_parallel:
                 from trainer3d.parallel.tensor import sync_sequence_parallel_grads
                 sync_sequence_parallel_grads(self.chunks, self.optimizer, self.dims)
+            sum_tied_gradients(self.chunks, self.optimizer, self.dims, sharded=self.cfg.parallel.zero_stage >= 1)
             grad_norm = self.optimizer.clip_grad_norm(self.cfg.optim.grad_clip)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         self.optimizer.step(lr)

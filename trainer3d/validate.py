@@ -18,6 +18,7 @@ WANDB_MODES = ("auto", "offline", "online", "disabled")
 ZERO_REDUCE = ("auto", "all_reduce", "reduce_scatter")
 BACKENDS = ("auto", "gloo", "nccl")
 DATASETS = ("stdlib", "tokens")
+ROPE_SCALING = ("none", "llama3")
 
 
 class ConfigError(ValueError):
@@ -211,13 +212,17 @@ def pipeline_micro_batch_problem(schedule: str, pp: int, n_micro: int) -> Option
 
 def _check_tensor(cfg: Config, problems: List[str]) -> None:
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    if m.dim % m.n_heads:
-        problems.append(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
+    if m.head_dim is None and m.dim % m.n_heads:
+        problems.append(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads} "
+                        "(or set model.head_dim)")
     if m.n_heads % m.n_kv_heads:
         problems.append(f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads}")
-    elif (m.dim // m.n_heads) % 2:
+    elif m.head_dim is not None and (m.head_dim < 2 or m.head_dim % 2):
+        problems.append(f"model.head_dim={m.head_dim} must be even (and >= 2) for rotary embeddings")
+    elif m.head_dim is None and (m.dim // m.n_heads) % 2:
         problems.append(f"head dim model.dim/model.n_heads={m.dim // m.n_heads} must be even for rotary "
                         "embeddings; change model.dim or model.n_heads")
+    _check_rope_scaling(cfg, problems)
     for knob, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
                         ("model.ffn_dim", m.ffn_dim)):
         if value % p.tp:
@@ -231,6 +236,18 @@ def _check_tensor(cfg: Config, problems: List[str]) -> None:
     if p.sequence_parallel and t.seq_len % p.tp:
         problems.append(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp}, "
                         "which sequence parallelism needs")
+
+
+def _check_rope_scaling(cfg: Config, problems: List[str]) -> None:
+    r = cfg.model.rope_scaling
+    if r.type not in ROPE_SCALING:
+        problems.append(f"model.rope_scaling.type={r.type} is not one of {', '.join(ROPE_SCALING)}")
+    elif r.type == "llama3":
+        if r.factor <= 0 or r.low_freq_factor <= 0 or r.original_max_seq_len < 1:
+            problems.append("model.rope_scaling.factor, .low_freq_factor and .original_max_seq_len must be > 0")
+        elif r.high_freq_factor <= r.low_freq_factor:
+            problems.append(f"model.rope_scaling.high_freq_factor={r.high_freq_factor} must exceed "
+                            f"model.rope_scaling.low_freq_factor={r.low_freq_factor}")
 
 
 def _check_zero_and_precision(cfg: Config, problems: List[str]) -> None:

@@ -12,7 +12,7 @@ in the full tensor and read or written in place.
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from trainer3d.model.init import TPShard
+from trainer3d.model.init import TPShard, full_shape  # noqa: F401  (full_shape re-exported)
 
 
 @dataclass(frozen=True)
@@ -30,14 +30,6 @@ class Piece:
         for s in self.sizes:
             n *= s
         return n
-
-
-def full_shape(local_shape: Sequence[int], shard: Optional[TPShard]) -> Tuple[int, ...]:
-    """The logical 1-rank shape of a tensor whose local block has ``local_shape``."""
-    shape = list(local_shape)
-    if shard is not None:
-        shape[shard.dim] = shard.full
-    return tuple(shape)
 
 
 def _local_rectangles(shape: Sequence[int], start: int, end: int) -> List[Tuple[Tuple[int, ...], Tuple[int, ...], int]]:

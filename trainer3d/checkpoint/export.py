@@ -1,11 +1,15 @@
-"""Export a checkpoint's model as consolidated safetensors, for use outside the toolkit.
+"""Export a checkpoint's model for use outside the toolkit.
 
-    python -m trainer3d.checkpoint.export CHECKPOINT_DIR OUT_DIR [--max-shard-gb 5]
+    python tools/export_model.py CHECKPOINT_DIR OUT_DIR [--format hf|trainer3d] [--dtype bf16]
+                                 [--max-shard-gb 5] [--tokenizer DIR]
 
-Writes ``OUT_DIR/model.safetensors`` (or ``model-00001-of-0000N.safetensors`` shards with a
-``model.safetensors.index.json`` weight map, the layout Hugging Face tools read) holding
-every parameter under its 1-rank name (``layers.0.attention.wq.weight``) in its full shape,
-whatever layout trained it, plus ``config.json`` (the model section of the run's config).
+``--format hf`` (default) writes a Hugging Face Llama directory that
+``transformers.LlamaForCausalLM.from_pretrained`` loads (trainer3d/hf/export.py).
+``--format trainer3d`` writes every parameter under its 1-rank name
+(``layers.0.attention.wq.weight``) in ``model.safetensors`` or shards with an index, plus
+``config.json`` (the run's model section). Either way the tensors are full, whatever layout
+trained them, in the dtype they were trained in unless ``--dtype`` says otherwise.
+
 It runs in one process without a process group: DCP reads the pieces of every tensor from
 the checkpoint into full tensors. The checkpoint's metadata is read with a restricted
 unpickler (DCP's own classes only) and its data files hold raw tensor bytes, so exporting an
@@ -16,15 +20,18 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
 from trainer3d.checkpoint import store
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-def load_full_model(path: Path) -> Dict[str, torch.Tensor]:
-    """Every ``model.*`` tensor of the checkpoint, full size, keyed by its 1-rank name."""
+
+def load_full_model(path: Path, prefix: str = "model.") -> Dict[str, torch.Tensor]:
+    """Every ``model.*`` tensor of the checkpoint (or those under another ``prefix``, e.g.
+    ``optim.exp_avg.``), full size, keyed by its 1-rank name."""
     import torch.distributed.checkpoint as dcp
 
     ok, why = store.is_complete(path)
@@ -33,59 +40,68 @@ def load_full_model(path: Path) -> Dict[str, torch.Tensor]:
     metadata = store.read_metadata(path)
     state = {}
     for key, meta in metadata.state_dict_metadata.items():
-        if key.startswith("model.") and hasattr(meta, "size"):
+        if key.startswith(prefix) and hasattr(meta, "size"):
             state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
     dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return {key[len("model."):]: tensor for key, tensor in state.items()}
+    return {key[len(prefix):]: tensor for key, tensor in state.items()}
 
 
-def _shards(tensors: Dict[str, torch.Tensor], max_bytes: int) -> List[Dict[str, torch.Tensor]]:
-    shards, current, size = [], {}, 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > max_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name], size = t.contiguous(), size + nbytes
-    return shards + [current] if current else shards
+def model_config_of(run_config: dict):
+    """The run's ModelConfig from a checkpoint marker's config (older markers lack newer fields)."""
+    from omegaconf import OmegaConf
+
+    from trainer3d.config import ModelConfig
+
+    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), run_config["model"])
+    return OmegaConf.to_object(merged)
 
 
-def export(path: Path, out: Path, max_shard_bytes: int = 5 * 10 ** 9) -> List[Path]:
-    from safetensors.torch import save_file
-
-    tensors = load_full_model(Path(path))
+def export(path: Path, out: Path, fmt: str = "hf", dtype: Optional[str] = None,
+           max_shard_bytes: int = 5 * 10 ** 9, tokenizer: Optional[Path] = None) -> List[Path]:
+    path = Path(path)
+    tensors = load_full_model(path)
+    if dtype is not None:
+        tensors = {name: t.to(DTYPES[dtype]) for name, t in tensors.items()}
     info = store.read_marker(path)
-    out.mkdir(parents=True, exist_ok=True)
-    shards = _shards(tensors, max_shard_bytes)
-    meta = {"format": "pt", "trainer3d_step": str(info["step"])}
-    if len(shards) == 1:
-        files = [out / "model.safetensors"]
-        save_file(shards[0], str(files[0]), metadata=meta)
-    else:
-        files = [out / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        weight_map = {}
-        for file, shard in zip(files, shards):
-            save_file(shard, str(file), metadata=meta)
-            weight_map.update({name: file.name for name in shard})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        (out / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    (out / "config.json").write_text(json.dumps(info["config"]["model"], indent=1))
-    return files
+    meta = {"trainer3d_step": str(info["step"])}
+    if fmt == "trainer3d":
+        from trainer3d.hf.files import write_safetensors_dir
+
+        files = write_safetensors_dir(tensors, out, max_shard_bytes, {"format": "pt", **meta})
+        (out / "config.json").write_text(json.dumps(info["config"]["model"], indent=1))
+        return files
+    from trainer3d.data import EOF_TOKEN
+    from trainer3d.hf.export import data_tokenizer, write_hf
+
+    cfg = model_config_of(info["config"])
+    recorded, byte_level = data_tokenizer(info["config"])
+    if byte_level and not cfg.eos_token_ids:
+        cfg.eos_token_ids = [EOF_TOKEN]
+    weight_dtype = next(iter(tensors.values())).dtype
+    return write_hf(tensors, cfg, out, weight_dtype, max_shard_bytes, tokenizer or recorded, meta)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a published checkpoint dir (…/checkpoints/step_N)")
     parser.add_argument("out", type=Path)
+    parser.add_argument("--format", choices=("hf", "trainer3d"), default="hf",
+                        help="hf: a Hugging Face Llama directory (default); trainer3d: this toolkit's names")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                        help="weight dtype (default: as trained)")
     parser.add_argument("--max-shard-gb", type=float, default=5.0)
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="tokenizer directory or tokenizer.json to copy (default: the one the data records)")
     args = parser.parse_args(argv)
     try:
-        files = export(args.checkpoint, args.out, int(args.max_shard_gb * 1e9))
+        files = export(args.checkpoint, args.out, args.format, args.dtype, int(args.max_shard_gb * 1e9),
+                       args.tokenizer)
     except ValueError as err:
         print(f"trainer3d: {err}", file=sys.stderr)
         return 2
-    print(f"exported {len(files)} file(s) to {args.out}: " + ", ".join(f.name for f in files))
+    extra = [n for n in ("tokenizer.json", "tokenizer.model") if (args.out / n).exists()]
+    print(f"exported {len(files)} file(s) to {args.out} ({args.format}): " + ", ".join(f.name for f in files)
+          + (f"; tokenizer: {', '.join(extra)}" if extra else ""))
     return 0
 
 

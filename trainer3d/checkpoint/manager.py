@@ -30,6 +30,7 @@ from trainer3d.checkpoint import store
 from trainer3d.checkpoint.state import PieceMaker, after_load, rank_state
 from trainer3d.checkpoint.writer import CheckpointWriter
 from trainer3d.config import Config
+from trainer3d.parallel.tied import drop_tied_copies
 from trainer3d.topology import ParallelDims
 
 LAYOUT_KEYS = ("tp", "pp", "dp", "zero_stage", "pp_schedule", "pp_virtual_stages", "sequence_parallel")
@@ -85,8 +86,8 @@ class Checkpointer:
                 shutil.rmtree(partial)
         dist.barrier()
         try:
-            dcp.save(rank_state(self.chunks, self.optimizer, self.dims, self.make),
-                     storage_writer=CheckpointWriter(str(partial)))
+            state = drop_tied_copies(rank_state(self.chunks, self.optimizer, self.dims, self.make), self.dims)
+            dcp.save(state, storage_writer=CheckpointWriter(str(partial)))
             _test_hook_after_write(self.dims.rank, partial)
             dist.barrier()  # every rank's files are complete
             if self.dims.rank == 0:

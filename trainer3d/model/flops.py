@@ -15,23 +15,25 @@ are left out (under 0.1% at any real size). Training = 3 x forward.
 from typing import Optional
 
 from trainer3d.config import ModelConfig
+from trainer3d.model.transformer import head_dim_of
 
 
 def layer_matmul_params(cfg: ModelConfig) -> int:
     """Weights of one block that take part in a matrix multiply (all but its norms)."""
-    head_dim = cfg.dim // cfg.n_heads
+    head_dim = head_dim_of(cfg)
     attention = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)  # wq, wo + wk, wv
     return attention + 3 * cfg.dim * cfg.ffn_dim
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Weights that take part in a matrix multiply (all but the embedding and norms)."""
+    """Weights that take part in a matrix multiply (all but the embedding and norms; a tied
+    head is the embedding matrix, but it still multiplies)."""
     return cfg.n_layers * layer_matmul_params(cfg) + cfg.dim * cfg.vocab_size
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """Model FLOPs of forward + backward for one token of a seq_len-token sequence."""
-    attention_scores = cfg.n_layers * 2 * (2 * seq_len * cfg.dim)
+    attention_scores = cfg.n_layers * 2 * (2 * seq_len * cfg.n_heads * head_dim_of(cfg))
     return 3 * (2 * matmul_params(cfg) + attention_scores)
 
 

@@ -1,11 +1,18 @@
-"""Layout-independent parameter initialisation.
+"""Filling a rank's parameters: the seam between where values come from and where they go.
 
-A parameter's values depend only on the seed, its name in the 1-rank model
-(``layers.3.attention.wq.weight``) and its full logical shape. Every rank generates the
-full tensor of each parameter it holds and keeps its own slice, so a TP shard or a
-pipeline stage starts exactly equal to the matching slice of the 1-rank model — the
-precondition of the parity tests. (Generating the full tensor costs one parameter's worth
-of host memory at a time, not the model's.)
+``fill_parameters(model, source)`` walks the parameters of any stage / TP shard of the
+model and asks ``source`` for exactly this rank's slice of each: a source is called with
+the parameter's name in the 1-rank model (``layers.3.attention.wq.weight``), its full
+logical shape and its ``TPShard`` (None for a whole tensor) and returns the local tensor,
+padding rows zero. Two sources exist:
+
+- ``RandomInit``: the layout-independent initialisation. A parameter's values depend only
+  on the seed, its name and its full shape, so a TP shard or a pipeline stage starts
+  exactly equal to the matching slice of the 1-rank model — the precondition of the parity
+  tests. (It generates the full tensor and keeps its slice: one parameter's worth of host
+  memory at a time, not the model's.)
+- ``trainer3d.hf.source.HFSource``: a Hugging Face safetensors directory, each rank reading
+  only its slices (``model.init_from``).
 
 Tensor-parallel layers describe their slice with ``TPShard`` (set by ``mark_tp_shard``);
 parameters without one are whole (replicated across tp).
@@ -13,7 +20,7 @@ parameters without one are whole (replicated across tp).
 
 import hashlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -35,6 +42,14 @@ class TPShard:
     size: int
     full: int
 
+    def bounds(self) -> Tuple[int, int, int]:
+        """(start, stop, padding): this rank holds [start, stop) of the full tensor along
+        ``dim``, followed by ``padding`` zero rows (the padded vocabulary's tail)."""
+        local = -(-self.full // self.size)
+        start = min(self.rank * local, self.full)
+        stop = min(start + local, self.full)
+        return start, stop, local - (stop - start)
+
 
 def mark_tp_shard(param: nn.Parameter, dim: int, rank: int, size: int, full: int) -> nn.Parameter:
     param.tp_shard = TPShard(dim=dim, rank=rank, size=size, full=full)
@@ -45,11 +60,37 @@ def tp_shard_of(param: torch.Tensor) -> Optional[TPShard]:
     return getattr(param, "tp_shard", None)
 
 
+def full_shape(local_shape: Sequence[int], shard: Optional[TPShard]) -> Tuple[int, ...]:
+    """The logical 1-rank shape of a tensor whose local block has ``local_shape``."""
+    shape = list(local_shape)
+    if shard is not None:
+        shape[shard.dim] = shard.full
+    return tuple(shape)
+
+
 def canonical_name(name: str) -> str:
     """The parameter's name in the plain 1-rank model."""
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
+
+
+def pad_slice(values: torch.Tensor, shard: Optional[TPShard]) -> torch.Tensor:
+    """``values`` (this rank's [start, stop) rows) followed by the shard's zero padding rows."""
+    if shard is None:
+        return values
+    padding = shard.bounds()[2]
+    if padding == 0:
+        return values
+    pad_shape = list(values.shape)
+    pad_shape[shard.dim] = padding
+    return torch.cat([values, values.new_zeros(pad_shape)], dim=shard.dim)
+
+
+class ParameterSource(Protocol):
+    def __call__(self, name: str, shape: Tuple[int, ...], shard: Optional[TPShard]) -> torch.Tensor:
+        """This rank's slice of the 1-rank tensor ``name`` of full ``shape`` (host memory;
+        padding rows zero); any dtype, ``fill_parameters`` casts."""
 
 
 def _seed_for(seed: int, name: str) -> int:
@@ -66,26 +107,38 @@ def full_init(name: str, shape, cfg: ModelConfig, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=generator) * std
 
 
+class RandomInit:
+    """The layout-independent random initialisation, as a ``ParameterSource``."""
+
+    def __init__(self, cfg: ModelConfig, seed: int):
+        self.cfg, self.seed = cfg, seed
+
+    def __call__(self, name: str, shape: Tuple[int, ...], shard: Optional[TPShard]) -> torch.Tensor:
+        values = full_init(name, shape, self.cfg, self.seed)
+        if shard is None:
+            return values
+        start, stop, _ = shard.bounds()
+        return pad_slice(values.narrow(shard.dim, start, stop - start), shard)
+
+
 def local_init(name: str, param: torch.Tensor, cfg: ModelConfig, seed: int) -> torch.Tensor:
     """This rank's slice of ``full_init`` for ``param`` (padding rows are zero)."""
     shard = tp_shard_of(param)
-    if shard is None:
-        return full_init(name, tuple(param.shape), cfg, seed)
-    full_shape = list(param.shape)
-    full_shape[shard.dim] = shard.full
-    values = full_init(name, full_shape, cfg, seed)
-    local = param.shape[shard.dim]
-    padding = local * shard.size - shard.full
-    if padding > 0:
-        pad_shape = list(full_shape)
-        pad_shape[shard.dim] = padding
-        values = torch.cat([values, torch.zeros(pad_shape)], dim=shard.dim)
-    return values.narrow(shard.dim, shard.rank * local, local)
+    return RandomInit(cfg, seed)(name, full_shape(param.shape, shard), shard)
 
 
 @torch.no_grad()
-def init_parameters(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
-    """Fill every parameter of ``model`` (any stage / TP shard of it) in place."""
+def fill_parameters(model: nn.Module, source: ParameterSource) -> None:
+    """Fill every parameter of ``model`` (any stage / TP shard of it) in place from ``source``."""
     for name, param in model.named_parameters():
-        values = local_init(canonical_name(name), param, cfg, seed)
+        shard = tp_shard_of(param)
+        values = source(canonical_name(name), full_shape(param.shape, shard), shard)
+        if tuple(values.shape) != tuple(param.shape):
+            raise ValueError(f"{canonical_name(name)}: the source gave shape {tuple(values.shape)}, "
+                             f"this rank holds {tuple(param.shape)}")
         param.copy_(values.to(device=param.device, dtype=param.dtype))
+
+
+def init_parameters(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
+    """Fill every parameter of ``model`` with the layout-independent random initialisation."""
+    fill_parameters(model, RandomInit(cfg, seed))

@@ -1,7 +1,10 @@
 """A Llama-style decoder-only transformer, written once and untouched by parallelism.
 
-RMSNorm (Zhang & Sennrich 2019), rotary position embeddings (Su et al. 2021), SwiGLU MLP
-(Shazeer 2020), grouped-query attention (Ainslie et al. 2023), no biases, no dropout.
+RMSNorm (Zhang & Sennrich 2019), rotary position embeddings (Su et al. 2021; optionally with
+Llama 3.1's frequency scaling), SwiGLU MLP (Shazeer 2020), grouped-query attention (Ainslie
+et al. 2023), optionally tied input/output embeddings, no biases, no dropout. The layout of
+every weight is Hugging Face's Llama's (rotary pairs (i, i + head_dim/2)), so its
+checkpoints load without permuting anything (trainer3d/hf/mapping.py).
 
 Parallelism is applied from outside: ``parallel/tensor.py`` swaps the Linear/Embedding
 submodules for tensor-parallel ones, ``parallel/pipeline.py`` deletes the layers another
@@ -12,12 +15,13 @@ holds a slice of the sequence while attention sees all of it).
 """
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer3d.config import ModelConfig
+from trainer3d.config import ModelConfig, RopeScalingConfig
 
 
 class RMSNorm(nn.Module):
@@ -33,13 +37,36 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device):
+def head_dim_of(cfg: ModelConfig) -> int:
+    return cfg.head_dim or cfg.dim // cfg.n_heads
+
+
+def llama3_scaled_frequencies(inv_freq: torch.Tensor, scaling: RopeScalingConfig) -> torch.Tensor:
+    """Llama 3.1's rotary scaling (as Hugging Face transformers defines it:
+    ``_compute_llama3_parameters`` in src/transformers/modeling_rope_utils.py, which
+    tests/test_hf.py compares against): frequencies whose wavelength exceeds
+    original_max_seq_len / low_freq_factor are divided by ``factor``, those shorter than
+    original_max_seq_len / high_freq_factor are kept, and in between the two are blended by
+    how many turns the frequency makes over the original context."""
+    wavelen = 2 * math.pi / inv_freq
+    original = scaling.original_max_seq_len
+    long_wave, short_wave = original / scaling.low_freq_factor, original / scaling.high_freq_factor
+    scaled = torch.where(wavelen > long_wave, inv_freq / scaling.factor, inv_freq)
+    blend = (original / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    between = (wavelen >= short_wave) & (wavelen <= long_wave)
+    return torch.where(between, (1 - blend) * inv_freq / scaling.factor + blend * inv_freq, scaled)
+
+
+def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device,
+                   scaling: Optional[RopeScalingConfig] = None):
     """cos/sin tables of shape (seq_len, head_dim), computed in fp32.
 
     Recomputed per forward (O(seq * head_dim), negligible next to the matmuls), which keeps
     the model free of buffers that meta-device construction would have to re-materialise.
     """
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    if scaling is not None and scaling.type == "llama3":
+        inv_freq = llama3_scaled_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -56,8 +83,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.head_dim = cfg.dim // cfg.n_heads
-        self.rope_theta = cfg.rope_theta
+        self.head_dim = head_dim_of(cfg)
+        self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
@@ -69,7 +96,7 @@ class Attention(nn.Module):
         q = q.view(batch, seq, -1, self.head_dim)
         k = k.view(batch, seq, -1, self.head_dim)
         v = v.view(batch, seq, -1, self.head_dim)
-        cos, sin = rotary_cos_sin(seq, self.head_dim, self.rope_theta, x.device)
+        cos, sin = rotary_cos_sin(seq, self.head_dim, self.rope_theta, x.device, self.rope_scaling)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
@@ -105,22 +132,41 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """tokens (batch, seq) -> logits (batch, seq, vocab).
 
-    A pipeline stage keeps a subset: without ``tok_embeddings`` it takes hidden states,
-    without ``output`` it returns them. Layers live in a ModuleDict keyed by their global
-    index, so parameter names (``layers.7.attention.wq.weight``) are the same in every
-    layout — checkpoints and the layout-independent initialisation rely on it.
+    A pipeline stage keeps a subset: after the first stage (``embeds_tokens`` False) it takes
+    hidden states, without ``output`` it returns them. Layers live in a ModuleDict keyed by
+    their global index, so parameter names (``layers.7.attention.wq.weight``) are the same in
+    every layout — checkpoints and the layout-independent initialisation rely on it.
+
+    Tied embeddings: ``output.weight`` is the ``tok_embeddings.weight`` Parameter itself, so
+    it is listed once, under the embedding's name. A last pipeline stage keeps its own
+    ``tok_embeddings`` (not looked up, only the head's weight): a copy kept equal to the first
+    stage's by summing their gradients (trainer3d/parallel/tied.py), named like it too.
     """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        self.embeds_tokens = True
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Point the head at the embedding matrix (tied models holding both; idempotent)."""
+        if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn, recurse=True):
+        # Conversions that make new Parameters (``to_empty`` from meta) replace each module's
+        # reference separately, which would untie the head from the embedding.
+        super()._apply(fn, recurse)
+        self.tie_weights()
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        h = self.tok_embeddings(x) if self.embeds_tokens else x
         for layer in self.layers.values():
             h = layer(h)
         if self.norm is not None:
@@ -134,12 +180,13 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 
 def count_parameters(cfg: ModelConfig) -> int:
-    """Parameters of the full (1-rank, unpadded) model, from its shapes alone."""
-    head_dim = cfg.dim // cfg.n_heads
-    attn = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    """Parameters of the full (1-rank, unpadded) model, from its shapes alone (a tied
+    embedding counted once)."""
+    attn = cfg.dim * head_dim_of(cfg) * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
     ffn = 3 * cfg.dim * cfg.ffn_dim
     per_layer = attn + ffn + 2 * cfg.dim
-    return cfg.n_layers * per_layer + 2 * cfg.vocab_size * cfg.dim + cfg.dim
+    embeddings = (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * cfg.dim
+    return cfg.n_layers * per_layer + embeddings + cfg.dim
 
 
 def output_projection_std(cfg: ModelConfig) -> float:

@@ -4,8 +4,10 @@
 1. build the full model on the meta device (no memory);
 2. pipeline: keep only this rank's stage(s) (parallel/pipeline.py);
 3. tensor parallel: swap Linear/Embedding layers for sharded ones (parallel/tensor.py);
-4. materialise on this rank's device and fill with the layout-independent init;
-5. cast to the training dtype; per-layer activation checkpointing, if asked.
+4. cast to the training dtype (still on meta, so nothing is ever held in fp32 first),
+   materialise on this rank's device and fill from the parameter source: the
+   layout-independent random init, or ``model.init_from``'s Hugging Face weights;
+5. per-layer activation checkpointing, if asked.
 Data parallelism (ZeRO) wraps the result in the optimizer (parallel/zero.py).
 """
 
@@ -15,7 +17,7 @@ import torch
 from torch import nn
 
 from trainer3d.config import Config
-from trainer3d.model.init import init_parameters
+from trainer3d.model.init import ParameterSource, RandomInit, fill_parameters
 from trainer3d.model.transformer import Transformer, cross_entropy_loss
 from trainer3d.topology import ParallelDims
 
@@ -37,13 +39,22 @@ def build_meta_chunks(cfg: Config, dims: ParallelDims) -> List[nn.Module]:
     return chunks
 
 
+def parameter_source(cfg: Config) -> ParameterSource:
+    """Where the initial values come from: ``model.init_from``'s weights, else the random init."""
+    if cfg.model.init_from:
+        from trainer3d.hf.source import HFSource
+        return HFSource(cfg.model.init_from, cfg.model)
+    return RandomInit(cfg.model, cfg.train.seed)
+
+
 def build_model_chunks(cfg: Config, dims: ParallelDims) -> List[nn.Module]:
     """This rank's model chunks (one per pipeline stage it runs; one when pp == 1)."""
     chunks = build_meta_chunks(cfg, dims)
+    source = parameter_source(cfg)
     for chunk in chunks:
-        chunk.to_empty(device=dims.device)
-        init_parameters(chunk, cfg.model, cfg.train.seed)
         chunk.to(dtype=DTYPES[cfg.train.dtype])
+        chunk.to_empty(device=dims.device)
+        fill_parameters(chunk, source)
     if cfg.train.activation_checkpointing:
         from trainer3d.parallel.recompute import checkpoint_layers
         checkpoint_layers(chunks)

@@ -63,14 +63,21 @@ def keep_stage(model: nn.Module, stage: int, ranges: List[range]) -> nn.Module:
     """Cut ``model`` (a Transformer, on meta) down to ``stage`` in place and return it.
 
     Layers stay in the ModuleDict under their global index, so parameter names are the
-    1-rank model's (``layers.7.attention.wq.weight``) in every layout.
+    1-rank model's (``layers.7.attention.wq.weight``) in every layout. With tied embeddings
+    the last stage keeps ``tok_embeddings`` as its head's weight, as Megatron-LM's last stage
+    keeps a copy of the word embeddings (``setup_embeddings_and_output_layer`` in
+    megatron/core/models/common/language_module/language_module.py); trainer3d/parallel/
+    tied.py keeps the two copies equal.
     """
     owned = {str(i) for i in ranges[stage]}
+    last = len(ranges) - 1
     for key in [k for k in model.layers.keys() if k not in owned]:
         del model.layers[key]
     if stage != 0:
-        model.tok_embeddings = None
-    if stage != len(ranges) - 1:
+        model.embeds_tokens = False
+        if not (model.cfg.tie_embeddings and stage == last):
+            model.tok_embeddings = None
+    if stage != last:
         model.norm = None
         model.output = None
     return model

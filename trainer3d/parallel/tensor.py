@@ -228,6 +228,9 @@ def apply_tensor_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
         # Not divisibility-checked like the projections: the vocabulary is padded instead.
         model.output = ColumnParallelLinear(out.in_features, out.out_features, dims, _comms(sp)[0],
                                             out.weight.device, out.weight.dtype)
+    # A tied head is the embedding matrix again: both split the padded vocabulary by rows,
+    # rank r holding rows [r V'/tp, (r+1) V'/tp) of each, so the shards coincide.
+    model.tie_weights()
 
 
 def replicated_parameters(chunks: Iterable[nn.Module]) -> List[nn.Parameter]:

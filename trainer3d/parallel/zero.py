@@ -35,6 +35,7 @@ from trainer3d.parallel.adamw import FlatAdamW, segments_of
 from trainer3d.parallel.buckets import FlatBuffers, GradReducer
 from trainer3d.parallel.clip import clip_by_global_norm_, sum_of_squares
 from trainer3d.parallel.precision import make_loss_scaler
+from trainer3d.parallel.tied import is_tied_copy
 from trainer3d.topology import ParallelDims
 
 
@@ -79,7 +80,7 @@ class FlatZeroOptimizer:
         # stage 0's replicas are identical, so dp rank 0 counts for all of them.
         counts_here = sharded or dims.dp_rank == 0
         self._counted = [g for s, g in zip(segments, self.adam.grad_views)
-                         if counts_here and counted_once_over_tp(s.param, dims)]
+                         if counts_here and counted_once_over_tp(s.param, dims) and not is_tied_copy(s.name, dims)]
 
     def _owned_pieces(self) -> List[Tuple[int, int]]:
         if not self.sharded:

@@ -1,0 +1,164 @@
+#!/usr/bin/env python
+"""Sample text from a model: a trainer3d checkpoint or a Hugging Face Llama directory.
+
+    python tools/sample.py outputs/.../checkpoints/step_00000300 --prompt "def main(" --max-new-tokens 200
+    python tools/sample.py exported/ --prompt "import os" --greedy
+    python tools/sample.py exported/ --prompt "The" --temperature 0.8 --top-p 0.95 --seed 1
+
+One process on the CPU. A checkpoint is read as tools/export_model.py reads it (DCP, a
+restricted unpickler); a Hugging Face directory is checked as ``model.init_from`` checks it
+and read with safetensors. Tokens: a tokenizer.json beside the weights (or ``--tokenizer``;
+for a checkpoint, the tokenizer its training data records) through the ``tokenizers``
+package; otherwise byte-level, as the built-in corpus and tools/prepare_data.py tokenise
+(bytes 0-255, end-of-document 256). Generation stops at an end-of-sequence id.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from trainer3d.model.init import fill_parameters  # noqa: E402
+from trainer3d.model.transformer import Transformer  # noqa: E402
+
+
+class ByteTokenizer:
+    def __init__(self):
+        from trainer3d.data import EOF_TOKEN
+        self.eos = EOF_TOKEN
+
+    def encode(self, text: str) -> List[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: List[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class FileTokenizer:
+    """A tokenizer.json (Hugging Face ``tokenizers`` format)."""
+
+    def __init__(self, path: Path):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise SystemExit("sample: reading tokenizer.json needs the tokenizers package (pip install tokenizers)")
+        self.tokenizer = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> List[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: List[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+
+def load_model(path: Path):
+    """(model, tokenizer found beside it or recorded by its data, or None)."""
+    from trainer3d.checkpoint.store import MARKER
+
+    if (path / MARKER).exists():
+        from trainer3d.checkpoint.export import load_full_model, model_config_of
+        from trainer3d.checkpoint.store import read_marker
+        from trainer3d.hf.export import data_tokenizer
+
+        config = read_marker(path)["config"]
+        tensors = load_full_model(path)
+        model = Transformer(model_config_of(config))
+        fill_parameters(model, lambda name, shape, shard: tensors[name])
+        return model, data_tokenizer(config)[0]
+    from trainer3d.hf.check import weight_problems
+    from trainer3d.hf.files import DirError, read_json
+    from trainer3d.hf.mapping import model_config
+    from trainer3d.hf.source import HFSource
+
+    try:
+        cfg = model_config(read_json(path / "config.json"))
+    except (DirError, ValueError) as err:
+        raise SystemExit(f"sample: {path} is neither a trainer3d checkpoint nor a Hugging Face Llama directory:\n{err}")
+    problems = weight_problems(path, cfg)
+    if problems:
+        raise SystemExit("sample: " + "\n".join(problems))
+    model = Transformer(cfg)
+    fill_parameters(model, HFSource(path, cfg))
+    return model, None
+
+
+def choose_tokenizer(path: Path, given: Optional[Path], recorded: Optional[Path], vocab_size: int):
+    for candidate in (given, path / "tokenizer.json", recorded):
+        if candidate is not None:
+            file = candidate / "tokenizer.json" if candidate.is_dir() else candidate
+            if file.is_file():
+                return FileTokenizer(file)
+            if candidate is given:
+                raise SystemExit(f"sample: --tokenizer {given}: no tokenizer.json there")
+    if vocab_size < 257:
+        raise SystemExit(f"sample: no tokenizer found and the vocabulary ({vocab_size}) is too small for "
+                         "byte-level tokens; give --tokenizer")
+    return ByteTokenizer()
+
+
+def next_token(logits: torch.Tensor, greedy: bool, temperature: float, top_p: float,
+               generator: torch.Generator) -> int:
+    """Greedy, or nucleus sampling (Holtzman et al. 2020, "The Curious Case of Neural Text
+    Degeneration", sec. 3.1): sample from the smallest set of tokens whose probability
+    reaches ``top_p``."""
+    if greedy:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / temperature, dim=-1)
+    sorted_probs, order = probs.sort(descending=True)
+    before = sorted_probs.cumsum(0) - sorted_probs  # the mass of the tokens ahead of each one
+    sorted_probs[before >= top_p] = 0.0
+    choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
+    return int(order[choice])
+
+
+@torch.no_grad()
+def generate(model: Transformer, ids: List[int], max_new_tokens: int, eos: List[int], greedy: bool,
+             temperature: float, top_p: float, seed: int) -> List[int]:
+    """The new token ids (the whole context is recomputed each step: no cache, a small-model tool)."""
+    generator = torch.Generator().manual_seed(seed)
+    out: List[int] = []
+    for _ in range(max_new_tokens):
+        context = (ids + out)[-model.cfg.max_seq_len:]
+        logits = model(torch.tensor([context]))[0, -1].float()
+        token = next_token(logits, greedy, temperature, top_p, generator)
+        out.append(token)
+        if token in eos:
+            break
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", type=Path, help="a published checkpoint dir (…/checkpoints/step_N) or a "
+                                                 "Hugging Face Llama directory")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--greedy", action="store_true", help="always the most likely token")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", type=Path, default=None, help="a tokenizer.json or a directory holding one")
+    parser.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
+    args = parser.parse_args(argv)
+    if args.temperature <= 0 or not 0 < args.top_p <= 1:
+        parser.error("--temperature must be > 0 and --top-p in (0, 1]; use --greedy for argmax decoding")
+    model, recorded = load_model(args.model)
+    model.eval()
+    tokenizer = choose_tokenizer(args.model, args.tokenizer, recorded, model.cfg.vocab_size)
+    eos = list(model.cfg.eos_token_ids) or ([tokenizer.eos] if isinstance(tokenizer, ByteTokenizer) else [])
+    ids = tokenizer.encode(args.prompt)
+    if not ids:
+        parser.error("--prompt encodes to no tokens")
+    new = generate(model, ids, args.max_new_tokens, eos, args.greedy, args.temperature, args.top_p, args.seed)
+    print(args.prompt + tokenizer.decode(new))
+    if args.show_ids:
+        print(" ".join(map(str, new)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

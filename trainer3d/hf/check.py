@@ -1,0 +1,102 @@
+"""``model.init_from`` before launch: the model section from config.json, and the weights
+checked against it, in the submitting process.
+
+Every refusal is one line naming the field, file or override at fault, and all of them are
+reported together (``ConfigError``), before any rank starts: a config.json of another
+architecture or with settings this model does not implement, an explicit ``model.*``
+override that disagrees with config.json, a missing shard, a tensor missing or of the
+wrong shape or dtype. Only JSON and safetensors headers are read (trainer3d/hf/files.py).
+"""
+
+import dataclasses
+from pathlib import Path
+from typing import Collection, Dict, List
+
+from trainer3d.config import Config, ModelConfig
+from trainer3d.hf.files import DTYPES, DirError, TensorInfo, read_json, tensor_infos
+from trainer3d.hf.mapping import CONFIG, IGNORED, from_hf, hf_shapes, model_fields
+from trainer3d.validate import ConfigError
+
+_HF_KEY = {field: key for field, key, _ in CONFIG}
+
+
+def _get(cfg: ModelConfig, dotted: str):
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def conflicts(user: ModelConfig, derived: ModelConfig, explicit: Collection[str], config_path: Path) -> List[str]:
+    """Explicit ``model.<field>=`` overrides that disagree with config.json."""
+    problems = []
+    for field in sorted(explicit):
+        try:
+            mine, theirs = _get(user, field), _get(derived, field)
+        except AttributeError:
+            continue  # Hydra already refused unknown keys; nothing to compare
+        if mine != theirs:
+            key = _HF_KEY.get(field, field)
+            problems.append(f"model.{field}={mine} conflicts with {key}={theirs} in {config_path}; "
+                            f"drop the override (model.init_from sets it)")
+    return problems
+
+
+def weight_problems(directory: Path, cfg: ModelConfig) -> List[str]:
+    """What keeps the safetensors in ``directory`` from filling a model of ``cfg``."""
+    try:
+        infos = tensor_infos(directory)
+    except DirError as err:
+        return [str(err)]
+    need = hf_shapes(cfg)
+    problems = []
+    missing = [name for name in need if name not in infos]
+    if missing:
+        problems.append(f"{directory}: {len(missing)} tensor(s) config.json implies are missing, "
+                        f"first {missing[0]}; the weights do not match config.json")
+    wrong = [(name, infos[name]) for name in need if name in infos and infos[name].shape != need[name]]
+    if wrong:
+        name, info = wrong[0]
+        problems.append(f"{info.file}: {name} has shape {list(info.shape)}, config.json implies "
+                        f"{list(need[name])} ({len(wrong)} tensor(s) differ); the weights do not match config.json")
+    bad_dtype = [(name, info) for name, info in infos.items() if name in need and info.dtype not in DTYPES]
+    if bad_dtype:
+        name, info = bad_dtype[0]
+        problems.append(f"{info.file}: {name} is {info.dtype}; only {', '.join(DTYPES)} weights can be loaded")
+    problems += _unexpected(infos, cfg)
+    return problems
+
+
+def _unexpected(infos: Dict[str, TensorInfo], cfg: ModelConfig) -> List[str]:
+    extra = [n for n in infos if from_hf(n) is None and not IGNORED.match(n)]
+    if not extra:
+        return []
+    return [f"{infos[extra[0]].file} holds {len(extra)} tensor(s) a plain Llama does not have, first "
+            f"{extra[0]}; not a LlamaForCausalLM checkpoint"]
+
+
+def apply_init_from(cfg: Config, explicit: Collection[str] = ()) -> Config:
+    """``cfg`` with its model section derived from ``model.init_from``'s config.json (name:
+    the directory's), after checking the weights; raises ConfigError with every problem.
+    ``explicit``: the model fields the user set on the command line (``dim``,
+    ``rope_scaling.factor``), which must agree with config.json."""
+    directory = Path(cfg.model.init_from).expanduser()
+    knob = f"model.init_from={cfg.model.init_from}"
+    if not directory.is_dir():
+        raise ConfigError([f"{knob}: not a directory; give a Hugging Face model directory (config.json + safetensors)"])
+    try:
+        config = read_json(directory / "config.json")
+    except DirError as err:
+        raise ConfigError([f"{knob}: {err}"]) from None
+    fields, problems = model_fields(config)
+    if problems:
+        raise ConfigError([f"{knob}: {p}" for p in problems])
+    name = cfg.model.name if "name" in explicit else directory.resolve().name
+    derived = dataclasses.replace(cfg.model, **fields, name=name, init_from=str(directory))
+    compared = [field for field in explicit if field not in ("init_from", "name")]
+    problems = conflicts(cfg.model, derived, compared, directory / "config.json")
+    problems += [f"{knob}: {p}" for p in weight_problems(directory, derived)]
+    if problems:
+        raise ConfigError(problems)
+    cfg = dataclasses.replace(cfg, model=derived)
+    return cfg

@@ -1,0 +1,53 @@
+"""Each rank's parameters from a Hugging Face safetensors directory (``model.init_from``).
+
+``HFSource`` is a parameter source (trainer3d/model/init.py): asked for a parameter's
+slice, it opens the shard that holds the tensor with ``safe_open`` and reads only that
+slice with ``get_slice`` (rows for a column-parallel or vocabulary-parallel shard, columns
+for a row-parallel one), so a rank never reads what it does not hold and host memory peaks
+at its own parameters. Rows past the vocabulary (tensor-parallel padding) are zeros.
+
+The directory was checked before launch (trainer3d/hf/check.py); here each tensor's
+shape is checked again as it is read, in case the files changed since.
+"""
+
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from trainer3d.config import ModelConfig
+from trainer3d.hf.files import tensor_infos
+from trainer3d.hf.mapping import to_hf
+from trainer3d.model.init import TPShard, pad_slice
+
+
+class HFSource:
+    def __init__(self, directory, cfg: ModelConfig):
+        self.directory = Path(directory).expanduser()
+        self.infos = tensor_infos(self.directory)
+        self.cfg = cfg
+        self._handles: Dict[Path, object] = {}
+
+    def _handle(self, file: Path):
+        from safetensors import safe_open
+
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        return self._handles[file]
+
+    def __call__(self, name: str, shape: Tuple[int, ...], shard: Optional[TPShard]) -> torch.Tensor:
+        hf = to_hf(name)
+        info = self.infos.get(hf)
+        if info is None or info.shape != tuple(shape):
+            found = "missing" if info is None else f"of shape {list(info.shape)}"
+            raise ValueError(f"model.init_from={self.directory}: {hf} is {found}, the model needs {list(shape)} "
+                             "(the directory changed since the run was checked?)")
+        view = self._handle(info.file).get_slice(hf)
+        if shard is None:
+            return view[:]
+        start, stop, _ = shard.bounds()
+        rows = view[start:stop] if shard.dim == 0 else view[:, start:stop]
+        return pad_slice(rows, shard)
+
+    def close(self) -> None:
+        self._handles.clear()
