@@ -63,22 +63,25 @@ class RankTimes:
 
 @dataclass
 class StepTime:
-    """Seconds of one step, by part; ``total`` is the prediction."""
+    """Seconds of one step, by part; ``total`` is the prediction.
+
+        compute     m micro-batches of the slowest rank (its tensor-parallel collectives included)
+        tp_comm     the tensor-parallel share of compute
+        bubble      pipeline fill and drain: (p - 1) / v slots of the slowest rank
+        pp_comm     hand-overs between stages on the critical path
+        dp_comm     data-parallel communication not hidden behind backward
+        optimizer   AdamW over the owned elements, zeroing and clipping the gradients
+        node_bound  shared cores: the node's work over its throughput, when that exceeds
+                    the critical path (0 where every rank has its own device)
+    """
 
     compute: float = 0.0
-    """m micro-batches of the slowest rank (its tensor-parallel collectives included)."""
     tp_comm: float = 0.0
-    """The tensor-parallel share of ``compute``."""
     bubble: float = 0.0
-    """Pipeline fill and drain: (p - 1) / v slots of the slowest rank."""
     pp_comm: float = 0.0
-    """Hand-overs between stages on the critical path."""
     dp_comm: float = 0.0
-    """Data-parallel communication not hidden behind backward."""
     optimizer: float = 0.0
-    """AdamW over the owned elements, zeroing and clipping the gradients."""
     node_bound: float = 0.0
-    """Shared cores: the node's work over its throughput, when that exceeds the critical path."""
 
     @property
     def critical_path(self) -> float:
