@@ -75,7 +75,7 @@ def test_sweep_points_are_separate_wandb_runs_in_one_group(tmp_path):
 def _logger(stream, max_steps=3):
     from trainer3d.config import Config
     from trainer3d.metrics import MetricsLogger
-    from trainer3d.plan import planning_dims
+    from trainer3d.memory import planning_dims
     return MetricsLogger(planning_dims(Config(), 0), "/nonexistent-not-written", max_steps, 1000, stream=stream)
 
 

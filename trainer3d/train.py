@@ -73,7 +73,7 @@ def run(cfg: Config, explicit_model: Sequence[str] = ()) -> int:
                   f"({why}); give a published step_<N> directory, auto or never", file=sys.stderr)
             return 2
     if cfg.dry_run:
-        from trainer3d.plan import print_plan
+        from trainer3d.dry_run import print_plan
         print_plan(cfg)
         return 0
     from trainer3d.data.checks import check_data
