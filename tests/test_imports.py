@@ -10,8 +10,6 @@ from tests.conftest import ROOT
 # (module, what it imports inside a function): why it is not at the top.
 DEFERRED = {
     ("trainer3d.loggers", "wandb"): "optional sink, slow to import: only runs with logger=wandb pay for it",
-    ("trainer3d.plan", "trainer3d.parallel"): "the entry point imports plan; only a dry run builds models",
-    ("trainer3d.plan", "trainer3d.parallel.stages"): "as above",
 }
 
 

@@ -162,7 +162,7 @@ def test_stage_clock_counts_only_busy_work():
 
 
 def test_dry_run_plan_shows_the_stages():
-    from trainer3d.plan import describe_plan
+    from trainer3d.dry_run import describe_plan
     from trainer3d.validate import validate
 
     cfg = _cfg(n_layers=10, pp=4)

@@ -105,3 +105,19 @@ def test_measured_bytes_match_the_engine_accounting(dp):
     for rank, rows in enumerate(run_ranks(_measure, dp, timeout=300)):
         for stage, dtype, when, measured, expected in rows:
             assert measured == pytest.approx(expected, rel=0.02), (rank, stage, dtype, when, measured, expected)
+
+
+def test_zero_memory_tool_reports_the_dry_runs_rank_shapes():
+    """The tool's per-rank figure comes from the same meta-built shapes as dry_run=true."""
+    from trainer3d.config import Config
+    from trainer3d.memory import rank_parameter_shapes
+
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "zero_memory.py"), "--model", "tiny", "--tp", "2",
+                           "--pp", "2", "--dp", "2", "--zero-stage", "1", "--dtype", "fp32"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    cfg = Config()
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp = 2, 2, 2
+    counts = [sum(torch.Size(s).numel() for s in rank_parameter_shapes(cfg, rank)) for rank in (0, 4)]
+    stage = max(range(2), key=counts.__getitem__)
+    assert f"largest stage {stage}: {counts[stage]:,} parameters per rank" in proc.stdout

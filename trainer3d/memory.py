@@ -42,11 +42,18 @@ fp16, 16 bytes of loss-scaler state. Why each term differs from the paper's:
 - no bucket buffers: buckets are slices of the flat buffers, reduced and gathered in place.
 """
 
+import copy
 from dataclasses import dataclass
 from math import prod
-from typing import List, Sequence, Tuple, Union
+from typing import Dict, List, Sequence, Tuple, Union
 
+import torch
+
+from trainer3d.config import Config, ModelConfig
+from trainer3d.parallel import build_meta_chunks
 from trainer3d.parallel.buckets import plan_buckets
+from trainer3d.parallel.stages import n_stages, stage_layer_ranges, stages_of_rank
+from trainer3d.topology import ParallelDims, Topology
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 STEP_BYTES = 4          # the fp32 step counter
@@ -117,6 +124,70 @@ def engine_model_state_bytes(shapes: Shapes, dp: int, stage: int, dtype: str,
     raise ValueError(f"zero stage {stage}")
 
 
+# ------------------------------------------------------------------ the shapes a rank holds
+
+def planning_dims(cfg: Config, rank: int) -> ParallelDims:
+    """The ParallelDims of ``rank`` without process groups (for building shapes on meta)."""
+    p = cfg.parallel
+    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp)
+    return ParallelDims(topo=topo, rank=rank, mesh=None, tp_group=None, dp_group=None, pp_group=None,
+                        device=torch.device("meta"))
+
+
+Shape = Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """One tp rank's parameter shapes in registration order: what is registered before the
+    blocks (the embedding), one block, what comes after them (final norm, head)."""
+
+    before: Tuple[Shape, ...]
+    block: Tuple[Shape, ...]
+    after: Tuple[Shape, ...]
+
+
+_MODEL_SHAPES: Dict[Tuple[str, int], ModelShapes] = {}
+
+
+def model_shapes(model: ModelConfig, tp: int) -> ModelShapes:
+    """The real model and tensor-parallel layers built on the meta device (no memory), with one
+    block: every block has the same shapes (a 70b meta build of all 80 takes seconds, and the
+    planner asks about thousands of layouts). Cached per model and tp."""
+    key = (repr(sorted(vars(model).items())), tp)
+    if key not in _MODEL_SHAPES:
+        cfg = Config(model=copy.deepcopy(model))
+        cfg.model.n_layers, cfg.parallel.tp = 1, tp
+        (one_block,) = build_meta_chunks(cfg, planning_dims(cfg, 0))
+        parts: Dict[str, List[Shape]] = {"before": [], "block": [], "after": []}
+        for name, p in one_block.named_parameters():
+            part = "block" if name.startswith("layers.") else "after" if parts["block"] else "before"
+            parts[part].append(tuple(p.shape))
+        _MODEL_SHAPES[key] = ModelShapes(**{k: tuple(v) for k, v in parts.items()})
+    return _MODEL_SHAPES[key]
+
+
+def stage_parameter_shapes(cfg: Config, stage: int) -> List[Shape]:
+    """The shapes pipeline ``stage`` holds on one tp rank, as ``split_into_stages`` cuts the
+    model: its blocks, plus what is registered before them (the embedding) on the first stage
+    and after them (final norm, head) on the last (parallel/stages.py, ``keep_stage``); with
+    tied embeddings the last stage also holds the embedding, as its head's weight."""
+    ranges = stage_layer_ranges(cfg.model.n_layers, n_stages(cfg), cfg.parallel.pp_layers)
+    shapes = model_shapes(cfg.model, cfg.parallel.tp)
+    last = len(ranges) - 1
+    # a tied head is the embedding matrix: the last stage keeps its own copy of it
+    before = stage == 0 or (stage == last and cfg.model.tie_embeddings)
+    return [*(shapes.before if before else ()), *shapes.block * len(ranges[stage]),
+            *(shapes.after if stage == last else ())]
+
+
+def rank_parameter_shapes(cfg: Config, rank: int) -> List[Tuple[int, ...]]:
+    """Shapes of the parameters global ``rank`` holds, in registration order (its stages, TP-sharded)."""
+    p = cfg.parallel
+    pp_rank = Topology(tp=p.tp, pp=p.pp, dp=p.dp).coords(rank).pp
+    return [s for stage in stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages) for s in stage_parameter_shapes(cfg, stage)]
+
+
 # ------------------------------------------------------------------ the paper's Table 1
 
 TABLE1_MODELS = (("7.5B", 7.5e9), ("128B", 128e9), ("1T", 1e12))
@@ -127,6 +198,11 @@ def table1() -> List[Tuple[str, int, float, float, float]]:
     """Rows (model, dp, P_os GB, P_os+g GB, P_os+g+p GB) of the paper's Table 1 (K=12, decimal GB)."""
     return [(name, dp, *(paper_model_state_bytes(psi, dp, stage) / 1e9 for stage in (1, 2, 3)))
             for name, psi in TABLE1_MODELS for dp in TABLE1_DP]
+
+
+def format_bytes(n: float) -> str:
+    """Binary units for reports: 3.25 GiB, 812.5 MiB."""
+    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
 
 
 def format_gb(value: float) -> str:

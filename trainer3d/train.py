@@ -19,9 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 from trainer3d.checkpoint.store import CheckpointError, require_complete
 from trainer3d.config import Config  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.data.checks import check_data
+from trainer3d.dry_run import print_plan
 from trainer3d.hf.check import apply_init_from
 from trainer3d.launch import TrainTask, in_distributed_env, launch_local
-from trainer3d.plan import print_plan
 from trainer3d.slurm import launch_slurm
 from trainer3d.validate import ConfigError, validate
 

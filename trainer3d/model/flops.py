@@ -18,13 +18,17 @@ from trainer3d.config import ModelConfig
 from trainer3d.model.transformer import head_dim_of
 
 
+def layer_matmul_params(cfg: ModelConfig) -> int:
+    """Weights of one block that take part in a matrix multiply (all but its norms)."""
+    head_dim = head_dim_of(cfg)
+    attention = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)  # wq, wo + wk, wv
+    return attention + 3 * cfg.dim * cfg.ffn_dim
+
+
 def matmul_params(cfg: ModelConfig) -> int:
     """Weights that take part in a matrix multiply (all but the embedding and norms; a tied
     head is the embedding matrix, but it still multiplies)."""
-    head_dim = head_dim_of(cfg)
-    attention = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)  # wq, wo + wk, wv
-    ffn = 3 * cfg.dim * cfg.ffn_dim
-    return cfg.n_layers * (attention + ffn) + cfg.dim * cfg.vocab_size
+    return cfg.n_layers * layer_matmul_params(cfg) + cfg.dim * cfg.vocab_size
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:

@@ -1,0 +1,11 @@
+"""The layout planner (``python -m trainer3d.plan``): which tp x pp x dp x micro-batch x ZeRO
+stage x sequence parallelism x recomputation x virtual stages fits a model on a cluster, and
+which is fastest.
+
+    config.py      cluster.* and search.* on top of the training schema
+    devices.py     device presets (with their sources) and calibration files
+    calibrate.py   --calibrate: this machine's matmul rate, memory bandwidth, collectives
+    step_time.py   the step-time model
+    search.py      enumerate, validate(), fit (trainer3d/peak_memory.py), time, rank
+    report.py      the table and the training commands
+"""

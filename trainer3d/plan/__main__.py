@@ -1,0 +1,43 @@
+"""The layout planner: ``python -m trainer3d.plan model=7b cluster.nodes=16 cluster.gpus_per_node=8
+cluster.gpu=h100-sxm train.global_batch_size=1024 train.seq_len=4096``.
+
+Hydra composes the training schema plus ``cluster.*`` and ``search.*`` (conf/plan.yaml);
+the planner prints the search's summary, the fastest layouts that fit with their predicted
+peak memory and step time, and each one's ``python -m trainer3d.train`` command.
+``python -m trainer3d.plan --calibrate [--out FILE]`` measures this machine instead and
+writes the file ``cluster.gpu=calibrated`` reads.
+"""
+
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from trainer3d.plan.calibrate import main as calibrate_main
+from trainer3d.plan.config import PlanConfig  # noqa: F401  (registers the schema)
+from trainer3d.plan.devices import device_for
+from trainer3d.plan.report import report
+from trainer3d.plan.search import search
+
+
+@hydra.main(version_base=None, config_path="../../conf", config_name="plan")
+def _main(dcfg: DictConfig) -> None:
+    cfg = OmegaConf.to_object(dcfg)
+    try:
+        device = device_for(cfg.cluster.gpu, cfg.cluster.calibration)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"trainer3d.plan: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(report(cfg, device, search(cfg, device), HydraConfig.get().overrides.task))
+
+
+def main() -> None:
+    if "--calibrate" in sys.argv:
+        calibrate_main(sys.argv[1:])
+        return
+    _main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""``python -m trainer3d.plan --calibrate [--out FILE]``: measure this machine once for the planner.
+
+What the step-time model (step_time.py) needs of a CPU node, measured with torch on this
+machine, written as a Device (devices.py) that ``cluster.gpu=calibrated`` reads:
+
+- the fp32 (and bf16, fp16) matmul rate of one thread;
+- the node's total matmul rate with 1, 2, 4 and 8 ranks computing at once, each with the
+  threads trainer3d/launch.py gives it (cores // ranks, at least one): how the ranks share
+  the cores, their caches and memory;
+- the memory bandwidth of one thread (a large in-place add: the optimizer's kind of work);
+- a transformer block's forward + backward on one thread: its dispatch overhead (at a
+  negligible size) and the rate of its elementwise work (the block without its projections,
+  in the bytes step_time.py charges);
+- gloo all-reduce between 2 ranks: latency (a 1 KiB message) and bus bandwidth (16 MiB);
+  and the latency of a pair's all-reduce while 2, 4, 8 ranks compute between theirs: where
+  ranks outnumber cores a peer may be waiting for a core;
+- the host time of one action of torch's pipeline schedule (two stages computing nothing).
+
+Compute figures are per CPU-second of one thread (``time.thread_time`` / ``process_time``):
+what the machine does for a program that has it, whatever else runs on it meanwhile; the
+node's rate with N one-thread ranks is min(N, cores) CPU-seconds per second at the rate
+each reached while all ran. A rank with several threads is timed by the wall clock (best
+round). Each figure is the best of several rounds.
+"""
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+from trainer3d.activations import Sizes, layer_terms
+from trainer3d.config import Config, ModelConfig
+from trainer3d.model.transformer import Block
+from trainer3d.plan.devices import DEFAULT_CALIBRATION
+from trainer3d.plan.step_time import BWD_PASSES, FWD_PASSES
+
+MATMUL = 512
+RANKS = (1, 2, 4, 8)
+
+
+def _best_rate(work: Callable[[], None], units: float, clock: Callable[[], float] = time.thread_time,
+               rounds: int = 8) -> float:
+    """units per second of ``clock`` in the fastest of ``rounds`` timed rounds of ``work``."""
+    work()
+    best = float("inf")
+    for _ in range(rounds):
+        started = clock()
+        work()
+        best = min(best, clock() - started)
+    return units / max(best, 1e-9)
+
+
+def matmul_gflops(dtype: torch.dtype = torch.float32, size: int = MATMUL, repeats: int = 4) -> float:
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    return _best_rate(lambda: [torch.mm(a, b) for _ in range(repeats)], repeats * 2 * size ** 3) / 1e9
+
+
+def memory_gbps(numel: int = 8 * 2 ** 20) -> float:
+    a, b = torch.zeros(numel), torch.ones(numel)
+    return _best_rate(lambda: a.add_(b), 3 * 4 * numel) / 1e9  # read a, read b, write a
+
+
+def block_figures() -> Dict[str, float]:
+    """Dispatch overhead and elementwise rate of a transformer block on one thread.
+
+    The overhead is a block's forward + backward at a negligible size. The elementwise rate
+    is a block's forward + backward with its seven projections replaced by identities (dim =
+    FFN width = heads x head_dim = 512, 2 x 128 tokens): norms, RoPE, attention, SwiGLU's
+    product and the residual adds, less that overhead, over the traffic the step-time model
+    charges for them (FWD_PASSES + BWD_PASSES times the block's saved activations).
+    """
+    tiny = Block(ModelConfig(dim=8, n_heads=2, n_kv_heads=2, ffn_dim=8, max_seq_len=4))
+    x = torch.randn(1, 4, 8, requires_grad=True)
+    overhead = 1.0 / _best_rate(lambda: tiny(x).sum().backward(), 1.0, rounds=20)
+    cfg = Config(model=ModelConfig(dim=512, n_heads=8, n_kv_heads=8, ffn_dim=512, max_seq_len=128))
+    cfg.train.micro_batch_size, cfg.train.seq_len = 2, 128
+    block = Block(cfg.model)
+    for module in (block.attention, block.feed_forward):
+        for name, child in list(module.named_children()):
+            setattr(module, name, nn.Identity())
+    x = torch.randn(2, 128, 512, requires_grad=True)
+    took = 1.0 / _best_rate(lambda: block(x).sum().backward(), 1.0)
+    traffic = (FWD_PASSES + BWD_PASSES) * sum(layer_terms(Sizes.of(cfg)).values())
+    return {"layer_overhead_us": overhead * 1e6, "elementwise_gbps": traffic / max(took - overhead, 1e-9) / 1e9}
+
+
+def _rank_matmul(rank: int, world: int, threads: int, rounds: int, barrier, out) -> None:
+    """Rounds in which every rank multiplies at once (a barrier starts each): the best round's
+    GFLOP per CPU-second of this one-thread process, or per second with several threads
+    (OpenMP threads spin while they wait for each other: their CPU time overstates the work)."""
+    torch.set_num_threads(threads)
+    clock = time.process_time if threads == 1 else time.perf_counter
+    a, b = torch.randn(MATMUL, MATMUL), torch.randn(MATMUL, MATMUL)
+    torch.mm(a, b)
+    best = 0.0
+    for _ in range(rounds):
+        barrier.wait()
+        started = clock()
+        for _ in range(8):
+            torch.mm(a, b)
+        best = max(best, 8 * 2 * MATMUL ** 3 / max(clock() - started, 1e-9) / 1e9)
+    out.put(best)
+
+
+def _rank_all_reduce(rank: int, world: int, port: int, out, repeats: int = 20) -> None:
+    """The fastest of ``repeats`` all-reduces per size (a fixed count: every rank must join each)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    times = {}
+    for numel in (256, 4 * 2 ** 20):
+        t = torch.ones(numel)
+        best = float("inf")
+        for _ in range(repeats):
+            dist.barrier()
+            started = time.perf_counter()
+            dist.all_reduce(t)
+            best = min(best, time.perf_counter() - started)
+        times[numel] = best
+    dist.destroy_process_group()
+    if rank == 0:
+        out.put(times)
+
+
+def _rank_sync(rank: int, world: int, port: int, cores: int, out, iterations: int = 60) -> None:
+    """Pairs of ranks alternate ~1 ms of compute with an all-reduce of one number, as tensor-
+    parallel pairs do: the median round's wall time beyond the compute's share of the cores
+    (medians: the fastest round of an oversubscribed node is one where the peers happened to
+    wait, not the node's rate)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    group, one = pairs[rank // 2], torch.ones(1)
+    a = torch.randn(384, 384)
+    compute, rounds = [], []
+    dist.barrier()
+    for _ in range(iterations):
+        started, cpu = time.perf_counter(), time.thread_time()
+        torch.mm(a, a)
+        compute.append(time.thread_time() - cpu)
+        dist.all_reduce(one, group=group)
+        rounds.append(time.perf_counter() - started)
+    dist.barrier()
+    dist.destroy_process_group()
+    median = len(rounds) // 2
+    share = sorted(compute)[median] * max(1.0, world / cores)  # the compute's wall time with the cores shared
+    out.put(max(0.0, sorted(rounds)[median] - share))
+
+
+def _rank_pipeline(rank: int, world: int, port: int, out, micro_batches: int = 8) -> None:
+    """torch's 1F1B over two stages that compute next to nothing: the best step's time per
+    action on the critical path (2 (m + p - 1) of them), less a hop's latency."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    stage = PipelineStage(torch.nn.Linear(8, 8), rank, world, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, micro_batches, loss_fn=lambda out, target: out.sum(), scale_grads=False)
+    x = torch.randn(micro_batches, 8)
+    best = float("inf")
+    for _ in range(10):
+        dist.barrier()
+        started = time.perf_counter()
+        schedule.step(x) if rank == 0 else schedule.step(target=x, return_outputs=False)
+        best = min(best, time.perf_counter() - started)
+    dist.destroy_process_group()
+    if rank == 0:
+        out.put(best / (2 * (micro_batches + world - 1)))
+
+
+def _run(target: Callable, ranks: int, *args, results: int = 1) -> List:
+    """Start ``ranks`` processes running ``target(rank, ranks, *args, queue)``; the first
+    ``results`` things they put on the queue."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    if target is _rank_matmul:
+        args = (*args, ctx.Barrier(ranks))
+    procs = [ctx.Process(target=target, args=(r, ranks, *args, queue), daemon=True) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    out = [queue.get(timeout=600) for _ in range(results)]
+    for p in procs:
+        p.join(timeout=60)
+    return out
+
+
+def node_gflops(ranks: int, cores: int, rounds: int = 12) -> float:
+    """The node's total fp32 matmul rate with ``ranks`` processes computing at once: one-thread
+    ranks give the cores they can have (min(ranks, cores)) at the rate per CPU-second each
+    reached; a rank with several threads, its best round's rate."""
+    threads = max(1, cores // ranks)
+    rates = _run(_rank_matmul, ranks, threads, rounds, results=ranks)
+    if threads > 1:
+        return sum(rates)
+    return min(ranks, cores) * sum(rates) / ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def latency_by_ranks(cores: int, repeats: int = 3) -> Dict[int, float]:
+    """Microseconds per hop of a two-rank all-reduce (two hops) while N ranks share the node
+    (the least of ``repeats`` runs' median over the ranks)."""
+    out = {}
+    for ranks in (2, 4, 8):
+        medians = []
+        for _ in range(repeats):
+            waits = sorted(_run(_rank_sync, ranks, _free_port(), cores, results=ranks))
+            medians.append(waits[len(waits) // 2] / 2 * 1e6)
+        out[ranks] = min(medians)
+    return out
+
+
+def all_reduce_figures() -> Dict[str, float]:
+    (times,) = _run(_rank_all_reduce, 2, _free_port())
+    small, large = times[256], times[4 * 2 ** 20]
+    # ring all-reduce over n = 2: 2 (n-1)/n B / bw + 2 (n-1) hops of latency
+    return {"latency_us": small / 2 * 1e6, "gbps": 4 * 4 * 2 ** 20 / max(large - small, 1e-9) / 1e9}
+
+
+def calibrate() -> dict:
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(1)
+    single = matmul_gflops()
+    node = {r: max(node_gflops(r, cores) for _ in range(3)) / single for r in RANKS}  # the best of 3 starts
+    block = block_figures()
+    collective = all_reduce_figures()
+    (action,) = _run(_rank_pipeline, 2, _free_port())
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    return {
+        "name": "calibrated", "memory_gib": round(memory_gib, 1), "reserved_gib": 2.0,
+        "matmul_tflops": {"fp32": single / 1e3, "bf16": matmul_gflops(torch.bfloat16) / 1e3,
+                          "fp16": matmul_gflops(torch.float16, repeats=1) / 1e3},
+        "memory_gbps": memory_gbps(), "elementwise_gbps": block["elementwise_gbps"],
+        "intra_gbps": collective["gbps"], "inter_gbps": collective["gbps"], "latency_us": collective["latency_us"],
+        "layer_overhead_us": block["layer_overhead_us"], "node_scaling": node, "shared_memory": True,
+        "pipeline_action_us": max(0.0, action * 1e6 - collective["latency_us"]),
+        "latency_by_ranks": latency_by_ranks(cores),
+        "cores": cores, "source": f"calibrated on {socket.gethostname()} ({cores} cores, torch {torch.__version__}) "
+                                  f"at {datetime.datetime.now():%Y-%m-%d %H:%M}",
+    }
+
+
+def main(argv: List[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m trainer3d.plan --calibrate", description=__doc__.split("\n")[0])
+    parser.add_argument("--calibrate", action="store_true")
+    parser.add_argument("--out", default=DEFAULT_CALIBRATION, help="where to write (cluster.calibration reads it)")
+    args = parser.parse_args(argv)
+    figures = calibrate()
+    out = Path(os.path.expanduser(args.out))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(figures, indent=1) + "\n")
+    print(json.dumps(figures, indent=1))
+    print(f"written to {out}; plan with cluster.gpu=calibrated" + (f" cluster.calibration={args.out}"
+                                                                     if args.out != DEFAULT_CALIBRATION else ""))

@@ -1,0 +1,65 @@
+"""The planner's output: what was searched, the fastest layouts that fit, their commands."""
+
+from typing import List, Sequence
+
+from trainer3d.memory import format_bytes
+from trainer3d.model.flops import flops_per_token
+from trainer3d.model.transformer import count_parameters
+from trainer3d.plan.config import PlanConfig
+from trainer3d.plan.devices import Device
+from trainer3d.plan.search import Plan, SearchResult, command
+
+
+
+def _layout(plan_cfg) -> str:
+    p, t = plan_cfg.parallel, plan_cfg.train
+    return (f"tp={p.tp} pp={p.pp} dp={p.dp} micro={t.micro_batch_size} zero={p.zero_stage}"
+            + (" sp" if p.sequence_parallel else "") + (" recompute" if t.activation_checkpointing else "")
+            + (f" interleaved v={p.pp_virtual_stages}" if p.pp_virtual_stages > 1 else ""))
+
+
+def summary_lines(cfg: PlanConfig, device: Device, result: SearchResult) -> List[str]:
+    c, t = cfg.cluster, cfg.train
+    world = c.nodes * c.gpus_per_node
+    refused = sum(result.refused.values())
+    reasons = ", ".join(f"{knob}: {n:,}" for knob, n in result.refused.most_common())
+    lines = [f"model {cfg.model.name}: {count_parameters(cfg.model):,} parameters; {c.nodes} node(s) x "
+             f"{c.gpus_per_node} {device.name} = {world} ranks; global batch {t.global_batch_size} x {t.seq_len} "
+             f"tokens, {t.dtype}",
+             f"device: {device.source}; {format_bytes(device.usable_bytes(c.gpus_per_node))} usable per rank",
+             f"searched {result.evaluated:,} layouts: {refused:,} refused by validate()"
+             + (f" ({reasons})" if reasons else "") + f", {result.over_memory:,} over memory, "
+             f"{len(result.plans):,} fit"]
+    if result.closest_over is not None:
+        over, closest, rank = result.closest_over
+        lines.append(f"  closest that does not fit: {_layout(closest)}, over by {format_bytes(over)} on stage {rank}")
+    for knob, example in result.refusal_examples.items():
+        lines.append(f"  e.g. {example}")
+    return lines
+
+
+def table_lines(cfg: PlanConfig, plans: Sequence[Plan]) -> List[str]:
+    world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'v':>2} {'dp':>5} {'micro':>5} {'accum':>5} {'zero':>4} {'sp':>3} "
+            f"{'recomp':>6} {'peak':>10} {'step s':>8} {'bubble':>6} {'tokens/s':>11} {'TFLOP/s/rank':>12}")
+    lines = [head]
+    for i, plan in enumerate(plans, 1):
+        p, t = plan.cfg.parallel, plan.cfg.train
+        tflops = flops_per_token(plan.cfg.model, t.seq_len) * plan.tokens_per_s / world / 1e12
+        lines.append(f"{i:>3} {p.tp:>3} {p.pp:>3} {p.pp_virtual_stages:>2} {p.dp:>5} {t.micro_batch_size:>5} "
+                     f"{t.grad_accum_steps:>5} {p.zero_stage:>4} {'y' if p.sequence_parallel else '-':>3} "
+                     f"{'y' if t.activation_checkpointing else '-':>6} {format_bytes(plan.memory.total):>10} "
+                     f"{plan.step.total:>8.3f} {plan.step.bubble / plan.step.total:>6.1%} "
+                     f"{plan.tokens_per_s:>11,.0f} {tflops:>12.3g}")
+    return lines
+
+
+def report(cfg: PlanConfig, device: Device, result: SearchResult, user_overrides: Sequence[str]) -> str:
+    top = result.plans[:cfg.search.top]
+    lines = summary_lines(cfg, device, result)
+    if not top:
+        lines.append("no layout fits: use more nodes, a smaller train.seq_len, or another cluster.gpu")
+        return "\n".join(lines)
+    lines += ["", *table_lines(cfg, top), ""]
+    lines += [f"{i:>3}  {command(plan.cfg, user_overrides)}" for i, plan in enumerate(top, 1)]
+    return "\n".join(lines)

@@ -1,0 +1,166 @@
+"""Search a cluster's layouts: enumerate, keep what ``validate()`` accepts and what fits,
+rank the rest by predicted tokens/s.
+
+The space: tp over the divisors of the ranks per node (tensor parallelism stays inside a
+node, trainer3d/topology.py), pp over the divisors of what is left (at most one layer per
+stage), dp the rest; then micro-batch size, ZeRO stage, sequence parallelism (tp > 1),
+recomputation and the schedule (1F1B, or interleaved 1F1B with v chunks per rank when
+pp > 1). Two of validate()'s rules shape the space instead of filtering it (ZeRO 2/3 only
+without a pipeline; at least one layer per stage), and without data parallelism only ZeRO
+stage 0 is tried (the others shard over dp = 1: the same layout). Every candidate goes through the engine's own ``validate()`` (its refusals are
+counted by the knob they name), then through the peak-memory accounting of the ranks that
+bound it (trainer3d/peak_memory.py), then through the step-time model (step_time.py).
+"""
+
+import dataclasses
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+from trainer3d.config import Config, LauncherConfig
+from trainer3d.peak_memory import RankMemory, rank_memory
+from trainer3d.plan.config import PlanConfig
+from trainer3d.plan.devices import Device
+from trainer3d.plan.step_time import StepTime, ranks_evaluated, step_time, tokens_per_s
+from trainer3d.validate import ConfigError, validate
+
+GiB = 2 ** 30
+
+
+@dataclass
+class Plan:
+    """A layout that fits, with its worst rank's peak and its predicted step."""
+
+    cfg: Config
+    memory: RankMemory
+    step: StepTime
+
+    @property
+    def tokens_per_s(self) -> float:
+        return tokens_per_s(self.cfg, self.step)
+
+
+@dataclass
+class SearchResult:
+    plans: List[Plan] = field(default_factory=list)
+    """Every layout that fits, fastest first."""
+    evaluated: int = 0
+    """Candidates handed to validate()."""
+    refused: Counter = field(default_factory=Counter)
+    """validate()'s refusals by the knob the first problem names."""
+    refusal_examples: Dict[str, str] = field(default_factory=dict)
+    over_memory: int = 0
+    closest_over: Optional[Tuple[float, Config, int]] = None
+    """(bytes over, layout, pipeline rank) of the layout that misses by the least."""
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _launcher(cfg: PlanConfig, device: Device) -> LauncherConfig:
+    c = cfg.cluster
+    if c.nodes == 1 and device.shared_memory:
+        return dataclasses.replace(cfg.launcher, name="local", nodes=1, tasks_per_node=None)
+    return dataclasses.replace(cfg.launcher, name="slurm", nodes=c.nodes, tasks_per_node=c.gpus_per_node,
+                               gpus_per_node=0 if device.shared_memory else c.gpus_per_node)
+
+
+def candidates(cfg: PlanConfig, device: Device) -> Iterator[Config]:
+    """Every layout of the search space, unvalidated (see the module docstring)."""
+    c, s, m = cfg.cluster, cfg.search, cfg.model
+    world = c.nodes * c.gpus_per_node
+    launcher = _launcher(cfg, device)
+    base = Config(model=cfg.model, optim=cfg.optim, data=cfg.data, logger=cfg.logger, checkpoint=cfg.checkpoint,
+                  launcher=launcher, run_dir=".")
+    for tp in _divisors(c.gpus_per_node):
+        for pp in (d for d in _divisors(world // tp) if d <= m.n_layers):
+            schedules = [("1f1b", 1)] + [("interleaved_1f1b", v) for v in s.virtual_stages
+                                         if v > 1 and pp > 1 and pp * v <= m.n_layers]
+            for micro in s.micro_batch_sizes:
+                for zero in (z for z in s.zero_stages if (pp == 1 or z < 2) and (world > tp * pp or z == 0)):
+                    for sp in (s.sequence_parallel if tp > 1 else [False]):
+                        for recompute in s.recompute:
+                            for schedule, v in schedules:
+                                parallel = dataclasses.replace(
+                                    cfg.parallel, tp=tp, pp=pp, dp=world // (tp * pp), zero_stage=zero,
+                                    sequence_parallel=sp, pp_schedule=schedule, pp_virtual_stages=v, pp_layers=None)
+                                train = dataclasses.replace(cfg.train, micro_batch_size=micro, grad_accum_steps=None,
+                                                            activation_checkpointing=recompute)
+                                yield dataclasses.replace(base, parallel=parallel, train=train)
+
+
+_KNOB = re.compile(r"([a-z_]+\.[a-z_]+)")
+
+
+def evaluate(cfg: Config, device: Device, ranks_per_node: int, backend: str) -> Plan:
+    """A validated layout's worst peak memory and predicted step (the step is timed even
+    when the memory does not fit; search() drops those)."""
+    mems = {r: rank_memory(cfg, r) for r in ranks_evaluated(cfg.parallel.pp)}
+    step = step_time(cfg, device, {r: mem.states for r, mem in mems.items()}, ranks_per_node, backend)
+    return Plan(cfg=cfg, memory=max(mems.values(), key=lambda mem: mem.total), step=step)
+
+
+def backend_of(cfg: PlanConfig, device: Device) -> str:
+    return cfg.cluster.backend if cfg.cluster.backend != "auto" else ("gloo" if device.shared_memory else "nccl")
+
+
+def search(cfg: PlanConfig, device: Device) -> SearchResult:
+    c = cfg.cluster
+    backend = backend_of(cfg, device)
+    usable = device.usable_bytes(c.gpus_per_node)
+    result = SearchResult()
+    for candidate in candidates(cfg, device):
+        result.evaluated += 1
+        try:
+            valid = validate(candidate)
+        except ConfigError as err:
+            knob = (_KNOB.search(err.problems[0]) or _KNOB.search("layout.other")).group(1)
+            result.refused[knob] += 1
+            result.refusal_examples.setdefault(knob, err.problems[0])
+            continue
+        plan = evaluate(valid, device, c.gpus_per_node, backend)
+        if plan.memory.total > usable:
+            result.over_memory += 1
+            over = plan.memory.total - usable
+            if result.closest_over is None or over < result.closest_over[0]:
+                result.closest_over = (over, valid, plan.memory.pp_rank)
+            continue
+        result.plans.append(plan)
+    result.plans.sort(key=lambda plan: (-plan.tokens_per_s, plan.memory.total))
+    return result
+
+
+# ------------------------------------------------------------------ the command to run
+
+_SEARCHED = ("parallel.", "train.micro_batch_size", "train.grad_accum_steps", "train.global_batch_size",
+             "train.seq_len", "train.dtype", "train.activation_checkpointing", "launcher", "cluster.", "search.",
+             "hydra.")
+
+
+def layout_overrides(cfg: Config) -> List[str]:
+    """The knobs a plan sets, as ``python -m trainer3d.train`` overrides."""
+    p, t, launcher = cfg.parallel, cfg.train, cfg.launcher
+    out = [f"parallel.tp={p.tp}", f"parallel.pp={p.pp}", f"parallel.dp={p.dp}", f"parallel.zero_stage={p.zero_stage}"]
+    if p.sequence_parallel:
+        out.append("parallel.sequence_parallel=true")
+    if p.pp_schedule != "1f1b":
+        out += [f"parallel.pp_schedule={p.pp_schedule}", f"parallel.pp_virtual_stages={p.pp_virtual_stages}"]
+    out += [f"train.micro_batch_size={t.micro_batch_size}", "train.grad_accum_steps=null",
+            f"train.global_batch_size={t.global_batch_size}", f"train.seq_len={t.seq_len}", f"train.dtype={t.dtype}"]
+    if t.activation_checkpointing:
+        out.append("train.activation_checkpointing=true")
+    if launcher.name == "slurm":
+        out += ["launcher=slurm", f"launcher.nodes={launcher.nodes}", f"launcher.tasks_per_node={launcher.tasks_per_node}"]
+        if launcher.gpus_per_node:
+            out.append(f"launcher.gpus_per_node={launcher.gpus_per_node}")
+    return out
+
+
+def command(cfg: Config, user_overrides: Sequence[str] = ()) -> str:
+    """The training command of a plan: the user's own overrides (model, data, optimizer ...)
+    that the plan does not set, then the plan's."""
+    kept = [o for o in user_overrides if not o.lstrip("+~").startswith(_SEARCHED)]
+    return " ".join(["python -m trainer3d.train", *kept, *layout_overrides(cfg)])
+
