@@ -40,10 +40,13 @@ def test_end_processes_finds_children_by_token_not_by_tree(tmp_path):
 
     token = new_token()
     env = dict(os.environ, TRAINER3D_JOB=token)
-    child = subprocess.Popen(["sh", "-c", "sleep 600 & sleep 600"], env=env, start_new_session=True)
+    child = subprocess.Popen(["sh", "-c", "sleep 600 & sleep 600 & wait"], env=env, start_new_session=True)
     try:
-        assert len(processes_with_token(token)) == 2 or child.poll() is None
-        assert end_processes(token, kill_wait_s=5, reap=child.poll) >= 2
+        deadline = time.monotonic() + 30  # the shell forks its background sleep when it gets the CPU
+        while len(processes_with_token(token)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(processes_with_token(token)) == 3  # the shell and its two sleeps
+        assert end_processes(token, kill_wait_s=5, reap=child.poll) == 3
         assert processes_with_token(token) == []
     finally:
         child.kill()

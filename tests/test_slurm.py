@@ -108,11 +108,15 @@ def test_unreachable_cluster_is_explained(tmp_path):
 
 
 def test_a_job_failing_on_the_cluster_shows_the_failing_rank(slurm_cluster, tmp_path):
-    # A vocabulary smaller than the data's passes validation but fails on every rank at start.
-    proc = train(slurm_cluster, tmp_path / "run", *SMALL, "parallel.dp=2", "train.max_steps=2", "model.vocab_size=100",
-                 "launcher=slurm", "launcher.wait=true")
+    # Rank 1 fails after it joins the group (tests/plugins/fail_rank): nothing checked before launch sees it.
+    plugin = Path(__file__).parent / "plugins" / "fail_rank"
+    env = dict(slurm_cluster, TRAINER3D_TEST_FAIL_RANK="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(plugin), slurm_cluster.get("PYTHONPATH")])))
+    proc = train(env, tmp_path / "run", *SMALL, "parallel.dp=2", "train.max_steps=2", "launcher=slurm",
+                 "launcher.wait=true")
     assert proc.returncode != 0
-    assert "data vocabulary 257 > model.vocab_size=100" in proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "planted failure on rank 1" in out and "rank 1" in out, out[-3000:]
 
 
 def test_own_sbatch_template_trains_with_srun(slurm_cluster, tmp_path):
