@@ -115,14 +115,20 @@ def _rank(rank, world, args):
     counter = _allocation_counter()
     with counter:
         step(meter)
-    return {"step_ms": statistics.median(times) * 1e3, "saved_mib": meter.peak_bytes / 2**20,
+    import trainer3d
+    return {"source": trainer3d.__file__, "step_ms": statistics.median(times) * 1e3, "saved_mib": meter.peak_bytes / 2**20,
             "allocated_mib": counter.bytes / 2**20, "loss": loss.item()}
 
 
 def child(args) -> dict:
     sys.path.insert(0, args.root)
     from trainer3d.local_ranks import run_ranks
-    return run_ranks(_rank, args.tp * args.dp, args, timeout=1800, pg_timeout_s=300)[0]
+    if not Path(sys.modules["trainer3d"].__file__).is_relative_to(args.root):
+        raise RuntimeError(f"trainer3d imported from {sys.modules['trainer3d'].__file__}, not {args.root}")
+    results = run_ranks(_rank, args.tp * args.dp, args, timeout=1800, pg_timeout_s=300)
+    if not all(Path(r.pop("source")).is_relative_to(args.root) for r in results):
+        raise RuntimeError(f"the ranks did not import trainer3d from {args.root}")
+    return results[0]
 
 
 # ---------------------------------------------------------------------------- the parent: compare
@@ -138,7 +144,11 @@ def _extract(rev: str, into: Path) -> Path:
 
 def _run(argv, root: Path) -> dict:
     cmd = [sys.executable, __file__, *argv, "--child", "--root", str(root)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    # Started in ``root`` with it on PYTHONPATH, not only on sys.path: the ranks fork from a
+    # forkserver, whose sys.path starts with its working directory and the environment's
+    # (Python 3.11's forkserver.main ignores the parent's sys.path).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env, cwd=root)
     if proc.returncode != 0:
         raise RuntimeError(f"bench_hotpath child ({root}) failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
