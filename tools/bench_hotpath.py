@@ -2,9 +2,10 @@
 """Bytes and time of one training step on the hot path, against another revision of the code.
 
     python tools/bench_hotpath.py [--tp 2] [--dp 1] [--sp] [--dtype fp32] [--zero-stage 0]
-                                  [--grad-accum 2] [--against main] [model knobs of bench_common]
+                                  [--grad-accum 2] [--vocab 257] [--against main] [--rounds 2]
 
-``tp x dp`` gloo ranks (pp 1) train the bench model (tools/bench_common.py) through the
+``tp x dp`` gloo ranks (pp 1) train the bench model (tools/bench_common.py's shape; the
+vocabulary is a knob here) through the
 engine's own pieces (``build_model_chunks``, ``build_optimizer``, ``build_loss_fn``, the
 trainer's step order) and report, for rank 0:
 
@@ -72,7 +73,7 @@ def _rank(rank, world, args):
 
     cfg = Config()
     cfg.model = ModelConfig(name="bench", dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4,
-                            ffn_dim=3 * args.dim, vocab_size=257, max_seq_len=args.seq_len)
+                            ffn_dim=3 * args.dim, vocab_size=args.vocab, max_seq_len=args.seq_len)
     p, t = cfg.parallel, cfg.train
     p.tp, p.dp, p.pp, p.sequence_parallel, p.zero_stage = args.tp, args.dp, 1, args.sp, args.zero_stage
     t.seq_len, t.micro_batch_size, t.grad_accum_steps, t.dtype = args.seq_len, args.micro_batch, args.grad_accum, args.dtype
@@ -84,7 +85,7 @@ def _rank(rank, world, args):
     g = torch.Generator().manual_seed(dims.dp_rank)
 
     def step(meter=None):
-        batch = torch.randint(0, 257, (2, args.grad_accum, args.micro_batch, args.seq_len), generator=g)
+        batch = torch.randint(0, args.vocab, (2, args.grad_accum, args.micro_batch, args.seq_len), generator=g)
         optimizer.zero_grad()
         losses = []
         for m in range(args.grad_accum):
@@ -173,6 +174,7 @@ def main(argv=None) -> int:
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=257, help="vocabulary (257: bytes; 32000: Llama-2's)")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6)
@@ -188,7 +190,7 @@ def main(argv=None) -> int:
     own = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
            if k not in ("against", "rounds", "child", "root", "sp")] + (["--sp"] if args.sp else [])
     layout = (f"tp={args.tp} dp={args.dp} sp={args.sp} {args.dtype} zero {args.zero_stage}, dim {args.dim}, "
-              f"{args.layers} layers, {args.grad_accum} x {args.micro_batch} x {args.seq_len} tokens per rank")
+              f"{args.layers} layers, vocab {args.vocab}, {args.grad_accum} x {args.micro_batch} x {args.seq_len} tokens per rank")
     print(layout)
     with tempfile.TemporaryDirectory() as tmp:
         roots = {"this tree": ROOT}
