@@ -71,14 +71,13 @@ class Trainer:
         self.heartbeat = None
         """Set by the launcher (trainer3d/heartbeat.py): told the steps completed at each step boundary."""
         t = cfg.train
-        self.checkpointer = Checkpointer(cfg, dims)
-        resume_from = self.checkpointer.choose()
-        self.chunks: List[nn.Module] = build_model_chunks(cfg, dims, initialise=resume_from is None)
+        self.chunks: List[nn.Module] = build_model_chunks(cfg, dims)
         self.optimizer: ZeroOptimizer = build_optimizer(self.chunks, cfg, dims)
         self.micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims), t.grad_accum_steps, self.optimizer)
         self.pipeline = Pipeline(self.chunks, self.micro_loss, cfg, dims) if dims.pp > 1 else None
         self.data, self.evaluator = self._build_data()
-        self.start_step = self.checkpointer.resume(self.optimizer, resume_from)
+        self.checkpointer = Checkpointer(cfg, dims, self.optimizer)
+        self.start_step = self.checkpointer.resume()
         self.metrics = self._build_metrics()
         if self.pipeline is not None:
             self.pipeline.report_to(self.metrics)

@@ -1,9 +1,7 @@
 """Save, find and resume checkpoints: what the trainer calls.
 
-    checkpointer = Checkpointer(cfg, dims)
-    choice = checkpointer.choose()               # train.resume: auto | never | <path>
-    chunks = build_model_chunks(cfg, dims, initialise=choice is None)
-    start_step = checkpointer.resume(optimizer, choice)
+    checkpointer = Checkpointer(cfg, dims, optimizer)
+    start_step = checkpointer.resume()          # train.resume: auto | never | <path>
     ...
     checkpointer.save(step)                      # every checkpoint.every steps, at the end, on preemption
 
@@ -45,10 +43,8 @@ def checkpoint_root(cfg: Config) -> Path:
 
 
 class Checkpointer:
-    def __init__(self, cfg: Config, dims: ParallelDims):
-        self.cfg, self.dims = cfg, dims
-        self.optimizer: Optional[ZeroOptimizer] = None
-        """Set by ``resume``: the optimizer whose state (model included) is saved and loaded."""
+    def __init__(self, cfg: Config, dims: ParallelDims, optimizer: ZeroOptimizer):
+        self.cfg, self.dims, self.optimizer = cfg, dims, optimizer
         self.root = checkpoint_root(cfg)
         self._make = None
         self.last_saved: Optional[int] = None
@@ -115,9 +111,8 @@ class Checkpointer:
         info = store.read_marker(path)
         return info["step"], path, info
 
-    def choose(self) -> Optional[Tuple[int, Path, dict]]:
-        """The checkpoint this run resumes from (rank 0 picks, every rank learns it), or None.
-        Called before the model is built: a resumed run has nothing to initialise."""
+    def resume(self) -> int:
+        """Load the chosen checkpoint into this rank's model and optimizer; returns the step to start at."""
         choice: List[object] = [None]
         if self.dims.rank == 0:
             try:
@@ -127,15 +122,9 @@ class Checkpointer:
         dist.broadcast_object_list(choice, src=0)
         if isinstance(choice[0], CheckpointError):
             raise choice[0]
-        return choice[0]
-
-    def resume(self, optimizer: ZeroOptimizer, choice: Optional[Tuple[int, Path, dict]]) -> int:
-        """Load ``choice`` (from ``choose``) into this rank's model and optimizer; returns the
-        step to start at (0 without a checkpoint)."""
-        self.optimizer = optimizer
-        if choice is None:
+        if choice[0] is None:
             return 0
-        step, path, info = choice
+        step, path, info = choice[0]
         same_world = info.get("layout") == layout_of(self.cfg)
         state = rank_state(self.optimizer, self.dims, self.make, with_rng=same_world)
         dcp.load(state, checkpoint_id=str(path))
