@@ -1,0 +1,101 @@
+"""Process-group timeouts: start-up and checkpoint I/O wait long, the step's collectives do not
+(trainer3d/timeouts.py), on real gloo groups."""
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from tests.harness import run_ranks
+from trainer3d.timeouts import GroupTimeouts, group_timeout_s, set_timeout
+from trainer3d.topology import ParallelDims, Topology
+
+CPU = torch.device("cpu")
+NAMES = ("default", "tp", "dp", "pp", "embedding", "embedding_dp")
+
+
+def _timeouts_of(dims: ParallelDims) -> dict:
+    return {name: group_timeout_s(group, CPU) for name, group in zip(NAMES, dims.groups())}
+
+
+def _capture_options(captured: list):
+    """Record the options objects ParallelDims.build hands to torch (gloo copies them, NCCL
+    keeps a reference, so on gloo only their identity shows a shared object)."""
+    import trainer3d.topology as topology
+    mesh, new_group = topology.init_device_mesh, dist.new_group
+
+    def mesh_spy(*args, backend_override, **kwargs):
+        captured.extend(options for _, options in backend_override.values())
+        return mesh(*args, backend_override=backend_override, **kwargs)
+
+    def group_spy(*args, pg_options=None, **kwargs):
+        captured.append(pg_options)
+        return new_group(*args, pg_options=pg_options, **kwargs)
+
+    topology.init_device_mesh, topology.dist.new_group = mesh_spy, group_spy
+
+
+def _switches(rank, world):
+    captured: list = []
+    _capture_options(captured)
+    dims = ParallelDims.build(Topology(tp=2, pp=2, dp=2), CPU, tied_embeddings=True, timeout_s=300)
+    seen = {"built": _timeouts_of(dims), "options": len(captured), "distinct": len({id(o) for o in captured}),
+            "option_timeouts": {o._timeout.total_seconds() for o in captured}}
+    set_timeout([dims.tp_group], 40)  # one group alone: no other may follow it
+    seen["tp_alone"] = _timeouts_of(dims)
+    timeouts = GroupTimeouts(dims.groups(), init_timeout_s=300, step_timeout_s=7)
+    timeouts.to_step()
+    seen["step"] = _timeouts_of(dims)
+    with timeouts.io():
+        seen["io"] = _timeouts_of(dims)
+    seen["after_io"] = _timeouts_of(dims)
+    return seen
+
+
+def test_every_group_has_its_own_timeout_switched_between_startup_io_and_step():
+    for seen in run_ranks(_switches, 8, timeout=180, pg_timeout_s=300):
+        # 3 mesh dimensions + 4 embedding groups + 2 embedding-dp groups, each its own object
+        assert seen["options"] == seen["distinct"] == 3 + 4 + 2
+        assert seen["option_timeouts"] == {300}
+        assert seen["built"] == {name: 300 for name in NAMES}
+        assert seen["tp_alone"] == {**seen["built"], "tp": 40}
+        assert seen["step"] == {name: 7 for name in NAMES}
+        assert seen["io"] == {**seen["step"], "default": 300}
+        assert seen["after_io"] == seen["step"]
+
+
+STEP_S, SLOW_SAVE_S = 2.0, 6.0
+
+
+def _slow_save_then_stuck_step(rank, world):
+    dims = ParallelDims.build(Topology(tp=1, pp=1, dp=2), CPU, timeout_s=120)
+    timeouts = GroupTimeouts(dims.groups(), init_timeout_s=120, step_timeout_s=STEP_S)
+    timeouts.to_step()
+    with timeouts.io():  # a save whose writes take longer than the step timeout on one rank
+        if rank == 1:
+            time.sleep(SLOW_SAVE_S)
+        dist.barrier()
+    outcome = {"save": "ok"}
+    if rank == 1:  # never joins the step's collective, but stays alive (a hung peer, not a dead one)
+        time.sleep(3 * STEP_S + 4)
+        return outcome
+    for name, group in (("dp", dims.dp_group), ("default", None)):
+        started = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(4), group=group)
+            outcome[name] = "completed"
+        except RuntimeError as err:
+            outcome[name] = ("failed", time.monotonic() - started, str(err).splitlines()[0])
+    return outcome
+
+
+def test_slow_checkpoint_io_passes_while_a_stuck_step_collective_fails_within_timeout_s():
+    # The harness's bound (90 s) is below init_timeout_s (120 s): were the step collectives
+    # still on the start-up timeout, the run would be killed and the test fail.
+    rank0, rank1 = run_ranks(_slow_save_then_stuck_step, 2, timeout=90, pg_timeout_s=120)
+    assert rank0["save"] == rank1["save"] == "ok"
+    for name in ("dp", "default"):
+        status, waited, message = rank0[name]
+        assert status == "failed", (name, rank0[name])
+        assert waited >= STEP_S * 0.9, (name, waited)  # it waited for the peer, then gave up
+        assert "timed out" in message.lower() or "timeout" in message.lower(), message
