@@ -11,9 +11,10 @@ checkpoint barriers use — goes back to ``init_timeout_s`` for the length of ea
 load (the same scheme as torchtitan's ``set_pg_timeouts`` in torchtitan/distributed/utils.py,
 through torch's ``_set_pg_timeout``).
 
-Every group is built from its own backend options object: a group keeps a reference to the
-options it was built from, so one object handed to several groups would tie their timeouts
-together (torch copies the options in its own ``split_group`` for that reason).
+Groups are never built from another group's backend options object: NCCL keeps a reference
+to the options a group was built from, so one object handed to several groups would tie their
+timeouts together (torch copies the options in its own ``split_group`` for that reason).
+trainer3d/topology.py lets torch make each group's options and sets the timeout on the group.
 """
 
 import contextlib
@@ -25,16 +26,6 @@ import torch.distributed as dist
 
 def seconds(value: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=value)
-
-
-def fresh_options(backend: str, timeout_s: float):
-    """A new options object of ``backend`` ("nccl" or "gloo") carrying ``timeout_s``, for one group."""
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-    else:
-        options = dist.ProcessGroupGloo._Options()
-    options._timeout = seconds(timeout_s)
-    return options
 
 
 def group_timeout_s(group: dist.ProcessGroup, device) -> float:

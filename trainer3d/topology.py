@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from trainer3d.timeouts import fresh_options, group_timeout_s, seconds
+from trainer3d.timeouts import group_timeout_s, seconds, set_timeout
 
 DIMS = ("pp", "dp", "tp")  # slowest to fastest
 
@@ -132,19 +132,19 @@ class ParallelDims:
         world = dist.get_world_size()
         if world != topo.world_size:
             raise RuntimeError(f"process group has {world} ranks, layout tp*pp*dp needs {topo.world_size}")
-        backend = dist.get_backend()
         if timeout_s is None:
             timeout_s = group_timeout_s(dist.distributed_c10d._get_default_group(), device)
-        # Without options the mesh's groups get torch's default timeout (30 min on gloo), not
-        # the run's; each dimension gets an options object of its own (trainer3d/timeouts.py).
-        override = {name: (backend, fresh_options(backend, timeout_s)) for name in DIMS}
-        mesh = init_device_mesh(device.type, (topo.pp, topo.dp, topo.tp), mesh_dim_names=DIMS,
-                                backend_override=override)
+        # The mesh's groups start with torch's default timeout (30 min on gloo, 10 on NCCL),
+        # whatever options are passed in some releases (2.9 drops backend_override's timeout),
+        # so the run's is set on each group afterwards. No group is handed another's options
+        # object: NCCL keeps it by reference, and one shared object would tie their timeouts.
+        mesh = init_device_mesh(device.type, (topo.pp, topo.dp, topo.tp), mesh_dim_names=DIMS)
+        set_timeout([mesh[name].get_group() for name in DIMS], timeout_s)
         dims = cls(topo=topo, rank=dist.get_rank(), mesh=mesh, tp_group=mesh["tp"].get_group(),
                    dp_group=mesh["dp"].get_group(), pp_group=mesh["pp"].get_group(), device=device)
         if tied_embeddings and topo.pp > 1:
-            dims.embedding_group = _my_group(topo.embedding_groups(), dims.rank, backend, timeout_s)
-            dims.embedding_dp_group = _my_group(topo.embedding_dp_groups(), dims.rank, backend, timeout_s)
+            dims.embedding_group = _my_group(topo.embedding_groups(), dims.rank, timeout_s)
+            dims.embedding_dp_group = _my_group(topo.embedding_dp_groups(), dims.rank, timeout_s)
         return dims
 
     def groups(self) -> List[dist.ProcessGroup]:
@@ -173,13 +173,12 @@ class ParallelDims:
         return self.pp_rank == self.topo.pp - 1
 
 
-def _my_group(groups: List[List[int]], rank: int, backend: str, timeout_s: float) -> Optional[dist.ProcessGroup]:
-    """Create every group (each rank must call new_group for all of them, in the same order),
-    each with options of its own; return the one holding ``rank``."""
+def _my_group(groups: List[List[int]], rank: int, timeout_s: float) -> Optional[dist.ProcessGroup]:
+    """Create every group (each rank must call new_group for all of them, in the same order)
+    with the default group's backend and ``timeout_s``; return the one holding ``rank``."""
     mine = None
     for ranks in groups:
-        group = dist.new_group(ranks, backend=backend, timeout=seconds(timeout_s),
-                               pg_options=fresh_options(backend, timeout_s))
+        group = dist.new_group(ranks, backend=dist.get_backend(), timeout=seconds(timeout_s))
         if rank in ranks:
             mine = group
     return mine
