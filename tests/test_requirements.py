@@ -13,12 +13,12 @@ def test_pyproject_torch_floor_is_the_checked_one():
     assert re.findall(r'"torch>=([0-9.]+)"', text) == [TORCH_FLOOR]
 
 
-@pytest.mark.parametrize("version", ["2.8.0", "2.8.0+cpu", "1.13.1", "2.6.0a0+git1234"])
+@pytest.mark.parametrize("version", ["2.9.1+cu128", "2.10.0", "1.13.1", "2.6.0a0+git1234"])
 def test_older_torch_refused_with_the_fix(version):
     with pytest.raises(ImportError, match=rf"needs torch>={TORCH_FLOOR}, this Python has torch {re.escape(version)}"):
         check_torch(version)
 
 
-@pytest.mark.parametrize("version", [TORCH_FLOOR + ".0", "2.9.1+cu128", "2.10.0a0+gitabc", "2.13.0+cpu", "3.0.0"])
+@pytest.mark.parametrize("version", [TORCH_FLOOR + ".0", "2.11.0+cu130", "2.12.0a0+gitabc", "2.13.0+cpu", "3.0.0"])
 def test_floor_and_newer_accepted(version):
     check_torch(version)
