@@ -1,7 +1,7 @@
 """The oldest torch trainer3d runs on, checked when the package is imported.
 
-The floor is the oldest release the tests were seen to pass on: 2.11 (the ZeRO stages 0-3,
-process-group timeout and floor tests; CI runs 2.13). On 2.9.1 the ZeRO-2 (FSDP2
+The floor is the oldest release the tests were seen to pass on: 2.11 (ZeRO stages 0-3, TP,
+pipeline, topology, process-group timeout and floor tests; CI runs 2.13). On 2.9.1 the ZeRO-2 (FSDP2
 ``fully_shard``) optimizer test's gradient norms leave torch AdamW's from the second step
 (by 5%), so 2.9 and older are refused. The APIs used are older than the floor:
 ``torch.distributed.pipelining`` (2.4), SDPA's ``enable_gqa`` (2.5), ``fully_shard`` under
