@@ -97,7 +97,11 @@ class ParallelConfig:
     backend: str = "auto"
     """torch.distributed backend: auto (nccl with GPUs, else gloo) | gloo | nccl."""
     timeout_s: float = 120.0
-    """Collective timeout: a dead or stuck rank ends the job after this long instead of hanging."""
+    """The training step's collective timeout: a dead or stuck rank ends the job after this long
+    instead of hanging."""
+    init_timeout_s: float = 1200.0
+    """The timeout of start-up (rendezvous, building the model, the first step with its
+    compilation) and of checkpoint saves and loads, which may wait on a slow shared filesystem."""
 
 
 @dataclass
@@ -126,7 +130,10 @@ class TrainConfig:
     resume: str = "auto"
     """auto (newest complete checkpoint of the run, if any) | never | a checkpoint path."""
     device: str = "auto"
-    """auto (cuda if available, else cpu) | cpu | cuda."""
+    """auto | cpu | cuda. auto is cuda when launcher.gpus_per_node > 0, cpu for a Slurm job
+    without GPUs, else cuda where a GPU is visible (checked before launch); one rank per GPU."""
+    compile: bool = False
+    """torch.compile each transformer block (after tensor parallelism, before pipeline staging)."""
     peak_tflops: Optional[float] = None
     """Peak TFLOP/s per rank for MFU; default from the device name where known."""
     eval_every: int = 100
@@ -205,6 +212,8 @@ class LauncherConfig:
     tasks_per_node: Optional[int] = None
     """Ranks per node; default: world size / nodes."""
     gpus_per_node: int = 0
+    """GPUs per node; > 0 means the ranks run on CUDA, one per GPU (the Slurm request asks for them
+    and tasks_per_node must equal it)."""
     cpus_per_task: Optional[int] = None
     mem_gb: Optional[float] = None
     partition: Optional[str] = None

@@ -10,7 +10,6 @@ exports MASTER_ADDR/PORT, RANK and WORLD_SIZE, the rank starts its heartbeat
 peer ends the job instead of hanging it for gloo's default 30 minutes.
 """
 
-import datetime
 import os
 import sys
 from pathlib import Path
@@ -21,12 +20,14 @@ import torch
 import torch.distributed as dist
 
 from trainer3d.config import Config
+from trainer3d.device_check import rank_device
 from trainer3d.failure import rank_failures
 from trainer3d.follow import follow
 from trainer3d.heartbeat import Heartbeat, heartbeat_dir
 from trainer3d.interrupt import TOKEN_VAR, Interrupted, JobSignals, end_processes, new_token, processes_with_token
 from trainer3d.preemption import leave
 from trainer3d.runlock import RunDirBusy, RunDirLock
+from trainer3d.timeouts import seconds
 from trainer3d.topology import ParallelDims, Topology
 from trainer3d.trainer import Trainer
 
@@ -43,14 +44,15 @@ def in_distributed_env() -> bool:
 
 
 def init_distributed(cfg: Config) -> torch.device:
-    """Initialise the default process group from the environment; return this rank's device."""
-    use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    """Initialise the default process group from the environment; return this rank's device.
+
+    The group starts with the start-up timeout (``parallel.init_timeout_s``); the trainer
+    switches to the step's after the first step (trainer3d/timeouts.py)."""
+    device = rank_device(cfg)
+    use_cuda = device.type == "cuda"
     if use_cuda:
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
     else:
-        device = torch.device("cpu")
         # Ranks share the host's cores; without this each one starts a full-size thread pool.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
@@ -58,7 +60,7 @@ def init_distributed(cfg: Config) -> torch.device:
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s),
+        dist.init_process_group(backend=backend, timeout=seconds(cfg.parallel.init_timeout_s),
                                 device_id=device if use_cuda else None)
     return device
 
@@ -74,7 +76,8 @@ def run_rank(cfg: Config, heartbeat: Optional[Heartbeat] = None, lock_run_dir: b
         if lock_run_dir:
             lock = _lock_on_rank0(cfg)
         p = cfg.parallel
-        dims = ParallelDims.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp), device, cfg.model.tie_embeddings)
+        dims = ParallelDims.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp), device, cfg.model.tie_embeddings,
+                                  timeout_s=p.init_timeout_s)
         trainer = Trainer(cfg, dims)
         trainer.heartbeat = heartbeat
         summary = trainer.train()

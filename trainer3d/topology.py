@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from trainer3d.timeouts import group_timeout_s, seconds, set_timeout
+
 DIMS = ("pp", "dp", "tp")  # slowest to fastest
 
 
@@ -121,25 +123,34 @@ class ParallelDims:
     """Both ends' ranks of every dp rank of this tp column (ZeRO-1 sums owned parts over it)."""
 
     @classmethod
-    def build(cls, topo: Topology, device: torch.device, tied_embeddings: bool = False) -> "ParallelDims":
+    def build(cls, topo: Topology, device: torch.device, tied_embeddings: bool = False,
+              timeout_s: Optional[float] = None) -> "ParallelDims":
         """Needs an initialised default process group whose world size is topo.world_size.
-        ``tied_embeddings``: also create the embedding groups (pp > 1)."""
+        ``tied_embeddings``: also create the embedding groups (pp > 1). ``timeout_s``: the
+        groups' collective timeout (default: the default group's); trainer3d/timeouts.py
+        switches it between start-up and the step later."""
         world = dist.get_world_size()
         if world != topo.world_size:
             raise RuntimeError(f"process group has {world} ranks, layout tp*pp*dp needs {topo.world_size}")
-        # The mesh's sub-groups would otherwise get torch's default timeout (30 min on gloo),
-        # not the one given to init_process_group: a stuck pipeline peer or dp replica would
-        # hang the job that long. Give every dimension the default group's own options.
-        options = dist.distributed_c10d._get_default_group()._get_backend(device).options
-        override = {name: (dist.get_backend(), options) for name in DIMS}
-        mesh = init_device_mesh(device.type, (topo.pp, topo.dp, topo.tp), mesh_dim_names=DIMS,
-                                backend_override=override)
+        if timeout_s is None:
+            timeout_s = group_timeout_s(dist.distributed_c10d._get_default_group(), device)
+        # The mesh's groups start with torch's default timeout (30 min on gloo, 10 on NCCL),
+        # whatever options are passed in some releases (2.9 drops backend_override's timeout),
+        # so the run's is set on each group afterwards. No group is handed another's options
+        # object: NCCL keeps it by reference, and one shared object would tie their timeouts.
+        mesh = init_device_mesh(device.type, (topo.pp, topo.dp, topo.tp), mesh_dim_names=DIMS)
+        set_timeout([mesh[name].get_group() for name in DIMS], timeout_s)
         dims = cls(topo=topo, rank=dist.get_rank(), mesh=mesh, tp_group=mesh["tp"].get_group(),
                    dp_group=mesh["dp"].get_group(), pp_group=mesh["pp"].get_group(), device=device)
         if tied_embeddings and topo.pp > 1:
-            dims.embedding_group = _my_group(topo.embedding_groups(), dims.rank, options)
-            dims.embedding_dp_group = _my_group(topo.embedding_dp_groups(), dims.rank, options)
+            dims.embedding_group = _my_group(topo.embedding_groups(), dims.rank, timeout_s)
+            dims.embedding_dp_group = _my_group(topo.embedding_dp_groups(), dims.rank, timeout_s)
         return dims
+
+    def groups(self) -> List[dist.ProcessGroup]:
+        """Every group this rank's step communicates over, the default group included."""
+        own = [self.tp_group, self.dp_group, self.pp_group, self.embedding_group, self.embedding_dp_group]
+        return [dist.distributed_c10d._get_default_group()] + [g for g in own if g is not None]
 
     @property
     def coords(self) -> Coords:
@@ -162,12 +173,12 @@ class ParallelDims:
         return self.pp_rank == self.topo.pp - 1
 
 
-def _my_group(groups: List[List[int]], rank: int, options) -> Optional[dist.ProcessGroup]:
+def _my_group(groups: List[List[int]], rank: int, timeout_s: float) -> Optional[dist.ProcessGroup]:
     """Create every group (each rank must call new_group for all of them, in the same order)
-    with the default group's options (its timeout); return the one holding ``rank``."""
+    with the default group's backend and ``timeout_s``; return the one holding ``rank``."""
     mine = None
     for ranks in groups:
-        group = dist.new_group(ranks, backend=dist.get_backend(), pg_options=options)
+        group = dist.new_group(ranks, backend=dist.get_backend(), timeout=seconds(timeout_s))
         if rank in ranks:
             mine = group
     return mine

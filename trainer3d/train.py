@@ -19,11 +19,12 @@ from omegaconf import DictConfig, OmegaConf
 from trainer3d.checkpoint.store import CheckpointError, require_complete
 from trainer3d.config import Config  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.data.checks import check_data
+from trainer3d.device_check import machine_problems
 from trainer3d.dry_run import print_plan
 from trainer3d.hf.check import apply_init_from
 from trainer3d.launch import TrainTask, in_distributed_env, launch_local
 from trainer3d.slurm import launch_slurm
-from trainer3d.validate import ConfigError, validate
+from trainer3d.validate import ConfigError, validate, world_size_of
 
 
 def resolve(dcfg: DictConfig) -> Config:
@@ -78,6 +79,11 @@ def run(cfg: Config, explicit_model: Sequence[str] = ()) -> int:
     if cfg.dry_run:
         print_plan(cfg)
         return 0
+    problems = machine_problems(cfg, world_size_of(cfg))
+    for problem in problems:
+        print(f"trainer3d: device error: {problem}", file=sys.stderr)
+    if problems:
+        return 2
     problems = check_data(cfg)  # also a data vocabulary or id the model (init_from's included) cannot embed
     for problem in problems:
         print(f"trainer3d: data error: {problem}", file=sys.stderr)

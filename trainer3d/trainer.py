@@ -29,6 +29,7 @@ from trainer3d.parallel.tensor import sync_sequence_parallel_grads
 from trainer3d.parallel.tied import sum_tied_gradients
 from trainer3d.preemption import Stop, StopSignal
 from trainer3d.telemetry import model_state_bytes, resolve_peak_tflops
+from trainer3d.timeouts import GroupTimeouts
 from trainer3d.topology import ParallelDims
 
 
@@ -76,7 +77,8 @@ class Trainer:
         self.micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims), t.grad_accum_steps, self.optimizer)
         self.pipeline = Pipeline(self.chunks, self.micro_loss, cfg, dims) if dims.pp > 1 else None
         self.data, self.evaluator = self._build_data()
-        self.checkpointer = Checkpointer(cfg, dims, self.optimizer)
+        self.timeouts = GroupTimeouts(dims.groups(), cfg.parallel.init_timeout_s, cfg.parallel.timeout_s)
+        self.checkpointer = Checkpointer(cfg, dims, self.optimizer, self.timeouts)
         self.start_step = self.checkpointer.resume()
         self.metrics = self._build_metrics()
         if self.pipeline is not None:
@@ -154,6 +156,7 @@ class Trainer:
         started = time.perf_counter()
         for step in range(self.start_step, t.max_steps):
             loss, grad_norm, lr = self.train_step(step)
+            self.timeouts.to_step()  # start-up (the first step: compilation, warm-up) is over
             self.metrics.record(step, loss, grad_norm, lr, self.optimizer.step_metrics())
             if self.heartbeat is not None:
                 self.heartbeat.step = step + 1

@@ -8,6 +8,7 @@ give): it derives the missing batch knob and returns a completed copy, or raises
 import copy
 from typing import List, Optional
 
+from trainer3d import device_check
 from trainer3d.config import Config
 
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
@@ -60,6 +61,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> Config:
     _check_tensor(cfg, problems)
     _check_zero_and_precision(cfg, problems)
     _check_choices(cfg, problems)
+    problems += device_check.config_problems(cfg, world_size_of(cfg))
     if problems:
         raise ConfigError(problems)
     return cfg
@@ -86,6 +88,7 @@ def _check_positive(cfg: Config, problems: List[str]) -> None:
         if value < 1:
             problems.append(f"{knob}={value} must be >= 1")
     for knob, value in {"optim.lr": cfg.optim.lr, "parallel.timeout_s": cfg.parallel.timeout_s,
+                        "parallel.init_timeout_s": cfg.parallel.init_timeout_s,
                         "parallel.bucket_mb": cfg.parallel.bucket_mb,
                         "train.loss_scale_init": cfg.train.loss_scale_init}.items():
         if value <= 0:

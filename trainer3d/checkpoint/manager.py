@@ -17,6 +17,7 @@ its *current* layout and DCP reads exactly those regions, so the saved layout do
 matter. A layout change is reported.
 """
 
+import contextlib
 import dataclasses
 import shutil
 import time
@@ -34,6 +35,7 @@ from trainer3d.config import Config
 from trainer3d.loggers import scrub
 from trainer3d.parallel.optimizer import ZeroOptimizer
 from trainer3d.parallel.tied import drop_tied_copies
+from trainer3d.timeouts import GroupTimeouts
 from trainer3d.topology import ParallelDims
 from trainer3d.validate import layout_of
 
@@ -43,8 +45,11 @@ def checkpoint_root(cfg: Config) -> Path:
 
 
 class Checkpointer:
-    def __init__(self, cfg: Config, dims: ParallelDims, optimizer: ZeroOptimizer):
+    def __init__(self, cfg: Config, dims: ParallelDims, optimizer: ZeroOptimizer,
+                 timeouts: Optional[GroupTimeouts] = None):
         self.cfg, self.dims, self.optimizer = cfg, dims, optimizer
+        self.timeouts = timeouts
+        """Saves and loads wait with the start-up timeout (a shared filesystem may be slow)."""
         self.root = checkpoint_root(cfg)
         self._make = None
         self.last_saved: Optional[int] = None
@@ -65,10 +70,17 @@ class Checkpointer:
         every = self.cfg.checkpoint.every
         return every > 0 and steps_done % every == 0
 
+    def _io(self):
+        return self.timeouts.io() if self.timeouts is not None else contextlib.nullcontext()
+
     def save(self, steps_done: int) -> Path:
         """Save the state after ``steps_done`` steps (resume starts at that step); every rank."""
         if self.last_saved == steps_done:
             return store.step_dir(self.root, steps_done)
+        with self._io():
+            return self._save(steps_done)
+
+    def _save(self, steps_done: int) -> Path:
         started = time.perf_counter()
         partial, final = store.partial_dir(self.root, steps_done), store.step_dir(self.root, steps_done)
         if self.dims.rank == 0:
@@ -113,6 +125,10 @@ class Checkpointer:
 
     def resume(self) -> int:
         """Load the chosen checkpoint into this rank's model and optimizer; returns the step to start at."""
+        with self._io():
+            return self._resume()
+
+    def _resume(self) -> int:
         choice: List[object] = [None]
         if self.dims.rank == 0:
             try:

@@ -9,7 +9,8 @@
    weights — parallel/precision.py), materialise on this rank's device and fill from the
    parameter source: the layout-independent random init, or ``model.init_from``'s Hugging
    Face weights;
-5. per-layer activation checkpointing, if asked.
+5. per-layer activation checkpointing, if asked;
+6. torch.compile of each transformer block, if asked (parallel/compile.py).
 ``build_optimizer`` then wraps the chunks in the data-parallel optimizer (ZeRO stages 0/1:
 parallel/zero.py, 2/3: parallel/fsdp.py).
 """
@@ -23,6 +24,7 @@ from trainer3d.config import Config
 from trainer3d.hf.source import HFSource
 from trainer3d.model.init import ParameterSource, RandomInit, fill_parameters
 from trainer3d.model.transformer import Transformer
+from trainer3d.parallel.compile import compile_blocks
 from trainer3d.parallel.fsdp import FSDPOptimizer
 from trainer3d.parallel.optimizer import ZeroOptimizer
 from trainer3d.parallel.precision import param_dtype
@@ -63,6 +65,8 @@ def build_model_chunks(cfg: Config, dims: ParallelDims) -> List[nn.Module]:
         fill_parameters(chunk, source)
     if cfg.train.activation_checkpointing:
         checkpoint_layers(chunks)
+    if cfg.train.compile:
+        compile_blocks(chunks)
     return chunks
 
 
