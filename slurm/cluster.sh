@@ -26,9 +26,6 @@
 # SlurmdParameters=config_overrides lets 4-8 tasks run on 2 cores; AuthInfo cred_expire=10
 # lets a requeued job restart after ~10 s instead of 120 s; ReturnToService=2 brings the node
 # back when slurmd restarts; proctrack/linuxproc and task/none need no cgroups or systemd.
-# A requeued job may start only after cred_expire; then nothing schedules it but the periodic
-# passes (backfill every 30 s, the main loop every 60 s by default): bf_interval=1 starts it
-# within a second (slurm.conf(5): SchedulerParameters bf_interval, default 30, minimum 1).
 # Without slurmdbd `sacct` fails and submitit cannot tell when a job ended, hence MariaDB.
 set -euo pipefail
 
@@ -129,7 +126,6 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
 ReturnToService=2
-SchedulerParameters=bf_interval=1
 KillWait=10
 MinJobAge=300
 JobAcctGatherType=jobacct_gather/none

@@ -113,7 +113,7 @@ def losses_in_ranks(run_dir: Path, overrides: Sequence[str], timeout: float = 90
 
 
 def reference_losses(tmp_root: Path, overrides: Sequence[str]) -> List[float]:
-    """Losses of the 1-rank run of ``overrides`` (cached for the session)."""
+    """Losses of the 1-rank run of ``overrides`` through the entry point (cached for the session)."""
     key = tuple(overrides)
     if key not in _REFERENCE_CACHE:
         run_dir = Path(tmp_root) / f"reference-{len(_REFERENCE_CACHE)}"
