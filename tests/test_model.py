@@ -94,3 +94,25 @@ def test_tp_shard_init_is_a_slice_of_the_full_tensor_with_zero_padding():
            for r in range(2)]
     torch.testing.assert_close(torch.cat(col, dim=1), full_init("layers.0.attention.wo.weight", (dim, 32), CFG, 1),
                                rtol=0, atol=0)
+
+
+def test_fused_loss_on_one_rank_matches_torch_in_loss_and_gradient():
+    """The engine's loss at tp = 1 (parallel/tensor_loss.py, no collectives) against torch's
+    cross-entropy on fp32 logits; 16-bit logits against torch on their fp32 values."""
+    from trainer3d.config import Config
+    from trainer3d.memory import planning_dims
+    from trainer3d.parallel import build_loss_fn
+
+    cfg = Config(model=CFG)
+    loss_fn = build_loss_fn(cfg, planning_dims(cfg, 0))
+    targets = torch.randint(0, CFG.vocab_size, (3, 7))
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (4 * torch.randn(3, 7, CFG.vocab_size)).to(dtype).requires_grad_(True)
+        ref_logits = logits.detach().float().requires_grad_(True)
+        loss, ref = loss_fn(logits, targets), F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten())
+        (2 * loss).backward()
+        (2 * ref).backward()
+        assert loss.dtype == torch.float32 and logits.grad.dtype == dtype
+        torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+        rtol, atol = (1e-5, 1e-8) if dtype == torch.float32 else (8e-3, 1e-5)  # bf16: the gradient rounded to 8 bits
+        torch.testing.assert_close(logits.grad.float(), ref_logits.grad, rtol=rtol, atol=atol)

@@ -134,10 +134,11 @@ def embedding_terms(z: Sizes) -> Dict[str, int]:
 
 
 def head_terms(z: Sizes) -> Dict[str, int]:
-    """The last stage: final norm, the head's input, and the loss's fp32 softmax (or
-    log-softmax), each over this rank's vocabulary columns."""
-    valid = min(z.vocab_local, z.vocab)  # tp rank 0's columns are all real
-    loss = FP32 * z.n * valid + (INT64 * z.n + z.n if z.t > 1 else FP32)  # + target index/mask, or nll's weight
+    """The last stage: final norm, the head's input, and the loss's one fp32 buffer, the
+    softmax over this rank's vocabulary columns (padding columns included:
+    parallel/tensor_loss.py), with at tp > 1 the targets' local index and mask (at tp = 1
+    it keeps the targets themselves, a view of the step's batch: ``shared_terms``)."""
+    loss = FP32 * z.n * z.vocab_local + (INT64 * z.n + z.n if z.t > 1 else 0)
     return {"final_norm": _norm(z), "head_input": z.p * z.n * z.h, "loss": loss}
 
 

@@ -13,7 +13,7 @@
                                keeps each in-flight micro-batch's output until its backward
                                (``fwd_cache``); the first block's saved input *is* the receive
                                buffer when it is kept as is (fp32, or under recomputation)
-         + the largest transient  of the backward: the loss gradient over the logits, a
+         + the largest transient  of the backward: the loss gradient cast to 16-bit logits, a
                                recomputed block, a 16-bit parameter gradient before it is
                                added into the fp32 buffer, FSDP2's unsharded parameters and
                                gradients of one unit (an estimate: no CPU counterpart measures it)
@@ -135,8 +135,8 @@ def _pipeline_buffers(z: Sizes, stages: List[int], last: int, m: int, counts: Li
 def _transients(cfg: Config, z: Sizes, stages: List[int], last: int) -> Dict[str, int]:
     p, t = cfg.parallel, cfg.train
     out: Dict[str, int] = {}
-    if last in stages:  # fp32 gradients of the log-softmax and of the logits, alive together
-        out["loss_backward"] = 2 * FP32 * z.n * z.vocab_local
+    if last in stages and z.p != FP32:  # the loss's gradient is its saved fp32 softmax, made in
+        out["loss_backward"] = z.p * z.n * z.vocab_local  # place; 16-bit logits take a cast of it
     if t.activation_checkpointing:
         out["recomputed_block"] = sum(layer_terms(z).values()) - z.hidden_bytes()
     b = BYTES[t.dtype]

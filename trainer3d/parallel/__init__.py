@@ -22,7 +22,7 @@ from torch import nn
 from trainer3d.config import Config
 from trainer3d.hf.source import HFSource
 from trainer3d.model.init import ParameterSource, RandomInit, fill_parameters
-from trainer3d.model.transformer import Transformer, cross_entropy_loss
+from trainer3d.model.transformer import Transformer
 from trainer3d.parallel.fsdp import FSDPOptimizer
 from trainer3d.parallel.optimizer import ZeroOptimizer
 from trainer3d.parallel.precision import param_dtype
@@ -77,7 +77,6 @@ def build_optimizer(chunks: List[nn.Module], cfg: Config, dims: ParallelDims) ->
 
 
 def build_loss_fn(cfg: Config, dims: ParallelDims) -> Callable:
-    """(logits, targets) -> mean token loss; vocabulary-parallel when tp > 1."""
-    if dims.tp > 1:
-        return vocab_parallel_loss_fn(cfg, dims)
-    return cross_entropy_loss
+    """(logits, targets) -> mean token loss; vocabulary-parallel when tp > 1, the same fused
+    function over the whole vocabulary when tp = 1 (parallel/tensor_loss.py)."""
+    return vocab_parallel_loss_fn(cfg, dims)

@@ -17,9 +17,24 @@ and must be summed, and the output must be summed once.
 
 Activations are batch-first ``(batch, seq, ...)``; the sequence is dim 1. Collectives
 work on dim 0, so the sequence is moved to the front for them and back after (one copy
-each way: cheap next to the collective itself). Everything is out of place: a gradient
-handed to a backward may be shared with another branch (a residual add passes the same
-tensor to both of its inputs).
+each way: cheap next to the collective itself).
+
+The two all-reduces work in place, as Megatron-LM's do (megatron/core/tensor_parallel/
+mappings.py, ``_reduce``), where the tensor is provably this operator's alone:
+
+- ``reduce_from_tp`` forward sums the output of a row-parallel matmul (or of the masked
+  embedding lookup), a fresh tensor nothing else has seen. It is marked dirty, so should
+  any operator ever save it for backward, autograd's version check raises instead of
+  computing a wrong gradient.
+- ``copy_to_tp`` backward sums the gradient of a column-parallel region's input. That
+  input is consumed only by the region's column-parallel projections (wq/wk/wv, w1/w3, the
+  head: the pre-hook in parallel/tensor.py hands the entered tensor to them alone), so its
+  gradient is a matmul's fresh output or the buffer autograd summed theirs into, which no
+  other node holds. A gradient that may be shared (a residual add hands the same tensor
+  to both of its inputs) must never be reduced in place: the region's boundary is where
+  that cannot happen.
+
+The sequence-parallel collectives change the shape, so they write into new buffers.
 """
 
 import torch
@@ -32,10 +47,12 @@ def _size(group) -> int:
     return dist.get_world_size(group)
 
 
-def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=group)
-    return out
+def all_reduce_(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``x`` over the group in place (a contiguous copy first if it is not contiguous)."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
 
 
 def all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
@@ -76,14 +93,31 @@ class _Conjugate(torch.autograd.Function):
         return ctx.backward_comm(grad, ctx.group), None, None, None
 
 
+class _ReduceOutput(torch.autograd.Function):
+    """``reduce_from_tp``: all-reduce in place forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = all_reduce_(x, group)
+        if out is x:
+            ctx.mark_dirty(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
-    """Enter a column-parallel region: identity forward, all-reduce of the gradient backward."""
-    return _Conjugate.apply(x, group, _identity, all_reduce)
+    """Enter a column-parallel region: identity forward, all-reduce of the gradient (in
+    place: see the module docstring) backward."""
+    return _Conjugate.apply(x, group, _identity, all_reduce_)
 
 
 def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
-    """Leave a row-parallel region: all-reduce forward, identity backward."""
-    return _Conjugate.apply(x, group, all_reduce, _identity)
+    """Leave a row-parallel region: all-reduce forward (in place on the fresh partial sum),
+    identity backward."""
+    return _ReduceOutput.apply(x, group)
 
 
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
