@@ -1,16 +1,37 @@
-"""Run the real entry point (``python -m trainer3d.train``) and read back its metrics.
+"""Run the real entry point (``python -m trainer3d.train``), or its work on in-process ranks,
+and read back the metrics.
 
 Parity tests compare a layout's per-step losses with a single-process run of the same
 config; the single-process reference for a given set of overrides is run once per test
 session and shared.
+
+``train_in_ranks`` does what the entry point does for a local run — compose the config from
+conf/ with the same overrides, ``model.init_from``, ``validate``, ``check_data``, then
+``TrainTask`` on every rank — with the ranks forked from the harness's forkserver (torch and
+the engine imported once per session) instead of fresh interpreters started by submitit.
+The layouts' parity tests use it; the launcher itself keeps its own end-to-end tests.
 """
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from tests.conftest import CONF_DIR
+from trainer3d.config import Config
+from trainer3d.data.checks import check_data
+from trainer3d.hf.check import apply_init_from
+from trainer3d.launch import TrainTask
+from trainer3d.local_ranks import run_ranks
+from trainer3d.validate import validate
+
 
 # Small enough for 2 cores: 20 steps of 16 sequences x 64 tokens, loss logged every step.
 PARITY = ("train.max_steps=20", "train.log_every=1", "train.seq_len=64", "train.micro_batch_size=2",
@@ -37,6 +58,37 @@ def run_train(run_dir: Path, overrides: Sequence[str], timeout: float = 600,
     return proc
 
 
+def configure(run_dir: Path, overrides: Sequence[str]) -> Config:
+    """The validated config ``python -m trainer3d.train hydra.run.dir=<run_dir> <overrides>``
+    would launch (data checked too)."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        dcfg = compose(config_name="config", overrides=[*overrides, f"run_dir={run_dir}",
+                                                        f"launcher.folder={Path(run_dir) / 'submitit'}"])
+    cfg = OmegaConf.to_object(dcfg)
+    if cfg.model.init_from:
+        cfg = apply_init_from(cfg, [o.split("=", 1)[0][len("model."):] for o in overrides if o.startswith("model.")])
+    cfg = validate(cfg)
+    assert check_data(cfg) == [], check_data(cfg)
+    return cfg
+
+
+def _train_rank(rank: int, world_size: int, cfg: Config) -> str:
+    """One rank of a local job (what submitit's task runs), its stdout returned."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        TrainTask(cfg, lock_run_dir=False)()
+    return out.getvalue()
+
+
+def train_in_ranks(run_dir: Path, overrides: Sequence[str], timeout: float = 900) -> str:
+    """Train ``overrides`` on tp x pp x dp in-process gloo ranks; rank 0's stdout."""
+    cfg = configure(run_dir, overrides)
+    p = cfg.parallel
+    return run_ranks(_train_rank, p.tp * p.pp * p.dp, cfg, timeout=timeout, pg_timeout_s=p.timeout_s)[0]
+
+
 def read_metrics(run_dir: Path) -> List[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -44,13 +96,24 @@ def read_metrics(run_dir: Path) -> List[dict]:
 
 def losses(run_dir: Path, overrides: Sequence[str], timeout: float = 600) -> List[float]:
     run_train(run_dir, overrides, timeout)
+    return train_losses(run_dir)
+
+
+def train_losses(run_dir: Path) -> List[float]:
+    """The per-step losses of a finished run's metrics.jsonl (checked: one row per step)."""
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(len(rows))), "metrics rows must be one per step, in order"
     return [r["loss"] for r in rows]
 
 
+def losses_in_ranks(run_dir: Path, overrides: Sequence[str], timeout: float = 900) -> List[float]:
+    """``losses`` of the same run on in-process ranks (``train_in_ranks``)."""
+    train_in_ranks(run_dir, overrides, timeout)
+    return train_losses(run_dir)
+
+
 def reference_losses(tmp_root: Path, overrides: Sequence[str]) -> List[float]:
-    """Losses of the 1-rank run of ``overrides`` (cached for the session)."""
+    """Losses of the 1-rank run of ``overrides`` through the entry point (cached for the session)."""
     key = tuple(overrides)
     if key not in _REFERENCE_CACHE:
         run_dir = Path(tmp_root) / f"reference-{len(_REFERENCE_CACHE)}"

@@ -1,4 +1,6 @@
-"""Checkpoints through the real entry point: exact resume, resharding, a kill mid-save, export.
+"""Checkpoints: exact resume, resharding, a kill mid-save, export. The kill and the refusal run
+``python -m trainer3d.train``; the other runs do its work on in-process ranks (tests/runs.py:
+train_in_ranks).
 
 All runs use the PARITY settings (20 steps, global batch 16) and a model with 8 heads in 4
 kv-groups so that tp=4 can split it; losses after a resume are compared with the same
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runs import PARITY, REL_TOL, read_metrics, reference_losses, run_train
+from tests.runs import PARITY, REL_TOL, read_metrics, reference_losses, run_train, train_in_ranks
 from trainer3d.checkpoint import store
 
 MODEL = ("model.n_heads=8", "model.n_kv_heads=4")
@@ -43,13 +45,13 @@ def assert_close(got, ref, tol=REL_TOL):
 def test_resume_continues_exactly(tmp_path):
     run = tmp_path / "run"
     args = [*BASE, *layout(1, 2, 2, zero=1), "checkpoint.every=10"]
-    run_train(run, args)
+    train_in_ranks(run, args)
     uninterrupted = losses_from(run, 0)
     # A restart after step 10: the step-20 checkpoint and the rows of steps 10+ never happened.
     import shutil
     shutil.rmtree(store.step_dir(run / "checkpoints", 20))
-    proc = run_train(run, args)
-    assert f"resumed from {store.step_dir(run / 'checkpoints', 10)} at step 10" in proc.stdout
+    stdout = train_in_ranks(run, args)
+    assert f"resumed from {store.step_dir(run / 'checkpoints', 10)} at step 10" in stdout
     resumed = losses_from(run, 0)
     assert resumed[:10] == uninterrupted[:10]  # rows before the resume kept
     assert resumed[10:] == uninterrupted[10:], "same layout: the resumed run is bit-identical"
@@ -64,9 +66,9 @@ def test_reshard_chain_with_tp_changes(tmp_path, session_tmp):
     for i, (lay, start) in enumerate(chain):
         run = tmp_path / f"run{i}"
         resume = [f"train.resume={store.step_dir(previous / 'checkpoints', start)}"] if start else []
-        proc = run_train(run, [*BASE, *lay, "checkpoint.every=5", *resume], timeout=900)
+        stdout = train_in_ranks(run, [*BASE, *lay, "checkpoint.every=5", *resume])
         if start:
-            assert "layout changed since the checkpoint" in proc.stdout
+            assert "layout changed since the checkpoint" in stdout
             rows = read_metrics(run)
             assert [r["step"] for r in rows] == list(range(start, 20))
             got = [r["loss"] for r in rows]
@@ -117,7 +119,7 @@ def test_exported_weights_give_the_same_loss_in_the_1_rank_model(tmp_path):
     from tests.test_validate import make
 
     run = tmp_path / "run"
-    run_train(run, [*BASE, *layout(2, 2, 1), "checkpoint.every=10"])
+    train_in_ranks(run, [*BASE, *layout(2, 2, 1), "checkpoint.every=10"])
     rows = read_metrics(run)
     out = tmp_path / "export"
     proc = subprocess.run([sys.executable, "tools/export_model.py", str(store.step_dir(run / "checkpoints", 10)),
@@ -136,10 +138,10 @@ def test_exported_weights_give_the_same_loss_in_the_1_rank_model(tmp_path):
 
 def test_fsdp_zero3_checkpoint_loads_into_tp2_zero1(tmp_path, session_tmp):
     ref = reference_losses(session_tmp, [*PARITY, *MODEL])
-    run_train(tmp_path / "a", [*BASE, *layout(1, 1, 2, zero=3), "checkpoint.every=10"])
-    proc = run_train(tmp_path / "b", [*BASE, *layout(2, 1, 1, zero=1),
-                                      f"train.resume={store.step_dir(tmp_path / 'a' / 'checkpoints', 10)}"])
-    assert "zero_stage 3 -> 1" in proc.stdout
+    train_in_ranks(tmp_path / "a", [*BASE, *layout(1, 1, 2, zero=3), "checkpoint.every=10"])
+    stdout = train_in_ranks(tmp_path / "b", [*BASE, *layout(2, 1, 1, zero=1),
+                                             f"train.resume={store.step_dir(tmp_path / 'a' / 'checkpoints', 10)}"])
+    assert "zero_stage 3 -> 1" in stdout
     assert_close([r["loss"] for r in read_metrics(tmp_path / "b")], ref[10:])
 
 

@@ -1,4 +1,5 @@
-"""Held-out evaluation through the real entry point: the same validation loss in every layout.
+"""Held-out evaluation: the same validation loss in every layout (the reference through the
+real entry point, the layouts on in-process ranks: tests/runs.py train_in_ranks).
 
 The PARITY runs (20 steps, fp32) evaluate 2 global batches of the built-in corpus's held-out
 tail (conf/data/stdlib.yaml: data.val_fraction) after steps 10 and 20. Each layout's
@@ -11,7 +12,7 @@ import math
 
 import pytest
 
-from tests.runs import PARITY, REL_TOL, assert_parity, read_metrics, reference_losses, run_train
+from tests.runs import PARITY, REL_TOL, assert_parity, read_metrics, reference_losses, run_train, train_in_ranks
 
 EVAL = ("train.eval_every=10", "train.eval_steps=2")
 
@@ -28,7 +29,7 @@ def val_losses(rows):
 
 
 def check_layout(tmp_path, reference, layout):
-    proc = run_train(tmp_path, [*PARITY, *EVAL, "parallel=single", *layout], timeout=900)
+    stdout = train_in_ranks(tmp_path, [*PARITY, *EVAL, "parallel=single", *layout])
     rows = read_metrics(tmp_path)
     got, want = val_losses(rows), val_losses(reference)
     assert sorted(got) == sorted(want) == [9, 19]
@@ -37,7 +38,7 @@ def check_layout(tmp_path, reference, layout):
         row = next(r for r in rows if r["step"] == step)
         assert math.isclose(row["val_ppl"], math.exp(row["val_loss"]), rel_tol=1e-9)
     assert want[19] < want[9], "the validation loss falls as the model trains"
-    assert "val_loss" in proc.stdout, "the progress line shows it"
+    assert "val_loss" in stdout, "the progress line shows it"
     print(f"val_loss {got}, worst train-loss difference "
           f"{assert_parity([r['loss'] for r in rows], [r['loss'] for r in reference]):.1e}")
 

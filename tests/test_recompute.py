@@ -2,7 +2,7 @@
 
 import torch
 
-from tests.runs import PARITY, assert_parity, losses, reference_losses
+from tests.runs import PARITY, assert_parity, losses_in_ranks, reference_losses
 from trainer3d.config import ModelConfig
 from trainer3d.model.init import init_parameters
 from trainer3d.model.transformer import Transformer, cross_entropy_loss
@@ -52,6 +52,6 @@ def test_checkpoint_layers_is_idempotent():
 
 def test_recompute_with_pipeline_and_dp_matches_single_process(tmp_path, session_tmp):
     ref = reference_losses(session_tmp, PARITY)
-    got = losses(tmp_path, [*PARITY, "parallel=single", "parallel.pp=2", "parallel.dp=2",
-                            "parallel.zero_stage=1", "train.activation_checkpointing=true"])
+    got = losses_in_ranks(tmp_path, [*PARITY, "parallel=single", "parallel.pp=2", "parallel.dp=2",
+                                     "parallel.zero_stage=1", "train.activation_checkpointing=true"])
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")

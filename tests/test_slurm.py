@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.runs import read_metrics, run_train
+from tests.runs import read_metrics, train_in_ranks
 
 pytestmark = pytest.mark.slurm
 
 SMALL = ("train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=16", "train.grad_accum_steps=null",
          "optim.warmup_steps=5", "train.log_every=1", "parallel.timeout_s=60", "parallel=single")
 PP2_DP2 = ("parallel.pp=2", "parallel.dp=2")
+STEPS = 30  # room for two requeues ten steps apart; parity needs 20
 
 
 def train(env, run_dir: Path, *overrides, timeout=600):
@@ -32,29 +33,31 @@ def losses(run_dir: Path):
 
 
 @pytest.fixture(scope="module")
-def local_40(tmp_path_factory):
-    """The pp2 x dp2 run of 40 steps on local ranks: what every Slurm run must reproduce."""
+def local_run(tmp_path_factory):
+    """The pp2 x dp2 run on local ranks (in-process: tests/runs.py train_in_ranks): what every
+    Slurm run must reproduce."""
     run = tmp_path_factory.mktemp("local") / "run"
-    run_train(run, [*SMALL, *PP2_DP2, "train.max_steps=40"])
+    train_in_ranks(run, [*SMALL, *PP2_DP2, f"train.max_steps={STEPS}"])
     return losses(run)
 
 
-def test_job_through_slurm_matches_the_local_run(slurm_cluster, tmp_path, local_40):
-    proc = train(slurm_cluster, tmp_path / "run", *SMALL, *PP2_DP2, "train.max_steps=40", "launcher=slurm",
+def test_job_through_slurm_matches_the_local_run(slurm_cluster, tmp_path, local_run):
+    proc = train(slurm_cluster, tmp_path / "run", *SMALL, *PP2_DP2, f"train.max_steps={STEPS}", "launcher=slurm",
                  "launcher.wait=true")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "submitted Slurm job" in proc.stdout and "step 40/40" in proc.stdout
+    assert "submitted Slurm job" in proc.stdout and f"step {STEPS}/{STEPS}" in proc.stdout
     record = json.loads((tmp_path / "run" / "slurm_job.json").read_text())
     assert record["num_tasks"] == 4
-    assert losses(tmp_path / "run") == local_40  # same layout, same numbers
+    assert losses(tmp_path / "run") == local_run  # same layout, same numbers
 
 
-def test_usr2_twice_requeues_twice_and_resumes_exactly(slurm_cluster, tmp_path, local_40):
+def test_usr2_twice_requeues_twice_and_resumes_exactly(slurm_cluster, tmp_path, local_run):
     run = tmp_path / "run"
-    proc = train(slurm_cluster, run, *SMALL, *PP2_DP2, "train.max_steps=40", "launcher=slurm", "launcher.wait=false")
+    proc = train(slurm_cluster, run, *SMALL, *PP2_DP2, f"train.max_steps={STEPS}", "launcher=slurm",
+                 "launcher.wait=false")
     assert proc.returncode == 0, proc.stderr
     job = json.loads((run / "slurm_job.json").read_text())["job_id"]
-    for i, at in enumerate((12, 24)):
+    for i, at in enumerate((10, 20)):
         deadline = time.time() + 300
         while len(read_metrics(run)) < at if (run / "metrics.jsonl").exists() else True:
             assert time.time() < deadline, f"the job did not reach step {at}"
@@ -71,7 +74,7 @@ def test_usr2_twice_requeues_twice_and_resumes_exactly(slurm_cluster, tmp_path, 
         time.sleep(2)
     log = _rank0_log(run, job)
     assert log.count("job requeued") == 2 and log.count("resumed from") == 2, log[-3000:]
-    assert losses(run) == local_40
+    assert losses(run) == local_run
 
 
 def _rank0_log(run: Path, job: str) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import read_metrics, run_train
+from tests.runs import read_metrics, train_in_ranks
 from tests.slurm_cluster import SCRIPT
 from tests.test_slurm import SMALL, losses, train
 
@@ -25,11 +25,12 @@ STEPS = "train.max_steps=20"
 
 @pytest.fixture(scope="module")
 def local_runs(tmp_path_factory):
-    """The same layouts on local ranks: what the two-node jobs must reproduce, step for step."""
+    """The same layouts on local ranks (in-process: tests/runs.py train_in_ranks): what the
+    two-node jobs must reproduce, step for step."""
     out = {}
     for name, layout in LAYOUTS.items():
         run = tmp_path_factory.mktemp("local") / name
-        run_train(run, [*SMALL, *layout, STEPS, "parallel.timeout_s=30"])
+        train_in_ranks(run, [*SMALL, *layout, STEPS, "parallel.timeout_s=30"])
         out[name] = losses(run)
     return out
 

@@ -1,8 +1,9 @@
-"""Pipeline parallelism through the real entry point: same per-step loss as one process."""
+"""Pipeline parallelism: same per-step loss as one process (pp2 1F1B through the real entry
+point, the other layouts on in-process ranks: tests/runs.py train_in_ranks)."""
 
 import pytest
 
-from tests.runs import PARITY, assert_parity, losses, read_metrics, reference_losses
+from tests.runs import PARITY, assert_parity, losses, losses_in_ranks, read_metrics, reference_losses
 
 # PARITY has global batch 16 of micro-batches of 2: grad_accum 8 with dp=1, 4 with dp=2.
 # pp=4 x 2 virtual stages needs a layer per stage. At the default lr the 8-layer tiny model is
@@ -26,8 +27,9 @@ CASES = [
 @pytest.mark.parametrize("pp,schedule,extra,model", CASES)
 def test_pp_matches_single_process(tmp_path, session_tmp, pp, schedule, extra, model):
     ref = reference_losses(session_tmp, [*PARITY, *model])
-    got = losses(tmp_path, [*PARITY, *model, "parallel=single", f"parallel.pp={pp}",
-                            f"parallel.pp_schedule={schedule}", *extra])
+    run = losses if (pp, schedule) == (2, "1f1b") else losses_in_ranks
+    got = run(tmp_path, [*PARITY, *model, "parallel=single", f"parallel.pp={pp}",
+                         f"parallel.pp_schedule={schedule}", *extra])
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
     rows = read_metrics(tmp_path)
     virtual = 2 if extra else 1
@@ -38,12 +40,12 @@ def test_pp_matches_single_process(tmp_path, session_tmp, pp, schedule, extra, m
 
 def test_pp2_dp2_matches_single_process(tmp_path, session_tmp):
     ref = reference_losses(session_tmp, PARITY)
-    got = losses(tmp_path, [*PARITY, "parallel=single", "parallel.pp=2", "parallel.dp=2"])
+    got = losses_in_ranks(tmp_path, [*PARITY, "parallel=single", "parallel.pp=2", "parallel.dp=2"])
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
     assert all(row["bubble_theory"] == pytest.approx(1 / 5) for row in read_metrics(tmp_path))  # m = 4
 
 
 def test_uneven_split_matches_single_process(tmp_path, session_tmp):
     ref = reference_losses(session_tmp, PARITY)
-    got = losses(tmp_path, [*PARITY, "parallel=single", "parallel.pp=2", "parallel.pp_layers=[3,1]"])
+    got = losses_in_ranks(tmp_path, [*PARITY, "parallel=single", "parallel.pp=2", "parallel.pp_layers=[3,1]"])
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")

@@ -1,4 +1,5 @@
-"""Tensor parallelism through the real entry point: same per-step loss as one process.
+"""Tensor parallelism: same per-step loss as one process (tp2 through the real entry point,
+the other layouts on in-process ranks: tests/runs.py train_in_ranks).
 
 The tiny model has 4 heads and 2 kv-heads, which tp=4 cannot split; tp=4 runs (and their
 1-rank reference) use 8 heads and 4 kv-heads at the same width, so grouped-query attention
@@ -7,14 +8,15 @@ is exercised at every tp. The byte-level vocabulary (257) is odd: it is padded a
 
 import pytest
 
-from tests.runs import PARITY, assert_parity, losses, reference_losses
+from tests.runs import PARITY, assert_parity, losses, losses_in_ranks, reference_losses
 
 GQA_8_4 = ("model.n_heads=8", "model.n_kv_heads=4")
 
 
 def _check(tmp_path, session_tmp, model, layout):
     ref = reference_losses(session_tmp, [*PARITY, *model])
-    got = losses(tmp_path, [*PARITY, *model, "parallel=single", *layout])
+    run = losses if layout == ("parallel.tp=2",) else losses_in_ranks
+    got = run(tmp_path, [*PARITY, *model, "parallel=single", *layout])
     worst = assert_parity(got, ref)
     print(f"{' '.join(layout)}: worst relative loss difference {worst:.2e}")
 
