@@ -16,7 +16,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from trainer3d.checkpoint.store import CheckpointError, require_complete
+from trainer3d.checkpoint.choose import choose
+from trainer3d.checkpoint.manager import checkpoint_root
+from trainer3d.checkpoint.store import CheckpointError
 from trainer3d.config import Config  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.data.checks import check_data
 from trainer3d.dry_run import print_plan
@@ -69,12 +71,8 @@ def run(cfg: Config, explicit_model: Sequence[str] = ()) -> int:
         for problem in err.problems:
             print(f"trainer3d: config error: {problem}", file=sys.stderr)
         return 2
-    if cfg.train.resume not in ("auto", "never"):
-        try:
-            require_complete(cfg.train.resume, "train.resume", fix="give a published step_<N> directory, auto or never")
-        except CheckpointError as err:
-            print(f"trainer3d: config error: {err}", file=sys.stderr)
-            return 2
+    if not check_resume(cfg):
+        return 2
     if cfg.dry_run:
         print_plan(cfg)
         return 0
@@ -84,6 +82,25 @@ def run(cfg: Config, explicit_model: Sequence[str] = ()) -> int:
     if problems:
         return 2
     return launch(cfg)
+
+
+def check_resume(cfg: Config) -> bool:
+    """The checkpoint the run will resume from, checked here before launch (checksums, model):
+    a refusal is one line; newer checkpoints ``auto`` passes over are named on this console.
+    Ranks of an existing allocation (in place) leave it to rank 0, as every rank runs this."""
+    if cfg.launcher.name == "inplace" or in_distributed_env():
+        return True
+    try:
+        choice = choose(cfg, checkpoint_root(cfg))
+    except CheckpointError as err:
+        print(f"trainer3d: config error: {err}", file=sys.stderr)
+        return False
+    for path, why in choice.skipped if choice else ():
+        print(f"trainer3d: train.resume=auto: skipping checkpoint {path}: {why}", file=sys.stderr, flush=True)
+    if choice is not None and choice.skipped:
+        print(f"trainer3d: train.resume=auto: resuming from the newest good checkpoint, {choice.path}",
+              file=sys.stderr, flush=True)
+    return True
 
 
 def launch(cfg: Config) -> int:
