@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.choose import choose
+from trainer3d.checkpoint.precision import load_passes
 from trainer3d.checkpoint.reader import CheckpointReader, TensorOnlyLoadPlanner
 from trainer3d.checkpoint.state import PieceMaker, after_load, rank_state
 from trainer3d.checkpoint.store import CheckpointError
@@ -130,7 +131,11 @@ class Checkpointer:
         step, path, info = choice[0]
         same_world = info.get("layout") == layout_of(self.cfg)
         state = rank_state(self.optimizer, self.dims, self.make, with_rng=same_world)
-        dcp.load(state, storage_reader=CheckpointReader(str(path)), planner=TensorOnlyLoadPlanner())
+        passes, notes = load_passes(state, store.read_metadata(path).state_dict_metadata)
+        for part in passes:  # the same number of passes on every rank (both, even where one is empty)
+            dcp.load(part, storage_reader=CheckpointReader(str(path)), planner=TensorOnlyLoadPlanner())
+        for note in notes:
+            self._say(note)
         after_load(self.optimizer, state, self.dims, with_rng=same_world)
         self.last_saved = step
         self._say(f"resumed from {path} at step {step}")
