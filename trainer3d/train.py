@@ -12,6 +12,7 @@ import sys
 from typing import List, Sequence
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -23,6 +24,7 @@ from trainer3d.config import Config  # noqa: F401  (registers the schema in the 
 from trainer3d.data.checks import check_data
 from trainer3d.dry_run import print_plan
 from trainer3d.hf.check import apply_init_from
+from trainer3d.knobs import unknown_keys
 from trainer3d.launch import TrainTask, in_distributed_env, launch_local
 from trainer3d.slurm import launch_slurm
 from trainer3d.validate import ConfigError, validate
@@ -67,6 +69,8 @@ def run(cfg: Config, explicit_model: Sequence[str] = ()) -> int:
         if cfg.model.init_from:
             cfg = apply_init_from(cfg, explicit_model)
         cfg = validate(cfg, allocation_world_size(cfg))
+        if local_device_problems(cfg):
+            raise ConfigError(local_device_problems(cfg))
     except ConfigError as err:
         for problem in err.problems:
             print(f"trainer3d: config error: {problem}", file=sys.stderr)
@@ -114,9 +118,22 @@ def launch(cfg: Config) -> int:
     return launch_local(cfg)
 
 
+def local_device_problems(cfg: Config) -> List[str]:
+    """A GPU asked for on a machine without one (the ranks of a local or in-place launch run here)."""
+    if cfg.launcher.name == "slurm" or torch.cuda.is_available():
+        return []
+    wants = [("train.device=cuda", "train.device=auto or cpu")] if cfg.train.device == "cuda" else []
+    wants += [("parallel.backend=nccl", "parallel.backend=auto or gloo")] if cfg.parallel.backend == "nccl" else []
+    return [f"{knob} but this machine has no CUDA GPU (torch.cuda.is_available() is False); use {fix}"
+            for knob, fix in wants]
+
+
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def _main(dcfg: DictConfig) -> int:
-    status = run(resolve(dcfg), explicit_model_fields())
+    unknown = unknown_keys(dcfg)  # what a +key=value added: to_object would drop it silently
+    for problem in unknown:
+        print(f"trainer3d: config error: {problem}", file=sys.stderr)
+    status = 2 if unknown else run(resolve(dcfg), explicit_model_fields())
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         return status  # one failed point must not end the sweep: trainer3d.sweep reports them all
     if status:
