@@ -48,7 +48,7 @@ RANGES: Dict[str, Range] = {
     "model.rope_scaling.factor": POSITIVE, "model.rope_scaling.low_freq_factor": POSITIVE,
     "model.rope_scaling.high_freq_factor": POSITIVE, "model.rope_scaling.original_max_seq_len": AT_LEAST_1,
     **{f"parallel.{k}": AT_LEAST_1 for k in ("tp", "pp", "dp", "pp_virtual_stages")},
-    "parallel.zero_stage": Range(0, hi=4), "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": POSITIVE,
+    "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": POSITIVE,
     **{f"train.{k}": AT_LEAST_1 for k in ("micro_batch_size", "grad_accum_steps", "global_batch_size", "seq_len",
                                          "max_steps", "log_every", "eval_steps")},
     "train.seed": Range(0, hi=2 ** 63), "train.loss_scale_init": POSITIVE, "train.peak_tflops": POSITIVE,
@@ -64,7 +64,8 @@ RANGES: Dict[str, Range] = {
 }
 """Each numeric knob's valid values (None, where the field is optional, means "derive it")."""
 
-CHOICES: Dict[str, Tuple[str, ...]] = {
+CHOICES: Dict[str, Tuple[object, ...]] = {
+    "parallel.zero_stage": (0, 1, 2, 3),
     "model.rope_scaling.type": ("none", "llama3"),
     "parallel.pp_schedule": ("1f1b", "gpipe", "interleaved_1f1b"),
     "parallel.zero_reduce": ("auto", "all_reduce", "reduce_scatter"),
@@ -78,7 +79,7 @@ CHOICES: Dict[str, Tuple[str, ...]] = {
     "logger.name": ("console", "wandb"),
     "logger.mode": ("auto", "offline", "online", "disabled"),
 }
-"""Each string knob with a fixed set of values."""
+"""Each knob with a fixed set of values."""
 
 FREE_TEXT = ("model.name", "model.init_from", "train.resume", "data.path", "data.val_path", "data.cache_dir",
              "launcher.folder", "launcher.partition", "launcher.account", "launcher.qos", "launcher.constraint",
@@ -95,17 +96,23 @@ def get(cfg: Config, knob: str):
 
 
 def range_problems(cfg: Config) -> List[str]:
-    """One line per knob outside its range, choices, or left empty."""
+    """One line per numeric knob outside its range."""
     problems = []
     for knob, valid in RANGES.items():
         value = get(cfg, knob)
         if value is not None and not valid.holds(value):
             problems.append(f"{knob}={value} {valid.describe()}")
+    return problems
+
+
+def choice_problems(cfg: Config) -> List[str]:
+    """One line per knob not among its choices, or set but empty."""
+    problems = []
     for knob, choices in CHOICES.items():
         value = get(cfg, knob)
         if value not in choices:
             shown = knob[:-len(".name")] if knob.endswith(".name") else knob
-            problems.append(f"{shown}={value} is not one of {', '.join(choices)}")
+            problems.append(f"{shown}={value} is not one of {', '.join(map(str, choices))}")
     for knob in FREE_TEXT:
         value = get(cfg, knob)
         if value is not None and not str(value).strip():

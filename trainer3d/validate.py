@@ -9,7 +9,7 @@ import copy
 from typing import List, Optional
 
 from trainer3d.config import Config
-from trainer3d.knobs import range_problems
+from trainer3d.knobs import choice_problems, range_problems
 
 class ConfigError(ValueError):
     """A config the engine refuses; ``problems`` holds one line per broken rule."""
@@ -50,13 +50,15 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> Config:
     _check_tensor(cfg, problems)
     _check_zero_and_precision(cfg, problems)
     _check_data(cfg, problems)
+    problems += choice_problems(cfg)
+    device_problems(cfg, problems)
     if problems:
         raise ConfigError(problems)
     return cfg
 
 
 def _check_ranges(cfg: Config, problems: List[str]) -> None:
-    """Every knob in its range or among its choices (the tables of trainer3d/knobs.py)."""
+    """Every numeric knob in its range (the table of trainer3d/knobs.py)."""
     problems += range_problems(cfg)
     if cfg.optim.min_lr > cfg.optim.lr:
         problems.append(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}; "
@@ -66,7 +68,6 @@ def _check_ranges(cfg: Config, problems: List[str]) -> None:
             problems.append(f"model.eos_token_ids[{i}]={token} is outside the vocabulary [0, model.vocab_size)")
     if cfg.model.bos_token_id is not None and cfg.model.bos_token_id >= cfg.model.vocab_size:
         problems.append(f"model.bos_token_id={cfg.model.bos_token_id} is outside the vocabulary [0, model.vocab_size)")
-    device_problems(cfg, problems)
 
 
 def device_problems(cfg: Config, problems: List[str]) -> None:
