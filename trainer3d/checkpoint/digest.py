@@ -18,7 +18,6 @@ import json
 from pathlib import Path
 from typing import Dict, Iterable, Optional
 
-_CHUNK = 8 << 20
 SEAL = "marker_sha256"
 
 
@@ -59,15 +58,11 @@ class HashingStream(io.RawIOBase):
 
 def file_digest(path: Path) -> Dict[str, object]:
     """{"sha256": hex, "bytes": size} of the file as it is on disk now."""
-    h, size = hashlib.sha256(), 0
+    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while True:
-            block = f.read(_CHUNK)
-            if not block:
-                break
-            h.update(block)
-            size += len(block)
-    return {"sha256": h.hexdigest(), "bytes": size}
+        for block in iter(lambda: f.read(8 << 20), b""):
+            digest.update(block)
+        return {"sha256": digest.hexdigest(), "bytes": f.tell()}
 
 
 def seal(info: dict) -> dict:
