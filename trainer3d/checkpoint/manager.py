@@ -6,13 +6,15 @@
     checkpointer.save(step)                      # every checkpoint.every steps, at the end, on preemption
 
 A save: every rank writes its pieces (trainer3d/checkpoint/state.py) with DCP into
-``step_N.partial/``; a barrier proves all of them finished; rank 0 writes the marker (step,
-layout, config) and renames the directory to ``step_N/`` (trainer3d/checkpoint/store.py),
+``step_N.partial/``, hashing and reading back its files (trainer3d/checkpoint/writer.py); a
+gather of those digests proves all of them finished; rank 0 writes the marker (step,
+layout, config, digests) and renames the directory to ``step_N/`` (trainer3d/checkpoint/store.py),
 then prunes to ``checkpoint.keep``; a second barrier keeps ranks from racing ahead of the
 rename. A crash anywhere before the rename leaves the previous checkpoint the newest one.
 
-A resume: rank 0 picks the checkpoint (the newest complete one for ``auto``; broken ones are
-skipped with a warning) and tells the others; every rank describes the pieces it holds in
+A resume: rank 0 picks the checkpoint and checks it (trainer3d/checkpoint/choose.py: the
+newest intact one for ``auto``, broken ones skipped and named; checksums; the same model)
+and tells the others; every rank describes the pieces it holds in
 its *current* layout and DCP reads exactly those regions, so the saved layout does not
 matter. A layout change is reported.
 """
@@ -92,6 +94,7 @@ class Checkpointer:
                         "config": scrub(dataclasses.asdict(self.cfg)), "saved_at": time.time(),
                         "files": {name: d for rank_files in files for name, d in rank_files.items()}}
                 store.publish(partial, final, info)
+                self.known_bad = [p for p in self.known_bad if p != final]  # re-saved: good again
                 store.prune(self.root, self.cfg.checkpoint.keep, self.known_bad)
         except BaseException:  # DCP's CheckpointException is one: a failed save must not fill the disk
             if self.dims.rank == 0:
