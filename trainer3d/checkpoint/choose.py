@@ -44,8 +44,9 @@ def _flat(section: dict, prefix: str = "model.") -> dict:
 
 def _with_head_dim(model: dict) -> dict:
     """``head_dim`` resolved (null means dim // n_heads), so an explicit equal value is no change."""
-    if model.get("head_dim") is None and model.get("n_heads"):
-        model = {**model, "head_dim": model.get("dim", 0) // model["n_heads"]}
+    dim, heads = model.get("dim"), model.get("n_heads")
+    if model.get("head_dim") is None and isinstance(dim, int) and isinstance(heads, int) and heads > 0:
+        model = {**model, "head_dim": dim // heads}
     return model
 
 

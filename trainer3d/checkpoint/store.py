@@ -49,6 +49,8 @@ def _marker(path: Path) -> Tuple[Optional[dict], str]:
         return None, f"unreadable {MARKER} ({err})"
     if not isinstance(info, dict) or not isinstance(info.get("files"), dict):
         return None, f"{MARKER} records no checksums (written by an older trainer3d, or edited)"
+    if not isinstance(info.get("step"), int) or not isinstance(info.get("config", {}), dict):
+        return None, f"{MARKER} has a malformed step or config"
     problem = digest.seal_problem(info)
     if problem is None and not all(n == ".metadata" or checked_metadata.DATA_FILE.match(n) for n in info["files"]):
         problem = f"{MARKER} lists a file that is not part of a checkpoint"
