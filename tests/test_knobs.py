@@ -133,3 +133,11 @@ def test_cuda_without_a_gpu_is_refused_before_launch(monkeypatch, capsys):
     assert train.run(cfg) == 2
     err = capsys.readouterr().err
     assert "train.device=cuda but this machine has no CUDA GPU" in err and "Traceback" not in err
+
+
+def test_a_directory_knob_naming_a_file_is_refused_before_launch(tmp_path, capsys):
+    cfg = make()
+    cfg.checkpoint.dir = str(tmp_path / "file")
+    (tmp_path / "file").write_text("")
+    assert train.run(cfg) == 2
+    assert f"checkpoint.dir={tmp_path / 'file'} is a file, not a directory" in capsys.readouterr().err

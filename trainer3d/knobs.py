@@ -10,6 +10,7 @@ the schema lacks — Hydra's ``+key=value`` adds them to the composed config, an
 
 import dataclasses
 import math
+import os
 import typing
 from typing import Dict, List, Optional, Tuple
 
@@ -117,6 +118,20 @@ def choice_problems(cfg: Config) -> List[str]:
         value = get(cfg, knob)
         if value is not None and not str(value).strip():
             problems.append(f"{knob} is empty; give a value or leave it unset")
+    return problems
+
+
+DIRECTORIES = ("run_dir", "checkpoint.dir", "launcher.folder", "data.cache_dir")
+"""Knobs naming a directory the run writes into."""
+
+
+def path_problems(cfg: Config) -> List[str]:
+    """A directory knob that names an existing file (checked before launch, where the files are)."""
+    problems = []
+    for knob in DIRECTORIES:
+        value = get(cfg, knob)
+        if value and os.path.exists(os.path.expanduser(value)) and not os.path.isdir(os.path.expanduser(value)):
+            problems.append(f"{knob}={value} is a file, not a directory; give a directory")
     return problems
 
 

@@ -24,7 +24,7 @@ from trainer3d.config import Config  # noqa: F401  (registers the schema in the 
 from trainer3d.data.checks import check_data
 from trainer3d.dry_run import print_plan
 from trainer3d.hf.check import apply_init_from
-from trainer3d.knobs import unknown_keys
+from trainer3d.knobs import path_problems, unknown_keys
 from trainer3d.launch import TrainTask, in_distributed_env, launch_local
 from trainer3d.slurm import launch_slurm
 from trainer3d.validate import ConfigError, validate
@@ -69,8 +69,8 @@ def run(cfg: Config, explicit_model: Sequence[str] = ()) -> int:
         if cfg.model.init_from:
             cfg = apply_init_from(cfg, explicit_model)
         cfg = validate(cfg, allocation_world_size(cfg))
-        if local_device_problems(cfg):
-            raise ConfigError(local_device_problems(cfg))
+        if local_device_problems(cfg) or path_problems(cfg):
+            raise ConfigError(local_device_problems(cfg) + path_problems(cfg))
     except ConfigError as err:
         for problem in err.problems:
             print(f"trainer3d: config error: {problem}", file=sys.stderr)
