@@ -7,15 +7,19 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from trainer3d.checkpoint.metadata import MetadataError
+from trainer3d.checkpoint.writer import CheckpointWriter
 from trainer3d.checkpoint.store import (is_complete, latest_complete, partial_dir, prune, publish, read_metadata,
                                         step_dir)
 
 
-def _save(root, step, publish_it=True):
+def _save(root, step, publish_it=True, info=None):
+    """A checkpoint of one rank as the checkpointer writes one: the writer's digests in the marker."""
     partial = partial_dir(root, step)
-    dcp.save({"w": torch.arange(1000.0) + step, "step": step}, checkpoint_id=str(partial), no_dist=True)
+    writer = CheckpointWriter(str(partial))
+    dcp.save({"w": torch.arange(1000.0) + step, "step": torch.tensor(step)}, storage_writer=writer, no_dist=True)
     if publish_it:
-        publish(partial, step_dir(root, step), {"step": step})
+        publish(partial, step_dir(root, step), {"step": step, "files": writer.digests, **(info or {})})
     return step_dir(root, step) if publish_it else partial
 
 
@@ -28,13 +32,13 @@ def test_newest_complete_is_picked_and_broken_ones_skipped(tmp_path):
         f.truncate(10)
     assert is_complete(step_dir(tmp_path, 20)) == (True, "")
     ok, why = is_complete(step_dir(tmp_path, 30))
-    assert not ok and "truncated" in why
+    assert not ok and "bytes" in why and "were written" in why
     with pytest.warns(UserWarning, match="skipping checkpoint .*step_00000030"):
         step, path = latest_complete(tmp_path)
     assert (step, path) == (20, step_dir(tmp_path, 20))
-    loaded = {"w": torch.zeros(1000), "step": 0}
+    loaded = {"w": torch.zeros(1000), "step": torch.tensor(0)}
     dcp.load(loaded, checkpoint_id=str(path), no_dist=True)
-    assert loaded["step"] == 20 and torch.equal(loaded["w"], torch.arange(1000.0) + 20)
+    assert loaded["step"].item() == 20 and torch.equal(loaded["w"], torch.arange(1000.0) + 20)
 
 
 def test_marker_missing_means_incomplete(tmp_path):
@@ -60,6 +64,6 @@ def test_metadata_with_foreign_objects_is_refused(tmp_path):
         def __reduce__(self):
             return (os.system, ("echo pwned",))
     (path / ".metadata").write_bytes(pickle.dumps(Evil()))
-    with pytest.raises(pickle.UnpicklingError, match="not allowed"):
+    with pytest.raises(MetadataError, match="posix.system, which checkpoint metadata never holds"):
         read_metadata(path)
     assert not is_complete(path)[0]

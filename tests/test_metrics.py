@@ -213,8 +213,10 @@ def _count_reads(rank, world, layout):
         for step in range(2, 4):
             loss, grad_norm, lr = trainer.train_step(step)
             trainer.metrics.record(step, loss, grad_norm, lr, trainer.optimizer.step_metrics())
+            trainer.nonfinite.record(step, loss, grad_norm)  # the non-finite watch adds no read either
         phase[0] = "flush"
         trainer.metrics.flush()
+        trainer.nonfinite.check()
     finally:
         for name, method in originals.items():
             setattr(torch.Tensor, name, method)

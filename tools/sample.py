@@ -5,8 +5,8 @@
     python tools/sample.py exported/ --prompt "import os" --greedy
     python tools/sample.py exported/ --prompt "The" --temperature 0.8 --top-p 0.95 --seed 1
 
-One process on the CPU. A checkpoint is read as tools/export_model.py reads it (DCP, a
-restricted unpickler); a Hugging Face directory is checked as ``model.init_from`` checks it
+One process on the CPU. A checkpoint is read as tools/export_model.py reads it (checksums verified,
+DCP with a restricted metadata reader); a Hugging Face directory is checked as ``model.init_from`` checks it
 and read with safetensors. Tokens: a tokenizer.json beside the weights (or ``--tokenizer``;
 for a checkpoint, the tokenizer its training data records) through the ``tokenizers``
 package; otherwise byte-level, as the built-in corpus and tools/prepare_data.py tokenise
@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer3d.checkpoint.export import load_full_model, model_config_of  # noqa: E402
-from trainer3d.checkpoint.store import MARKER, read_marker  # noqa: E402
+from trainer3d.checkpoint.store import MARKER, CheckpointError, read_marker  # noqa: E402
 from trainer3d.data import EOF_TOKEN  # noqa: E402
 from trainer3d.hf.check import weight_problems  # noqa: E402
 from trainer3d.hf.export import data_tokenizer  # noqa: E402
@@ -62,8 +62,11 @@ class FileTokenizer:
 def load_model(path: Path):
     """(model, tokenizer found beside it or recorded by its data, or None)."""
     if (path / MARKER).exists():
-        config = read_marker(path)["config"]
-        tensors = load_full_model(path)
+        try:
+            tensors = load_full_model(path)  # refuses a checkpoint that fails its checksums
+            config = read_marker(path)["config"]
+        except CheckpointError as err:
+            raise SystemExit(f"sample: {err}")
         model = Transformer(model_config_of(config))
         fill_parameters(model, lambda name, shape, shard: tensors[name])
         return model, data_tokenizer(config)[0]

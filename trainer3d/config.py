@@ -125,6 +125,9 @@ class TrainConfig:
     loss_scale_init: float = 65536.0
     """fp16 only: the dynamic loss scale's first value (halved on each step with inf/nan gradients,
     which is skipped; doubled after 2000 clean steps)."""
+    on_nonfinite: str = "stop"
+    """What an inf/nan loss or gradient norm does (read at the logging interval and before each
+    checkpoint): stop (end the run with an error, saving nothing) | continue (train on)."""
     activation_checkpointing: bool = False
     """Recompute each layer's activations in backward instead of keeping them."""
     resume: str = "auto"

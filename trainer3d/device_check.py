@@ -28,7 +28,7 @@ class DeviceError(RuntimeError):
 
 def uses_cuda(cfg: Config, cuda_visible: bool) -> bool:
     """Whether the ranks of ``cfg`` run on CUDA, on a machine where ``cuda_visible`` says if a GPU is."""
-    if cfg.launcher.gpus_per_node > 0 or cfg.train.device == "cuda":
+    if cfg.launcher.gpus_per_node > 0 or cfg.train.device == "cuda" or cfg.parallel.backend == "nccl":
         return True
     if cfg.train.device == "cpu" or cfg.launcher.name == "slurm":
         return False
@@ -40,8 +40,6 @@ def config_problems(cfg: Config, world_size: int) -> List[str]:
     launcher, t = cfg.launcher, cfg.train
     gpus = launcher.gpus_per_node
     problems = []
-    if gpus < 0:
-        problems.append(f"launcher.gpus_per_node={gpus} must be >= 0")
     if gpus > 0 and t.device == "cpu":
         problems.append(f"launcher.gpus_per_node={gpus} asks for GPUs but train.device=cpu; "
                         "set train.device=cuda (or auto), or launcher.gpus_per_node=0")
@@ -68,7 +66,7 @@ def machine_problems(cfg: Config, world_size: int, device_count: Optional[int] =
         return []
     if count == 0:
         knob = (f"launcher.gpus_per_node={cfg.launcher.gpus_per_node}" if cfg.launcher.gpus_per_node
-                else "train.device=cuda")
+                else "train.device=cuda" if cfg.train.device == "cuda" else "parallel.backend=nccl")
         return [f"{knob} but no CUDA device is visible here (torch.cuda.device_count() = 0); "
                 "set train.device=cpu and launcher.gpus_per_node=0, or run where GPUs are"]
     if world_size > count:

@@ -16,12 +16,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from trainer3d.checkpoint.store import CheckpointError, require_complete
+from trainer3d.checkpoint.choose import choose
+from trainer3d.checkpoint.manager import checkpoint_root
+from trainer3d.checkpoint.store import CheckpointError
 from trainer3d.config import Config  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.data.checks import check_data
 from trainer3d.device_check import machine_problems
 from trainer3d.dry_run import print_plan
 from trainer3d.hf.check import apply_init_from
+from trainer3d.knobs import path_problems, unknown_keys
 from trainer3d.launch import TrainTask, in_distributed_env, launch_local
 from trainer3d.slurm import launch_slurm
 from trainer3d.validate import ConfigError, validate, world_size_of
@@ -66,16 +69,14 @@ def run(cfg: Config, explicit_model: Sequence[str] = ()) -> int:
         if cfg.model.init_from:
             cfg = apply_init_from(cfg, explicit_model)
         cfg = validate(cfg, allocation_world_size(cfg))
+        if path_problems(cfg):
+            raise ConfigError(path_problems(cfg))
     except ConfigError as err:
         for problem in err.problems:
             print(f"trainer3d: config error: {problem}", file=sys.stderr)
         return 2
-    if cfg.train.resume not in ("auto", "never"):
-        try:
-            require_complete(cfg.train.resume, "train.resume", fix="give a published step_<N> directory, auto or never")
-        except CheckpointError as err:
-            print(f"trainer3d: config error: {err}", file=sys.stderr)
-            return 2
+    if not check_resume(cfg):
+        return 2
     if cfg.dry_run:
         print_plan(cfg)
         return 0
@@ -92,6 +93,25 @@ def run(cfg: Config, explicit_model: Sequence[str] = ()) -> int:
     return launch(cfg)
 
 
+def check_resume(cfg: Config) -> bool:
+    """The checkpoint the run will resume from, checked here before launch (checksums, model):
+    a refusal is one line; newer checkpoints ``auto`` passes over are named on this console.
+    Ranks of an existing allocation (in place) leave it to rank 0, as every rank runs this."""
+    if cfg.launcher.name == "inplace" or in_distributed_env():
+        return True
+    try:
+        choice = choose(cfg, checkpoint_root(cfg))
+    except CheckpointError as err:
+        print(f"trainer3d: config error: {err}", file=sys.stderr)
+        return False
+    for path, why in choice.skipped if choice else ():
+        print(f"trainer3d: train.resume=auto: skipping checkpoint {path}: {why}", file=sys.stderr, flush=True)
+    if choice is not None and choice.skipped:
+        print(f"trainer3d: train.resume=auto: resuming from the newest good checkpoint, {choice.path}",
+              file=sys.stderr, flush=True)
+    return True
+
+
 def launch(cfg: Config) -> int:
     """Start the ranks of a validated config: in place (already one rank of an allocation), as
     a Slurm job, or as local processes; return the exit status."""
@@ -105,7 +125,10 @@ def launch(cfg: Config) -> int:
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def _main(dcfg: DictConfig) -> int:
-    status = run(resolve(dcfg), explicit_model_fields())
+    unknown = unknown_keys(dcfg)  # what a +key=value added: to_object would drop it silently
+    for problem in unknown:
+        print(f"trainer3d: config error: {problem}", file=sys.stderr)
+    status = 2 if unknown else run(resolve(dcfg), explicit_model_fields())
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         return status  # one failed point must not end the sweep: trainer3d.sweep reports them all
     if status:

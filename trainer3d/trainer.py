@@ -21,6 +21,7 @@ from trainer3d.evaluate import Evaluator
 from trainer3d.loggers import build_sinks
 from trainer3d.metrics import MetricsLogger
 from trainer3d.model.flops import flops_per_token
+from trainer3d.nonfinite import NonFiniteWatch
 from trainer3d.optim import lr_at
 from trainer3d.parallel import build_loss_fn, build_model_chunks, build_optimizer
 from trainer3d.parallel.optimizer import ZeroOptimizer
@@ -81,6 +82,7 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, dims, self.optimizer, self.timeouts)
         self.start_step = self.checkpointer.resume()
         self.metrics = self._build_metrics()
+        self.nonfinite = NonFiniteWatch(dims.device, norm_counts=t.dtype != "fp16", action=t.on_nonfinite)
         if self.pipeline is not None:
             self.pipeline.report_to(self.metrics)
 
@@ -158,13 +160,16 @@ class Trainer:
             loss, grad_norm, lr = self.train_step(step)
             self.timeouts.to_step()  # start-up (the first step: compilation, warm-up) is over
             self.metrics.record(step, loss, grad_norm, lr, self.optimizer.step_metrics())
+            self.nonfinite.record(step, loss, grad_norm)
             if self.heartbeat is not None:
                 self.heartbeat.step = step + 1
             if self.evaluator is not None and self.evaluator.due(step + 1):
                 self.metrics.record_eval(step, *self.evaluator.run(self.forward_only))
             if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
                 self.metrics.flush()
+                self.nonfinite.check()
             if self.checkpointer.due(step + 1):
+                self.nonfinite.check()  # never a checkpoint of weights trained on a non-finite loss
                 self.save_checkpoint(step + 1)
             # The same on every rank (trainer3d/preemption.py); after the last step there is nothing to stop.
             flag = self.stop_signal.agreed() if step + 1 < t.max_steps else 0
@@ -174,6 +179,7 @@ class Trainer:
         last = self.metrics.flush()
         self.data.close()
         self.stop_signal.close()
+        self.nonfinite.check()
         if self.stopped is not None:
             self.save_checkpoint(self.stopped.step)
         elif self.cfg.checkpoint.save_final and self.start_step < t.max_steps:

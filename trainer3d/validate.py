@@ -10,17 +10,7 @@ from typing import List, Optional
 
 from trainer3d import device_check
 from trainer3d.config import Config
-
-PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
-DTYPES = ("fp32", "bf16", "fp16")
-LAUNCHERS = ("local", "slurm", "inplace")
-LOGGERS = ("console", "wandb")
-WANDB_MODES = ("auto", "offline", "online", "disabled")
-ZERO_REDUCE = ("auto", "all_reduce", "reduce_scatter")
-BACKENDS = ("auto", "gloo", "nccl")
-DATASETS = ("stdlib", "tokens")
-ROPE_SCALING = ("none", "llama3")
-
+from trainer3d.knobs import choice_problems, range_problems
 
 class ConfigError(ValueError):
     """A config the engine refuses; ``problems`` holds one line per broken rule."""
@@ -52,7 +42,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> Config:
     """
     cfg = copy.deepcopy(cfg)
     problems: List[str] = []
-    _check_positive(cfg, problems)
+    _check_ranges(cfg, problems)
     if problems:  # the rules below divide by these knobs
         raise ConfigError(problems)
     _check_world(cfg, world_size, problems)
@@ -60,47 +50,33 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> Config:
     _check_pipeline(cfg, problems)
     _check_tensor(cfg, problems)
     _check_zero_and_precision(cfg, problems)
-    _check_choices(cfg, problems)
+    _check_data(cfg, problems)
+    problems += choice_problems(cfg)
     problems += device_check.config_problems(cfg, world_size_of(cfg))
+    _check_signal_delay(cfg, problems)
     if problems:
         raise ConfigError(problems)
     return cfg
 
 
-def _check_positive(cfg: Config, problems: List[str]) -> None:
-    knobs = {
-        "parallel.tp": cfg.parallel.tp, "parallel.pp": cfg.parallel.pp,
-        "parallel.dp": cfg.parallel.dp, "parallel.pp_virtual_stages": cfg.parallel.pp_virtual_stages,
-        "model.dim": cfg.model.dim, "model.n_layers": cfg.model.n_layers,
-        "model.n_heads": cfg.model.n_heads, "model.n_kv_heads": cfg.model.n_kv_heads,
-        "model.ffn_dim": cfg.model.ffn_dim, "model.vocab_size": cfg.model.vocab_size,
-        "model.max_seq_len": cfg.model.max_seq_len, "train.seq_len": cfg.train.seq_len,
-        "train.max_steps": cfg.train.max_steps, "train.log_every": cfg.train.log_every,
-        "launcher.nodes": cfg.launcher.nodes, "checkpoint.keep": cfg.checkpoint.keep,
-    }
-    for knob in ("train.micro_batch_size", "train.grad_accum_steps", "train.global_batch_size",
-                 "launcher.tasks_per_node"):
-        section, name = knob.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value is not None:
-            knobs[knob] = value
-    for knob, value in knobs.items():
-        if value < 1:
-            problems.append(f"{knob}={value} must be >= 1")
-    for knob, value in {"optim.lr": cfg.optim.lr, "parallel.timeout_s": cfg.parallel.timeout_s,
-                        "parallel.init_timeout_s": cfg.parallel.init_timeout_s,
-                        "parallel.bucket_mb": cfg.parallel.bucket_mb,
-                        "train.loss_scale_init": cfg.train.loss_scale_init}.items():
-        if value <= 0:
-            problems.append(f"{knob}={value} must be > 0")
-    for knob, value in {"optim.min_lr": cfg.optim.min_lr, "optim.warmup_steps": cfg.optim.warmup_steps,
-                        "optim.weight_decay": cfg.optim.weight_decay, "optim.grad_clip": cfg.optim.grad_clip,
-                        "checkpoint.every": cfg.checkpoint.every}.items():
-        if value < 0:
-            problems.append(f"{knob}={value} must be >= 0")
+def _check_ranges(cfg: Config, problems: List[str]) -> None:
+    """Every numeric knob in its range (the table of trainer3d/knobs.py)."""
+    problems += range_problems(cfg)
     if cfg.optim.min_lr > cfg.optim.lr:
         problems.append(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}; "
                         "set optim.min_lr <= optim.lr")
+    for i, token in enumerate(cfg.model.eos_token_ids):
+        if not 0 <= token < cfg.model.vocab_size:
+            problems.append(f"model.eos_token_ids[{i}]={token} is outside the vocabulary [0, model.vocab_size)")
+    if cfg.model.bos_token_id is not None and cfg.model.bos_token_id >= cfg.model.vocab_size:
+        problems.append(f"model.bos_token_id={cfg.model.bos_token_id} is outside the vocabulary [0, model.vocab_size)")
+
+
+def _check_signal_delay(cfg: Config, problems: List[str]) -> None:
+    launcher = cfg.launcher
+    if launcher.name == "slurm" and launcher.signal_delay_s >= launcher.timeout_min * 60:
+        problems.append(f"launcher.signal_delay_s={launcher.signal_delay_s} is not below launcher.timeout_min="
+                        f"{launcher.timeout_min} minutes: the job would be told to stop as it starts; lower it")
 
 
 def _check_world(cfg: Config, world_size: Optional[int], problems: List[str]) -> None:
@@ -164,9 +140,6 @@ def _derive_batch(cfg: Config, problems: List[str]) -> None:
 
 def _check_pipeline(cfg: Config, problems: List[str]) -> None:
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    if p.pp_schedule not in PP_SCHEDULES:
-        problems.append(f"parallel.pp_schedule={p.pp_schedule} is not one of {', '.join(PP_SCHEDULES)}")
-        return
     if p.pp_virtual_stages > 1 and p.pp_schedule != "interleaved_1f1b":
         problems.append(f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs "
                         "parallel.pp_schedule=interleaved_1f1b (or set pp_virtual_stages=1)")
@@ -248,48 +221,18 @@ def _check_tensor(cfg: Config, problems: List[str]) -> None:
 
 def _check_rope_scaling(cfg: Config, problems: List[str]) -> None:
     r = cfg.model.rope_scaling
-    if r.type not in ROPE_SCALING:
-        problems.append(f"model.rope_scaling.type={r.type} is not one of {', '.join(ROPE_SCALING)}")
-    elif r.type == "llama3":
-        if r.factor <= 0 or r.low_freq_factor <= 0 or r.original_max_seq_len < 1:
-            problems.append("model.rope_scaling.factor, .low_freq_factor and .original_max_seq_len must be > 0")
-        elif r.high_freq_factor <= r.low_freq_factor:
-            problems.append(f"model.rope_scaling.high_freq_factor={r.high_freq_factor} must exceed "
-                            f"model.rope_scaling.low_freq_factor={r.low_freq_factor}")
+    if r.type == "llama3" and r.high_freq_factor <= r.low_freq_factor:
+        problems.append(f"model.rope_scaling.high_freq_factor={r.high_freq_factor} must exceed "
+                        f"model.rope_scaling.low_freq_factor={r.low_freq_factor}")
 
 
 def _check_zero_and_precision(cfg: Config, problems: List[str]) -> None:
     p, t = cfg.parallel, cfg.train
-    if p.zero_stage not in (0, 1, 2, 3):
-        problems.append(f"parallel.zero_stage={p.zero_stage} is not one of 0, 1, 2, 3")
-    elif p.zero_stage >= 2 and p.pp > 1:
+    if p.zero_stage >= 2 and p.pp > 1:
         problems.append(
             f"parallel.zero_stage={p.zero_stage} with parallel.pp={p.pp}: pipelining accumulates full "
             "gradients over a step's micro-batches, so partitioned gradients/parameters buy nothing and "
             "break the schedule; use parallel.zero_stage=1 (or 0) with pipelining")
-    if t.dtype not in DTYPES:
-        problems.append(f"train.dtype={t.dtype} is not one of {', '.join(DTYPES)}")
-    if p.zero_reduce not in ZERO_REDUCE:
-        problems.append(f"parallel.zero_reduce={p.zero_reduce} is not one of {', '.join(ZERO_REDUCE)}")
-    if p.backend not in BACKENDS:
-        problems.append(f"parallel.backend={p.backend} is not one of {', '.join(BACKENDS)}")
-
-
-def _check_choices(cfg: Config, problems: List[str]) -> None:
-    if cfg.launcher.name not in LAUNCHERS:
-        problems.append(f"launcher={cfg.launcher.name} is not one of {', '.join(LAUNCHERS)}")
-    if cfg.logger.name not in LOGGERS:
-        problems.append(f"logger={cfg.logger.name} is not one of {', '.join(LOGGERS)}")
-    if cfg.logger.mode not in WANDB_MODES:
-        problems.append(f"logger.mode={cfg.logger.mode} is not one of {', '.join(WANDB_MODES)}")
-    if cfg.data.name not in DATASETS:
-        problems.append(f"data={cfg.data.name} is not one of {', '.join(DATASETS)}")
-    else:
-        _check_data(cfg, problems)
-    if cfg.optim.name != "adamw":
-        problems.append(f"optim={cfg.optim.name}: only adamw is implemented")
-    if cfg.train.device not in ("auto", "cpu", "cuda"):
-        problems.append(f"train.device={cfg.train.device} is not one of auto, cpu, cuda")
 
 
 def _check_data(cfg: Config, problems: List[str]) -> None:
@@ -305,11 +248,5 @@ def _check_data(cfg: Config, problems: List[str]) -> None:
     for i, source in enumerate(d.blend):
         if not source.weight > 0:
             problems.append(f"data.blend[{i}].weight={source.weight} must be > 0")
-    if not 0 <= d.val_fraction < 1:
-        problems.append(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
     if d.val_fraction > 0 and d.val_path:
         problems.append("data.val_fraction and data.val_path are both set; give one (or set data.val_fraction=0)")
-    if t.eval_every < 0:
-        problems.append(f"train.eval_every={t.eval_every} must be >= 0 (0: never evaluate)")
-    if t.eval_steps is not None and t.eval_steps < 1:
-        problems.append(f"train.eval_steps={t.eval_steps} must be >= 1, or null for the whole validation set")

@@ -11,9 +11,10 @@
 trained them, in the dtype they were trained in unless ``--dtype`` says otherwise.
 
 It runs in one process without a process group: DCP reads the pieces of every tensor from
-the checkpoint into full tensors. The checkpoint's metadata is read with a restricted
-unpickler (DCP's own classes only) and its data files hold raw tensor bytes, so exporting an
-untrusted checkpoint unpickles nothing arbitrary.
+the checkpoint into full tensors. The checkpoint must match its checksums, its metadata is
+read by the restricted reader of trainer3d/checkpoint/metadata.py (an explicit list of DCP's
+classes) and only tensor entries are loaded, so exporting an untrusted checkpoint runs no
+code from it.
 """
 
 import argparse
@@ -27,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
 from trainer3d.checkpoint import store
+from trainer3d.checkpoint.reader import CheckpointReader, TensorOnlyLoadPlanner
 from trainer3d.config import ModelConfig
 from trainer3d.data import EOF_TOKEN
 from trainer3d.hf.export import data_tokenizer, write_hf
@@ -43,7 +45,7 @@ def load_full_model(path: Path, prefix: str = "model.") -> Dict[str, torch.Tenso
     for key, meta in metadata.state_dict_metadata.items():
         if key.startswith(prefix) and hasattr(meta, "size"):
             state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    dcp.load(state, storage_reader=CheckpointReader(str(path)), planner=TensorOnlyLoadPlanner(), no_dist=True)
     return {key[len(prefix):]: tensor for key, tensor in state.items()}
 
 

@@ -6,13 +6,15 @@
     checkpointer.save(step)                      # every checkpoint.every steps, at the end, on preemption
 
 A save: every rank writes its pieces (trainer3d/checkpoint/state.py) with DCP into
-``step_N.partial/``; a barrier proves all of them finished; rank 0 writes the marker (step,
-layout, config) and renames the directory to ``step_N/`` (trainer3d/checkpoint/store.py),
+``step_N.partial/``, hashing and reading back its files (trainer3d/checkpoint/writer.py); a
+gather of those digests proves all of them finished; rank 0 writes the marker (step,
+layout, config, digests) and renames the directory to ``step_N/`` (trainer3d/checkpoint/store.py),
 then prunes to ``checkpoint.keep``; a second barrier keeps ranks from racing ahead of the
 rename. A crash anywhere before the rename leaves the previous checkpoint the newest one.
 
-A resume: rank 0 picks the checkpoint (the newest complete one for ``auto``; broken ones are
-skipped with a warning) and tells the others; every rank describes the pieces it holds in
+A resume: rank 0 picks the checkpoint and checks it (trainer3d/checkpoint/choose.py: the
+newest intact one for ``auto``, broken ones skipped and named; checksums; the same model)
+and tells the others; every rank describes the pieces it holds in
 its *current* layout and DCP reads exactly those regions, so the saved layout does not
 matter. A layout change is reported.
 """
@@ -28,6 +30,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from trainer3d.checkpoint import store
+from trainer3d.checkpoint.choose import choose
+from trainer3d.checkpoint.precision import load_passes
+from trainer3d.checkpoint.reader import CheckpointReader, TensorOnlyLoadPlanner
 from trainer3d.checkpoint.state import PieceMaker, after_load, rank_state
 from trainer3d.checkpoint.store import CheckpointError
 from trainer3d.checkpoint.writer import CheckpointWriter
@@ -53,6 +58,8 @@ class Checkpointer:
         self.root = checkpoint_root(cfg)
         self._make = None
         self.last_saved: Optional[int] = None
+        self.known_bad: List[Path] = []
+        """Checkpoints whose data failed verification when resuming (kept, never counted as good)."""
 
     @property
     def make(self) -> PieceMaker:
@@ -90,13 +97,17 @@ class Checkpointer:
         dist.barrier()
         try:
             state = drop_tied_copies(rank_state(self.optimizer, self.dims, self.make), self.dims)
-            dcp.save(state, storage_writer=CheckpointWriter(str(partial)))
-            dist.barrier()  # every rank's files are complete
+            writer = CheckpointWriter(str(partial))
+            dcp.save(state, storage_writer=writer)
+            files = [None] * self.dims.topo.world_size if self.dims.rank == 0 else None
+            dist.gather_object(writer.digests, files, dst=0)  # also proves every rank's files are complete
             if self.dims.rank == 0:
-                info = {"step": steps_done, "layout": layout_of(self.cfg),
-                        "config": scrub(dataclasses.asdict(self.cfg)), "saved_at": time.time()}
+                info = {"step": steps_done, "layout": layout_of(self.cfg), "dtype": self.cfg.train.dtype,
+                        "config": scrub(dataclasses.asdict(self.cfg)), "saved_at": time.time(),
+                        "files": {name: d for rank_files in files for name, d in rank_files.items()}}
                 store.publish(partial, final, info)
-                store.prune(self.root, self.cfg.checkpoint.keep)
+                self.known_bad = [p for p in self.known_bad if p != final]  # re-saved: good again
+                store.prune(self.root, self.cfg.checkpoint.keep, self.known_bad)
         except BaseException:  # DCP's CheckpointException is one: a failed save must not fill the disk
             if self.dims.rank == 0:
                 shutil.rmtree(partial, ignore_errors=True)
@@ -109,19 +120,15 @@ class Checkpointer:
     # ------------------------------------------------------------------ resume
 
     def _choose(self) -> Optional[Tuple[int, Path, dict]]:
-        """Rank 0's choice of checkpoint, or None; raises CheckpointError for a bad explicit path."""
-        want = self.cfg.train.resume
-        if want == "never":
+        """Rank 0's choice of checkpoint, or None; raises CheckpointError for a bad explicit path
+        or a checkpoint of another model."""
+        choice = choose(self.cfg, self.root)
+        if choice is None:
             return None
-        if want == "auto":
-            found = store.latest_complete(self.root)
-            if found is None:
-                return None
-            step, path = found
-        else:
-            path = store.require_complete(want, "train.resume")
-        info = store.read_marker(path)
-        return info["step"], path, info
+        for path, why in choice.skipped:
+            self.known_bad.append(path)
+            self._say(f"skipping checkpoint {path}: {why}")
+        return choice.step, choice.path, choice.info
 
     def resume(self) -> int:
         """Load the chosen checkpoint into this rank's model and optimizer; returns the step to start at."""
@@ -143,7 +150,11 @@ class Checkpointer:
         step, path, info = choice[0]
         same_world = info.get("layout") == layout_of(self.cfg)
         state = rank_state(self.optimizer, self.dims, self.make, with_rng=same_world)
-        dcp.load(state, checkpoint_id=str(path))
+        passes, notes = load_passes(state, store.read_metadata(path).state_dict_metadata)
+        for part in passes:  # the same number of passes on every rank (both, even where one is empty)
+            dcp.load(part, storage_reader=CheckpointReader(str(path)), planner=TensorOnlyLoadPlanner())
+        for note in notes:
+            self._say(note)
         after_load(self.optimizer, state, self.dims, with_rng=same_world)
         self.last_saved = step
         self._say(f"resumed from {path} at step {step}")

@@ -7,20 +7,22 @@ one atomic rename, after a barrier proves every rank finished. A reader therefor
 sees a half-written checkpoint under a final name; a crash mid-save leaves only a
 ``.partial`` directory, which resume ignores and the next save removes.
 
-``is_complete`` also checks what a rename cannot promise (a disk that lost data, a file
-truncated by hand): the marker, the metadata, and that every byte range the metadata
-points to exists.
+``is_complete`` also checks what a rename cannot promise (a disk that lost data, a flipped
+bit, a file truncated or edited by hand): the marker carries the SHA-256 of every file and
+its own (trainer3d/checkpoint/digest.py), the metadata pickle is read by the restricted
+reader of trainer3d/checkpoint/metadata.py, and every byte range it points to must exist.
 """
 
-import io
 import json
 import os
-import pickle
 import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
+
+from trainer3d.checkpoint import digest
+from trainer3d.checkpoint import metadata as checked_metadata
 
 MARKER = "trainer3d.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -34,49 +36,59 @@ def partial_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step_{step:08d}.partial"
 
 
-# Classes DCP's .metadata may hold; anything else in the pickle is refused (no arbitrary code).
-_SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                 "torch.distributed.checkpoint.planner", "torch.distributed.checkpoint._extension")
-_SAFE_GLOBALS = {("torch", "Size"), ("torch", "float32"), ("torch", "float16"), ("torch", "bfloat16"),
-                 ("torch", "float64"), ("torch", "int64"), ("torch", "int32"), ("torch", "uint8"),
-                 ("torch", "strided"), ("torch", "contiguous_format"), ("torch", "preserve_format"),
-                 ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-                 ("torch", "device"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                 ("pathlib", "PurePosixPath")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if module.startswith(_SAFE_MODULES) or (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
-
-
 def read_metadata(path: Path):
-    """DCP's metadata, unpickled with only DCP's own classes allowed."""
-    with open(Path(path) / ".metadata", "rb") as f:
-        return _MetadataUnpickler(io.BytesIO(f.read())).load()
+    """DCP's metadata, read as trainer3d/checkpoint/metadata.py reads untrusted pickles."""
+    return checked_metadata.read(path)
 
 
-def is_complete(path: Path) -> Tuple[bool, str]:
-    """(True, "") for a published, intact checkpoint; else (False, why)."""
+def _marker(path: Path) -> Tuple[Optional[dict], str]:
+    """(the marker, "") if it parses and matches its own checksum, else (None, why)."""
+    try:
+        info = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError) as err:
+        return None, f"unreadable {MARKER} ({err})"
+    if not isinstance(info, dict) or not isinstance(info.get("files"), dict):
+        return None, f"{MARKER} records no checksums (written by an older trainer3d, or edited)"
+    if not isinstance(info.get("step"), int) or not isinstance(info.get("config", {}), dict):
+        return None, f"{MARKER} has a malformed step or config"
+    problem = digest.seal_problem(info)
+    if problem is None and not all(n == ".metadata" or checked_metadata.DATA_FILE.match(n) for n in info["files"]):
+        problem = f"{MARKER} lists a file that is not part of a checkpoint"
+    return (None, problem) if problem else (info, "")
+
+
+def is_complete(path: Path, verify_data: bool = True) -> Tuple[bool, str]:
+    """(True, "") for a published, intact checkpoint; else (False, why).
+
+    Intact: the marker matches its own checksum, the metadata its recorded checksum and the
+    checks of trainer3d/checkpoint/metadata.py, every byte range it points to lies in a
+    recorded file; with ``verify_data`` (every load) every data file matches its checksum too.
+    """
     path = Path(path)
     if not _STEP_DIR.match(path.name):
         return False, "not a published checkpoint name"
     if not (path / MARKER).is_file():
         return False, f"no {MARKER} (the save did not finish)"
+    info, why = _marker(path)
+    if info is None:
+        return False, why
+    files = info["files"]
+    problem = digest.file_problems(path, {".metadata": files.get(".metadata", {})}, [".metadata"])
+    if problem:
+        return False, problem
     try:
-        json.loads((path / MARKER).read_text())
         metadata = read_metadata(path)
-    except (OSError, ValueError, pickle.UnpicklingError, EOFError, AttributeError) as err:
-        return False, f"unreadable metadata ({err})"
-    sizes = {}
-    for info in (metadata.storage_data or {}).values():
-        file = path / info.relative_path
-        if info.relative_path not in sizes:
-            sizes[info.relative_path] = file.stat().st_size if file.is_file() else -1
-        if sizes[info.relative_path] < info.offset + info.length:
-            return False, f"{info.relative_path} is missing or truncated"
+    except (OSError, checked_metadata.MetadataError) as err:
+        return False, f"refused metadata: {err}"
+    for info_ in metadata.storage_data.values():
+        size = files.get(info_.relative_path, {}).get("bytes", -1)
+        if size < info_.offset + info_.length:
+            return False, f"{info_.relative_path} is missing, unrecorded or truncated"
+    if verify_data:
+        data = {name: d for name, d in files.items() if name != ".metadata"}
+        problem = digest.file_problems(path, data, {i.relative_path for i in metadata.storage_data.values()})
+        if problem:
+            return False, problem
     return True, ""
 
 
@@ -89,25 +101,30 @@ def published(root: Path) -> List[Tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_complete(root: Path) -> Optional[Tuple[int, Path]]:
-    """The newest intact checkpoint; newer broken ones are skipped with a warning."""
+def latest_complete(root: Path, skipped: Optional[List[Tuple[Path, str]]] = None) -> Optional[Tuple[int, Path]]:
+    """The newest intact checkpoint (data verified); newer broken ones are skipped with a
+    warning, and (path, why) of each is appended to ``skipped``."""
     for step, path in reversed(published(root)):
         ok, why = is_complete(path)
         if ok:
             return step, path
         warnings.warn(f"trainer3d: skipping checkpoint {path}: {why}", stacklevel=2)
+        if skipped is not None:
+            skipped.append((path, why))
     return None
 
 
 def write_marker(path: Path, info: dict) -> None:
     tmp = Path(path) / (MARKER + ".tmp")
-    tmp.write_text(json.dumps(info, indent=1, sort_keys=True))
+    tmp.write_text(json.dumps(digest.seal(info), indent=1, sort_keys=True))
     os.replace(tmp, Path(path) / MARKER)
 
 
 def publish(partial: Path, final: Path, info: dict) -> None:
-    """Rank 0, after every rank finished writing ``partial``: mark it and rename it into place."""
-    write_marker(partial, info)
+    """Rank 0, after every rank finished writing ``partial``: mark it and rename it into place.
+    ``info["files"]`` holds the data files' digests; the metadata's is added here."""
+    files = {**info.get("files", {}), ".metadata": digest.file_digest(Path(partial) / ".metadata")}
+    write_marker(partial, {**info, "files": files})
     if final.exists():  # a re-save of the same step (e.g. after a requeue): replace it
         shutil.rmtree(final)
     os.replace(partial, final)
@@ -118,12 +135,23 @@ def publish(partial: Path, final: Path, info: dict) -> None:
         os.close(fd)
 
 
-def prune(root: Path, keep: int) -> List[Path]:
-    """Delete all but the newest ``keep`` published checkpoints and any stale partial ones."""
+def prune(root: Path, keep: int, known_bad: Iterable[Path] = ()) -> List[Path]:
+    """Keep the newest ``keep`` good checkpoints; delete older ones and stale partial ones.
+
+    Good: every checkpoint this engine publishes was read back intact when saved
+    (trainer3d/checkpoint/writer.py); one that fails the marker/metadata/size checks now, or
+    is in ``known_bad`` (its data failed verification on a load), does not count towards
+    ``keep`` and is never the reason a good one is deleted; broken ones newer than the
+    oldest kept good one are left in place, for inspection (resume skips them).
+    """
     removed = []
-    for _, path in published(root)[:-keep] if keep > 0 else []:
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
+    bad = {Path(p) for p in known_bad}
+    good = [path for _, path in published(root) if path not in bad and is_complete(path, verify_data=False)[0]]
+    oldest_kept = good[-keep] if 0 < keep <= len(good) else None
+    for _, path in published(root):
+        if oldest_kept is not None and path.name < oldest_kept.name:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
     for path in Path(root).glob("step_*.partial") if Path(root).is_dir() else []:
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
@@ -131,8 +159,12 @@ def prune(root: Path, keep: int) -> List[Path]:
 
 
 def read_marker(path: Path) -> dict:
-    """The marker's JSON: step, layout (world size included), config."""
-    return json.loads((Path(path) / MARKER).read_text())
+    """The marker's JSON (step, layout, config, file digests), if it matches its own checksum;
+    else CheckpointError."""
+    info, why = _marker(Path(path))
+    if info is None:
+        raise CheckpointError(f"checkpoint {path}: {why}")
+    return info
 
 
 class CheckpointError(ValueError):
@@ -140,9 +172,10 @@ class CheckpointError(ValueError):
 
 
 def require_complete(path: Path, knob: str, fix: str = "give a published step_<N> directory") -> Path:
-    """``path`` if it is a complete checkpoint, else CheckpointError naming ``knob`` and the fix:
-    the one refusal of an explicitly named checkpoint (resume, export)."""
+    """``path`` if it is a complete checkpoint whose data match their checksums, else
+    CheckpointError naming ``knob`` and the fix: the one refusal of an explicitly named
+    checkpoint (resume, export, sampling)."""
     ok, why = is_complete(path)
     if not ok:
-        raise CheckpointError(f"{knob}={path} is not a complete checkpoint ({why}); {fix}")
+        raise CheckpointError(f"{knob}={path} is not a usable checkpoint ({why}); {fix}")
     return Path(path)

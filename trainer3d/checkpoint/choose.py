@@ -1,0 +1,85 @@
+"""Which checkpoint a run resumes from, and whether it fits the run: one function for the
+submitting process (before launch, so a refusal costs no rank start-up) and for rank 0.
+
+``train.resume=auto`` takes the newest checkpoint whose data match their checksums, skipping
+newer broken ones (each named); an explicit path must be intact itself. Either way the
+checkpoint's model (recorded in its marker) must be the run's: a different shape would fail
+deep inside DCP with a size assertion, a different rope or norm setting would silently train
+another function. Every differing key is named. A change of ``train.dtype`` is allowed:
+tensors are converted on load (trainer3d/checkpoint/precision.py).
+"""
+
+import dataclasses
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+from trainer3d.checkpoint import store
+from trainer3d.checkpoint.store import CheckpointError
+from trainer3d.config import Config, ModelConfig
+
+IGNORED_MODEL_KEYS = ("name", "init_from", "init_std", "max_seq_len", "bos_token_id", "eos_token_ids")
+"""Model fields a resume may change: labels, how a fresh model would start, the rotary table's
+length (computed, never stored) and token ids used only when exporting."""
+
+
+@dataclasses.dataclass
+class Choice:
+    step: int
+    path: Path
+    info: dict
+    """The checkpoint's marker (step, layout, config, file digests)."""
+    skipped: List[Tuple[Path, str]]
+    """Newer checkpoints passed over by ``auto``, and why."""
+
+
+def _flat(section: dict, prefix: str = "model.") -> dict:
+    out = {}
+    for key, value in section.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _with_head_dim(model: dict) -> dict:
+    """``head_dim`` resolved (null means dim // n_heads), so an explicit equal value is no change."""
+    dim, heads = model.get("dim"), model.get("n_heads")
+    if model.get("head_dim") is None and isinstance(dim, int) and isinstance(heads, int) and heads > 0:
+        model = {**model, "head_dim": dim // heads}
+    return model
+
+
+def model_changes(saved: dict, now: ModelConfig) -> List[str]:
+    """``model.<key> <saved> -> <now>`` for every weight-relevant model field that differs."""
+    current = _flat(_with_head_dim(dataclasses.asdict(now)))
+    # A field the marker lacks (written before the field existed) had its default then.
+    before = {**_flat(dataclasses.asdict(ModelConfig())), **_flat(_with_head_dim(dict(saved)))}
+    ignored = tuple(f"model.{k}" for k in IGNORED_MODEL_KEYS)
+    return [f"{key} {before.get(key)} -> {value}" for key, value in current.items()
+            if not key.startswith(ignored) and before.get(key) != value]
+
+
+def choose(cfg: Config, root: Path) -> Optional[Choice]:
+    """The checkpoint to resume from (None: start fresh), or CheckpointError naming the knob."""
+    want = cfg.train.resume
+    if want == "never":
+        return None
+    skipped: List[Tuple[Path, str]] = []
+    if want == "auto":
+        found = store.latest_complete(root, skipped)
+        if found is None:
+            return None
+        path, knob = found[1], f"train.resume=auto (checkpoint {found[1]})"
+    else:
+        path = store.require_complete(want, "train.resume", fix="give a published step_<N> directory, auto or never")
+        knob = f"train.resume={path}"
+    info = store.read_marker(path)
+    saved_model = info.get("config", {}).get("model")
+    if not isinstance(saved_model, dict):
+        raise CheckpointError(f"{knob}: the checkpoint records no model config; resume with train.resume=never")
+    changes = model_changes(saved_model, cfg.model)
+    if changes:
+        raise CheckpointError(f"{knob} holds a different model: {', '.join(changes)}; set these model.* knobs as "
+                              "the checkpoint has them, or start fresh (train.resume=never, or another run dir)")
+    return Choice(int(info["step"]), Path(path), info, skipped)
