@@ -11,6 +11,9 @@ from tests.conftest import ROOT
 DEFERRED = {
     ("trainer3d.loggers", "wandb"): "optional sink, slow to import: only runs with logger=wandb pay for it",
 }
+DEFERRED_MODULES = {  # every import of the module may sit in a function, for the reason given
+    "tools.bench_hotpath": "imports trainer3d from the revision it measures, put on sys.path at run time",
+}
 
 
 def _modules() -> Dict[str, Path]:
@@ -84,6 +87,7 @@ def test_no_import_cycles():
 
 def test_no_imports_hidden_in_functions_but_the_listed_ones():
     _, deferred = _graph()
+    deferred = {(module, target) for module, target in deferred if module not in DEFERRED_MODULES}
     assert deferred <= DEFERRED.keys(), sorted(deferred - DEFERRED.keys())
 
 

@@ -14,6 +14,7 @@ import sys
 import typing
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from tests.test_validate import CONF_DIR, make
@@ -127,12 +128,13 @@ def test_entry_point_refuses_an_added_key_before_launch(tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "submitit").exists()
 
 
-def test_cuda_without_a_gpu_is_refused_before_launch(monkeypatch, capsys):
-    monkeypatch.setattr(train.torch.cuda, "is_available", lambda: False)
-    cfg = make(["train.device=cuda"])
+@pytest.mark.parametrize("knob", ["train.device=cuda", "parallel.backend=nccl"])
+def test_cuda_without_a_gpu_is_refused_before_launch(monkeypatch, capsys, knob):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    cfg = make([knob, "parallel=single"])
     assert train.run(cfg) == 2
     err = capsys.readouterr().err
-    assert "train.device=cuda but this machine has no CUDA GPU" in err and "Traceback" not in err
+    assert f"trainer3d: device error: {knob} but no CUDA device is visible here" in err and "Traceback" not in err
 
 
 def test_a_directory_knob_naming_a_file_is_refused_before_launch(tmp_path, capsys):
