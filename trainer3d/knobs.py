@@ -96,13 +96,22 @@ def get(cfg: Config, knob: str):
     return value
 
 
+def nullable(knob: str) -> bool:
+    """The schema lets ``knob`` be null (its field is ``Optional``)."""
+    owner = Config
+    for part in knob.split("."):
+        hint = typing.get_type_hints(owner)[part]
+        owner = hint
+    return type(None) in typing.get_args(hint)
+
+
 def range_problems(cfg: Config) -> List[str]:
     """One line per numeric knob outside its range."""
     problems = []
     for knob, valid in RANGES.items():
         value = get(cfg, knob)
         if value is not None and not valid.holds(value):
-            problems.append(f"{knob}={value} {valid.describe()}")
+            problems.append(f"{knob}={value} {valid.describe()}{', or null' if nullable(knob) else ''}")
     return problems
 
 
