@@ -36,6 +36,7 @@ from trainer3d.parallel.clip import clip_by_global_norm_, counted_once_over_tp, 
 from trainer3d.parallel.optimizer import StateView, ZeroOptimizer
 from trainer3d.parallel.precision import DTYPES, make_loss_scaler
 from trainer3d.parallel.tied import is_tied_copy
+from trainer3d.parallel.wgrad import low_precision_sink
 from trainer3d.topology import ParallelDims
 
 
@@ -66,6 +67,8 @@ class FlatZeroOptimizer(ZeroOptimizer):
         mode = reduce_mode(cfg, dims) if sharded else "all_reduce"
         self.reducer = GradReducer(self.buffers, dims.dp_group, dims.dp, dims.dp_rank,
                                    cfg.train.grad_accum_steps, mode)
+        # bf16/fp16: the linear layers' backward accumulates into the fp32 buffer (wgrad.py)
+        self.wgrad_sink = low_precision_sink(self.buffers.params, self.buffers.grad_view, dtype)
         self.pieces = self._owned_pieces()
         ranges = {p: self.buffers.range_of(p) for p in self.buffers.params}
         segments = segments_of(self.names, ranges, self.pieces)
