@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 from tests.runs import PARITY, _train_rank, configure, train_losses
 from trainer3d.local_ranks import run_ranks
@@ -92,3 +93,22 @@ def test_low_precision_losses_identical_to_autograds_weight_gradients(tmp_path, 
         got[name] = train_losses(tmp_path / name)
     assert got["sink"] == got["plain"], got
     assert got["sink"][-1] < got["sink"][0]
+
+
+def test_recomputed_and_input_only_backwards():
+    """Under activation checkpointing the weight's gradient still lands in its view; a backward
+    for the inputs alone (``torch.autograd.grad``, as the pipeline's shape inference runs)
+    leaves the view alone, as autograd leaves ``.grad`` alone."""
+    torch.manual_seed(1)
+    layer = nn.Linear(16, 8, bias=False).to(torch.bfloat16)
+    route_linear_layers([layer])
+    main_grad = torch.zeros(8, 16)
+    MainGradSink({layer.weight: main_grad})
+    x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)
+    torch.autograd.grad(layer(x).sum(), [x])
+    assert not main_grad.any()
+    checkpoint(layer, x, use_reentrant=False).sum().backward()
+    reference = nn.Linear(16, 8, bias=False).to(torch.bfloat16)
+    reference.weight.data.copy_(layer.weight.data)
+    reference(x.detach()).sum().backward()
+    assert main_grad.any() and torch.equal(main_grad, reference.weight.grad.float())

@@ -59,12 +59,11 @@ class MainGradSink:
             if getattr(p, SINK, None) is self:
                 delattr(p, SINK)
 
-    def accumulate(self, weight: nn.Parameter, grad_out: torch.Tensor, x: torch.Tensor) -> None:
-        """``views[weight] += grad_out^T x`` (both 2-D, rows are tokens)."""
-        view = self.views[weight]
-        if self.fused is not False and view.is_cuda:
+    def accumulate(self, main_grad: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
+        """``main_grad += grad_out^T x`` (both 2-D in the weight's dtype, rows are tokens)."""
+        if self.fused is not False and main_grad.is_cuda:
             try:
-                torch.addmm(view, grad_out.t(), x, out_dtype=torch.float32, out=view)
+                torch.addmm(main_grad, grad_out.t(), x, out_dtype=torch.float32, out=main_grad)
                 self.fused = True
                 return
             except (RuntimeError, NotImplementedError, TypeError):
@@ -72,26 +71,33 @@ class MainGradSink:
                     raise
                 self.fused = False  # an older torch: the scratch path
         if self.scratch is None:
-            self.scratch = torch.empty(self.largest, dtype=weight.dtype, device=weight.device)
-        grad = self.scratch[:weight.numel()].view(weight.shape)
+            self.scratch = torch.empty(self.largest, dtype=x.dtype, device=x.device)
+        grad = self.scratch[:main_grad.numel()].view(main_grad.shape)
         torch.mm(grad_out.t(), x, out=grad)
-        view.add_(grad)
+        main_grad.add_(grad)
 
 
 class _LinearIntoMainGrad(torch.autograd.Function):
-    """``F.linear(x, weight)``; backward accumulates the weight's gradient into its sink."""
+    """``F.linear(x, weight)``; backward accumulates the weight's gradient into ``main_grad``."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: nn.Parameter, sink: MainGradSink) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.sink = sink
+        # The view, not the Parameter: under activation checkpointing the saved weight comes
+        # back as another tensor object (torch/utils/checkpoint.py unpacks recomputed copies).
+        ctx.sink, ctx.main_grad = sink, sink.views[weight]
         return F.linear(x, weight)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
         grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
-        ctx.sink.accumulate(weight, grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1]))
+        # Only in a backward that accumulates the weight's gradient: ``torch.autograd.grad``
+        # for the inputs alone (the pipeline stage's shape inference runs one on its first
+        # step, torch/distributed/pipelining/stage.py) must leave the buffer alone, as
+        # autograd leaves ``.grad`` alone then.
+        if torch._C._will_engine_execute_node(ctx.next_functions[1][0]):
+            ctx.sink.accumulate(ctx.main_grad, grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1]))
         return grad_x, None, None
 
 
