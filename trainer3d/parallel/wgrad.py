@@ -26,7 +26,9 @@ The backward returns no weight gradient. Autograd still runs the weight's
 fires once per micro-batch and the bucket's dp reduction starts when it did before. A
 weight used elsewhere too (a tied head's embedding) gets the other uses' gradient through
 ``.grad`` as before. fp32 weights never get a sink: autograd already accumulates into their
-fp32 view (``.grad`` is the view), so fp32 training is unchanged.
+fp32 view (``.grad`` is the view), so fp32 training is unchanged. Blocks compiled with
+``train.compile`` keep autograd's path (the compiler owns their buffers); the layers outside
+them (the head) still use the sink.
 """
 
 import functools
@@ -104,7 +106,9 @@ class _LinearIntoMainGrad(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias); the weight gradient goes into its sink if it has one."""
     sink = getattr(weight, SINK, None)
-    if sink is None or not torch.is_grad_enabled() or not weight.requires_grad:
+    # Inside a torch.compile'd block (train.compile) the plain path: dynamo cannot trace the
+    # backward's engine query and would split the block's graph at every projection.
+    if sink is None or not torch.is_grad_enabled() or not weight.requires_grad or torch.compiler.is_compiling():
         return F.linear(x, weight)
     return _LinearIntoMainGrad.apply(x, weight, sink)
 
