@@ -93,13 +93,15 @@ class _LinearIntoMainGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
-        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
+        # 2-D matmuls viewed back, as autograd's own backward of ``F.linear`` computes them.
+        grad_x = grad_2d.mm(weight).view(*grad_out.shape[:-1], weight.shape[1]) if ctx.needs_input_grad[0] else None
         # Only in a backward that accumulates the weight's gradient: ``torch.autograd.grad``
         # for the inputs alone (the pipeline stage's shape inference runs one on its first
         # step, torch/distributed/pipelining/stage.py) must leave the buffer alone, as
         # autograd leaves ``.grad`` alone then.
         if torch._C._will_engine_execute_node(ctx.next_functions[1][0]):
-            ctx.sink.accumulate(ctx.main_grad, grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1]))
+            ctx.sink.accumulate(ctx.main_grad, grad_2d, x.reshape(-1, x.shape[-1]))
         return grad_x, None, None
 
 
