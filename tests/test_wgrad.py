@@ -78,6 +78,7 @@ LAYOUTS = [
                  id="bf16-tp2-sp-pp2-interleaved-tied-recompute"),
     pytest.param(["train.dtype=fp16", "parallel.dp=2", "parallel.zero_stage=1", "optim.grad_clip=0.5"],
                  id="fp16-dp2-zero1-clip"),
+    pytest.param(["train.dtype=bf16", "train.compile=true"], id="bf16-compile"),  # compiled blocks: autograd's path
 ]
 
 
