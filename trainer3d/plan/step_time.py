@@ -21,6 +21,8 @@ the final norm, head and loss on the last):
                                               backward except the last bucket; ZeRO-1's
                                               parameter all-gather; FSDP2's un-overlapped share
          + optimizer                          AdamW over the owned elements, memory-bound
+         + host                               the engine's own time per step outside the blocks
+                                              (CPUs: measured by --calibrate; 0 on GPUs)
 
 Ring collectives cost 2 (n-1)/n B / bandwidth + 2 (n-1) hops of latency (all-reduce), half
 that for an all-gather or reduce-scatter (Patarasuk & Yuan 2009, "Bandwidth optimal
@@ -73,6 +75,8 @@ class StepTime:
         optimizer   AdamW over the owned elements, zeroing and clipping the gradients
         node_bound  shared cores: the node's work over its throughput, when that exceeds
                     the critical path (0 where every rank has its own device)
+        host        the engine's host time per step outside the blocks (data, loss and
+                    optimizer bookkeeping, metrics), ``Device.step_overhead_us``
     """
 
     compute: float = 0.0
@@ -82,6 +86,7 @@ class StepTime:
     dp_comm: float = 0.0
     optimizer: float = 0.0
     node_bound: float = 0.0
+    host: float = 0.0
 
     @property
     def critical_path(self) -> float:
@@ -89,7 +94,7 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return max(self.critical_path, self.node_bound) + self.dp_comm + self.optimizer
+        return max(self.critical_path, self.node_bound) + self.dp_comm + self.optimizer + self.host
 
 
 def micro_batch_times(cfg: Config, device: Device, pp_rank: int, ranks_per_node: int) -> RankTimes:
@@ -182,7 +187,7 @@ def step_time(cfg: Config, device: Device, states: Dict[int, ModelStateBytes], r
     mean_compute = sum(m * (x.forward + x.backward) for x in times.values()) / len(times)
     return StepTime(compute=m * busy, tp_comm=m * times[slowest].tp_comm, bubble=fill * slot,
                     pp_comm=m * 2 * v * hop, dp_comm=share * dp, optimizer=share * optimizer,
-                    node_bound=share * mean_compute if share > 1 else 0.0)
+                    node_bound=share * mean_compute if share > 1 else 0.0, host=device.step_overhead_us * 1e-6)
 
 
 def _optimizer_s(cfg: Config, device: Device, states: ModelStateBytes) -> float:
