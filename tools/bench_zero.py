@@ -9,7 +9,10 @@ with the same micro-batches (grad_accum of them per step), gradient clipping and
 - stage 0: ours (flat buffers, buckets reduced from the backward hooks) vs torch DDP
   (``gradient_as_bucket_view=True``, ``no_sync`` on early micro-batches) + AdamW;
 - stage 1: ours (flat-buffer shards, zero_reduce=auto) vs DDP + torch's
-  ``ZeroRedundancyOptimizer(parameters_as_bucket_view=True)``.
+  ``ZeroRedundancyOptimizer(parameters_as_bucket_view=True)``;
+- stage 1, ours: the parameter all-gather overlapped with the next forward (the default,
+  trainer3d/parallel/param_gather.py) vs waited for at the end of step(), with the host
+  time each spends waiting for it.
 
 Printed: median step time (slowest rank), optimizer-state bytes and model-state bytes
 (parameters + gradients + optimizer state, tensor storages reachable from Python, each
@@ -51,6 +54,7 @@ from trainer3d.local_ranks import run_ranks  # noqa: E402
 from trainer3d.model.transformer import cross_entropy_loss  # noqa: E402
 from trainer3d.optim import param_groups  # noqa: E402
 from trainer3d.parallel import build_model_chunks, build_optimizer  # noqa: E402
+from trainer3d.parallel.zero import ShardedOptimizer  # noqa: E402
 from trainer3d.telemetry import storage_bytes  # noqa: E402
 from trainer3d.topology import ParallelDims, Topology  # noqa: E402
 
@@ -70,10 +74,30 @@ def batches(cfg, rank, steps):
     return tokens[..., :-1], tokens[..., 1:]
 
 
+class GatherAtStepEnd(ShardedOptimizer):
+    """ZeRO-1 waiting for its parameter all-gather inside step(), timing that wait."""
+
+    def __init__(self, chunks, cfg, dims):
+        super().__init__(chunks, cfg, dims, overlap_gather=False)
+        self.gather_wait_s = 0.0
+
+    def _gather_params(self, defer=False):
+        start = time.perf_counter()
+        super()._gather_params(defer)
+        self.gather_wait_s += time.perf_counter() - start
+
+
 class Ours:
-    def __init__(self, model, cfg, dims, stage):
+    def __init__(self, model, cfg, dims, stage, overlap=True):
         cfg.parallel.zero_stage = stage
-        self.model, self.opt = model, build_optimizer([model], cfg, dims)
+        self.model = model
+        self.opt = build_optimizer([model], cfg, dims) if overlap else GatherAtStepEnd([model], cfg, dims)
+
+    def gather_wait_s(self) -> float:
+        """Host time spent waiting for the stage-1 parameter all-gather so far."""
+        if getattr(self.opt, "deferred", None) is not None:
+            return self.opt.deferred.waited_s
+        return getattr(self.opt, "gather_wait_s", 0.0)
 
     def forward_backward(self, inputs, targets):
         accum = inputs.shape[0]
@@ -161,6 +185,31 @@ def run_variants(cfg, dims, inputs, targets, warmup) -> dict:
             for key, e in engines.items()}
 
 
+GATHER_MODES = ("overlapped", "in step()")
+
+
+def run_gather_modes(cfg, dims, inputs, targets, warmup, rounds=2) -> dict:
+    """Our stage 1 with the parameter all-gather overlapped with the next forward vs waited
+    for in step(): mean step time and host time waiting for the gather per step. Each engine
+    runs its steps back to back (a barrier or another engine between two steps would hide an
+    in-flight gather); the engines alternate over ``rounds`` (A B, B A, ...) against drift."""
+    steps, per_mode = inputs.shape[0] - warmup, {mode: [] for mode in GATHER_MODES}
+    for r in range(rounds):
+        for mode in GATHER_MODES if r % 2 == 0 else GATHER_MODES[::-1]:
+            engine = Ours(build_model_chunks(cfg, dims)[0], cfg, dims, 1, overlap=mode == "overlapped")
+            for step in range(inputs.shape[0]):
+                if step == warmup:
+                    engine.opt.wait_params()
+                    dist.barrier()
+                    waited, start = engine.gather_wait_s(), time.perf_counter()
+                engine.zero_grad()
+                engine.forward_backward(inputs[step], targets[step])
+                engine.step(cfg.optim.lr)
+            engine.opt.wait_params()  # the last step's gather counts too
+            per_mode[mode].append(((time.perf_counter() - start) / steps, (engine.gather_wait_s() - waited) / steps))
+    return {mode: tuple(statistics.mean(x) for x in zip(*runs)) for mode, runs in per_mode.items()}
+
+
 def rank_main(rank, world, args):
     dims = ParallelDims.build(Topology(tp=1, pp=1, dp=world), torch.device("cpu"))
     cfg = make_cfg(args)
@@ -170,6 +219,10 @@ def rank_main(rank, world, args):
         slowest = torch.tensor([t])
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         out[key] = (slowest.item(), opt_bytes, state_bytes, psi)
+    for mode, (step_s, wait_s) in run_gather_modes(cfg, dims, inputs, targets, args.warmup).items():
+        slowest = torch.tensor([step_s, wait_s])
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        out[mode] = tuple(slowest.tolist())
     return out
 
 
@@ -187,6 +240,12 @@ def report(out, args) -> None:
         (t0, o0, s0, _), (t1, o1, s1, _) = out[(stage, "ours")], out[(stage, "torch")]
         print(f"stage {stage} ours/{vs}: step time {t0 / t1:.2f}x, optimizer bytes {o0 / o1:.3f}x, "
               f"model-state bytes {s0 / s1:.3f}x")
+    print("stage 1 parameter all-gather (steps back to back, mean of 2 runs each, slowest rank):")
+    for mode in GATHER_MODES:
+        step_s, wait_s = out[mode]
+        print(f"  waited for {mode:11} step {step_s * 1e3:7.1f} ms, waiting for the gather {wait_s * 1e3:6.2f} ms")
+    (over, over_wait), (sync, sync_wait) = (out[mode] for mode in GATHER_MODES)
+    print(f"  overlapped / in step(): step time {over / sync:.2f}x, exposed gather {over_wait / max(sync_wait, 1e-9):.2f}x")
 
 
 def main() -> None:
