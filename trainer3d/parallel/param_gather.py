@@ -62,12 +62,11 @@ class DeferredGather:
     def __init__(self, chunks: Sequence[nn.Module], bucket_of: Dict[nn.Parameter, int]):
         self.pending: Dict[int, dist.Work] = {}
         self.waited_s = 0.0
-        self.handles = []
         for chunk in chunks:
             for module, params in hook_units(chunk):
                 buckets = sorted({bucket_of[p] for p in params if p in bucket_of}, reverse=True)  # launch order
                 if buckets:
-                    self.handles.append(module.register_forward_pre_hook(self._hook(buckets)))
+                    module.register_forward_pre_hook(self._hook(buckets))
 
     def _hook(self, buckets: List[int]):
         @torch._dynamo.disable
@@ -93,9 +92,3 @@ class DeferredGather:
         """Every bucket's parameters hold the gathered values (the order they were launched in)."""
         if self.pending:
             self.wait(list(self.pending))
-
-    def remove(self) -> None:
-        self.wait_all()
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
