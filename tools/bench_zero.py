@@ -185,7 +185,7 @@ def run_variants(cfg, dims, inputs, targets, warmup) -> dict:
             for key, e in engines.items()}
 
 
-GATHER_MODES = ("overlapped", "in step()")
+GATHER_MODES = ("overlapped with forward", "waited in step()")
 
 
 def run_gather_modes(cfg, dims, inputs, targets, warmup, rounds=2) -> dict:
@@ -196,7 +196,7 @@ def run_gather_modes(cfg, dims, inputs, targets, warmup, rounds=2) -> dict:
     steps, per_mode = inputs.shape[0] - warmup, {mode: [] for mode in GATHER_MODES}
     for r in range(rounds):
         for mode in GATHER_MODES if r % 2 == 0 else GATHER_MODES[::-1]:
-            engine = Ours(build_model_chunks(cfg, dims)[0], cfg, dims, 1, overlap=mode == "overlapped")
+            engine = Ours(build_model_chunks(cfg, dims)[0], cfg, dims, 1, overlap=mode == GATHER_MODES[0])
             for step in range(inputs.shape[0]):
                 if step == warmup:
                     engine.opt.wait_params()
@@ -214,7 +214,7 @@ def rank_main(rank, world, args):
     dims = ParallelDims.build(Topology(tp=1, pp=1, dp=world), torch.device("cpu"))
     cfg = make_cfg(args)
     inputs, targets = batches(cfg, rank, args.warmup + args.steps)
-    out = run_variants(cfg, dims, inputs, targets, args.warmup)
+    out = {} if args.gather_only else run_variants(cfg, dims, inputs, targets, args.warmup)
     for key, (t, opt_bytes, state_bytes, psi) in out.items():
         slowest = torch.tensor([t])
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -240,10 +240,14 @@ def report(out, args) -> None:
         (t0, o0, s0, _), (t1, o1, s1, _) = out[(stage, "ours")], out[(stage, "torch")]
         print(f"stage {stage} ours/{vs}: step time {t0 / t1:.2f}x, optimizer bytes {o0 / o1:.3f}x, "
               f"model-state bytes {s0 / s1:.3f}x")
-    print("stage 1 parameter all-gather (steps back to back, mean of 2 runs each, slowest rank):")
+
+
+def report_gather(out, args) -> None:
+    print(f"stage 1 parameter all-gather at dp={args.dp}, grad_accum={args.grad_accum}, micro_batch="
+          f"{args.micro_batch}x{args.seq_len}: {args.steps} steps back to back, mean of 2 runs each, slowest rank")
     for mode in GATHER_MODES:
         step_s, wait_s = out[mode]
-        print(f"  waited for {mode:11} step {step_s * 1e3:7.1f} ms, waiting for the gather {wait_s * 1e3:6.2f} ms")
+        print(f"  {mode:24} step {step_s * 1e3:7.1f} ms, waiting for the gather {wait_s * 1e3:6.2f} ms")
     (over, over_wait), (sync, sync_wait) = (out[mode] for mode in GATHER_MODES)
     print(f"  overlapped / in step(): step time {over / sync:.2f}x, exposed gather {over_wait / max(sync_wait, 1e-9):.2f}x")
 
@@ -254,10 +258,13 @@ def main() -> None:
     add_model_arguments(parser, steps=10)
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--gather-only", action="store_true", help="only stage 1's gather, overlapped vs in step()")
     args = parser.parse_args()
     results = run_ranks(rank_main, args.dp, args, timeout=1800, threads=max(1, (os.cpu_count() or 1) // args.dp),
                         pg_timeout_s=300)
-    report(results[0], args)
+    if not args.gather_only:
+        report(results[0], args)
+    report_gather(results[0], args)
 
 
 if __name__ == "__main__":
