@@ -18,8 +18,9 @@ compiled with ``Module.compile`` is traced once; the hook itself runs outside th
 (``torch._dynamo.disable``), as FSDP2's pre-forward hook does on torchtitan's compiled blocks.
 
 Readers that do not go through a module's forward wait for everything first
-(``wait_all``): checkpoint saves and loads, ``parameters()``, the gradient reduction of the
-next step (a bucket whose parameters took no part in forward), the end of training.
+(``wait_all``): checkpoint saves and loads, ``parameters()``, the end of training, and the
+next ``step()`` before its update writes the slices this gather sends from (a bucket whose
+parameters took no part in the forward is still pending there).
 
 The all-gather's timeout: every rank launches it at the same point (the end of ``step()``),
 so the collective itself completes within the group's ``parallel.timeout_s`` however late a
@@ -76,8 +77,9 @@ class DeferredGather:
         return wait_for_buckets
 
     def hand_over(self, works: Dict[int, dist.Work]) -> None:
-        """Take the launched gathers (bucket index -> work); waits for any still pending first."""
-        self.wait_all()
+        """Take the launched gathers (bucket index -> work), the previous ones all waited for."""
+        if self.pending:
+            raise RuntimeError("a parameter all-gather was launched while the previous one was still pending")
         self.pending = dict(works)
 
     def wait(self, buckets: Iterable[int]) -> None:

@@ -116,7 +116,6 @@ class FlatZeroOptimizer(ZeroOptimizer):
 
     def reduce_gradients(self) -> None:
         """Wait for every bucket's reduction (fp16: and unscale the owned gradients)."""
-        self.wait_params()  # a bucket no forward read is still gathering; the update overwrites its slice
         self.reducer.finish()
         if self.scaler is not None:
             torch._foreach_mul_(self._owned_grads, self.scaler.inv_scale())
@@ -136,6 +135,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
     @torch.no_grad()
     def step(self, lr: float) -> None:
         found_inf = self.scaler.found_inf if self.scaler is not None else None
+        self.wait_params()  # the update writes the owned slices the last gather sends from
         self.adam.step(lr, found_inf)
         if self.scaler is not None:
             self.scaler.update()
