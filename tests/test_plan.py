@@ -148,6 +148,20 @@ def test_data_parallel_reduction_hides_behind_backward_but_its_last_bucket():
     assert slow.dp_comm == pytest.approx(1000 * ring_s - backward_s, rel=1e-6)
 
 
+def test_zero1_parameter_gather_hides_behind_the_next_forward_but_its_first_bucket():
+    cfg = _cfg(dp=2, bucket_mb=0.5, zero_stage=1)
+    states = memory.engine_model_state_bytes(memory.rank_parameter_shapes(cfg, 0), 2, 1, "fp32", 2 ** 19 // 4)
+    share = 2 ** 19 / states.grads  # one bucket of the fp32 gradients (NCCL: reduce-scattered)
+    scatter_s, gather_s = states.grads / 2 / 1e9, states.params / 2 / 1e9  # (n - 1) / n over 1 GB/s, n = 2
+    fast = _step(cfg, _ideal(intra_gbps=1.0, memory_gbps=1e12))
+    forward_s = fast.compute / 3 / cfg.train.grad_accum_steps  # one micro-batch's
+    overrun = {"scatter": max(0.0, scatter_s * (1 - share) - 2 * forward_s),
+              "gather": max(0.0, gather_s * (1 - share) - forward_s)}
+    assert fast.dp_comm == pytest.approx((scatter_s + gather_s) * share + sum(overrun.values()), rel=1e-6)
+    slow = _step(cfg, _ideal(intra_gbps=1e-3))
+    assert slow.dp_comm == pytest.approx(1000 * (scatter_s + gather_s) - 3 * forward_s, rel=1e-6)
+
+
 def test_shared_cores_bound_a_step_by_the_nodes_work():
     """Eight ranks on a node that computes like one rank: a step takes at least eight ranks' work."""
     cpu = _ideal(node_scaling={1: 1.0, 8: 1.0}, cores=1, shared_memory=True)

@@ -19,7 +19,9 @@ the final norm, head and loss on the last):
                                               the bubble: (p - 1) / (v m) of the compute
          + data-parallel reduction            bucketed, overlapped with the last micro-batch's
                                               backward except the last bucket; ZeRO-1's
-                                              parameter all-gather; FSDP2's un-overlapped share
+                                              parameter all-gather, overlapped with the next
+                                              first forward except the first bucket; FSDP2's
+                                              un-overlapped share
          + optimizer                          AdamW over the owned elements, memory-bound
          + host                               the engine's own time per step outside the blocks
                                               (CPUs: measured by --calibrate; 0 on GPUs)
@@ -156,10 +158,12 @@ def _dp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: Ran
     grads = states.grads
     scatter = p.zero_stage == 1 and backend == "nccl"
     reduce = gather_s(grads, p.dp, gbps, lat) if scatter else all_reduce_s(grads, p.dp, gbps, lat)
-    last_bucket = reduce * min(1.0, p.bucket_mb * 2 ** 20 / max(1, grads))
+    bucket_share = min(1.0, p.bucket_mb * 2 ** 20 / max(1, grads))
+    last_bucket = reduce * bucket_share
     exposed = last_bucket + max(0.0, reduce - last_bucket - times.backward)
-    if p.zero_stage == 1:
-        exposed += gather_s(states.params, p.dp, gbps, lat)
+    if p.zero_stage == 1:  # waited for bucket by bucket in the next first forward (parallel/param_gather.py)
+        gather = gather_s(states.params, p.dp, gbps, lat)
+        exposed += gather * bucket_share + max(0.0, gather * (1 - bucket_share) - times.forward)
     return exposed
 
 
