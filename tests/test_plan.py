@@ -200,17 +200,17 @@ def test_calibration_fits_each_fixed_cost_back_from_a_step_it_predicts():
     """--calibrate fits a fixed cost (step_overhead_us, a hop's latency with N ranks on the node,
     a pipeline action) as the value that makes the model predict the engine's measured step:
     given a step the model predicts with known costs, the fit finds those costs again."""
-    from trainer3d.plan.calibrate import PP_PROBE, TINY, TP_PROBES, _fit
+    from trainer3d.plan.calibrate import PP_PROBES, TINY, TP_PROBES, _fit
     from trainer3d.plan.probe import training_config
     truth = dataclasses.replace(PRESETS["cpu"], step_overhead_us=2500.0, latency_by_ranks={2: 300.0, 4: 900.0},
-                                pipeline_action_us=700.0)
+                                action_by_ranks={2: 700.0})
     tp = training_config([*TINY, *TP_PROBES[4].split(), "train.global_batch_size=8"])
-    pp = training_config([*TINY, PP_PROBE, "train.global_batch_size=4"])
+    pp = training_config([*TINY, PP_PROBES[2], "train.global_batch_size=4"])
 
     def total(cfg, ranks, **changes):
         return evaluate(cfg, dataclasses.replace(truth, **changes), ranks, "gloo").step.total
     took = total(tp, 4)
     assert evaluate(tp, truth, 4, "gloo").step.host == pytest.approx(2.5e-3)
     assert _fit(lambda x: total(tp, 4, latency_by_ranks={2: 300.0, 4: x}), took) == pytest.approx(900.0, rel=1e-6)
-    assert _fit(lambda x: total(pp, 2, pipeline_action_us=x), total(pp, 2)) == pytest.approx(700.0, rel=1e-6)
+    assert _fit(lambda x: total(pp, 2, action_by_ranks={2: x}), total(pp, 2)) == pytest.approx(700.0, rel=1e-6)
     assert _fit(lambda x: total(tp, 4, step_overhead_us=x), took / 2) == 0.0  # already slower: nothing to add

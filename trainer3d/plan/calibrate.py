@@ -16,8 +16,9 @@ machine, written as a Device (devices.py) that ``cluster.gpu=calibrated`` reads:
   blocks, 4 micro-batches of 32 tokens), where a step is only fixed costs: one process (the
   host time of a step outside the blocks), tp=2 on 2, 4 and 8 ranks (a hop of a collective
   while that many ranks share the cores: where ranks outnumber cores a peer may be waiting
-  for one), pp=2 (the host time of a pipeline action). Each figure is the value that makes
-  step_time.py's prediction of that run equal its fastest measured step.
+  for one), pp=2 and pp=4 (a pipeline action's host time with 2 and 4 ranks on the node).
+  Each figure is the value that makes step_time.py's prediction of that run equal its
+  fastest measured step.
 
 Compute figures are per CPU-second of one thread (``time.thread_time`` / ``process_time``):
 what the machine does for a program that has it, whatever else runs on it meanwhile; the
@@ -176,7 +177,8 @@ TINY = ("model=tiny", "model.dim=32", "model.n_layers=4", "model.n_heads=4", "mo
         "train.dtype=fp32", "optim.warmup_steps=2", "parallel.timeout_s=600", "parallel=single")
 TP_PROBES = {2: "parallel.tp=2", 4: "parallel.tp=2 parallel.dp=2", 8: "parallel.tp=2 parallel.dp=4"}
 """Ranks on the node -> the layout whose tensor-parallel collectives time a hop at that sharing."""
-PP_PROBE = "parallel.pp=2"
+PP_PROBES = {2: "parallel.pp=2", 4: "parallel.pp=4"}
+"""Ranks on the node -> the layout whose pipeline actions time one at that sharing."""
 
 
 def _fit(predict: Callable[[float], float], measured: float) -> float:
@@ -193,7 +195,7 @@ def _fit(predict: Callable[[float], float], measured: float) -> float:
 
 
 def engine_figures(figures: dict, steps: int = 12, warmup: int = 3) -> dict:
-    """``step_overhead_us``, ``latency_by_ranks`` and ``pipeline_action_us``, fitted in turn so
+    """``step_overhead_us``, ``latency_by_ranks`` and ``action_by_ranks``, fitted in turn so
     that the step-time model, with the kernel ``figures`` measured before, predicts the
     engine's fastest step of each TINY probe."""
     fitted: dict = {}
@@ -218,7 +220,10 @@ def engine_figures(figures: dict, steps: int = 12, warmup: int = 3) -> dict:
         for ranks, layout in TP_PROBES.items():
             latency[ranks] = probe(layout, tmp)(lambda x: {"latency_by_ranks": {**latency, ranks: x}})
         fitted["latency_by_ranks"] = latency
-        fitted["pipeline_action_us"] = probe(PP_PROBE, tmp)(lambda x: {"pipeline_action_us": x})
+        action: Dict[int, float] = {}
+        for ranks, layout in PP_PROBES.items():
+            action[ranks] = probe(layout, tmp)(lambda x: {"action_by_ranks": {**action, ranks: x}})
+        fitted["action_by_ranks"] = action
     return fitted
 
 

@@ -65,6 +65,10 @@ class Device:
     engine's tensor-parallel collectives at a negligible model size; missing N: ``latency_us``."""
     cores: int = 0
     """CPU: cores per node, shared by its ranks (0: each rank has its own device)."""
+    action_by_ranks: Dict[int, float] = field(default_factory=dict)
+    """CPU: ``pipeline_action_us`` when N ranks share the node's cores (a stage waits for its
+    neighbour to get a core), measured through the engine at a negligible model size; missing
+    N: ``pipeline_action_us``."""
 
     def node_rate(self, ranks: int) -> float:
         """The node's total throughput with ``ranks`` busy, in units of one rank alone."""
@@ -76,8 +80,11 @@ class Device:
 
     def latency(self, ranks: int) -> float:
         """Microseconds per hop with ``ranks`` on the node."""
-        known = [k for k in self.latency_by_ranks if k <= ranks]
-        return self.latency_by_ranks[max(known)] if known else self.latency_us
+        return _by_ranks(self.latency_by_ranks, ranks, self.latency_us)
+
+    def pipeline_action(self, ranks: int) -> float:
+        """Microseconds of a pipeline action's host time with ``ranks`` on the node."""
+        return _by_ranks(self.action_by_ranks, ranks, self.pipeline_action_us)
 
     def rank_speed(self, ranks: int) -> float:
         """One rank's speed computing alone, in units of ``matmul_tflops`` (one thread on CPUs):
@@ -92,6 +99,12 @@ class Device:
         """Memory one rank may use."""
         usable = (self.memory_gib - self.reserved_gib) * 2 ** 30
         return usable / ranks_per_node if self.shared_memory else usable
+
+
+def _by_ranks(table: Dict[int, float], ranks: int, default: float) -> float:
+    """The figure measured with the most ranks, at most ``ranks``, on the node; else ``default``."""
+    known = [k for k in table if k <= ranks]
+    return table[max(known)] if known else default
 
 
 ACHIEVABLE = 0.8
@@ -135,7 +148,7 @@ def load_calibration(path: str) -> Device:
         raise FileNotFoundError(f"cluster.calibration={path} does not exist; run python -m trainer3d.plan "
                                 "--calibrate first (or pick a preset: cluster.gpu=" + "|".join(PRESETS) + ")")
     data = json.loads(file.read_text())
-    for key in ("node_scaling", "latency_by_ranks"):
+    for key in ("node_scaling", "latency_by_ranks", "action_by_ranks"):
         data[key] = {int(k): v for k, v in data.get(key, {}).items()}
     return Device(**data)
 

@@ -181,7 +181,7 @@ def step_time(cfg: Config, device: Device, states: Dict[int, ModelStateBytes], r
     hop = 0.0
     if p.pp > 1:
         gbps = _link_gbps(device, p.tp * p.dp * p.pp, ranks_per_node)
-        hop = z.hidden_bytes() / (gbps * 1e9) + (device.latency(node_ranks) + device.pipeline_action_us) * 1e-6
+        hop = z.hidden_bytes() / (gbps * 1e9) + (device.latency(node_ranks) + device.pipeline_action(node_ranks)) * 1e-6
     slot = busy + 2 * v * hop
     fill = (p.pp - 1) / v
     optimizer = max(_optimizer_s(cfg, device, s) for s in states.values())
