@@ -15,7 +15,7 @@ from torch import nn
 from tests.harness import dims_for, run_ranks
 
 TOL = 1e-6
-B, S = 2, 8  # batch, sequence (divisible by tp=4 for sequence parallelism)
+S, B = 8, 2  # sequence (divisible by tp=4 for sequence parallelism), batch: activations are sequence-first
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -38,7 +38,7 @@ def _shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 def _seq(x: torch.Tensor, dims, sp: bool) -> torch.Tensor:
     """This rank's sequence shard of ``x`` under sequence parallelism, else ``x``."""
-    return x.chunk(dims.tp, dim=1)[dims.tp_rank] if sp else x
+    return x.chunk(dims.tp, dim=0)[dims.tp_rank] if sp else x
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:
@@ -106,13 +106,13 @@ def _layer_cases(rank, world_size, sp):
     col = ColumnParallelLinear(16, 24, dims, enter)
     _load_shards(col, ref)
     local = 24 // dims.tp
-    results["column"] = _compare_module(ref, col, torch.randn(B, S, 16), dims, sp, False,
+    results["column"] = _compare_module(ref, col, torch.randn(S, B, 16), dims, sp, False,
                                         out_slice=lambda t: t[..., dims.tp_rank * local:(dims.tp_rank + 1) * local])
 
     ref = _ref_linear(24, 16)
     row = RowParallelLinear(24, 16, dims, leave)
     _load_shards(row, ref)
-    x = torch.randn(B, S, 24)
+    x = torch.randn(S, B, 24)
     x_ref = _leaf(x)
     y_ref = ref(x_ref)
     dy = torch.randn(y_ref.shape)
@@ -129,8 +129,8 @@ def _layer_cases(rank, world_size, sp):
     nn.init.normal_(ref.weight, std=0.02)
     emb = VocabParallelEmbedding(257, 16, dims, leave)
     _load_shards(emb, ref)
-    tokens = torch.randint(0, 257, (B, S))
-    tokens[0, :3] = torch.tensor([0, 256, 128])  # both ends and a shard boundary
+    tokens = torch.randint(0, 257, (S, B))
+    tokens[:3, 0] = torch.tensor([0, 256, 128])  # both ends and a shard boundary
     y_ref = ref(tokens)
     dy = torch.randn(y_ref.shape)
     (y_ref * dy).sum().backward()
@@ -147,14 +147,14 @@ def _layer_cases(rank, world_size, sp):
     parallelize_attention(attn, dims, sp)
     attn.to_empty(device="cpu")
     _load_shards(attn, ref)
-    results["attention_gqa"] = _compare_module(ref, attn, torch.randn(B, S, 64), dims, sp, sp)
+    results["attention_gqa"] = _compare_module(ref, attn, torch.randn(S, B, 64), dims, sp, sp)
 
     ref = FeedForward(cfg)
     init_parameters(ref, cfg, seed=1)
     ffn = FeedForward(cfg)
     parallelize_feed_forward(ffn, dims, sp)
     _load_shards(ffn, ref)
-    results["swiglu"] = _compare_module(ref, ffn, torch.randn(B, S, 64), dims, sp, sp)
+    results["swiglu"] = _compare_module(ref, ffn, torch.randn(S, B, 64), dims, sp, sp)
     return results
 
 
