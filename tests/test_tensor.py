@@ -173,12 +173,17 @@ def _loss_case(rank, world_size):
 
     start, local, valid = vocab_range(vocab, dims.tp, dims.tp_rank)
     garbage = torch.full((B, S, local * dims.tp - vocab), 1e4)  # padded columns must not count
-    mine = _leaf(torch.cat([logits, garbage], dim=-1)[..., start:start + local])
-    loss = vocab_parallel_cross_entropy(mine, targets, vocab, dims)
-    loss.backward()
-    return {"loss": abs(loss.item() - ref_loss.item()),
-            "logits.grad": _max_diff(mine.grad[..., :valid], ref_logits.grad[..., start:start + valid]),
-            "padding.grad": mine.grad[..., valid:].abs().max().item() if valid < local else 0.0}
+    shard = torch.cat([logits, garbage], dim=-1)[..., start:start + local]
+    out = {}
+    # batch-first memory, and the model's own: a batch-first view of sequence-first memory
+    for layout, local_logits in (("", shard), ("seq-first ", shard.transpose(0, 1).contiguous().transpose(0, 1))):
+        mine = _leaf(local_logits)
+        loss = vocab_parallel_cross_entropy(mine, targets, vocab, dims)
+        loss.backward()
+        out.update({f"{layout}loss": abs(loss.item() - ref_loss.item()),
+                    f"{layout}logits.grad": _max_diff(mine.grad[..., :valid], ref_logits.grad[..., start:start + valid]),
+                    f"{layout}padding.grad": mine.grad[..., valid:].abs().max().item() if valid < local else 0.0})
+    return out
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -141,7 +141,8 @@ class Transformer(nn.Module):
     """tokens (batch, seq) -> logits (batch, seq, vocab), a view of sequence-first memory.
 
     A pipeline stage keeps a subset: after the first stage (``embeds_tokens`` False) it takes
-    hidden states, without ``output`` it returns them, both sequence-first (seq, batch, dim). Layers live in a ModuleDict keyed by
+    hidden states, without ``output`` it returns them, both sequence-first (seq, batch, dim)
+    (a sequence shard of them under sequence parallelism). Layers live in a ModuleDict keyed by
     their global index, so parameter names (``layers.7.attention.wq.weight``) are the same in
     every layout — checkpoints and the layout-independent initialisation rely on it.
 
