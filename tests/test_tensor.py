@@ -200,3 +200,32 @@ def test_vocab_parallel_cross_entropy_matches_torch(tp):
     for rank, diffs in enumerate(run_ranks(_loss_case, tp, timeout=300)):
         for what, diff in diffs.items():
             assert diff <= TOL, f"tp={tp} rank {rank} {what}: {diff:.2e}"
+
+
+def test_sequence_collectives_work_on_the_activations_themselves(monkeypatch):
+    """Sequence-first activations: the all-gather sends the shard itself and returns the
+    buffer it gathered into, the reduce-scatter likewise (no copy on either side)."""
+    from trainer3d.parallel import tensor_comm
+
+    calls = []
+
+    def gather(out, x, group):
+        calls.append((out, x))
+        out.copy_(torch.cat([x, x + 1]))
+
+    def reduce_scatter(out, x, group):
+        calls.append((out, x))
+        out.copy_(x[:len(out)] + x[len(out):])
+
+    monkeypatch.setattr(tensor_comm, "_size", lambda group: 2)
+    monkeypatch.setattr(tensor_comm, "all_gather_single", gather)
+    monkeypatch.setattr(tensor_comm, "reduce_scatter_single", reduce_scatter)
+    shard = torch.randn(S // 2, B, 4)  # (seq / tp, batch, dim)
+    full = tensor_comm.all_gather_seq(shard, None)
+    (out, sent), = calls
+    assert sent is shard and full is out and full.shape == (S, B, 4)
+    torch.testing.assert_close(full[S // 2:], shard + 1)
+    summed = tensor_comm.reduce_scatter_seq(full, None)
+    out, sent = calls[1]
+    assert sent is full and summed is out
+    torch.testing.assert_close(summed, 2 * shard + 1)
