@@ -13,7 +13,7 @@ trainer's step order) and report, for rank 0:
   trainer3d/parallel/activations.py), the peak over one micro-batch's forward;
 - allocated MiB / step: the bytes of every tensor the step's operators create (outputs of
   out-of-place operators, seen by a ``TorchDispatchMode``): copies, clones and temporary
-  buffers show up here even when they are freed at once;
+  buffers show up here even when they are freed at once; allocations / step: how many;
 - step ms: the median wall time of a step (slowest rank), after warm-up;
 - the loss at the last step (the same model must train the same).
 
@@ -43,12 +43,12 @@ def _allocation_counter():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class AllocatedBytes(TorchDispatchMode):
-        """Sums the bytes of the tensors out-of-place operators return (views and in-place
-        operators allocate nothing and are not counted)."""
+        """Sums the bytes, and counts the tensors, that out-of-place operators return (views
+        and in-place operators allocate nothing and are not counted)."""
 
         def __init__(self):
             super().__init__()
-            self.bytes = 0
+            self.bytes = self.tensors = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
@@ -57,6 +57,7 @@ def _allocation_counter():
                 for t in (out if isinstance(out, (tuple, list)) else (out,)):
                     if hasattr(t, "untyped_storage"):
                         self.bytes += t.untyped_storage().nbytes()
+                        self.tensors += 1
             return out
     return AllocatedBytes()
 
@@ -118,7 +119,7 @@ def _rank(rank, world, args):
         step(meter)
     import trainer3d
     return {"source": trainer3d.__file__, "step_ms": statistics.median(times) * 1e3, "saved_mib": meter.peak_bytes / 2**20,
-            "allocated_mib": counter.bytes / 2**20, "loss": loss.item()}
+            "allocated_mib": counter.bytes / 2**20, "allocations": counter.tensors, "loss": loss.item()}
 
 
 def child(args) -> dict:
@@ -156,6 +157,7 @@ def _run(argv, root: Path) -> dict:
 
 
 FIGURES = (("saved_mib", "saved MiB / micro-batch"), ("allocated_mib", "allocated MiB / step"),
+           ("allocations", "allocations / step"),
            ("step_ms", "step ms"), ("loss", "loss at last step"))
 
 
@@ -203,7 +205,7 @@ def main(argv=None) -> int:
     best = {name: _best(r) for name, r in runs.items()}
     print(f"{'':<24}" + "".join(f"{name:>14}" for name in best) + ("   this / " + args.against if args.against else ""))
     for key, label in FIGURES:
-        cells = "".join(f"{b[key]:>14.4f}" if key == "loss" else f"{b[key]:>14.1f}" for b in best.values())
+        cells = "".join(f"{b[key]:>14.6f}" if key == "loss" else f"{b[key]:>14.1f}" for b in best.values())
         ratio = ""
         if args.against and key != "loss":
             ratio = f"{best['this tree'][key] / best[args.against][key]:>12.3f}"

@@ -10,7 +10,9 @@
    parameter source: the layout-independent random init, or ``model.init_from``'s Hugging
    Face weights;
 5. per-layer activation checkpointing, if asked;
-6. torch.compile of each transformer block, if asked (parallel/compile.py).
+6. bf16/fp16: the linear layers compute through ``parallel/wgrad.py``'s ``linear``, whose
+   backward accumulates weight gradients into the optimizer's fp32 buffer;
+7. torch.compile of each transformer block, if asked (parallel/compile.py).
 ``build_optimizer`` then wraps the chunks in the data-parallel optimizer (ZeRO stages 0/1:
 parallel/zero.py, 2/3: parallel/fsdp.py).
 """
@@ -32,6 +34,7 @@ from trainer3d.parallel.recompute import checkpoint_layers
 from trainer3d.parallel.stages import split_into_stages
 from trainer3d.parallel.tensor import apply_tensor_parallel
 from trainer3d.parallel.tensor_loss import vocab_parallel_loss_fn
+from trainer3d.parallel.wgrad import route_linear_layers
 from trainer3d.parallel.zero import ReplicatedOptimizer, ShardedOptimizer
 from trainer3d.topology import ParallelDims
 
@@ -65,6 +68,8 @@ def build_model_chunks(cfg: Config, dims: ParallelDims) -> List[nn.Module]:
         fill_parameters(chunk, source)
     if cfg.train.activation_checkpointing:
         checkpoint_layers(chunks)
+    if param_dtype(cfg) != torch.float32:
+        route_linear_layers(chunks)
     if cfg.train.compile:
         compile_blocks(chunks)
     return chunks

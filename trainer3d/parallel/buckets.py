@@ -14,10 +14,13 @@ stage 0, which shards nothing). With dp=4, two buckets::
 
 Gradients: fp32 parameters get ``.grad`` = their view of the gradient buffer, so autograd
 accumulates the micro-batches straight into it (torch's DDP ``gradient_as_bucket_view``
-does the same). bf16/fp16 parameters get a fresh low-precision ``.grad`` per micro-batch;
-the post-accumulate hook adds it into the fp32 buffer and frees it.
+does the same). bf16/fp16 weights of linear layers have their gradient accumulated into
+their fp32 view by the layer's backward (parallel/wgrad.py) and get no ``.grad``; other
+bf16/fp16 parameters (norms, the embedding) get a fresh low-precision ``.grad`` per
+micro-batch, which the post-accumulate hook adds into the fp32 buffer and frees.
 
-Overlap: each parameter's post-accumulate hook fires once per micro-batch backward. A bucket
+Overlap: each parameter's post-accumulate hook fires once per micro-batch backward (also
+when wgrad.py left it nothing to accumulate). A bucket
 is launched (an async all-reduce or reduce-scatter over dp, averaging) the moment every one
 of its parameters has received its last micro-batch's gradient of the step (each chunk
 sees ``grad_accum_steps`` micro-batches, whatever the pipeline schedule), so the

@@ -38,6 +38,7 @@ from trainer3d.config import Config
 from trainer3d.model.init import mark_tp_shard, tp_shard_of
 from trainer3d.parallel.optimizer import ZeroOptimizer
 from trainer3d.parallel.tensor_comm import ENTER, LEAVE
+from trainer3d.parallel.wgrad import linear
 from trainer3d.topology import ParallelDims
 
 
@@ -96,7 +97,7 @@ class ColumnParallelLinear(_TPShardedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_comm is not None:
             x = ENTER[self.input_comm](x, self.tp_group)
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}/{self.tp_size}, input_comm={self.input_comm}"
@@ -117,7 +118,7 @@ class RowParallelLinear(_TPShardedModule):
         self._shard("weight", [out_features, in_features // self.tp_size], 1, in_features, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return LEAVE[self.output_comm](F.linear(x, self.weight), self.tp_group)
+        return LEAVE[self.output_comm](linear(x, self.weight), self.tp_group)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}/{self.tp_size}, out={self.out_features}, output_comm={self.output_comm}"
