@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from trainer3d.config import ModelConfig
 from trainer3d.model.init import full_init, init_parameters, local_init, mark_tp_shard
-from trainer3d.model.transformer import Transformer, count_parameters, cross_entropy_loss
+from trainer3d.model.transformer import Transformer, count_parameters, cross_entropy_loss, token_rows
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=101, max_seq_len=32)
 
@@ -57,6 +57,20 @@ def test_loss_matches_torch_reference():
     targets = torch.randint(0, 11, (2, 5))
     expected = F.cross_entropy(logits.reshape(10, 11), targets.reshape(10))
     torch.testing.assert_close(cross_entropy_loss(logits, targets), expected)
+
+
+def test_logits_are_a_batch_first_view_the_loss_reads_without_a_copy():
+    """The model computes sequence-first and returns (batch, seq, vocab) as a view; the loss
+    flattens the tokens in memory order (no logits-sized copy), the targets following them."""
+    model = Transformer(CFG)
+    tokens = torch.randint(0, CFG.vocab_size, (3, 12))
+    logits = model(tokens)
+    assert logits.shape == (3, 12, CFG.vocab_size) and logits.transpose(0, 1).is_contiguous()
+    rows, row_targets = token_rows(logits, tokens)
+    assert rows.data_ptr() == logits.data_ptr() and rows.is_contiguous()
+    torch.testing.assert_close(row_targets, tokens.t().flatten())
+    expected = F.cross_entropy(logits.reshape(-1, CFG.vocab_size), tokens.reshape(-1))
+    torch.testing.assert_close(cross_entropy_loss(logits, tokens), expected)
 
 
 def test_initialisation_is_deterministic_and_seeded():

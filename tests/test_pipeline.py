@@ -103,7 +103,7 @@ def test_too_few_micro_batches_fail_before_any_send():
 def _one_micro_batch_bytes(chunk, stage, n_stages, x, y):
     """Saved-activation bytes of one micro-batch's forward (and loss) on this stage, alone."""
     if stage > 0:
-        x = torch.randn(MICRO, SEQ, TINY.dim, requires_grad=True)
+        x = torch.randn(SEQ, MICRO, TINY.dim, requires_grad=True)  # hidden states are sequence-first
     with SavedActivationMeter(chunk.parameters()) as meter:
         out = chunk(x)
         if stage == n_stages - 1:

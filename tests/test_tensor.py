@@ -15,7 +15,7 @@ from torch import nn
 from tests.harness import dims_for, run_ranks
 
 TOL = 1e-6
-B, S = 2, 8  # batch, sequence (divisible by tp=4 for sequence parallelism)
+S, B = 8, 2  # sequence (divisible by tp=4 for sequence parallelism), batch: activations are sequence-first
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -38,7 +38,7 @@ def _shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 def _seq(x: torch.Tensor, dims, sp: bool) -> torch.Tensor:
     """This rank's sequence shard of ``x`` under sequence parallelism, else ``x``."""
-    return x.chunk(dims.tp, dim=1)[dims.tp_rank] if sp else x
+    return x.chunk(dims.tp, dim=0)[dims.tp_rank] if sp else x
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:
@@ -106,13 +106,13 @@ def _layer_cases(rank, world_size, sp):
     col = ColumnParallelLinear(16, 24, dims, enter)
     _load_shards(col, ref)
     local = 24 // dims.tp
-    results["column"] = _compare_module(ref, col, torch.randn(B, S, 16), dims, sp, False,
+    results["column"] = _compare_module(ref, col, torch.randn(S, B, 16), dims, sp, False,
                                         out_slice=lambda t: t[..., dims.tp_rank * local:(dims.tp_rank + 1) * local])
 
     ref = _ref_linear(24, 16)
     row = RowParallelLinear(24, 16, dims, leave)
     _load_shards(row, ref)
-    x = torch.randn(B, S, 24)
+    x = torch.randn(S, B, 24)
     x_ref = _leaf(x)
     y_ref = ref(x_ref)
     dy = torch.randn(y_ref.shape)
@@ -129,8 +129,8 @@ def _layer_cases(rank, world_size, sp):
     nn.init.normal_(ref.weight, std=0.02)
     emb = VocabParallelEmbedding(257, 16, dims, leave)
     _load_shards(emb, ref)
-    tokens = torch.randint(0, 257, (B, S))
-    tokens[0, :3] = torch.tensor([0, 256, 128])  # both ends and a shard boundary
+    tokens = torch.randint(0, 257, (S, B))
+    tokens[:3, 0] = torch.tensor([0, 256, 128])  # both ends and a shard boundary
     y_ref = ref(tokens)
     dy = torch.randn(y_ref.shape)
     (y_ref * dy).sum().backward()
@@ -147,14 +147,14 @@ def _layer_cases(rank, world_size, sp):
     parallelize_attention(attn, dims, sp)
     attn.to_empty(device="cpu")
     _load_shards(attn, ref)
-    results["attention_gqa"] = _compare_module(ref, attn, torch.randn(B, S, 64), dims, sp, sp)
+    results["attention_gqa"] = _compare_module(ref, attn, torch.randn(S, B, 64), dims, sp, sp)
 
     ref = FeedForward(cfg)
     init_parameters(ref, cfg, seed=1)
     ffn = FeedForward(cfg)
     parallelize_feed_forward(ffn, dims, sp)
     _load_shards(ffn, ref)
-    results["swiglu"] = _compare_module(ref, ffn, torch.randn(B, S, 64), dims, sp, sp)
+    results["swiglu"] = _compare_module(ref, ffn, torch.randn(S, B, 64), dims, sp, sp)
     return results
 
 
@@ -173,12 +173,17 @@ def _loss_case(rank, world_size):
 
     start, local, valid = vocab_range(vocab, dims.tp, dims.tp_rank)
     garbage = torch.full((B, S, local * dims.tp - vocab), 1e4)  # padded columns must not count
-    mine = _leaf(torch.cat([logits, garbage], dim=-1)[..., start:start + local])
-    loss = vocab_parallel_cross_entropy(mine, targets, vocab, dims)
-    loss.backward()
-    return {"loss": abs(loss.item() - ref_loss.item()),
-            "logits.grad": _max_diff(mine.grad[..., :valid], ref_logits.grad[..., start:start + valid]),
-            "padding.grad": mine.grad[..., valid:].abs().max().item() if valid < local else 0.0}
+    shard = torch.cat([logits, garbage], dim=-1)[..., start:start + local]
+    out = {}
+    # batch-first memory, and the model's own: a batch-first view of sequence-first memory
+    for layout, local_logits in (("", shard), ("seq-first ", shard.transpose(0, 1).contiguous().transpose(0, 1))):
+        mine = _leaf(local_logits)
+        loss = vocab_parallel_cross_entropy(mine, targets, vocab, dims)
+        loss.backward()
+        out.update({f"{layout}loss": abs(loss.item() - ref_loss.item()),
+                    f"{layout}logits.grad": _max_diff(mine.grad[..., :valid], ref_logits.grad[..., start:start + valid]),
+                    f"{layout}padding.grad": mine.grad[..., valid:].abs().max().item() if valid < local else 0.0})
+    return out
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -195,3 +200,32 @@ def test_vocab_parallel_cross_entropy_matches_torch(tp):
     for rank, diffs in enumerate(run_ranks(_loss_case, tp, timeout=300)):
         for what, diff in diffs.items():
             assert diff <= TOL, f"tp={tp} rank {rank} {what}: {diff:.2e}"
+
+
+def test_sequence_collectives_work_on_the_activations_themselves(monkeypatch):
+    """Sequence-first activations: the all-gather sends the shard itself and returns the
+    buffer it gathered into, the reduce-scatter likewise (no copy on either side)."""
+    from trainer3d.parallel import tensor_comm
+
+    calls = []
+
+    def gather(out, x, group):
+        calls.append((out, x))
+        out.copy_(torch.cat([x, x + 1]))
+
+    def reduce_scatter(out, x, group):
+        calls.append((out, x))
+        out.copy_(x[:len(out)] + x[len(out):])
+
+    monkeypatch.setattr(tensor_comm, "_size", lambda group: 2)
+    monkeypatch.setattr(tensor_comm, "all_gather_single", gather)
+    monkeypatch.setattr(tensor_comm, "reduce_scatter_single", reduce_scatter)
+    shard = torch.randn(S // 2, B, 4)  # (seq / tp, batch, dim)
+    full = tensor_comm.all_gather_seq(shard, None)
+    (out, sent), = calls
+    assert sent is shard and full is out and full.shape == (S, B, 4)
+    torch.testing.assert_close(full[S // 2:], shard + 1)
+    summed = tensor_comm.reduce_scatter_seq(full, None)
+    out, sent = calls[1]
+    assert sent is full and summed is out
+    torch.testing.assert_close(summed, 2 * shard + 1)

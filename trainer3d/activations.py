@@ -133,25 +133,38 @@ def embedding_terms(z: Sizes) -> Dict[str, int]:
     return {} if z.t == 1 else {"embedding_ids": INT64 * z.n + z.n}
 
 
+def _targets_copied(z: Sizes) -> bool:
+    """Whether the loss reads a copy of the targets: it takes them in the logits' token order,
+    sequence-major (``token_rows`` in model/transformer.py), a copy of the batch-first
+    targets unless the micro-batch is a single sequence (then both orders are one)."""
+    return z.b > 1
+
+
 def head_terms(z: Sizes) -> Dict[str, int]:
     """The last stage: final norm, the head's input, and the loss's one fp32 buffer, the
     softmax over this rank's vocabulary columns (padding columns included:
-    parallel/tensor_loss.py), with at tp > 1 the targets' local index and mask (at tp = 1
-    it keeps the targets themselves, a view of the step's batch: ``shared_terms``)."""
-    loss = FP32 * z.n * z.vocab_local + (INT64 * z.n + z.n if z.t > 1 else 0)
+    parallel/tensor_loss.py), with at tp > 1 the targets' local index and mask; at tp = 1
+    the targets themselves, in token order (``_targets_copied``; else a view of the step's
+    batch: ``shared_terms``)."""
+    if z.t > 1:
+        targets = INT64 * z.n + z.n
+    else:
+        targets = INT64 * z.n if _targets_copied(z) else 0
+    loss = FP32 * z.n * z.vocab_local + targets
     return {"final_norm": _norm(z), "head_input": z.p * z.n * z.h, "loss": loss}
 
 
 def shared_terms(z: Sizes, micro_batches: int, first: bool, last: bool, pp: int) -> Dict[str, int]:
-    """Saved per step, not per micro-batch: with tp = 1 the embedding and the loss keep views
-    of the step's token batch. Without a pipeline, inputs and targets are two views of one
-    (micro_batches, b, s + 1) tensor; in a pipeline the first stage reads the inputs and the
-    last the targets, each a (micro_batches, b, s) tensor (trainer3d/data/loader.py)."""
+    """Saved per step, not per micro-batch: with tp = 1 the embedding (and the loss, when it
+    reads the targets uncopied) keep views of the step's token batch. Without a pipeline,
+    inputs and targets are two views of one (micro_batches, b, s + 1) tensor; in a pipeline
+    the first stage reads the inputs and the last the targets, each a (micro_batches, b, s)
+    tensor (trainer3d/data/loader.py)."""
     if z.t > 1:
         return {}
     if pp == 1:
         return {"token_batch": INT64 * micro_batches * z.b * (z.s + 1)}
-    uses = int(first) + int(last)
+    uses = int(first) + int(last and not _targets_copied(z))
     return {"token_batch": uses * INT64 * micro_batches * z.n} if uses else {}
 
 

@@ -12,6 +12,12 @@ stage owns (setting ``tok_embeddings`` / ``norm`` / ``output`` to None). So this
 never reads ``n_heads`` to shape a tensor at run time: it reads the shapes its Linear
 layers produce (a TP rank has n_heads/tp heads; with sequence parallelism the block input
 holds a slice of the sequence while attention sees all of it).
+
+Inside, activations are sequence-first, ``(seq, batch, dim)``, as in Megatron-LM: a
+sequence shard is then one contiguous block of memory, which sequence parallelism's
+all-gather and reduce-scatter (parallel/tensor_comm.py) use in place. Tokens go in and
+logits come out batch-first: the token ids are transposed before the lookup (integers, a
+view) and the logits are returned as a batch-first view of the sequence-first result.
 """
 
 import math
@@ -73,10 +79,10 @@ def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.devi
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + head_dim/2) of x: (batch, seq, heads, head_dim)."""
+    """Rotate pairs (i, i + head_dim/2) of x: (seq, batch, heads, head_dim)."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = cos[:, None, None, :], sin[:, None, None, :]
     return (x.float() * cos + rotated.float() * sin).type_as(x)
 
 
@@ -92,15 +98,17 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        batch, seq = q.shape[:2]  # the projections' shapes, not x's (see module docstring)
-        q = q.view(batch, seq, -1, self.head_dim)
-        k = k.view(batch, seq, -1, self.head_dim)
-        v = v.view(batch, seq, -1, self.head_dim)
+        seq, batch = q.shape[:2]  # the projections' shapes, not x's (see module docstring)
+        q = q.view(seq, batch, -1, self.head_dim)
+        k = k.view(seq, batch, -1, self.head_dim)
+        v = v.view(seq, batch, -1, self.head_dim)
         cos, sin = rotary_cos_sin(seq, self.head_dim, self.rope_theta, x.device, self.rope_scaling)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # views (batch, heads, seq, head_dim)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-        return self.wo(out.transpose(1, 2).flatten(2))
+        # Back to (seq, batch, heads x head_dim): a view where the kernel writes its output in
+        # q's memory order (torch's CPU flash kernel does), else one copy.
+        return self.wo(out.permute(2, 0, 1, 3).reshape(seq, batch, -1))
 
 
 class FeedForward(nn.Module):
@@ -130,10 +138,11 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """tokens (batch, seq) -> logits (batch, seq, vocab).
+    """tokens (batch, seq) -> logits (batch, seq, vocab), a view of sequence-first memory.
 
     A pipeline stage keeps a subset: after the first stage (``embeds_tokens`` False) it takes
-    hidden states, without ``output`` it returns them. Layers live in a ModuleDict keyed by
+    hidden states, without ``output`` it returns them, both sequence-first (seq, batch, dim)
+    (a sequence shard of them under sequence parallelism). Layers live in a ModuleDict keyed by
     their global index, so parameter names (``layers.7.attention.wq.weight``) are the same in
     every layout — checkpoints and the layout-independent initialisation rely on it.
 
@@ -166,17 +175,28 @@ class Transformer(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(x) if self.embeds_tokens else x
+        h = self.tok_embeddings(x.t()) if self.embeds_tokens else x
         for layer in self.layers.values():
             h = layer(h)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        return self.output(h).transpose(0, 1) if self.output is not None else h
+
+
+def token_rows(logits: torch.Tensor, targets: torch.Tensor):
+    """(batch, seq, vocab) logits and (batch, seq) targets as (tokens, vocab) and (tokens,),
+    the tokens in the logits' memory order: sequence-major for the model's logits (a view,
+    only the integer targets are copied), batch-major for contiguous ones. A mean over
+    tokens does not depend on their order."""
+    if not logits.is_contiguous() and logits.transpose(0, 1).is_contiguous():
+        logits, targets = logits.transpose(0, 1), targets.transpose(0, 1)
+    return logits.flatten(0, 1), targets.flatten(0, 1)
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy, computed in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+    logits, targets = token_rows(logits, targets)
+    return F.cross_entropy(logits.float(), targets)
 
 
 def count_parameters(cfg: ModelConfig) -> int:

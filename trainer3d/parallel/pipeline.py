@@ -100,9 +100,11 @@ class Pipeline:
         """Run the step's micro-batches; gradients accumulate in the chunks' ``.grad``.
 
         ``inputs``/``targets`` are (grad_accum, micro_batch, seq), needed on the first and the
-        last stage only (None elsewhere); the other stages only pass hidden states along (their
-        shape is inferred from the first micro-batch, so a sequence-sharded hidden state
-        under tensor/sequence parallelism needs no change here).
+        last stage only (None elsewhere); the other stages only pass hidden states along,
+        sequence-first (seq, batch, dim) as the model computes them (model/transformer.py):
+        their shape is inferred from the first micro-batch, so the receive buffers take the
+        model's layout, and a sequence-sharded hidden state under tensor/sequence
+        parallelism, with no change here.
         """
         args, target = self._schedule_args(inputs, targets)
         recorded = len(self.micro_loss.losses)

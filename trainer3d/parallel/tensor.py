@@ -211,7 +211,7 @@ def apply_tensor_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
     initialises them (each shard = its slice of the 1-rank tensor, padding zero).
 
     With sequence parallelism the stage's input (when it has no embedding) and output
-    (when it has no output layer) are sequence shards ``(batch, seq / tp, dim)``.
+    (when it has no output layer) are sequence shards ``(seq / tp, batch, dim)``.
     """
     sp = cfg.parallel.sequence_parallel
     if dims.tp == 1:

@@ -15,9 +15,10 @@ parallel layer ends it with ``reduce_from_tp`` (or ``reduce_scatter_sequence``):
 rank computes a partial result from the same input, so the input's gradient is partial
 and must be summed, and the output must be summed once.
 
-Activations are batch-first ``(batch, seq, ...)``; the sequence is dim 1. Collectives
-work on dim 0, so the sequence is moved to the front for them and back after (one copy
-each way: cheap next to the collective itself).
+Activations are sequence-first ``(seq, batch, ...)`` (model/transformer.py), as in
+Megatron-LM (Korthikanti et al. 2022, sec. 4.2.2), so the sequence is dim 0 of contiguous
+memory and a rank's sequence shard is one contiguous block: the sequence collectives
+gather into and scatter out of the tensors themselves, with no copy on either side.
 
 The two all-reduces work in place, as Megatron-LM's do (megatron/core/tensor_parallel/
 mappings.py, ``_reduce``), where the tensor is provably this operator's alone:
@@ -56,23 +57,22 @@ def all_reduce_(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """(batch, s, ...) on each rank -> (batch, size * s, ...), rank order along the sequence."""
-    size = _size(group)
-    front = x.movedim(1, 0).contiguous()
-    out = front.new_empty((size * front.shape[0], *front.shape[1:]))
-    all_gather_single(out, front, group=group)
-    return out.movedim(0, 1).contiguous()
+    """(s, batch, ...) on each rank -> (size * s, batch, ...), rank order along the sequence."""
+    x = x.contiguous()  # a no-op for the model's activations; a gradient may arrive as a view
+    out = x.new_empty((_size(group) * x.shape[0], *x.shape[1:]))
+    all_gather_single(out, x, group=group)
+    return out
 
 
 def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """(batch, s, ...) partial sums -> this rank's (batch, s / size, ...) slice of the sum."""
+    """(seq, batch, ...) partial sums -> this rank's (seq / size, batch, ...) slice of the sum."""
     size = _size(group)
-    if x.shape[1] % size:
-        raise ValueError(f"sequence length {x.shape[1]} is not divisible by tp={size}")
-    front = x.movedim(1, 0).contiguous()
-    out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
-    reduce_scatter_single(out, front, group=group)
-    return out.movedim(0, 1).contiguous()
+    if x.shape[0] % size:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by tp={size}")
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    reduce_scatter_single(out, x, group=group)
+    return out
 
 
 def _identity(x: torch.Tensor, group) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from trainer3d.config import Config
+from trainer3d.model.transformer import token_rows
 from trainer3d.topology import ParallelDims
 
 
@@ -106,7 +107,8 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
         raise ValueError(f"local logits have {local_logits.shape[-1]} columns, expected {local} "
                          f"(vocabulary {vocab_size} padded over tp={dims.tp})")
     group = dims.tp_group if dims.tp > 1 else None
-    return _VocabParallelCrossEntropy.apply(local_logits.flatten(0, 1), targets.flatten(0, 1), start, valid, group)
+    rows, row_targets = token_rows(local_logits, targets)
+    return _VocabParallelCrossEntropy.apply(rows, row_targets, start, valid, group)
 
 
 def vocab_parallel_loss_fn(cfg: Config, dims: ParallelDims):

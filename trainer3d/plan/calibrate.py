@@ -86,7 +86,7 @@ def block_figures() -> Dict[str, float]:
     charges for them (FWD_PASSES + BWD_PASSES times the block's saved activations).
     """
     tiny = Block(ModelConfig(dim=8, n_heads=2, n_kv_heads=2, ffn_dim=8, max_seq_len=4))
-    x = torch.randn(1, 4, 8, requires_grad=True)
+    x = torch.randn(4, 1, 8, requires_grad=True)
     overhead = 1.0 / _best_rate(lambda: tiny(x).sum().backward(), 1.0, rounds=20)
     cfg = Config(model=ModelConfig(dim=512, n_heads=8, n_kv_heads=8, ffn_dim=512, max_seq_len=128))
     cfg.train.micro_batch_size, cfg.train.seq_len = 2, 128
@@ -94,7 +94,7 @@ def block_figures() -> Dict[str, float]:
     for module in (block.attention, block.feed_forward):
         for name, child in list(module.named_children()):
             setattr(module, name, nn.Identity())
-    x = torch.randn(2, 128, 512, requires_grad=True)
+    x = torch.randn(128, 2, 512, requires_grad=True)  # (seq, batch, dim), as blocks see it
     took = 1.0 / _best_rate(lambda: block(x).sum().backward(), 1.0)
     traffic = (FWD_PASSES + BWD_PASSES) * sum(layer_terms(Sizes.of(cfg)).values())
     return {"layer_overhead_us": overhead * 1e6, "elementwise_gbps": traffic / max(took - overhead, 1e-9) / 1e9}
