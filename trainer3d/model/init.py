@@ -9,11 +9,10 @@ padding rows zero. Two sources exist:
 - ``RandomInit``: the layout-independent initialisation. A parameter's values depend only
   on the seed, its name and its full shape, so a TP shard or a pipeline stage starts
   exactly equal to the matching slice of the 1-rank model — the precondition of the parity
-  tests. The full tensor is cut into a grid of ``TILE`` x ``TILE`` tiles fixed by its full
-  shape, each drawn from its own generator seeded by (seed, name, tile), so a rank draws
-  only the tiles its slice touches, whatever the tp split (padding included): torch's CPU
-  generator (MT19937) cannot skip ahead to an offset, a tile grid needs no skipping. It
-  draws on the host and the caller copies to the device (the same values on every device).
+  tests. The values are ``torch.randn(full shape)`` from a generator seeded by (seed,
+  name); a rank streams through that draw up to the end of its slice and keeps the slice
+  (trainer3d/model/normal_stream.py), never holding the full tensor. It draws on the host
+  and the caller copies to the device (the same values on every device).
 - ``trainer3d.hf.source.HFSource``: a Hugging Face safetensors directory, each rank reading
   only its slices (``model.init_from``).
 
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 from trainer3d.config import ModelConfig
+from trainer3d.model.normal_stream import normal_rectangle
 from trainer3d.model.transformer import output_projection_std
 
 # Wrappers that insert a level into parameter names without changing the model.
@@ -96,40 +96,20 @@ class ParameterSource(Protocol):
         padding rows zero); any dtype, ``fill_parameters`` casts."""
 
 
-TILE = 256
-"""Side of the square tiles the random init draws independently: small enough that a tp
-slice not aligned to it draws little beyond itself (7b's FFN at tp=8: 1376 columns, at most
-1792 drawn), large enough that a tile's seeding is negligible next to its 65,536 draws."""
-
-
-def _seed_for(seed: int, key: str) -> int:
-    digest = hashlib.sha256(f"{seed}/{key}".encode()).digest()
+def _seed_for(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def normal_region(seed: int, name: str, shape: Sequence[int], bounds: Sequence[Tuple[int, int]]) -> torch.Tensor:
-    """Standard normal values (fp32, host) of the rectangle ``bounds`` ([start, stop) per
-    dim) of tensor ``name`` of full ``shape`` (1-D or 2-D): each tile of the fixed grid that
-    the rectangle touches is drawn whole from its own generator and the overlap copied."""
+    """The rectangle ``bounds`` ([start, stop) per dim) of the standard normal tensor of
+    parameter ``name`` and full ``shape`` (1-D or 2-D): ``torch.randn(shape)`` from a
+    generator seeded by (seed, name), drawn only as far as the rectangle reaches."""
     if len(shape) == 1:
         return normal_region(seed, name, (1, shape[0]), ((0, 1), bounds[0])).view(-1)
     if len(shape) != 2:
         raise ValueError(f"{name}: random init is defined for 1-D and 2-D parameters, not shape {tuple(shape)}")
-    (r0, r1), (c0, c1) = bounds
-    # zeros, not empty: touching fresh pages in row order first is many times faster than
-    # faulting them in tile by tile (each tile row lands on its own page).
-    out = torch.zeros(r1 - r0, c1 - c0)
-    generator = torch.Generator()
-    for ti in range(r0 // TILE, -(-r1 // TILE)):
-        rows = (ti * TILE, min((ti + 1) * TILE, shape[0]))
-        for tj in range(c0 // TILE, -(-c1 // TILE)):
-            cols = (tj * TILE, min((tj + 1) * TILE, shape[1]))
-            generator.manual_seed(_seed_for(seed, f"{name}/{ti}/{tj}"))
-            tile = torch.randn(rows[1] - rows[0], cols[1] - cols[0], generator=generator)
-            top, bottom, left, right = max(r0, rows[0]), min(r1, rows[1]), max(c0, cols[0]), min(c1, cols[1])
-            out[top - r0:bottom - r0, left - c0:right - c0] = tile[top - rows[0]:bottom - rows[0],
-                                                                  left - cols[0]:right - cols[0]]
-    return out
+    return normal_rectangle(torch.Generator().manual_seed(_seed_for(seed, name)), shape, bounds)
 
 
 class RandomInit:
