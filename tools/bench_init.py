@@ -56,12 +56,12 @@ def _rss_bytes() -> int:
     raise OSError("no VmRSS in /proc/self/status")
 
 
-def build_rank0(model: str, tp: int, pp: int, dtype: str) -> dict:
-    """Build rank 0's chunks in this process; its figures (see the module docstring)."""
+def build_rank(model: str, tp: int, pp: int, dtype: str, rank: int = 0) -> dict:
+    """Build global rank ``rank``'s chunks in this process; its figures (see the module docstring)."""
     cfg = Config(model=model_preset(model))
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp = tp, pp, 1
     cfg.train.dtype, cfg.train.grad_accum_steps = dtype, max(pp, 1)
-    dims = replace(planning_dims(cfg, 0), device=torch.device("cpu"))
+    dims = replace(planning_dims(cfg, rank), device=torch.device("cpu"))
     start_rss = _rss_bytes()
     cpu = time.process_time()
     chunks = build_model_chunks(cfg, dims)
@@ -81,9 +81,10 @@ def build_rank0(model: str, tp: int, pp: int, dtype: str) -> dict:
             "reference_cpu_s": reference_s}
 
 
-def measure(model: str, tp: int, pp: int, dtype: str, timeout: float = 1200) -> dict:
-    """``build_rank0`` in a fresh child process (so its peak resident set is the build's own)."""
-    cmd = [sys.executable, __file__, "--model", model, "--tp", str(tp), "--pp", str(pp), "--dtype", dtype, "--json"]
+def measure(model: str, tp: int, pp: int, dtype: str, rank: int = 0, timeout: float = 1200) -> dict:
+    """``build_rank`` in a fresh child process (so its peak resident set is the build's own)."""
+    cmd = [sys.executable, __file__, "--model", model, "--tp", str(tp), "--pp", str(pp), "--dtype", dtype,
+           "--rank", str(rank), "--json"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
@@ -94,7 +95,8 @@ def measure(model: str, tp: int, pp: int, dtype: str, timeout: float = 1200) -> 
 def report(args, figures: dict) -> str:
     shard, peak = figures["shard_bytes"], figures["peak_above_start"]
     return "\n".join([
-        f"{args.model} tp={args.tp} pp={args.pp} rank 0 (pp 0, tp 0): {figures['numel'] / 1e6:.1f}M parameters, "
+        f"{args.model} tp={args.tp} pp={args.pp} rank {args.rank} (pp {args.rank // args.tp}, tp {args.rank % args.tp}): "
+        f"{figures['numel'] / 1e6:.1f}M parameters, "
         f"shard {shard / 2**20:.1f} MiB {args.dtype}",
         f"peak RSS above start {peak / 2**30:.2f} GiB ({peak / shard:.2f} x shard)",
         f"build CPU s {figures['build_cpu_s']:.2f}, normal draws of the shard {figures['reference_cpu_s']:.2f} "
@@ -107,15 +109,17 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--dtype", default="bf16", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--rank", type=int, default=0,
+                        help="global rank to build (tp fastest: rank 7 of tp=8 is pp 0, tp 7)")
     parser.add_argument("--json", action="store_true", help="build in this process and print the figures as JSON")
     args = parser.parse_args()
     if args.json:
         # One thread: on a loaded machine OpenMP workers spin waiting for each other, which
         # would count as CPU time of whichever side happened to be unlucky.
         torch.set_num_threads(1)
-        print(json.dumps(build_rank0(args.model, args.tp, args.pp, args.dtype)))
+        print(json.dumps(build_rank(args.model, args.tp, args.pp, args.dtype, args.rank)))
     else:
-        print(report(args, measure(args.model, args.tp, args.pp, args.dtype)))
+        print(report(args, measure(args.model, args.tp, args.pp, args.dtype, args.rank)))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ class NormalStream:
         """Positions before this come from their own aligned block; the rest from the redrawn tail."""
         self.drawn = 0
         """Uniforms the generator has given so far."""
+        self.buffer = torch.empty(0)
+        """Reused by every draw: what ``read`` returns is valid until the next ``read``."""
         self.held, self.held_at = torch.empty(0), 0
         """Values of the last block drawn and the position of the first: a read may start
         inside it (only its positions below ``regular``, or the tail's)."""
@@ -55,12 +57,14 @@ class NormalStream:
     def _draw(self, position: int, count: int) -> torch.Tensor:
         """``count`` values as the kernel makes them from the uniforms at ``position`` on."""
         self._skip(position - self.drawn)
-        values = torch.randn(count, generator=self.generator)
+        if len(self.buffer) < count:
+            self.buffer = torch.empty(count)
+        values = torch.randn(count, generator=self.generator, out=self.buffer[:count])
         self.drawn += count
         return values
 
     def read(self, start: int, stop: int) -> torch.Tensor:
-        """The full draw's values at positions [start, stop)."""
+        """The full draw's values at positions [start, stop) (valid until the next read)."""
         if not 0 <= start <= stop <= self.numel:
             raise ValueError(f"[{start}, {stop}) is outside the {self.numel} values")
         parts = []
@@ -73,13 +77,17 @@ class NormalStream:
         if start < end:
             first = start // _BLOCK * _BLOCK
             values = self._draw(first, _ceil(end) - first)
-            self.held, self.held_at = values[-_BLOCK:], first + len(values) - _BLOCK
+            self.held, self.held_at = values[-_BLOCK:].clone(), first + len(values) - _BLOCK
             parts.append(values[start - first:end - first])
             start = end
         if start < stop:  # the redrawn tail: 16 uniforms after all the others
             if self.held_at != self.numel - _BLOCK:
-                self.held, self.held_at = self._draw(self.numel, _BLOCK), self.numel - _BLOCK
+                self._skip(self.numel - self.drawn)
+                self.held, self.held_at = torch.randn(_BLOCK, generator=self.generator), self.numel - _BLOCK
+                self.drawn += _BLOCK
             parts.append(self.held[start - self.held_at:stop - self.held_at])
+        if len(parts) == 1:
+            return parts[0]
         return torch.cat(parts) if parts else torch.empty(0)
 
 
@@ -96,9 +104,8 @@ def normal_rectangle(generator: torch.Generator, shape: Sequence[int],
     step = max(1, CHUNK // cols)
     for first in range(r0, r1, step):
         last = min(first + step, r1)
-        # rows first..last-1 from column c0 of the first to column c1 of the last, laid out
-        # as whole rows so the rectangle's columns are a plain slice of them
-        values = stream.read(first * cols + c0, (last - 1) * cols + c1)
-        values = torch.nn.functional.pad(values, (c0, cols - c1)).view(last - first, cols)
-        out[first - r0:last - r0] = values[:, c0:c1]
+        # whole rows, the rectangle's columns a slice of them (at most a row more than the
+        # rectangle needs is drawn: the values before c0 in the first row are no dearer to
+        # draw than to skip)
+        out[first - r0:last - r0] = stream.read(first * cols, last * cols).view(last - first, cols)[:, c0:c1]
     return out
