@@ -88,9 +88,12 @@ def test_7b_rank_start_up_costs_about_its_own_shard():
     """Rank (pp 0, tp 0) of 7b at tp=8 pp=4, built for real in bf16 in a child process: its
     peak resident set stays near its own shard's bytes (drawing each full matrix and slicing
     it needed 2.5 x: the full fp32 embedding alone is 1.2 x) and its CPU time near that of
-    drawing the shard's normal values once (drawing every full matrix: 20 x)."""
+    drawing the shard's normal values once (drawing every full matrix: 21 x). The stream
+    draws 3.0 x the shard's values here: the row-split matrices stop at the end of the
+    rank's rows, but wo and w2 are split by columns, so each row is drawn up to the end of
+    the slice, i.e. whole (torch's generator cannot jump ahead); measured 4.7-5.4 x."""
     figures = bench_init.measure("7b", tp=8, pp=4, dtype="bf16")
     # the embedding's slice and 8 blocks' tp slices (wq wk wv wo, w1 w3 w2, two norms)
     assert figures["numel"] == 32000 * 4096 // 8 + 8 * (4 * 4096 * 512 + 3 * 4096 * 1376 + 2 * 4096)
     assert figures["peak_above_start"] < 1.6 * figures["shard_bytes"], figures
-    assert figures["build_cpu_s"] < 6 * figures["reference_cpu_s"], figures
+    assert figures["build_cpu_s"] < 8 * figures["reference_cpu_s"], figures

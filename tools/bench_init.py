@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """Start-up cost of one rank: its parameters materialised and initialised, nothing else.
 
-    python tools/bench_init.py [--model 7b] [--tp 8] [--pp 4] [--dtype bf16]
+    python tools/bench_init.py [--model 7b] [--tp 8] [--pp 4] [--dtype bf16] [--rank 0]
 
-A fresh child process builds rank 0's chunks (pipeline stage 0, tp rank 0) of
-conf/model/<model>.yaml on the CPU as the trainer does (``build_model_chunks``: meta
-device, stage split, tensor-parallel layers, ``to_empty``, the layout-independent random
-init), then draws the same number of normal values with one generator into a reused
-buffer: the least any initialisation of that shard costs. It prints
+A fresh child process builds one rank's chunks (``--rank``, global: tp fastest, so rank 0
+is pipeline stage 0, tp rank 0) of conf/model/<model>.yaml on the CPU as the trainer does
+(``build_model_chunks``: meta device, stage split, tensor-parallel layers, ``to_empty``,
+the layout-independent random init), then draws the same number of normal values with one
+generator into a reused buffer: the least any initialisation of that shard costs. It prints
 
 - shard: the bytes of the rank's parameters, in ``--dtype``;
 - peak RSS above start: the child's peak resident set (VmHWM) minus its resident set
@@ -15,15 +15,17 @@ buffer: the least any initialisation of that shard costs. It prints
 - build CPU s: CPU seconds of the build (on one thread; CPU time, not wall time, so that
   other work on a shared machine does not move it), and its ratio to the reference.
 
-Measured on the 2-core development machine (torch 2.13, CPU, 2026-11-22),
-``python tools/bench_init.py --model 7b --tp 8 --pp 4 --dtype bf16``:
+Measured on the 2-core development machine under load from other jobs (torch 2.13, CPU,
+2026-11-22), ``python tools/bench_init.py --model 7b --tp 8 --pp 4 --dtype bf16``:
 
     7b tp=8 pp=4 rank 0 (pp 0, tp 0): 218.8M parameters, shard 417.4 MiB bf16
-    peak RSS above start 0.52 GiB (1.29 x shard)
-    build CPU s 1.67, normal draws of the shard 0.59 (2.82 x)
+    peak RSS above start 0.49 GiB (1.20 x shard)
+    build CPU s 2.64, normal draws of the shard 0.56 (4.68 x)
 
-(When every tp rank drew each full matrix and kept its slice: 1.01 GiB, 2.48 x shard;
-12.29 CPU s, 20.25 x.)
+and with ``--rank 7`` (pp 0, tp 7, whose slices end at the matrices' ends): 0.51 GiB
+(1.24 x), 5.47 CPU s (8.26 x). When every tp rank drew each full matrix and kept its slice:
+1.01 GiB (2.48 x), 11.99 CPU s (21.2 x) on rank 0, the same on rank 7. README.md
+("Start-up") explains the costs.
 """
 
 import argparse
