@@ -68,9 +68,11 @@ class NormalStream:
         if not 0 <= start <= stop <= self.numel:
             raise ValueError(f"[{start}, {stop}) is outside the {self.numel} values")
         parts = []
-        held_end = self.held_at + len(self.held)
-        if self.held_at <= start < held_end and (start < self.regular or self.held_at >= self.regular):
-            end = min(stop, held_end if self.held_at >= self.regular else min(held_end, self.regular))
+        held_stop = self.held_at + len(self.held)
+        if self.held_at < self.regular:  # a regular block: its values from ``regular`` on are the tail's
+            held_stop = min(held_stop, self.regular)
+        if self.held_at <= start < held_stop:
+            end = min(stop, held_stop)
             parts.append(self.held[start - self.held_at:end - self.held_at])
             start = end
         end = min(stop, self.regular)
@@ -87,7 +89,7 @@ class NormalStream:
                 self.drawn += _BLOCK
             parts.append(self.held[start - self.held_at:stop - self.held_at])
         if len(parts) == 1:
-            return parts[0]
+            return parts[0]  # no copy: the usual case, a read of whole aligned rows
         return torch.cat(parts) if parts else torch.empty(0)
 
 
@@ -104,8 +106,7 @@ def normal_rectangle(generator: torch.Generator, shape: Sequence[int],
     step = max(1, CHUNK // cols)
     for first in range(r0, r1, step):
         last = min(first + step, r1)
-        # whole rows, the rectangle's columns a slice of them (at most a row more than the
-        # rectangle needs is drawn: the values before c0 in the first row are no dearer to
-        # draw than to skip)
+        # whole rows, the rectangle's columns a slice of them: the values beside the columns
+        # are no dearer to draw than to skip
         out[first - r0:last - r0] = stream.read(first * cols, last * cols).view(last - first, cols)[:, c0:c1]
     return out
