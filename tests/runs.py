@@ -3,7 +3,8 @@ and read back the metrics.
 
 Parity tests compare a layout's per-step losses with a single-process run of the same
 config; the single-process reference for a given set of overrides is run once per test
-session and shared.
+session and shared by the session's workers (pytest-xdist): the first to need it runs it
+under a file lock in the session directory, the others read its losses.
 
 ``train_in_ranks`` does what the entry point does for a local run — compose the config from
 conf/ with the same overrides, ``model.init_from``, ``validate``, ``check_data``, then
@@ -13,13 +14,15 @@ The layouts' parity tests use it; the launcher itself keeps its own end-to-end t
 """
 
 import contextlib
+import fcntl
+import hashlib
 import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import List, Sequence
 
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -39,8 +42,6 @@ PARITY = ("train.max_steps=20", "train.log_every=1", "train.seq_len=64", "train.
           "parallel.timeout_s=60")
 
 REL_TOL = 1e-5
-
-_REFERENCE_CACHE: Dict[Tuple[str, ...], List[dict]] = {}
 
 
 class RunFailed(AssertionError):
@@ -113,12 +114,16 @@ def losses_in_ranks(run_dir: Path, overrides: Sequence[str], timeout: float = 90
 
 
 def reference_losses(tmp_root: Path, overrides: Sequence[str]) -> List[float]:
-    """Losses of the 1-rank run of ``overrides`` through the entry point (cached for the session)."""
-    key = tuple(overrides)
-    if key not in _REFERENCE_CACHE:
-        run_dir = Path(tmp_root) / f"reference-{len(_REFERENCE_CACHE)}"
-        _REFERENCE_CACHE[key] = losses(run_dir, [*overrides, "parallel=single"])
-    return _REFERENCE_CACHE[key]
+    """Losses of the 1-rank run of ``overrides`` through the entry point, run once per session
+    (``tmp_root`` is the session directory every worker shares)."""
+    key = hashlib.sha256("\0".join(overrides).encode()).hexdigest()[:16]
+    run_dir = Path(tmp_root) / f"reference-{key}"
+    saved = Path(tmp_root) / f"reference-{key}.json"
+    with open(Path(tmp_root) / f"reference-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a worker running it makes the others wait, then read
+        if not saved.exists():
+            saved.write_text(json.dumps(losses(run_dir, [*overrides, "parallel=single"])))
+        return json.loads(saved.read_text())
 
 
 def assert_parity(got: List[float], ref: List[float], rel_tol: float = REL_TOL) -> float:

@@ -14,6 +14,9 @@ import pytest
 
 from tests.runs import PARITY, REL_TOL, assert_parity, read_metrics, reference_losses, run_train, train_in_ranks
 
+# Its tests share a module fixture: one xdist worker runs them all (the fixture runs once).
+pytestmark = pytest.mark.xdist_group("eval")
+
 EVAL = ("train.eval_every=10", "train.eval_steps=2")
 
 

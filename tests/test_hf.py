@@ -37,6 +37,9 @@ from trainer3d.hf.source import HFSource
 from trainer3d.model.init import fill_parameters
 from trainer3d.model.transformer import Transformer
 
+# Its tests share a module fixture: one xdist worker runs them all (the fixture runs once).
+pytestmark = pytest.mark.xdist_group("hf")
+
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}

@@ -6,6 +6,8 @@ NaN (as a corrupted weight or an overflow would), so only that rank's loss and g
 bad at first — the gradient all-reduce spreads it, and the stop must still come on both.
 """
 
+import contextlib
+import io
 import math
 
 from tests.harness import dims_for, run_ranks
@@ -34,17 +36,19 @@ def _train(rank, world, run_dir, action, log_every):
         step = (calls["n"] - 1) // trainer.cfg.train.grad_accum_steps
         return output * float("nan") if rank == 1 and step >= BAD_FROM else output
     trainer.chunks[0].norm.register_forward_hook(poison)
+    printed = io.StringIO()
     try:
-        trainer.train()
+        with contextlib.redirect_stdout(printed):
+            trainer.train()
     except NonFiniteLoss as err:
         return str(err)
-    return None
+    return [line for line in printed.getvalue().splitlines() if "not finite" in line]
 
 
 def test_nonfinite_loss_stops_every_rank_and_saves_nothing_after_it(tmp_path):
     # Logging every 8 steps: the stop comes from the check before step 4's checkpoint.
     results = run_ranks(_train, 2, str(tmp_path), "stop", 8, timeout=300)
-    assert results[0] == results[1] and results[0] is not None, results
+    assert results[0] == results[1] and isinstance(results[0], str), results
     assert f"not finite (inf/nan) at step {BAD_FROM + 1}" in results[0] and "train.on_nonfinite" in results[0]
     saved = [step for step, _ in store.published(tmp_path / "checkpoints")]
     assert saved == [2], saved  # step 4's checkpoint would hold weights trained on NaN
@@ -54,6 +58,9 @@ def test_nonfinite_loss_stops_every_rank_and_saves_nothing_after_it(tmp_path):
 
 def test_continue_trains_on(tmp_path):
     results = run_ranks(_train, 2, str(tmp_path), "continue", 4, timeout=300)
-    assert results == [None, None]
+    # Rank 0 warns at each check that finds new non-finite steps (the checks before the checkpoints
+    # after steps 4, 6 and 8 and at the logs after 4 and 8: three find new ones); rank 1 is quiet.
+    assert results[1] == [] and [line.split("from step ")[1][:2] for line in results[0]] == ["4;", "5;", "7;"], results
+    assert "training goes on (train.on_nonfinite=continue)" in results[0][0]
     assert [step for step, _ in store.published(tmp_path / "checkpoints")] == [2, 4, 6, 8]
     assert math.isnan(read_metrics(tmp_path)[-1]["loss"])

@@ -148,6 +148,20 @@ def test_data_parallel_reduction_hides_behind_backward_but_its_last_bucket():
     assert slow.dp_comm == pytest.approx(1000 * ring_s - backward_s, rel=1e-6)
 
 
+def test_zero1_parameter_gather_hides_behind_the_next_forward_but_its_first_bucket():
+    cfg = _cfg(dp=2, bucket_mb=0.5, zero_stage=1)
+    states = memory.engine_model_state_bytes(memory.rank_parameter_shapes(cfg, 0), 2, 1, "fp32", 2 ** 19 // 4)
+    share = 2 ** 19 / states.grads  # one bucket of the fp32 gradients (NCCL: reduce-scattered)
+    scatter_s, gather_s = states.grads / 2 / 1e9, states.params / 2 / 1e9  # (n - 1) / n over 1 GB/s, n = 2
+    fast = _step(cfg, _ideal(intra_gbps=1.0, memory_gbps=1e12))
+    forward_s = fast.compute / 3 / cfg.train.grad_accum_steps  # one micro-batch's
+    overrun = {"scatter": max(0.0, scatter_s * (1 - share) - 2 * forward_s),
+              "gather": max(0.0, gather_s * (1 - share) - forward_s)}
+    assert fast.dp_comm == pytest.approx((scatter_s + gather_s) * share + sum(overrun.values()), rel=1e-6)
+    slow = _step(cfg, _ideal(intra_gbps=1e-3))
+    assert slow.dp_comm == pytest.approx(1000 * (scatter_s + gather_s) - 3 * forward_s, rel=1e-6)
+
+
 def test_shared_cores_bound_a_step_by_the_nodes_work():
     """Eight ranks on a node that computes like one rank: a step takes at least eight ranks' work."""
     cpu = _ideal(node_scaling={1: 1.0, 8: 1.0}, cores=1, shared_memory=True)
@@ -180,3 +194,23 @@ def test_accuracy_tool_layouts_are_valid_and_its_rank_correlation_is_spearmans()
         worlds.add(cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp)
         assert evaluate(cfg, PRESETS["cpu"], 8, "gloo").step.total > 0
     assert len(tool.LAYOUTS) >= 6 and worlds == {1, 2, 4, 8}
+
+
+def test_calibration_fits_each_fixed_cost_back_from_a_step_it_predicts():
+    """--calibrate fits a fixed cost (step_overhead_us, a hop's latency with N ranks on the node,
+    a pipeline action) as the value that makes the model predict the engine's measured step:
+    given a step the model predicts with known costs, the fit finds those costs again."""
+    from trainer3d.plan.calibrate import PP_PROBE, TINY, TP_PROBES, _fit
+    from trainer3d.plan.probe import training_config
+    truth = dataclasses.replace(PRESETS["cpu"], step_overhead_us=2500.0, latency_by_ranks={2: 300.0, 4: 900.0},
+                                pipeline_action_us=700.0)
+    tp = training_config([*TINY, *TP_PROBES[4].split(), "train.global_batch_size=8"])
+    pp = training_config([*TINY, PP_PROBE, "train.global_batch_size=4"])
+
+    def total(cfg, ranks, **changes):
+        return evaluate(cfg, dataclasses.replace(truth, **changes), ranks, "gloo").step.total
+    took = total(tp, 4)
+    assert evaluate(tp, truth, 4, "gloo").step.host == pytest.approx(2.5e-3)
+    assert _fit(lambda x: total(tp, 4, latency_by_ranks={2: 300.0, 4: x}), took) == pytest.approx(900.0, rel=1e-6)
+    assert _fit(lambda x: total(pp, 2, pipeline_action_us=x), total(pp, 2)) == pytest.approx(700.0, rel=1e-6)
+    assert _fit(lambda x: total(tp, 4, step_overhead_us=x), took / 2) == 0.0  # already slower: nothing to add

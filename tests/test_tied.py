@@ -26,7 +26,7 @@ def _tied_against_reference(rank, world):
         dims, model, opt = build(cfg)
         shared = model.output.weight is model.tok_embeddings.weight
         norms = [train_step(model, opt, cfg, dims.dp_rank, s).item() for s in range(STEPS)]
-        out[stage] = ({n: t.numpy() for n, t in params_by_name(model).items()}, norms, shared)
+        out[stage] = ({n: t.numpy() for n, t in params_by_name(model, opt).items()}, norms, shared)
     ref_params, ref_norms = reference_steps(out_cfg(world), STEPS)
     return out, {n: t.numpy() for n, t in ref_params.items()}, ref_norms
 

@@ -7,6 +7,9 @@ import pytest
 from tests.runs import (PARITY, assert_parity, losses_in_ranks, read_metrics, reference_losses, run_train,
                         train_losses)
 
+# Its tests share a module fixture: one xdist worker runs them all (the fixture runs once).
+pytestmark = pytest.mark.xdist_group("train_dp")
+
 
 @pytest.fixture(scope="module")
 def dp2_run(tmp_path_factory):

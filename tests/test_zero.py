@@ -32,7 +32,7 @@ def _against_reference(rank, world):
         cfg = make_cfg(world, stage, bucket_mb=bucket_mb, zero_reduce=mode, grad_clip=0.5)
         dims, model, opt = build(cfg)
         norms = [train_step(model, opt, cfg, dims.dp_rank, s).item() for s in range(STEPS)]
-        out[(stage, mode, bucket_mb)] = (_numpy(params_by_name(model)), norms)
+        out[(stage, mode, bucket_mb)] = (_numpy(params_by_name(model, opt)), norms)
     ref_params, ref_norms = reference_steps(make_cfg(world, 0, grad_clip=0.5), STEPS)
     return out, _numpy(ref_params), ref_norms
 
@@ -96,7 +96,7 @@ def test_buckets_launch_inside_the_last_micro_batch_backward():
 def _fp16_skip(rank, world, stage):
     cfg = make_cfg(world, stage, dtype="fp16")
     dims, model, opt = build(cfg)
-    before = params_by_name(model)
+    before = params_by_name(model, opt)
     opt.zero_grad()
     forward_backward(model, opt, cfg, dims.dp_rank, 0)
     if rank == 1:  # one rank's overflow must make every rank skip
@@ -105,11 +105,11 @@ def _fp16_skip(rank, world, stage):
     opt.clip_grad_norm(1.0)
     opt.step(1e-2)
     skipped = {k: v.item() for k, v in opt.step_metrics().items()}
-    unchanged = all(torch.equal(before[n], p) for n, p in params_by_name(model).items())
+    unchanged = all(torch.equal(before[n], p) for n, p in params_by_name(model, opt).items())
     step_after_skip = opt.step_count.item()
     train_step(model, opt, cfg, dims.dp_rank, 1)
     clean = {k: v.item() for k, v in opt.step_metrics().items()}
-    changed = not any(torch.equal(before[n], p) for n, p in params_by_name(model).items() if p.ndim == 2)
+    changed = not any(torch.equal(before[n], p) for n, p in params_by_name(model, opt).items() if p.ndim == 2)
     return skipped, unchanged, step_after_skip, clean, changed, opt.scaler.scale.item()
 
 
@@ -133,7 +133,7 @@ def _grad_and_ownership(rank, world, mode):
     opt.clip_grad_norm(1.0)
     opt.step(1e-2)
     owned = [(v.name, (v.start, v.end)) for v in opt.checkpoint_views() if "exp_avg" in v.tensors]
-    sizes = {n: p.numel() for n, p in params_by_name(model).items()}
+    sizes = {n: p.numel() for n, p in params_by_name(model, opt).items()}
     return torch.equal(before, norm_w.detach()), owned, sizes
 
 
@@ -178,7 +178,7 @@ def _tp_fsdp(rank, world, stage, sp):
         norms.append(opt.clip_grad_norm(cfg.optim.grad_clip).item())
         opt.step(1e-2)
     ref_params, ref_norms = reference_steps(make_cfg(2, 0, grad_clip=0.5), STEPS)
-    got = params_by_name(model)  # gathered over dp, still tp slices
+    got = params_by_name(model, opt)  # gathered over dp, still tp slices
     named = {canonical_name(n): p for n, p in model.named_parameters()}
     want = {n: (_shard(ref_params[n], p) if tp_shard_of(p) is not None else ref_params[n]) for n, p in named.items()}
     return kept, norms, ref_norms, _numpy(got), _numpy(want)

@@ -99,8 +99,10 @@ def _single_dims():
     return _Dims()
 
 
-def params_by_name(model) -> dict:
-    """Full fp32 copies by canonical name (FSDP's DTensors all-gathered: call on every rank)."""
+def params_by_name(model, opt) -> dict:
+    """Full fp32 copies by canonical name (FSDP's DTensors all-gathered: call on every rank),
+    once ``opt``'s last step has reached them (ZeRO-1 gathers them on the way to the next forward)."""
+    opt.wait_params()
     out = {}
     for n, p in model.named_parameters():
         t = p.detach()

@@ -9,7 +9,10 @@ with the same micro-batches (grad_accum of them per step), gradient clipping and
 - stage 0: ours (flat buffers, buckets reduced from the backward hooks) vs torch DDP
   (``gradient_as_bucket_view=True``, ``no_sync`` on early micro-batches) + AdamW;
 - stage 1: ours (flat-buffer shards, zero_reduce=auto) vs DDP + torch's
-  ``ZeroRedundancyOptimizer(parameters_as_bucket_view=True)``.
+  ``ZeroRedundancyOptimizer(parameters_as_bucket_view=True)``;
+- stage 1, ours: the parameter all-gather overlapped with the next forward (the default,
+  trainer3d/parallel/param_gather.py) vs waited for at the end of step(), with the host
+  time each spends waiting for it.
 
 Printed: median step time (slowest rank), optimizer-state bytes and model-state bytes
 (parameters + gradients + optimizer state, tensor storages reachable from Python, each
@@ -29,6 +32,24 @@ are noisy), ``python tools/bench_zero.py`` (dp=2, 3.3M parameters, 2 + 10 steps)
     stage 1 ours/ZeroRedundancyOptimizer: step time 1.02x, optimizer bytes 1.000x, model-state bytes 1.000x
 
 (2026-11-22, load average ~5 from other jobs: step-time ratios within the noise of 1.0.)
+
+The stage 1 gather alone, on a model where it is a larger share of the step (12.9M
+parameters, one 64-token micro-batch, 4 MiB buckets), same machine, load average 7-14:
+
+    python tools/bench_zero.py --gather-only --dim 512 --micro-batch 1 --seq-len 64 --grad-accum 1 --bucket-mb 4 --dp 2
+    python tools/bench_zero.py ... --dp 4
+
+    host time waiting for the gather per step   overlapped   in step()   ratio
+    dp=2 (two runs)                               21.1 ms      67.0 ms    0.32x
+                                                  19.9 ms      36.2 ms    0.55x
+    dp=4 (two runs)                               75.8 ms     132.6 ms    0.57x
+                                                  66.7 ms     106.1 ms    0.63x
+
+The exposed gather shrinks to about half; step time moved 0.54x-1.22x (dp=2) and 0.76x-0.93x
+(dp=4) between runs, i.e. within this loaded 2-core machine's noise: on CPU, gloo's threads
+take the same cores the forward computes on, so hiding the wait frees little. With 25 MiB
+buckets the first bucket waited for holds half the model and the wait shrinks less (0.56x);
+at the default 3.3M-parameter size the gather is ~13 ms of a ~1.2 s step (0.79x).
 """
 
 import argparse
@@ -51,6 +72,7 @@ from trainer3d.local_ranks import run_ranks  # noqa: E402
 from trainer3d.model.transformer import cross_entropy_loss  # noqa: E402
 from trainer3d.optim import param_groups  # noqa: E402
 from trainer3d.parallel import build_model_chunks, build_optimizer  # noqa: E402
+from trainer3d.parallel.zero import ShardedOptimizer  # noqa: E402
 from trainer3d.telemetry import storage_bytes  # noqa: E402
 from trainer3d.topology import ParallelDims, Topology  # noqa: E402
 
@@ -70,10 +92,30 @@ def batches(cfg, rank, steps):
     return tokens[..., :-1], tokens[..., 1:]
 
 
+class GatherAtStepEnd(ShardedOptimizer):
+    """ZeRO-1 waiting for its parameter all-gather inside step(), timing that wait."""
+
+    def __init__(self, chunks, cfg, dims):
+        super().__init__(chunks, cfg, dims, overlap_gather=False)
+        self.gather_wait_s = 0.0
+
+    def _gather_params(self, defer=False):
+        start = time.perf_counter()
+        super()._gather_params(defer)
+        self.gather_wait_s += time.perf_counter() - start
+
+
 class Ours:
-    def __init__(self, model, cfg, dims, stage):
+    def __init__(self, model, cfg, dims, stage, overlap=True):
         cfg.parallel.zero_stage = stage
-        self.model, self.opt = model, build_optimizer([model], cfg, dims)
+        self.model = model
+        self.opt = build_optimizer([model], cfg, dims) if overlap else GatherAtStepEnd([model], cfg, dims)
+
+    def gather_wait_s(self) -> float:
+        """Host time spent waiting for the stage-1 parameter all-gather so far."""
+        if getattr(self.opt, "deferred", None) is not None:
+            return self.opt.deferred.waited_s
+        return getattr(self.opt, "gather_wait_s", 0.0)
 
     def forward_backward(self, inputs, targets):
         accum = inputs.shape[0]
@@ -161,15 +203,44 @@ def run_variants(cfg, dims, inputs, targets, warmup) -> dict:
             for key, e in engines.items()}
 
 
+GATHER_MODES = ("overlapped with forward", "waited in step()")
+
+
+def run_gather_modes(cfg, dims, inputs, targets, warmup, rounds=2) -> dict:
+    """Our stage 1 with the parameter all-gather overlapped with the next forward vs waited
+    for in step(): mean step time and host time waiting for the gather per step. Each engine
+    runs its steps back to back (a barrier or another engine between two steps would hide an
+    in-flight gather); the engines alternate over ``rounds`` (A B, B A, ...) against drift."""
+    steps, per_mode = inputs.shape[0] - warmup, {mode: [] for mode in GATHER_MODES}
+    for r in range(rounds):
+        for mode in GATHER_MODES if r % 2 == 0 else GATHER_MODES[::-1]:
+            engine = Ours(build_model_chunks(cfg, dims)[0], cfg, dims, 1, overlap=mode == GATHER_MODES[0])
+            for step in range(inputs.shape[0]):
+                if step == warmup:
+                    engine.opt.wait_params()
+                    dist.barrier()
+                    waited, start = engine.gather_wait_s(), time.perf_counter()
+                engine.zero_grad()
+                engine.forward_backward(inputs[step], targets[step])
+                engine.step(cfg.optim.lr)
+            engine.opt.wait_params()  # the last step's gather counts too
+            per_mode[mode].append(((time.perf_counter() - start) / steps, (engine.gather_wait_s() - waited) / steps))
+    return {mode: tuple(statistics.mean(x) for x in zip(*runs)) for mode, runs in per_mode.items()}
+
+
 def rank_main(rank, world, args):
     dims = ParallelDims.build(Topology(tp=1, pp=1, dp=world), torch.device("cpu"))
     cfg = make_cfg(args)
     inputs, targets = batches(cfg, rank, args.warmup + args.steps)
-    out = run_variants(cfg, dims, inputs, targets, args.warmup)
+    out = {} if args.gather_only else run_variants(cfg, dims, inputs, targets, args.warmup)
     for key, (t, opt_bytes, state_bytes, psi) in out.items():
         slowest = torch.tensor([t])
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         out[key] = (slowest.item(), opt_bytes, state_bytes, psi)
+    for mode, (step_s, wait_s) in run_gather_modes(cfg, dims, inputs, targets, args.warmup).items():
+        slowest = torch.tensor([step_s, wait_s])
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        out[mode] = tuple(slowest.tolist())
     return out
 
 
@@ -189,16 +260,29 @@ def report(out, args) -> None:
               f"model-state bytes {s0 / s1:.3f}x")
 
 
+def report_gather(out, args) -> None:
+    print(f"stage 1 parameter all-gather at dp={args.dp}, grad_accum={args.grad_accum}, micro_batch="
+          f"{args.micro_batch}x{args.seq_len}: {args.steps} steps back to back, mean of 2 runs each, slowest rank")
+    for mode in GATHER_MODES:
+        step_s, wait_s = out[mode]
+        print(f"  {mode:24} step {step_s * 1e3:7.1f} ms, waiting for the gather {wait_s * 1e3:6.2f} ms")
+    (over, over_wait), (sync, sync_wait) = (out[mode] for mode in GATHER_MODES)
+    print(f"  overlapped / in step(): step time {over / sync:.2f}x, exposed gather {over_wait / max(sync_wait, 1e-9):.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dp", type=int, default=2)
     add_model_arguments(parser, steps=10)
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--gather-only", action="store_true", help="only stage 1's gather, overlapped vs in step()")
     args = parser.parse_args()
     results = run_ranks(rank_main, args.dp, args, timeout=1800, threads=max(1, (os.cpu_count() or 1) // args.dp),
                         pg_timeout_s=300)
-    report(results[0], args)
+    if not args.gather_only:
+        report(results[0], args)
+    report_gather(results[0], args)
 
 
 if __name__ == "__main__":

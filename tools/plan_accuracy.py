@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,20 +29,14 @@ from typing import List, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
 from trainer3d.plan.devices import DEFAULT_CALIBRATION, load_calibration  # noqa: E402
+from trainer3d.plan.probe import measured_step_s, training_config  # noqa: E402
 from trainer3d.plan.search import evaluate  # noqa: E402
-from trainer3d.validate import validate  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 
 # One model (2.2M parameters: dim 256, 4 blocks, grouped-query attention) and one global batch.
 COMMON = ("model=tiny", "model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4",
           "model.ffn_dim=704", "train.seq_len=64", "train.global_batch_size=8", "train.grad_accum_steps=null",
-          "train.dtype=fp32", "optim.warmup_steps=2", "checkpoint.save_final=false", "train.log_every=1",
-          "parallel.timeout_s=600")
+          "train.dtype=fp32", "optim.warmup_steps=2", "parallel.timeout_s=600")
 
 LAYOUTS = (
     "parallel=single train.micro_batch_size=4",
@@ -57,22 +50,6 @@ LAYOUTS = (
     "parallel=single parallel.dp=4 parallel.zero_stage=1 train.micro_batch_size=2",
     "parallel=tp2-pp2-dp2 train.micro_batch_size=2",
 )
-
-
-def training_config(overrides: Sequence[str]):
-    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
-        dcfg = compose("config", [*overrides, "run_dir=.", "launcher.folder=."])
-    return validate(OmegaConf.to_object(dcfg))
-
-
-def measured_step_s(overrides: Sequence[str], steps: int, warmup: int, run_dir: Path) -> List[float]:
-    cmd = [sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run_dir}", *overrides, f"train.max_steps={steps}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                          env=dict(os.environ, WANDB_MODE="disabled"))
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r["step_time_s"] for r in rows[warmup:]]
 
 
 def ranks(values: Sequence[float]) -> List[float]:

@@ -17,6 +17,7 @@ from typing import Optional
 
 import submitit
 import torch
+import torch._inductor.config as inductor_config
 import torch.distributed as dist
 
 from trainer3d.config import Config
@@ -50,12 +51,14 @@ def init_distributed(cfg: Config) -> torch.device:
     switches to the step's after the first step (trainer3d/timeouts.py)."""
     device = rank_device(cfg)
     use_cuda = device.type == "cuda"
+    # Ranks share the host's cores: without this each one starts a thread pool, and with
+    # train.compile a pool of inductor compile workers, the size of the whole host.
+    share = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    inductor_config.compile_threads = share
     if use_cuda:
         torch.cuda.set_device(device)
     else:
-        # Ranks share the host's cores; without this each one starts a full-size thread pool.
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(share)
     backend = cfg.parallel.backend
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"

@@ -9,7 +9,8 @@ overflow are the loss scaler's business (skipped, the scale halved): there only 
 non-finite loss counts.
 
 ``train.on_nonfinite``: stop (default: every rank raises NonFiniteLoss, the job ends with
-the message below and a non-zero exit, no checkpoint is saved) | continue (log and go on).
+the message below and a non-zero exit, no checkpoint is saved) | continue (rank 0 prints one
+warning line per check that finds a new non-finite step, and the run goes on).
 """
 
 import torch
@@ -38,15 +39,21 @@ class NonFiniteWatch:
         self.first_bad.copy_(torch.where(fresh, torch.full_like(self.first_bad, step), self.first_bad))
 
     def check(self) -> None:
-        """Every rank at the same steps: raise NonFiniteLoss if any rank saw a non-finite step."""
-        if self.action == "continue":
-            return
+        """Every rank at the same steps: raise NonFiniteLoss if any rank saw a non-finite step
+        (with ``continue``: warn on rank 0 and watch for the next one)."""
         first = self.first_bad.clone()
         first[first < 0] = torch.iinfo(torch.int64).max
         dist.all_reduce(first, op=dist.ReduceOp.MIN)
         step = int(first.item())
-        if step != torch.iinfo(torch.int64).max:
-            raise NonFiniteLoss(
-                f"the loss or gradient norm is not finite (inf/nan) at step {step + 1}; the run stopped without "
-                "saving (train.on_nonfinite=stop): resume from the last checkpoint with a lower optim.lr, "
-                "or set train.on_nonfinite=continue to train on")
+        if step == torch.iinfo(torch.int64).max:
+            return
+        if self.action == "continue":
+            self.first_bad.fill_(-1)
+            if dist.get_rank() == 0:
+                print(f"trainer3d: warning: the loss or gradient norm is not finite (inf/nan) from step {step + 1}; "
+                      "training goes on (train.on_nonfinite=continue)", flush=True)
+            return
+        raise NonFiniteLoss(
+            f"the loss or gradient norm is not finite (inf/nan) at step {step + 1}; the run stopped without "
+            "saving (train.on_nonfinite=stop): resume from the last checkpoint with a lower optim.lr, "
+            "or set train.on_nonfinite=continue to train on")

@@ -178,6 +178,7 @@ class Trainer:
                 self.stopped = Stop(step=step + 1, flag=flag)
                 break
         last = self.metrics.flush()
+        self.optimizer.wait_params()  # the model a caller reads after training holds the last step
         self.data.close()
         self.stop_signal.close()
         self.nonfinite.check()

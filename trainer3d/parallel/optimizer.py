@@ -12,7 +12,7 @@ One step, as trainer3d/trainer.py runs it::
     opt.reduce_gradients()                           # dp reduction done (fp16: unscaled)
     sync_sequence_parallel_grads(...)                # tp sum of opt.grad(p), sequence parallelism only
     norm = opt.clip_grad_norm(max_norm)              # global norm, each element counted once
-    opt.step(lr)
+    opt.step(lr)                                     # ZeRO-1: parameters gathered during the next forward
     opt.step_metrics()                               # device tensors for metrics.jsonl
 
 Checkpoints (trainer3d/checkpoint/state.py) read and write this rank's state in place
@@ -93,7 +93,14 @@ class ZeroOptimizer(ABC):
 
     @abstractmethod
     def step(self, lr: float) -> None:
-        """One AdamW update of this rank's fp32 state; the model's parameters follow."""
+        """One AdamW update of this rank's fp32 state; the model's parameters follow by the
+        time their module's next forward runs (ZeRO-1 gathers them meanwhile), and at once
+        after ``wait_params``."""
+
+    def wait_params(self) -> None:
+        """The model's parameters hold the last step's values: for a reader that is not a
+        module's forward (the methods of this contract that return parameters or state
+        views wait by themselves)."""
 
     def step_metrics(self) -> Dict[str, torch.Tensor]:
         """Device tensors for metrics.jsonl (fp16: loss_scale and skipped)."""

@@ -12,8 +12,9 @@ update):
   gradients are reduce-scattered into that slice in place (or all-reduced, whichever the
   backend does faster: ``parallel.zero_reduce``), AdamW updates only the owned slices
   (fp32 master weights and moments exist for those alone), and every bucket's parameters
-  are then all-gathered in place in the model's flat buffer. Nothing model-sized is
-  allocated after construction.
+  are then all-gathered in place in the model's flat buffer: launched at the end of
+  ``step()`` and waited for where the next forward first reads them (param_gather.py).
+  Nothing model-sized is allocated after construction.
 
 Stages 2 and 3 (pp == 1) go through FSDP2: parallel/fsdp.py. ``trainer3d.memory`` states what
 each stage allocates; tests/test_zero_memory.py holds the engine to it.
@@ -34,6 +35,7 @@ from trainer3d.parallel.adamw import FlatAdamW, segments_of
 from trainer3d.parallel.buckets import FlatBuffers, GradReducer
 from trainer3d.parallel.clip import clip_by_global_norm_, counted_once_over_tp, sum_of_squares
 from trainer3d.parallel.optimizer import StateView, ZeroOptimizer
+from trainer3d.parallel.param_gather import DeferredGather
 from trainer3d.parallel.precision import DTYPES, make_loss_scaler
 from trainer3d.parallel.tied import is_tied_copy
 from trainer3d.topology import ParallelDims
@@ -55,9 +57,15 @@ def reduce_mode(cfg: Config, dims: ParallelDims) -> str:
 
 
 class FlatZeroOptimizer(ZeroOptimizer):
-    """ZeRO stage 0 (``sharded=False``) or stage 1 (``sharded=True``) over flat buffers."""
+    """ZeRO stage 0 (``sharded=False``) or stage 1 (``sharded=True``) over flat buffers.
 
-    def __init__(self, chunks: List[nn.Module], cfg: Config, dims: ParallelDims, sharded: bool):
+    ``overlap_gather``: stage 1 waits for each bucket's parameter all-gather in the next
+    forward (param_gather.py) rather than at the end of ``step()``; off only to measure
+    what the overlap hides (tools/bench_zero.py).
+    """
+
+    def __init__(self, chunks: List[nn.Module], cfg: Config, dims: ParallelDims, sharded: bool,
+                 overlap_gather: bool = True):
         self.cfg, self.dims, self.sharded = cfg, dims, sharded
         named = [(canonical_name(n), p) for chunk in chunks for n, p in chunk.named_parameters() if p.requires_grad]
         self.names: Dict[nn.Parameter, str] = {p: n for n, p in named}
@@ -79,6 +87,9 @@ class FlatZeroOptimizer(ZeroOptimizer):
         counts_here = sharded or dims.dp_rank == 0
         self._counted = [g for s, g in zip(segments, self.adam.grad_views)
                          if counts_here and counted_once_over_tp(s.param, dims) and not is_tied_copy(s.name, dims)]
+        self.deferred = None
+        if sharded and dims.dp > 1 and overlap_gather:
+            self.deferred = DeferredGather(chunks, {p: b.index for b in self.buffers.buckets for p in b.params})
 
     def _owned_pieces(self) -> List[Tuple[int, int]]:
         if not self.sharded:
@@ -91,7 +102,12 @@ class FlatZeroOptimizer(ZeroOptimizer):
         return out
 
     def parameters(self) -> List[nn.Parameter]:
+        self.wait_params()
         return list(self.names)
+
+    def wait_params(self) -> None:
+        if self.deferred is not None:
+            self.deferred.wait_all()
 
     # ---------------------------------------------------------------- one step
 
@@ -119,19 +135,25 @@ class FlatZeroOptimizer(ZeroOptimizer):
     @torch.no_grad()
     def step(self, lr: float) -> None:
         found_inf = self.scaler.found_inf if self.scaler is not None else None
+        self.wait_params()  # the update writes the owned slices the last gather sends from
         self.adam.step(lr, found_inf)
         if self.scaler is not None:
             self.scaler.update()
-        self._gather_params()
+        self._gather_params(defer=True)
 
-    def _gather_params(self) -> None:
-        """Stage 1: every bucket's parameters from their owners, in place in the flat buffer."""
+    def _gather_params(self, defer: bool = False) -> None:
+        """Stage 1: every bucket's parameters from their owners, in place in the flat buffer,
+        launched in forward order (the embedding's bucket, laid out last, first); ``defer``:
+        waited for where they are read (param_gather.py), else now."""
         if not self.sharded or self.dims.dp == 1:
             return
-        flat, works = self.buffers.param_buffer, []
-        for b, (lo, hi) in zip(self.buffers.buckets, self.pieces):
-            works.append(comm.all_gather(flat[b.start:b.end], flat[lo:hi], self.dims.dp_group))
-        for w in works:
+        flat, works = self.buffers.param_buffer, {}
+        for b, (lo, hi) in reversed(list(zip(self.buffers.buckets, self.pieces))):
+            works[b.index] = comm.all_gather(flat[b.start:b.end], flat[lo:hi], self.dims.dp_group)
+        if defer and self.deferred is not None:
+            self.deferred.hand_over(works)
+            return
+        for w in works.values():
             w.wait()
 
     # ---------------------------------------------------------------- checkpoints, memory
@@ -139,6 +161,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
     def checkpoint_views(self) -> List[StateView]:
         """Every parameter whole (each rank holds all of them), and the optimizer state of the
         owned segments: a parameter's range of its flattened tp-local tensor."""
+        self.wait_params()  # a save must read, a load must not be overwritten by, the gather
         views = [StateView(self.names[p], tuple(p.shape), tp_shard_of(p), 0, p.numel(), {"param": p.detach().view(-1)})
                  for p in self.buffers.params]
         for s, kinds in self.adam.state_views():
@@ -147,6 +170,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
 
     @torch.no_grad()
     def after_load(self) -> None:
+        self.wait_params()
         if self.adam.master is not None:  # mixed precision: the parameters are the masters' cast
             self.adam.copy_master_to_params()
             self._gather_params()
@@ -168,5 +192,5 @@ class ReplicatedOptimizer(FlatZeroOptimizer):
 class ShardedOptimizer(FlatZeroOptimizer):
     """ZeRO stage 1: fp32 master weights and AdamW moments sharded over dp."""
 
-    def __init__(self, chunks: List[nn.Module], cfg: Config, dims: ParallelDims):
-        super().__init__(chunks, cfg, dims, sharded=True)
+    def __init__(self, chunks: List[nn.Module], cfg: Config, dims: ParallelDims, overlap_gather: bool = True):
+        super().__init__(chunks, cfg, dims, sharded=True, overlap_gather=overlap_gather)

@@ -12,9 +12,12 @@ machine, written as a Device (devices.py) that ``cluster.gpu=calibrated`` reads:
   negligible size) and the rate of its elementwise work (the block without its projections,
   in the bytes step_time.py charges);
 - gloo all-reduce between 2 ranks: latency (a 1 KiB message) and bus bandwidth (16 MiB);
-  and the latency of a pair's all-reduce while 2, 4, 8 ranks compute between theirs: where
-  ranks outnumber cores a peer may be waiting for a core;
-- the host time of one action of torch's pipeline schedule (two stages computing nothing).
+- the engine itself (trainer3d/plan/probe.py) on a model of negligible size (dim 32, 4
+  blocks, 4 micro-batches of 32 tokens), where a step is only fixed costs: one process (the
+  host time of a step outside the blocks), tp=2 on 2, 4 and 8 ranks (a hop of a collective
+  while that many ranks share the cores: where ranks outnumber cores a peer may be waiting
+  for one), pp=2 (the host time of a pipeline action). Each figure is the value that makes
+  step_time.py's prediction of that run equal its fastest measured step.
 
 Compute figures are per CPU-second of one thread (``time.thread_time`` / ``process_time``):
 what the machine does for a program that has it, whatever else runs on it meanwhile; the
@@ -29,6 +32,7 @@ import json
 import multiprocessing as mp
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Dict, List
@@ -36,12 +40,13 @@ from typing import Callable, Dict, List
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from trainer3d.activations import Sizes, layer_terms
 from trainer3d.config import Config, ModelConfig
 from trainer3d.model.transformer import Block
-from trainer3d.plan.devices import DEFAULT_CALIBRATION
+from trainer3d.plan.devices import DEFAULT_CALIBRATION, Device
+from trainer3d.plan.probe import measured_step_s, training_config
+from trainer3d.plan.search import evaluate
 from trainer3d.plan.step_time import BWD_PASSES, FWD_PASSES
 
 MATMUL = 512
@@ -132,52 +137,6 @@ def _rank_all_reduce(rank: int, world: int, port: int, out, repeats: int = 20) -
         out.put(times)
 
 
-def _rank_sync(rank: int, world: int, port: int, cores: int, out, iterations: int = 60) -> None:
-    """Pairs of ranks alternate ~1 ms of compute with an all-reduce of one number, as tensor-
-    parallel pairs do: the median round's wall time beyond the compute's share of the cores
-    (medians: the fastest round of an oversubscribed node is one where the peers happened to
-    wait, not the node's rate)."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
-    group, one = pairs[rank // 2], torch.ones(1)
-    a = torch.randn(384, 384)
-    compute, rounds = [], []
-    dist.barrier()
-    for _ in range(iterations):
-        started, cpu = time.perf_counter(), time.thread_time()
-        torch.mm(a, a)
-        compute.append(time.thread_time() - cpu)
-        dist.all_reduce(one, group=group)
-        rounds.append(time.perf_counter() - started)
-    dist.barrier()
-    dist.destroy_process_group()
-    median = len(rounds) // 2
-    share = sorted(compute)[median] * max(1.0, world / cores)  # the compute's wall time with the cores shared
-    out.put(max(0.0, sorted(rounds)[median] - share))
-
-
-def _rank_pipeline(rank: int, world: int, port: int, out, micro_batches: int = 8) -> None:
-    """torch's 1F1B over two stages that compute next to nothing: the best step's time per
-    action on the critical path (2 (m + p - 1) of them), less a hop's latency."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    stage = PipelineStage(torch.nn.Linear(8, 8), rank, world, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, micro_batches, loss_fn=lambda out, target: out.sum(), scale_grads=False)
-    x = torch.randn(micro_batches, 8)
-    best = float("inf")
-    for _ in range(10):
-        dist.barrier()
-        started = time.perf_counter()
-        schedule.step(x) if rank == 0 else schedule.step(target=x, return_outputs=False)
-        best = min(best, time.perf_counter() - started)
-    dist.destroy_process_group()
-    if rank == 0:
-        out.put(best / (2 * (micro_batches + world - 1)))
-
-
 def _run(target: Callable, ranks: int, *args, results: int = 1) -> List:
     """Start ``ranks`` processes running ``target(rank, ranks, *args, queue)``; the first
     ``results`` things they put on the queue."""
@@ -211,17 +170,60 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def latency_by_ranks(cores: int, repeats: int = 3) -> Dict[int, float]:
-    """Microseconds per hop of a two-rank all-reduce (two hops) while N ranks share the node
-    (the least of ``repeats`` runs' median over the ranks)."""
-    out = {}
-    for ranks in (2, 4, 8):
-        medians = []
-        for _ in range(repeats):
-            waits = sorted(_run(_rank_sync, ranks, _free_port(), cores, results=ranks))
-            medians.append(waits[len(waits) // 2] / 2 * 1e6)
-        out[ranks] = min(medians)
-    return out
+# The engine at a negligible size: what is left of a step is host time and fixed costs.
+TINY = ("model=tiny", "model.dim=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
+        "model.ffn_dim=64", "train.seq_len=32", "train.micro_batch_size=1", "train.grad_accum_steps=4",
+        "train.dtype=fp32", "optim.warmup_steps=2", "parallel.timeout_s=600", "parallel=single")
+TP_PROBES = {2: "parallel.tp=2", 4: "parallel.tp=2 parallel.dp=2", 8: "parallel.tp=2 parallel.dp=4"}
+"""Ranks on the node -> the layout whose tensor-parallel collectives time a hop at that sharing."""
+PP_PROBE = "parallel.pp=2"
+
+
+def _fit(predict: Callable[[float], float], measured: float) -> float:
+    """The least x >= 0 with ``predict(x) >= measured`` (``predict`` grows with x), by bisection."""
+    low, high = 0.0, 1e3
+    if predict(low) >= measured:
+        return 0.0
+    while predict(high) < measured and high < 1e9:
+        high *= 4
+    for _ in range(50):
+        mid = (low + high) / 2
+        low, high = (mid, high) if predict(mid) < measured else (low, mid)
+    return high
+
+
+def engine_figures(figures: dict, steps: int = 12, warmup: int = 3) -> dict:
+    """``step_overhead_us``, ``latency_by_ranks`` and ``pipeline_action_us``, fitted in turn so
+    that the step-time model, with the kernel ``figures`` measured before, predicts the
+    engine's fastest step of each TINY probe."""
+    fitted: dict = {}
+
+    def probe(layout: str, tmp: str) -> Callable[[Callable[[float], dict]], float]:
+        overrides = [*TINY, *layout.split(), f"train.global_batch_size={4 * dp_of(layout)}"]
+        cfg = training_config(overrides)
+        world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+        run_dir = Path(tmp) / f"probe-{len(os.listdir(tmp))}"
+        took = min(measured_step_s(overrides, steps, warmup, run_dir))
+        print(f"calibrate: the engine at a negligible size, {layout or 'one process'}: {took * 1e3:.1f} ms/step",
+              flush=True)
+
+        def fit(changes: Callable[[float], dict]) -> float:
+            return _fit(lambda x: evaluate(cfg, Device(**{**figures, **fitted, **changes(x)}), world, "gloo")
+                        .step.total, took)
+        return fit
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fitted["step_overhead_us"] = probe("", tmp)(lambda x: {"step_overhead_us": x})
+        latency: Dict[int, float] = {}
+        for ranks, layout in TP_PROBES.items():
+            latency[ranks] = probe(layout, tmp)(lambda x: {"latency_by_ranks": {**latency, ranks: x}})
+        fitted["latency_by_ranks"] = latency
+        fitted["pipeline_action_us"] = probe(PP_PROBE, tmp)(lambda x: {"pipeline_action_us": x})
+    return fitted
+
+
+def dp_of(layout: str) -> int:
+    return next((int(o.split("=")[1]) for o in layout.split() if o.startswith("parallel.dp=")), 1)
 
 
 def all_reduce_figures() -> Dict[str, float]:
@@ -238,20 +240,18 @@ def calibrate() -> dict:
     node = {r: max(node_gflops(r, cores) for _ in range(3)) / single for r in RANKS}  # the best of 3 starts
     block = block_figures()
     collective = all_reduce_figures()
-    (action,) = _run(_rank_pipeline, 2, _free_port())
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
-    return {
+    figures = {
         "name": "calibrated", "memory_gib": round(memory_gib, 1), "reserved_gib": 2.0,
         "matmul_tflops": {"fp32": single / 1e3, "bf16": matmul_gflops(torch.bfloat16) / 1e3,
                           "fp16": matmul_gflops(torch.float16, repeats=1) / 1e3},
         "memory_gbps": memory_gbps(), "elementwise_gbps": block["elementwise_gbps"],
         "intra_gbps": collective["gbps"], "inter_gbps": collective["gbps"], "latency_us": collective["latency_us"],
         "layer_overhead_us": block["layer_overhead_us"], "node_scaling": node, "shared_memory": True,
-        "pipeline_action_us": max(0.0, action * 1e6 - collective["latency_us"]),
-        "latency_by_ranks": latency_by_ranks(cores),
         "cores": cores, "source": f"calibrated on {socket.gethostname()} ({cores} cores, torch {torch.__version__}) "
                                   f"at {datetime.datetime.now():%Y-%m-%d %H:%M}",
     }
+    return {**figures, **engine_figures(figures)}
 
 
 def main(argv: List[str]) -> None:

@@ -51,13 +51,18 @@ class Device:
     layer_overhead_us: float = 0.0
     """Host time per block forward + backward that does not shrink with its size (op dispatch);
     hidden by asynchronous kernel launches on GPUs, measured on CPUs."""
+    step_overhead_us: float = 0.0
+    """Host time of one training step outside the blocks (data, loss and optimizer
+    bookkeeping, metrics); hidden behind the device's work on GPUs, measured on CPUs through
+    the engine at a negligible model size."""
     node_scaling: Dict[int, float] = field(default_factory=dict)
     """CPU: the node's total matmul rate with N ranks busy (each with cores // N threads, at
     least one), as a multiple of ``matmul_tflops`` (empty: each rank has its own device)."""
     shared_memory: bool = False
     latency_by_ranks: Dict[int, float] = field(default_factory=dict)
     """CPU: a hop's latency, microseconds, when N ranks share the node's cores and compute
-    between their collectives (a peer may be waiting for a core); missing N: ``latency_us``."""
+    between their collectives (a peer may be waiting for a core), measured through the
+    engine's tensor-parallel collectives at a negligible model size; missing N: ``latency_us``."""
     cores: int = 0
     """CPU: cores per node, shared by its ranks (0: each rank has its own device)."""
 

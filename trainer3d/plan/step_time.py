@@ -19,8 +19,12 @@ the final norm, head and loss on the last):
                                               the bubble: (p - 1) / (v m) of the compute
          + data-parallel reduction            bucketed, overlapped with the last micro-batch's
                                               backward except the last bucket; ZeRO-1's
-                                              parameter all-gather; FSDP2's un-overlapped share
+                                              parameter all-gather, overlapped with the next
+                                              first forward except the first bucket; FSDP2's
+                                              un-overlapped share
          + optimizer                          AdamW over the owned elements, memory-bound
+         + host                               the engine's own time per step outside the blocks
+                                              (CPUs: measured by --calibrate; 0 on GPUs)
 
 Ring collectives cost 2 (n-1)/n B / bandwidth + 2 (n-1) hops of latency (all-reduce), half
 that for an all-gather or reduce-scatter (Patarasuk & Yuan 2009, "Bandwidth optimal
@@ -73,6 +77,8 @@ class StepTime:
         optimizer   AdamW over the owned elements, zeroing and clipping the gradients
         node_bound  shared cores: the node's work over its throughput, when that exceeds
                     the critical path (0 where every rank has its own device)
+        host        the engine's host time per step outside the blocks (data, loss and
+                    optimizer bookkeeping, metrics), ``Device.step_overhead_us``
     """
 
     compute: float = 0.0
@@ -82,6 +88,7 @@ class StepTime:
     dp_comm: float = 0.0
     optimizer: float = 0.0
     node_bound: float = 0.0
+    host: float = 0.0
 
     @property
     def critical_path(self) -> float:
@@ -89,7 +96,7 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return max(self.critical_path, self.node_bound) + self.dp_comm + self.optimizer
+        return max(self.critical_path, self.node_bound) + self.dp_comm + self.optimizer + self.host
 
 
 def micro_batch_times(cfg: Config, device: Device, pp_rank: int, ranks_per_node: int) -> RankTimes:
@@ -151,10 +158,12 @@ def _dp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: Ran
     grads = states.grads
     scatter = p.zero_stage == 1 and backend == "nccl"
     reduce = gather_s(grads, p.dp, gbps, lat) if scatter else all_reduce_s(grads, p.dp, gbps, lat)
-    last_bucket = reduce * min(1.0, p.bucket_mb * 2 ** 20 / max(1, grads))
+    bucket_share = min(1.0, p.bucket_mb * 2 ** 20 / max(1, grads))
+    last_bucket = reduce * bucket_share
     exposed = last_bucket + max(0.0, reduce - last_bucket - times.backward)
-    if p.zero_stage == 1:
-        exposed += gather_s(states.params, p.dp, gbps, lat)
+    if p.zero_stage == 1:  # waited for bucket by bucket in the next first forward (parallel/param_gather.py)
+        gather = gather_s(states.params, p.dp, gbps, lat)
+        exposed += gather * bucket_share + max(0.0, gather * (1 - bucket_share) - times.forward)
     return exposed
 
 
@@ -182,7 +191,7 @@ def step_time(cfg: Config, device: Device, states: Dict[int, ModelStateBytes], r
     mean_compute = sum(m * (x.forward + x.backward) for x in times.values()) / len(times)
     return StepTime(compute=m * busy, tp_comm=m * times[slowest].tp_comm, bubble=fill * slot,
                     pp_comm=m * 2 * v * hop, dp_comm=share * dp, optimizer=share * optimizer,
-                    node_bound=share * mean_compute if share > 1 else 0.0)
+                    node_bound=share * mean_compute if share > 1 else 0.0, host=device.step_overhead_us * 1e-6)
 
 
 def _optimizer_s(cfg: Config, device: Device, states: ModelStateBytes) -> float:

@@ -1,0 +1,41 @@
+"""Run the engine itself on a layout and read back its step times.
+
+``--calibrate`` runs it at a negligible model size, where a step is nothing but the host's
+and the collectives' fixed costs (calibrate.py fits them); tools/plan_accuracy.py runs it at
+a real size and compares with the prediction. Each run is ``python -m trainer3d.train`` with
+Hydra overrides (local ranks, gloo, wandb off), its step times read from metrics.jsonl.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Sequence
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from trainer3d.config import Config
+from trainer3d.validate import validate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def training_config(overrides: Sequence[str]) -> Config:
+    """The validated config ``python -m trainer3d.train <overrides>`` would run."""
+    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
+        dcfg = compose("config", [*overrides, "run_dir=.", "launcher.folder=."])
+    return validate(OmegaConf.to_object(dcfg))
+
+
+def measured_step_s(overrides: Sequence[str], steps: int, warmup: int, run_dir: Path) -> List[float]:
+    """``step_time_s`` of every step after the first ``warmup`` of a ``steps``-step run."""
+    cmd = [sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run_dir}", *overrides,
+           f"train.max_steps={steps}", "train.log_every=1", "checkpoint.save_final=false"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, WANDB_MODE="disabled"))
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r["step_time_s"] for r in rows[warmup:]]
