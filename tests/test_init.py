@@ -84,6 +84,7 @@ def test_a_resumed_run_initialises_nothing(monkeypatch):
     assert all(not p.any() for p in chunk.parameters())  # the padded vocabulary's tail included
 
 
+@pytest.mark.slow
 def test_7b_rank_start_up_costs_about_its_own_shard():
     """Rank (pp 0, tp 0) of 7b at tp=8 pp=4, built for real in bf16 in a child process: its
     peak resident set stays near its own shard's bytes (drawing each full matrix and slicing
