@@ -15,7 +15,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from omegaconf import OmegaConf  # noqa: E402
+
 from trainer3d.config import Config, ModelConfig  # noqa: E402
+
+MODEL_PRESETS = Path(__file__).resolve().parent.parent / "conf" / "model"
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, steps: int, warmup: int = 2) -> None:
@@ -34,3 +38,9 @@ def bench_config(args: argparse.Namespace) -> Config:
                             ffn_dim=3 * args.dim, vocab_size=257, max_seq_len=args.seq_len)
     cfg.train.seq_len, cfg.train.micro_batch_size = args.seq_len, args.micro_batch
     return cfg
+
+
+def model_preset(name: str) -> ModelConfig:
+    """The ModelConfig of conf/model/<name>.yaml (tiny, 125m, ..., 7b, ...)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig),
+                                               OmegaConf.load(MODEL_PRESETS / f"{name}.yaml")))

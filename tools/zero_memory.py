@@ -15,17 +15,14 @@ import sys
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer3d.config import Config, ModelConfig  # noqa: E402
+from bench_common import model_preset  # noqa: E402
+from trainer3d.config import Config  # noqa: E402
 from trainer3d.memory import (TABLE1_DP, TABLE1_MODELS, engine_model_state_bytes, format_gb,  # noqa: E402
                               paper_model_state_bytes, rank_parameter_shapes, table1)
 from trainer3d.topology import Topology  # noqa: E402
-
-CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
-
 
 def print_table1() -> None:
     print("ZeRO paper, Table 1: model-state GB per device (mixed-precision Adam, K=12)")
@@ -37,12 +34,8 @@ def print_table1() -> None:
         print(f"{dp:>5} | " + " | ".join(f"{c:>29}" for c in cells))
 
 
-def load_model_config(name: str) -> ModelConfig:
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF / f"{name}.yaml")))
-
-
 def print_layout(args) -> None:
-    cfg = Config(model=load_model_config(args.model))
+    cfg = Config(model=model_preset(args.model))
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp = args.tp, args.pp, args.dp
     topo = Topology(tp=args.tp, pp=args.pp, dp=args.dp)
     per_stage = [rank_parameter_shapes(cfg, topo.rank(s, 0, 0)) for s in range(args.pp)]

@@ -73,14 +73,15 @@ class Trainer:
         self.heartbeat = None
         """Set by the launcher (trainer3d/heartbeat.py): told the steps completed at each step boundary."""
         t = cfg.train
-        self.chunks: List[nn.Module] = build_model_chunks(cfg, dims)
+        self.timeouts = GroupTimeouts(dims.groups(), cfg.parallel.init_timeout_s, cfg.parallel.timeout_s)
+        self.checkpointer = Checkpointer(cfg, dims, self.timeouts)
+        resume_from = self.checkpointer.choose()
+        self.chunks: List[nn.Module] = build_model_chunks(cfg, dims, initialise=resume_from is None)
         self.optimizer: ZeroOptimizer = build_optimizer(self.chunks, cfg, dims)
         self.micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims), t.grad_accum_steps, self.optimizer)
         self.pipeline = Pipeline(self.chunks, self.micro_loss, cfg, dims) if dims.pp > 1 else None
         self.data, self.evaluator = self._build_data()
-        self.timeouts = GroupTimeouts(dims.groups(), cfg.parallel.init_timeout_s, cfg.parallel.timeout_s)
-        self.checkpointer = Checkpointer(cfg, dims, self.optimizer, self.timeouts)
-        self.start_step = self.checkpointer.resume()
+        self.start_step = self.checkpointer.resume(self.optimizer, resume_from)
         self.metrics = self._build_metrics()
         self.nonfinite = NonFiniteWatch(dims.device, norm_counts=t.dtype != "fp16", action=t.on_nonfinite)
         if self.pipeline is not None:

@@ -1,7 +1,9 @@
 """Save, find and resume checkpoints: what the trainer calls.
 
-    checkpointer = Checkpointer(cfg, dims, optimizer)
-    start_step = checkpointer.resume()          # train.resume: auto | never | <path>
+    checkpointer = Checkpointer(cfg, dims, timeouts)
+    choice = checkpointer.choose()               # train.resume: auto | never | <path>
+    chunks = build_model_chunks(cfg, dims, initialise=choice is None)
+    start_step = checkpointer.resume(optimizer, choice)
     ...
     checkpointer.save(step)                      # every checkpoint.every steps, at the end, on preemption
 
@@ -50,9 +52,10 @@ def checkpoint_root(cfg: Config) -> Path:
 
 
 class Checkpointer:
-    def __init__(self, cfg: Config, dims: ParallelDims, optimizer: ZeroOptimizer,
-                 timeouts: Optional[GroupTimeouts] = None):
-        self.cfg, self.dims, self.optimizer = cfg, dims, optimizer
+    def __init__(self, cfg: Config, dims: ParallelDims, timeouts: Optional[GroupTimeouts] = None):
+        self.cfg, self.dims = cfg, dims
+        self.optimizer: Optional[ZeroOptimizer] = None
+        """Set by ``resume``: the optimizer whose state (model included) is saved and loaded."""
         self.timeouts = timeouts
         """Saves and loads wait with the start-up timeout (a shared filesystem may be slow)."""
         self.root = checkpoint_root(cfg)
@@ -130,12 +133,13 @@ class Checkpointer:
             self._say(f"skipping checkpoint {path}: {why}")
         return choice.step, choice.path, choice.info
 
-    def resume(self) -> int:
-        """Load the chosen checkpoint into this rank's model and optimizer; returns the step to start at."""
+    def choose(self) -> Optional[Tuple[int, Path, dict]]:
+        """The checkpoint this run resumes from (rank 0 picks, every rank learns it), or None.
+        Called before the model is built: a resumed run has nothing to initialise."""
         with self._io():
-            return self._resume()
+            return self._agree_on_choice()
 
-    def _resume(self) -> int:
+    def _agree_on_choice(self) -> Optional[Tuple[int, Path, dict]]:
         choice: List[object] = [None]
         if self.dims.rank == 0:
             try:
@@ -145,9 +149,18 @@ class Checkpointer:
         dist.broadcast_object_list(choice, src=0)
         if isinstance(choice[0], CheckpointError):
             raise choice[0]
-        if choice[0] is None:
+        return choice[0]
+
+    def resume(self, optimizer: ZeroOptimizer, choice: Optional[Tuple[int, Path, dict]]) -> int:
+        """Load ``choice`` (from ``choose``) into this rank's model and optimizer; returns the
+        step to start at (0 without a checkpoint)."""
+        self.optimizer = optimizer
+        if choice is None:
             return 0
-        step, path, info = choice[0]
+        with self._io():
+            return self._load(*choice)
+
+    def _load(self, step: int, path: Path, info: dict) -> int:
         same_world = info.get("layout") == layout_of(self.cfg)
         state = rank_state(self.optimizer, self.dims, self.make, with_rng=same_world)
         passes, notes = load_passes(state, store.read_metadata(path).state_dict_metadata)

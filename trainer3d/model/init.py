@@ -9,8 +9,10 @@ padding rows zero. Two sources exist:
 - ``RandomInit``: the layout-independent initialisation. A parameter's values depend only
   on the seed, its name and its full shape, so a TP shard or a pipeline stage starts
   exactly equal to the matching slice of the 1-rank model — the precondition of the parity
-  tests. (It generates the full tensor and keeps its slice: one parameter's worth of host
-  memory at a time, not the model's.)
+  tests. The values are ``torch.randn(full shape)`` from a generator seeded by (seed,
+  name); a rank streams through that draw up to the end of its slice and keeps the slice
+  (trainer3d/model/normal_stream.py), never holding the full tensor. It draws on the host
+  and the caller copies to the device (the same values on every device).
 - ``trainer3d.hf.source.HFSource``: a Hugging Face safetensors directory, each rank reading
   only its slices (``model.init_from``).
 
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from trainer3d.config import ModelConfig
+from trainer3d.model.normal_stream import normal_rectangle
 from trainer3d.model.transformer import output_projection_std
 
 # Wrappers that insert a level into parameter names without changing the model.
@@ -98,27 +101,41 @@ def _seed_for(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def full_init(name: str, shape, cfg: ModelConfig, seed: int) -> torch.Tensor:
-    """The 1-rank model's initial value of parameter ``name`` (fp32, on the host)."""
-    if name.endswith("norm.weight"):
-        return torch.ones(shape)
-    std = output_projection_std(cfg) if name.endswith(("wo.weight", "w2.weight")) else cfg.init_std
-    generator = torch.Generator().manual_seed(_seed_for(seed, name))
-    return torch.randn(shape, generator=generator) * std
+def normal_region(seed: int, name: str, shape: Sequence[int], bounds: Sequence[Tuple[int, int]]) -> torch.Tensor:
+    """The rectangle ``bounds`` ([start, stop) per dim) of the standard normal tensor of
+    parameter ``name`` and full ``shape`` (1-D or 2-D): ``torch.randn(shape)`` from a
+    generator seeded by (seed, name), drawn only as far as the rectangle reaches."""
+    if len(shape) == 1:
+        return normal_region(seed, name, (1, shape[0]), ((0, 1), bounds[0])).view(-1)
+    if len(shape) != 2:
+        raise ValueError(f"{name}: random init is defined for 1-D and 2-D parameters, not shape {tuple(shape)}")
+    return normal_rectangle(torch.Generator().manual_seed(_seed_for(seed, name)), shape, bounds)
 
 
 class RandomInit:
-    """The layout-independent random initialisation, as a ``ParameterSource``."""
+    """The layout-independent random initialisation, as a ``ParameterSource``: norm weights
+    one, output projections of the residual branches ``output_projection_std``, the rest
+    ``init_std``; only this rank's slice is drawn."""
 
     def __init__(self, cfg: ModelConfig, seed: int):
         self.cfg, self.seed = cfg, seed
 
     def __call__(self, name: str, shape: Tuple[int, ...], shard: Optional[TPShard]) -> torch.Tensor:
-        values = full_init(name, shape, self.cfg, self.seed)
-        if shard is None:
-            return values
-        start, stop, _ = shard.bounds()
-        return pad_slice(values.narrow(shard.dim, start, stop - start), shard)
+        bounds = [(0, size) for size in shape]
+        if shard is not None:
+            bounds[shard.dim] = shard.bounds()[:2]
+        if name.endswith("norm.weight"):
+            values = torch.ones([stop - start for start, stop in bounds])
+        else:
+            projection = name.endswith(("wo.weight", "w2.weight"))
+            std = output_projection_std(self.cfg) if projection else self.cfg.init_std
+            values = normal_region(self.seed, name, shape, bounds).mul_(std)
+        return pad_slice(values, shard)
+
+
+def full_init(name: str, shape, cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """The 1-rank model's initial value of parameter ``name`` (fp32, on the host)."""
+    return RandomInit(cfg, seed)(name, tuple(shape), None)
 
 
 def local_init(name: str, param: torch.Tensor, cfg: ModelConfig, seed: int) -> torch.Tensor:

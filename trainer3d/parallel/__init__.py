@@ -8,7 +8,7 @@
    wider dtype first: ``train.dtype``, or fp32 under FSDP, whose parameters are the master
    weights — parallel/precision.py), materialise on this rank's device and fill from the
    parameter source: the layout-independent random init, or ``model.init_from``'s Hugging
-   Face weights;
+   Face weights, each producing only this rank's slices (nothing at all when resuming);
 5. per-layer activation checkpointing, if asked;
 6. bf16/fp16: the linear layers compute through ``parallel/wgrad.py``'s ``linear``, whose
    backward accumulates weight gradients into the optimizer's fp32 buffer;
@@ -58,14 +58,22 @@ def parameter_source(cfg: Config) -> ParameterSource:
     return RandomInit(cfg.model, cfg.train.seed)
 
 
-def build_model_chunks(cfg: Config, dims: ParallelDims) -> List[nn.Module]:
-    """This rank's model chunks (one per pipeline stage it runs; one when pp == 1)."""
+def build_model_chunks(cfg: Config, dims: ParallelDims, initialise: bool = True) -> List[nn.Module]:
+    """This rank's model chunks (one per pipeline stage it runs; one when pp == 1).
+
+    ``initialise=False`` (a resumed run: the checkpoint fills every parameter) draws or reads
+    nothing; parameters are zeroed, because the padded vocabulary's tail rows are in no
+    checkpoint and must stay zero."""
     chunks = build_meta_chunks(cfg, dims)
-    source = parameter_source(cfg)
+    source = parameter_source(cfg) if initialise else None
     for chunk in chunks:
         chunk.to(dtype=param_dtype(cfg))
         chunk.to_empty(device=dims.device)
-        fill_parameters(chunk, source)
+        if source is None:
+            for param in chunk.parameters():
+                param.detach().zero_()
+        else:
+            fill_parameters(chunk, source)
     if cfg.train.activation_checkpointing:
         checkpoint_layers(chunks)
     if param_dtype(cfg) != torch.float32:
