@@ -27,6 +27,12 @@ def make_cfg(dp: int, stage: int, dtype: str = "fp32", bucket_mb: float = 0.01, 
     cfg.train.micro_batch_size, cfg.train.grad_accum_steps = MICRO, accum
     cfg.train.global_batch_size = MICRO * accum * dp
     cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.grad_clip = 1e-2, 0.1, grad_clip
+    # Adam moves an element whose gradient is near eps by about lr * g / eps: at eps=1e-8 a few
+    # gradients of ~1e-9 (sums that nearly cancel, a few % apart from one summation order to
+    # another) leave the layouts up to ~1e-5 apart after 3 steps; at 1e-6 their order-of-sums
+    # noise stays ~1e-7, well under the tolerances, and a real error stands out (both sides,
+    # the engine and torch's AdamW, use this eps).
+    cfg.optim.eps = 1e-6
     return cfg
 
 
