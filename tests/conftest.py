@@ -20,3 +20,9 @@ def session_tmp(tmp_path_factory) -> Path:
         return shared
     return tmp_path_factory.mktemp("session")
 from tests.slurm_cluster import slurm_cluster  # noqa: E402,F401  (session fixture)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tests first (the order is otherwise kept): on two xdist workers the long ones
+    then start early, instead of one worker finishing a long test alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

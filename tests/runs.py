@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Sequence
+from typing import Iterator, List, Sequence
 
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -113,17 +113,29 @@ def losses_in_ranks(run_dir: Path, overrides: Sequence[str], timeout: float = 90
     return train_losses(run_dir)
 
 
+@contextlib.contextmanager
+def once_per_session(tmp_root: Path, name: str) -> Iterator[bool]:
+    """Under a file lock in the session directory every worker shares: yields True where
+    ``name`` is still to be made (the block makes it), False where it was made already; a
+    block that raises leaves it unmade."""
+    done = Path(tmp_root) / f"{name}.done"
+    with open(Path(tmp_root) / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a worker making it makes the others wait, then reuse it
+        todo = not done.exists()
+        yield todo
+        if todo:
+            done.touch()
+
+
 def reference_losses(tmp_root: Path, overrides: Sequence[str]) -> List[float]:
     """Losses of the 1-rank run of ``overrides`` through the entry point, run once per session
     (``tmp_root`` is the session directory every worker shares)."""
     key = hashlib.sha256("\0".join(overrides).encode()).hexdigest()[:16]
-    run_dir = Path(tmp_root) / f"reference-{key}"
     saved = Path(tmp_root) / f"reference-{key}.json"
-    with open(Path(tmp_root) / f"reference-{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a worker running it makes the others wait, then read
-        if not saved.exists():
-            saved.write_text(json.dumps(losses(run_dir, [*overrides, "parallel=single"])))
-        return json.loads(saved.read_text())
+    with once_per_session(tmp_root, f"reference-{key}") as todo:
+        if todo:
+            saved.write_text(json.dumps(losses(Path(tmp_root) / f"reference-{key}", [*overrides, "parallel=single"])))
+    return json.loads(saved.read_text())
 
 
 def assert_parity(got: List[float], ref: List[float], rel_tol: float = REL_TOL) -> float:

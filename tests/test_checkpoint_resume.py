@@ -57,6 +57,7 @@ def test_resume_continues_exactly(tmp_path):
     assert resumed[10:] == uninterrupted[10:], "same layout: the resumed run is bit-identical"
 
 
+@pytest.mark.slow
 def test_reshard_chain_with_tp_changes(tmp_path, session_tmp):
     """2x2x2 (z1) -> 1x4x2 (z1) -> 4x1x1 -> 1x1x1, each continuing from the previous one's checkpoint."""
     ref = reference_losses(session_tmp, [*PARITY, *MODEL])
@@ -78,6 +79,7 @@ def test_reshard_chain_with_tp_changes(tmp_path, session_tmp):
         previous = run
 
 
+@pytest.mark.slow
 def test_kill_mid_save_keeps_the_previous_checkpoint(tmp_path, session_tmp):
     run = tmp_path / "run"
     args = [*BASE, *layout(1, 1, 2), "checkpoint.every=5", "train.max_steps=20", "parallel.timeout_s=20"]

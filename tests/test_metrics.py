@@ -90,6 +90,7 @@ def test_one_offline_wandb_run_per_training_run_with_config_and_every_metric(tmp
             assert b"sk-must-never-be-written" not in path.read_bytes(), f"API key written to {path}"
 
 
+@pytest.mark.slow
 def test_sweep_points_are_separate_wandb_runs_in_one_group(tmp_path):
     cmd = [sys.executable, "-m", "trainer3d.train", "-m", *SMALL, "parallel=single", "parallel.dp=1,2",
            "train.max_steps=2", "logger=wandb", "logger.mode=offline", f"hydra.sweep.dir={tmp_path}/sweep-42"]

@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.conftest import ROOT
 
 COMMON = "train.seq_len=64 train.micro_batch_size=2 train.global_batch_size=8 optim.warmup_steps=2 parallel.timeout_s=60"
@@ -39,6 +41,7 @@ def _parity(tmp_path, layout, planted=False, steps=20):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
 
 
+@pytest.mark.slow
 def test_parity_tool_passes_a_correct_layout(tmp_path):
     proc = _parity(tmp_path, "parallel=single parallel.dp=2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -49,6 +52,7 @@ def test_parity_tool_passes_a_correct_layout(tmp_path):
     assert (tmp_path / "runs" / "parity.txt").read_text().strip().endswith("PASS")
 
 
+@pytest.mark.slow
 def test_parity_tool_catches_a_planted_gradient_bug(tmp_path):
     proc = _parity(tmp_path, "parallel=single parallel.dp=2", planted=True)
     assert proc.returncode == 1, proc.stdout + proc.stderr

@@ -52,6 +52,7 @@ def test_job_through_slurm_matches_the_local_run(slurm_cluster, tmp_path, local_
     assert losses(tmp_path / "run") == local_run  # same layout, same numbers
 
 
+@pytest.mark.slow
 def test_usr2_twice_requeues_twice_and_resumes_exactly(slurm_cluster, tmp_path, local_run):
     run = tmp_path / "run"
     proc = train(slurm_cluster, run, *SMALL, *PP2_DP2, f"train.max_steps={STEPS}", "launcher=slurm",
