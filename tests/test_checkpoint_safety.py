@@ -160,6 +160,11 @@ def test_auto_falls_back_to_the_newest_good_checkpoint_and_says_so(tmp_path, cap
     assert f"resuming from the newest good checkpoint, {good}" in err
     assert train.run(_cfg(resume=str(bad))) == 2
     assert "does not match its checksum" in capsys.readouterr().err
+    # Only damaged ones left: auto refuses rather than start over from step 0 and lose the run.
+    (good / store.MARKER).write_text((good / store.MARKER).read_text().replace('"step": 10', '"step": 11'))
+    assert train.run(cfg) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint under" in err and str(good) in err and str(bad) in err and "train.resume=never" in err
 
 
 def test_retention_keeps_the_last_good_checkpoint(tmp_path):

@@ -204,8 +204,8 @@ def test_calibration_fits_each_fixed_cost_back_from_a_step_it_predicts():
     from trainer3d.plan.probe import training_config
     truth = dataclasses.replace(PRESETS["cpu"], step_overhead_us=2500.0, latency_by_ranks={2: 300.0, 4: 900.0},
                                 action_by_ranks={2: 700.0})
-    tp = training_config([*TINY, *TP_PROBES[4].split(), "train.global_batch_size=8"])
-    pp = training_config([*TINY, PP_PROBES[2], "train.global_batch_size=4"])
+    tp = training_config([*TINY, *TP_PROBES[4].split()])
+    pp = training_config([*TINY, PP_PROBES[2]])
 
     def total(cfg, ranks, **changes):
         return evaluate(cfg, dataclasses.replace(truth, **changes), ranks, "gloo").step.total

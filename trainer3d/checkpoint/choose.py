@@ -68,6 +68,11 @@ def choose(cfg: Config, root: Path) -> Optional[Choice]:
     skipped: List[Tuple[Path, str]] = []
     if want == "auto":
         found = store.latest_complete(root, skipped)
+        if found is None and skipped:  # only damaged ones: starting over would silently drop the run
+            raise CheckpointError(
+                f"train.resume=auto: no checkpoint under {root} passes its checks ("
+                + "; ".join(f"{path}: {why}" for path, why in skipped)
+                + "); set train.resume=never to start over from step 0, or train.resume=<path> of a good copy")
         if found is None:
             return None
         path, knob = found[1], f"train.resume=auto (checkpoint {found[1]})"

@@ -42,6 +42,20 @@ SINK = "main_grad_sink"
 """The attribute of a parameter that holds its ``MainGradSink``."""
 
 
+def _fused_addmm_works(device: torch.device) -> bool:
+    """Whether this torch has the fp32-accumulating low-precision matmul on ``device`` (CUDA,
+    recent releases; never on CPU): tried once on a 16 x 16 block."""
+    if device.type != "cuda":
+        return False
+    block = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
+    out = torch.zeros(16, 16, dtype=torch.float32, device=device)
+    try:
+        torch.addmm(out, block, block, out_dtype=torch.float32, out=out)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
 class MainGradSink:
     """Where the weight gradients of a set of low-precision parameters go: each one's fp32
     view of the flat gradient buffer (``views``)."""
@@ -50,8 +64,10 @@ class MainGradSink:
         self.views = views
         self.largest = max((p.numel() for p in views), default=0)
         self.scratch: Optional[torch.Tensor] = None
-        self.fused: Optional[bool] = None
-        """Whether ``addmm(out_dtype=float32)`` works here; None until the first backward."""
+        device = next(iter(views.values())).device if views else torch.device("cpu")
+        self.fused = _fused_addmm_works(device)
+        """Whether ``addmm(out_dtype=float32)`` accumulates here (decided once, so an error of a
+        real backward is never taken for a missing kernel)."""
         for p in views:
             setattr(p, SINK, self)
 
@@ -63,15 +79,9 @@ class MainGradSink:
 
     def accumulate(self, main_grad: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
         """``main_grad += grad_out^T x`` (both 2-D in the weight's dtype, rows are tokens)."""
-        if self.fused is not False and main_grad.is_cuda:
-            try:
-                torch.addmm(main_grad, grad_out.t(), x, out_dtype=torch.float32, out=main_grad)
-                self.fused = True
-                return
-            except (RuntimeError, NotImplementedError, TypeError):
-                if self.fused:  # it worked before: a real error
-                    raise
-                self.fused = False  # an older torch: the scratch path
+        if self.fused:
+            torch.addmm(main_grad, grad_out.t(), x, out_dtype=torch.float32, out=main_grad)
+            return
         if self.scratch is None:
             self.scratch = torch.empty(self.largest, dtype=x.dtype, device=x.device)
         grad = self.scratch[:main_grad.numel()].view(main_grad.shape)

@@ -174,7 +174,7 @@ def _free_port() -> int:
 # The engine at a negligible size: what is left of a step is host time and fixed costs.
 TINY = ("model=tiny", "model.dim=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
         "model.ffn_dim=64", "train.seq_len=32", "train.micro_batch_size=1", "train.grad_accum_steps=4",
-        "train.dtype=fp32", "optim.warmup_steps=2", "parallel.timeout_s=600", "parallel=single")
+        "train.global_batch_size=null", "train.dtype=fp32", "optim.warmup_steps=2", "parallel.timeout_s=600", "parallel=single")
 TP_PROBES = {2: "parallel.tp=2", 4: "parallel.tp=2 parallel.dp=2", 8: "parallel.tp=2 parallel.dp=4"}
 """Ranks on the node -> the layout whose tensor-parallel collectives time a hop at that sharing."""
 PP_PROBES = {2: "parallel.pp=2", 4: "parallel.pp=4"}
@@ -201,7 +201,7 @@ def engine_figures(figures: dict, steps: int = 12, warmup: int = 3) -> dict:
     fitted: dict = {}
 
     def probe(layout: str, tmp: str) -> Callable[[Callable[[float], dict]], float]:
-        overrides = [*TINY, *layout.split(), f"train.global_batch_size={4 * dp_of(layout)}"]
+        overrides = [*TINY, *layout.split()]
         cfg = training_config(overrides)
         world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
         run_dir = Path(tmp) / f"probe-{len(os.listdir(tmp))}"
@@ -225,10 +225,6 @@ def engine_figures(figures: dict, steps: int = 12, warmup: int = 3) -> dict:
             action[ranks] = probe(layout, tmp)(lambda x: {"action_by_ranks": {**action, ranks: x}})
         fitted["action_by_ranks"] = action
     return fitted
-
-
-def dp_of(layout: str) -> int:
-    return next((int(o.split("=")[1]) for o in layout.split() if o.startswith("parallel.dp=")), 1)
 
 
 def all_reduce_figures() -> Dict[str, float]:
