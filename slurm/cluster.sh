@@ -22,9 +22,11 @@
 # works. Exit status: 0 done; 3 the cluster cannot run here (not root, no apt-get, the
 # install failed) - the tests skip on 3 unless CI is set; 1 any other failure.
 #
-# Settings measured on this machine kind (docs/FACTS): CPUs=8 on the node line with
-# SlurmdParameters=config_overrides lets 4-8 tasks run on 2 cores; AuthInfo cred_expire=10
-# lets a requeued job restart after ~10 s instead of 120 s; ReturnToService=2 brings the node
+# Settings measured on a 2-core machine: CPUs=8 on the node line with
+# SlurmdParameters=config_overrides lets 4-8 tasks run on 2 cores; AuthInfo cred_expire=5
+# (Slurm's minimum) holds a requeued job back 6 s instead of 121 s, and a main scheduling
+# pass every second (sched_interval=1; default 60) starts it when that hold ends: nothing else
+# wakes the scheduler then, so a requeued job sat pending up to a minute; ReturnToService=2 brings the node
 # back when slurmd restarts; proctrack/linuxproc and task/none need no cgroups or systemd.
 # Without slurmdbd `sacct` fails and submitit cannot tell when a job ended, hence MariaDB.
 set -euo pipefail
@@ -112,7 +114,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=cred_expire=10
+AuthInfo=cred_expire=5
 SlurmctldPidFile=$STATE/run/slurmctld.pid
 SlurmdPidFile=$STATE/run/slurmd-%n.pid
 SlurmctldLogFile=$STATE/log/slurmctld.log
@@ -124,6 +126,7 @@ TaskPlugin=task/none
 MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
+SchedulerParameters=sched_interval=1
 SlurmdParameters=config_overrides
 ReturnToService=2
 KillWait=10

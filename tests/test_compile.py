@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.runs import PARITY, assert_parity, losses, reference_losses
+from tests.runs import PARITY, assert_parity, losses_in_ranks, reference_losses
 from trainer3d.config import ModelConfig
 from trainer3d.model.transformer import Transformer
 from trainer3d.parallel.compile import compile_blocks
@@ -27,7 +27,7 @@ def test_compiled_tp2_pp2_dp2_zero1_sp_recompute_matches_the_uncompiled_single_p
     ref = reference_losses(session_tmp, PARITY)
     layout = ("parallel=tp2-pp2-dp2", "parallel.zero_stage=1", "parallel.sequence_parallel=true",
               "train.activation_checkpointing=true", "train.compile=true")
-    got = losses(tmp_path, [*PARITY, *layout], timeout=1200)
+    got = losses_in_ranks(tmp_path, [*PARITY, *layout], timeout=1200)
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
     saved = dcp.FileSystemReader(str(tmp_path / "checkpoints" / "step_00000020")).read_metadata()
     model_keys = {k for k in saved.state_dict_metadata if k.startswith("model.")}

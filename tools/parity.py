@@ -16,6 +16,11 @@ the default tolerance is 1e-5. bf16/fp16 runs need a looser ``--tol`` (~1e-2).
 Every other argument after ``--`` is passed to both runs (``launcher=slurm`` works too, with
 ``launcher.wait=true``). Exit status: 0 PASS, 1 FAIL (or a run failed), 2 a refused config.
 The run directories are kept under ``--out`` (default: a new directory under ``parity/``).
+
+``--reuse-b DIR`` compares A with a finished run of layout B instead of running B again (the
+``b`` directory of an earlier check: several layouts against one single-process reference).
+DIR must have been made from the same overrides (its ``.hydra/overrides.yaml``, compared
+entry for entry) and have logged ``--steps`` steps; otherwise the check is refused (exit 2).
 """
 
 import argparse
@@ -27,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 from typing import List, Optional, Sequence
+
+from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,6 +75,21 @@ def run_layout(name: str, overrides: Sequence[str], run_dir: Path) -> Optional[f
     return time.perf_counter() - started
 
 
+def reuse_problem(run_dir: Path, overrides: Sequence[str], steps: int) -> Optional[str]:
+    """Why the finished run in ``run_dir`` cannot stand for a run of ``overrides``, or None."""
+    made_with = run_dir / ".hydra" / "overrides.yaml"
+    if not made_with.is_file() or not (run_dir / "metrics.jsonl").is_file():
+        return f"{run_dir} is not a finished run (no .hydra/overrides.yaml or metrics.jsonl)"
+    made = list(OmegaConf.load(made_with))
+    if made != list(overrides):
+        return (f"{run_dir} was made with {' '.join(map(str, made))}; layout B here is {' '.join(overrides)}: "
+                "run it again (drop --reuse-b) or pass the same overrides")
+    logged = len(read_losses(run_dir))
+    if logged != steps:
+        return f"{run_dir} logged {logged} of its {steps} steps (it did not finish): run B again (drop --reuse-b)"
+    return None
+
+
 def read_losses(run_dir: Path) -> List[float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [row["loss"] for row in sorted(rows, key=lambda row: row["step"])]
@@ -105,6 +127,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tol", type=float, default=1e-5, help="relative per-step loss tolerance")
     parser.add_argument("--out", type=Path, default=None, help="where the two runs go (kept)")
+    parser.add_argument("--reuse-b", type=Path, default=None, metavar="DIR",
+                        help="a finished run of layout B (same overrides, --steps steps) to compare with, not rerun")
     args, passthrough = parser.parse_known_args(argv)
     passthrough = [x for x in passthrough if x != "--"]
     out = args.out or ROOT / "parity" / time.strftime("%Y-%m-%d_%H-%M-%S")
@@ -112,19 +136,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     common = [*shlex.split(args.common), *passthrough, f"train.max_steps={args.steps}", *FIXED]
     layouts = {"A": [*common, *shlex.split(args.layout_a)], "B": [*common, *shlex.split(args.layout_b)]}
 
-    plans = {name: check_config(name, overrides, out / name.lower()) for name, overrides in layouts.items()}
+    runs = {"A": out / "a", "B": args.reuse_b or out / "b"}
+    if args.reuse_b:
+        problem = reuse_problem(args.reuse_b, layouts["B"], args.steps)
+        if problem:
+            print(f"--reuse-b is refused: {problem}", file=sys.stderr)
+            return 2
+    to_run = {name: overrides for name, overrides in layouts.items() if not (name == "B" and args.reuse_b)}
+    plans = {name: check_config(name, overrides, runs[name]) for name, overrides in to_run.items()}
     if None in plans.values():
         return 2
     for name in layouts:
-        print(f"layout {name}: {args.layout_a if name == 'A' else args.layout_b}\n          {plans[name]}")
+        plan = plans.get(name, f"reused: {args.reuse_b}")
+        print(f"layout {name}: {args.layout_a if name == 'A' else args.layout_b}\n          {plan}")
     print(f"common:   {' '.join(common)}\nruns in:  {out}")
-    for name, overrides in layouts.items():
+    for name, overrides in to_run.items():
         print(f"running layout {name} ...", flush=True)
-        wall = run_layout(name, overrides, out / name.lower())
+        wall = run_layout(name, overrides, runs[name])
         if wall is None:
             return 1
         print(f"layout {name}: {args.steps} steps in {wall:.1f} s")
-    report = compare(read_losses(out / "a"), read_losses(out / "b"), args.tol)
+    report = compare(read_losses(runs["A"]), read_losses(runs["B"]), args.tol)
     (out / "parity.txt").write_text(report + "\n")
     print(report)
     return 0 if report.endswith("PASS") else 1
