@@ -3,8 +3,9 @@ and read back the metrics.
 
 Parity tests compare a layout's per-step losses with a single-process run of the same
 config; the single-process reference for a given set of overrides is run once per test
-session and shared by the session's workers (pytest-xdist): the first to need it runs it
-under a file lock in the session directory, the others read its losses.
+session (on one in-process rank) and shared by the session's workers (pytest-xdist): the
+first to need it runs it under a file lock in the session directory, the others read its
+losses.
 
 ``train_in_ranks`` does what the entry point does for a local run — compose the config from
 conf/ with the same overrides, ``model.init_from``, ``validate``, ``check_data``, then
@@ -128,13 +129,14 @@ def once_per_session(tmp_root: Path, name: str) -> Iterator[bool]:
 
 
 def reference_losses(tmp_root: Path, overrides: Sequence[str]) -> List[float]:
-    """Losses of the 1-rank run of ``overrides`` through the entry point, run once per session
+    """Losses of the 1-rank run of ``overrides`` (on an in-process rank), run once per session
     (``tmp_root`` is the session directory every worker shares)."""
     key = hashlib.sha256("\0".join(overrides).encode()).hexdigest()[:16]
     saved = Path(tmp_root) / f"reference-{key}.json"
     with once_per_session(tmp_root, f"reference-{key}") as todo:
         if todo:
-            saved.write_text(json.dumps(losses(Path(tmp_root) / f"reference-{key}", [*overrides, "parallel=single"])))
+            run = Path(tmp_root) / f"reference-{key}"
+            saved.write_text(json.dumps(losses_in_ranks(run, [*overrides, "parallel=single"])))
     return json.loads(saved.read_text())
 
 

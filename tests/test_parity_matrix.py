@@ -2,14 +2,15 @@
 
 Each case trains on tp x pp x dp gloo ranks for 20 steps with the global batch, seed and data
 of the 1-rank reference (tests/runs.py: PARITY) and compares the per-step losses (fp32,
-relative 1e-5). The first case runs ``python -m trainer3d.train``; the others do the entry
-point's work on in-process ranks (tests/runs.py: train_in_ranks), the same engine without
-starting an interpreter per rank.
+relative 1e-5). Each does the entry point's work on in-process ranks (tests/runs.py:
+train_in_ranks), the same engine without starting an interpreter per rank; the entry point
+itself runs layouts in tests/test_train_tp.py (tp2), test_train_dp.py and the Slurm tests
+(pp2 x dp2 on one node, tp2 x pp2 and tp2 x dp2 across two).
 """
 
 import pytest
 
-from tests.runs import PARITY, assert_parity, losses, losses_in_ranks, reference_losses
+from tests.runs import PARITY, assert_parity, losses_in_ranks, reference_losses
 
 # tp=4 needs kv-heads divisible by 4: 8 heads in 4 kv groups (grouped-query attention at every
 # tp). The 4-heads/4-kv variant at lr 3e-3 is chaotic under PARITY: at tp4 x pp2 its
@@ -43,6 +44,5 @@ MATRIX = [
 @pytest.mark.parametrize("model,layout", MATRIX)
 def test_layout_matches_single_process(tmp_path, session_tmp, model, layout):
     ref = reference_losses(session_tmp, [*PARITY, *model])
-    run = losses if layout == MATRIX[0].values[1] else losses_in_ranks
-    got = run(tmp_path, [*PARITY, *model, "parallel=single", *layout], timeout=900)
+    got = losses_in_ranks(tmp_path, [*PARITY, *model, "parallel=single", *layout], timeout=900)
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")

@@ -11,7 +11,7 @@ import pytest
 from tests.background import Run
 from trainer3d.runlock import RunDirBusy, RunDirLock
 
-SMALL = ("parallel=dp2", "train.max_steps=100000", "train.log_every=1", "train.seq_len=64",
+SMALL = ("parallel=single", "train.max_steps=100000", "train.log_every=1", "train.seq_len=64",
          "train.micro_batch_size=2", "train.global_batch_size=16", "train.grad_accum_steps=null")
 
 
