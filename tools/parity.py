@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from omegaconf import OmegaConf
+from omegaconf import ListConfig, OmegaConf
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,11 +80,14 @@ def reuse_problem(run_dir: Path, overrides: Sequence[str], steps: int) -> Option
     made_with = run_dir / ".hydra" / "overrides.yaml"
     if not made_with.is_file() or not (run_dir / "metrics.jsonl").is_file():
         return f"{run_dir} is not a finished run (no .hydra/overrides.yaml or metrics.jsonl)"
-    made = list(OmegaConf.load(made_with))
-    if made != list(overrides):
+    try:
+        made = OmegaConf.load(made_with)
+        logged = len(read_losses(run_dir))
+    except Exception as err:  # noqa: BLE001 - any unreadable file is refused, named
+        return f"{run_dir} cannot be read ({type(err).__name__}: {err})"
+    if not isinstance(made, ListConfig) or list(made) != list(overrides):
         return (f"{run_dir} was made with {' '.join(map(str, made))}; layout B here is {' '.join(overrides)}: "
                 "run it again (drop --reuse-b) or pass the same overrides")
-    logged = len(read_losses(run_dir))
     if logged != steps:
         return f"{run_dir} logged {logged} of its {steps} steps (it did not finish): run B again (drop --reuse-b)"
     return None
