@@ -1,5 +1,6 @@
-"""Held-out evaluation: the same validation loss in every layout (the reference through the
-real entry point, the layouts on in-process ranks: tests/runs.py train_in_ranks).
+"""Held-out evaluation: the same validation loss in every layout (the reference and the layouts
+on in-process ranks: tests/runs.py train_in_ranks; the entry point evaluates in
+tests/test_metrics.py).
 
 The PARITY runs (20 steps, fp32) evaluate 2 global batches of the built-in corpus's held-out
 tail (conf/data/stdlib.yaml: data.val_fraction) after steps 10 and 20. Each layout's
@@ -12,7 +13,7 @@ import math
 
 import pytest
 
-from tests.runs import PARITY, REL_TOL, assert_parity, read_metrics, reference_losses, run_train, train_in_ranks
+from tests.runs import PARITY, REL_TOL, assert_parity, read_metrics, reference_losses, train_in_ranks
 
 # Its tests share a module fixture: one xdist worker runs them all (the fixture runs once).
 pytestmark = pytest.mark.xdist_group("eval")
@@ -23,7 +24,7 @@ EVAL = ("train.eval_every=10", "train.eval_steps=2")
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run = tmp_path_factory.mktemp("eval-reference")
-    run_train(run, [*PARITY, *EVAL, "parallel=single"])
+    train_in_ranks(run, [*PARITY, *EVAL, "parallel=single"])
     return read_metrics(run)
 
 
