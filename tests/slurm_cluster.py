@@ -17,7 +17,16 @@ SCRIPT = ROOT / "slurm" / "cluster.sh"
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster():
+def slurm_cluster(tmp_path_factory):
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:  # one worker owns the cluster: a second would start and stop it under the first's jobs
+        owner = tmp_path_factory.getbasetemp().parent / "slurm-owner"
+        try:
+            with open(owner, "x") as f:
+                f.write(worker)
+        except FileExistsError:
+            pytest.fail(f"the Slurm tests run on {owner.read_text()} and {worker}: they must share one worker "
+                        "(tests/conftest.py: XDIST_GROUPS)")
     state = Path(os.environ.get("TRAINER3D_SLURM_DIR", "/tmp/trainer3d-slurm"))
     proc = subprocess.run(["bash", str(SCRIPT), "start"], capture_output=True, text=True, timeout=900)
     if proc.returncode == 3 and not os.environ.get("CI"):

@@ -13,8 +13,9 @@ import pytest
 from tests.conftest import ROOT
 from tests.runs import read_metrics, train_in_ranks
 
-# One xdist group: one worker owns the session's cluster (tests/slurm_cluster.py).
-pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
+# One worker runs every Slurm test, one at a time (tests/conftest.py: XDIST_GROUPS): they share
+# the session's cluster (tests/slurm_cluster.py).
+pytestmark = pytest.mark.slurm
 
 SMALL = ("train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=16", "train.grad_accum_steps=null",
          "optim.warmup_steps=5", "train.log_every=1", "parallel.timeout_s=60", "parallel=single")

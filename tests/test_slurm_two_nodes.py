@@ -15,7 +15,8 @@ from tests.runs import read_metrics, train_in_ranks
 from tests.slurm_cluster import SCRIPT
 from tests.test_slurm import SMALL, losses, train
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
+# On the worker that runs test_slurm.py, after or before it (tests/conftest.py: XDIST_GROUPS).
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 TWO_NODES = ("launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=2", "parallel.timeout_s=30")
 LAYOUTS = {"tp2-pp2": ("parallel.tp=2", "parallel.pp=2", "parallel.dp=1"),  # pp across the nodes

@@ -7,8 +7,7 @@ import pytest
 from tests.runs import (PARITY, assert_parity, losses_in_ranks, read_metrics, reference_losses, run_train,
                         train_losses)
 
-# Its tests share a module fixture: one xdist worker runs them all (the fixture runs once).
-pytestmark = pytest.mark.xdist_group("train_dp")
+# Its tests share a module fixture: one xdist worker runs them all (tests/conftest.py: XDIST_GROUPS).
 
 
 @pytest.fixture(scope="module")
