@@ -49,4 +49,3 @@ class FileGroupScheduling(LoadScopeScheduling):
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
     return FileGroupScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None
-
