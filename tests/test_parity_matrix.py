@@ -5,7 +5,7 @@ of the 1-rank reference (tests/runs.py: PARITY) and compares the per-step losses
 relative 1e-5). Each does the entry point's work on in-process ranks (tests/runs.py:
 train_in_ranks), the same engine without starting an interpreter per rank; the entry point
 itself runs layouts in tests/test_train_tp.py (tp2), test_train_dp.py and the Slurm tests
-(pp2 x dp2 on one node, tp2 x pp2 and tp2 x dp2 across two).
+(pp2 on one node, tp2 x pp2 and tp2 x dp2 across two).
 """
 
 import pytest

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slurm
 
 SMALL = ("train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=16", "train.grad_accum_steps=null",
          "optim.warmup_steps=5", "train.log_every=1", "parallel.timeout_s=60", "parallel=single")
-PP2_DP2 = ("parallel.pp=2", "parallel.dp=2")
+PP2 = ("parallel.pp=2",)  # two pipeline stages, two tasks (dp and tp through Slurm: test_slurm_two_nodes.py)
 STEPS = 30  # room for two requeues ten steps apart; parity needs 20
 
 
@@ -36,27 +36,27 @@ def losses(run_dir: Path):
 
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory):
-    """The pp2 x dp2 run on local ranks (in-process: tests/runs.py train_in_ranks): what every
+    """The pp2 run on local ranks (in-process: tests/runs.py train_in_ranks): what every
     Slurm run must reproduce."""
     run = tmp_path_factory.mktemp("local") / "run"
-    train_in_ranks(run, [*SMALL, *PP2_DP2, f"train.max_steps={STEPS}"])
+    train_in_ranks(run, [*SMALL, *PP2, f"train.max_steps={STEPS}"])
     return losses(run)
 
 
 def test_job_through_slurm_matches_the_local_run(slurm_cluster, tmp_path, local_run):
-    proc = train(slurm_cluster, tmp_path / "run", *SMALL, *PP2_DP2, f"train.max_steps={STEPS}", "launcher=slurm",
+    proc = train(slurm_cluster, tmp_path / "run", *SMALL, *PP2, f"train.max_steps={STEPS}", "launcher=slurm",
                  "launcher.wait=true")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "submitted Slurm job" in proc.stdout and f"step {STEPS}/{STEPS}" in proc.stdout
     record = json.loads((tmp_path / "run" / "slurm_job.json").read_text())
-    assert record["num_tasks"] == 4
+    assert record["num_tasks"] == 2
     assert losses(tmp_path / "run") == local_run  # same layout, same numbers
 
 
 @pytest.mark.slow
 def test_usr2_twice_requeues_twice_and_resumes_exactly(slurm_cluster, tmp_path, local_run):
     run = tmp_path / "run"
-    proc = train(slurm_cluster, run, *SMALL, *PP2_DP2, f"train.max_steps={STEPS}", "launcher=slurm",
+    proc = train(slurm_cluster, run, *SMALL, *PP2, f"train.max_steps={STEPS}", "launcher=slurm",
                  "launcher.wait=false")
     assert proc.returncode == 0, proc.stderr
     job = json.loads((run / "slurm_job.json").read_text())["job_id"]

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from omegaconf import ListConfig, OmegaConf
 
@@ -45,14 +45,21 @@ def train_command(run_dir: Path, overrides: Sequence[str]) -> List[str]:
     return [sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run_dir}", *overrides]
 
 
-def check_config(name: str, overrides: Sequence[str], run_dir: Path) -> Optional[str]:
-    """The layout's dry-run plan's first line, or None after printing why it is refused."""
-    proc = subprocess.run(train_command(run_dir, [*overrides, "dry_run=true"]), capture_output=True,
-                          text=True, cwd=ROOT)
-    if proc.returncode != 0:
-        print(f"layout {name} is refused:\n{proc.stderr.strip() or proc.stdout.strip()}", file=sys.stderr)
-        return None
-    return proc.stdout.splitlines()[0] if proc.stdout else ""
+def check_configs(layouts: Dict[str, Sequence[str]], runs: Dict[str, Path]) -> Dict[str, Optional[str]]:
+    """Each layout's dry-run plan's first line, or None after printing why it is refused (the
+    dry runs run side by side)."""
+    procs = {name: subprocess.Popen(train_command(runs[name], [*overrides, "dry_run=true"]), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, cwd=ROOT)
+             for name, overrides in layouts.items()}
+    plans: Dict[str, Optional[str]] = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate()
+        if proc.returncode != 0:
+            print(f"layout {name} is refused:\n{err.strip() or out.strip()}", file=sys.stderr)
+            plans[name] = None
+        else:
+            plans[name] = out.splitlines()[0] if out else ""
+    return plans
 
 
 def run_layout(name: str, overrides: Sequence[str], run_dir: Path) -> Optional[float]:
@@ -146,7 +153,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"--reuse-b is refused: {problem}", file=sys.stderr)
             return 2
     to_run = {name: overrides for name, overrides in layouts.items() if not (name == "B" and args.reuse_b)}
-    plans = {name: check_config(name, overrides, runs[name]) for name, overrides in to_run.items()}
+    plans = check_configs(to_run, runs)
     if None in plans.values():
         return 2
     for name in layouts:
