@@ -31,11 +31,13 @@ def pytest_collection_modifyitems(config, items):
 
 # Test files whose tests must run on one xdist worker, one after another: the Slurm tests share
 # the session's one cluster (a lost-node test restarts a node under any job running on it),
-# the others share a module fixture that would otherwise run once per worker. pytest-xdist's
+# the others share a module fixture that would otherwise run once per worker, or a run made
+# once per session that a test on the other worker would sit waiting for (the parity tool's). pytest-xdist's
 # own marks (``xdist_group`` with ``--dist loadgroup``) stopped grouping on pytest 9.2: it
 # renames node ids, which pytest no longer reads back (pytest-dev/pytest-xdist#1386).
 XDIST_GROUPS = {"tests/test_slurm.py": "slurm", "tests/test_slurm_two_nodes.py": "slurm",
-                "tests/test_hf.py": "hf", "tests/test_eval.py": "eval", "tests/test_train_dp.py": "train_dp"}
+                "tests/test_hf.py": "hf", "tests/test_eval.py": "eval", "tests/test_train_dp.py": "train_dp",
+                "tests/test_parity_tool.py": "parity_tool"}
 
 
 class FileGroupScheduling(LoadScopeScheduling):
