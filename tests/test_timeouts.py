@@ -6,9 +6,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_ranks
+from tests.harness import dims_for, run_ranks
+from trainer3d.config import Config
 from trainer3d.timeouts import GroupTimeouts, group_timeout_s, set_timeout
 from trainer3d.topology import ParallelDims, Topology
+from trainer3d.trainer import Trainer
+from trainer3d.validate import validate
 
 CPU = torch.device("cpu")
 NAMES = ("default", "tp", "dp", "pp", "embedding", "embedding_dp")
@@ -78,3 +81,22 @@ def test_slow_checkpoint_io_passes_while_a_stuck_step_collective_fails_within_ti
         assert status == "failed", (name, rank0[name])
         assert waited >= STEP_S * 0.9, (name, waited)  # it waited for the peer, then gave up
         assert "timed out" in message.lower() or "timeout" in message.lower(), message
+
+
+def _trainer_group_timeouts(rank, world, run_dir):
+    cfg = Config(run_dir=run_dir)
+    cfg.parallel.dp, cfg.parallel.timeout_s, cfg.parallel.init_timeout_s = world, 17, 300
+    cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.grad_accum_steps = 2, 4, None
+    cfg.train.seq_len, cfg.train.resume, cfg.model.n_layers = 32, "never", 1
+    trainer = Trainer(validate(cfg), dims_for(dp=world))
+    trainer.timeouts.to_step()
+    return {"stop_signal": group_timeout_s(trainer.stop_signal.group, CPU),
+            "layout": sorted({group_timeout_s(g, CPU) for g in trainer.dims.groups()})}
+
+
+def test_the_trainers_groups_take_the_step_timeout_the_stop_signals_too(tmp_path):
+    """After start-up every group the trainer waits on has parallel.timeout_s, the stop signal's
+    agreement (waited for at each step boundary) included: not torch's 30-minute default."""
+    for seen in run_ranks(_trainer_group_timeouts, 2, str(tmp_path), timeout=120):
+        assert seen == {"stop_signal": 17, "layout": [17]}
+

@@ -73,7 +73,11 @@ class Trainer:
         self.heartbeat = None
         """Set by the launcher (trainer3d/heartbeat.py): told the steps completed at each step boundary."""
         t = cfg.train
-        self.timeouts = GroupTimeouts(dims.groups(), cfg.parallel.init_timeout_s, cfg.parallel.timeout_s)
+        # The stop signal's own group too: its check is waited for at every step boundary, and
+        # torch gives a group made without a timeout 30 minutes.
+        stop_group = [self.stop_signal.group] if self.stop_signal.group is not None else []
+        self.timeouts = GroupTimeouts([*dims.groups(), *stop_group], cfg.parallel.init_timeout_s,
+                                      cfg.parallel.timeout_s)
         self.checkpointer = Checkpointer(cfg, dims, self.timeouts)
         resume_from = self.checkpointer.choose()
         self.chunks: List[nn.Module] = build_model_chunks(cfg, dims, initialise=resume_from is None)
