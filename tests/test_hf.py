@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 import transformers  # a dev dependency: missing, these tests fail rather than skip
 
-from tests.runs import REL_TOL, once_per_session, read_metrics, run_train, train_in_ranks
+from tests.runs import REL_TOL, read_metrics, run_train, train_in_ranks
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.export import export, load_full_model
 from trainer3d.config import Config
@@ -114,19 +114,15 @@ LAYOUTS = {"1x1x1": ("parallel=single",),
 
 
 @pytest.fixture(scope="module")
-def runs(session_tmp):
+def runs(tmp_path_factory):
     """A tied GQA Llama with rope scaling and a vocabulary tp=2 pads (301), trained 20 steps
     from model.init_from in one process and in tp2 x pp2 x dp2 with ZeRO-1 (in-process ranks:
-    tests/runs.py train_in_ranks); made once per session (an xdist worker may set a module's
-    fixtures up again when its tests reach it in more than one batch)."""
-    root = Path(session_tmp) / "hf-runs"
-    out = {"hf": root / "hf", **{name: root / name for name in LAYOUTS}}
-    with once_per_session(session_tmp, "hf-runs") as todo:
-        if todo:
-            shutil.rmtree(root, ignore_errors=True)
-            make_hf(root / "hf", tie_word_embeddings=True, rope_scaling=LLAMA3, num_hidden_layers=4)
-            for name, layout in LAYOUTS.items():
-                train_in_ranks(root / name, [*COMMON, f"model.init_from={out['hf']}", *layout])
+    tests/runs.py train_in_ranks)."""
+    root = tmp_path_factory.mktemp("hf-runs")
+    out = {"hf": make_hf(root / "hf", tie_word_embeddings=True, rope_scaling=LLAMA3, num_hidden_layers=4)}
+    for name, layout in LAYOUTS.items():
+        out[name] = root / name
+        train_in_ranks(out[name], [*COMMON, f"model.init_from={out['hf']}", *layout])
     return out
 
 

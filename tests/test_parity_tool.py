@@ -1,19 +1,16 @@
 """tools/parity.py: PASS for a correct layout, FAIL (and where) for a planted gradient bug.
 
-The correct check runs both layouts once per session (its output kept); the planted-bug check
-compares with that check's one-process run (``--reuse-b``): the bug lives on rank 1 only."""
+The correct check runs both layouts once (a module fixture); the planted-bug check compares
+with that check's one-process run (``--reuse-b``): the bug lives on rank 1 only."""
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT
-from tests.runs import once_per_session
 
 COMMON = "train.seq_len=64 train.micro_batch_size=2 train.global_batch_size=8 optim.warmup_steps=2 parallel.timeout_s=60"
 
@@ -47,35 +44,29 @@ def _parity(tmp_path, layout, *extra, planted=False, steps=20):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
 
 
-def _correct_check(session_tmp) -> tuple:
-    """dp2 against one process, run once per session: (exit status, stdout, stderr, its dir)."""
-    root = Path(session_tmp) / "parity-tool"
-    with once_per_session(session_tmp, "parity-tool") as todo:
-        if todo:
-            shutil.rmtree(root, ignore_errors=True)
-            root.mkdir()
-            proc = _parity(root, "parallel=single parallel.dp=2")
-            for name in ("returncode", "stdout", "stderr"):
-                (root / name).write_text(str(getattr(proc, name)))
-    return (int((root / "returncode").read_text()), (root / "stdout").read_text(),
-            (root / "stderr").read_text(), root)
+@pytest.fixture(scope="module")
+def correct_check(tmp_path_factory):
+    """dp2 against one process through the tool, once for this file's tests (one xdist worker
+    runs them: tests/conftest.py XDIST_GROUPS): its finished process and its directory."""
+    root = tmp_path_factory.mktemp("parity-tool")
+    return _parity(root, "parallel=single parallel.dp=2"), root
 
 
 @pytest.mark.slow
-def test_parity_tool_passes_a_correct_layout(session_tmp):
-    code, out, err, root = _correct_check(session_tmp)
-    assert code == 0, out + err
-    lines = out.splitlines()
+def test_parity_tool_passes_a_correct_layout(correct_check):
+    proc, root = correct_check
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
     assert lines[-1].startswith("max relative difference") and lines[-1].endswith("PASS")
     assert sum(line.split()[0].isdigit() for line in lines if line.strip()) == 20  # one row per step
-    assert "A | step" in out and "B | step" in out  # progress of the runs is shown
+    assert "A | step" in proc.stdout and "B | step" in proc.stdout  # progress of the runs is shown
     assert (root / "runs" / "parity.txt").read_text().strip().endswith("PASS")
 
 
 @pytest.mark.slow
-def test_parity_tool_catches_a_planted_gradient_bug(tmp_path, session_tmp):
-    code, out, err, root = _correct_check(session_tmp)
-    assert code == 0, out + err
+def test_parity_tool_catches_a_planted_gradient_bug(tmp_path, correct_check):
+    checked, root = correct_check
+    assert checked.returncode == 0, checked.stdout + checked.stderr
     reference = root / "runs" / "b"
     proc = _parity(tmp_path, "parallel=single parallel.dp=2", "--reuse-b", str(reference), planted=True)
     assert proc.returncode == 1, proc.stdout + proc.stderr

@@ -15,7 +15,7 @@ import pytest
 
 from tests.runs import PARITY, assert_parity, losses, losses_in_ranks, reference_losses
 
-GQA_8_4 = ("model.n_heads=8", "model.n_kv_heads=4", "train.micro_batch_size=8")
+TP4 = ("model.n_heads=8", "model.n_kv_heads=4", "train.micro_batch_size=8")  # the model and batch of tp=4 (above)
 
 
 def _check(tmp_path, session_tmp, model, layout):
@@ -40,4 +40,4 @@ def test_tp2_matches_single_process(tmp_path, session_tmp, layout):
     pytest.param(("parallel.tp=4", "parallel.sequence_parallel=true"), id="tp4-sp"),
 ])
 def test_tp4_matches_single_process(tmp_path, session_tmp, layout):
-    _check(tmp_path, session_tmp, GQA_8_4, layout)
+    _check(tmp_path, session_tmp, TP4, layout)
