@@ -259,6 +259,10 @@ class CheckpointConfig:
     dir: Optional[str] = None
     """Default: <run_dir>/checkpoints."""
     save_final: bool = True
+    async_save: bool = True
+    """Save every ``every`` steps in the background: the loop stops only to copy this rank's
+    state into host memory (pinned on CUDA), then writing, hashing and read-back run while
+    training goes on (docs/checkpoints.md). false: the loop waits for the whole save."""
 
 
 @dataclass

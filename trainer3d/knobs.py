@@ -79,6 +79,7 @@ CHOICES: Dict[str, Tuple[object, ...]] = {
     "launcher.name": ("local", "slurm", "inplace"),
     "logger.name": ("console", "wandb"),
     "logger.mode": ("auto", "offline", "online", "disabled"),
+    "checkpoint.async_save": (True, False),
 }
 """Each knob with a fixed set of values."""
 

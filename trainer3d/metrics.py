@@ -16,7 +16,10 @@ and memory, the max over ranks: mem_state_bytes (parameters + gradients + optimi
 tensor bytes), and mem_rss_bytes on CPU or mem_allocated_bytes / mem_reserved_bytes on GPU;
 rows of steps after which the model was evaluated add val_loss (mean over the validation
 batches, reduced like the loss), val_ppl = exp(val_loss) and eval_s (rank 0's evaluation
-time, left out of step_time_s).
+time, left out of step_time_s); the first row after a checkpoint save started adds
+ckpt_stall_s (seconds the loop stood still for it: staging its state, or the whole save;
+inside that row's step_time_s), the first row after its writing ended adds ckpt_write_s
+(seconds the writing, hashing, read-back and publication took, in the background or not).
 
 The loss exists on the last pipeline stage only, where every tp rank holds the same value
 and every dp replica its own; ranks of other stages (and tp ranks > 0) contribute zero,
@@ -35,6 +38,9 @@ import torch.distributed as dist
 
 from trainer3d.telemetry import CommTimer, process_memory
 from trainer3d.topology import ParallelDims
+
+
+CKPT_COLUMNS = ("ckpt_stall_s", "ckpt_write_s")
 
 
 def format_duration(seconds: float) -> str:
@@ -65,6 +71,8 @@ class MetricsLogger:
         self._extras: List[Dict[str, torch.Tensor]] = []  # e.g. fp16's loss_scale, skipped (same on every rank)
         self._val: Dict[int, torch.Tensor] = {}  # validation loss by step (trainer3d/evaluate.py)
         self._eval_s: Dict[int, float] = {}
+        self._ckpt_next: Dict[str, float] = {}  # checkpoint costs for the next recorded step's row
+        self._ckpt: Dict[int, Dict[str, float]] = {}
         self._interval_start = time.perf_counter()
         self._owns_loss = dims.is_last_stage and dims.tp_rank == 0
         self.comm = CommTimer()
@@ -103,6 +111,16 @@ class MetricsLogger:
         self._lrs.append(lr)
         self._extras.append(extra or {})
         self.comm.end_step()
+        if self._ckpt_next:
+            self._ckpt[step], self._ckpt_next = self._ckpt_next, {}
+
+    def record_checkpoint(self, stall_s: float = 0.0, write_s: Optional[float] = None) -> None:
+        """A checkpoint save's cost (trainer3d/checkpoint/saver.py), written into the row of the
+        next step recorded: ``ckpt_stall_s`` when it started, ``ckpt_write_s`` once its writing is
+        done (the same call for a save written in the loop). Rank 0's own times; no sync."""
+        for key, value in (("ckpt_stall_s", stall_s if stall_s else None), ("ckpt_write_s", write_s)):
+            if value is not None:
+                self._ckpt_next[key] = self._ckpt_next.get(key, 0.0) + value
 
     def record_eval(self, step: int, loss: Optional[torch.Tensor], seconds: float) -> None:
         """Keep step ``step``'s validation loss (every rank calls it at the same steps); no sync.
@@ -163,6 +181,7 @@ class MetricsLogger:
             row.update({name: values[i] for name, values in columns.items()}, **memory)
             if s in val:
                 row.update(val_loss=val[s], val_ppl=math.exp(min(val[s], 700.0)), eval_s=self._eval_s.pop(s, 0.0))
+            row.update(self._ckpt.pop(s, {}))
             rows.append(row)
         with open(self.path, "a") as f:
             for row in rows:
@@ -171,7 +190,8 @@ class MetricsLogger:
             sink.log(rows)
         self.last = rows[-1]
         evaluated = [{"val_loss": r["val_loss"], "val_ppl": r["val_ppl"]} for r in rows if "val_loss" in r]
-        self._print({**rows[-1], **(evaluated[-1] if evaluated else {})},
+        saves = {k: r[k] for r in rows for k in CKPT_COLUMNS if k in r}  # the interval's latest
+        self._print({**rows[-1], **(evaluated[-1] if evaluated else {}), **saves},
                     skipped=sum(bool(r.get("skipped")) for r in rows))
 
     def progress_line(self, row: dict, skipped: int = 0) -> str:
@@ -184,7 +204,9 @@ class MetricsLogger:
                 f"lr {row['lr']:.2e} | grad_norm {row['grad_norm']:.3f} | "
                 f"{row['tokens_per_s']:,.0f} tok/s | MFU {mfu} | {row['step_time_s']:.3f} s/step | eta {eta}"
                 + (f" | val_loss {row['val_loss']:.4f} (ppl {row['val_ppl']:.2f})" if "val_loss" in row else "")
-                + (f" | loss_scale {row['loss_scale']:.0f}, {skipped} step(s) skipped" if "loss_scale" in row else ""))
+                + (f" | loss_scale {row['loss_scale']:.0f}, {skipped} step(s) skipped" if "loss_scale" in row else "")
+                + (f" | ckpt stall {row['ckpt_stall_s']:.2f} s" if "ckpt_stall_s" in row else "")
+                + (f" | ckpt write {row['ckpt_write_s']:.2f} s" if "ckpt_write_s" in row else ""))
 
     def _print(self, row: dict, skipped: int = 0) -> None:
         line = self.progress_line(row, skipped)

@@ -7,13 +7,14 @@ global norm -> optimizer step; ``train`` repeats it, evaluates on the validation
 every train.eval_every steps (``forward_only``, trainer3d/evaluate.py) and logs at the interval.
 """
 
+import contextlib
 import time
 from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from trainer3d.checkpoint.manager import Checkpointer
+from trainer3d.checkpoint.manager import Checkpointer, agree_on_resume
 from trainer3d.config import Config
 from trainer3d.data.loader import Prefetcher, build_readers
 from trainer3d.data.sources import eval_batches, evaluates
@@ -78,14 +79,14 @@ class Trainer:
         stop_group = [self.stop_signal.group] if self.stop_signal.group is not None else []
         self.timeouts = GroupTimeouts([*dims.groups(), *stop_group], cfg.parallel.init_timeout_s,
                                       cfg.parallel.timeout_s)
-        self.checkpointer = Checkpointer(cfg, dims, self.timeouts)
-        resume_from = self.checkpointer.choose()
+        resume_from = agree_on_resume(cfg, dims, self.timeouts)
         self.chunks: List[nn.Module] = build_model_chunks(cfg, dims, initialise=resume_from is None)
         self.optimizer: ZeroOptimizer = build_optimizer(self.chunks, cfg, dims)
+        self.checkpointer = Checkpointer(cfg, dims, self.optimizer, self.timeouts)
         self.micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims), t.grad_accum_steps, self.optimizer)
         self.pipeline = Pipeline(self.chunks, self.micro_loss, cfg, dims) if dims.pp > 1 else None
         self.data, self.evaluator = self._build_data()
-        self.start_step = self.checkpointer.resume(self.optimizer, resume_from)
+        self.start_step = self.checkpointer.load(resume_from)
         self.metrics = self._build_metrics()
         self.nonfinite = NonFiniteWatch(dims.device, norm_counts=t.dtype != "fp16", action=t.on_nonfinite)
         if self.pipeline is not None:
@@ -159,6 +160,15 @@ class Trainer:
 
     def train(self) -> Optional[dict]:
         """Train to train.max_steps; return rank 0's summary (None on other ranks)."""
+        try:
+            return self._train()
+        except BaseException:
+            # A save in the background finishes (or, with a peer gone, is given up) before the error ends the rank.
+            with contextlib.suppress(BaseException):
+                self.checkpointer.wait("stopping on an error", timeout_s=self.cfg.parallel.timeout_s)
+            raise
+
+    def _train(self) -> Optional[dict]:
         t = self.cfg.train
         started = time.perf_counter()
         for step in range(self.start_step, t.max_steps):
@@ -176,6 +186,10 @@ class Trainer:
             if self.checkpointer.due(step + 1):
                 self.nonfinite.check()  # never a checkpoint of weights trained on a non-finite loss
                 self.save_checkpoint(step + 1)
+            else:
+                self.checkpointer.poll()  # a save in the background that finished: noticed on every rank alike
+            for report in self.checkpointer.take_news():
+                self.metrics.record_checkpoint(report.stall_s, report.write_s)
             # The same on every rank (trainer3d/preemption.py); after the last step there is nothing to stop.
             flag = self.stop_signal.agreed() if step + 1 < t.max_steps else 0
             if flag:
@@ -186,10 +200,11 @@ class Trainer:
         self.data.close()
         self.stop_signal.close()
         self.nonfinite.check()
-        if self.stopped is not None:
-            self.save_checkpoint(self.stopped.step)
+        if self.stopped is not None:  # waits for a save in flight first; nothing left to overlap with
+            self.save_checkpoint(self.stopped.step, background=False)
         elif self.cfg.checkpoint.save_final and self.start_step < t.max_steps:
-            self.save_checkpoint(t.max_steps)
+            self.save_checkpoint(t.max_steps, background=False)
+        self.checkpointer.wait("end of training")
         self.metrics.close()
         if self.dims.rank != 0:
             return None
@@ -198,7 +213,8 @@ class Trainer:
                 "wall_s": time.perf_counter() - started, "metrics": str(self.metrics.path),
                 "stopped_at": self.stopped.step if self.stopped else None}
 
-    def save_checkpoint(self, step: int) -> None:
+    def save_checkpoint(self, step: int, background: Optional[bool] = None) -> None:
         """Save everything a resumed run needs to start at ``step`` (steps done); every rank calls
-        it: every checkpoint.every steps, at the end, and after a preemption stop."""
-        self.checkpointer.save(step)
+        it: every checkpoint.every steps (in the background with checkpoint.async_save), at the
+        end, and after a preemption stop."""
+        self.checkpointer.save(step, background)

@@ -11,11 +11,13 @@ tensors are converted on load (trainer3d/checkpoint/precision.py).
 
 import dataclasses
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.store import CheckpointError
 from trainer3d.config import Config, ModelConfig
+
+RESUME_FIX = "give a published step_<N> directory, auto or never"
 
 IGNORED_MODEL_KEYS = ("name", "init_from", "init_std", "max_seq_len", "bos_token_id", "eos_token_ids")
 """Model fields a resume may change: labels, how a fresh model would start, the rotary table's
@@ -60,14 +62,18 @@ def model_changes(saved: dict, now: ModelConfig) -> List[str]:
             if not key.startswith(ignored) and before.get(key) != value]
 
 
-def choose(cfg: Config, root: Path) -> Optional[Choice]:
-    """The checkpoint to resume from (None: start fresh), or CheckpointError naming the knob."""
+def choose(cfg: Config, root: Path, verify_data: bool = True, exclude: Iterable[Path] = ()) -> Optional[Choice]:
+    """The checkpoint to resume from (None: start fresh), or CheckpointError naming the knob.
+
+    ``verify_data``: hash every data file too (the submitting process, before launch); the
+    ranks check the rest here and share the hashing at load (trainer3d/checkpoint/verify.py).
+    ``exclude``: checkpoints whose data failed that verification (``auto`` passes over them)."""
     want = cfg.train.resume
     if want == "never":
         return None
     skipped: List[Tuple[Path, str]] = []
     if want == "auto":
-        found = store.latest_complete(root, skipped)
+        found = store.latest_complete(root, skipped, verify_data, exclude)
         if found is None and skipped:  # only damaged ones: starting over would silently drop the run
             raise CheckpointError(
                 f"train.resume=auto: no checkpoint under {root} passes its checks ("
@@ -77,7 +83,7 @@ def choose(cfg: Config, root: Path) -> Optional[Choice]:
             return None
         path, knob = found[1], f"train.resume=auto (checkpoint {found[1]})"
     else:
-        path = store.require_complete(want, "train.resume", fix="give a published step_<N> directory, auto or never")
+        path = store.require_complete(want, "train.resume", fix=RESUME_FIX, verify_data=verify_data)
         knob = f"train.resume={path}"
     info = store.read_marker(path)
     saved_model = info.get("config", {}).get("model")

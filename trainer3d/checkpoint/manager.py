@@ -1,48 +1,57 @@
 """Save, find and resume checkpoints: what the trainer calls.
 
-    checkpointer = Checkpointer(cfg, dims, timeouts)
-    choice = checkpointer.choose()               # train.resume: auto | never | <path>
+    choice = agree_on_resume(cfg, dims, timeouts)   # train.resume: auto | never | <path>; a Choice or None
     chunks = build_model_chunks(cfg, dims, initialise=choice is None)
-    start_step = checkpointer.resume(optimizer, choice)
+    optimizer = build_optimizer(chunks, cfg, dims)
+    checkpointer = Checkpointer(cfg, dims, optimizer, timeouts)
+    start_step = checkpointer.load(choice)         # 0 without a checkpoint
     ...
-    checkpointer.save(step)                      # every checkpoint.every steps, at the end, on preemption
+    checkpointer.poll()                            # every step boundary
+    checkpointer.save(step)                        # every checkpoint.every steps, at the end, on preemption
+    checkpointer.wait("end of training")           # before the job ends (also on an error)
 
-A save: every rank writes its pieces (trainer3d/checkpoint/state.py) with DCP into
-``step_N.partial/``, hashing and reading back its files (trainer3d/checkpoint/writer.py); a
-gather of those digests proves all of them finished; rank 0 writes the marker (step,
-layout, config, digests) and renames the directory to ``step_N/`` (trainer3d/checkpoint/store.py),
-then prunes to ``checkpoint.keep``; a second barrier keeps ranks from racing ahead of the
-rename. A crash anywhere before the rename leaves the previous checkpoint the newest one.
+A save (trainer3d/checkpoint/saver.py): with ``checkpoint.async_save`` the loop stops only
+to copy this rank's state into host buffers (trainer3d/checkpoint/staging.py); writing,
+hashing, the read-back and the publication run in a background thread while training goes
+on, and ``poll`` learns, the same step on every rank, that it is done. At most one save is
+in flight: the next save, a preemption stop, the end of the run and an error wait for it.
+Saves with nothing left to overlap (the final one, the one after a stop) are written in the
+loop. Either way a checkpoint is published — its marker written and its directory renamed
+into place by rank 0 — only after every rank's files were written and read back intact.
 
-A resume: rank 0 picks the checkpoint and checks it (trainer3d/checkpoint/choose.py: the
-newest intact one for ``auto``, broken ones skipped and named; checksums; the same model)
-and tells the others; every rank describes the pieces it holds in
-its *current* layout and DCP reads exactly those regions, so the saved layout does not
-matter. A layout change is reported.
+A resume: rank 0 picks the checkpoint and checks its marker, metadata and sizes
+(trainer3d/checkpoint/choose.py: the newest intact one for ``auto``, broken ones skipped and
+named; the same model) and tells the others; the ranks then hash its data, each file once
+(trainer3d/checkpoint/verify.py) — a damaged one is skipped as well (``auto`` goes on to the
+next older one) — and every rank describes the pieces it holds in its *current* layout, so
+DCP reads exactly those regions whatever layout saved them. A layout change is reported.
 """
 
 import contextlib
 import dataclasses
-import shutil
 import time
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainer3d.checkpoint import store
-from trainer3d.checkpoint.choose import choose
+from trainer3d.checkpoint.choose import RESUME_FIX, Choice, choose
 from trainer3d.checkpoint.precision import load_passes
 from trainer3d.checkpoint.reader import CheckpointReader, TensorOnlyLoadPlanner
+from trainer3d.checkpoint.saver import Background, SaveGroups, SaveJob, SaveReport, write
+from trainer3d.checkpoint.staging import Staging
 from trainer3d.checkpoint.state import PieceMaker, after_load, rank_state
 from trainer3d.checkpoint.store import CheckpointError
-from trainer3d.checkpoint.writer import CheckpointWriter
+from trainer3d.checkpoint.verify import shared_problem
 from trainer3d.config import Config
 from trainer3d.loggers import scrub
 from trainer3d.parallel.optimizer import ZeroOptimizer
-from trainer3d.parallel.tied import drop_tied_copies
-from trainer3d.timeouts import GroupTimeouts
+from trainer3d.parallel.tied import TIED, drop_tied_copies
+from trainer3d.timeouts import GroupTimeouts, seconds
 from trainer3d.topology import ParallelDims
 from trainer3d.validate import layout_of
 
@@ -51,28 +60,68 @@ def checkpoint_root(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run_dir) / "checkpoints"
 
 
+def _say(dims: ParallelDims, text: str) -> None:
+    if dims.rank == 0:
+        print(f"trainer3d: {text}", flush=True)
+
+
+def _io(timeouts: Optional[GroupTimeouts]):
+    """Loads wait with the start-up timeout (a shared filesystem may be slow)."""
+    return timeouts.io() if timeouts is not None else contextlib.nullcontext()
+
+
+def agree_on_resume(cfg: Config, dims: ParallelDims, timeouts: Optional[GroupTimeouts] = None,
+                    exclude: List[Path] = ()) -> Optional[Choice]:
+    """The checkpoint this run resumes from (rank 0 picks, every rank learns it), or None;
+    CheckpointError for a bad explicit path or a checkpoint of another model. Called before
+    the model is built: a resumed run has nothing to initialise."""
+    choice: List[object] = [None]
+    with _io(timeouts):
+        if dims.rank == 0:
+            try:
+                choice[0] = choose(cfg, checkpoint_root(cfg), verify_data=False, exclude=exclude)
+            except CheckpointError as err:
+                choice[0] = err
+        dist.broadcast_object_list(choice, src=0)
+    if isinstance(choice[0], CheckpointError):
+        raise choice[0]
+    for path, why in choice[0].skipped if choice[0] is not None else ():
+        if path not in exclude:
+            _say(dims, f"skipping checkpoint {path}: {why}")
+    return choice[0]
+
+
 class Checkpointer:
-    def __init__(self, cfg: Config, dims: ParallelDims, timeouts: Optional[GroupTimeouts] = None):
-        self.cfg, self.dims = cfg, dims
-        self.optimizer: Optional[ZeroOptimizer] = None
-        """Set by ``resume``: the optimizer whose state (model included) is saved and loaded."""
-        self.timeouts = timeouts
-        """Saves and loads wait with the start-up timeout (a shared filesystem may be slow)."""
+    def __init__(self, cfg: Config, dims: ParallelDims, optimizer: ZeroOptimizer,
+                 timeouts: Optional[GroupTimeouts] = None):
+        self.cfg, self.dims, self.timeouts = cfg, dims, timeouts
+        self.optimizer = optimizer
+        """Its state (the model's included) is what is saved and loaded."""
         self.root = checkpoint_root(cfg)
-        self._make = None
+        self.groups = SaveGroups.build(seconds(cfg.parallel.init_timeout_s), seconds(cfg.parallel.timeout_s))
+        self.background = Background(self.groups, dims.rank, self._say)
+        self.staging = Staging(dims.device)
+        self._makers: Dict[str, PieceMaker] = {}
         self.last_saved: Optional[int] = None
         self.known_bad: List[Path] = []
         """Checkpoints whose data failed verification when resuming (kept, never counted as good)."""
-
-    @property
-    def make(self) -> PieceMaker:
-        if self._make is None:
-            self._make = PieceMaker(self.dims)
-        return self._make
+        self.news: List[SaveReport] = []
+        """What saves cost since the trainer last took ``news`` (a background save twice:
+        its stall when it starts, its write time when it is done)."""
 
     def _say(self, text: str) -> None:
-        if self.dims.rank == 0:
-            print(f"trainer3d: {text}", flush=True)
+        _say(self.dims, text)
+
+    def _maker(self, device_type: str) -> PieceMaker:
+        """Pieces over a 1-D mesh of the world on ``device_type``: the device for loads and
+        saves from the live tensors, the CPU (the save group's gloo) for staged host copies."""
+        if device_type not in self._makers:
+            if device_type == "cpu" and self.dims.device.type != "cpu" and self.groups.write is not None:
+                mesh = DeviceMesh.from_group(self.groups.write, "cpu")
+            else:
+                mesh = init_device_mesh(device_type, (self.dims.topo.world_size,))
+            self._makers[device_type] = PieceMaker(mesh)
+        return self._makers[device_type]
 
     # ------------------------------------------------------------------ save
 
@@ -80,100 +129,102 @@ class Checkpointer:
         every = self.cfg.checkpoint.every
         return every > 0 and steps_done % every == 0
 
-    def _io(self):
-        return self.timeouts.io() if self.timeouts is not None else contextlib.nullcontext()
-
-    def save(self, steps_done: int) -> Path:
-        """Save the state after ``steps_done`` steps (resume starts at that step); every rank."""
-        if self.last_saved == steps_done:
-            return store.step_dir(self.root, steps_done)
-        with self._io():
-            return self._save(steps_done)
-
-    def _save(self, steps_done: int) -> Path:
+    def save(self, steps_done: int, background: Optional[bool] = None) -> None:
+        """Save the state after ``steps_done`` steps (resume starts at that step); every rank.
+        ``background`` (default ``checkpoint.async_save``): return once the state is staged."""
         started = time.perf_counter()
-        partial, final = store.partial_dir(self.root, steps_done), store.step_dir(self.root, steps_done)
-        if self.dims.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if partial.exists():  # left by a crash: start clean
-                shutil.rmtree(partial)
-        dist.barrier()
-        try:
-            state = drop_tied_copies(rank_state(self.optimizer, self.dims, self.make), self.dims)
-            writer = CheckpointWriter(str(partial))
-            dcp.save(state, storage_writer=writer)
-            files = [None] * self.dims.topo.world_size if self.dims.rank == 0 else None
-            dist.gather_object(writer.digests, files, dst=0)  # also proves every rank's files are complete
-            if self.dims.rank == 0:
-                info = {"step": steps_done, "layout": layout_of(self.cfg), "dtype": self.cfg.train.dtype,
-                        "config": scrub(dataclasses.asdict(self.cfg)), "saved_at": time.time(),
-                        "files": {name: d for rank_files in files for name, d in rank_files.items()}}
-                store.publish(partial, final, info)
-                self.known_bad = [p for p in self.known_bad if p != final]  # re-saved: good again
-                store.prune(self.root, self.cfg.checkpoint.keep, self.known_bad)
-        except BaseException:  # DCP's CheckpointException is one: a failed save must not fill the disk
-            if self.dims.rank == 0:
-                shutil.rmtree(partial, ignore_errors=True)
-            raise
-        dist.barrier()
+        self.wait(f"checkpoint of step {steps_done}")
+        if self.last_saved == steps_done:
+            return
+        background = self.cfg.checkpoint.async_save if background is None else background
+        job = self._job(steps_done, staged=background)
+        report = SaveReport(steps_done, job.final, stall_s=0.0)
+        if background:
+            self.background.start(job, report)
+        else:
+            write(job, self.groups.write, self.dims.rank)
         self.last_saved = steps_done
-        self._say(f"checkpoint at step {steps_done} saved to {final} ({time.perf_counter() - started:.1f} s)")
-        return final
+        report.stall_s = time.perf_counter() - started
+        if background:
+            self.news.append(dataclasses.replace(report, write_s=None))
+            return
+        report.write_s = report.stall_s
+        self._saved(report)
+
+    def _job(self, steps_done: int, staged: bool) -> SaveJob:
+        if staged:
+            state = rank_state(self.optimizer, self.dims, self._maker("cpu"), stage=self._stage)
+            self.staging.done()
+        else:
+            state = rank_state(self.optimizer, self.dims, self._maker(self.dims.device.type))
+        info = {"step": steps_done, "layout": layout_of(self.cfg), "dtype": self.cfg.train.dtype,
+                "config": scrub(dataclasses.asdict(self.cfg)), "saved_at": time.time()}
+        return SaveJob(steps_done, drop_tied_copies(state, self.dims), self.root, info, self.cfg.checkpoint.keep,
+                       list(self.known_bad))
+
+    def _stage(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        if self.dims.pp_rank > 0 and key.endswith("." + TIED):
+            return tensor  # dropped from the state (drop_tied_copies): no copy
+        return self.staging(key, tensor)
+
+    def poll(self) -> None:
+        """At every step boundary, on every rank: notice a background save that finished."""
+        report = self.background.poll()
+        if report is not None:
+            self._saved(report, stall_s=0.0)
+
+    def wait(self, why: str, timeout_s: Optional[float] = None) -> None:
+        """Wait for the background save in flight (if any): its error is raised here.
+        ``timeout_s``: after an error elsewhere, give up on it after that long."""
+        report = self.background.wait(why, timeout_s)
+        if report is not None:
+            self._saved(report, stall_s=0.0)
+
+    def _saved(self, report: SaveReport, stall_s: Optional[float] = None) -> None:
+        self.known_bad = [p for p in self.known_bad if p != report.path]  # re-saved: good again
+        self.news.append(report if stall_s is None else dataclasses.replace(report, stall_s=stall_s))
+        where = "in the background, " if stall_s is not None else ""
+        self._say(f"checkpoint at step {report.step} saved to {report.path} ({where}{report.write_s:.1f} s; "
+                  f"training stopped {report.stall_s:.2f} s for it)")
+
+    def take_news(self) -> List[SaveReport]:
+        news, self.news = self.news, []
+        return news
 
     # ------------------------------------------------------------------ resume
 
-    def _choose(self) -> Optional[Tuple[int, Path, dict]]:
-        """Rank 0's choice of checkpoint, or None; raises CheckpointError for a bad explicit path
-        or a checkpoint of another model."""
-        choice = choose(self.cfg, self.root)
-        if choice is None:
-            return None
-        for path, why in choice.skipped:
-            self.known_bad.append(path)
-            self._say(f"skipping checkpoint {path}: {why}")
-        return choice.step, choice.path, choice.info
+    def load(self, choice: Optional[Choice]) -> int:
+        """Load ``choice`` (from ``agree_on_resume``) into this rank's model and optimizer, after
+        the ranks verified its data (``auto`` goes on to older ones past a damaged one);
+        returns the step to start at (0 without a checkpoint)."""
+        with _io(self.timeouts):
+            while choice is not None:
+                same_world = choice.info.get("layout") == layout_of(self.cfg)
+                state = rank_state(self.optimizer, self.dims, self._maker(self.dims.device.type), with_rng=same_world)
+                metadata = store.read_metadata(choice.path)
+                passes, notes = load_passes(state, metadata.state_dict_metadata)
+                problem = shared_problem(choice.path, choice.info["files"], passes, metadata, self.dims.rank,
+                                         self.dims.topo.world_size)
+                if problem is None:
+                    return self._load(choice, state, passes, notes, same_world)
+                self.known_bad.append(choice.path)
+                self._say(f"skipping checkpoint {choice.path}: {problem}")
+                if self.cfg.train.resume != "auto":
+                    raise CheckpointError(f"train.resume={choice.path} is not a usable checkpoint ({problem}); "
+                                          f"{RESUME_FIX}")
+                choice = agree_on_resume(self.cfg, self.dims, exclude=self.known_bad)
+        return 0
 
-    def choose(self) -> Optional[Tuple[int, Path, dict]]:
-        """The checkpoint this run resumes from (rank 0 picks, every rank learns it), or None.
-        Called before the model is built: a resumed run has nothing to initialise."""
-        with self._io():
-            return self._agree_on_choice()
-
-    def _agree_on_choice(self) -> Optional[Tuple[int, Path, dict]]:
-        choice: List[object] = [None]
-        if self.dims.rank == 0:
-            try:
-                choice[0] = self._choose()
-            except CheckpointError as err:
-                choice[0] = err
-        dist.broadcast_object_list(choice, src=0)
-        if isinstance(choice[0], CheckpointError):
-            raise choice[0]
-        return choice[0]
-
-    def resume(self, optimizer: ZeroOptimizer, choice: Optional[Tuple[int, Path, dict]]) -> int:
-        """Load ``choice`` (from ``choose``) into this rank's model and optimizer; returns the
-        step to start at (0 without a checkpoint)."""
-        self.optimizer = optimizer
-        if choice is None:
-            return 0
-        with self._io():
-            return self._load(*choice)
-
-    def _load(self, step: int, path: Path, info: dict) -> int:
-        same_world = info.get("layout") == layout_of(self.cfg)
-        state = rank_state(self.optimizer, self.dims, self.make, with_rng=same_world)
-        passes, notes = load_passes(state, store.read_metadata(path).state_dict_metadata)
+    def _load(self, choice: Choice, state: dict, passes: List[dict], notes: List[str], same_world: bool) -> int:
         for part in passes:  # the same number of passes on every rank (both, even where one is empty)
-            dcp.load(part, storage_reader=CheckpointReader(str(path)), planner=TensorOnlyLoadPlanner())
+            dcp.load(part, storage_reader=CheckpointReader(str(choice.path)), planner=TensorOnlyLoadPlanner())
         for note in notes:
             self._say(note)
         after_load(self.optimizer, state, self.dims, with_rng=same_world)
-        self.last_saved = step
-        self._say(f"resumed from {path} at step {step}")
-        if info.get("layout") != layout_of(self.cfg):
-            saved, now = info.get("layout", {}), layout_of(self.cfg)
+        self.last_saved = choice.step
+        self._say(f"resumed from {choice.path} at step {choice.step}")
+        if not same_world:
+            saved, now = choice.info.get("layout", {}), layout_of(self.cfg)
             changes = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v)
             self._say(f"layout changed since the checkpoint: {changes} (state resharded on load)")
-        return step
-
+        return choice.step

@@ -27,10 +27,10 @@ Only tensors go into the checkpoint (no pickled Python objects), so loading one 
 unpickles anything; the step, the layout and the config go into the JSON marker.
 """
 
-from typing import Dict, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
@@ -47,11 +47,16 @@ def _contiguous_stride(shape: Sequence[int]) -> Sequence[int]:
     return tuple(reversed(stride))
 
 
-class PieceMaker:
-    """Wraps views of this rank's storage as DTensors over a 1-D mesh of the whole world."""
+Stage = Callable[[str, torch.Tensor], torch.Tensor]
+"""(state key, tensor) -> the host copy a save writes (trainer3d/checkpoint/staging.py)."""
 
-    def __init__(self, dims: ParallelDims):
-        self.mesh = init_device_mesh(dims.device.type, (dims.topo.world_size,))
+
+class PieceMaker:
+    """Wraps views of this rank's storage (or of its host copy) as DTensors over ``mesh``, a
+    1-D mesh of the whole world on the device the tensors are on."""
+
+    def __init__(self, mesh: DeviceMesh):
+        self.mesh = mesh
 
     def __call__(self, flat: torch.Tensor, local_shape: Sequence[int], shard, start: int, end: int):
         """``flat`` holds elements [start, end) of the flattened local tensor of ``local_shape``;
@@ -72,17 +77,21 @@ def state_key(kind: str, name: str) -> str:
 
 
 def rank_state(optimizer: ZeroOptimizer, dims: ParallelDims, make: PieceMaker,
-               with_rng: bool = True) -> Dict[str, object]:
-    """The DCP state dict of this rank (views: saving reads them, loading writes into them)."""
+               with_rng: bool = True, stage: Optional[Stage] = None) -> Dict[str, object]:
+    """The DCP state dict of this rank: views of its storage (saving reads them, loading
+    writes into them), or, with ``stage``, of host copies taken now (a save in the background)."""
+    copy: Stage = stage or (lambda key, tensor: tensor)
     state: Dict[str, object] = {}
     for view in optimizer.checkpoint_views():
         for kind, tensor in view.tensors.items():
-            piece = make(tensor, view.local_shape, view.tp_shard, view.start, view.end)
+            key = state_key(kind, view.name)
+            piece = make(copy(key, tensor), view.local_shape, view.tp_shard, view.start, view.end)
             if piece is not None:
-                state[state_key(kind, view.name)] = piece
-    state["optim.step"] = optimizer.step_count
+                state[key] = piece
+    state["optim.step"] = copy("optim.step", optimizer.step_count)
     if optimizer.scaler is not None:
-        state.update({f"loss_scaler.{k}": t for k, t in optimizer.scaler.persistent().items()})
+        for name, tensor in optimizer.scaler.persistent().items():
+            state[f"loss_scaler.{name}"] = copy(f"loss_scaler.{name}", tensor)
     if with_rng:
         state[f"rng.rank{dims.rank}"] = torch.get_rng_state()
     return state

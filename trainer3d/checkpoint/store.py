@@ -8,7 +8,7 @@ sees a half-written checkpoint under a final name; a crash mid-save leaves only 
 ``.partial`` directory, which resume ignores and the next save removes.
 
 ``is_complete`` also checks what a rename cannot promise (a disk that lost data, a flipped
-bit, a file truncated or edited by hand): the marker carries the SHA-256 of every file and
+bit, a file truncated or edited by hand): the marker carries the digest of every file and
 its own (trainer3d/checkpoint/digest.py), the metadata pickle is read by the restricted
 reader of trainer3d/checkpoint/metadata.py, and every byte range it points to must exist.
 """
@@ -101,11 +101,15 @@ def published(root: Path) -> List[Tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_complete(root: Path, skipped: Optional[List[Tuple[Path, str]]] = None) -> Optional[Tuple[int, Path]]:
-    """The newest intact checkpoint (data verified); newer broken ones are skipped with a
-    warning, and (path, why) of each is appended to ``skipped``."""
+def latest_complete(root: Path, skipped: Optional[List[Tuple[Path, str]]] = None, verify_data: bool = True,
+                    exclude: Iterable[Path] = ()) -> Optional[Tuple[int, Path]]:
+    """The newest intact checkpoint (with ``verify_data``, its data hashed too); newer broken
+    ones, and those in ``exclude`` (their data failed verification on the ranks), are skipped
+    with a warning, and (path, why) of each is appended to ``skipped``."""
+    excluded = {Path(p) for p in exclude}
     for step, path in reversed(published(root)):
-        ok, why = is_complete(path)
+        ok, why = (False, "its data failed verification when loading") if path in excluded else \
+            is_complete(path, verify_data)
         if ok:
             return step, path
         warnings.warn(f"trainer3d: skipping checkpoint {path}: {why}", stacklevel=2)
@@ -171,11 +175,13 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names the knob that pointed at it."""
 
 
-def require_complete(path: Path, knob: str, fix: str = "give a published step_<N> directory") -> Path:
-    """``path`` if it is a complete checkpoint whose data match their checksums, else
-    CheckpointError naming ``knob`` and the fix: the one refusal of an explicitly named
-    checkpoint (resume, export, sampling)."""
-    ok, why = is_complete(path)
+def require_complete(path: Path, knob: str, fix: str = "give a published step_<N> directory",
+                     verify_data: bool = True) -> Path:
+    """``path`` if it is a complete checkpoint whose data match their checksums (without
+    ``verify_data``: whose marker, metadata and sizes do), else CheckpointError naming
+    ``knob`` and the fix: the one refusal of an explicitly named checkpoint (resume, export,
+    sampling)."""
+    ok, why = is_complete(path, verify_data)
     if not ok:
         raise CheckpointError(f"{knob}={path} is not a usable checkpoint ({why}); {fix}")
     return Path(path)

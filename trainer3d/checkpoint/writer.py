@@ -1,9 +1,10 @@
 """DCP's file writer, with checksums and a full disk reported as such (trainer3d/failure.py).
 
-Each data file is hashed on its way to disk and read back once closed
-(trainer3d/checkpoint/digest.py); ``digests`` then holds this rank's files, which the
-checkpointer gathers into the marker. A file whose bytes on disk are not those written
-fails the save, so every published checkpoint was read back intact once.
+Each data file is hashed on its way to disk and, once DCP has synced and closed it, read
+back from the storage rather than the page cache (trainer3d/checkpoint/digest.py);
+``digests`` then holds this rank's files, which the checkpointer gathers into the marker. A
+file whose bytes on storage are not those written fails the save, so every published
+checkpoint was read back intact once.
 
 torch.distributed.checkpoint gathers each rank's write error into a CheckpointException;
 torch's zip writer reports a short write as ``unexpected pos`` without the errno, so the
@@ -17,7 +18,7 @@ from typing import Dict
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from trainer3d.checkpoint.digest import HashingStream, file_digest
+from trainer3d.checkpoint.digest import FILE_HASH, HashingStream, file_digest
 from trainer3d.failure import naming_a_full_disk
 
 
@@ -52,9 +53,9 @@ class CheckpointWriter(FileSystemWriter):
         return future
 
     def _read_back(self, name: str) -> dict:
-        on_disk = file_digest(Path(self.path) / name)
+        on_disk = file_digest(Path(self.path) / name, from_storage=self.sync_files)
         written = self.fs.written[name]
-        if written.digest is not None and (written.digest, written.bytes) != (on_disk["sha256"], on_disk["bytes"]):
+        if written.digest is not None and (written.digest, written.bytes) != (on_disk[FILE_HASH], on_disk["bytes"]):
             raise OSError(f"checkpoint file {Path(self.path) / name} read back differs from what was written "
                           f"({on_disk['bytes']} of {written.bytes} bytes; the file system lost or changed data)")
         return on_disk
