@@ -21,7 +21,7 @@ from typing import List
 
 import torch
 
-from trainer3d.config import Config, ModelConfig
+from trainer3d.config.schema import Config, ModelConfig
 from tests.harness import dims_for
 
 # Small enough for 2 cores, with grouped-query attention and a vocabulary tp does not divide.

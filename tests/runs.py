@@ -29,12 +29,12 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.conftest import CONF_DIR
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.data.checks import check_data
 from trainer3d.hf.check import apply_init_from
 from trainer3d.launch import TrainTask
 from trainer3d.local_ranks import run_ranks
-from trainer3d.validate import validate
+from trainer3d.config.validate import validate
 
 
 # Small enough for 2 cores: 20 steps of 16 sequences x 64 tokens, loss logged every step.

@@ -8,7 +8,7 @@ from tests.harness import run_ranks
 from trainer3d.activations import Sizes, layer_terms, schedule_ops
 from trainer3d.peak_memory import rank_memory, receive_buffer_bytes
 from trainer3d.parallel.stages import n_stages, stages_of_rank
-from trainer3d.validate import validate
+from trainer3d.config.validate import validate
 
 REL = 0.05
 

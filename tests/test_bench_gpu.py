@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
-from trainer3d.config import ModelConfig
+from trainer3d.config.schema import ModelConfig
 from trainer3d.memory import engine_model_state_bytes, format_bytes
 from trainer3d.model.transformer import count_parameters
 

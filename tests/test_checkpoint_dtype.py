@@ -15,9 +15,9 @@ import torch
 from tests.harness import dims_for, run_ranks
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.export import load_full_model
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.trainer import Trainer
-from trainer3d.validate import validate
+from trainer3d.config.validate import validate
 
 
 def _train(rank, world, run_dir, dtype, zero_stage, resume):

@@ -16,9 +16,9 @@ import pytest
 from tests.harness import dims_for, run_ranks
 from tests.runs import read_metrics
 from trainer3d.checkpoint import store
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.trainer import Trainer
-from trainer3d.validate import validate
+from trainer3d.config.validate import validate
 
 STEPS, SAVE_AT = 8, 4
 

@@ -117,7 +117,7 @@ def test_exported_weights_give_the_same_loss_in_the_1_rank_model(tmp_path):
     from trainer3d.checkpoint.export import model_config_of
     from trainer3d.data.loader import build_readers
     from trainer3d.model.transformer import Transformer, cross_entropy_loss
-    from trainer3d.validate import validate
+    from trainer3d.config.validate import validate
     from tests.test_validate import make
 
     run = tmp_path / "run"

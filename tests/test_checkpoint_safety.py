@@ -27,7 +27,7 @@ from trainer3d.checkpoint import store
 from trainer3d.checkpoint.choose import model_changes
 from trainer3d.checkpoint.reader import CheckpointReader, TensorOnlyLoadPlanner
 from trainer3d.checkpoint.writer import CheckpointWriter
-from trainer3d.config import ModelConfig
+from trainer3d.config.schema import ModelConfig
 
 _CFG = make()
 

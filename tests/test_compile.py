@@ -6,7 +6,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.runs import PARITY, assert_parity, losses_in_ranks, reference_losses
-from trainer3d.config import ModelConfig
+from trainer3d.config.schema import ModelConfig
 from trainer3d.model.transformer import Transformer
 from trainer3d.parallel.compile import compile_blocks
 

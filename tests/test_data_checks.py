@@ -15,7 +15,7 @@ import pytest
 from trainer3d.data import BYTE_LEVEL, TokenizerInfo, write_token_file
 from trainer3d.data.checks import check_data
 from trainer3d.data.tokens import header_path
-from trainer3d.validate import ConfigError, validate
+from trainer3d.config.validate import ConfigError, validate
 from tests.test_validate import make
 
 # seq_len 32, global batch 4 (micro 2 x dp 2): a window is 33 tokens, a batch 4 windows
@@ -102,7 +102,7 @@ def test_good_data_passes(tmp_path):
                               "data.val_fraction=0.1", "train.eval_steps=2"]) == []
 
 
-# The data knobs among themselves (trainer3d/validate.py, no files involved)
+# The data knobs among themselves (trainer3d/config/validate.py, no files involved)
 BAD_KNOBS = [
     (["data=tokens", "data.path=a.bin", "data.blend=[{path:b.bin,weight:1}]"], "data.path and data.blend are both set"),
     (["data.blend=[{path:b.bin,weight:1}]"], "data.blend needs data=tokens"),

@@ -11,7 +11,7 @@ import torch
 from tests.test_validate import make
 from trainer3d.device_check import DeviceError, machine_problems, rank_device, uses_cuda
 from trainer3d.slurm import slurm_parameters
-from trainer3d.validate import ConfigError, validate
+from trainer3d.config.validate import ConfigError, validate
 
 SLURM = ["launcher=slurm", "launcher.nodes=1"]
 

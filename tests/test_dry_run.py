@@ -8,10 +8,10 @@ import torch
 
 from tests.conftest import ROOT
 from tests.harness import dims_for, run_ranks
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.memory import engine_model_state_bytes
 from trainer3d.memory import rank_parameter_shapes
-from trainer3d.validate import validate
+from trainer3d.config.validate import validate
 
 
 def test_dry_run_of_512_ranks_prints_every_rank_and_the_memory_without_processes():

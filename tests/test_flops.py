@@ -1,6 +1,6 @@
 """The FLOP count behind TFLOP/s and MFU, against a count done by hand."""
 
-from trainer3d.config import ModelConfig
+from trainer3d.config.schema import ModelConfig
 from trainer3d.model.flops import flops_per_token, peak_tflops
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.runs import PARITY, assert_parity, losses, read_metrics, run_train
-from trainer3d.config import ModelConfig
+from trainer3d.config.schema import ModelConfig
 from trainer3d.model.flops import flops_per_token, peak_tflops
 
 pytestmark = [pytest.mark.gpu,

@@ -30,7 +30,7 @@ import transformers  # a dev dependency: missing, these tests fail rather than s
 from tests.runs import REL_TOL, read_metrics, run_train, train_in_ranks
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.export import export, load_full_model
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.hf.files import read_json
 from trainer3d.hf.mapping import from_hf, model_config
 from trainer3d.hf.source import HFSource
@@ -134,7 +134,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_first_step_loss_and_gradients_equal_transformers(runs, layout):
     from trainer3d.data.loader import build_readers
-    from trainer3d.validate import validate
+    from trainer3d.config.validate import validate
     from tests.test_validate import make
 
     data, _ = build_readers(validate(make([*COMMON, "parallel=single"])), dp=1, dp_rank=0)

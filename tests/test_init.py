@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
-from trainer3d.config import Config, ModelConfig
+from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.memory import planning_dims
 from trainer3d.model import normal_stream
 from trainer3d.model.init import RandomInit, TPShard, _seed_for, full_init

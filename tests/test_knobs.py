@@ -1,5 +1,5 @@
 """Every knob of the schema is checked: numeric ranges and choices from one table
-(trainer3d/knobs.py), keys outside the schema refused, a GPU asked for where there is none.
+(trainer3d/config/knobs.py), keys outside the schema refused, a GPU asked for where there is none.
 
 The sweeps below walk the dataclass schema itself, so a field added later without a range
 or a choice fails here; each invalid value is pushed through ``validate`` and must come back
@@ -19,9 +19,9 @@ from hydra import compose, initialize_config_dir
 
 from tests.test_validate import CONF_DIR, make
 from trainer3d import train
-from trainer3d.config import Config
-from trainer3d.knobs import CHOICES, FREE_TEXT, RANGES, unknown_keys
-from trainer3d.validate import ConfigError, validate
+from trainer3d.config.schema import Config
+from trainer3d.config.knobs import CHOICES, FREE_TEXT, RANGES, unknown_keys
+from trainer3d.config.validate import ConfigError, validate
 
 
 def _leaves(schema=Config, prefix=""):
@@ -47,7 +47,7 @@ def test_every_field_has_a_range_or_choices():
             unchecked.append(knob)
         if kind is str and knob not in CHOICES and knob not in FREE_TEXT:
             unchecked.append(knob)
-    assert not unchecked, f"knobs without a range or choice in trainer3d/knobs.py: {unchecked}"
+    assert not unchecked, f"knobs without a range or choice in trainer3d/config/knobs.py: {unchecked}"
 
 
 _DEFAULT = make()

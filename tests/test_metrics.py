@@ -15,7 +15,7 @@ from tests.conftest import CONF_DIR, ROOT
 from tests.harness import dims_for, run_ranks
 from tests.runs import read_metrics, run_train
 from tests.wandb_records import read_run, run_files
-from trainer3d.config import Config, ModelConfig
+from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.memory import engine_model_state_bytes
 from trainer3d.metrics import MetricsLogger
 from trainer3d.model.flops import flops_per_token
@@ -24,7 +24,7 @@ from trainer3d.parallel.zero import bucket_numel
 from trainer3d.telemetry import process_memory
 from trainer3d.topology import ParallelDims, Topology
 from trainer3d.trainer import Trainer
-from trainer3d.validate import validate
+from trainer3d.config.validate import validate
 
 KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_rank", "tflops_per_rank", "mfu",
         "step_time_s", "comm_s", "bubble", "bubble_theory", "skipped", "mem_state_bytes", "mem_rss_bytes"}

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from trainer3d.config import ModelConfig
+from trainer3d.config.schema import ModelConfig
 from trainer3d.model.init import full_init, init_parameters, local_init, mark_tp_shard
 from trainer3d.model.transformer import Transformer, count_parameters, cross_entropy_loss, token_rows
 
@@ -113,7 +113,7 @@ def test_tp_shard_init_is_a_slice_of_the_full_tensor_with_zero_padding():
 def test_fused_loss_on_one_rank_matches_torch_in_loss_and_gradient():
     """The engine's loss at tp = 1 (parallel/tensor_loss.py, no collectives) against torch's
     cross-entropy on fp32 logits; 16-bit logits against torch on their fp32 values."""
-    from trainer3d.config import Config
+    from trainer3d.config.schema import Config
     from trainer3d.memory import planning_dims
     from trainer3d.parallel import build_loss_fn
 

@@ -1,6 +1,6 @@
 import math
 
-from trainer3d.config import OptimConfig
+from trainer3d.config.schema import OptimConfig
 from trainer3d.optim import lr_at
 
 

@@ -12,7 +12,7 @@ import torch
 
 from tests.harness import dims_for, run_ranks
 from tests.zero_ranks import make_cfg, train_step
-from trainer3d.config import ModelConfig
+from trainer3d.config.schema import ModelConfig
 from trainer3d.model.transformer import Transformer
 from trainer3d.parallel import build_model_chunks, comm
 from trainer3d.parallel.buckets import FlatBuffers

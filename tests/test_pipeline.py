@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.harness import dims_for, run_ranks
-from trainer3d.config import Config, ModelConfig
+from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.model.init import init_parameters
 from trainer3d.model.transformer import Transformer, cross_entropy_loss
 from trainer3d.parallel import build_model_chunks, build_optimizer

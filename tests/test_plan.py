@@ -12,13 +12,13 @@ from omegaconf import OmegaConf
 
 from tests.conftest import CONF_DIR, ROOT
 from trainer3d import memory
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.memory import format_bytes
 from trainer3d.model.flops import layer_matmul_params, matmul_params
 from trainer3d.plan.devices import PRESETS, Device, device_for, load_calibration
 from trainer3d.plan.search import evaluate, search
 from trainer3d.plan.step_time import step_time
-from trainer3d.validate import validate
+from trainer3d.config.validate import validate
 
 
 

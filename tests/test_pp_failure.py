@@ -18,7 +18,7 @@ from tests.runs import PARITY
 from trainer3d.follow import follow
 from trainer3d.launch import run_rank
 from trainer3d.parallel.pipeline import Pipeline
-from trainer3d.validate import validate
+from trainer3d.config.validate import validate
 
 TIMEOUT_S = 20  # also bounds the rendezvous: leave room for 4 ranks importing torch on 2 busy cores
 

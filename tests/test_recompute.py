@@ -3,7 +3,7 @@
 import torch
 
 from tests.runs import PARITY, assert_parity, losses_in_ranks, reference_losses
-from trainer3d.config import ModelConfig
+from trainer3d.config.schema import ModelConfig
 from trainer3d.model.init import init_parameters
 from trainer3d.model.transformer import Transformer, cross_entropy_loss
 from trainer3d.parallel.activations import SavedActivationMeter

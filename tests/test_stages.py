@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from trainer3d.config import Config, ModelConfig
+from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.model.transformer import Transformer
 from trainer3d.parallel.bubble import StageClock, bubble_theory
 from trainer3d.parallel.stages import split_into_stages, stage_layer_ranges, stages_of_rank
-from trainer3d.validate import pipeline_micro_batch_problem
+from trainer3d.config.validate import pipeline_micro_batch_problem
 
 
 def counts(ranges):
@@ -163,7 +163,7 @@ def test_stage_clock_counts_only_busy_work():
 
 def test_dry_run_plan_shows_the_stages():
     from trainer3d.dry_run import describe_plan
-    from trainer3d.validate import validate
+    from trainer3d.config.validate import validate
 
     cfg = _cfg(n_layers=10, pp=4)
     cfg.parallel.dp, cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, 2, 16

@@ -91,7 +91,7 @@ def _ref_linear(n_in: int, n_out: int) -> nn.Linear:
 
 
 def _layer_cases(rank, world_size, sp):
-    from trainer3d.config import ModelConfig
+    from trainer3d.config.schema import ModelConfig
     from trainer3d.model.init import init_parameters
     from trainer3d.model.transformer import Attention, FeedForward
     from trainer3d.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,

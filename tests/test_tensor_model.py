@@ -30,7 +30,7 @@ def _valid_rows(weight, dims) -> int:
 
 
 def _config(tp: int, sp: bool):
-    from trainer3d.config import Config, ModelConfig
+    from trainer3d.config.schema import Config, ModelConfig
 
     cfg = Config()
     cfg.model = ModelConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=96, vocab_size=VOCAB,

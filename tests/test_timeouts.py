@@ -7,11 +7,11 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import dims_for, run_ranks
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.timeouts import GroupTimeouts, group_timeout_s, set_timeout
 from trainer3d.topology import ParallelDims, Topology
 from trainer3d.trainer import Trainer
-from trainer3d.validate import validate
+from trainer3d.config.validate import validate
 
 CPU = torch.device("cpu")
 NAMES = ("default", "tp", "dp", "pp", "embedding", "embedding_dp")

@@ -7,8 +7,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from trainer3d.config import Config
-from trainer3d.validate import ConfigError, validate
+from trainer3d.config.schema import Config
+from trainer3d.config.validate import ConfigError, validate
 from tests.conftest import CONF_DIR
 
 

@@ -109,7 +109,7 @@ def test_measured_bytes_match_the_engine_accounting(dp):
 
 def test_zero_memory_tool_reports_the_dry_runs_rank_shapes():
     """The tool's per-rank figure comes from the same meta-built shapes as dry_run=true."""
-    from trainer3d.config import Config
+    from trainer3d.config.schema import Config
     from trainer3d.memory import rank_parameter_shapes
 
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "zero_memory.py"), "--model", "tiny", "--tp", "2",

@@ -7,7 +7,7 @@ from typing import List, Tuple
 import torch
 import torch.nn.functional as F
 
-from trainer3d.config import Config, ModelConfig
+from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.model.init import canonical_name
 from trainer3d.optim import param_groups
 from trainer3d.parallel import build_model_chunks, build_optimizer

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from trainer3d.config import Config, ModelConfig  # noqa: E402
+from trainer3d.config.schema import Config, ModelConfig  # noqa: E402
 
 MODEL_PRESETS = Path(__file__).resolve().parent.parent / "conf" / "model"
 

@@ -35,7 +35,7 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer3d.config import Config, ModelConfig  # noqa: E402
+from trainer3d.config.schema import Config, ModelConfig  # noqa: E402
 from trainer3d.memory import engine_model_state_bytes, format_bytes, rank_parameter_shapes  # noqa: E402
 from trainer3d.model.flops import flops_per_token  # noqa: E402
 from trainer3d.parallel import build_loss_fn, build_model_chunks, build_optimizer  # noqa: E402

@@ -66,7 +66,7 @@ def _rank(rank, world, args):
     import torch
     import torch.distributed as dist
 
-    from trainer3d.config import Config, ModelConfig
+    from trainer3d.config.schema import Config, ModelConfig
     from trainer3d.parallel import build_loss_fn, build_model_chunks, build_optimizer
     from trainer3d.parallel.activations import SavedActivationMeter
     from trainer3d.parallel.tensor import sync_sequence_parallel_grads

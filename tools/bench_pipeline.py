@@ -81,7 +81,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from trainer3d.config import Config, ModelConfig  # noqa: E402
+from trainer3d.config.schema import Config, ModelConfig  # noqa: E402
 from trainer3d.local_ranks import run_ranks  # noqa: E402
 from trainer3d.model.transformer import cross_entropy_loss  # noqa: E402
 from trainer3d.parallel import build_model_chunks, build_optimizer  # noqa: E402
@@ -90,7 +90,7 @@ from trainer3d.parallel.pipeline import Pipeline  # noqa: E402
 from trainer3d.parallel.stages import stages_of_rank  # noqa: E402
 from trainer3d.topology import ParallelDims, Topology  # noqa: E402
 from trainer3d.trainer import MicroBatchLoss  # noqa: E402
-from trainer3d.validate import pipeline_micro_batch_problem  # noqa: E402
+from trainer3d.config.validate import pipeline_micro_batch_problem  # noqa: E402
 
 MODEL = ModelConfig(name="bench", dim=256, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=768,
                     vocab_size=257, max_seq_len=128)

@@ -28,13 +28,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from trainer3d.config import Config, ModelConfig  # noqa: E402
+from trainer3d.config.schema import Config, ModelConfig  # noqa: E402
 from trainer3d.parallel import build_loss_fn, build_model_chunks, build_optimizer  # noqa: E402
 from trainer3d.parallel.activations import SavedActivationMeter  # noqa: E402
 from trainer3d.peak_memory import rank_memory  # noqa: E402
 from trainer3d.topology import ParallelDims, Topology  # noqa: E402
 from trainer3d.trainer import MicroBatchLoss, Trainer  # noqa: E402
-from trainer3d.validate import validate  # noqa: E402
+from trainer3d.config.validate import validate  # noqa: E402
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
 GiB = 2 ** 30

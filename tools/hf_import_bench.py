@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer3d.config import Config  # noqa: E402
+from trainer3d.config.schema import Config  # noqa: E402
 from trainer3d.hf.check import apply_init_from  # noqa: E402
 from trainer3d.hf.mapping import hf_shapes, model_config  # noqa: E402
 from trainer3d.parallel import build_model_chunks  # noqa: E402

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_common import model_preset  # noqa: E402
-from trainer3d.config import Config  # noqa: E402
+from trainer3d.config.schema import Config  # noqa: E402
 from trainer3d.memory import (TABLE1_DP, TABLE1_MODELS, engine_model_state_bytes, format_gb,  # noqa: E402
                               paper_model_state_bytes, rank_parameter_shapes, table1)
 from trainer3d.topology import Topology  # noqa: E402

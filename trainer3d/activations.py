@@ -26,7 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
-from trainer3d.config import Config, ModelConfig
+from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.model.transformer import head_dim_of
 
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

@@ -19,7 +19,7 @@ from typing import List, Optional
 
 import torch
 
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 
 
 class DeviceError(RuntimeError):

@@ -13,7 +13,7 @@ from typing import List
 
 import torch
 
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.memory import engine_model_state_bytes, format_bytes, paper_model_state_bytes, rank_parameter_shapes
 from trainer3d.model.transformer import count_parameters
 from trainer3d.parallel.stages import describe_stages

@@ -20,7 +20,7 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.distributed as dist
 
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.device_check import rank_device
 from trainer3d.failure import rank_failures
 from trainer3d.follow import follow

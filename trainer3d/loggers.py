@@ -12,8 +12,8 @@ import uuid
 from pathlib import Path
 from typing import Iterable, Optional
 
-from trainer3d.config import Config
-from trainer3d.validate import layout_of
+from trainer3d.config.schema import Config
+from trainer3d.config.validate import layout_of
 
 SECRET_MARKERS = ("key", "token", "secret", "password")
 

@@ -49,7 +49,7 @@ from typing import Dict, List, Sequence, Tuple, Union
 
 import torch
 
-from trainer3d.config import Config, ModelConfig
+from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.parallel import build_meta_chunks
 from trainer3d.parallel.buckets import plan_buckets
 from trainer3d.parallel.stages import n_stages, stage_layer_ranges, stages_of_rank

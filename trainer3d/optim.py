@@ -5,7 +5,7 @@ from typing import Iterable, List, Tuple
 
 import torch
 
-from trainer3d.config import OptimConfig
+from trainer3d.config.schema import OptimConfig
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

@@ -29,7 +29,7 @@ from typing import Dict, List, Tuple
 
 from trainer3d.activations import (FP32, Sizes, chunk_terms, layer_terms, peak_in_flight, schedule_ops,
                                    shared_terms)
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.memory import BYTES, ModelStateBytes, engine_model_state_bytes, model_shapes, stage_parameter_shapes
 from trainer3d.parallel.stages import n_stages, stage_layer_ranges, stages_of_rank
 

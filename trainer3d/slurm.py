@@ -29,13 +29,13 @@ import submitit
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.follow import follow
 from trainer3d.heartbeat import heartbeat_dir
 from trainer3d.interrupt import Interrupted, JobSignals, new_token
 from trainer3d.launch import TrainTask, submit_with_token
 from trainer3d.runlock import RunDirBusy, RunDirLock
-from trainer3d.validate import world_size_of
+from trainer3d.config.validate import world_size_of
 
 # Hints for sbatch's refusals (its message is shown in full; the hint names the knob).
 _SBATCH_HINTS = (

@@ -19,15 +19,15 @@ from omegaconf import DictConfig, OmegaConf
 from trainer3d.checkpoint.choose import choose
 from trainer3d.checkpoint.manager import checkpoint_root
 from trainer3d.checkpoint.store import CheckpointError
-from trainer3d.config import Config  # noqa: F401  (registers the schema in the ConfigStore)
+from trainer3d.config.schema import Config  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.data.checks import check_data
 from trainer3d.device_check import machine_problems
 from trainer3d.dry_run import print_plan
 from trainer3d.hf.check import apply_init_from
-from trainer3d.knobs import path_problems, unknown_keys
+from trainer3d.config.knobs import path_problems, unknown_keys
 from trainer3d.launch import TrainTask, in_distributed_env, launch_local
 from trainer3d.slurm import launch_slurm
-from trainer3d.validate import ConfigError, validate, world_size_of
+from trainer3d.config.validate import ConfigError, validate, world_size_of
 
 
 def resolve(dcfg: DictConfig) -> Config:

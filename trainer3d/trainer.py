@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from trainer3d.checkpoint.manager import Checkpointer
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.data.loader import Prefetcher, build_readers
 from trainer3d.data.sources import eval_batches, evaluates
 from trainer3d.evaluate import Evaluator

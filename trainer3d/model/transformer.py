@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer3d.config import ModelConfig, RopeScalingConfig
+from trainer3d.config.schema import ModelConfig, RopeScalingConfig
 
 
 class RMSNorm(nn.Module):

@@ -22,7 +22,7 @@ from typing import Callable, List
 import torch
 from torch import nn
 
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.hf.source import HFSource
 from trainer3d.model.init import ParameterSource, RandomInit, fill_parameters
 from trainer3d.model.transformer import Transformer

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from trainer3d.config import OptimConfig
+from trainer3d.config.schema import OptimConfig
 from trainer3d.model.init import TPShard, tp_shard_of
 from trainer3d.optim import decays
 

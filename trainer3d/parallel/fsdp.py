@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.model.init import canonical_name, mark_tp_shard, tp_shard_of
 from trainer3d.optim import decays
 from trainer3d.parallel.adamw import adamw_update_

@@ -33,11 +33,11 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.parallel.bubble import StageClock, bubble_theory
 from trainer3d.parallel.stages import stages_of_rank
 from trainer3d.topology import ParallelDims
-from trainer3d.validate import pipeline_micro_batch_problem
+from trainer3d.config.validate import pipeline_micro_batch_problem
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
 

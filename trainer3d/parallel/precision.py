@@ -18,7 +18,7 @@ from typing import Dict, Optional
 
 import torch
 
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """``train.dtype`` -> the dtype the model computes in."""

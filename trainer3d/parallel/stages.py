@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence
 
 from torch import nn
 
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.parallel.bubble import bubble_theory
 from trainer3d.topology import ParallelDims
 

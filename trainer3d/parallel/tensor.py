@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.model.init import mark_tp_shard, tp_shard_of
 from trainer3d.parallel.optimizer import ZeroOptimizer
 from trainer3d.parallel.tensor_comm import ENTER, LEAVE

@@ -25,7 +25,7 @@ With tp = 1 the same function is the loss, without the collectives.
 import torch
 import torch.distributed as dist
 
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.model.transformer import token_rows
 from trainer3d.topology import ParallelDims
 

@@ -28,7 +28,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.model.init import canonical_name, tp_shard_of
 from trainer3d.parallel import comm
 from trainer3d.parallel.adamw import FlatAdamW, segments_of

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer3d.activations import Sizes, layer_terms
-from trainer3d.config import Config, ModelConfig
+from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.model.transformer import Block
 from trainer3d.plan.devices import DEFAULT_CALIBRATION, Device
 from trainer3d.plan.probe import measured_step_s, training_config

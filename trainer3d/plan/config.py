@@ -11,7 +11,7 @@ from typing import List
 
 from hydra.core.config_store import ConfigStore
 
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.plan.devices import DEFAULT_CALIBRATION
 
 

@@ -16,8 +16,8 @@ from typing import List, Sequence
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from trainer3d.config import Config
-from trainer3d.validate import validate
+from trainer3d.config.schema import Config
+from trainer3d.config.validate import validate
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,12 +18,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-from trainer3d.config import Config, LauncherConfig
+from trainer3d.config.schema import Config, LauncherConfig
 from trainer3d.peak_memory import RankMemory, rank_memory
 from trainer3d.plan.config import PlanConfig
 from trainer3d.plan.devices import Device
 from trainer3d.plan.step_time import StepTime, ranks_evaluated, step_time, tokens_per_s
-from trainer3d.validate import ConfigError, validate
+from trainer3d.config.validate import ConfigError, validate
 
 GiB = 2 ** 30
 

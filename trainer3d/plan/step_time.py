@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Dict, List
 
 from trainer3d.activations import FP32, Sizes, layer_terms
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.memory import BYTES, ModelStateBytes
 from trainer3d.model.flops import layer_matmul_params
 from trainer3d.parallel.stages import n_stages, stage_layer_ranges, stages_of_rank

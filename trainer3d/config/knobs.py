@@ -1,6 +1,6 @@
 """Every knob's valid values, as tables: numeric ranges, string choices, the schema's keys.
 
-``validate`` (trainer3d/validate.py) checks each numeric knob against ``RANGES`` and each
+``validate`` (trainer3d/config/validate.py) checks each numeric knob against ``RANGES`` and each
 string knob against ``CHOICES`` (or lists it in ``FREE_TEXT``): the tests hold every field
 of the schema to being in one of them, so a new knob cannot arrive unchecked. NaN and inf
 are refused everywhere (a NaN compares false with every bound). ``unknown_keys`` finds keys
@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, ListConfig
 
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Every knob lives in one of these dataclasses, registered in Hydra's ConfigStore as the
 schema; the YAML files in ``conf/`` only select a group member and override values, so a
 typo or a wrong type is refused by Hydra before anything runs. Cross-field rules (batch
-arithmetic, divisibility, ZeRO with pipelining) are checked by ``trainer3d.validate``.
+arithmetic, divisibility, ZeRO with pipelining) are checked by ``trainer3d.config.validate``.
 """
 
 from dataclasses import dataclass, field

@@ -9,8 +9,8 @@ import copy
 from typing import List, Optional
 
 from trainer3d import device_check
-from trainer3d.config import Config
-from trainer3d.knobs import choice_problems, range_problems
+from trainer3d.config.schema import Config
+from trainer3d.config.knobs import choice_problems, range_problems
 
 class ConfigError(ValueError):
     """A config the engine refuses; ``problems`` holds one line per broken rule."""
@@ -60,7 +60,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> Config:
 
 
 def _check_ranges(cfg: Config, problems: List[str]) -> None:
-    """Every numeric knob in its range (the table of trainer3d/knobs.py)."""
+    """Every numeric knob in its range (the table of trainer3d/config/knobs.py)."""
     problems += range_problems(cfg)
     if cfg.optim.min_lr > cfg.optim.lr:
         problems.append(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}; "
