@@ -32,8 +32,8 @@ from tests.conftest import CONF_DIR
 from trainer3d.config.schema import Config
 from trainer3d.data.checks import check_data
 from trainer3d.hf.check import apply_init_from
-from trainer3d.launch import TrainTask
-from trainer3d.local_ranks import run_ranks
+from trainer3d.job.launch import TrainTask
+from trainer3d.job.local_ranks import run_ranks
 from trainer3d.config.validate import validate
 
 

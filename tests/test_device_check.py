@@ -1,4 +1,4 @@
-"""Devices are decided and checked, never guessed (trainer3d/device_check.py): the pure rules
+"""Devices are decided and checked, never guessed (trainer3d/job/device_check.py): the pure rules
 through validate(), the local machine's GPU count before launch, and the rank's own check.
 No GPU needed: the machine's GPU count is a parameter, the rank check is fed a CPU-only torch."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.test_validate import make
-from trainer3d.device_check import DeviceError, machine_problems, rank_device, uses_cuda
-from trainer3d.slurm import slurm_parameters
+from trainer3d.job.device_check import DeviceError, machine_problems, rank_device, uses_cuda
+from trainer3d.job.slurm import slurm_parameters
 from trainer3d.config.validate import ConfigError, validate
 
 SLURM = ["launcher=slurm", "launcher.nodes=1"]

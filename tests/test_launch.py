@@ -8,7 +8,7 @@ import pytest
 import submitit
 import torch.distributed as dist
 
-from trainer3d.follow import follow
+from trainer3d.job.follow import follow
 
 
 def _init():

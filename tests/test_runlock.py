@@ -9,14 +9,14 @@ import sys
 import pytest
 
 from tests.background import Run
-from trainer3d.runlock import RunDirBusy, RunDirLock
+from trainer3d.job.runlock import RunDirBusy, RunDirLock
 
 SMALL = ("parallel=single", "train.max_steps=100000", "train.log_every=1", "train.seq_len=64",
          "train.micro_batch_size=2", "train.global_batch_size=16", "train.grad_accum_steps=null")
 
 
 def test_the_lock_names_its_holder_and_dies_with_it(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from trainer3d.runlock import RunDirLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from trainer3d.job.runlock import RunDirLock; "
                                f"RunDirLock({str(tmp_path)!r}).acquire(job_id='4242'); print('held', flush=True); "
                                "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
     try:

@@ -28,7 +28,7 @@ from trainer3d.parallel.optimizer import ZeroOptimizer
 from trainer3d.parallel.pipeline import Pipeline
 from trainer3d.parallel.tensor import sync_sequence_parallel_grads
 from trainer3d.parallel.tied import sum_tied_gradients
-from trainer3d.preemption import Stop, StopSignal
+from trainer3d.job.preemption import Stop, StopSignal
 from trainer3d.telemetry import model_state_bytes, resolve_peak_tflops
 from trainer3d.timeouts import GroupTimeouts
 from trainer3d.topology import ParallelDims
@@ -71,7 +71,7 @@ class Trainer:
         self.stop_signal = StopSignal()
         self.stopped: Optional[Stop] = None
         self.heartbeat = None
-        """Set by the launcher (trainer3d/heartbeat.py): told the steps completed at each step boundary."""
+        """Set by the launcher (trainer3d/job/heartbeat.py): told the steps completed at each step boundary."""
         t = cfg.train
         # The stop signal's own group too: its check is waited for at every step boundary, and
         # torch gives a group made without a timeout 30 minutes.
@@ -176,7 +176,7 @@ class Trainer:
             if self.checkpointer.due(step + 1):
                 self.nonfinite.check()  # never a checkpoint of weights trained on a non-finite loss
                 self.save_checkpoint(step + 1)
-            # The same on every rank (trainer3d/preemption.py); after the last step there is nothing to stop.
+            # The same on every rank (trainer3d/job/preemption.py); after the last step there is nothing to stop.
             flag = self.stop_signal.agreed() if step + 1 < t.max_steps else 0
             if flag:
                 self.stopped = Stop(step=step + 1, flag=flag)

@@ -8,7 +8,7 @@ give): it derives the missing batch knob and returns a completed copy, or raises
 import copy
 from typing import List, Optional
 
-from trainer3d import device_check
+from trainer3d.job import device_check
 from trainer3d.config.schema import Config
 from trainer3d.config.knobs import choice_problems, range_problems
 

@@ -1,12 +1,12 @@
 """Start the ranks: through submitit (local processes or a Slurm job), or in place.
 
 The submitting process validates the config, prepares the data, takes the run dir's lock
-(trainer3d/runlock.py), submits ``TrainTask`` and follows the job (trainer3d/follow.py):
+(trainer3d/job/runlock.py), submits ``TrainTask`` and follows the job (trainer3d/job/follow.py):
 it echoes rank 0's progress lines; if a rank fails or stops beating it ends the job and
 names the cause; if it is itself told to stop (SIGTERM, SIGINT, SIGHUP) it ends the job
-first (trainer3d/interrupt.py). Inside each task, submitit's ``TorchDistributedEnvironment``
+first (trainer3d/job/interrupt.py). Inside each task, submitit's ``TorchDistributedEnvironment``
 exports MASTER_ADDR/PORT, RANK and WORLD_SIZE, the rank starts its heartbeat
-(trainer3d/heartbeat.py), and the process group starts with an explicit timeout, so a dead
+(trainer3d/job/heartbeat.py), and the process group starts with an explicit timeout, so a dead
 peer ends the job instead of hanging it for gloo's default 30 minutes.
 """
 
@@ -21,13 +21,13 @@ import torch._inductor.config as inductor_config
 import torch.distributed as dist
 
 from trainer3d.config.schema import Config
-from trainer3d.device_check import rank_device
-from trainer3d.failure import rank_failures
-from trainer3d.follow import follow
-from trainer3d.heartbeat import Heartbeat, heartbeat_dir
-from trainer3d.interrupt import TOKEN_VAR, Interrupted, JobSignals, end_processes, new_token, processes_with_token
-from trainer3d.preemption import leave
-from trainer3d.runlock import RunDirBusy, RunDirLock
+from trainer3d.job.device_check import rank_device
+from trainer3d.job.failure import rank_failures
+from trainer3d.job.follow import follow
+from trainer3d.job.heartbeat import Heartbeat, heartbeat_dir
+from trainer3d.job.interrupt import TOKEN_VAR, Interrupted, JobSignals, end_processes, new_token, processes_with_token
+from trainer3d.job.preemption import leave
+from trainer3d.job.runlock import RunDirBusy, RunDirLock
 from trainer3d.timeouts import seconds
 from trainer3d.topology import ParallelDims, Topology
 from trainer3d.trainer import Trainer
@@ -148,7 +148,7 @@ class TrainTask:
 
     def checkpoint(self, *args, **kwargs) -> Optional[submitit.helpers.DelayedSubmission]:
         """submitit's requeue hook, run on rank 0 once every rank has stopped at the same step and
-        saved (trainer3d/preemption.py): the same task again (it resumes from the newest
+        saved (trainer3d/job/preemption.py): the same task again (it resumes from the newest
         checkpoint, train.resume=auto), or None past launcher.max_requeues, which ends the job."""
         cap = self.cfg.launcher.max_requeues
         if self.requeues >= cap:

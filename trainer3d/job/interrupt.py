@@ -26,7 +26,7 @@ TOKEN_VAR = "TRAINER3D_JOB"
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 KILL_WAIT_S = 10.0
 """After SIGTERM, ranks get this long to stop (they save a checkpoint at the next step boundary,
-trainer3d/preemption.py) before SIGKILL — the part Slurm's KillWait plays on a cluster."""
+trainer3d/job/preemption.py) before SIGKILL — the part Slurm's KillWait plays on a cluster."""
 
 
 class Interrupted(BaseException):
