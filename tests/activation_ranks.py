@@ -9,9 +9,9 @@ storage autograd saves for backward once while any reference to it is saved.
 Each rank returns, per layout: its pipeline rank, the peak saved bytes over the measured
 step, the bytes still saved after it (0: backward freed everything) and the bytes of its
 pipeline stages' receive buffers. tests/test_activation_memory.py compares them with
-``trainer3d.peak_memory``. After an engine change that moves activations (a new layout of
+``trainer3d.memory.peak``. After an engine change that moves activations (a new layout of
 sequence parallelism, a chunked loss), re-run that test: a failing stage prints its
-predicted terms next to the measured total; change the term in trainer3d/activations.py
+predicted terms next to the measured total; change the term in trainer3d/memory/activations.py
 (and docs/memory.md) that no longer matches.
 """
 
@@ -67,7 +67,7 @@ def measure(rank: int, world: int, layouts: List[dict]) -> List[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from trainer3d.parallel import build_loss_fn, build_model_chunks, build_optimizer
-    from trainer3d.parallel.activations import SavedActivationMeter
+    from trainer3d.memory.meter import SavedActivationMeter
     from trainer3d.parallel.pipeline import Pipeline
     from trainer3d.trainer import MicroBatchLoss, Trainer
 

@@ -1,12 +1,12 @@
-"""Activation memory: trainer3d/activations.py's per-term formula, held to the bytes autograd
+"""Activation memory: trainer3d/memory/activations.py's per-term formula, held to the bytes autograd
 really saves, stage by stage, through the real pipeline and trainer (tests/activation_ranks.py)."""
 
 import pytest
 
 from tests.activation_ranks import layout_config, measure
 from tests.harness import run_ranks
-from trainer3d.activations import Sizes, layer_terms, schedule_ops
-from trainer3d.peak_memory import rank_memory, receive_buffer_bytes
+from trainer3d.memory.activations import Sizes, layer_terms, schedule_ops
+from trainer3d.memory.peak import rank_memory, receive_buffer_bytes
 from trainer3d.parallel.stages import n_stages, stages_of_rank
 from trainer3d.config.validate import validate
 

@@ -1,5 +1,5 @@
 """tools/bench_gpu.py: refuses a machine without CUDA in one line; its CPU smoke mode prints the table
-with the model-state bytes trainer3d/memory.py predicts (the GPU figures come from a GPU machine)."""
+with the model-state bytes trainer3d/memory/states.py predicts (the GPU figures come from a GPU machine)."""
 
 import subprocess
 import sys
@@ -9,7 +9,7 @@ import torch
 
 from tests.conftest import ROOT
 from trainer3d.config.schema import ModelConfig
-from trainer3d.memory import engine_model_state_bytes, format_bytes
+from trainer3d.memory.states import engine_model_state_bytes, format_bytes
 from trainer3d.model.transformer import count_parameters
 
 TOOL = [sys.executable, str(ROOT / "tools" / "bench_gpu.py")]

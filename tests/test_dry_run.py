@@ -9,8 +9,8 @@ import torch
 from tests.conftest import ROOT
 from tests.harness import dims_for, run_ranks
 from trainer3d.config.schema import Config
-from trainer3d.memory import engine_model_state_bytes
-from trainer3d.memory import rank_parameter_shapes
+from trainer3d.memory.states import engine_model_state_bytes
+from trainer3d.memory.states import rank_parameter_shapes
 from trainer3d.config.validate import validate
 
 
@@ -64,8 +64,8 @@ def test_planned_shapes_are_the_ranks_real_shapes(layout):
 
 
 def test_dry_run_peak_is_the_accounting_the_planner_uses():
-    from trainer3d.dry_run import peak_lines
-    from trainer3d.peak_memory import rank_memory
+    from trainer3d.memory.dry_run import peak_lines
+    from trainer3d.memory.peak import rank_memory
 
     cfg = _cfg(tp=2, pp=2, dp=1, sequence_parallel=True)
     lines = peak_lines(cfg)
@@ -79,7 +79,7 @@ def test_dry_run_peak_is_the_accounting_the_planner_uses():
 
 
 def test_planned_memory_is_the_engine_accounting_of_those_shapes():
-    from trainer3d.dry_run import memory_lines
+    from trainer3d.memory.dry_run import memory_lines
     cfg = _cfg(pp=2, dp=4, zero_stage=1)
     shapes = rank_parameter_shapes(cfg, 0)
     engine = engine_model_state_bytes(shapes, 4, 1, "fp32", int(cfg.parallel.bucket_mb * 2 ** 20) // 4)

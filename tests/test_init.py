@@ -11,7 +11,7 @@ import torch
 
 from tests.conftest import ROOT
 from trainer3d.config.schema import Config, ModelConfig
-from trainer3d.memory import planning_dims
+from trainer3d.memory.states import planning_dims
 from trainer3d.model import normal_stream
 from trainer3d.model.init import RandomInit, TPShard, _seed_for, full_init
 from trainer3d.model.transformer import output_projection_std

@@ -16,7 +16,7 @@ from tests.harness import dims_for, run_ranks
 from tests.runs import read_metrics, run_train
 from tests.wandb_records import read_run, run_files
 from trainer3d.config.schema import Config, ModelConfig
-from trainer3d.memory import engine_model_state_bytes
+from trainer3d.memory.states import engine_model_state_bytes
 from trainer3d.metrics import MetricsLogger
 from trainer3d.model.flops import flops_per_token
 from trainer3d.parallel import build_meta_chunks
@@ -33,7 +33,7 @@ SMALL = ("train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_siz
 
 
 def _state_bytes_by_accounting(overrides) -> int:
-    """trainer3d.memory's model-state bytes of the run's layout, max over its ranks (per
+    """trainer3d.memory.states's model-state bytes of the run's layout, max over its ranks (per
     pipeline stage: the shapes a rank of that stage holds, built on the meta device)."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = validate(OmegaConf.to_object(compose(config_name="config", overrides=[*overrides, "run_dir=/unused",

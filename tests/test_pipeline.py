@@ -12,7 +12,7 @@ from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.model.init import init_parameters
 from trainer3d.model.transformer import Transformer, cross_entropy_loss
 from trainer3d.parallel import build_model_chunks, build_optimizer
-from trainer3d.parallel.activations import SavedActivationMeter
+from trainer3d.memory.meter import SavedActivationMeter
 from trainer3d.parallel.pipeline import Pipeline
 from trainer3d.trainer import MicroBatchLoss
 

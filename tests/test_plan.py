@@ -11,9 +11,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.conftest import CONF_DIR, ROOT
-from trainer3d import memory
+from trainer3d.memory import states as memory
 from trainer3d.config.schema import Config
-from trainer3d.memory import format_bytes
+from trainer3d.memory.states import format_bytes
 from trainer3d.model.flops import layer_matmul_params, matmul_params
 from trainer3d.plan.devices import PRESETS, Device, device_for, load_calibration
 from trainer3d.plan.search import evaluate, search

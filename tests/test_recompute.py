@@ -6,7 +6,7 @@ from tests.runs import PARITY, assert_parity, losses_in_ranks, reference_losses
 from trainer3d.config.schema import ModelConfig
 from trainer3d.model.init import init_parameters
 from trainer3d.model.transformer import Transformer, cross_entropy_loss
-from trainer3d.parallel.activations import SavedActivationMeter
+from trainer3d.memory.meter import SavedActivationMeter
 from trainer3d.parallel.recompute import checkpoint_layers
 
 CFG = ModelConfig(name="t", dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=97)

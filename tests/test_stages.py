@@ -162,7 +162,7 @@ def test_stage_clock_counts_only_busy_work():
 
 
 def test_dry_run_plan_shows_the_stages():
-    from trainer3d.dry_run import describe_plan
+    from trainer3d.memory.dry_run import describe_plan
     from trainer3d.config.validate import validate
 
     cfg = _cfg(n_layers=10, pp=4)
@@ -175,7 +175,7 @@ def test_dry_run_plan_shows_the_stages():
 # ----------------------------------------------------------------- the saved-activation meter
 
 def test_meter_counts_saved_tensors_once_until_backward_frees_them():
-    from trainer3d.parallel.activations import SavedActivationMeter
+    from trainer3d.memory.meter import SavedActivationMeter
 
     w = torch.nn.Parameter(torch.randn(64, 32))
     x = torch.randn(16, 64, requires_grad=True)

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from trainer3d.memory import engine_model_state_bytes, paper_model_state_bytes, table1
+from trainer3d.memory.states import engine_model_state_bytes, paper_model_state_bytes, table1
 from trainer3d.model.transformer import Transformer
 from trainer3d.parallel.zero import bucket_numel
 from trainer3d.telemetry import model_state_bytes
@@ -100,7 +100,7 @@ def _measure(rank, world):
 def test_measured_bytes_match_the_engine_accounting(dp):
     """Per rank: parameters + gradients + optimizer state, counted as tensor storage bytes
     (trainer3d.telemetry, what metrics.jsonl reports as mem_state_bytes), within 2% of
-    trainer3d.memory — at the step (FSDP2 has freed what it gathered) and, for ZeRO-2, while
+    trainer3d.memory.states — at the step (FSDP2 has freed what it gathered) and, for ZeRO-2, while
     the full parameters are gathered between forward and backward."""
     for rank, rows in enumerate(run_ranks(_measure, dp, timeout=300)):
         for stage, dtype, when, measured, expected in rows:
@@ -110,7 +110,7 @@ def test_measured_bytes_match_the_engine_accounting(dp):
 def test_zero_memory_tool_reports_the_dry_runs_rank_shapes():
     """The tool's per-rank figure comes from the same meta-built shapes as dry_run=true."""
     from trainer3d.config.schema import Config
-    from trainer3d.memory import rank_parameter_shapes
+    from trainer3d.memory.states import rank_parameter_shapes
 
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "zero_memory.py"), "--model", "tiny", "--tp", "2",
                            "--pp", "2", "--dp", "2", "--zero-stage", "1", "--dtype", "fp32"],

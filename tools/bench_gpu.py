@@ -12,7 +12,7 @@ checkpointing. Each variant runs ``--warmup`` untimed steps (compilation happens
 ``--steps`` timed ones on random tokens; the table gives the median step's tokens/s, the MFU
 against the device's data-sheet peak (trainer3d/model/flops.py; PaLM's FLOP count, as the
 trainer's metrics), the peak allocated CUDA memory and, next to it, the model-state bytes
-trainer3d/memory.py predicts (parameters, gradients, master weights, Adam moments): the rest
+trainer3d/memory/states.py predicts (parameters, gradients, master weights, Adam moments): the rest
 of the peak is activations and workspace.
 
 On a machine without CUDA it exits with status 2 and says so, unless ``--device cpu`` (the
@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer3d.config.schema import Config, ModelConfig  # noqa: E402
-from trainer3d.memory import engine_model_state_bytes, format_bytes, rank_parameter_shapes  # noqa: E402
+from trainer3d.memory.states import engine_model_state_bytes, format_bytes, rank_parameter_shapes  # noqa: E402
 from trainer3d.model.flops import flops_per_token  # noqa: E402
 from trainer3d.parallel import build_loss_fn, build_model_chunks, build_optimizer  # noqa: E402
 from trainer3d.telemetry import peak_rss_bytes, resolve_peak_tflops  # noqa: E402

@@ -10,7 +10,7 @@ engine's own pieces (``build_model_chunks``, ``build_optimizer``, ``build_loss_f
 trainer's step order) and report, for rank 0:
 
 - saved MiB / micro-batch: what autograd keeps for backward (``SavedActivationMeter``,
-  trainer3d/parallel/activations.py), the peak over one micro-batch's forward;
+  trainer3d/memory/meter.py), the peak over one micro-batch's forward;
 - allocated MiB / step: the bytes of every tensor the step's operators create (outputs of
   out-of-place operators, seen by a ``TorchDispatchMode``): copies, clones and temporary
   buffers show up here even when they are freed at once; allocations / step: how many;
@@ -68,7 +68,7 @@ def _rank(rank, world, args):
 
     from trainer3d.config.schema import Config, ModelConfig
     from trainer3d.parallel import build_loss_fn, build_model_chunks, build_optimizer
-    from trainer3d.parallel.activations import SavedActivationMeter
+    from trainer3d.memory.meter import SavedActivationMeter
     from trainer3d.parallel.tensor import sync_sequence_parallel_grads
     from trainer3d.topology import ParallelDims, Topology
 

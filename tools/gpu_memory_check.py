@@ -7,11 +7,11 @@
 Each point builds the model by the trainer's own recipe on one rank (ZeRO stage 0, the
 engine's flat buffers), runs two steps (forward_backward -> reduce -> clip -> AdamW step, as
 ``Trainer.train_step`` does), resets the allocator's peak before the second and compares
-``torch.cuda.max_memory_allocated`` with ``trainer3d.peak_memory.rank_memory`` (model states
+``torch.cuda.max_memory_allocated`` with ``trainer3d.memory.peak.rank_memory`` (model states
 + saved activations + buffers + the largest transient). The issue's target is within 10%.
 
 Without a GPU (``--device cpu``) the same points run on the CPU and the comparison is the
-saved-activation peak (the meter of trainer3d/parallel/activations.py) against the
+saved-activation peak (the meter of trainer3d/memory/meter.py) against the
 accounting's activation term: a check that the tool's path works, not of the GPU figure.
 """
 
@@ -30,8 +30,8 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from trainer3d.config.schema import Config, ModelConfig  # noqa: E402
 from trainer3d.parallel import build_loss_fn, build_model_chunks, build_optimizer  # noqa: E402
-from trainer3d.parallel.activations import SavedActivationMeter  # noqa: E402
-from trainer3d.peak_memory import rank_memory  # noqa: E402
+from trainer3d.memory.meter import SavedActivationMeter  # noqa: E402
+from trainer3d.memory.peak import rank_memory  # noqa: E402
 from trainer3d.topology import ParallelDims, Topology  # noqa: E402
 from trainer3d.trainer import MicroBatchLoss, Trainer  # noqa: E402
 from trainer3d.config.validate import validate  # noqa: E402

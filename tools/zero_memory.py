@@ -4,9 +4,9 @@
     python tools/zero_memory.py --model 7b --dp 8 --zero-stage 1 --dtype bf16 [--tp 2 --pp 4]
 
 The second form takes conf/model/<name>.yaml and prints, for the pipeline stage with the
-most parameters, the paper's figure and this engine's term by term (trainer3d/memory.py
+most parameters, the paper's figure and this engine's term by term (trainer3d/memory/states.py
 states why they differ). The per-rank shapes are the ones the dry run uses
-(``trainer3d.memory.rank_parameter_shapes``): the real stage split and tensor-parallel
+(``trainer3d.memory.states.rank_parameter_shapes``): the real stage split and tensor-parallel
 layers applied to the model built on the meta device (no memory).
 """
 
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_common import model_preset  # noqa: E402
 from trainer3d.config.schema import Config  # noqa: E402
-from trainer3d.memory import (TABLE1_DP, TABLE1_MODELS, engine_model_state_bytes, format_gb,  # noqa: E402
+from trainer3d.memory.states import (TABLE1_DP, TABLE1_MODELS, engine_model_state_bytes, format_gb,  # noqa: E402
                               paper_model_state_bytes, rank_parameter_shapes, table1)
 from trainer3d.topology import Topology  # noqa: E402
 

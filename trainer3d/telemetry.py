@@ -6,7 +6,7 @@ gathers these per-rank figures once per logging interval.
 - ``model_state_bytes``: bytes of every tensor storage behind the model's parameters (and
   their gradients) and the optimizer's declared state (``ZeroOptimizer.state_tensors``),
   each storage counted once however many views share it — the measured counterpart of
-  ``trainer3d.memory``.
+  ``trainer3d.memory.states``.
 - ``process_memory``: on CPU the process's resident set (peak, from the kernel); on GPU
   torch's peak allocated and reserved bytes (allocator statistics, no sync).
 - ``CommTimer``: wall time the host spends inside the step's communication calls (the dp

@@ -22,7 +22,7 @@ from trainer3d.checkpoint.store import CheckpointError
 from trainer3d.config.schema import Config  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.data.checks import check_data
 from trainer3d.job.device_check import machine_problems
-from trainer3d.dry_run import print_plan
+from trainer3d.memory.dry_run import print_plan
 from trainer3d.hf.check import apply_init_from
 from trainer3d.config.knobs import path_problems, unknown_keys
 from trainer3d.job.launch import TrainTask, in_distributed_env, launch_local

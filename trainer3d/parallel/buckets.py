@@ -59,7 +59,7 @@ def plan_buckets(numels: Sequence[int], bucket_numel: int, pad_multiple: int
                  ) -> Tuple[List[int], List[Tuple[int, int, List[int]]], int]:
     """Offsets of tensors laid out in order, buckets (start, end, member indices), total length.
 
-    A pure function, shared with ``trainer3d.memory`` so the accounting pads exactly as the
+    A pure function, shared with ``trainer3d.memory.states`` so the accounting pads exactly as the
     engine does. A bucket is closed before a tensor would take it past ``bucket_numel``.
     """
     offsets: List[int] = []

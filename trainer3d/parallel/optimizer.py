@@ -122,7 +122,7 @@ class ZeroOptimizer(ABC):
 
     @abstractmethod
     def state_tensors(self) -> Dict[str, List[torch.Tensor]]:
-        """The tensors this optimizer holds, by term of trainer3d/memory.py (``TERMS``):
+        """The tensors this optimizer holds, by term of trainer3d/memory/states.py (``TERMS``):
         params (the model's storage it manages), grads, master, optimizer (moments, step
         counter, loss scaler)."""
 

@@ -16,7 +16,7 @@ update):
   ``step()`` and waited for where the next forward first reads them (param_gather.py).
   Nothing model-sized is allocated after construction.
 
-Stages 2 and 3 (pp == 1) go through FSDP2: parallel/fsdp.py. ``trainer3d.memory`` states what
+Stages 2 and 3 (pp == 1) go through FSDP2: parallel/fsdp.py. ``trainer3d.memory.states`` states what
 each stage allocates; tests/test_zero_memory.py holds the engine to it.
 
 Stages 0-3 implement the optimizer contract of parallel/optimizer.py, the only way the trainer,

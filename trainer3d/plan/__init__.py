@@ -6,6 +6,6 @@ which is fastest.
     devices.py     device presets (with their sources) and calibration files
     calibrate.py   --calibrate: this machine's matmul rate, memory bandwidth, collectives
     step_time.py   the step-time model
-    search.py      enumerate, validate(), fit (trainer3d/peak_memory.py), time, rank
+    search.py      enumerate, validate(), fit (trainer3d/memory/peak.py), time, rank
     report.py      the table and the training commands
 """

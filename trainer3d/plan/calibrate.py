@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer3d.activations import Sizes, layer_terms
+from trainer3d.memory.activations import Sizes, layer_terms
 from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.model.transformer import Block
 from trainer3d.plan.devices import DEFAULT_CALIBRATION, Device

@@ -9,7 +9,7 @@ pp > 1). Two of validate()'s rules shape the space instead of filtering it (ZeRO
 without a pipeline; at least one layer per stage), and without data parallelism only ZeRO
 stage 0 is tried (the others shard over dp = 1: the same layout). Every candidate goes through the engine's own ``validate()`` (its refusals are
 counted by the knob they name), then through the peak-memory accounting of the ranks that
-bound it (trainer3d/peak_memory.py), then through the step-time model (step_time.py).
+bound it (trainer3d/memory/peak.py), then through the step-time model (step_time.py).
 """
 
 import dataclasses
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from trainer3d.config.schema import Config, LauncherConfig
-from trainer3d.peak_memory import RankMemory, rank_memory
+from trainer3d.memory.peak import RankMemory, rank_memory
 from trainer3d.plan.config import PlanConfig
 from trainer3d.plan.devices import Device
 from trainer3d.plan.step_time import StepTime, ranks_evaluated, step_time, tokens_per_s

@@ -7,7 +7,7 @@ the final norm, head and loss on the last):
                                               trainer3d/model/flops.py), attention scores
                                               counted causally (half of PaLM's 4sh)
              + elementwise bytes / bandwidth  norms, RoPE, SwiGLU, softmax: 2 passes over what
-                                              the block saves (trainer3d/activations.py)
+                                              the block saves (trainer3d/memory/activations.py)
              + tensor-parallel collectives    2 all-reduces per block (or all-gather +
                                               reduce-scatter, the same bytes) over intra-node links
              + dispatch overhead              host time per block (CPUs)
@@ -36,9 +36,9 @@ cores (CPUs) a step also takes at least the node's total work over the node's th
 from dataclasses import dataclass
 from typing import Dict, List
 
-from trainer3d.activations import FP32, Sizes, layer_terms
+from trainer3d.memory.activations import FP32, Sizes, layer_terms
 from trainer3d.config.schema import Config
-from trainer3d.memory import BYTES, ModelStateBytes
+from trainer3d.memory.states import BYTES, ModelStateBytes
 from trainer3d.model.flops import layer_matmul_params
 from trainer3d.parallel.stages import n_stages, stage_layer_ranges, stages_of_rank
 from trainer3d.plan.devices import Device

@@ -2,9 +2,9 @@
 (``dry_run=true``) prints and the planner (``python -m trainer3d.plan``) searches with.
 
     peak = model states        parameters, fp32 gradients, master weights, Adam moments
-                               (trainer3d/memory.py, exact: tests/test_zero_memory.py)
+                               (trainer3d/memory/states.py, exact: tests/test_zero_memory.py)
          + saved activations   what autograd keeps for backward, at the schedule's peak:
-                               per micro-batch (trainer3d/activations.py) x the micro-batches
+                               per micro-batch (trainer3d/memory/activations.py) x the micro-batches
                                in flight (tests/test_activation_memory.py measures both)
          + pipeline buffers    torch's PipelineStage allocates, for every micro-batch of
                                the step, a receive buffer for its input activation and one
@@ -27,10 +27,10 @@ import functools
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
-from trainer3d.activations import (FP32, Sizes, chunk_terms, layer_terms, peak_in_flight, schedule_ops,
+from trainer3d.memory.activations import (FP32, Sizes, chunk_terms, layer_terms, peak_in_flight, schedule_ops,
                                    shared_terms)
 from trainer3d.config.schema import Config
-from trainer3d.memory import BYTES, ModelStateBytes, engine_model_state_bytes, model_shapes, stage_parameter_shapes
+from trainer3d.memory.states import BYTES, ModelStateBytes, engine_model_state_bytes, model_shapes, stage_parameter_shapes
 from trainer3d.parallel.stages import n_stages, stage_layer_ranges, stages_of_rank
 
 

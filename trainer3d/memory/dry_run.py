@@ -4,7 +4,7 @@ It shows which global rank is which (pp, dp, tp), the groups, the layers of each
 stage, each stage's model-state memory per rank next to the ZeRO paper's, and each stage's
 whole peak term by term — model states, saved activations at the schedule's peak, pipeline
 buffers, the largest backward transient — with the worst rank named
-(``trainer3d.peak_memory``: the accounting the planner uses too). Shapes come from the
+(``trainer3d.memory.peak``: the accounting the planner uses too). Shapes come from the
 model built on the meta device (no memory) and cut by the same stage split and
 tensor-parallel layers the ranks use, so the figures hold for any world size (e.g. 512).
 """
@@ -14,10 +14,10 @@ from typing import List
 import torch
 
 from trainer3d.config.schema import Config
-from trainer3d.memory import engine_model_state_bytes, format_bytes, paper_model_state_bytes, rank_parameter_shapes
+from trainer3d.memory.states import engine_model_state_bytes, format_bytes, paper_model_state_bytes, rank_parameter_shapes
 from trainer3d.model.transformer import count_parameters
 from trainer3d.parallel.stages import describe_stages
-from trainer3d.peak_memory import RankMemory, rank_memory
+from trainer3d.memory.peak import RankMemory, rank_memory
 from trainer3d.topology import Topology
 
 MiB, GiB = 2 ** 20, 2 ** 30
@@ -29,7 +29,7 @@ def memory_lines(cfg: Config) -> List[str]:
     topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp)
     bucket = max(1, int(p.bucket_mb * MiB) // 4)
     lines = [f"model state per rank (parameters + gradients + optimizer; dtype={t.dtype}, "
-             f"zero_stage={p.zero_stage}, dp={p.dp}; trainer3d/memory.py):",
+             f"zero_stage={p.zero_stage}, dp={p.dp}; trainer3d/memory/states.py):",
              f"  {'pp rank':>7}  {'parameters':>14}  {'this engine':>12}  {'ZeRO paper*':>12}  "
              f"params / grads / master / optimizer"]
     for pp_rank in range(p.pp):
@@ -48,7 +48,7 @@ def _shown_ranks(pp: int) -> List[int]:
 
 
 def peak_lines(cfg: Config) -> List[str]:
-    """Every pipeline rank's peak in a step, term by term (trainer3d/peak_memory.py)."""
+    """Every pipeline rank's peak in a step, term by term (trainer3d/memory/peak.py)."""
     p, t = cfg.parallel, cfg.train
     mems = [rank_memory(cfg, r) for r in range(p.pp)]
     worst = max(mems, key=lambda mem: mem.total)
@@ -61,7 +61,7 @@ def peak_lines(cfg: Config) -> List[str]:
     rows += [(f"{k}", lambda mem, k=k: mem.buffers.get(k, mem.transients.get(k, 0))) for k in names]
     rows += [("peak (largest transient only)", lambda mem: mem.total)]
     head = "".join(f"{'pp ' + str(mem.pp_rank):>12}" for mem in shown)
-    lines = [f"peak memory per rank in a step (trainer3d/peak_memory.py; micro-batch {t.micro_batch_size} x "
+    lines = [f"peak memory per rank in a step (trainer3d/memory/peak.py; micro-batch {t.micro_batch_size} x "
              f"{t.seq_len} tokens, {t.grad_accum_steps} per step, "
              f"recompute={'on' if t.activation_checkpointing else 'off'}):",
              f"  {'term':<34}{head}",
