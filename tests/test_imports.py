@@ -9,7 +9,7 @@ from tests.conftest import ROOT
 
 # (module, what it imports inside a function): why it is not at the top.
 DEFERRED = {
-    ("trainer3d.loggers", "wandb"): "optional sink, slow to import: only runs with logger=wandb pay for it",
+    ("trainer3d.observe.loggers", "wandb"): "optional sink, slow to import: only runs with logger=wandb pay for it",
 }
 DEFERRED_MODULES = {  # every import of the module may sit in a function, for the reason given
     "tools.bench_hotpath": "imports trainer3d from the revision it measures, put on sys.path at run time",

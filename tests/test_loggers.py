@@ -6,7 +6,7 @@ import time
 import pytest
 
 from trainer3d.config.schema import Config
-from trainer3d.loggers import WandbLogger, scrub, wandb_mode
+from trainer3d.observe.loggers import WandbLogger, scrub, wandb_mode
 from trainer3d.config.validate import layout_of
 from tests.wandb_records import read_run, run_files
 

@@ -17,11 +17,11 @@ from tests.runs import read_metrics, run_train
 from tests.wandb_records import read_run, run_files
 from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.memory.states import engine_model_state_bytes
-from trainer3d.metrics import MetricsLogger
+from trainer3d.observe.metrics import MetricsLogger
 from trainer3d.model.flops import flops_per_token
 from trainer3d.parallel import build_meta_chunks
 from trainer3d.parallel.zero import bucket_numel
-from trainer3d.telemetry import process_memory
+from trainer3d.observe.telemetry import process_memory
 from trainer3d.topology import ParallelDims, Topology
 from trainer3d.trainer import Trainer
 from trainer3d.config.validate import validate
@@ -171,7 +171,7 @@ def test_process_memory_grows_by_what_the_process_touches_in_bytes():
     """A process started from this (large) pytest process touches 64 MiB: its reported peak
     grows by 64 MiB. Units (Linux reports KiB) and the source both matter: getrusage's peak
     would still hold this parent's size from before exec and not move at all."""
-    code = ("import torch; from trainer3d.telemetry import process_memory; cpu = torch.device('cpu');"
+    code = ("import torch; from trainer3d.observe.telemetry import process_memory; cpu = torch.device('cpu');"
             "before = process_memory(cpu)['mem_rss_bytes']; x = torch.ones(64 * 2 ** 20 // 4);"
             "print(process_memory(cpu)['mem_rss_bytes'] - before)")
     ballast = bytearray(b"\x01") * (512 * 2 ** 20)  # touched: this parent is larger than the child gets

@@ -14,7 +14,7 @@ from tests.harness import dims_for, run_ranks
 from tests.runs import read_metrics
 from trainer3d.checkpoint import store
 from trainer3d.config.schema import Config
-from trainer3d.nonfinite import NonFiniteLoss
+from trainer3d.observe.nonfinite import NonFiniteLoss
 from trainer3d.trainer import Trainer
 from trainer3d.config.validate import validate
 

@@ -10,7 +10,7 @@ import torch
 from trainer3d.memory.states import engine_model_state_bytes, paper_model_state_bytes, table1
 from trainer3d.model.transformer import Transformer
 from trainer3d.parallel.zero import bucket_numel
-from trainer3d.telemetry import model_state_bytes
+from trainer3d.observe.telemetry import model_state_bytes
 from tests.conftest import ROOT
 from tests.harness import run_ranks
 from tests.zero_ranks import build, global_batch, loss_of, make_cfg, train_step
@@ -99,7 +99,7 @@ def _measure(rank, world):
 @pytest.mark.parametrize("dp", [2, 4])
 def test_measured_bytes_match_the_engine_accounting(dp):
     """Per rank: parameters + gradients + optimizer state, counted as tensor storage bytes
-    (trainer3d.telemetry, what metrics.jsonl reports as mem_state_bytes), within 2% of
+    (trainer3d.observe.telemetry, what metrics.jsonl reports as mem_state_bytes), within 2% of
     trainer3d.memory.states — at the step (FSDP2 has freed what it gathered) and, for ZeRO-2, while
     the full parameters are gathered between forward and backward."""
     for rank, rows in enumerate(run_ranks(_measure, dp, timeout=300)):

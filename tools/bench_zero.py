@@ -73,7 +73,7 @@ from trainer3d.model.transformer import cross_entropy_loss  # noqa: E402
 from trainer3d.optim import param_groups  # noqa: E402
 from trainer3d.parallel import build_model_chunks, build_optimizer  # noqa: E402
 from trainer3d.parallel.zero import ShardedOptimizer  # noqa: E402
-from trainer3d.telemetry import storage_bytes  # noqa: E402
+from trainer3d.observe.telemetry import storage_bytes  # noqa: E402
 from trainer3d.topology import ParallelDims, Topology  # noqa: E402
 
 

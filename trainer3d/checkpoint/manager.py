@@ -39,7 +39,7 @@ from trainer3d.checkpoint.state import PieceMaker, after_load, rank_state
 from trainer3d.checkpoint.store import CheckpointError
 from trainer3d.checkpoint.writer import CheckpointWriter
 from trainer3d.config.schema import Config
-from trainer3d.loggers import scrub
+from trainer3d.observe.loggers import scrub
 from trainer3d.parallel.optimizer import ZeroOptimizer
 from trainer3d.parallel.tied import drop_tied_copies
 from trainer3d.timeouts import GroupTimeouts

@@ -17,7 +17,7 @@ One step, as trainer3d/trainer.py runs it::
 
 Checkpoints (trainer3d/checkpoint/state.py) read and write this rank's state in place
 through ``checkpoint_views`` plus ``step_count`` and ``scaler``, then call ``after_load``.
-Memory accounting (trainer3d/telemetry.py) counts ``state_tensors``.
+Memory accounting (trainer3d/observe/telemetry.py) counts ``state_tensors``.
 """
 
 from abc import ABC, abstractmethod

@@ -5,7 +5,7 @@ Each evaluation runs the same ``eval_batches`` global batches of validation wind
 the same pipeline (torch's schedule ``eval``): no gradient is made, no optimizer state is
 read or written, so training continues exactly as without it. Every data-parallel rank
 evaluates its slice of each batch; the loss lives where the training loss does (the last
-stage) and reaches rank 0 the same way (trainer3d/metrics.py: ``val_loss``, ``val_ppl``).
+stage) and reaches rank 0 the same way (trainer3d/observe/metrics.py: ``val_loss``, ``val_ppl``).
 The mean over equal micro-batches is the mean over the whole set, so the value is the
 same in every layout.
 """

@@ -10,7 +10,7 @@ rows to the sinks (wandb), and prints one progress line.
 Each row: step, loss, lr, grad_norm, tokens_per_s (global), tokens_per_s_per_rank,
 tflops_per_rank and mfu (model FLOPs, trainer3d/model/flops.py, against ``peak_tflops``),
 step_time_s, comm_s (host time in the step's communication calls, mean over ranks;
-trainer3d/telemetry.py says what it counts), bubble and bubble_theory (0 without a
+trainer3d/observe/telemetry.py says what it counts), bubble and bubble_theory (0 without a
 pipeline), skipped (fp16 steps skipped on inf/nan; 0 otherwise), loss_scale (fp16 only),
 and memory, the max over ranks: mem_state_bytes (parameters + gradients + optimizer state,
 tensor bytes), and mem_rss_bytes on CPU or mem_allocated_bytes / mem_reserved_bytes on GPU;
@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Optional, Sequence, TextIO
 import torch
 import torch.distributed as dist
 
-from trainer3d.telemetry import CommTimer, process_memory
+from trainer3d.observe.telemetry import CommTimer, process_memory
 from trainer3d.topology import ParallelDims
 
 
@@ -63,12 +63,12 @@ class MetricsLogger:
         self._norms: List[torch.Tensor] = []
         self._lrs: List[float] = []
         self._extras: List[Dict[str, torch.Tensor]] = []  # e.g. fp16's loss_scale, skipped (same on every rank)
-        self._val: Dict[int, torch.Tensor] = {}  # validation loss by step (trainer3d/evaluate.py)
+        self._val: Dict[int, torch.Tensor] = {}  # validation loss by step (trainer3d/observe/evaluate.py)
         self._eval_s: Dict[int, float] = {}
         self._interval_start = time.perf_counter()
         self._owns_loss = dims.is_last_stage and dims.tp_rank == 0
         self.comm = CommTimer()
-        """``with metrics.comm(): <a communication call>`` inside a step (trainer3d/telemetry.py)."""
+        """``with metrics.comm(): <a communication call>`` inside a step (trainer3d/observe/telemetry.py)."""
         self._columns: Dict[str, Callable[[], List[float]]] = {"comm_s": self.comm.pop}
         self.constants: Dict[str, float] = {"bubble": 0.0, "bubble_theory": 0.0}
         """Values written unchanged into every row (e.g. the pipeline's bubble_theory)."""
