@@ -1,7 +1,7 @@
 import math
 
 from trainer3d.config.schema import OptimConfig
-from trainer3d.optim import lr_at
+from trainer3d.optim.schedule import lr_at
 
 
 def test_warmup_then_cosine_to_min_lr():

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.model.init import canonical_name
-from trainer3d.optim import param_groups
+from trainer3d.optim.schedule import param_groups
 from trainer3d.parallel import build_model_chunks, build_optimizer
 from tests.harness import dims_for
 

@@ -70,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_common import add_model_arguments, bench_config  # noqa: E402
 from trainer3d.job.local_ranks import run_ranks  # noqa: E402
 from trainer3d.model.transformer import cross_entropy_loss  # noqa: E402
-from trainer3d.optim import param_groups  # noqa: E402
+from trainer3d.optim.schedule import param_groups  # noqa: E402
 from trainer3d.parallel import build_model_chunks, build_optimizer  # noqa: E402
 from trainer3d.parallel.zero import ShardedOptimizer  # noqa: E402
 from trainer3d.observe.telemetry import storage_bytes  # noqa: E402

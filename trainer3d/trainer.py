@@ -22,7 +22,7 @@ from trainer3d.observe.loggers import build_sinks
 from trainer3d.observe.metrics import MetricsLogger
 from trainer3d.model.flops import flops_per_token
 from trainer3d.observe.nonfinite import NonFiniteWatch
-from trainer3d.optim import lr_at
+from trainer3d.optim.schedule import lr_at
 from trainer3d.parallel import build_loss_fn, build_model_chunks, build_optimizer
 from trainer3d.parallel.optimizer import ZeroOptimizer
 from trainer3d.parallel.pipeline import Pipeline

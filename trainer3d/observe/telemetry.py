@@ -31,7 +31,7 @@ from torch import nn
 
 from trainer3d.model.flops import peak_tflops
 from trainer3d.parallel.optimizer import ZeroOptimizer
-from trainer3d.parallel.precision import DTYPES
+from trainer3d.optim.mixed_precision import DTYPES
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

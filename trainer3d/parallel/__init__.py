@@ -6,7 +6,7 @@
 3. tensor parallel: swap Linear/Embedding layers for sharded ones (parallel/tensor.py);
 4. cast to the dtype the parameters are stored in (still on meta, so nothing is held in a
    wider dtype first: ``train.dtype``, or fp32 under FSDP, whose parameters are the master
-   weights — parallel/precision.py), materialise on this rank's device and fill from the
+   weights — optim/mixed_precision.py), materialise on this rank's device and fill from the
    parameter source: the layout-independent random init, or ``model.init_from``'s Hugging
    Face weights, each producing only this rank's slices (nothing at all when resuming);
 5. per-layer activation checkpointing, if asked;
@@ -29,7 +29,7 @@ from trainer3d.model.transformer import Transformer
 from trainer3d.parallel.compile import compile_blocks
 from trainer3d.parallel.fsdp import FSDPOptimizer
 from trainer3d.parallel.optimizer import ZeroOptimizer
-from trainer3d.parallel.precision import param_dtype
+from trainer3d.optim.mixed_precision import param_dtype
 from trainer3d.parallel.recompute import checkpoint_layers
 from trainer3d.parallel.stages import split_into_stages
 from trainer3d.parallel.tensor import apply_tensor_parallel

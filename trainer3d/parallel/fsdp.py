@@ -35,11 +35,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from trainer3d.config.schema import Config
 from trainer3d.model.init import canonical_name, mark_tp_shard, tp_shard_of
-from trainer3d.optim import decays
-from trainer3d.parallel.adamw import adamw_update_
-from trainer3d.parallel.clip import clip_by_global_norm_, counted_once_over_tp, sum_of_squares
+from trainer3d.optim.schedule import decays
+from trainer3d.optim.adamw import adamw_update_
+from trainer3d.optim.clip import clip_by_global_norm_, counted_once_over_tp, sum_of_squares
 from trainer3d.parallel.optimizer import StateView, ZeroOptimizer
-from trainer3d.parallel.precision import DTYPES, make_loss_scaler
+from trainer3d.optim.mixed_precision import DTYPES, make_loss_scaler
 from trainer3d.topology import ParallelDims
 
 

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from trainer3d.model.init import TPShard
-from trainer3d.parallel.precision import LossScaler
+from trainer3d.optim.mixed_precision import LossScaler
 
 STATE_KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
 TERMS = ("params", "grads", "master", "optimizer")

@@ -1,7 +1,7 @@
 """Data parallelism with ZeRO (Rajbhandari et al. 2020): gradient reduction over dp and the
 optimizer that owns all (stage 0) or 1/dp (stage 1) of the fp32 state.
 
-Both stages share one design (see buckets.py for the buffers and hooks, adamw.py for the
+Both stages share one design (see buckets.py for the buffers and hooks, trainer3d/optim/adamw.py for the
 update):
 
 - the model's parameters are views into one flat buffer and their gradients into one flat
@@ -31,12 +31,12 @@ from torch import nn
 from trainer3d.config.schema import Config
 from trainer3d.model.init import canonical_name, tp_shard_of
 from trainer3d.parallel import comm
-from trainer3d.parallel.adamw import FlatAdamW, segments_of
+from trainer3d.optim.adamw import FlatAdamW, segments_of
 from trainer3d.parallel.buckets import FlatBuffers, GradReducer
-from trainer3d.parallel.clip import clip_by_global_norm_, counted_once_over_tp, sum_of_squares
+from trainer3d.optim.clip import clip_by_global_norm_, counted_once_over_tp, sum_of_squares
 from trainer3d.parallel.optimizer import StateView, ZeroOptimizer
 from trainer3d.parallel.param_gather import DeferredGather
-from trainer3d.parallel.precision import DTYPES, make_loss_scaler
+from trainer3d.optim.mixed_precision import DTYPES, make_loss_scaler
 from trainer3d.parallel.tied import is_tied_copy
 from trainer3d.parallel.wgrad import low_precision_sink
 from trainer3d.topology import ParallelDims

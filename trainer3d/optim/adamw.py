@@ -19,7 +19,7 @@ from torch import nn
 
 from trainer3d.config.schema import OptimConfig
 from trainer3d.model.init import TPShard, tp_shard_of
-from trainer3d.optim import decays
+from trainer3d.optim.schedule import decays
 
 
 @dataclass
