@@ -66,9 +66,9 @@ def _receive_buffer_bytes(pipeline) -> int:
 def measure(rank: int, world: int, layouts: List[dict]) -> List[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from trainer3d.parallel import build_loss_fn, build_model_chunks, build_optimizer
+    from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer
     from trainer3d.memory.meter import SavedActivationMeter
-    from trainer3d.parallel.pipeline import Pipeline
+    from trainer3d.parallel.pipeline.schedule import Pipeline
     from trainer3d.trainer import MicroBatchLoss, Trainer
 
     kernels = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}

@@ -8,7 +8,7 @@ layout of the rank it runs in.
 import torch
 
 from trainer3d.job.local_ranks import run_ranks  # noqa: F401  (the tests' entry point)
-from trainer3d.topology import ParallelDims, Topology
+from trainer3d.parallel.topology import ParallelDims, Topology
 
 
 def dims_for(tp: int = 1, pp: int = 1, dp: int = 1, tied_embeddings: bool = False) -> ParallelDims:

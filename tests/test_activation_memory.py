@@ -7,7 +7,7 @@ from tests.activation_ranks import layout_config, measure
 from tests.harness import run_ranks
 from trainer3d.memory.activations import Sizes, layer_terms, schedule_ops
 from trainer3d.memory.peak import rank_memory, receive_buffer_bytes
-from trainer3d.parallel.stages import n_stages, stages_of_rank
+from trainer3d.parallel.pipeline.stages import n_stages, stages_of_rank
 from trainer3d.config.validate import validate
 
 REL = 0.05

@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 from tests.conftest import ROOT
-from trainer3d.parallel.bubble import bubble_theory
+from trainer3d.parallel.pipeline.bubble import bubble_theory
 
 
 def test_bench_pipeline_prints_measured_bubble_and_theory():

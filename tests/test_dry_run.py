@@ -47,7 +47,7 @@ def _cfg(tie_embeddings=False, **parallel) -> Config:
 
 
 def _real_shapes(rank, world, cfg):
-    from trainer3d.parallel import build_model_chunks
+    from trainer3d.parallel.parallelize import build_model_chunks
     dims = dims_for(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp)
     return [tuple(p.shape) for chunk in build_model_chunks(cfg, dims) for p in chunk.parameters()]
 

@@ -15,7 +15,7 @@ from trainer3d.memory.states import planning_dims
 from trainer3d.model import normal_stream
 from trainer3d.model.init import RandomInit, TPShard, _seed_for, full_init
 from trainer3d.model.transformer import output_projection_std
-from trainer3d.parallel import build_model_chunks
+from trainer3d.parallel.parallelize import build_model_chunks
 
 sys.path.insert(0, str(ROOT / "tools"))
 import bench_init  # noqa: E402

@@ -19,10 +19,10 @@ from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.memory.states import engine_model_state_bytes
 from trainer3d.observe.metrics import MetricsLogger
 from trainer3d.model.flops import flops_per_token
-from trainer3d.parallel import build_meta_chunks
-from trainer3d.parallel.zero import bucket_numel
+from trainer3d.parallel.parallelize import build_meta_chunks
+from trainer3d.parallel.zero.flat import bucket_numel
 from trainer3d.observe.telemetry import process_memory
-from trainer3d.topology import ParallelDims, Topology
+from trainer3d.parallel.topology import ParallelDims, Topology
 from trainer3d.trainer import Trainer
 from trainer3d.config.validate import validate
 

@@ -111,11 +111,11 @@ def test_tp_shard_init_is_a_slice_of_the_full_tensor_with_zero_padding():
 
 
 def test_fused_loss_on_one_rank_matches_torch_in_loss_and_gradient():
-    """The engine's loss at tp = 1 (parallel/tensor_loss.py, no collectives) against torch's
+    """The engine's loss at tp = 1 (parallel/tensor/loss.py, no collectives) against torch's
     cross-entropy on fp32 logits; 16-bit logits against torch on their fp32 values."""
     from trainer3d.config.schema import Config
     from trainer3d.memory.states import planning_dims
-    from trainer3d.parallel import build_loss_fn
+    from trainer3d.parallel.parallelize import build_loss_fn
 
     cfg = Config(model=CFG)
     loss_fn = build_loss_fn(cfg, planning_dims(cfg, 0))

@@ -14,11 +14,12 @@ from tests.harness import dims_for, run_ranks
 from tests.zero_ranks import make_cfg, train_step
 from trainer3d.config.schema import ModelConfig
 from trainer3d.model.transformer import Transformer
-from trainer3d.parallel import build_model_chunks, comm
-from trainer3d.parallel.buckets import FlatBuffers
-from trainer3d.parallel.param_gather import DeferredGather
+from trainer3d.parallel import comm
+from trainer3d.parallel.parallelize import build_model_chunks
+from trainer3d.parallel.zero.buckets import FlatBuffers
+from trainer3d.parallel.zero.param_gather import DeferredGather
 from trainer3d.parallel.recompute import checkpoint_layers
-from trainer3d.parallel.zero import ShardedOptimizer
+from trainer3d.parallel.zero.flat import ShardedOptimizer
 
 MODEL = ModelConfig(dim=16, n_layers=3, n_heads=2, n_kv_heads=1, ffn_dim=32, vocab_size=29, max_seq_len=8,
                     tie_embeddings=True)

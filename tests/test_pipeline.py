@@ -11,9 +11,9 @@ from tests.harness import dims_for, run_ranks
 from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.model.init import init_parameters
 from trainer3d.model.transformer import Transformer, cross_entropy_loss
-from trainer3d.parallel import build_model_chunks, build_optimizer
+from trainer3d.parallel.parallelize import build_model_chunks, build_optimizer
 from trainer3d.memory.meter import SavedActivationMeter
-from trainer3d.parallel.pipeline import Pipeline
+from trainer3d.parallel.pipeline.schedule import Pipeline
 from trainer3d.trainer import MicroBatchLoss
 
 TINY = ModelConfig(dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50, max_seq_len=16)

@@ -17,7 +17,7 @@ from tests.conftest import CONF_DIR
 from tests.runs import PARITY
 from trainer3d.job.follow import follow
 from trainer3d.job.launch import run_rank
-from trainer3d.parallel.pipeline import Pipeline
+from trainer3d.parallel.pipeline.schedule import Pipeline
 from trainer3d.config.validate import validate
 
 TIMEOUT_S = 20  # also bounds the rendezvous: leave room for 4 ranks importing torch on 2 busy cores

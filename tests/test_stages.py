@@ -8,8 +8,8 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleIn
 
 from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.model.transformer import Transformer
-from trainer3d.parallel.bubble import StageClock, bubble_theory
-from trainer3d.parallel.stages import split_into_stages, stage_layer_ranges, stages_of_rank
+from trainer3d.parallel.pipeline.bubble import StageClock, bubble_theory
+from trainer3d.parallel.pipeline.stages import split_into_stages, stage_layer_ranges, stages_of_rank
 from trainer3d.config.validate import pipeline_micro_batch_problem
 
 

@@ -94,7 +94,7 @@ def _layer_cases(rank, world_size, sp):
     from trainer3d.config.schema import ModelConfig
     from trainer3d.model.init import init_parameters
     from trainer3d.model.transformer import Attention, FeedForward
-    from trainer3d.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+    from trainer3d.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                            parallelize_attention, parallelize_feed_forward)
 
     dims = dims_for(tp=world_size)
@@ -159,7 +159,7 @@ def _layer_cases(rank, world_size, sp):
 
 
 def _loss_case(rank, world_size):
-    from trainer3d.parallel.tensor_loss import vocab_parallel_cross_entropy, vocab_range
+    from trainer3d.parallel.tensor.loss import vocab_parallel_cross_entropy, vocab_range
 
     dims = dims_for(tp=world_size)
     torch.manual_seed(0)
@@ -205,7 +205,7 @@ def test_vocab_parallel_cross_entropy_matches_torch(tp):
 def test_sequence_collectives_work_on_the_activations_themselves(monkeypatch):
     """Sequence-first activations: the all-gather sends the shard itself and returns the
     buffer it gathered into, the reduce-scatter likewise (no copy on either side)."""
-    from trainer3d.parallel import tensor_comm
+    from trainer3d.parallel.tensor import comm as tensor_comm
 
     calls = []
 

@@ -43,9 +43,9 @@ def _config(tp: int, sp: bool):
 def _whole_model(rank, world_size, sp):
     from trainer3d.model.init import init_parameters, tp_shard_of
     from trainer3d.model.transformer import Transformer, cross_entropy_loss
-    from trainer3d.parallel import build_loss_fn, build_model_chunks
-    from trainer3d.parallel.tensor import sync_sequence_parallel_grads
-    from trainer3d.parallel.zero import ReplicatedOptimizer
+    from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks
+    from trainer3d.parallel.tensor.layers import sync_sequence_parallel_grads
+    from trainer3d.parallel.zero.flat import ReplicatedOptimizer
 
     dims = dims_for(tp=world_size)
     cfg = _config(world_size, sp)

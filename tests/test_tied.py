@@ -6,7 +6,7 @@ import torch
 
 from tests.harness import run_ranks
 from tests.zero_ranks import build, make_cfg, params_by_name, reference_steps, train_step
-from trainer3d.topology import Topology
+from trainer3d.parallel.topology import Topology
 
 STEPS = 3
 

@@ -1,5 +1,5 @@
 """Process-group timeouts: start-up and checkpoint I/O wait long, the step's collectives do not
-(trainer3d/timeouts.py), on real gloo groups."""
+(trainer3d/parallel/timeouts.py), on real gloo groups."""
 
 import time
 
@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 from tests.harness import dims_for, run_ranks
 from trainer3d.config.schema import Config
-from trainer3d.timeouts import GroupTimeouts, group_timeout_s, set_timeout
-from trainer3d.topology import ParallelDims, Topology
+from trainer3d.parallel.timeouts import GroupTimeouts, group_timeout_s, set_timeout
+from trainer3d.parallel.topology import ParallelDims, Topology
 from trainer3d.trainer import Trainer
 from trainer3d.config.validate import validate
 

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from trainer3d.topology import Topology
+from trainer3d.parallel.topology import Topology
 from tests.harness import dims_for, run_ranks
 
 

@@ -66,7 +66,7 @@ def test_backward_accumulates_into_the_fp32_view_bit_identically_without_a_weigh
 
 def _train_rank_plain(rank: int, world_size: int, cfg) -> str:
     """A rank that trains with autograd's own weight gradients (no sink): the reference."""
-    import trainer3d.parallel.zero as zero
+    import trainer3d.parallel.zero.flat as zero
     zero.low_precision_sink = lambda *args: None
     return _train_rank(rank, world_size, cfg)
 

@@ -14,8 +14,8 @@ from tests.zero_ranks import (build, forward_backward, global_batch, loss_of, ma
                               reference_steps, train_step)
 from trainer3d.model.init import canonical_name, init_parameters, tp_shard_of
 from trainer3d.model.transformer import Transformer
-from trainer3d.parallel import build_loss_fn, build_model_chunks, build_optimizer
-from trainer3d.parallel.tensor import sync_sequence_parallel_grads
+from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer
+from trainer3d.parallel.tensor.layers import sync_sequence_parallel_grads
 
 STEPS = 3
 # (stage, zero_reduce, bucket_mb): several buckets at 0.01 MiB (~2.6k fp32 elements each).

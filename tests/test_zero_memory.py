@@ -9,7 +9,7 @@ import torch
 
 from trainer3d.memory.states import engine_model_state_bytes, paper_model_state_bytes, table1
 from trainer3d.model.transformer import Transformer
-from trainer3d.parallel.zero import bucket_numel
+from trainer3d.parallel.zero.flat import bucket_numel
 from trainer3d.observe.telemetry import model_state_bytes
 from tests.conftest import ROOT
 from tests.harness import run_ranks
@@ -76,7 +76,7 @@ def test_engine_accounting_is_the_paper_plus_stated_differences(stage, dtype):
 def _measure(rank, world):
     """Per stage and dtype, after two training steps: (measured, expected) model-state bytes
     at the step, and for stage 2 also mid-step, after the last micro-batch's forward, when
-    FSDP2 holds the gathered parameters (memory.py's ``gathered`` term) until backward ends."""
+    FSDP2 holds the gathered parameters (trainer3d/memory/states.py's ``gathered`` term) until backward ends."""
     with torch.device("meta"):
         shapes = [tuple(p.shape) for p in Transformer(make_cfg(1, 0).model).parameters()]
     out = []

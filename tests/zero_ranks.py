@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.model.init import canonical_name
 from trainer3d.optim.schedule import param_groups
-from trainer3d.parallel import build_model_chunks, build_optimizer
+from trainer3d.parallel.parallelize import build_model_chunks, build_optimizer
 from tests.harness import dims_for
 
 MODEL = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=61, max_seq_len=16)
@@ -95,7 +95,7 @@ def reference_steps(cfg: Config, steps: int, lr: float = 1e-2) -> Tuple[dict, Li
 def _single_dims():
     """A 1-rank layout that needs no process group of its own (the model build reads only
     its device and pp/tp sizes)."""
-    from trainer3d.topology import Topology
+    from trainer3d.parallel.topology import Topology
 
     class _Dims:
         topo = Topology(tp=1, pp=1, dp=1)

@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trainer3d.config.schema import Config, ModelConfig  # noqa: E402
 from trainer3d.memory.states import engine_model_state_bytes, format_bytes, rank_parameter_shapes  # noqa: E402
 from trainer3d.model.flops import flops_per_token  # noqa: E402
-from trainer3d.parallel import build_loss_fn, build_model_chunks, build_optimizer  # noqa: E402
+from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer  # noqa: E402
 from trainer3d.observe.telemetry import peak_rss_bytes, resolve_peak_tflops  # noqa: E402
-from trainer3d.topology import ParallelDims, Topology  # noqa: E402
+from trainer3d.parallel.topology import ParallelDims, Topology  # noqa: E402
 
 CONF_MODELS = Path(__file__).resolve().parent.parent / "conf" / "model"
 CHOICES = {"both": (False, True), "on": (True,), "off": (False,)}

@@ -67,10 +67,10 @@ def _rank(rank, world, args):
     import torch.distributed as dist
 
     from trainer3d.config.schema import Config, ModelConfig
-    from trainer3d.parallel import build_loss_fn, build_model_chunks, build_optimizer
+    from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer
     from trainer3d.memory.meter import SavedActivationMeter
-    from trainer3d.parallel.tensor import sync_sequence_parallel_grads
-    from trainer3d.topology import ParallelDims, Topology
+    from trainer3d.parallel.tensor.layers import sync_sequence_parallel_grads
+    from trainer3d.parallel.topology import ParallelDims, Topology
 
     cfg = Config()
     cfg.model = ModelConfig(name="bench", dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4,

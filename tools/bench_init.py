@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_common import model_preset  # noqa: E402
 from trainer3d.config.schema import Config  # noqa: E402
 from trainer3d.memory.states import planning_dims  # noqa: E402
-from trainer3d.parallel import build_model_chunks  # noqa: E402
+from trainer3d.parallel.parallelize import build_model_chunks  # noqa: E402
 from trainer3d.observe.telemetry import peak_rss_bytes  # noqa: E402
 
 _REFERENCE_CHUNK = 1 << 22  # values per draw of the reference

@@ -8,7 +8,7 @@ Each point starts pp gloo ranks on this machine (one thread each) that run the p
 own pipeline (``Pipeline.forward_backward``, the trainer's
 ``MicroBatchLoss``) for ``--warmup`` unmeasured steps (the first one also infers shapes)
 and ``--steps`` measured ones. A rank's bubble is 1 - busy / wall over the measured steps
-(parallel/bubble.py); the table shows the mean over stages (what metrics.jsonl's
+(parallel/pipeline/bubble.py); the table shows the mean over stages (what metrics.jsonl's
 ``bubble`` reports), the least and most idle stage, and the step time, next to
 ``bubble_theory`` = (pp - 1) / (m + pp - 1) (interleaved: divided by the virtual stages).
 
@@ -84,11 +84,11 @@ from torch import nn  # noqa: E402
 from trainer3d.config.schema import Config, ModelConfig  # noqa: E402
 from trainer3d.job.local_ranks import run_ranks  # noqa: E402
 from trainer3d.model.transformer import cross_entropy_loss  # noqa: E402
-from trainer3d.parallel import build_model_chunks, build_optimizer  # noqa: E402
-from trainer3d.parallel.bubble import bubble_theory  # noqa: E402
-from trainer3d.parallel.pipeline import Pipeline  # noqa: E402
-from trainer3d.parallel.stages import stages_of_rank  # noqa: E402
-from trainer3d.topology import ParallelDims, Topology  # noqa: E402
+from trainer3d.parallel.parallelize import build_model_chunks, build_optimizer  # noqa: E402
+from trainer3d.parallel.pipeline.bubble import bubble_theory  # noqa: E402
+from trainer3d.parallel.pipeline.schedule import Pipeline  # noqa: E402
+from trainer3d.parallel.pipeline.stages import stages_of_rank  # noqa: E402
+from trainer3d.parallel.topology import ParallelDims, Topology  # noqa: E402
 from trainer3d.trainer import MicroBatchLoss  # noqa: E402
 from trainer3d.config.validate import pipeline_micro_batch_problem  # noqa: E402
 

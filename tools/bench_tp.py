@@ -47,9 +47,9 @@ from bench_common import add_model_arguments, bench_config  # noqa: E402
 from trainer3d.job.local_ranks import run_ranks  # noqa: E402
 from trainer3d.model.init import init_parameters  # noqa: E402
 from trainer3d.model.transformer import Transformer, cross_entropy_loss  # noqa: E402
-from trainer3d.parallel import build_loss_fn, build_model_chunks  # noqa: E402
-from trainer3d.parallel.zero import ReplicatedOptimizer  # noqa: E402
-from trainer3d.topology import ParallelDims, Topology  # noqa: E402
+from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks  # noqa: E402
+from trainer3d.parallel.zero.flat import ReplicatedOptimizer  # noqa: E402
+from trainer3d.parallel.topology import ParallelDims, Topology  # noqa: E402
 
 
 def _config(args):

@@ -11,7 +11,7 @@ with the same micro-batches (grad_accum of them per step), gradient clipping and
 - stage 1: ours (flat-buffer shards, zero_reduce=auto) vs DDP + torch's
   ``ZeroRedundancyOptimizer(parameters_as_bucket_view=True)``;
 - stage 1, ours: the parameter all-gather overlapped with the next forward (the default,
-  trainer3d/parallel/param_gather.py) vs waited for at the end of step(), with the host
+  trainer3d/parallel/zero/param_gather.py) vs waited for at the end of step(), with the host
   time each spends waiting for it.
 
 Printed: median step time (slowest rank), optimizer-state bytes and model-state bytes
@@ -71,10 +71,10 @@ from bench_common import add_model_arguments, bench_config  # noqa: E402
 from trainer3d.job.local_ranks import run_ranks  # noqa: E402
 from trainer3d.model.transformer import cross_entropy_loss  # noqa: E402
 from trainer3d.optim.schedule import param_groups  # noqa: E402
-from trainer3d.parallel import build_model_chunks, build_optimizer  # noqa: E402
-from trainer3d.parallel.zero import ShardedOptimizer  # noqa: E402
+from trainer3d.parallel.parallelize import build_model_chunks, build_optimizer  # noqa: E402
+from trainer3d.parallel.zero.flat import ShardedOptimizer  # noqa: E402
 from trainer3d.observe.telemetry import storage_bytes  # noqa: E402
-from trainer3d.topology import ParallelDims, Topology  # noqa: E402
+from trainer3d.parallel.topology import ParallelDims, Topology  # noqa: E402
 
 
 def make_cfg(args):

@@ -29,10 +29,10 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from trainer3d.config.schema import Config, ModelConfig  # noqa: E402
-from trainer3d.parallel import build_loss_fn, build_model_chunks, build_optimizer  # noqa: E402
+from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer  # noqa: E402
 from trainer3d.memory.meter import SavedActivationMeter  # noqa: E402
 from trainer3d.memory.peak import rank_memory  # noqa: E402
-from trainer3d.topology import ParallelDims, Topology  # noqa: E402
+from trainer3d.parallel.topology import ParallelDims, Topology  # noqa: E402
 from trainer3d.trainer import MicroBatchLoss, Trainer  # noqa: E402
 from trainer3d.config.validate import validate  # noqa: E402
 

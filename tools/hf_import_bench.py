@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trainer3d.config.schema import Config  # noqa: E402
 from trainer3d.hf.check import apply_init_from  # noqa: E402
 from trainer3d.hf.mapping import hf_shapes, model_config  # noqa: E402
-from trainer3d.parallel import build_model_chunks  # noqa: E402
+from trainer3d.parallel.parallelize import build_model_chunks  # noqa: E402
 from trainer3d.memory.states import planning_dims  # noqa: E402
 
 # Llama 3.2 1B (meta-llama/Llama-3.2-1B config.json).

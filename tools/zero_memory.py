@@ -22,7 +22,7 @@ from bench_common import model_preset  # noqa: E402
 from trainer3d.config.schema import Config  # noqa: E402
 from trainer3d.memory.states import (TABLE1_DP, TABLE1_MODELS, engine_model_state_bytes, format_gb,  # noqa: E402
                               paper_model_state_bytes, rank_parameter_shapes, table1)
-from trainer3d.topology import Topology  # noqa: E402
+from trainer3d.parallel.topology import Topology  # noqa: E402
 
 def print_table1() -> None:
     print("ZeRO paper, Table 1: model-state GB per device (mixed-precision Adam, K=12)")

@@ -23,15 +23,15 @@ from trainer3d.observe.metrics import MetricsLogger
 from trainer3d.model.flops import flops_per_token
 from trainer3d.observe.nonfinite import NonFiniteWatch
 from trainer3d.optim.schedule import lr_at
-from trainer3d.parallel import build_loss_fn, build_model_chunks, build_optimizer
-from trainer3d.parallel.optimizer import ZeroOptimizer
-from trainer3d.parallel.pipeline import Pipeline
-from trainer3d.parallel.tensor import sync_sequence_parallel_grads
+from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer
+from trainer3d.parallel.zero.optimizer import ZeroOptimizer
+from trainer3d.parallel.pipeline.schedule import Pipeline
+from trainer3d.parallel.tensor.layers import sync_sequence_parallel_grads
 from trainer3d.parallel.tied import sum_tied_gradients
 from trainer3d.job.preemption import Stop, StopSignal
 from trainer3d.observe.telemetry import model_state_bytes, resolve_peak_tflops
-from trainer3d.timeouts import GroupTimeouts
-from trainer3d.topology import ParallelDims
+from trainer3d.parallel.timeouts import GroupTimeouts
+from trainer3d.parallel.topology import ParallelDims
 
 
 class MicroBatchLoss:

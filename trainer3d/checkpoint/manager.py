@@ -40,10 +40,10 @@ from trainer3d.checkpoint.store import CheckpointError
 from trainer3d.checkpoint.writer import CheckpointWriter
 from trainer3d.config.schema import Config
 from trainer3d.observe.loggers import scrub
-from trainer3d.parallel.optimizer import ZeroOptimizer
+from trainer3d.parallel.zero.optimizer import ZeroOptimizer
 from trainer3d.parallel.tied import drop_tied_copies
-from trainer3d.timeouts import GroupTimeouts
-from trainer3d.topology import ParallelDims
+from trainer3d.parallel.timeouts import GroupTimeouts
+from trainer3d.parallel.topology import ParallelDims
 from trainer3d.config.validate import layout_of
 
 

@@ -171,7 +171,7 @@ def pipeline_micro_batch_problem(schedule: str, pp: int, n_micro: int) -> Option
     - interleaved_1f1b: ScheduleInterleaved1F1B runs rounds = max(1, n_micro // pp) of
       equal size, so n_micro must be a multiple of the rounds (below pp is fine; pp=2: 5
       is refused, 3 and 6 run). Independent of the virtual stages per rank.
-    The pipeline checks this again at run time (parallel/pipeline.py).
+    The pipeline checks this again at run time (parallel/pipeline/schedule.py).
     """
     if pp <= 1:
         return None

@@ -28,8 +28,8 @@ from trainer3d.job.heartbeat import Heartbeat, heartbeat_dir
 from trainer3d.job.interrupt import TOKEN_VAR, Interrupted, JobSignals, end_processes, new_token, processes_with_token
 from trainer3d.job.preemption import leave
 from trainer3d.job.runlock import RunDirBusy, RunDirLock
-from trainer3d.timeouts import seconds
-from trainer3d.topology import ParallelDims, Topology
+from trainer3d.parallel.timeouts import seconds
+from trainer3d.parallel.topology import ParallelDims, Topology
 from trainer3d.trainer import Trainer
 
 
@@ -48,7 +48,7 @@ def init_distributed(cfg: Config) -> torch.device:
     """Initialise the default process group from the environment; return this rank's device.
 
     The group starts with the start-up timeout (``parallel.init_timeout_s``); the trainer
-    switches to the step's after the first step (trainer3d/timeouts.py)."""
+    switches to the step's after the first step (trainer3d/parallel/timeouts.py)."""
     device = rank_device(cfg)
     use_cuda = device.type == "cuda"
     # Ranks share the host's cores: without this each one starts a thread pool, and with

@@ -6,7 +6,7 @@ pipeline, topology, process-group timeout and floor tests; CI runs 2.13). On 2.9
 (by 5%), so 2.9 and older are refused. The APIs used are older than the floor:
 ``torch.distributed.pipelining`` (2.4), SDPA's ``enable_gqa`` (2.5), ``fully_shard`` under
 ``torch.distributed.fsdp`` (2.6), ``_set_pg_timeout`` for the per-group timeouts
-(trainer3d/timeouts.py). pyproject.toml's ``torch>=`` must say the same
+(trainer3d/parallel/timeouts.py). pyproject.toml's ``torch>=`` must say the same
 (tests/test_requirements.py).
 """
 

@@ -143,7 +143,7 @@ def _targets_copied(z: Sizes) -> bool:
 def head_terms(z: Sizes) -> Dict[str, int]:
     """The last stage: final norm, the head's input, and the loss's one fp32 buffer, the
     softmax over this rank's vocabulary columns (padding columns included:
-    parallel/tensor_loss.py), with at tp > 1 the targets' local index and mask; at tp = 1
+    parallel/tensor/loss.py), with at tp > 1 the targets' local index and mask; at tp = 1
     the targets themselves, in token order (``_targets_copied``; else a view of the step's
     batch: ``shared_terms``)."""
     if z.t > 1:

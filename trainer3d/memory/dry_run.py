@@ -16,9 +16,9 @@ import torch
 from trainer3d.config.schema import Config
 from trainer3d.memory.states import engine_model_state_bytes, format_bytes, paper_model_state_bytes, rank_parameter_shapes
 from trainer3d.model.transformer import count_parameters
-from trainer3d.parallel.stages import describe_stages
+from trainer3d.parallel.pipeline.stages import describe_stages
 from trainer3d.memory.peak import RankMemory, rank_memory
-from trainer3d.topology import Topology
+from trainer3d.parallel.topology import Topology
 
 MiB, GiB = 2 ** 20, 2 ** 30
 

@@ -31,7 +31,7 @@ from trainer3d.memory.activations import (FP32, Sizes, chunk_terms, layer_terms,
                                    shared_terms)
 from trainer3d.config.schema import Config
 from trainer3d.memory.states import BYTES, ModelStateBytes, engine_model_state_bytes, model_shapes, stage_parameter_shapes
-from trainer3d.parallel.stages import n_stages, stage_layer_ranges, stages_of_rank
+from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
 
 
 @dataclass

@@ -50,10 +50,10 @@ from typing import Dict, List, Sequence, Tuple, Union
 import torch
 
 from trainer3d.config.schema import Config, ModelConfig
-from trainer3d.parallel import build_meta_chunks
-from trainer3d.parallel.buckets import plan_buckets
-from trainer3d.parallel.stages import n_stages, stage_layer_ranges, stages_of_rank
-from trainer3d.topology import ParallelDims, Topology
+from trainer3d.parallel.parallelize import build_meta_chunks
+from trainer3d.parallel.zero.buckets import plan_buckets
+from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
+from trainer3d.parallel.topology import ParallelDims, Topology
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 STEP_BYTES = 4          # the fp32 step counter
@@ -170,7 +170,7 @@ def model_shapes(model: ModelConfig, tp: int) -> ModelShapes:
 def stage_parameter_shapes(cfg: Config, stage: int) -> List[Shape]:
     """The shapes pipeline ``stage`` holds on one tp rank, as ``split_into_stages`` cuts the
     model: its blocks, plus what is registered before them (the embedding) on the first stage
-    and after them (final norm, head) on the last (parallel/stages.py, ``keep_stage``); with
+    and after them (final norm, head) on the last (parallel/pipeline/stages.py, ``keep_stage``); with
     tied embeddings the last stage also holds the embedding, as its head's weight."""
     ranges = stage_layer_ranges(cfg.model.n_layers, n_stages(cfg), cfg.parallel.pp_layers)
     shapes = model_shapes(cfg.model, cfg.parallel.tp)

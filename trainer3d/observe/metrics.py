@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from trainer3d.observe.telemetry import CommTimer, process_memory
-from trainer3d.topology import ParallelDims
+from trainer3d.parallel.topology import ParallelDims
 
 
 def format_duration(seconds: float) -> str:

@@ -1,6 +1,6 @@
 """What a rank measures about itself for the metrics: memory, time in communication, its peak.
 
-Everything here is host-side and cheap; nothing reads a device tensor. ``metrics.py``
+Everything here is host-side and cheap; nothing reads a device tensor. ``observe/metrics.py``
 gathers these per-rank figures once per logging interval.
 
 - ``model_state_bytes``: bytes of every tensor storage behind the model's parameters (and
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from trainer3d.model.flops import peak_tflops
-from trainer3d.parallel.optimizer import ZeroOptimizer
+from trainer3d.parallel.zero.optimizer import ZeroOptimizer
 from trainer3d.optim.mixed_precision import DTYPES
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from trainer3d.model.init import tp_shard_of
-from trainer3d.topology import ParallelDims
+from trainer3d.parallel.topology import ParallelDims
 
 
 def counted_once_over_tp(param: torch.Tensor, dims: ParallelDims) -> bool:

@@ -2,7 +2,7 @@
 rank the rest by predicted tokens/s.
 
 The space: tp over the divisors of the ranks per node (tensor parallelism stays inside a
-node, trainer3d/topology.py), pp over the divisors of what is left (at most one layer per
+node, trainer3d/parallel/topology.py), pp over the divisors of what is left (at most one layer per
 stage), dp the rest; then micro-batch size, ZeRO stage, sequence parallelism (tp > 1),
 recomputation and the schedule (1F1B, or interleaved 1F1B with v chunks per rank when
 pp > 1). Two of validate()'s rules shape the space instead of filtering it (ZeRO 2/3 only

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from trainer3d.timeouts import group_timeout_s, seconds, set_timeout
+from trainer3d.parallel.timeouts import group_timeout_s, seconds, set_timeout
 
 DIMS = ("pp", "dp", "tp")  # slowest to fastest
 
@@ -127,7 +127,7 @@ class ParallelDims:
               timeout_s: Optional[float] = None) -> "ParallelDims":
         """Needs an initialised default process group whose world size is topo.world_size.
         ``tied_embeddings``: also create the embedding groups (pp > 1). ``timeout_s``: the
-        groups' collective timeout (default: the default group's); trainer3d/timeouts.py
+        groups' collective timeout (default: the default group's); trainer3d/parallel/timeouts.py
         switches it between start-up and the step later."""
         world = dist.get_world_size()
         if world != topo.world_size:

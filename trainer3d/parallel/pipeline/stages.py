@@ -22,8 +22,8 @@ from typing import List, Optional, Sequence
 from torch import nn
 
 from trainer3d.config.schema import Config
-from trainer3d.parallel.bubble import bubble_theory
-from trainer3d.topology import ParallelDims
+from trainer3d.parallel.pipeline.bubble import bubble_theory
+from trainer3d.parallel.topology import ParallelDims
 
 
 def stage_layer_ranges(n_layers: int, n_stages: int, pp_layers: Optional[Sequence[int]] = None) -> List[range]:

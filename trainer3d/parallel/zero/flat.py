@@ -16,10 +16,10 @@ update):
   ``step()`` and waited for where the next forward first reads them (param_gather.py).
   Nothing model-sized is allocated after construction.
 
-Stages 2 and 3 (pp == 1) go through FSDP2: parallel/fsdp.py. ``trainer3d.memory.states`` states what
+Stages 2 and 3 (pp == 1) go through FSDP2: parallel/zero/fsdp.py. ``trainer3d.memory.states`` states what
 each stage allocates; tests/test_zero_memory.py holds the engine to it.
 
-Stages 0-3 implement the optimizer contract of parallel/optimizer.py, the only way the trainer,
+Stages 0-3 implement the optimizer contract of parallel/zero/optimizer.py, the only way the trainer,
 checkpoints and metrics reach them.
 """
 
@@ -32,14 +32,14 @@ from trainer3d.config.schema import Config
 from trainer3d.model.init import canonical_name, tp_shard_of
 from trainer3d.parallel import comm
 from trainer3d.optim.adamw import FlatAdamW, segments_of
-from trainer3d.parallel.buckets import FlatBuffers, GradReducer
+from trainer3d.parallel.zero.buckets import FlatBuffers, GradReducer
 from trainer3d.optim.clip import clip_by_global_norm_, counted_once_over_tp, sum_of_squares
-from trainer3d.parallel.optimizer import StateView, ZeroOptimizer
-from trainer3d.parallel.param_gather import DeferredGather
+from trainer3d.parallel.zero.optimizer import StateView, ZeroOptimizer
+from trainer3d.parallel.zero.param_gather import DeferredGather
 from trainer3d.optim.mixed_precision import DTYPES, make_loss_scaler
 from trainer3d.parallel.tied import is_tied_copy
 from trainer3d.parallel.wgrad import low_precision_sink
-from trainer3d.topology import ParallelDims
+from trainer3d.parallel.topology import ParallelDims
 
 
 def bucket_numel(cfg: Config) -> int:

@@ -12,7 +12,7 @@ counts from its projections' output shapes.
                 w2          row-parallel
     tok_embeddings          vocabulary-parallel (rows split; padded to a multiple of tp)
     output                  column-parallel over the padded vocabulary, never gathered:
-                            the loss is vocabulary-parallel (tensor_loss.py)
+                            the loss is vocabulary-parallel (loss.py)
     norms                   replicated
 
 The communication that opens a column-parallel region is done once per module (a forward
@@ -36,10 +36,10 @@ from torch import nn
 
 from trainer3d.config.schema import Config
 from trainer3d.model.init import mark_tp_shard, tp_shard_of
-from trainer3d.parallel.optimizer import ZeroOptimizer
-from trainer3d.parallel.tensor_comm import ENTER, LEAVE
+from trainer3d.parallel.zero.optimizer import ZeroOptimizer
+from trainer3d.parallel.tensor.comm import ENTER, LEAVE
 from trainer3d.parallel.wgrad import linear
-from trainer3d.topology import ParallelDims
+from trainer3d.parallel.topology import ParallelDims
 
 
 def padded_size(full: int, tp: int) -> int:

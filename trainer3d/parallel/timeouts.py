@@ -14,7 +14,7 @@ through torch's ``_set_pg_timeout``).
 Groups are never built from another group's backend options object: NCCL keeps a reference
 to the options a group was built from, so one object handed to several groups would tie their
 timeouts together (torch copies the options in its own ``split_group`` for that reason).
-trainer3d/topology.py lets torch make each group's options and sets the timeout on the group.
+trainer3d/parallel/topology.py lets torch make each group's options and sets the timeout on the group.
 """
 
 import contextlib

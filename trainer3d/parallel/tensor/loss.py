@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from trainer3d.config.schema import Config
 from trainer3d.model.transformer import token_rows
-from trainer3d.topology import ParallelDims
+from trainer3d.parallel.topology import ParallelDims
 
 
 def vocab_range(vocab_size: int, tp: int, tp_rank: int):

@@ -15,7 +15,7 @@ pitfalls:
   dropped and ``MicroBatchLoss.pop_mean`` sees exactly grad_accum losses;
 - micro-batch counts a schedule cannot run (1F1B: fewer than the stages) are refused by
   the config validation and again here, with the same message, before any rank sends;
-- a dead or stuck neighbour: the pp group carries ``parallel.timeout_s`` (topology.py),
+- a dead or stuck neighbour: the pp group carries ``parallel.timeout_s`` (trainer3d/parallel/topology.py),
   so a receive fails instead of hanging and the launcher ends the job.
 
 Stage compute is timed (``StageClock``) so the bubble is measured, not assumed.
@@ -34,9 +34,9 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from trainer3d.config.schema import Config
-from trainer3d.parallel.bubble import StageClock, bubble_theory
-from trainer3d.parallel.stages import stages_of_rank
-from trainer3d.topology import ParallelDims
+from trainer3d.parallel.pipeline.bubble import StageClock, bubble_theory
+from trainer3d.parallel.pipeline.stages import stages_of_rank
+from trainer3d.parallel.topology import ParallelDims
 from trainer3d.config.validate import pipeline_micro_batch_problem
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}

@@ -23,7 +23,7 @@ marks are put back on the sharded parameters: the global norm counts tp-replicat
 parameters once, the sequence-parallel sync finds the replicated norm weights, and the
 checkpoint places each shard in the full tensor. The tp ranks of one dp rank hold the
 same rows of a replicated parameter, so summing their gradient shards over tp
-(trainer3d/parallel/tensor.py) sums the same elements.
+(trainer3d/parallel/tensor/layers.py) sums the same elements.
 """
 
 import math
@@ -38,9 +38,9 @@ from trainer3d.model.init import canonical_name, mark_tp_shard, tp_shard_of
 from trainer3d.optim.schedule import decays
 from trainer3d.optim.adamw import adamw_update_
 from trainer3d.optim.clip import clip_by_global_norm_, counted_once_over_tp, sum_of_squares
-from trainer3d.parallel.optimizer import StateView, ZeroOptimizer
+from trainer3d.parallel.zero.optimizer import StateView, ZeroOptimizer
 from trainer3d.optim.mixed_precision import DTYPES, make_loss_scaler
-from trainer3d.topology import ParallelDims
+from trainer3d.parallel.topology import ParallelDims
 
 
 def shard_model(model: nn.Module, cfg: Config, dims: ParallelDims) -> None:

@@ -1,8 +1,8 @@
 """The optimizer contract: everything the trainer, checkpoints and metrics may ask of the
 data-parallel optimizer, whichever ZeRO stage implements it.
 
-Stages 0/1 (``FlatZeroOptimizer``, parallel/zero.py: flat buffers, bucketed reduction) and
-stages 2/3 (``FSDPOptimizer``, parallel/fsdp.py: FSDP2) both implement ``ZeroOptimizer``;
+Stages 0/1 (``FlatZeroOptimizer``, parallel/zero/flat.py: flat buffers, bucketed reduction) and
+stages 2/3 (``FSDPOptimizer``, parallel/zero/fsdp.py: FSDP2) both implement ``ZeroOptimizer``;
 code outside those two modules reaches an optimizer through these methods only.
 
 One step, as trainer3d/trainer.py runs it::

@@ -29,7 +29,7 @@ mappings.py, ``_reduce``), where the tensor is provably this operator's alone:
   computing a wrong gradient.
 - ``copy_to_tp`` backward sums the gradient of a column-parallel region's input. That
   input is consumed only by the region's column-parallel projections (wq/wk/wv, w1/w3, the
-  head: the pre-hook in parallel/tensor.py hands the entered tensor to them alone), so its
+  head: the pre-hook in parallel/tensor/layers.py hands the entered tensor to them alone), so its
   gradient is a matmul's fresh output or the buffer autograd summed theirs into, which no
   other node holds. A gradient that may be shared (a residual add hands the same tensor
   to both of its inputs) must never be reduced in place: the region's boundary is where
