@@ -20,7 +20,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from trainer3d.config.schema import Config, LauncherConfig
 from trainer3d.memory.peak import RankMemory, rank_memory
-from trainer3d.plan.config import PlanConfig
+from trainer3d.plan.settings import PlanConfig
 from trainer3d.plan.devices import Device
 from trainer3d.plan.step_time import StepTime, ranks_evaluated, step_time, tokens_per_s
 from trainer3d.config.validate import ConfigError, validate
