@@ -1,4 +1,4 @@
-"""tools/bench_gpu.py: refuses a machine without CUDA in one line; its CPU smoke mode prints the table
+"""tools/bench/gpu.py: refuses a machine without CUDA in one line; its CPU smoke mode prints the table
 with the model-state bytes trainer3d/memory/states.py predicts (the GPU figures come from a GPU machine)."""
 
 import subprocess
@@ -12,7 +12,7 @@ from trainer3d.config.schema import ModelConfig
 from trainer3d.memory.states import engine_model_state_bytes, format_bytes
 from trainer3d.model.transformer import count_parameters
 
-TOOL = [sys.executable, str(ROOT / "tools" / "bench_gpu.py")]
+TOOL = [sys.executable, str(ROOT / "tools" / "bench" / "gpu.py")]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")

@@ -1,4 +1,4 @@
-"""tools/bench_pipeline.py runs the project's pipeline on stages of fixed duration and prints
+"""tools/bench/pipeline.py runs the project's pipeline on stages of fixed duration and prints
 the measured bubble next to theory, for 1F1B and GPipe.
 
 The stages sleep (30 ms forward, 60 ms backward per micro-batch: no CPU), so on an idle
@@ -21,7 +21,7 @@ from trainer3d.parallel.pipeline.bubble import bubble_theory
 
 
 def test_bench_pipeline_prints_measured_bubble_and_theory():
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_pipeline.py"), "--model", "sleep",
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / "pipeline.py"), "--model", "sleep",
                            "--schedules", "1f1b,gpipe", "--pp", "2", "--multiples", "1,4", "--steps", "2",
                            "--warmup", "1"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

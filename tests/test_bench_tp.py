@@ -1,4 +1,4 @@
-"""tools/bench_tp.py runs both variants on the same model and prints their ratio."""
+"""tools/bench/tp.py runs both variants on the same model and prints their ratio."""
 
 import re
 import subprocess
@@ -8,7 +8,7 @@ from tests.conftest import ROOT
 
 
 def test_bench_tp_trains_the_same_model_and_prints_a_ratio():
-    cmd = [sys.executable, str(ROOT / "tools" / "bench_tp.py"), "--dim", "64", "--layers", "2",
+    cmd = [sys.executable, str(ROOT / "tools" / "bench" / "tp.py"), "--dim", "64", "--layers", "2",
            "--seq-len", "32", "--steps", "2", "--warmup", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,13 +12,13 @@ DEFERRED = {
     ("trainer3d.observe.loggers", "wandb"): "optional sink, slow to import: only runs with logger=wandb pay for it",
 }
 DEFERRED_MODULES = {  # every import of the module may sit in a function, for the reason given
-    "tools.bench_hotpath": "imports trainer3d from the revision it measures, put on sys.path at run time",
+    "tools.bench.hotpath": "imports trainer3d from the revision it measures, put on sys.path at run time",
 }
 
 
 def _modules() -> Dict[str, Path]:
     out = {}
-    for path in [*(ROOT / "trainer3d").rglob("*.py"), *(ROOT / "tools").glob("*.py")]:
+    for path in [*(ROOT / "trainer3d").rglob("*.py"), *(ROOT / "tools").rglob("*.py")]:
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()

@@ -17,8 +17,8 @@ from trainer3d.model.init import RandomInit, TPShard, _seed_for, full_init
 from trainer3d.model.transformer import output_projection_std
 from trainer3d.parallel.parallelize import build_model_chunks
 
-sys.path.insert(0, str(ROOT / "tools"))
-import bench_init  # noqa: E402
+sys.path.insert(0, str(ROOT / "tools" / "bench"))
+import init as bench_init  # noqa: E402  (tools/bench/init.py)
 
 CFG = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=101, max_seq_len=32)
 
@@ -77,7 +77,7 @@ def test_a_resumed_run_initialises_nothing(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a parameter source was asked for values")
 
-    monkeypatch.setattr("trainer3d.parallel.parameter_source", refuse)
+    monkeypatch.setattr("trainer3d.parallel.parallelize.parameter_source", refuse)
     cfg = Config(model=CFG)
     cfg.parallel.tp = 2
     (chunk,) = build_model_chunks(cfg, replace(planning_dims(cfg, 1), device=torch.device("cpu")), initialise=False)

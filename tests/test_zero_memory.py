@@ -40,7 +40,7 @@ def test_formulas_reproduce_the_papers_table1():
 
 
 def test_zero_memory_tool_prints_table1():
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "zero_memory.py")], capture_output=True,
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / "zero_memory.py")], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     line = next(ln for ln in proc.stdout.splitlines() if ln.strip().startswith("64 |"))
@@ -112,7 +112,7 @@ def test_zero_memory_tool_reports_the_dry_runs_rank_shapes():
     from trainer3d.config.schema import Config
     from trainer3d.memory.states import rank_parameter_shapes
 
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "zero_memory.py"), "--model", "tiny", "--tp", "2",
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / "zero_memory.py"), "--model", "tiny", "--tp", "2",
                            "--pp", "2", "--dp", "2", "--zero-stage", "1", "--dtype", "fp32"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -12,7 +12,7 @@ Narayanan et al. 2021, sec. 2.2): a step of m micro-batches on p stages takes
 (m + p - 1) slots of one micro-batch's forward+backward, each stage is busy m of them,
 so ``bubble_theory = (p - 1) / (m + p - 1)`` for GPipe and 1F1B alike. Interleaving v
 virtual stages per rank shrinks the fill and drain v-fold; the project reports
-``(p - 1) / (v (m + p - 1))`` (in metrics.jsonl and tools/bench_pipeline.py). The exact idle share of an ideal
+``(p - 1) / (v (m + p - 1))`` (in metrics.jsonl and tools/bench/pipeline.py). The exact idle share of an ideal
 interleaved step is (p - 1) / (v m + p - 1); the two agree for m >> p.
 
 On CPU the clock is ``time.perf_counter`` (ops run synchronously). On CUDA it records

@@ -62,7 +62,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
 
     ``overlap_gather``: stage 1 waits for each bucket's parameter all-gather in the next
     forward (param_gather.py) rather than at the end of ``step()``; off only to measure
-    what the overlap hides (tools/bench_zero.py).
+    what the overlap hides (tools/bench/zero.py).
     """
 
     def __init__(self, chunks: List[nn.Module], cfg: Config, dims: ParallelDims, sharded: bool,

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Data preparation throughput: tokens/s with 1 and N workers, and peak memory, on a generated corpus.
 
-    python tools/bench_prepare.py                      # 1 GB of JSON Lines, 1 and 2 workers
-    python tools/bench_prepare.py --gb 0.1 --workers 4
+    python tools/bench/prepare.py                      # 1 GB of JSON Lines, 1 and 2 workers
+    python tools/bench/prepare.py --gb 0.1 --workers 4
 
 Generates ``--gb`` of synthetic text (documents of words drawn from a 20,000-word
 vocabulary with Zipf-like frequencies) as one JSON Lines file in a temp dir, trains a
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from trainer3d.data import read_header  # noqa: E402

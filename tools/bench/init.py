@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Start-up cost of one rank: its parameters materialised and initialised, nothing else.
 
-    python tools/bench_init.py [--model 7b] [--tp 8] [--pp 4] [--dtype bf16] [--rank 0]
+    python tools/bench/init.py [--model 7b] [--tp 8] [--pp 4] [--dtype bf16] [--rank 0]
 
 A fresh child process builds one rank's chunks (``--rank``, global: tp fastest, so rank 0
 is pipeline stage 0, tp rank 0) of conf/model/<model>.yaml on the CPU as the trainer does
@@ -16,7 +16,7 @@ generator into a reused buffer: the least any initialisation of that shard costs
   other work on a shared machine does not move it), and its ratio to the reference.
 
 Measured on the 2-core development machine under load from other jobs (torch 2.13, CPU,
-2026-11-22), ``python tools/bench_init.py --model 7b --tp 8 --pp 4 --dtype bf16``:
+2026-11-22), ``python tools/bench/init.py --model 7b --tp 8 --pp 4 --dtype bf16``:
 
     7b tp=8 pp=4 rank 0 (pp 0, tp 0): 218.8M parameters, shard 417.4 MiB bf16
     peak RSS above start 0.49 GiB (1.20 x shard)
@@ -39,9 +39,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench_common import model_preset  # noqa: E402
+from common import model_preset  # noqa: E402
 from trainer3d.config.schema import Config  # noqa: E402
 from trainer3d.memory.states import planning_dims  # noqa: E402
 from trainer3d.parallel.parallelize import build_model_chunks  # noqa: E402
@@ -87,7 +87,7 @@ def measure(model: str, tp: int, pp: int, dtype: str, rank: int = 0, timeout: fl
     """``build_rank`` in a fresh child process (so its peak resident set is the build's own)."""
     cmd = [sys.executable, __file__, "--model", model, "--tp", str(tp), "--pp", str(pp), "--dtype", dtype,
            "--rank", str(rank), "--json"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"bench_init child failed:\n{proc.stderr[-3000:]}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What checkpoint checksums cost: save and verified load with and without them, one rank.
 
-    python tools/bench_checkpoint.py [--mb 512] [--repeats 3] [--dir /tmp]
+    python tools/bench/checkpoint.py [--mb 512] [--repeats 3] [--dir /tmp]
 
 Saves ``--mb`` MiB of fp32 tensors (64 MiB each) with DCP's plain FileSystemWriter and with
 the engine's CheckpointWriter (SHA-256 of every byte on its way to disk, then a read-back),
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trainer3d.checkpoint import store  # noqa: E402
 from trainer3d.checkpoint.digest import file_digest  # noqa: E402

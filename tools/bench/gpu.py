@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Throughput, MFU and memory of one GPU training the named models in bf16.
 
-    python tools/bench_gpu.py [--models 125m,350m,1.3b] [--seq-len 2048] [--micro-batch 4]
+    python tools/bench/gpu.py [--models 125m,350m,1.3b] [--seq-len 2048] [--micro-batch 4]
                               [--compile both|on|off] [--recompute both|on|off] [--steps 10]
-    python tools/bench_gpu.py --device cpu    # a smoke run of the tool itself on the tiny model
+    python tools/bench/gpu.py --device cpu    # a smoke run of the tool itself on the tiny model
 
 One rank (NCCL on the GPU, a mesh of size 1), the engine as the trainer builds it
 (``build_model_chunks``, the stage-0 optimizer with fp32 master weights, gradient clipping),
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trainer3d.config.schema import Config, ModelConfig  # noqa: E402
 from trainer3d.memory.states import engine_model_state_bytes, format_bytes, rank_parameter_shapes  # noqa: E402
@@ -42,7 +42,7 @@ from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, bu
 from trainer3d.observe.telemetry import peak_rss_bytes, resolve_peak_tflops  # noqa: E402
 from trainer3d.parallel.topology import ParallelDims, Topology  # noqa: E402
 
-CONF_MODELS = Path(__file__).resolve().parent.parent / "conf" / "model"
+CONF_MODELS = Path(__file__).resolve().parents[2] / "conf" / "model"
 CHOICES = {"both": (False, True), "on": (True,), "off": (False,)}
 
 

@@ -2,8 +2,8 @@
 """How long ``model.init_from`` takes and how much host memory each rank needs, against the
 checkpoint's size.
 
-    python tools/hf_import_bench.py --make /tmp/llama-1b      # a random Llama-3.2-1B-shaped model, bf16 shards
-    python tools/hf_import_bench.py /tmp/llama-1b --tp 2 --pp 2 --dtype bf16
+    python tools/bench/hf_import.py --make /tmp/llama-1b      # a random Llama-3.2-1B-shaped model, bf16 shards
+    python tools/bench/hf_import.py /tmp/llama-1b --tp 2 --pp 2 --dtype bf16
 
 ``--make`` writes random weights with the shapes of Llama 3.2 1B (1.24B parameters, tied
 embeddings, Llama-3 rope scaling) as bf16 safetensors shards with an index, one shard in
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trainer3d.config.schema import Config  # noqa: E402
 from trainer3d.hf.check import apply_init_from  # noqa: E402

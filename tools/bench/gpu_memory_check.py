@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Predicted peak memory vs what one GPU really allocates, for one-rank training steps.
 
-    python tools/gpu_memory_check.py                     # 125m, 350m, 1.3b x micro-batch 1, 4 x recompute off/on
-    python tools/gpu_memory_check.py --models 125m --micro 2 --seq 1024 --dtype bf16
+    python tools/bench/gpu_memory_check.py                     # 125m, 350m, 1.3b x micro-batch 1, 4 x recompute off/on
+    python tools/bench/gpu_memory_check.py --models 125m --micro 2 --seq 1024 --dtype bf16
 
 Each point builds the model by the trainer's own recipe on one rank (ZeRO stage 0, the
 engine's flat buffers), runs two steps (forward_backward -> reduce -> clip -> AdamW step, as
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -36,7 +36,7 @@ from trainer3d.parallel.topology import ParallelDims, Topology  # noqa: E402
 from trainer3d.trainer import MicroBatchLoss, Trainer  # noqa: E402
 from trainer3d.config.validate import validate  # noqa: E402
 
-CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
+CONF = Path(__file__).resolve().parents[2] / "conf" / "model"
 GiB = 2 ** 30
 
 

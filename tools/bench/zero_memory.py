@@ -1,7 +1,7 @@
 """Model-state memory per rank: the ZeRO paper's Table 1, and this engine's figure for a layout.
 
-    python tools/zero_memory.py                          # the paper's Table 1 (K=12, GB = 1e9 B)
-    python tools/zero_memory.py --model 7b --dp 8 --zero-stage 1 --dtype bf16 [--tp 2 --pp 4]
+    python tools/bench/zero_memory.py                          # the paper's Table 1 (K=12, GB = 1e9 B)
+    python tools/bench/zero_memory.py --model 7b --dp 8 --zero-stage 1 --dtype bf16 [--tp 2 --pp 4]
 
 The second form takes conf/model/<name>.yaml and prints, for the pipeline stage with the
 most parameters, the paper's figure and this engine's term by term (trainer3d/memory/states.py
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench_common import model_preset  # noqa: E402
+from common import model_preset  # noqa: E402
 from trainer3d.config.schema import Config  # noqa: E402
 from trainer3d.memory.states import (TABLE1_DP, TABLE1_MODELS, engine_model_state_bytes, format_gb,  # noqa: E402
                               paper_model_state_bytes, rank_parameter_shapes, table1)

@@ -1,6 +1,6 @@
 """Our ZeRO stages against torch's own, on the same model in one run.
 
-    python tools/bench_zero.py [--dp 2] [--steps 10] [--dim 256] [--layers 4] [--bucket-mb 25]
+    python tools/bench/zero.py [--dp 2] [--steps 10] [--dim 256] [--layers 4] [--bucket-mb 25]
 
 Each of ``dp`` gloo ranks trains the same Llama-style model, one fresh copy per variant,
 with the same micro-batches (grad_accum of them per step), gradient clipping and AdamW
@@ -20,7 +20,7 @@ counted once) on rank 0, and ours/torch ratios. DDP's own bucket copies are not 
 when they are gradient views (as here); torch's defaults would add 4Ψ more.
 
 Measured on the 2-core development machine (CPU, gloo; shared with other jobs, so times
-are noisy), ``python tools/bench_zero.py`` (dp=2, 3.3M parameters, 2 + 10 steps):
+are noisy), ``python tools/bench/zero.py`` (dp=2, 3.3M parameters, 2 + 10 steps):
 
     dp=2, 3,279,616 parameters, grad_accum=2, micro_batch=4x128, 10 timed steps (median, slowest rank)
                                          step ms  optimizer MB  model state MB
@@ -36,8 +36,8 @@ are noisy), ``python tools/bench_zero.py`` (dp=2, 3.3M parameters, 2 + 10 steps)
 The stage 1 gather alone, on a model where it is a larger share of the step (12.9M
 parameters, one 64-token micro-batch, 4 MiB buckets), same machine, load average 7-14:
 
-    python tools/bench_zero.py --gather-only --dim 512 --micro-batch 1 --seq-len 64 --grad-accum 1 --bucket-mb 4 --dp 2
-    python tools/bench_zero.py ... --dp 4
+    python tools/bench/zero.py --gather-only --dim 512 --micro-batch 1 --seq-len 64 --grad-accum 1 --bucket-mb 4 --dp 2
+    python tools/bench/zero.py ... --dp 4
 
     host time waiting for the gather per step   overlapped   in step()   ratio
     dp=2 (two runs)                               21.1 ms      67.0 ms    0.32x
@@ -65,9 +65,9 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench_common import add_model_arguments, bench_config  # noqa: E402
+from common import add_model_arguments, bench_config  # noqa: E402
 from trainer3d.job.local_ranks import run_ranks  # noqa: E402
 from trainer3d.model.transformer import cross_entropy_loss  # noqa: E402
 from trainer3d.optim.schedule import param_groups  # noqa: E402

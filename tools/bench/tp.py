@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Our tensor parallelism against torch's DTensor TP, on the same model in one run.
 
-    python tools/bench_tp.py [--tp 2] [--dim 256] [--layers 4] [--steps 8] [--seq-len 128] [--micro-batch 4]
+    python tools/bench/tp.py [--tp 2] [--dim 256] [--layers 4] [--steps 8] [--seq-len 128] [--micro-batch 4]
 
 ``tp`` gloo ranks build the same Llama-style model twice, interleaving the two variants step
 by step so both see the same machine load:
 
-- ours: ``trainer3d.parallel.build_model_chunks`` (column/row-parallel layers on plain
+- ours: ``trainer3d.parallel.parallelize.build_model_chunks`` (column/row-parallel layers on plain
   tensors with autograd communication functions, vocabulary-parallel embedding, head and
   cross-entropy) and the flat-buffer stage-0 optimizer, as the trainer runs it;
 - DTensor: the 1-rank model after ``parallelize_module`` with ColwiseParallel on wq/wk/wv/
@@ -19,7 +19,7 @@ shows each one's median step time (slowest rank) and the ratio DTensor / ours; b
 at the last step are printed so a reader can see they train the same model.
 
 Measured on the 2-core development machine (CPU, gloo, torch 2.13; machine shared, so times
-are noisy, ratios less so), ``python tools/bench_tp.py``:
+are noisy, ratios less so), ``python tools/bench/tp.py``:
 
     tp=2, dim 256, 4 layers, 8 heads, vocab 257, 4 x 128 tokens per step, 8 timed steps
     variant       median step ms  loss at last step
@@ -41,9 +41,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench_common import add_model_arguments, bench_config  # noqa: E402
+from common import add_model_arguments, bench_config  # noqa: E402
 from trainer3d.job.local_ranks import run_ranks  # noqa: E402
 from trainer3d.model.init import init_parameters  # noqa: E402
 from trainer3d.model.transformer import Transformer, cross_entropy_loss  # noqa: E402

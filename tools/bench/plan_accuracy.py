@@ -3,8 +3,8 @@
 through the real engine, predicted vs measured step time.
 
     python -m trainer3d.plan --calibrate          # once: this machine's figures
-    python tools/plan_accuracy.py [--rounds 2] [--calibration FILE] [--only 0,3,5] [--save steps.json]
-    python tools/plan_accuracy.py --measured steps.json    # predict again after recalibrating
+    python tools/bench/plan_accuracy.py [--rounds 2] [--calibration FILE] [--only 0,3,5] [--save steps.json]
+    python tools/bench/plan_accuracy.py --measured steps.json    # predict again after recalibrating
 
 Each layout runs as ``python -m trainer3d.train <COMMON> <layout>`` for ``--steps`` steps
 (local ranks, gloo), ``--rounds`` times, the layouts interleaved; its measured step time is
@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import List, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trainer3d.plan.devices import DEFAULT_CALIBRATION, load_calibration  # noqa: E402
 from trainer3d.plan.probe import measured_step_s, training_config  # noqa: E402

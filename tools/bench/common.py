@@ -13,13 +13,13 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from omegaconf import OmegaConf  # noqa: E402
 
 from trainer3d.config.schema import Config, ModelConfig  # noqa: E402
 
-MODEL_PRESETS = Path(__file__).resolve().parent.parent / "conf" / "model"
+MODEL_PRESETS = Path(__file__).resolve().parents[2] / "conf" / "model"
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, steps: int, warmup: int = 2) -> None:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Measure the pipeline bubble against theory: pp = 2 and 4, m = pp ... 8 pp micro-batches.
 
-    python tools/bench_pipeline.py                       # transformer, 1f1b, pp 2 and 4
-    python tools/bench_pipeline.py --model sleep --schedules 1f1b,gpipe,interleaved_1f1b:2
+    python tools/bench/pipeline.py                       # transformer, 1f1b, pp 2 and 4
+    python tools/bench/pipeline.py --model sleep --schedules 1f1b,gpipe,interleaved_1f1b:2
 
 Each point starts pp gloo ranks on this machine (one thread each) that run the project's
 own pipeline (``Pipeline.forward_backward``, the trainer's
@@ -22,7 +22,7 @@ Two models where stage compute dominates the hand-over between stages:
 Measured on the 2-core development machine, shared with other developers' test runs
 (load average ~3), torch 2.13 CPU, gloo:
 
-    $ python tools/bench_pipeline.py --model sleep --schedules 1f1b,gpipe,interleaved_1f1b:2 --steps 2 --warmup 1
+    $ python tools/bench/pipeline.py --model sleep --schedules 1f1b,gpipe,interleaved_1f1b:2 --steps 2 --warmup 1
     schedule             pp   m  theory  measured  stages min..max  step s
     1f1b                  2   2   0.333     0.342     0.338..0.345   0.281
     1f1b                  2   4   0.200     0.209     0.204..0.214   0.469
@@ -49,7 +49,7 @@ Measured on the 2-core development machine, shared with other developers' test r
     interleaved_1f1b:2    4  16   0.079     0.117     0.105..0.122   1.690
     interleaved_1f1b:2    4  32   0.043     0.079     0.068..0.085   3.241
 
-    $ python tools/bench_pipeline.py
+    $ python tools/bench/pipeline.py
     schedule             pp   m  theory  measured  stages min..max  step s
     1f1b                  2   2   0.333     0.338     0.333..0.343   0.619
     1f1b                  2   4   0.200     0.228     0.206..0.249   0.980
@@ -76,7 +76,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Bytes and time of one training step on the hot path, against another revision of the code.
 
-    python tools/bench_hotpath.py [--tp 2] [--dp 1] [--sp] [--dtype fp32] [--zero-stage 0]
+    python tools/bench/hotpath.py [--tp 2] [--dp 1] [--sp] [--dtype fp32] [--zero-stage 0]
                                   [--grad-accum 2] [--vocab 257] [--against main] [--rounds 2]
 
-``tp x dp`` gloo ranks (pp 1) train the bench model (tools/bench_common.py's shape; the
+``tp x dp`` gloo ranks (pp 1) train the bench model (tools/bench/common.py's shape; the
 vocabulary is a knob here) through the
 engine's own pieces (``build_model_chunks``, ``build_optimizer``, ``build_loss_fn``, the
 trainer's step order) and report, for rank 0:
@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------- in a child: measure
