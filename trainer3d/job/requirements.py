@@ -7,7 +7,7 @@ pipeline, topology, process-group timeout and floor tests; CI runs 2.13). On 2.9
 ``torch.distributed.pipelining`` (2.4), SDPA's ``enable_gqa`` (2.5), ``fully_shard`` under
 ``torch.distributed.fsdp`` (2.6), ``_set_pg_timeout`` for the per-group timeouts
 (trainer3d/parallel/timeouts.py). pyproject.toml's ``torch>=`` must say the same
-(tests/test_requirements.py).
+(tests/unit/test_requirements.py).
 """
 
 from typing import Tuple

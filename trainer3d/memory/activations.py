@@ -3,7 +3,7 @@ many micro-batches a pipeline stage holds at once.
 
 Saved activations are the tensors autograd keeps from forward to backward, each storage
 counted once (views share it); ``trainer3d/memory/meter.py`` measures exactly
-these with ``torch.autograd.graph.saved_tensors_hooks`` and tests/test_activation_memory.py
+these with ``torch.autograd.graph.saved_tensors_hooks`` and tests/multirank/test_activation_memory.py
 holds this file to the measurement, stage by stage, through the real pipeline. The
 derivation, next to Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", Table 2: 34sbh + 5as^2b per layer for GPT), is docs/memory.md. In

@@ -2,10 +2,10 @@
 (``dry_run=true``) prints and the planner (``python -m trainer3d.plan``) searches with.
 
     peak = model states        parameters, fp32 gradients, master weights, Adam moments
-                               (trainer3d/memory/states.py, exact: tests/test_zero_memory.py)
+                               (trainer3d/memory/states.py, exact: tests/tools/test_zero_memory.py)
          + saved activations   what autograd keeps for backward, at the schedule's peak:
                                per micro-batch (trainer3d/memory/activations.py) x the micro-batches
-                               in flight (tests/test_activation_memory.py measures both)
+                               in flight (tests/multirank/test_activation_memory.py measures both)
          + pipeline buffers    torch's PipelineStage allocates, for every micro-batch of
                                the step, a receive buffer for its input activation and one
                                for its output gradient (torch/distributed/pipelining/stage.py,

@@ -50,7 +50,7 @@ def head_dim_of(cfg: ModelConfig) -> int:
 def llama3_scaled_frequencies(inv_freq: torch.Tensor, scaling: RopeScalingConfig) -> torch.Tensor:
     """Llama 3.1's rotary scaling (as Hugging Face transformers defines it:
     ``_compute_llama3_parameters`` in src/transformers/modeling_rope_utils.py, which
-    tests/test_hf.py compares against): frequencies whose wavelength exceeds
+    tests/integration/test_hf.py compares against): frequencies whose wavelength exceeds
     original_max_seq_len / low_freq_factor are divided by ``factor``, those shorter than
     original_max_seq_len / high_freq_factor are kept, and in between the two are blended by
     how many turns the frequency makes over the original context."""

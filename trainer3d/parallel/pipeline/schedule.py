@@ -1,6 +1,6 @@
 """Pipeline parallelism: a step's micro-batches through 1F1B, GPipe or interleaved 1F1B.
 
-The schedules are torch.distributed.pipelining's (tests/test_pipeline.py holds their losses
+The schedules are torch.distributed.pipelining's (tests/multirank/test_pipeline.py holds their losses
 and gradients to a single process). This module builds them over ``dims.pp_group`` and guards their
 pitfalls:
 
@@ -21,7 +21,7 @@ pitfalls:
 Stage compute is timed (``StageClock``) so the bubble is measured, not assumed.
 
 Memory: 1F1B bounds the saved activations at (stages - stage index) micro-batches
-(tests/test_pipeline.py measures it). Outside that bound, torch 2.13's PipelineStage
+(tests/multirank/test_pipeline.py measures it). Outside that bound, torch 2.13's PipelineStage
 allocates one receive buffer per micro-batch for the step (activations in, gradients
 back: one hidden state each), so those grow with grad_accum; and a stage's output is
 kept until its backward although only its graph is needed then (Megatron frees the data).

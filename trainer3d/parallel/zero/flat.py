@@ -17,7 +17,7 @@ update):
   Nothing model-sized is allocated after construction.
 
 Stages 2 and 3 (pp == 1) go through FSDP2: parallel/zero/fsdp.py. ``trainer3d.memory.states`` states what
-each stage allocates; tests/test_zero_memory.py holds the engine to it.
+each stage allocates; tests/tools/test_zero_memory.py holds the engine to it.
 
 Stages 0-3 implement the optimizer contract of parallel/zero/optimizer.py, the only way the trainer,
 checkpoints and metrics reach them.
