@@ -37,7 +37,7 @@ from trainer3d.hf.source import HFSource
 from trainer3d.model.init import fill_parameters
 from trainer3d.model.transformer import Transformer
 
-# Its tests share a module fixture: one xdist worker runs them all (tests/conftest.py: XDIST_GROUPS).
+# Its tests share a module fixture: one xdist worker runs them all (tests/conftest.py: xdist_scope).
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -7,7 +7,7 @@ import pytest
 from tests.support.runs import (PARITY, assert_parity, losses_in_ranks, read_metrics, reference_losses, run_train,
                         train_losses)
 
-# Its tests share a module fixture: one xdist worker runs them all (tests/conftest.py: XDIST_GROUPS).
+# Its tests share a module fixture: one xdist worker runs them all (tests/conftest.py: xdist_scope).
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.runs import PARITY, REL_TOL, assert_parity, read_metrics, reference_losses, train_in_ranks
 
-# Its tests share a module fixture: one xdist worker runs them all (tests/conftest.py: XDIST_GROUPS).
+# Its tests share a module fixture: one xdist worker runs them all (tests/conftest.py: xdist_scope).
 
 EVAL = ("train.eval_every=10", "train.eval_steps=2")
 

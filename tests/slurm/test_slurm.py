@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import ROOT
 from tests.support.runs import read_metrics, train_in_ranks
 
-# One worker runs every Slurm test, one at a time (tests/conftest.py: XDIST_GROUPS): they share
+# One worker runs every Slurm test, one at a time (tests/conftest.py: xdist_scope): they share
 # the session's cluster (tests/support/slurm_cluster.py).
 pytestmark = pytest.mark.slurm
 

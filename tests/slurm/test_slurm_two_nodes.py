@@ -15,7 +15,7 @@ from tests.support.runs import read_metrics, train_in_ranks
 from tests.support.slurm_cluster import SCRIPT
 from tests.slurm.test_slurm import SMALL, losses, train
 
-# On the worker that runs test_slurm.py, after or before it (tests/conftest.py: XDIST_GROUPS).
+# On the worker that runs test_slurm.py, after or before it (tests/conftest.py: xdist_scope).
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 TWO_NODES = ("launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=2", "parallel.timeout_s=30")

@@ -47,7 +47,7 @@ def _parity(tmp_path, layout, *extra, planted=False, steps=20):
 @pytest.fixture(scope="module")
 def correct_check(tmp_path_factory):
     """dp2 against one process through the tool, once for this file's tests (one xdist worker
-    runs them: tests/conftest.py XDIST_GROUPS): its finished process and its directory."""
+    runs them: tests/conftest.py xdist_scope): its finished process and its directory."""
     root = tmp_path_factory.mktemp("parity-tool")
     return _parity(root, "parallel=single parallel.dp=2"), root
 
