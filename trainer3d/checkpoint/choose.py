@@ -15,7 +15,7 @@ from typing import Iterable, List, Optional, Tuple
 
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.store import CheckpointError
-from trainer3d.config import Config, ModelConfig
+from trainer3d.config.schema import Config, ModelConfig
 
 RESUME_FIX = "give a published step_<N> directory, auto or never"
 

@@ -5,7 +5,7 @@ machine, written as a Device (devices.py) that ``cluster.gpu=calibrated`` reads:
 
 - the fp32 (and bf16, fp16) matmul rate of one thread;
 - the node's total matmul rate with 1, 2, 4 and 8 ranks computing at once, each with the
-  threads trainer3d/launch.py gives it (cores // ranks, at least one): how the ranks share
+  threads trainer3d/job/launch.py gives it (cores // ranks, at least one): how the ranks share
   the cores, their caches and memory;
 - the memory bandwidth of one thread (a large in-place add: the optimizer's kind of work);
 - a transformer block's forward + backward on one thread: its dispatch overhead (at a
@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer3d.activations import Sizes, layer_terms
-from trainer3d.config import Config, ModelConfig
+from trainer3d.memory.activations import Sizes, layer_terms
+from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.model.transformer import Block
 from trainer3d.plan.devices import DEFAULT_CALIBRATION, Device
 from trainer3d.plan.probe import measured_step_s, training_config
@@ -92,7 +92,7 @@ def block_figures() -> Dict[str, float]:
     cfg.train.micro_batch_size, cfg.train.seq_len = 2, 128
     block = Block(cfg.model)
     for module in (block.attention, block.feed_forward):
-        for name, child in list(module.named_children()):
+        for name in [n for n, _ in module.named_children()]:
             setattr(module, name, nn.Identity())
     x = torch.randn(128, 2, 512, requires_grad=True)  # (seq, batch, dim), as blocks see it
     took = 1.0 / _best_rate(lambda: block(x).sum().backward(), 1.0)
@@ -218,11 +218,11 @@ def engine_figures(figures: dict, steps: int = 12, warmup: int = 3) -> dict:
         fitted["step_overhead_us"] = probe("", tmp)(lambda x: {"step_overhead_us": x})
         latency: Dict[int, float] = {}
         for ranks, layout in TP_PROBES.items():
-            latency[ranks] = probe(layout, tmp)(lambda x: {"latency_by_ranks": {**latency, ranks: x}})
+            latency[ranks] = probe(layout, tmp)(lambda x, ranks=ranks: {"latency_by_ranks": {**latency, ranks: x}})
         fitted["latency_by_ranks"] = latency
         action: Dict[int, float] = {}
         for ranks, layout in PP_PROBES.items():
-            action[ranks] = probe(layout, tmp)(lambda x: {"action_by_ranks": {**action, ranks: x}})
+            action[ranks] = probe(layout, tmp)(lambda x, ranks=ranks: {"action_by_ranks": {**action, ranks: x}})
         fitted["action_by_ranks"] = action
     return fitted
 

@@ -2,10 +2,10 @@
 
 from typing import List, Sequence
 
-from trainer3d.memory import format_bytes
+from trainer3d.memory.states import format_bytes
 from trainer3d.model.flops import flops_per_token
 from trainer3d.model.transformer import count_parameters
-from trainer3d.plan.config import PlanConfig
+from trainer3d.plan.settings import PlanConfig
 from trainer3d.plan.devices import Device
 from trainer3d.plan.search import Plan, SearchResult, command
 
@@ -33,7 +33,7 @@ def summary_lines(cfg: PlanConfig, device: Device, result: SearchResult) -> List
     if result.closest_over is not None:
         over, closest, rank = result.closest_over
         lines.append(f"  closest that does not fit: {_layout(closest)}, over by {format_bytes(over)} on stage {rank}")
-    for knob, example in result.refusal_examples.items():
+    for example in result.refusal_examples.values():
         lines.append(f"  e.g. {example}")
     return lines
 
