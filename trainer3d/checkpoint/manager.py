@@ -112,7 +112,7 @@ class Checkpointer:
     def _say(self, text: str) -> None:
         _say(self.dims, text)
 
-    def _maker(self, device_type: str) -> PieceMaker:
+    def maker(self, device_type: str) -> PieceMaker:
         """Pieces over a 1-D mesh of the world on ``device_type``: the device for loads and
         saves from the live tensors, the CPU (the save group's gloo) for staged host copies."""
         if device_type not in self._makers:
@@ -153,10 +153,10 @@ class Checkpointer:
 
     def _job(self, steps_done: int, staged: bool) -> SaveJob:
         if staged:
-            state = rank_state(self.optimizer, self.dims, self._maker("cpu"), stage=self._stage)
+            state = rank_state(self.optimizer, self.dims, self.maker("cpu"), stage=self._stage)
             self.staging.done()
         else:
-            state = rank_state(self.optimizer, self.dims, self._maker(self.dims.device.type))
+            state = rank_state(self.optimizer, self.dims, self.maker(self.dims.device.type))
         info = {"step": steps_done, "layout": layout_of(self.cfg), "dtype": self.cfg.train.dtype,
                 "config": scrub(dataclasses.asdict(self.cfg)), "saved_at": time.time()}
         return SaveJob(steps_done, drop_tied_copies(state, self.dims), self.root, info, self.cfg.checkpoint.keep,
@@ -200,7 +200,7 @@ class Checkpointer:
         with _io(self.timeouts):
             while choice is not None:
                 same_world = choice.info.get("layout") == layout_of(self.cfg)
-                state = rank_state(self.optimizer, self.dims, self._maker(self.dims.device.type), with_rng=same_world)
+                state = rank_state(self.optimizer, self.dims, self.maker(self.dims.device.type), with_rng=same_world)
                 metadata = store.read_metadata(choice.path)
                 passes, notes = load_passes(state, metadata.state_dict_metadata)
                 problem = shared_problem(choice.path, choice.info["files"], passes, metadata, self.dims.rank,
