@@ -4,12 +4,15 @@ line, and a failed save leaves no ``.partial`` directory filling the disk."""
 
 import errno
 import os
+import shutil
 import subprocess
 import traceback
 
 import pytest
 
 from tests.support.background import Run
+from tests.support.runs import read_metrics, run_train
+from trainer3d.checkpoint import store
 from trainer3d.job.failure import RankFailed, headline, rank_failures
 
 SMALL = ("parallel=dp2", "train.max_steps=20", "train.log_every=1", "train.seq_len=64", "train.micro_batch_size=2",
@@ -45,18 +48,29 @@ def test_a_full_disk_is_named_with_its_path(tmp_path):
         assert headline(nameless, ["/nonexistent/run"]).startswith("no space left on device at ")
 
 
-@pytest.fixture
-def tiny_disk(tmp_path):
-    """A 2 MiB tmpfs: a real ENOSPC (the model's checkpoint needs ~10 MB)."""
-    disk = tmp_path / "disk"
+def _tmpfs(disk, size: str):
+    """A tmpfs of ``size`` at ``disk`` (a real ENOSPC once it is full), unmounted afterwards."""
     disk.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True, text=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)], capture_output=True,
+                          text=True)
     if proc.returncode != 0:
         if os.environ.get("CI"):
             pytest.fail(f"cannot mount a tmpfs under CI: {proc.stderr.strip()}")
         pytest.skip(f"cannot mount a small tmpfs here (needs root): {proc.stderr.strip()}")
     yield disk
     subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 2 MiB tmpfs: a real ENOSPC (the model's checkpoint needs ~10 MB)."""
+    yield from _tmpfs(tmp_path / "disk", "2m")
+
+
+@pytest.fixture
+def one_checkpoint_disk(tmp_path):
+    """A 16 MiB tmpfs: one checkpoint of the model (10.5 MB) fits, a second one does not."""
+    yield from _tmpfs(tmp_path / "disk", "16m")
 
 
 def test_a_checkpoint_on_a_full_disk_fails_in_one_line_and_leaves_no_partial(tmp_path, tiny_disk):
@@ -68,3 +82,24 @@ def test_a_checkpoint_on_a_full_disk_fails_in_one_line_and_leaves_no_partial(tmp
     assert f"no space left on device at {tiny_disk}" in headlines[0], run.text()
     assert "killed, out of memory" not in run.text()
     assert list(tiny_disk.iterdir()) == [], "the failed save's .partial directory must be gone"
+
+
+def test_a_disk_filling_during_a_background_write_keeps_the_last_good_checkpoint(tmp_path, one_checkpoint_disk):
+    """The step-8 save runs out of space in the background while training goes on: the run ends
+    with the one-line cause, nothing of it is published or left, and step 4 resumes exactly."""
+    disk, args = one_checkpoint_disk, [*SMALL[:-1], "checkpoint.every=4"]
+    with Run(tmp_path / "run", [*args, f"checkpoint.dir={disk}"]) as run:
+        code = run.wait(timeout=300)
+    assert code == 1, run.text()
+    headlines = [line for line in run.err if "failed:" in line]
+    assert len(headlines) == 1 and f"no space left on device at {disk}" in headlines[0], run.text()
+    assert [s for s, _ in store.published(disk)] == [4] and store.is_complete(store.step_dir(disk, 4))[0]
+    assert not list(disk.glob("*.partial")), "the failed save's .partial directory must be gone"
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) > 8, "training went on while the step-8 save was being written"
+    copy = tmp_path / "step_00000004"
+    shutil.copytree(store.step_dir(disk, 4), copy)
+    run_train(tmp_path / "again", [*args[:1], "train.max_steps=8", *args[2:], f"train.resume={copy}",
+                                   "checkpoint.every=0", "checkpoint.save_final=false"])
+    again = read_metrics(tmp_path / "again")
+    assert [r["loss"] for r in again] == [r["loss"] for r in rows[4:8]]

@@ -33,6 +33,7 @@ agrees on a stop; a failed save is then raised on every rank at the same step.
 import concurrent.futures
 import dataclasses
 import datetime
+import os
 import shutil
 import threading
 import time
@@ -140,6 +141,17 @@ def _gather(digests: dict, group: Optional[dist.ProcessGroup], rank: int) -> Lis
     return files or []
 
 
+def _yield_the_cpu() -> None:
+    """Lower the calling thread's CPU priority to nice 19: where the training saturates the
+    host's cores (CPU training, data workers), the background save takes the time the loop
+    leaves idle instead of slowing its steps. On Linux the nice value belongs to the thread
+    (setpriority(2), NOTES), so the loop's own thread keeps its priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the save runs at the loop's priority
+        pass
+
+
 class Background:
     """At most one save in flight: ``start`` it, ``poll`` at every step boundary (every rank,
     the same boundaries), ``wait`` where the loop must not go on without it."""
@@ -159,6 +171,7 @@ class Background:
 
         def run() -> None:
             try:
+                _yield_the_cpu()
                 path = write(job, self.groups.write, self.rank)
                 report.write_s = time.perf_counter() - started
                 future.set_result(path)

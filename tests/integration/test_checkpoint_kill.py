@@ -1,0 +1,52 @@
+"""kill -9 during a background write: a rank, or the whole job (the submitting process first,
+then every process it started, as a lost machine would). Nothing of the interrupted save is
+published, ``auto`` picks the checkpoint before it, and the restarted run ends as if nothing
+had happened.
+
+Rank 1's background write of the step-10 checkpoint stalls with its data files written and
+not yet read back (tests/support/plugins/stall_save, ``1:10:write``) while training goes on;
+the kill comes when the loop has reached the next save (step 15), which waits for it.
+"""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_checkpoint_resume import BASE, MODEL, assert_close, layout, losses_from
+from tests.support.background import Run
+from tests.support.runs import PARITY, read_metrics, reference_losses, run_train
+from trainer3d.checkpoint import store
+
+PLUGIN = Path(__file__).resolve().parents[1] / "support" / "plugins" / "stall_save"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["rank", "job"])
+def test_kill_9_during_a_background_write_publishes_nothing(tmp_path, session_tmp, victim):
+    run, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    args = [*BASE, *layout(1, 1, 2), "checkpoint.every=5", "train.max_steps=20", "parallel.timeout_s=20"]
+    env = dict(os.environ, TRAINER3D_TEST_STALL_SAVE="1:10:write", WANDB_MODE="offline",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(PLUGIN), os.environ.get("PYTHONPATH")])))
+    with Run(run, args, env=env) as job:
+        marker = root / "stalled-rank1"
+        deadline = time.time() + 300
+        while not (marker.exists() and (run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 15):
+            assert time.time() < deadline and job.proc.poll() is None, f"no stalled write at step 15:\n{job.text()}"
+            time.sleep(0.2)
+        assert not store.step_dir(root, 10).exists(), "published before rank 1's files were read back"
+        if victim == "rank":
+            os.kill(int(marker.read_text()), signal.SIGKILL)
+            assert job.wait(timeout=300) != 0, job.text()
+        else:
+            os.kill(job.proc.pid, signal.SIGKILL)
+            job.kill_leftovers()
+    assert not store.step_dir(root, 10).exists()
+    assert store.latest_complete(root)[0] == 5 and store.is_complete(store.step_dir(root, 5))[0]
+    marker.unlink(missing_ok=True)
+    proc = run_train(run, [*args[:-1], "parallel.timeout_s=60"])  # no plugin: a plain restart
+    assert "step_00000005 at step 5" in proc.stdout, proc.stdout[-3000:]
+    assert_close(losses_from(run, 0), reference_losses(session_tmp, [*PARITY, *MODEL]))
+    assert not store.partial_dir(root, 10).exists()  # the stale partial save was cleaned up
