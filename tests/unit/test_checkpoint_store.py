@@ -67,3 +67,35 @@ def test_metadata_with_foreign_objects_is_refused(tmp_path):
     with pytest.raises(MetadataError, match="posix.system, which checkpoint metadata never holds"):
         read_metadata(path)
     assert not is_complete(path)[0]
+
+
+def test_markers_with_sha256_digests_are_still_checked(tmp_path):
+    """A checkpoint whose marker records SHA-256 (saves before XXH3-128) loads, and a changed
+    byte in it is still found: each file is checked with the digest its entry names."""
+    import hashlib
+    import json
+
+    from trainer3d.checkpoint.digest import seal
+    path = _save(tmp_path, 3)
+    marker = json.loads((path / "trainer3d.json").read_text())
+    for name, entry in marker["files"].items():
+        entry.pop("xxh3_128")
+        entry["sha256"] = hashlib.sha256((path / name).read_bytes()).hexdigest()
+    (path / "trainer3d.json").write_text(json.dumps(seal(marker)))
+    assert is_complete(path) == (True, "")
+    data = next(path.glob("*.distcp"))
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 4
+    data.write_bytes(bytes(blob))
+    assert is_complete(path) == (False, f"{data.name} does not match its checksum (corrupted)")
+
+
+def test_the_read_back_reads_the_storage_not_the_page_cache(tmp_path, monkeypatch):
+    """The writer's read-back drops the file's cached pages first (posix_fadvise DONTNEED on the
+    synced file), so the bytes hashed come from the storage."""
+    calls = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: calls.append(advice) or
+                        real(fd, offset, length, advice))
+    _save(tmp_path, 1)
+    assert calls and set(calls) == {os.POSIX_FADV_DONTNEED}
