@@ -1,3 +1,5 @@
+import ast
+import functools
 import os
 from pathlib import Path
 
@@ -20,7 +22,7 @@ def session_tmp(tmp_path_factory) -> Path:
         shared.mkdir(exist_ok=True)
         return shared
     return tmp_path_factory.mktemp("session")
-from tests.slurm_cluster import slurm_cluster  # noqa: E402,F401  (session fixture)
+from tests.support.slurm_cluster import slurm_cluster  # noqa: E402,F401  (session fixture)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -29,25 +31,39 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
-# Test files whose tests must run on one xdist worker, one after another: the Slurm tests share
-# the session's one cluster (a lost-node test restarts a node under any job running on it),
-# the others share a module fixture that would otherwise run once per worker, or a run made
-# once per session that a test on the other worker would sit waiting for (the parity tool's). pytest-xdist's
-# own marks (``xdist_group`` with ``--dist loadgroup``) stopped grouping on pytest 9.2: it
-# renames node ids, which pytest no longer reads back (pytest-dev/pytest-xdist#1386).
-XDIST_GROUPS = {"tests/test_slurm.py": "slurm", "tests/test_slurm_two_nodes.py": "slurm",
-                "tests/test_hf.py": "hf", "tests/test_eval.py": "eval", "tests/test_train_dp.py": "train_dp",
-                "tests/test_parity_tool.py": "parity_tool"}
+def _defines_module_fixture(path: Path) -> bool:
+    """Whether the test file defines a fixture of module scope (set up once per file)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        for deco in getattr(node, "decorator_list", []):
+            if isinstance(deco, ast.Call) and any(k.arg == "scope" and getattr(k.value, "value", None) == "module"
+                                                  for k in deco.keywords):
+                return True
+    return False
 
 
-class FileGroupScheduling(LoadScopeScheduling):
-    """``--dist loadgroup`` by XDIST_GROUPS: a grouped file's tests are one work unit (its
-    group's), every other test a unit of its own."""
+@functools.lru_cache(maxsize=None)
+def xdist_scope(path: str) -> str:
+    """The unit of work an xdist worker takes for the tests of ``path`` (relative to the root):
+    the whole tier for tests/slurm/ (they share the session's one cluster: a lost-node test
+    restarts a node under any job running on it), the whole file where it defines a module
+    fixture (which would otherwise run once per worker), else "" (each test a unit of its own).
+    pytest-xdist's own marks (``xdist_group`` with ``--dist loadgroup``) stopped grouping on
+    pytest 9.2: it renames node ids, which pytest no longer reads back
+    (pytest-dev/pytest-xdist#1386)."""
+    if path.startswith("tests/slurm/"):
+        return "tests/slurm"
+    full = ROOT / path
+    return path if full.is_file() and _defines_module_fixture(full) else ""
+
+
+class TierScheduling(LoadScopeScheduling):
+    """``--dist loadgroup`` by ``xdist_scope``: grouped tests are one work unit, every other
+    test a unit of its own."""
 
     def _split_scope(self, nodeid: str) -> str:
-        return XDIST_GROUPS.get(nodeid.split("::", 1)[0], nodeid)
+        return xdist_scope(nodeid.split("::", 1)[0]) or nodeid
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
-    return FileGroupScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None
+    return TierScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None

@@ -19,15 +19,15 @@ from omegaconf import DictConfig, OmegaConf
 from trainer3d.checkpoint.choose import choose
 from trainer3d.checkpoint.manager import checkpoint_root
 from trainer3d.checkpoint.store import CheckpointError
-from trainer3d.config import Config  # noqa: F401  (registers the schema in the ConfigStore)
+from trainer3d.config.schema import Config  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.data.checks import check_data
-from trainer3d.device_check import machine_problems
-from trainer3d.dry_run import print_plan
+from trainer3d.job.device_check import machine_problems
+from trainer3d.memory.dry_run import print_plan
 from trainer3d.hf.check import apply_init_from
-from trainer3d.knobs import path_problems, unknown_keys
-from trainer3d.launch import TrainTask, in_distributed_env, launch_local
-from trainer3d.slurm import launch_slurm
-from trainer3d.validate import ConfigError, validate, world_size_of
+from trainer3d.config.knobs import path_problems, unknown_keys
+from trainer3d.job.launch import TrainTask, in_distributed_env, launch_local
+from trainer3d.job.slurm import launch_slurm
+from trainer3d.config.validate import ConfigError, validate, world_size_of
 
 
 def resolve(dcfg: DictConfig) -> Config:
@@ -130,7 +130,7 @@ def _main(dcfg: DictConfig) -> int:
         print(f"trainer3d: config error: {problem}", file=sys.stderr)
     status = 2 if unknown else run(resolve(dcfg), explicit_model_fields())
     if HydraConfig.get().mode == RunMode.MULTIRUN:
-        return status  # one failed point must not end the sweep: trainer3d.sweep reports them all
+        return status  # one failed point must not end the sweep: trainer3d.job.sweep reports them all
     if status:
         sys.exit(status)
     return status

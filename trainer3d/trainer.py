@@ -4,7 +4,7 @@
 config and the layout; ``train_step`` is forward_backward (all grad_accum micro-batches,
 through the pipeline schedule when pp > 1) -> reduce gradients over dp -> clip by the
 global norm -> optimizer step; ``train`` repeats it, evaluates on the validation set
-every train.eval_every steps (``forward_only``, trainer3d/evaluate.py) and logs at the interval.
+every train.eval_every steps (``forward_only``, trainer3d/observe/evaluate.py) and logs at the interval.
 """
 
 import time
@@ -14,24 +14,24 @@ import torch
 from torch import nn
 
 from trainer3d.checkpoint.manager import Checkpointer
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.data.loader import Prefetcher, build_readers
 from trainer3d.data.sources import eval_batches, evaluates
-from trainer3d.evaluate import Evaluator
-from trainer3d.loggers import build_sinks
-from trainer3d.metrics import MetricsLogger
+from trainer3d.observe.evaluate import Evaluator
+from trainer3d.observe.loggers import build_sinks
+from trainer3d.observe.metrics import MetricsLogger
 from trainer3d.model.flops import flops_per_token
-from trainer3d.nonfinite import NonFiniteWatch
-from trainer3d.optim import lr_at
-from trainer3d.parallel import build_loss_fn, build_model_chunks, build_optimizer
-from trainer3d.parallel.optimizer import ZeroOptimizer
-from trainer3d.parallel.pipeline import Pipeline
-from trainer3d.parallel.tensor import sync_sequence_parallel_grads
+from trainer3d.observe.nonfinite import NonFiniteWatch
+from trainer3d.optim.schedule import lr_at
+from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer
+from trainer3d.parallel.zero.optimizer import ZeroOptimizer
+from trainer3d.parallel.pipeline.schedule import Pipeline
+from trainer3d.parallel.tensor.layers import sync_sequence_parallel_grads
 from trainer3d.parallel.tied import sum_tied_gradients
-from trainer3d.preemption import Stop, StopSignal
-from trainer3d.telemetry import model_state_bytes, resolve_peak_tflops
-from trainer3d.timeouts import GroupTimeouts
-from trainer3d.topology import ParallelDims
+from trainer3d.job.preemption import Stop, StopSignal
+from trainer3d.observe.telemetry import model_state_bytes, resolve_peak_tflops
+from trainer3d.parallel.timeouts import GroupTimeouts
+from trainer3d.parallel.topology import ParallelDims
 
 
 class MicroBatchLoss:
@@ -71,7 +71,7 @@ class Trainer:
         self.stop_signal = StopSignal()
         self.stopped: Optional[Stop] = None
         self.heartbeat = None
-        """Set by the launcher (trainer3d/heartbeat.py): told the steps completed at each step boundary."""
+        """Set by the launcher (trainer3d/job/heartbeat.py): told the steps completed at each step boundary."""
         t = cfg.train
         # The stop signal's own group too: its check is waited for at every step boundary, and
         # torch gives a group made without a timeout 30 minutes.
@@ -176,7 +176,7 @@ class Trainer:
             if self.checkpointer.due(step + 1):
                 self.nonfinite.check()  # never a checkpoint of weights trained on a non-finite loss
                 self.save_checkpoint(step + 1)
-            # The same on every rank (trainer3d/preemption.py); after the last step there is nothing to stop.
+            # The same on every rank (trainer3d/job/preemption.py); after the last step there is nothing to stop.
             flag = self.stop_signal.agreed() if step + 1 < t.max_steps else 0
             if flag:
                 self.stopped = Stop(step=step + 1, flag=flag)

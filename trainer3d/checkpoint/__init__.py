@@ -1,0 +1,13 @@
+"""Persist: distributed checkpoints that are atomic, verified and layout-free.
+
+``manager`` is what the trainer calls (save at an interval, resume, retention); ``state``
+this rank's part as a DCP state dict, every tensor under its 1-rank name in its full shape
+(``chunks``: where this rank's piece sits), so any layout resumes any other; ``store`` the
+directories (``step_N.partial`` renamed into place with a sealed marker), discovery and
+integrity; ``writer`` and ``digest`` DCP's writer with checksums taken as bytes go to disk;
+``metadata`` and ``reader`` the restricted reading of checkpoints that may not be trusted
+(an allow-listed unpickler, tensor entries only); ``choose`` which checkpoint a run resumes
+and whether it is the same model; ``precision`` resuming across ``train.dtype``; ``export``
+a checkpoint's model for use elsewhere. May import ``config``, ``model``, ``parallel`` and
+``data`` (token ids); never ``job`` or ``observe``.
+"""

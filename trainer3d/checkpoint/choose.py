@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.store import CheckpointError
-from trainer3d.config import Config, ModelConfig
+from trainer3d.config.schema import Config, ModelConfig
 
 IGNORED_MODEL_KEYS = ("name", "init_from", "init_std", "max_seq_len", "bos_token_id", "eos_token_ids")
 """Model fields a resume may change: labels, how a fresh model would start, the rotary table's

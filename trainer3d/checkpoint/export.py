@@ -29,11 +29,11 @@ from omegaconf import OmegaConf
 
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.reader import CheckpointReader, TensorOnlyLoadPlanner
-from trainer3d.config import ModelConfig
+from trainer3d.config.schema import ModelConfig
 from trainer3d.data import EOF_TOKEN
 from trainer3d.hf.export import data_tokenizer, write_hf
 from trainer3d.hf.files import write_safetensors_dir
-from trainer3d.parallel.precision import DTYPES
+from trainer3d.optim.mixed_precision import DTYPES
 
 
 def load_full_model(path: Path, prefix: str = "model.") -> Dict[str, torch.Tensor]:

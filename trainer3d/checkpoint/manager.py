@@ -38,13 +38,13 @@ from trainer3d.checkpoint.reader import CheckpointReader, TensorOnlyLoadPlanner
 from trainer3d.checkpoint.state import PieceMaker, after_load, rank_state
 from trainer3d.checkpoint.store import CheckpointError
 from trainer3d.checkpoint.writer import CheckpointWriter
-from trainer3d.config import Config
-from trainer3d.loggers import scrub
-from trainer3d.parallel.optimizer import ZeroOptimizer
+from trainer3d.config.schema import Config
+from trainer3d.observe.loggers import scrub
+from trainer3d.parallel.zero.optimizer import ZeroOptimizer
 from trainer3d.parallel.tied import drop_tied_copies
-from trainer3d.timeouts import GroupTimeouts
-from trainer3d.topology import ParallelDims
-from trainer3d.validate import layout_of
+from trainer3d.parallel.timeouts import GroupTimeouts
+from trainer3d.parallel.topology import ParallelDims
+from trainer3d.config.validate import layout_of
 
 
 def checkpoint_root(cfg: Config) -> Path:

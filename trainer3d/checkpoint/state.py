@@ -13,7 +13,7 @@ unpadded), whatever the layout that wrote it:
                                   so this is for the record and for user code)
 
 A rank describes what it holds as pieces of those full tensors — the optimizer's
-``checkpoint_views`` (trainer3d/parallel/optimizer.py) name, for each parameter, a flat range
+``checkpoint_views`` (trainer3d/parallel/zero/optimizer.py) name, for each parameter, a flat range
 of its tp-local tensor and the tensors holding it; trainer3d/checkpoint/chunks.py turns a
 TP shard, or a ZeRO flat range of one, into at most three rectangles — and
 hands them to DCP as a DTensor whose local part is a ``LocalShardsWrapper`` of views into
@@ -35,8 +35,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 from trainer3d.checkpoint.chunks import full_shape, pieces
-from trainer3d.parallel.optimizer import ZeroOptimizer
-from trainer3d.topology import ParallelDims
+from trainer3d.parallel.zero.optimizer import ZeroOptimizer
+from trainer3d.parallel.topology import ParallelDims
 
 
 def _contiguous_stride(shape: Sequence[int]) -> Sequence[int]:

@@ -1,4 +1,4 @@
-"""DCP's file writer, with checksums and a full disk reported as such (trainer3d/failure.py).
+"""DCP's file writer, with checksums and a full disk reported as such (trainer3d/job/failure.py).
 
 Each data file is hashed on its way to disk and read back once closed
 (trainer3d/checkpoint/digest.py); ``digests`` then holds this rank's files, which the
@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from trainer3d.checkpoint.digest import HashingStream, file_digest
-from trainer3d.failure import naming_a_full_disk
+from trainer3d.job.failure import naming_a_full_disk
 
 
 class _HashingFileSystem(FileSystem):

@@ -13,7 +13,7 @@ same cache).
 from pathlib import Path
 from typing import Dict, List
 
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.data.sources import eval_batches, evaluates, plan, train_files, val_file
 from trainer3d.data.tokenfile import TokenFile
 from trainer3d.data.tokens import TokenFileError, TokenHeader

@@ -19,7 +19,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
-from trainer3d.config import Config
+from trainer3d.config.schema import Config
 from trainer3d.data.sampler import SampleOrder, VALIDATION_KEY, step_samples
 from trainer3d.data.sources import Part, plan
 from trainer3d.data.tokenfile import TokenFile

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
-from trainer3d.config import Config, DataConfig
+from trainer3d.config.schema import Config, DataConfig
 from trainer3d.data.corpus import stdlib_corpus
 from trainer3d.data.sampler import Span, split
 from trainer3d.data.tokens import bin_path

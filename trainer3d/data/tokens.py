@@ -34,7 +34,7 @@ from typing import Optional
 
 import numpy as np
 
-from trainer3d.jsonfile import read_json_object
+from trainer3d.config.jsonfile import read_json_object
 
 PREPARE_HINT = "rebuild it with: python tools/prepare_data.py --out <file.bin> <texts...>"
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}

@@ -12,10 +12,10 @@ import dataclasses
 from pathlib import Path
 from typing import Collection, Dict, List
 
-from trainer3d.config import Config, ModelConfig
+from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.hf.files import DTYPES, DirError, TensorInfo, read_json, tensor_infos
 from trainer3d.hf.mapping import CONFIG, IGNORED, from_hf, hf_shapes, model_fields
-from trainer3d.validate import ConfigError
+from trainer3d.config.validate import ConfigError
 
 _HF_KEY = {field: key for field, key, _ in CONFIG}
 

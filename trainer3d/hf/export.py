@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from trainer3d.config import ModelConfig
+from trainer3d.config.schema import ModelConfig
 from trainer3d.data import BYTE_VOCAB
 from trainer3d.hf.files import write_safetensors_dir
 from trainer3d.hf.mapping import hf_config, to_hf

@@ -21,7 +21,7 @@ from typing import Dict, List, Tuple
 import torch
 from safetensors.torch import save_file
 
-from trainer3d.jsonfile import read_json_object
+from trainer3d.config.jsonfile import read_json_object
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -43,7 +43,7 @@ class TensorInfo:
 
 
 def read_json(path: Path) -> dict:
-    """A JSON object from a file of bounded size (trainer3d/jsonfile.py)."""
+    """A JSON object from a file of bounded size (trainer3d/config/jsonfile.py)."""
     if not path.is_file():
         raise DirError(f"{path} is missing")
     try:

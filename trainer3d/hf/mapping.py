@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from trainer3d.config import ModelConfig, RopeScalingConfig
+from trainer3d.config.schema import ModelConfig, RopeScalingConfig
 from trainer3d.model.transformer import Transformer, head_dim_of
 
 # (trainer3d name, Hugging Face name); {i} is the layer index.

@@ -16,7 +16,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from safetensors import safe_open
 
-from trainer3d.config import ModelConfig
+from trainer3d.config.schema import ModelConfig
 from trainer3d.hf.files import tensor_infos
 from trainer3d.hf.mapping import to_hf
 from trainer3d.model.init import TPShard, pad_slice

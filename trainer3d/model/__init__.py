@@ -1,3 +1,10 @@
+"""The model: one parallelism-agnostic Llama-style definition (``transformer``: RMSNorm,
+RoPE, grouped-query attention, SwiGLU), how its parameters are filled (``init``: a source of
+values, random or Hugging Face, each rank filling only its slices; ``normal_stream``: any
+rectangle of torch.randn's draw), and what a step costs (``flops``: PaLM's count). Imports
+only ``config``: parallelism is applied from outside (``parallel/parallelize.py``).
+"""
+
 from trainer3d.model.transformer import Transformer, count_parameters, cross_entropy_loss
 
 __all__ = ["Transformer", "count_parameters", "cross_entropy_loss"]

@@ -14,7 +14,7 @@ are left out (under 0.1% at any real size). Training = 3 x forward.
 
 from typing import Optional
 
-from trainer3d.config import ModelConfig
+from trainer3d.config.schema import ModelConfig
 from trainer3d.model.transformer import head_dim_of
 
 

@@ -27,7 +27,7 @@ from typing import Optional, Protocol, Sequence, Tuple
 import torch
 from torch import nn
 
-from trainer3d.config import ModelConfig
+from trainer3d.config.schema import ModelConfig
 from trainer3d.model.normal_stream import normal_rectangle
 from trainer3d.model.transformer import output_projection_std
 

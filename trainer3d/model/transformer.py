@@ -6,8 +6,8 @@ et al. 2023), optionally tied input/output embeddings, no biases, no dropout. Th
 every weight is Hugging Face's Llama's (rotary pairs (i, i + head_dim/2)), so its
 checkpoints load without permuting anything (trainer3d/hf/mapping.py).
 
-Parallelism is applied from outside: ``parallel/tensor.py`` swaps the Linear/Embedding
-submodules for tensor-parallel ones, ``parallel/pipeline.py`` deletes the layers another
+Parallelism is applied from outside: ``parallel/tensor/layers.py`` swaps the Linear/Embedding
+submodules for tensor-parallel ones, ``parallel/pipeline/schedule.py`` deletes the layers another
 stage owns (setting ``tok_embeddings`` / ``norm`` / ``output`` to None). So this file
 never reads ``n_heads`` to shape a tensor at run time: it reads the shapes its Linear
 layers produce (a TP rank has n_heads/tp heads; with sequence parallelism the block input
@@ -15,7 +15,7 @@ holds a slice of the sequence while attention sees all of it).
 
 Inside, activations are sequence-first, ``(seq, batch, dim)``, as in Megatron-LM: a
 sequence shard is then one contiguous block of memory, which sequence parallelism's
-all-gather and reduce-scatter (parallel/tensor_comm.py) use in place. Tokens go in and
+all-gather and reduce-scatter (parallel/tensor/comm.py) use in place. Tokens go in and
 logits come out batch-first: the token ids are transposed before the lookup (integers, a
 view) and the logits are returned as a batch-first view of the sequence-first result.
 """
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer3d.config import ModelConfig, RopeScalingConfig
+from trainer3d.config.schema import ModelConfig, RopeScalingConfig
 
 
 class RMSNorm(nn.Module):
@@ -50,7 +50,7 @@ def head_dim_of(cfg: ModelConfig) -> int:
 def llama3_scaled_frequencies(inv_freq: torch.Tensor, scaling: RopeScalingConfig) -> torch.Tensor:
     """Llama 3.1's rotary scaling (as Hugging Face transformers defines it:
     ``_compute_llama3_parameters`` in src/transformers/modeling_rope_utils.py, which
-    tests/test_hf.py compares against): frequencies whose wavelength exceeds
+    tests/integration/test_hf.py compares against): frequencies whose wavelength exceeds
     original_max_seq_len / low_freq_factor are divided by ``factor``, those shorter than
     original_max_seq_len / high_freq_factor are kept, and in between the two are blended by
     how many turns the frequency makes over the original context."""

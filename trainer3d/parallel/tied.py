@@ -2,7 +2,7 @@
 
 With tied embeddings the first stage looks tokens up in the embedding matrix and the last
 stage multiplies by it in the head, so with a pipeline each holds a copy, both named
-``tok_embeddings.weight`` (parallel/stages.py). They start equal (the parameter source
+``tok_embeddings.weight`` (parallel/pipeline/stages.py). They start equal (the parameter source
 gives both the same values) and stay equal: every step, after the dp reduction and before
 clipping, the two copies' gradients are summed, so both take the same update, and the sum
 is what one process's shared Parameter accumulates. Megatron-LM does the same over its
@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer3d.model.init import canonical_name
-from trainer3d.parallel.optimizer import ZeroOptimizer
-from trainer3d.topology import ParallelDims
+from trainer3d.parallel.zero.optimizer import ZeroOptimizer
+from trainer3d.parallel.topology import ParallelDims
 
 TIED = "tok_embeddings.weight"
 

@@ -2,14 +2,14 @@
 
 With ``train.dtype`` bf16 or fp16 (ZeRO stages 0/1), autograd would give every weight a
 fresh low-precision ``.grad`` per micro-batch (the weight-gradient matmul's output), which
-the bucket hook then adds into the fp32 buffer (parallel/buckets.py) and frees: one
+the bucket hook then adds into the fp32 buffer (parallel/zero/buckets.py) and frees: one
 allocation of every weight's size per micro-batch. Megatron-LM's
 ``gradient_accumulation_fusion`` avoids it: the linear layer's backward accumulates its
 weight gradient into the parameter's fp32 ``main_grad`` itself (megatron/core/
 tensor_parallel/layers.py, ``LinearWithGradAccumulationAndAsyncCommunication``).
 
 ``linear`` does the same for every linear layer (tp=1 ``nn.Linear``, and the column/row-
-parallel ones of parallel/tensor.py) whose weight the optimizer has given a
+parallel ones of parallel/tensor/layers.py) whose weight the optimizer has given a
 ``MainGradSink``:
 
 - on CUDA, where ``torch.addmm`` takes ``out_dtype=torch.float32`` with bf16/fp16 inputs

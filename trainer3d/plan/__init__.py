@@ -2,10 +2,11 @@
 stage x sequence parallelism x recomputation x virtual stages fits a model on a cluster, and
 which is fastest.
 
-    config.py      cluster.* and search.* on top of the training schema
+    settings.py    cluster.* and search.* on top of the training schema
     devices.py     device presets (with their sources) and calibration files
     calibrate.py   --calibrate: this machine's matmul rate, memory bandwidth, collectives
     step_time.py   the step-time model
-    search.py      enumerate, validate(), fit (trainer3d/peak_memory.py), time, rank
+    probe.py       the engine at a negligible size, for --calibrate's fixed costs
+    search.py      enumerate, validate(), fit (trainer3d/memory/peak.py), time, rank
     report.py      the table and the training commands
 """

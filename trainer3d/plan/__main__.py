@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from trainer3d.plan.calibrate import main as calibrate_main
-from trainer3d.plan.config import PlanConfig  # noqa: F401  (registers the schema)
+from trainer3d.plan.settings import PlanConfig  # noqa: F401  (registers the schema)
 from trainer3d.plan.devices import device_for
 from trainer3d.plan.report import report
 from trainer3d.plan.search import search

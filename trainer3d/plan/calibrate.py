@@ -5,7 +5,7 @@ machine, written as a Device (devices.py) that ``cluster.gpu=calibrated`` reads:
 
 - the fp32 (and bf16, fp16) matmul rate of one thread;
 - the node's total matmul rate with 1, 2, 4 and 8 ranks computing at once, each with the
-  threads trainer3d/launch.py gives it (cores // ranks, at least one): how the ranks share
+  threads trainer3d/job/launch.py gives it (cores // ranks, at least one): how the ranks share
   the cores, their caches and memory;
 - the memory bandwidth of one thread (a large in-place add: the optimizer's kind of work);
 - a transformer block's forward + backward on one thread: its dispatch overhead (at a
@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer3d.activations import Sizes, layer_terms
-from trainer3d.config import Config, ModelConfig
+from trainer3d.memory.activations import Sizes, layer_terms
+from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.model.transformer import Block
 from trainer3d.plan.devices import DEFAULT_CALIBRATION, Device
 from trainer3d.plan.probe import measured_step_s, training_config

@@ -1,7 +1,7 @@
 """Run the engine itself on a layout and read back its step times.
 
 ``--calibrate`` runs it at a negligible model size, where a step is nothing but the host's
-and the collectives' fixed costs (calibrate.py fits them); tools/plan_accuracy.py runs it at
+and the collectives' fixed costs (calibrate.py fits them); tools/bench/plan_accuracy.py runs it at
 a real size and compares with the prediction. Each run is ``python -m trainer3d.train`` with
 Hydra overrides (local ranks, gloo, wandb off), its step times read from metrics.jsonl.
 """
@@ -16,8 +16,8 @@ from typing import List, Sequence
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from trainer3d.config import Config
-from trainer3d.validate import validate
+from trainer3d.config.schema import Config
+from trainer3d.config.validate import validate
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -2,10 +2,10 @@
 
 from typing import List, Sequence
 
-from trainer3d.memory import format_bytes
+from trainer3d.memory.states import format_bytes
 from trainer3d.model.flops import flops_per_token
 from trainer3d.model.transformer import count_parameters
-from trainer3d.plan.config import PlanConfig
+from trainer3d.plan.settings import PlanConfig
 from trainer3d.plan.devices import Device
 from trainer3d.plan.search import Plan, SearchResult, command
 

@@ -2,14 +2,14 @@
 rank the rest by predicted tokens/s.
 
 The space: tp over the divisors of the ranks per node (tensor parallelism stays inside a
-node, trainer3d/topology.py), pp over the divisors of what is left (at most one layer per
+node, trainer3d/parallel/topology.py), pp over the divisors of what is left (at most one layer per
 stage), dp the rest; then micro-batch size, ZeRO stage, sequence parallelism (tp > 1),
 recomputation and the schedule (1F1B, or interleaved 1F1B with v chunks per rank when
 pp > 1). Two of validate()'s rules shape the space instead of filtering it (ZeRO 2/3 only
 without a pipeline; at least one layer per stage), and without data parallelism only ZeRO
 stage 0 is tried (the others shard over dp = 1: the same layout). Every candidate goes through the engine's own ``validate()`` (its refusals are
 counted by the knob they name), then through the peak-memory accounting of the ranks that
-bound it (trainer3d/peak_memory.py), then through the step-time model (step_time.py).
+bound it (trainer3d/memory/peak.py), then through the step-time model (step_time.py).
 """
 
 import dataclasses
@@ -18,12 +18,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-from trainer3d.config import Config, LauncherConfig
-from trainer3d.peak_memory import RankMemory, rank_memory
-from trainer3d.plan.config import PlanConfig
+from trainer3d.config.schema import Config, LauncherConfig
+from trainer3d.memory.peak import RankMemory, rank_memory
+from trainer3d.plan.settings import PlanConfig
 from trainer3d.plan.devices import Device
 from trainer3d.plan.step_time import StepTime, ranks_evaluated, step_time, tokens_per_s
-from trainer3d.validate import ConfigError, validate
+from trainer3d.config.validate import ConfigError, validate
 
 GiB = 2 ** 30
 

@@ -7,7 +7,7 @@ the final norm, head and loss on the last):
                                               trainer3d/model/flops.py), attention scores
                                               counted causally (half of PaLM's 4sh)
              + elementwise bytes / bandwidth  norms, RoPE, SwiGLU, softmax: 2 passes over what
-                                              the block saves (trainer3d/activations.py)
+                                              the block saves (trainer3d/memory/activations.py)
              + tensor-parallel collectives    2 all-reduces per block (or all-gather +
                                               reduce-scatter, the same bytes) over intra-node links
              + dispatch overhead              host time per block (CPUs)
@@ -36,11 +36,11 @@ cores (CPUs) a step also takes at least the node's total work over the node's th
 from dataclasses import dataclass
 from typing import Dict, List
 
-from trainer3d.activations import FP32, Sizes, layer_terms
-from trainer3d.config import Config
-from trainer3d.memory import BYTES, ModelStateBytes
+from trainer3d.memory.activations import FP32, Sizes, layer_terms
+from trainer3d.config.schema import Config
+from trainer3d.memory.states import BYTES, ModelStateBytes
 from trainer3d.model.flops import layer_matmul_params
-from trainer3d.parallel.stages import n_stages, stage_layer_ranges, stages_of_rank
+from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
 from trainer3d.plan.devices import Device
 
 FWD_PASSES, BWD_PASSES = 2, 3
@@ -161,7 +161,7 @@ def _dp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: Ran
     bucket_share = min(1.0, p.bucket_mb * 2 ** 20 / max(1, grads))
     last_bucket = reduce * bucket_share
     exposed = last_bucket + max(0.0, reduce - last_bucket - times.backward)
-    if p.zero_stage == 1:  # waited for bucket by bucket in the next first forward (parallel/param_gather.py)
+    if p.zero_stage == 1:  # waited for bucket by bucket in the next first forward (parallel/zero/param_gather.py)
         gather = gather_s(states.params, p.dp, gbps, lat)
         exposed += gather * bucket_share + max(0.0, gather * (1 - bucket_share) - times.forward)
     return exposed

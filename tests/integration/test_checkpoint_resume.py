@@ -1,0 +1,153 @@
+"""Checkpoints: exact resume, resharding, a kill mid-save, export. The kill and the refusal run
+``python -m trainer3d.train``; the other runs do its work on in-process ranks (tests/support/runs.py:
+train_in_ranks).
+
+All runs use the PARITY settings (20 steps, global batch 16) and a model with 8 heads in 4
+kv-groups so that tp=4 can split it; losses after a resume are compared with the same
+steps of the uninterrupted 1-rank run.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.runs import PARITY, REL_TOL, read_metrics, reference_losses, run_train, train_in_ranks
+from trainer3d.checkpoint import store
+
+MODEL = ("model.n_heads=8", "model.n_kv_heads=4")
+BASE = (*PARITY, *MODEL, "parallel=single", "checkpoint.keep=10")
+
+
+def layout(tp, pp, dp, zero=0):
+    return (f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}", f"parallel.zero_stage={zero}")
+
+
+def losses_from(run_dir: Path, first: int):
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(len(rows))), "one row per step, none lost or doubled"
+    return [r["loss"] for r in rows[first:]]
+
+
+def assert_close(got, ref, tol=REL_TOL):
+    assert len(got) == len(ref) > 0
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+    assert worst <= tol, f"worst relative difference {worst:.2e}\n" + "\n".join(
+        f"  {a:.8f} vs {b:.8f}" for a, b in zip(got, ref))
+    return worst
+
+
+def test_resume_continues_exactly(tmp_path):
+    run = tmp_path / "run"
+    args = [*BASE, *layout(1, 2, 2, zero=1), "checkpoint.every=10"]
+    train_in_ranks(run, args)
+    uninterrupted = losses_from(run, 0)
+    # A restart after step 10: the step-20 checkpoint and the rows of steps 10+ never happened.
+    import shutil
+    shutil.rmtree(store.step_dir(run / "checkpoints", 20))
+    stdout = train_in_ranks(run, args)
+    assert f"resumed from {store.step_dir(run / 'checkpoints', 10)} at step 10" in stdout
+    resumed = losses_from(run, 0)
+    assert resumed[:10] == uninterrupted[:10]  # rows before the resume kept
+    assert resumed[10:] == uninterrupted[10:], "same layout: the resumed run is bit-identical"
+
+
+@pytest.mark.slow
+def test_reshard_chain_with_tp_changes(tmp_path, session_tmp):
+    """2x2x2 (z1) -> 1x4x2 (z1) -> 4x1x1 -> 1x1x1, each continuing from the previous one's checkpoint."""
+    ref = reference_losses(session_tmp, [*PARITY, *MODEL])
+    chain = [(layout(2, 2, 2, zero=1), None), (layout(1, 4, 2, zero=1), 5), (layout(4, 1, 1), 10),
+             (layout(1, 1, 1), 15)]
+    previous = None
+    for i, (lay, start) in enumerate(chain):
+        run = tmp_path / f"run{i}"
+        resume = [f"train.resume={store.step_dir(previous / 'checkpoints', start)}"] if start else []
+        stdout = train_in_ranks(run, [*BASE, *lay, "checkpoint.every=5", *resume])
+        if start:
+            assert "layout changed since the checkpoint" in stdout
+            rows = read_metrics(run)
+            assert [r["step"] for r in rows] == list(range(start, 20))
+            got = [r["loss"] for r in rows]
+            print(f"{' '.join(lay)} from step {start}: worst {assert_close(got, ref[start:]):.1e}")
+        else:
+            assert_close(losses_from(run, 0), ref)
+        previous = run
+
+
+@pytest.mark.slow
+def test_kill_mid_save_keeps_the_previous_checkpoint(tmp_path, session_tmp):
+    run = tmp_path / "run"
+    args = [*BASE, *layout(1, 1, 2), "checkpoint.every=5", "train.max_steps=20", "parallel.timeout_s=20"]
+    plugin = Path(__file__).resolve().parents[1] / "support" / "plugins" / "stall_save"  # its sitecustomize stalls rank 1 in the step-10 save
+    env = dict(os.environ, TRAINER3D_TEST_STALL_SAVE="1:10", WANDB_MODE="offline",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(plugin), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run}", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    marker = run / "checkpoints" / "stalled-rank1"
+    deadline = time.time() + 300
+    while not marker.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert marker.exists(), "rank 1 never reached the step-10 save"
+    time.sleep(0.5)
+    os.kill(int(marker.read_text()), signal.SIGKILL)  # rank 1 dies after writing, before publication
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0, out
+    root = run / "checkpoints"
+    # Never published; rank 0 removes the partial directory of the failed save when it gets
+    # the chance before the job is ended (and a stale one is removed by the next save).
+    assert not store.step_dir(root, 10).exists()
+    assert store.latest_complete(root)[0] == 5
+    marker.unlink(missing_ok=True)
+    # The restart picks step 5 and the run ends as if nothing had happened.
+    proc = run_train(run, [*args[:-1], "parallel.timeout_s=60"])
+    assert "resumed from" in proc.stdout and "step_00000005 at step 5" in proc.stdout
+    ref = reference_losses(session_tmp, [*PARITY, *MODEL])
+    assert_close(losses_from(run, 0), ref)
+    assert not store.partial_dir(root, 10).exists()  # the stale partial save was cleaned up
+
+
+def test_exported_weights_give_the_same_loss_in_the_1_rank_model(tmp_path):
+    from safetensors.torch import load_file
+
+    from trainer3d.checkpoint.export import model_config_of
+    from trainer3d.data.loader import build_readers
+    from trainer3d.model.transformer import Transformer, cross_entropy_loss
+    from trainer3d.config.validate import validate
+    from tests.unit.test_validate import make
+
+    run = tmp_path / "run"
+    train_in_ranks(run, [*BASE, *layout(2, 2, 1), "checkpoint.every=10"])
+    rows = read_metrics(run)
+    out = tmp_path / "export"
+    proc = subprocess.run([sys.executable, "tools/export_model.py", str(store.step_dir(run / "checkpoints", 10)),
+                           str(out), "--format", "trainer3d"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    import json
+    model_cfg = model_config_of({"model": json.loads((out / "config.json").read_text())})
+    model = Transformer(model_cfg)
+    model.load_state_dict(load_file(out / "model.safetensors"), strict=True)  # every name, every shape
+    data, _ = build_readers(validate(make([*BASE, *layout(2, 2, 1)])), dp=1, dp_rank=0)  # the run's batches
+    inputs, targets = data.batch(10)
+    with torch.no_grad():
+        loss = torch.stack([cross_entropy_loss(model(inputs[m]), targets[m]) for m in range(8)]).mean()
+    assert abs(loss.item() - rows[10]["loss"]) / rows[10]["loss"] <= REL_TOL
+
+
+def test_fsdp_zero3_checkpoint_loads_into_tp2_zero1(tmp_path, session_tmp):
+    ref = reference_losses(session_tmp, [*PARITY, *MODEL])
+    train_in_ranks(tmp_path / "a", [*BASE, *layout(1, 1, 2, zero=3), "checkpoint.every=10"])
+    stdout = train_in_ranks(tmp_path / "b", [*BASE, *layout(2, 1, 1, zero=1),
+                                             f"train.resume={store.step_dir(tmp_path / 'a' / 'checkpoints', 10)}"])
+    assert "zero_stage 3 -> 1" in stdout
+    assert_close([r["loss"] for r in read_metrics(tmp_path / "b")], ref[10:])
+
+
+def test_explicit_resume_path_is_checked_before_launch(tmp_path):
+    proc = run_train(tmp_path / "run", [*BASE, f"train.resume={tmp_path}/nope"], expect_ok=False)
+    assert proc.returncode == 2 and "train.resume" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "submitit").exists()

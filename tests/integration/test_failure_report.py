@@ -1,0 +1,70 @@
+"""Class: misleading headlines. Whatever escapes a rank — DCP's CheckpointException (a
+BaseException), any other BaseException, a full disk — is reported as the real cause in one
+line, and a failed save leaves no ``.partial`` directory filling the disk."""
+
+import errno
+import os
+import subprocess
+import traceback
+
+import pytest
+
+from tests.support.background import Run
+from trainer3d.job.failure import RankFailed, headline, rank_failures
+
+SMALL = ("parallel=dp2", "train.max_steps=20", "train.log_every=1", "train.seq_len=64", "train.micro_batch_size=2",
+         "train.global_batch_size=16", "train.grad_accum_steps=null", "parallel.timeout_s=60", "checkpoint.every=2")
+
+
+def _checkpoint_exception(inner: BaseException):
+    from torch.distributed.checkpoint.api import CheckpointException
+    return CheckpointException("save failed", {1: (inner, traceback.StackSummary()), 3: (ValueError("later"), None)})
+
+
+def test_a_base_exception_escaping_a_rank_is_reported_with_its_cause():
+    class Halt(BaseException):
+        pass
+
+    with pytest.raises(RankFailed, match="^Halt: stuck in the tokenizer$"):
+        with rank_failures():
+            raise Halt("stuck in the tokenizer")
+    with pytest.raises(RankFailed, match=r"^KeyError: 'lm_head.weight'$"):  # the lowest failing rank's own error
+        with rank_failures():
+            raise _checkpoint_exception(KeyError("lm_head.weight"))
+    with pytest.raises(SystemExit):  # a rank leaving on purpose is not a failure
+        with rank_failures():
+            raise SystemExit(75)
+
+
+def test_a_full_disk_is_named_with_its_path(tmp_path):
+    err = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "ckpt" / "__1_0.distcp"))
+    assert headline(_checkpoint_exception(err)) == f"no space left on device at {tmp_path / 'ckpt' / '__1_0.distcp'}"
+    try:  # a write to an open file names no file: the full file system among the run's directories is named
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError as nameless:
+        assert headline(nameless, ["/nonexistent/run"]).startswith("no space left on device at ")
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 2 MiB tmpfs: a real ENOSPC (the model's checkpoint needs ~10 MB)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        if os.environ.get("CI"):
+            pytest.fail(f"cannot mount a tmpfs under CI: {proc.stderr.strip()}")
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {proc.stderr.strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_a_checkpoint_on_a_full_disk_fails_in_one_line_and_leaves_no_partial(tmp_path, tiny_disk):
+    with Run(tmp_path / "run", [*SMALL, f"checkpoint.dir={tiny_disk}"]) as run:
+        code = run.wait(timeout=300)
+    assert code == 1, run.text()
+    headlines = [line for line in run.err if "failed:" in line]
+    assert len(headlines) == 1, run.text()
+    assert f"no space left on device at {tiny_disk}" in headlines[0], run.text()
+    assert "killed, out of memory" not in run.text()
+    assert list(tiny_disk.iterdir()) == [], "the failed save's .partial directory must be gone"

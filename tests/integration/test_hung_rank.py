@@ -1,0 +1,57 @@
+"""Class: a rank stops making progress (SIGSTOP, a frozen process, a lost node). The job ends
+about one parallel.timeout_s after the rank stopped, not two, and the report names that
+rank, not the ranks that timed out waiting for it (per-rank heartbeats, trainer3d/job/heartbeat.py)."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.support.background import Run, marked
+from trainer3d.job.heartbeat import Heartbeat, HeartbeatReader
+
+TIMEOUT_S = 20
+SMALL = ("parallel=dp2", "train.max_steps=100000", "train.log_every=1", "train.seq_len=64",
+         "train.micro_batch_size=2", "train.global_batch_size=16", "train.grad_accum_steps=null",
+         f"parallel.timeout_s={TIMEOUT_S}")
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_job_within_one_timeout_and_is_named(tmp_path):
+    with Run(tmp_path / "run", SMALL) as run:
+        run.wait_for("| loss ", count=3)
+        victim = run.rank_pid(1)
+        stopped = time.monotonic()
+        os.kill(victim, signal.SIGSTOP)
+        code = run.wait(timeout=10 * TIMEOUT_S)
+        took = time.monotonic() - stopped
+        print(f"SIGSTOP to job end: {took:.1f} s with parallel.timeout_s={TIMEOUT_S}")
+        assert code == 1, run.text()
+        headline = [line for line in run.err if "failed:" in line]
+        assert len(headline) == 1 and "rank 1 stopped making progress" in headline[0], run.text()
+        assert "stopped (SIGSTOP)" in headline[0], run.text()
+        assert marked(run.mark) == [], "the job's processes must be gone"
+        # One timeout for the victims' collectives to give up, not a second one waiting for the
+        # stopped rank: the slack (a whole timeout) is for a loaded machine, not a performance bound.
+        assert took < 2 * TIMEOUT_S, f"the stopped rank cost {took:.0f} s, two timeouts or more"
+
+
+def test_heartbeat_tells_a_stopped_writer_from_a_live_one(tmp_path):
+    """Reader side without processes: a writer that stops beating goes stale, one that exits does not."""
+    live, gone = Heartbeat(tmp_path, 0, interval_s=0.05).start(), Heartbeat(tmp_path, 1, interval_s=0.05).start()
+    reader = HeartbeatReader(tmp_path, 2)
+    try:
+        gone._stopped.set()  # the thread stops writing, the record still says "running": a frozen rank
+        gone._thread.join()
+        reader.read()
+        live.step = 7
+        time.sleep(0.3)
+        beats = reader.read()
+        now = time.monotonic()
+        assert beats[0].step == 7 and beats[0].state == "running"
+        assert {r for r, b in beats.items() if b.age(now) >= 0.2} == {1}
+    finally:
+        live.stop()
+        gone.stop()
+    assert {b.state for b in reader.read().values()} == {"exited"}

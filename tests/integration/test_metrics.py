@@ -1,0 +1,234 @@
+"""Observability: metrics.jsonl's keys, wandb (offline, for real), the progress line, no syncs."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from tests.conftest import CONF_DIR, ROOT
+from tests.support.harness import dims_for, run_ranks
+from tests.support.runs import read_metrics, run_train
+from tests.support.wandb_records import read_run, run_files
+from trainer3d.config.schema import Config, ModelConfig
+from trainer3d.memory.states import engine_model_state_bytes
+from trainer3d.observe.metrics import MetricsLogger
+from trainer3d.model.flops import flops_per_token
+from trainer3d.parallel.parallelize import build_meta_chunks
+from trainer3d.parallel.zero.flat import bucket_numel
+from trainer3d.observe.telemetry import process_memory
+from trainer3d.parallel.topology import ParallelDims, Topology
+from trainer3d.trainer import Trainer
+from trainer3d.config.validate import validate
+
+KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_rank", "tflops_per_rank", "mfu",
+        "step_time_s", "comm_s", "bubble", "bubble_theory", "skipped", "mem_state_bytes", "mem_rss_bytes"}
+SMALL = ("train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=8", "train.grad_accum_steps=null",
+         "optim.warmup_steps=2", "parallel.timeout_s=60")
+
+
+def _state_bytes_by_accounting(overrides) -> int:
+    """trainer3d.memory.states's model-state bytes of the run's layout, max over its ranks (per
+    pipeline stage: the shapes a rank of that stage holds, built on the meta device)."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = validate(OmegaConf.to_object(compose(config_name="config", overrides=[*overrides, "run_dir=/unused",
+                                                                               "launcher.folder=/unused"])))
+    p, topo = cfg.parallel, Topology(tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp)
+    most = 0
+    for pp_rank in range(p.pp):
+        dims = ParallelDims(topo=topo, rank=topo.rank(pp_rank, 0, 0), mesh=None, tp_group=None, dp_group=None,
+                            pp_group=None, device=torch.device("meta"))
+        shapes = [tuple(q.shape) for chunk in build_meta_chunks(cfg, dims) for q in chunk.parameters()]
+        want = engine_model_state_bytes(shapes, p.dp, p.zero_stage, cfg.train.dtype, bucket_numel(cfg))
+        most = max(most, want.total)
+    return most
+
+
+def test_one_offline_wandb_run_per_training_run_with_config_and_every_metric(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "sk-must-never-be-written-0123456789abcdef")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    run_dir = tmp_path / "run"
+    layout = [*SMALL, "parallel=single", "parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1"]
+    proc = run_train(run_dir, [*layout, "train.max_steps=6", "train.log_every=3", "logger=wandb", "logger.mode=offline",
+                               "logger.tags=[ci]", "train.peak_tflops=0.5", "train.eval_every=3", "train.eval_steps=1"])
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(6))
+    state_bytes = _state_bytes_by_accounting(layout)
+    for row in rows:
+        assert KEYS <= row.keys(), KEYS - row.keys()
+        assert row["tokens_per_s_per_rank"] == pytest.approx(row["tokens_per_s"] / 4)
+        # MFU = model FLOPs per rank per second / the configured peak; FLOPs per token from
+        # trainer3d/model/flops.py (held to a hand count in tests/unit/test_flops.py).
+        assert row["tflops_per_rank"] == pytest.approx(row["tokens_per_s_per_rank"] * flops_per_token(ModelConfig(), 64) / 1e12)
+        assert row["mfu"] == pytest.approx(row["tflops_per_rank"] / 0.5)
+        # pp 2, 2 micro-batches: theory 1/3; every stage waits on its neighbour some of the step
+        assert row["bubble"] > 0 and row["bubble_theory"] == pytest.approx(1 / 3)
+        assert row["mem_state_bytes"] == pytest.approx(state_bytes, rel=0.02)  # measured = the accounting
+        assert row["comm_s"] > 0 and row["skipped"] == 0  # the dp reduction and the norm's all-reduce take time
+    files = run_files(run_dir)
+    assert len({f.stem for f in files}) == 1, f"one wandb run per training run (4 ranks), got {files}"
+    run = read_run(files[0])
+    assert list(run["run"].tags) == ["ci"]
+    assert run["config"]["parallel"]["pp"] == 2 and run["config"]["layout"]["world_size"] == 4
+    history = run["history"]
+    assert [h["_step"] for h in history] == list(range(6))
+    assert [h["loss"] for h in history] == pytest.approx([r["loss"] for r in rows])
+    # evaluated after steps 3 and 6 (train.eval_every=3): the same val_loss in both places
+    assert [r["step"] for r in rows if "val_loss" in r] == [h["_step"] for h in history if "val_loss" in h] == [2, 5]
+    assert [h["val_loss"] for h in history if "val_loss" in h] == pytest.approx(
+        [r["val_loss"] for r in rows if "val_loss" in r])
+    assert KEYS - {"step"} <= history[0].keys()
+    assert "wandb sync" in proc.stdout + proc.stderr or any("wandb sync" in p.read_text(errors="ignore")
+                                                            for p in (run_dir / "submitit").glob("*_0_log.out"))
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert b"sk-must-never-be-written" not in path.read_bytes(), f"API key written to {path}"
+
+
+@pytest.mark.slow
+def test_sweep_points_are_separate_wandb_runs_in_one_group(tmp_path):
+    cmd = [sys.executable, "-m", "trainer3d.train", "-m", *SMALL, "parallel=single", "parallel.dp=1,2",
+           "train.max_steps=2", "logger=wandb", "logger.mode=offline", f"hydra.sweep.dir={tmp_path}/sweep-42"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env=dict(os.environ, WANDB_MODE="offline"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [read_run(f) for point in ("0", "1") for f in run_files(tmp_path / "sweep-42" / point)]
+    assert len({r["run"].run_id for r in runs}) == 2
+    assert {r["run"].run_group for r in runs} == {"sweep-42"}
+
+
+def _logger(stream, max_steps=3):
+    dims = ParallelDims(topo=Topology(tp=1, pp=1, dp=2), rank=1, mesh=None, tp_group=None, dp_group=None,
+                        pp_group=None, device=torch.device("cpu"))  # not rank 0: writes no file
+    return MetricsLogger(dims, "/nonexistent-not-written", max_steps, 1000, stream=stream)
+
+
+ROW = {"step": 0, "loss": 3.2, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 12345.0, "mfu": 0.012,
+       "step_time_s": 0.5}
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_line_in_a_file_is_plain_lines():
+    out = io.StringIO()
+    logger = _logger(out)
+    for step in range(3):
+        logger._print(dict(ROW, step=step))
+    text = out.getvalue()
+    assert "\r" not in text and text.count("\n") == 3
+    assert text.splitlines()[0] == ("step 1/3 | loss 3.2000 | lr 1.00e-03 | grad_norm 1.000 | 12,345 tok/s | "
+                                    "MFU 1.2% | 0.500 s/step | eta 1s")
+
+
+def test_progress_line_shows_the_validation_loss_of_an_evaluated_step():
+    out = io.StringIO()
+    _logger(out)._print(dict(ROW, val_loss=2.5, val_ppl=12.1825))
+    assert out.getvalue().rstrip("\n").endswith("| eta 1s | val_loss 2.5000 (ppl 12.18)")
+
+
+def test_progress_line_in_a_terminal_rewrites_one_line():
+    out = _Terminal()
+    logger = _logger(out)
+    for step in range(3):
+        logger._print(dict(ROW, step=step))
+    text = out.getvalue()
+    assert text.count("\r") == 3 and text.count("\n") == 1 and text.endswith("eta 0s\n")
+
+
+def _reduced_rows(rank, world, run_dir):
+    """Two steps on a dp=world layout: rank r's loss is 10 r + step, its bubble column
+    (r + 1) / 10, its memory figure 1000 (r + 1)."""
+    dims = dims_for(dp=world)
+    logger = MetricsLogger(dims, run_dir, max_steps=2, tokens_per_step=100, stream=io.StringIO())
+    logger.add_column("bubble", lambda: [(rank + 1) / 10] * 2)
+    logger.state_bytes = lambda: 1000 * (rank + 1)
+    for step in range(2):
+        logger.record(step, torch.tensor(10.0 * rank + step), torch.tensor(1.0), 1e-3)
+    return logger.flush()
+
+
+def test_interval_reduction_means_over_replicas_and_ranks_and_maxes_memory(tmp_path):
+    """The loss is the mean over dp replicas, a column the mean over all ranks, memory the max."""
+    world = 4
+    last = run_ranks(_reduced_rows, world, str(tmp_path), timeout=120)[0]
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1] and rows[-1] == last
+    for step, row in enumerate(rows):
+        assert row["loss"] == pytest.approx(sum(10.0 * r + step for r in range(world)) / world)
+        assert row["bubble"] == pytest.approx(sum((r + 1) / 10 for r in range(world)) / world)
+        assert row["mem_state_bytes"] == 1000 * world
+
+
+def test_process_memory_grows_by_what_the_process_touches_in_bytes():
+    """A process started from this (large) pytest process touches 64 MiB: its reported peak
+    grows by 64 MiB. Units (Linux reports KiB) and the source both matter: getrusage's peak
+    would still hold this parent's size from before exec and not move at all."""
+    code = ("import torch; from trainer3d.observe.telemetry import process_memory; cpu = torch.device('cpu');"
+            "before = process_memory(cpu)['mem_rss_bytes']; x = torch.ones(64 * 2 ** 20 // 4);"
+            "print(process_memory(cpu)['mem_rss_bytes'] - before)")
+    ballast = bytearray(b"\x01") * (512 * 2 ** 20)  # touched: this parent is larger than the child gets
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    del ballast
+    assert proc.returncode == 0, proc.stderr
+    assert 60 * 2 ** 20 <= float(proc.stdout) <= 80 * 2 ** 20, proc.stdout
+
+
+# ------------------------------------------------------------------ no host sync inside the step
+
+READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+def _count_reads(rank, world, layout):
+    cfg = Config()
+    cfg.run_dir = layout.pop("run_dir")
+    cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.grad_accum_steps = 2, 8, None
+    cfg.train.seq_len, cfg.train.max_steps, cfg.train.log_every = 32, 4, 4
+    for key, value in layout.items():
+        setattr(cfg.parallel, key, value)
+    cfg = validate(cfg)
+    trainer = Trainer(cfg, dims_for(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp))
+    for step in range(2):  # warm-up: the pipeline infers shapes on its first step
+        trainer.metrics.record(step, *trainer.train_step(step))
+    trainer.metrics.flush()
+    counts = {"step": 0, "flush": 0}
+    phase = ["step"]
+    originals = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def counting(name):
+        def read(self, *args, **kwargs):
+            counts[phase[0]] += 1
+            return originals[name](self, *args, **kwargs)
+        return read
+
+    for name in READS:
+        setattr(torch.Tensor, name, counting(name))
+    try:
+        for step in range(2, 4):
+            loss, grad_norm, lr = trainer.train_step(step)
+            trainer.metrics.record(step, loss, grad_norm, lr, trainer.optimizer.step_metrics())
+            trainer.nonfinite.record(step, loss, grad_norm)  # the non-finite watch adds no read either
+        phase[0] = "flush"
+        trainer.metrics.flush()
+        trainer.nonfinite.check()
+    finally:
+        for name, method in originals.items():
+            setattr(torch.Tensor, name, method)
+    return counts
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2, zero_stage=1), dict(pp=2, dp=1), dict(tp=2, dp=1, sequence_parallel=True)],
+                         ids=["dp2-zero1", "pp2-1f1b", "tp2-sp"])
+def test_no_host_reads_of_tensors_inside_the_step(tmp_path, layout):
+    world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1)
+    counts = run_ranks(_count_reads, world, dict(layout, run_dir=str(tmp_path)), timeout=300)
+    for rank, c in enumerate(counts):
+        assert c["step"] == 0, f"rank {rank}: {c['step']} tensor reads inside train_step/record"
+    assert counts[0]["flush"] > 0  # the reads happen at the logging interval, on rank 0 at least

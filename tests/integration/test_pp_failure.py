@@ -1,0 +1,82 @@
+"""A pipeline stage that dies or hangs mid-training ends the job, with the cause shown, in bounded time.
+
+The real trainer runs on real submitit ranks (as ``python -m trainer3d.train`` starts them);
+only one rank's ``Pipeline.forward_backward`` is replaced to fail at a given step.
+"""
+
+import itertools
+import os
+import time
+
+import pytest
+import submitit
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from tests.conftest import CONF_DIR
+from tests.support.runs import PARITY
+from trainer3d.job.follow import follow
+from trainer3d.job.launch import run_rank
+from trainer3d.parallel.pipeline.schedule import Pipeline
+from trainer3d.config.validate import validate
+
+TIMEOUT_S = 20  # also bounds the rendezvous: leave room for 4 ranks importing torch on 2 busy cores
+
+
+def _config(tmp_path, overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        dcfg = compose(config_name="config", overrides=[
+            *PARITY, "parallel=single", f"parallel.timeout_s={TIMEOUT_S}", "train.max_steps=50",
+            f"run_dir={tmp_path}", f"launcher.folder={tmp_path / 'submitit'}", *overrides])
+    return validate(OmegaConf.to_object(dcfg))
+
+
+def train_with_a_faulty_rank(cfg, faulty_rank, how, at_step):
+    submitit.helpers.TorchDistributedEnvironment().export(overwrite=True)
+    if int(os.environ["RANK"]) == faulty_rank:
+        original, calls = Pipeline.forward_backward, itertools.count()
+
+        def faulty(self, inputs, targets):
+            if next(calls) == at_step:
+                if how == "exit":
+                    os._exit(3)  # killed without a word: OOM killer, segfault, lost node
+                time.sleep(3600)  # alive but stuck
+            return original(self, inputs, targets)
+
+        Pipeline.forward_backward = faulty
+    return run_rank(cfg)
+
+
+def _run(tmp_path, capfd, overrides, faulty_rank, how):
+    cfg = _config(tmp_path, overrides)
+    world = cfg.parallel.pp * cfg.parallel.dp
+    executor = submitit.AutoExecutor(folder=tmp_path / "submitit", cluster="local")
+    executor.update_parameters(tasks_per_node=world, timeout_min=10)
+    job = executor.submit(train_with_a_faulty_rank, cfg, faulty_rank, how, 3)
+    try:
+        status = follow(job, TIMEOUT_S)
+    finally:
+        if not job.done():  # a failing test must not leave its ranks behind
+            job.cancel()
+    return status, capfd.readouterr().err, job
+
+
+# Bounded by the test's timeout, not by a wall-time assertion: a peer left waiting on a group
+# without parallel.timeout_s would hang for gloo's default 30 minutes, far past it.
+@pytest.mark.timeout(600)
+def test_dead_stage_ends_the_job(tmp_path, capfd):
+    status, err, job = _run(tmp_path, capfd, ["parallel.pp=2"], faulty_rank=1, how="exit")
+    assert status == 1 and job.done()
+    assert "rank 1: exited without a result" in err, err
+    assert "rank 0: " in err and "--- rank 1 log tail" in err, err  # the survivor's error is shown too
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_stuck_stage_times_out_instead_of_hanging(tmp_path, capfd):
+    """pp=2 x dp=2: every survivor blocks on a pp or dp sub-group, never on the default group,
+    so this ends only if the sub-groups carry parallel.timeout_s (torch would give them 30 min)."""
+    status, err, job = _run(tmp_path, capfd, ["parallel.pp=2", "parallel.dp=2"], faulty_rank=2, how="hang")
+    assert status == 1 and job.done()
+    assert "rank 2: still running after the others failed; cancelled" in err, err
+    assert "Timed out" in err or "timed out" in err, err

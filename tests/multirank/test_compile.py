@@ -1,0 +1,36 @@
+"""``train.compile=true`` (trainer3d/parallel/compile.py): the compiled 3D layout trains the
+model the uncompiled single process trains, and names its state as that model does."""
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tests.support.runs import PARITY, assert_parity, losses_in_ranks, reference_losses
+from trainer3d.config.schema import ModelConfig
+from trainer3d.model.transformer import Transformer
+from trainer3d.parallel.compile import compile_blocks
+
+
+def test_compile_is_in_place_and_keeps_parameter_names():
+    with torch.device("meta"):
+        model = Transformer(ModelConfig())
+    names = [n for n, _ in model.named_parameters()]
+    assert compile_blocks([model]) == ModelConfig().n_layers
+    assert [n for n, _ in model.named_parameters()] == names
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # inductor compiles on every rank at once: minutes on 2 loaded cores
+def test_compiled_tp2_pp2_dp2_zero1_sp_recompute_matches_the_uncompiled_single_process(tmp_path, session_tmp):
+    """One run composes compile with TP, sequence parallelism, PP, ZeRO-1 and activation
+    checkpointing; the reference is the plain eager single process (shared with the matrix)."""
+    ref = reference_losses(session_tmp, PARITY)
+    layout = ("parallel=tp2-pp2-dp2", "parallel.zero_stage=1", "parallel.sequence_parallel=true",
+              "train.activation_checkpointing=true", "train.compile=true")
+    got = losses_in_ranks(tmp_path, [*PARITY, *layout], timeout=1200)
+    print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
+    saved = dcp.FileSystemReader(str(tmp_path / "checkpoints" / "step_00000020")).read_metadata()
+    model_keys = {k for k in saved.state_dict_metadata if k.startswith("model.")}
+    with torch.device("meta"):
+        expected = {f"model.{n}" for n, _ in Transformer(ModelConfig()).named_parameters()}
+    assert model_keys == expected

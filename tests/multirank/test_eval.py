@@ -1,0 +1,59 @@
+"""Held-out evaluation: the same validation loss in every layout (the reference and the layouts
+on in-process ranks: tests/support/runs.py train_in_ranks; the entry point evaluates in
+tests/integration/test_metrics.py).
+
+The PARITY runs (20 steps, fp32) evaluate 2 global batches of the built-in corpus's held-out
+tail (conf/data/stdlib.yaml: data.val_fraction) after steps 10 and 20. Each layout's
+val_loss must equal the single process's (relative 1e-5), and its training losses must
+equal those of the same run without evaluation: the forward-only passes leave the model,
+its gradients and the optimizer untouched.
+"""
+
+import math
+
+import pytest
+
+from tests.support.runs import PARITY, REL_TOL, assert_parity, read_metrics, reference_losses, train_in_ranks
+
+# Its tests share a module fixture: one xdist worker runs them all (tests/conftest.py: xdist_scope).
+
+EVAL = ("train.eval_every=10", "train.eval_steps=2")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = tmp_path_factory.mktemp("eval-reference")
+    train_in_ranks(run, [*PARITY, *EVAL, "parallel=single"])
+    return read_metrics(run)
+
+
+def val_losses(rows):
+    return {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+
+
+def check_layout(tmp_path, reference, layout):
+    stdout = train_in_ranks(tmp_path, [*PARITY, *EVAL, "parallel=single", *layout])
+    rows = read_metrics(tmp_path)
+    got, want = val_losses(rows), val_losses(reference)
+    assert sorted(got) == sorted(want) == [9, 19]
+    for step in want:
+        assert abs(got[step] - want[step]) / want[step] <= REL_TOL, (step, got[step], want[step])
+        row = next(r for r in rows if r["step"] == step)
+        assert math.isclose(row["val_ppl"], math.exp(row["val_loss"]), rel_tol=1e-9)
+    assert want[19] < want[9], "the validation loss falls as the model trains"
+    assert "val_loss" in stdout, "the progress line shows it"
+    print(f"val_loss {got}, worst train-loss difference "
+          f"{assert_parity([r['loss'] for r in rows], [r['loss'] for r in reference]):.1e}")
+
+
+def test_evaluation_leaves_training_untouched(reference, session_tmp):
+    assert [r["loss"] for r in reference] == reference_losses(session_tmp, PARITY)
+
+
+def test_val_loss_tp2_pp2_dp2(tmp_path, reference):
+    check_layout(tmp_path, reference, ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"])
+
+
+@pytest.mark.slow
+def test_val_loss_pp4(tmp_path, reference):
+    check_layout(tmp_path, reference, ["parallel.pp=4"])

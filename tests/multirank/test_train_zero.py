@@ -1,0 +1,60 @@
+"""ZeRO stages and mixed precision, trained on in-process ranks (tests/support/runs.py: train_in_ranks,
+the entry point's work without an interpreter per rank).
+
+fp32: every stage's per-step loss equals the single-process run's (relative 1e-5, 20 steps),
+stages 2 and 3 also over tensor-parallel slices (tp2 x dp2).
+bf16/fp16 train (the loss falls as fp32's does); fp16 reports its loss scale and skipped steps.
+"""
+
+import pytest
+
+from tests.support.runs import PARITY, assert_parity, losses_in_ranks, read_metrics, reference_losses, train_in_ranks
+
+SMALL_BUCKETS = "parallel.bucket_mb=0.05"  # ~13k fp32 elements: dozens of buckets on the tiny model
+LAYOUTS = [
+    ("parallel.zero_stage=0", "parallel.dp=2", SMALL_BUCKETS),
+    ("parallel.zero_stage=0", "parallel.dp=4", SMALL_BUCKETS),
+    ("parallel.zero_stage=1", "parallel.dp=2"),  # auto: all_reduce on gloo, one bucket
+    ("parallel.zero_stage=1", "parallel.dp=4", "parallel.zero_reduce=reduce_scatter", SMALL_BUCKETS),
+    ("parallel.zero_stage=2", "parallel.dp=2"),
+    ("parallel.zero_stage=3", "parallel.dp=2"),
+    # FSDP over tp slices (tests/multirank/test_zero.py runs all four of stage 2/3 x sequence parallel)
+    ("parallel.zero_stage=2", "parallel.tp=2", "parallel.dp=2", "parallel.sequence_parallel=true"),
+    ("parallel.zero_stage=3", "parallel.tp=2", "parallel.dp=2"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[" ".join(o.split(".")[-1] for o in lay) for lay in LAYOUTS])
+def test_zero_matches_single_process(tmp_path, session_tmp, layout):
+    ref = reference_losses(session_tmp, PARITY)
+    assert_parity(losses_in_ranks(tmp_path, [*PARITY, "parallel=single", *layout]), ref)
+
+
+@pytest.mark.slow
+def test_bf16_trains_like_fp32(tmp_path, session_tmp):
+    ref = reference_losses(session_tmp, PARITY)
+    got = losses_in_ranks(tmp_path, [*PARITY, "parallel=single", "parallel.zero_stage=1", "parallel.dp=2",
+                                     "train.dtype=bf16"])
+    assert got[-1] < got[0] - 1.5
+    assert got[-1] == pytest.approx(ref[-1], rel=0.1)
+
+
+@pytest.mark.slow
+def test_fp16_skips_overflowing_steps_and_says_so(tmp_path):
+    """Starting from a loss scale of 2^20 the first steps overflow: each is skipped on every
+    rank, reported in metrics.jsonl and the progress line, and halves the scale."""
+    steps = 12
+    stdout = train_in_ranks(tmp_path, [*PARITY, "parallel=single", "parallel.zero_stage=1", "parallel.dp=2",
+                                       "train.dtype=fp16", f"train.max_steps={steps}", "train.log_every=4",
+                                       "train.loss_scale_init=1048576"])
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(steps))
+    skipped = [r["skipped"] for r in rows]
+    scales = [r["loss_scale"] for r in rows]
+    assert scales[0] == 2.0 ** 20 and any(skipped) and not all(skipped)
+    for k in range(steps - 1):  # growth needs 2000 clean steps: only skips move the scale
+        assert scales[k + 1] == (scales[k] / 2 if skipped[k] else scales[k]), (k, scales, skipped)
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
+    progress = [line for line in stdout.splitlines() if line.startswith("step ")]
+    assert f"{sum(skipped[:4])} step(s) skipped" in progress[0], progress[0]

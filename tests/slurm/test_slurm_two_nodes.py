@@ -1,0 +1,113 @@
+"""Two compute nodes (slurm/cluster.sh: each slurmd in network + UTS namespaces of its own):
+a 2 nodes x 2 tasks job through the real entry point equals the local run; preemption
+requeues and resumes across both nodes; a lost node ends the job, named, and a resubmission
+resumes from the last checkpoint."""
+
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.runs import read_metrics, train_in_ranks
+from tests.support.slurm_cluster import SCRIPT
+from tests.slurm.test_slurm import SMALL, losses, train
+
+# On the worker that runs test_slurm.py, after or before it (tests/conftest.py: xdist_scope).
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+TWO_NODES = ("launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=2", "parallel.timeout_s=30")
+LAYOUTS = {"tp2-pp2": ("parallel.tp=2", "parallel.pp=2", "parallel.dp=1"),  # pp across the nodes
+           "tp2-dp2": ("parallel.tp=2", "parallel.pp=1", "parallel.dp=2")}  # dp across the nodes
+STEPS = "train.max_steps=20"
+
+
+@pytest.fixture(scope="module")
+def local_runs(tmp_path_factory):
+    """The same layouts on local ranks (in-process: tests/support/runs.py train_in_ranks): what the
+    two-node jobs must reproduce, step for step."""
+    out = {}
+    for name, layout in LAYOUTS.items():
+        run = tmp_path_factory.mktemp("local") / name
+        train_in_ranks(run, [*SMALL, *layout, STEPS, "parallel.timeout_s=30"])
+        out[name] = losses(run)
+    return out
+
+
+@pytest.fixture
+def two_nodes(slurm_cluster):
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, env=slurm_cluster)
+    names = sorted(set(nodes.stdout.split()))
+    if len(names) < 2:
+        reason = Path(slurm_cluster["SLURM_CONF"]).parent.parent / "run" / "one-node-reason"
+        why = reason.read_text().strip() if reason.exists() else f"the cluster has {names}"
+        import os
+        if os.environ.get("CI"):
+            pytest.fail(f"no two-node cluster under CI: {why}")
+        pytest.skip(f"no two-node cluster here: {why}")
+    return slurm_cluster
+
+
+def _hosts(run: Path):
+    return sorted(json.loads((run / "heartbeat" / f"rank{r}").read_bytes())["host"] for r in range(4))
+
+
+# tp2 x pp2 across the nodes is run by the two tests after this one (preemption, lost node),
+# each held to the same hosts and the same losses.
+def test_two_nodes_match_the_local_run(two_nodes, tmp_path, local_runs):
+    run = tmp_path / "run"
+    proc = train(two_nodes, run, *SMALL, *LAYOUTS["tp2-dp2"], STEPS, *TWO_NODES, "launcher.wait=true")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _hosts(run) == ["t3d-n1", "t3d-n1", "t3d-n2", "t3d-n2"], "two ranks on each node"
+    assert losses(run) == local_runs["tp2-dp2"]
+
+
+def _wait_rows(run: Path, n: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not (run / "metrics.jsonl").exists() or len(read_metrics(run)) < n:
+        assert time.monotonic() < deadline, f"the job did not reach step {n}"
+        time.sleep(0.5)
+
+
+def test_preemption_requeues_and_resumes_across_both_nodes(two_nodes, tmp_path, local_runs):
+    run = tmp_path / "run"
+    follow = {}
+    waiter = threading.Thread(target=lambda: follow.update(proc=train(
+        two_nodes, run, *SMALL, *LAYOUTS["tp2-pp2"], STEPS, *TWO_NODES, "launcher.wait=true")))
+    waiter.start()
+    _wait_rows(run, 8)
+    job = json.loads((run / "slurm_job.json").read_text())["job_id"]
+    subprocess.run(["scancel", "--signal=USR2", job], check=True, env=two_nodes)
+    waiter.join(timeout=600)
+    proc = follow["proc"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "job requeued" in proc.stdout, proc.stdout[-3000:]
+    assert _hosts(run) == ["t3d-n1", "t3d-n1", "t3d-n2", "t3d-n2"]
+    assert losses(run) == local_runs["tp2-pp2"]
+
+
+def test_a_lost_node_ends_the_job_named_and_a_resubmission_resumes(two_nodes, tmp_path, local_runs):
+    run = tmp_path / "run"
+    overrides = (*SMALL, *LAYOUTS["tp2-pp2"], STEPS, *TWO_NODES, "checkpoint.every=5", "launcher.wait=true")
+    follow = {}
+    waiter = threading.Thread(target=lambda: follow.update(proc=train(two_nodes, run, *overrides)))
+    waiter.start()
+    _wait_rows(run, 12)
+    lost = time.monotonic()
+    subprocess.run(["bash", str(SCRIPT), "kill-node", "t3d-n2"], check=True, env=two_nodes, capture_output=True)
+    time.sleep(2)  # the node reboots: its slurmd comes back, its ranks do not
+    subprocess.run(["bash", str(SCRIPT), "start-node", "t3d-n2"], check=True, env=two_nodes, capture_output=True)
+    waiter.join(timeout=600)
+    took = time.monotonic() - lost
+    proc = follow["proc"]
+    print(f"lost node to job end: {took:.1f} s with parallel.timeout_s=30")
+    headline = [line for line in proc.stderr.splitlines() if "failed:" in line]
+    assert proc.returncode == 1 and len(headline) == 1, proc.stderr[-3000:]
+    assert "node t3d-n2 stopped responding: ranks 2, 3" in headline[0], proc.stderr[-3000:]
+    assert took < 2 * 30, "one parallel.timeout_s at most (the slack is for a loaded machine)"
+    again = train(two_nodes, run, *overrides)  # train.resume=auto: the newest checkpoint, step 10
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "resumed from" in again.stdout and "step_00000010" in again.stdout, again.stdout[-3000:]
+    assert losses(run) == local_runs["tp2-pp2"]

@@ -1,0 +1,16 @@
+"""The multi-rank test harness: ``run_ranks`` (trainer3d/job/local_ranks.py: a function on N gloo
+ranks on loopback, results or the first rank's traceback, bounded by a timeout) and the
+layout of the rank it runs in.
+
+    results = run_ranks(fn, world_size, *args, timeout=60)
+"""
+
+import torch
+
+from trainer3d.job.local_ranks import run_ranks  # noqa: F401  (the tests' entry point)
+from trainer3d.parallel.topology import ParallelDims, Topology
+
+
+def dims_for(tp: int = 1, pp: int = 1, dp: int = 1, tied_embeddings: bool = False) -> ParallelDims:
+    """This rank's ParallelDims on CPU (call inside a rank)."""
+    return ParallelDims.build(Topology(tp=tp, pp=pp, dp=dp), torch.device("cpu"), tied_embeddings)

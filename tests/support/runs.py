@@ -1,0 +1,150 @@
+"""Run the real entry point (``python -m trainer3d.train``), or its work on in-process ranks,
+and read back the metrics.
+
+Parity tests compare a layout's per-step losses with a single-process run of the same
+config; the single-process reference for a given set of overrides is run once per test
+session (on one in-process rank) and shared by the session's workers (pytest-xdist): the
+first to need it runs it under a file lock in the session directory, the others read its
+losses.
+
+``train_in_ranks`` does what the entry point does for a local run — compose the config from
+conf/ with the same overrides, ``model.init_from``, ``validate``, ``check_data``, then
+``TrainTask`` on every rank — with the ranks forked from the harness's forkserver (torch and
+the engine imported once per session) instead of fresh interpreters started by submitit.
+The layouts' parity tests use it; the launcher itself keeps its own end-to-end tests.
+"""
+
+import contextlib
+import fcntl
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator, List, Sequence
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from tests.conftest import CONF_DIR
+from trainer3d.config.schema import Config
+from trainer3d.data.checks import check_data
+from trainer3d.hf.check import apply_init_from
+from trainer3d.job.launch import TrainTask
+from trainer3d.job.local_ranks import run_ranks
+from trainer3d.config.validate import validate
+
+
+# Small enough for 2 cores: 20 steps of 16 sequences x 64 tokens, loss logged every step.
+PARITY = ("train.max_steps=20", "train.log_every=1", "train.seq_len=64", "train.micro_batch_size=2",
+          "train.global_batch_size=16", "train.grad_accum_steps=null", "optim.warmup_steps=5",
+          "parallel.timeout_s=60")
+
+REL_TOL = 1e-5
+
+
+class RunFailed(AssertionError):
+    pass
+
+
+def run_train(run_dir: Path, overrides: Sequence[str], timeout: float = 600,
+              expect_ok: bool = True) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run_dir}", *overrides]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE=os.environ.get("WANDB_MODE", "offline"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if expect_ok and proc.returncode != 0:
+        raise RunFailed(f"{' '.join(cmd)}\nexit {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}"
+                        f"\n--- stderr ---\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def configure(run_dir: Path, overrides: Sequence[str]) -> Config:
+    """The validated config ``python -m trainer3d.train hydra.run.dir=<run_dir> <overrides>``
+    would launch (data checked too)."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        dcfg = compose(config_name="config", overrides=[*overrides, f"run_dir={run_dir}",
+                                                        f"launcher.folder={Path(run_dir) / 'submitit'}"])
+    cfg = OmegaConf.to_object(dcfg)
+    if cfg.model.init_from:
+        cfg = apply_init_from(cfg, [o.split("=", 1)[0][len("model."):] for o in overrides if o.startswith("model.")])
+    cfg = validate(cfg)
+    assert check_data(cfg) == [], check_data(cfg)
+    return cfg
+
+
+def _train_rank(rank: int, world_size: int, cfg: Config) -> str:
+    """One rank of a local job (what submitit's task runs), its stdout returned."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        TrainTask(cfg, lock_run_dir=False)()
+    return out.getvalue()
+
+
+def train_in_ranks(run_dir: Path, overrides: Sequence[str], timeout: float = 900) -> str:
+    """Train ``overrides`` on tp x pp x dp in-process gloo ranks; rank 0's stdout."""
+    cfg = configure(run_dir, overrides)
+    p = cfg.parallel
+    return run_ranks(_train_rank, p.tp * p.pp * p.dp, cfg, timeout=timeout, pg_timeout_s=p.timeout_s)[0]
+
+
+def read_metrics(run_dir: Path) -> List[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def losses(run_dir: Path, overrides: Sequence[str], timeout: float = 600) -> List[float]:
+    run_train(run_dir, overrides, timeout)
+    return train_losses(run_dir)
+
+
+def train_losses(run_dir: Path) -> List[float]:
+    """The per-step losses of a finished run's metrics.jsonl (checked: one row per step)."""
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(len(rows))), "metrics rows must be one per step, in order"
+    return [r["loss"] for r in rows]
+
+
+def losses_in_ranks(run_dir: Path, overrides: Sequence[str], timeout: float = 900) -> List[float]:
+    """``losses`` of the same run on in-process ranks (``train_in_ranks``)."""
+    train_in_ranks(run_dir, overrides, timeout)
+    return train_losses(run_dir)
+
+
+@contextlib.contextmanager
+def once_per_session(tmp_root: Path, name: str) -> Iterator[bool]:
+    """Under a file lock in the session directory every worker shares: yields True where
+    ``name`` is still to be made (the block makes it), False where it was made already; a
+    block that raises leaves it unmade."""
+    done = Path(tmp_root) / f"{name}.done"
+    with open(Path(tmp_root) / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a worker making it makes the others wait, then reuse it
+        todo = not done.exists()
+        yield todo
+        if todo:
+            done.touch()
+
+
+def reference_losses(tmp_root: Path, overrides: Sequence[str]) -> List[float]:
+    """Losses of the 1-rank run of ``overrides`` (on an in-process rank), run once per session
+    (``tmp_root`` is the session directory every worker shares)."""
+    key = hashlib.sha256("\0".join(overrides).encode()).hexdigest()[:16]
+    saved = Path(tmp_root) / f"reference-{key}.json"
+    with once_per_session(tmp_root, f"reference-{key}") as todo:
+        if todo:
+            run = Path(tmp_root) / f"reference-{key}"
+            saved.write_text(json.dumps(losses_in_ranks(run, [*overrides, "parallel=single"])))
+    return json.loads(saved.read_text())
+
+
+def assert_parity(got: List[float], ref: List[float], rel_tol: float = REL_TOL) -> float:
+    """Every step's loss within ``rel_tol`` of the reference; returns the worst relative diff."""
+    assert len(got) == len(ref) >= 20, (len(got), len(ref))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+    table = "\n".join(f"  step {i:2d}: {a:.8f} vs {b:.8f}" for i, (a, b) in enumerate(zip(got, ref)))
+    assert worst <= rel_tol, f"max relative loss difference {worst:.2e} > {rel_tol:.0e}\n{table}"
+    assert ref[-1] < ref[0], "the reference loss should fall"
+    return worst

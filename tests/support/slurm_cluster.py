@@ -1,0 +1,37 @@
+"""The dev Slurm cluster of slurm/cluster.sh (two namespace nodes, or one), for the tests marked ``slurm``.
+
+Started once per test session (a few seconds once the packages are installed; the first
+start installs them) and stopped at its end. Where it cannot run here (not root, no
+apt-get: cluster.sh exits 3) the tests skip with that reason — except under CI (``CI`` set),
+where they fail: CI must run them for real.
+"""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "slurm" / "cluster.sh"
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:  # one worker owns the cluster: a second would start and stop it under the first's jobs
+        owner = tmp_path_factory.getbasetemp().parent / "slurm-owner"
+        try:
+            with open(owner, "x") as f:
+                f.write(worker)
+        except FileExistsError:
+            pytest.fail(f"the Slurm tests run on {owner.read_text()} and {worker}: they must share one worker "
+                        "(tests/conftest.py: xdist_scope)")
+    state = Path(os.environ.get("TRAINER3D_SLURM_DIR", "/tmp/trainer3d-slurm"))
+    proc = subprocess.run(["bash", str(SCRIPT), "start"], capture_output=True, text=True, timeout=900)
+    if proc.returncode == 3 and not os.environ.get("CI"):
+        pytest.skip(f"no Slurm cluster here: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, f"slurm/cluster.sh start failed:\n{proc.stderr[-4000:]}"
+    env = dict(os.environ, SLURM_CONF=str(state / "etc" / "slurm.conf"))
+    yield env
+    subprocess.run(["bash", str(SCRIPT), "stop"], capture_output=True, text=True, timeout=300, env=env)

@@ -1,0 +1,116 @@
+"""What the ZeRO multi-rank tests run inside each gloo rank: a tiny model built by the real
+recipe, the optimizer under test, and a single-process torch reference on the same rank."""
+
+import copy
+from typing import List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from trainer3d.config.schema import Config, ModelConfig
+from trainer3d.model.init import canonical_name
+from trainer3d.optim.schedule import param_groups
+from trainer3d.parallel.parallelize import build_model_chunks, build_optimizer
+from tests.support.harness import dims_for
+
+MODEL = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=61, max_seq_len=16)
+SEQ, MICRO, ACCUM = 8, 2, 2
+
+
+def make_cfg(dp: int, stage: int, dtype: str = "fp32", bucket_mb: float = 0.01, zero_reduce: str = "auto",
+             grad_clip: float = 1.0, accum: int = ACCUM) -> Config:
+    cfg = Config()
+    cfg.model = copy.deepcopy(MODEL)
+    cfg.parallel.dp, cfg.parallel.zero_stage = dp, stage
+    cfg.parallel.bucket_mb, cfg.parallel.zero_reduce = bucket_mb, zero_reduce
+    cfg.train.dtype, cfg.train.seq_len, cfg.train.seed = dtype, SEQ, 7
+    cfg.train.micro_batch_size, cfg.train.grad_accum_steps = MICRO, accum
+    cfg.train.global_batch_size = MICRO * accum * dp
+    cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.grad_clip = 1e-2, 0.1, grad_clip
+    # Adam moves an element whose gradient is near eps by about lr * g / eps: at eps=1e-8 a few
+    # gradients of ~1e-9 (sums that nearly cancel, a few % apart from one summation order to
+    # another) leave the layouts up to ~1e-5 apart after 3 steps; at 1e-6 their order-of-sums
+    # noise stays ~1e-7, well under the tolerances, and a real error stands out (both sides,
+    # the engine and torch's AdamW, use this eps).
+    cfg.optim.eps = 1e-6
+    return cfg
+
+
+def build(cfg: Config):
+    dims = dims_for(dp=cfg.parallel.dp)
+    chunks = build_model_chunks(cfg, dims)
+    return dims, chunks[0], build_optimizer(chunks, cfg, dims)
+
+
+def global_batch(cfg: Config, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(dp * accum, micro, seq) inputs and targets, the same on every rank."""
+    g = torch.Generator().manual_seed(1000 + step)
+    n = cfg.parallel.dp * cfg.train.grad_accum_steps
+    tokens = torch.randint(0, cfg.model.vocab_size, (n, MICRO, SEQ + 1), generator=g)
+    return tokens[..., :-1], tokens[..., 1:]
+
+
+def loss_of(model, x, y) -> torch.Tensor:
+    return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten(0, 1))
+
+
+def forward_backward(model, opt, cfg: Config, dp_rank: int, step: int) -> None:
+    """This rank's micro-batches, as the trainer runs them."""
+    x, y = global_batch(cfg, step)
+    accum = cfg.train.grad_accum_steps
+    for m in range(dp_rank * accum, (dp_rank + 1) * accum):
+        (opt.scale_loss(loss_of(model, x[m], y[m])) / accum).backward()
+
+
+def train_step(model, opt, cfg: Config, dp_rank: int, step: int, lr: float = 1e-2) -> torch.Tensor:
+    opt.zero_grad()
+    forward_backward(model, opt, cfg, dp_rank, step)
+    opt.reduce_gradients()
+    norm = opt.clip_grad_norm(cfg.optim.grad_clip)
+    opt.step(lr)
+    return norm
+
+
+def reference_steps(cfg: Config, steps: int, lr: float = 1e-2) -> Tuple[dict, List[float]]:
+    """One process, torch AdamW and clip_grad_norm_ on the whole global batch: final
+    parameters by canonical name, and the gradient norm of every step."""
+    ref_cfg = make_cfg(1, 0)
+    ref_cfg.optim, ref_cfg.model = cfg.optim, cfg.model
+    model = build_model_chunks(ref_cfg, _single_dims())[0]
+    named = [(canonical_name(n), p) for n, p in model.named_parameters()]
+    opt = torch.optim.AdamW(param_groups(named, cfg.optim.weight_decay), lr=lr,
+                            betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
+    n_micro = cfg.parallel.dp * cfg.train.grad_accum_steps
+    norms = []
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = global_batch(cfg, step)
+        for m in range(n_micro):
+            (loss_of(model, x[m], y[m]) / n_micro).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip).item())
+        opt.step()
+    return {n: p.detach().clone() for n, p in named}, norms
+
+
+def _single_dims():
+    """A 1-rank layout that needs no process group of its own (the model build reads only
+    its device and pp/tp sizes)."""
+    from trainer3d.parallel.topology import Topology
+
+    class _Dims:
+        topo = Topology(tp=1, pp=1, dp=1)
+        tp = pp = dp = 1
+        tp_rank = pp_rank = dp_rank = 0
+        device = torch.device("cpu")
+    return _Dims()
+
+
+def params_by_name(model, opt) -> dict:
+    """Full fp32 copies by canonical name (FSDP's DTensors all-gathered: call on every rank),
+    once ``opt``'s last step has reached them (ZeRO-1 gathers them on the way to the next forward)."""
+    opt.wait_params()
+    out = {}
+    for n, p in model.named_parameters():
+        t = p.detach()
+        out[canonical_name(n)] = (t.full_tensor() if hasattr(t, "full_tensor") else t).float().clone()
+    return out

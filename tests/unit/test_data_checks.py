@@ -1,0 +1,145 @@
+"""Bad data is refused before launch, one line naming the file and the fix (exit status 2).
+
+Most cases call the checks the entry point runs (``trainer3d.data.checks.check_data`` on the
+composed, validated config); two go through ``python -m trainer3d.train`` itself, where
+nothing launches, so they are quick too.
+"""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from trainer3d.data import BYTE_LEVEL, TokenizerInfo, write_token_file
+from trainer3d.data.checks import check_data
+from trainer3d.data.tokens import header_path
+from trainer3d.config.validate import ConfigError, validate
+from tests.unit.test_validate import make
+
+# seq_len 32, global batch 4 (micro 2 x dp 2): a window is 33 tokens, a batch 4 windows
+SMALL = ["train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4"]
+OTHER_TOKENIZER = TokenizerInfo(name="other.json", sha256="0" * 64, path="/nowhere/other.json")
+
+
+def checked(tmp_path, overrides):
+    cfg = validate(make([*SMALL, f"data.cache_dir={tmp_path / 'cache'}", *overrides]))
+    return check_data(cfg)
+
+
+def token_file(tmp_path, name, n_tokens, vocab=257, tokenizer=BYTE_LEVEL, ids=None):
+    ids = np.arange(n_tokens) % min(vocab, 256) if ids is None else ids
+    return write_token_file(tmp_path / name, ids, vocab, tokenizer, eos_id=0)
+
+
+def empty_file(tmp_path):
+    path = token_file(tmp_path, "e.bin", 0)
+    return path
+
+
+def old_header(tmp_path):
+    path = token_file(tmp_path, "o.bin", 1000)
+    header_path(path).write_text(json.dumps({"dtype": "uint16", "vocab_size": 257, "n_tokens": 1000}))
+    return path
+
+
+def truncated(tmp_path):
+    path = token_file(tmp_path, "t.bin", 1000)
+    with open(path, "r+b") as f:
+        f.truncate(1000)
+    return path
+
+
+# (make the file(s) -> overrides, a fragment the one-line problem must contain)
+CASES = {
+    "missing": (lambda d: ["data=tokens", f"data.path={d / 'nope.bin'}"], "nope.bin (or its header nope.json) not found"),
+    "old header": (lambda d: ["data=tokens", f"data.path={old_header(d)}"], "o.json: header lacks max_id"),
+    "size": (lambda d: ["data=tokens", f"data.path={truncated(d)}"], "t.bin is 1000 bytes, its header says 1000 uint16"),
+    "empty": (lambda d: ["data=tokens", f"data.path={empty_file(d)}"], "e.bin holds no tokens"),
+    "shorter than a window": (lambda d: ["data=tokens", f"data.path={token_file(d, 's.bin', 30)}"],
+                              "s.bin: 30 training tokens, shorter than one window of train.seq_len+1 = 33"),
+    "fewer windows than a batch": (lambda d: ["data=tokens", f"data.path={token_file(d, 'f.bin', 100)}"],
+                                   "3 windows of train.seq_len+1 = 33 tokens, fewer than train.global_batch_size=4"),
+    "vocab above the model's": (lambda d: ["data=tokens", f"data.path={token_file(d, 'v.bin', 1000, vocab=300)}"],
+                                "v.bin: tokenizer vocabulary 300 > model.vocab_size=257; set model.vocab_size=300"),
+    "blend of tokenizers": (lambda d: ["data=tokens", f"data.blend=[{{path:{token_file(d, 'a.bin', 1000)},weight:2}},"
+                                       f"{{path:{token_file(d, 'b.bin', 1000, tokenizer=OTHER_TOKENIZER)},weight:1}}]"],
+                            "were made with different tokenizers"),
+    "validation of another tokenizer": (lambda d: ["data=tokens", f"data.path={token_file(d, 'a.bin', 1000)}",
+                                                   f"data.val_path={token_file(d, 'b.bin', 2000, tokenizer=OTHER_TOKENIZER)}"],
+                                        "were made with different tokenizers"),
+    "empty validation split": (lambda d: ["data=tokens", f"data.path={token_file(d, 'a.bin', 5000)}",
+                                          "data.val_fraction=0.02"],
+                               "data.val_fraction=0.02: the validation split has 3 windows of 33 tokens, fewer than one"),
+    "too many eval steps": (lambda d: ["data=tokens", f"data.path={token_file(d, 'a.bin', 5000)}",
+                                       "data.val_fraction=0.2", "train.eval_steps=10"],
+                            "train.eval_steps=10 needs 40 validation windows, the split has 31; set train.eval_steps=7"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_data_is_refused_before_launch(tmp_path, case):
+    overrides, fragment = CASES[case]
+    problems = checked(tmp_path, overrides(tmp_path))
+    assert len(problems) == 1 and fragment in problems[0], problems
+
+
+def test_corrupted_data_is_refused_before_launch(tmp_path):
+    path = token_file(tmp_path, "c.bin", 1000)
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0x01
+    path.write_bytes(bytes(data))
+    problems = checked(tmp_path, ["data=tokens", f"data.path={path}"])
+    assert problems == [f"{path}: sha256 of the data does not match its header: the file is corrupted or was "
+                        "changed after it was written; rebuild it with: python tools/prepare_data.py --out "
+                        "<file.bin> <texts...>"]
+
+
+def test_good_data_passes(tmp_path):
+    a, b = token_file(tmp_path, "a.bin", 3000), token_file(tmp_path, "b.bin", 2000)
+    assert checked(tmp_path, ["data=tokens", f"data.blend=[{{path:{a},weight:0.7}},{{path:{b},weight:0.3}}]",
+                              "data.val_fraction=0.1", "train.eval_steps=2"]) == []
+
+
+# The data knobs among themselves (trainer3d/config/validate.py, no files involved)
+BAD_KNOBS = [
+    (["data=tokens", "data.path=a.bin", "data.blend=[{path:b.bin,weight:1}]"], "data.path and data.blend are both set"),
+    (["data.blend=[{path:b.bin,weight:1}]"], "data.blend needs data=tokens"),
+    (["data=tokens", "data.blend=[{path:a.bin,weight:0}]"], "data.blend[0].weight=0.0 must be > 0"),
+    (["data.val_fraction=1.0"], "data.val_fraction=1.0 must be in [0, 1)"),
+    (["data.val_path=v.bin"], "data.val_fraction and data.val_path are both set"),
+    (["train.eval_every=-1"], "train.eval_every=-1 must be >= 0"),
+    (["train.eval_steps=0"], "train.eval_steps=0 must be >= 1, or null"),
+]
+
+
+@pytest.mark.parametrize("overrides,fragment", BAD_KNOBS, ids=[" ".join(o) for o, _ in BAD_KNOBS])
+def test_data_knobs_are_checked(overrides, fragment):
+    with pytest.raises(ConfigError) as err:
+        validate(make(overrides))
+    assert any(fragment in p for p in err.value.problems), err.value.problems
+
+
+def run_entry_point(tmp_path, *overrides):
+    return subprocess.run([sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={tmp_path / 'run'}",
+                           f"data.cache_dir={tmp_path / 'cache'}", *SMALL, *overrides],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_ids_beyond_the_model_vocabulary_stop_the_entry_point_with_tensor_parallelism(tmp_path):
+    """With tp=2 such ids would embed as zeros and train silently: refused, nothing launched."""
+    path = token_file(tmp_path, "big.bin", 2000, vocab=300, ids=np.arange(2000) % 300)
+    proc = run_entry_point(tmp_path, "parallel=single", "parallel.tp=2", "data=tokens", f"data.path={path}")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == (f"trainer3d: data error: {path}: tokenizer vocabulary 300 > "
+                                   "model.vocab_size=257; set model.vocab_size=300 (or more)")
+    assert not (tmp_path / "run" / "submitit").exists(), "nothing launched"
+
+
+def test_a_blend_on_the_command_line_is_checked_by_the_entry_point(tmp_path):
+    a, b = token_file(tmp_path, "a.bin", 3000), token_file(tmp_path, "b.bin", 3000, tokenizer=OTHER_TOKENIZER)
+    blend = f"data.blend=[{{path: {a}, weight: 0.7}}, {{path: {b}, weight: 0.3}}]"
+    proc = run_entry_point(tmp_path, "parallel=dp2", "data=tokens", blend)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "were made with different tokenizers" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

@@ -1,0 +1,84 @@
+"""Devices are decided and checked, never guessed (trainer3d/job/device_check.py): the pure rules
+through validate(), the local machine's GPU count before launch, and the rank's own check.
+No GPU needed: the machine's GPU count is a parameter, the rank check is fed a CPU-only torch."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.unit.test_validate import make
+from trainer3d.job.device_check import DeviceError, machine_problems, rank_device, uses_cuda
+from trainer3d.job.slurm import slurm_parameters
+from trainer3d.config.validate import ConfigError, validate
+
+SLURM = ["launcher=slurm", "launcher.nodes=1"]
+
+REFUSED = [
+    (SLURM + ["launcher.gpus_per_node=4"], "launcher.tasks_per_node=2 but launcher.gpus_per_node=4"),
+    (["launcher.gpus_per_node=2", "train.device=cpu"], "asks for GPUs but train.device=cpu"),
+    (["launcher.gpus_per_node=-1"], "launcher.gpus_per_node=-1 must be >= 0"),
+    (SLURM + ["train.device=cuda"], "train.device=cuda on Slurm needs GPUs in the request"),
+    (["parallel.backend=nccl", "train.device=cpu"], "parallel.backend=nccl needs CUDA ranks"),
+    (["parallel.init_timeout_s=0"], "parallel.init_timeout_s=0.0 must be > 0"),
+]
+
+
+@pytest.mark.parametrize("overrides, fragment", REFUSED)
+def test_device_rules_refused_before_launch(overrides, fragment):
+    with pytest.raises(ConfigError) as err:
+        validate(make(overrides))
+    assert any(fragment in p for p in err.value.problems), err.value.problems
+
+
+def test_gpu_slurm_job_asks_for_one_gpu_per_task():
+    cfg = validate(make(SLURM + ["launcher.gpus_per_node=2"]))
+    params = slurm_parameters(cfg, 2)
+    assert params["gpus_per_node"] == params["tasks_per_node"] == 2
+    assert uses_cuda(cfg, cuda_visible=False)  # the login node's view does not matter
+    assert not uses_cuda(validate(make(SLURM)), cuda_visible=True)  # no GPUs requested: CPU ranks
+
+
+@pytest.mark.parametrize("overrides, gpus, fragment", [
+    (["train.device=cuda"], 0, "train.device=cuda but no CUDA device is visible here"),
+    (["launcher.gpus_per_node=2"], 0, "launcher.gpus_per_node=2 but no CUDA device is visible"),
+    (["train.device=cuda"], 1, "= 2 ranks on this machine, but 1 GPU(s) are visible"),
+    (["parallel=tp2-pp2-dp2"], 4, "= 8 ranks on this machine, but 4 GPU(s) are visible"),  # auto picks CUDA
+])
+def test_local_machine_without_enough_gpus_refused(overrides, gpus, fragment):
+    problems = machine_problems(validate(make(overrides)), 8 if "parallel=tp2-pp2-dp2" in overrides else 2, gpus)
+    assert len(problems) == 1 and fragment in problems[0], problems
+
+
+def test_local_machine_checks_pass_where_they_should():
+    assert machine_problems(validate(make(["train.device=cuda"])), 2, device_count=2) == []
+    assert machine_problems(validate(make([])), 2, device_count=0) == []  # auto on a CPU machine: CPU
+    assert machine_problems(validate(make(["train.device=cpu"])), 2, device_count=1) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_rank_refuses_cuda_it_cannot_see(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(DeviceError, match="sees no GPU"):
+        rank_device(validate(make(["train.device=cuda"])))
+    assert rank_device(validate(make([]))) == torch.device("cpu")
+
+
+def test_rank_refuses_a_local_rank_beyond_the_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(DeviceError, match="LOCAL_RANK=2 but this node shows 2 GPU"):
+        rank_device(validate(make(["train.device=cuda"])))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert rank_device(validate(make(["train.device=cuda"]))) == torch.device("cuda", 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_entry_point_refuses_cuda_without_gpu_before_any_rank(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "trainer3d.train", "parallel=single", "train.device=cuda",
+                          f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "trainer3d: device error: train.device=cuda but no CUDA device is visible here" in out.stderr
+    assert not (tmp_path / "submitit").exists()  # nothing launched

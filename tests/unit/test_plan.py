@@ -1,0 +1,216 @@
+"""The layout planner: its commands pass validate(), its search is bounded, what does not fit
+is dropped with the reason, and the step-time model against hand-derived figures."""
+
+import dataclasses
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from tests.conftest import CONF_DIR, ROOT
+from trainer3d.memory import states as memory
+from trainer3d.config.schema import Config
+from trainer3d.memory.states import format_bytes
+from trainer3d.model.flops import layer_matmul_params, matmul_params
+from trainer3d.plan.devices import PRESETS, Device, device_for, load_calibration
+from trainer3d.plan.search import evaluate, search
+from trainer3d.plan.step_time import step_time
+from trainer3d.config.validate import validate
+
+
+
+def _plan_config(*overrides):
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        return OmegaConf.to_object(compose("plan", list(overrides)))
+
+
+def _training_config(overrides):
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        return OmegaConf.to_object(compose("config", [*overrides, "run_dir=.", "launcher.folder=."]))
+
+
+@pytest.mark.slow
+def test_planner_prints_ranked_layouts_whose_commands_pass_validate():
+    cmd = [sys.executable, "-m", "trainer3d.plan", "model=7b", "cluster.nodes=16", "cluster.gpus_per_node=8",
+           "cluster.gpu=h100-sxm", "train.global_batch_size=1024", "train.seq_len=4096", "search.top=4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "ranks; global batch 1024 x 4096 tokens, bf16" in proc.stdout
+    commands = [line.split(None, 1)[1] for line in proc.stdout.splitlines()
+                if line.strip()[:1].isdigit() and "python -m trainer3d.train" in line]
+    assert len(commands) == 4
+    rows = [line.split() for line in proc.stdout.splitlines() if line[:3].strip().isdigit() and "python" not in line]
+    speeds = [float(r[-2].replace(",", "")) for r in rows]
+    assert speeds == sorted(speeds, reverse=True)  # fastest first
+    for command in commands:
+        overrides = command.split()[3:]
+        assert "model=7b" in overrides
+        cfg = validate(_training_config(overrides))  # raises if the engine would refuse it
+        assert cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp == 128
+        assert cfg.launcher.nodes * cfg.launcher.tasks_per_node == 128
+        assert cfg.train.global_batch_size == 1024 and cfg.train.seq_len == 4096
+
+
+def test_search_of_1024_gpus_is_bounded_and_builds_one_meta_block_per_tp():
+    memory._MODEL_SHAPES.clear()
+    cfg = _plan_config("model=70b", "cluster.nodes=128", "cluster.gpus_per_node=8", "train.global_batch_size=1024",
+                       "train.seq_len=4096")
+    result = search(cfg, device_for("h100-sxm"))
+    # 4 tp x 7 pp x 5 micro-batch sizes x zero stages x SP x recompute x schedules, less the
+    # combinations that only shape the space (ZeRO 2/3 with pp > 1, more stages than layers)
+    assert 1000 < result.evaluated <= 3000, result.evaluated
+    assert len(memory._MODEL_SHAPES) == 4  # tp 1, 2, 4, 8: one meta-built block each
+    assert result.plans and sum(result.refused.values()) + result.over_memory + len(result.plans) == result.evaluated
+    usable = PRESETS["h100-sxm"].usable_bytes(8)
+    assert all(plan.memory.total <= usable for plan in result.plans)
+
+
+def test_what_does_not_fit_is_dropped_with_how_far_over():
+    from trainer3d.plan.report import report
+
+    cfg = _plan_config("model=70b", "cluster.nodes=1", "cluster.gpus_per_node=8", "cluster.gpu=a100-40g",
+                       "train.global_batch_size=64", "train.seq_len=4096")
+    device = device_for("a100-40g")
+    result = search(cfg, device)
+    assert not result.plans and result.over_memory > 0
+    over, layout, rank = result.closest_over
+    # the closest miss is at least the 70b model states sharded 8 ways minus the usable memory
+    assert over > 0 and layout.parallel.tp * layout.parallel.pp * layout.parallel.dp == 8
+    text = report(cfg, device, result, [])
+    assert f"over by {format_bytes(over)} on stage {rank}" in text and "no layout fits" in text
+
+
+def test_unknown_device_and_missing_calibration_name_the_knob(tmp_path):
+    with pytest.raises(ValueError, match="cluster.gpu=h900 is not one of h100-sxm"):
+        device_for("h900")
+    with pytest.raises(FileNotFoundError, match="--calibrate"):
+        device_for("calibrated", str(tmp_path / "none.json"))
+    written = dataclasses.asdict(PRESETS["cpu"])
+    (tmp_path / "c.json").write_text(__import__("json").dumps(written))
+    assert load_calibration(str(tmp_path / "c.json")) == PRESETS["cpu"]
+
+
+# ------------------------------------------------------------------ the step-time model
+
+def _ideal(**changes) -> Device:
+    """Matmuls at 1 TFLOP/s, everything else free: the step is FLOPs and the bubble."""
+    fields = dict(name="ideal", memory_gib=80, reserved_gib=0, matmul_tflops={"fp32": 1.0, "bf16": 1.0},
+                  memory_gbps=1e12, intra_gbps=1e12, inter_gbps=1e12, latency_us=0.0, source="test")
+    fields.update(changes)
+    return Device(**fields)
+
+
+def _cfg(**parallel) -> Config:
+    cfg = Config()
+    cfg.model.n_layers = 8
+    cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.grad_accum_steps = 2, 16, None
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    return validate(cfg)
+
+
+def _step(cfg, device, ranks_per_node=8):
+    return evaluate(cfg, device, ranks_per_node, "nccl").step
+
+
+def test_compute_is_the_causal_model_flops_over_the_rate():
+    cfg = _cfg()
+    m, t = cfg.model, cfg.train
+    tokens = t.global_batch_size * t.seq_len
+    # forward + backward = 3 x (2 per matmul weight + 2 s h per block for causal attention scores)
+    flops = 3 * tokens * (2 * matmul_params(m) + m.n_layers * 2 * t.seq_len * m.dim)
+    assert _step(cfg, _ideal()).total == pytest.approx(flops / 1e12, rel=1e-9)
+    assert layer_matmul_params(m) * m.n_layers + m.dim * m.vocab_size == matmul_params(m)
+
+
+@pytest.mark.parametrize("pp,virtual", [(2, 1), (4, 1), (4, 2)])
+def test_bubble_is_p_minus_1_over_v_m(pp, virtual):
+    """(p - 1) / (v m) of the compute: fill and drain of the slowest stage (the one with the head)."""
+    cfg = _cfg(pp=pp, pp_schedule="interleaved_1f1b" if virtual > 1 else "1f1b", pp_virtual_stages=virtual)
+    step = _step(cfg, _ideal())
+    assert step.bubble / step.compute == pytest.approx((pp - 1) / (virtual * cfg.train.grad_accum_steps))
+    assert step.total == pytest.approx(step.compute + step.bubble)
+
+
+def test_data_parallel_reduction_hides_behind_backward_but_its_last_bucket():
+    cfg = _cfg(dp=2, bucket_mb=0.5)
+    states = memory.engine_model_state_bytes(memory.rank_parameter_shapes(cfg, 0), 2, 0, "fp32", 2 ** 19 // 4)
+    ring_s = states.grads / 1e9  # 2 (n - 1) / n of the fp32 gradients over 1 GB/s, n = 2
+    last_bucket_s = ring_s * 2 ** 19 / states.grads
+    fast = _step(cfg, _ideal(intra_gbps=1.0, memory_gbps=1e12))
+    backward_s = 2 / 3 * fast.compute / cfg.train.grad_accum_steps  # the last micro-batch's
+    # the reduction launched during the last backward: only its last bucket and what overruns it shows
+    assert fast.dp_comm == pytest.approx(last_bucket_s + max(0.0, ring_s - last_bucket_s - backward_s), rel=1e-6)
+    slow = _step(cfg, _ideal(intra_gbps=1e-3))
+    assert slow.dp_comm == pytest.approx(1000 * ring_s - backward_s, rel=1e-6)
+
+
+def test_zero1_parameter_gather_hides_behind_the_next_forward_but_its_first_bucket():
+    cfg = _cfg(dp=2, bucket_mb=0.5, zero_stage=1)
+    states = memory.engine_model_state_bytes(memory.rank_parameter_shapes(cfg, 0), 2, 1, "fp32", 2 ** 19 // 4)
+    share = 2 ** 19 / states.grads  # one bucket of the fp32 gradients (NCCL: reduce-scattered)
+    scatter_s, gather_s = states.grads / 2 / 1e9, states.params / 2 / 1e9  # (n - 1) / n over 1 GB/s, n = 2
+    fast = _step(cfg, _ideal(intra_gbps=1.0, memory_gbps=1e12))
+    forward_s = fast.compute / 3 / cfg.train.grad_accum_steps  # one micro-batch's
+    overrun = {"scatter": max(0.0, scatter_s * (1 - share) - 2 * forward_s),
+              "gather": max(0.0, gather_s * (1 - share) - forward_s)}
+    assert fast.dp_comm == pytest.approx((scatter_s + gather_s) * share + sum(overrun.values()), rel=1e-6)
+    slow = _step(cfg, _ideal(intra_gbps=1e-3))
+    assert slow.dp_comm == pytest.approx(1000 * (scatter_s + gather_s) - 3 * forward_s, rel=1e-6)
+
+
+def test_shared_cores_bound_a_step_by_the_nodes_work():
+    """Eight ranks on a node that computes like one rank: a step takes at least eight ranks' work."""
+    cpu = _ideal(node_scaling={1: 1.0, 8: 1.0}, cores=1, shared_memory=True)
+    cfg = _cfg(dp=8, zero_stage=0)
+    cfg.train.grad_accum_steps = 2
+    step = _step(cfg, cpu, ranks_per_node=8)
+    assert step.node_bound == pytest.approx(8 * step.compute)
+    assert step.total == pytest.approx(step.node_bound + step.dp_comm + step.optimizer)
+
+
+# ------------------------------------------------------------------ the accuracy tool's pure parts
+
+def _accuracy_tool():
+    spec = importlib.util.spec_from_file_location("plan_accuracy", ROOT / "tools" / "plan_accuracy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_accuracy_tool_layouts_are_valid_and_its_rank_correlation_is_spearmans():
+    tool = _accuracy_tool()
+    assert tool.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert tool.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert tool.ranks([5.0, 1.0, 5.0]) == [2.5, 1.0, 2.5]
+    # 1 - 6 sum d^2 / (n (n^2 - 1)) for distinct ranks: d = (0, 1, -1, 0, 0)
+    assert tool.spearman([1, 2, 3, 4, 5], [1, 3, 2, 4, 5]) == pytest.approx(1 - 6 * 2 / (5 * 24))
+    worlds = set()
+    for layout in tool.LAYOUTS:
+        cfg = tool.training_config([*tool.COMMON, *layout.split()])
+        worlds.add(cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp)
+        assert evaluate(cfg, PRESETS["cpu"], 8, "gloo").step.total > 0
+    assert len(tool.LAYOUTS) >= 6 and worlds == {1, 2, 4, 8}
+
+
+def test_calibration_fits_each_fixed_cost_back_from_a_step_it_predicts():
+    """--calibrate fits a fixed cost (step_overhead_us, a hop's latency with N ranks on the node,
+    a pipeline action) as the value that makes the model predict the engine's measured step:
+    given a step the model predicts with known costs, the fit finds those costs again."""
+    from trainer3d.plan.calibrate import PP_PROBES, TINY, TP_PROBES, _fit
+    from trainer3d.plan.probe import training_config
+    truth = dataclasses.replace(PRESETS["cpu"], step_overhead_us=2500.0, latency_by_ranks={2: 300.0, 4: 900.0},
+                                action_by_ranks={2: 700.0})
+    tp = training_config([*TINY, *TP_PROBES[4].split()])
+    pp = training_config([*TINY, PP_PROBES[2]])
+
+    def total(cfg, ranks, **changes):
+        return evaluate(cfg, dataclasses.replace(truth, **changes), ranks, "gloo").step.total
+    took = total(tp, 4)
+    assert evaluate(tp, truth, 4, "gloo").step.host == pytest.approx(2.5e-3)
+    assert _fit(lambda x: total(tp, 4, latency_by_ranks={2: 300.0, 4: x}), took) == pytest.approx(900.0, rel=1e-6)
+    assert _fit(lambda x: total(pp, 2, action_by_ranks={2: x}), total(pp, 2)) == pytest.approx(700.0, rel=1e-6)
+    assert _fit(lambda x: total(tp, 4, step_overhead_us=x), took / 2) == 0.0  # already slower: nothing to add

@@ -1,0 +1,24 @@
+"""The torch floor: pyproject.toml's requirement and the import-time check say the same version."""
+
+import re
+
+import pytest
+
+from tests.conftest import ROOT
+from trainer3d.job.requirements import TORCH_FLOOR, check_torch
+
+
+def test_pyproject_torch_floor_is_the_checked_one():
+    text = (ROOT / "pyproject.toml").read_text()
+    assert re.findall(r'"torch>=([0-9.]+)"', text) == [TORCH_FLOOR]
+
+
+@pytest.mark.parametrize("version", ["2.9.1+cu128", "2.10.0", "1.13.1", "2.6.0a0+git1234"])
+def test_older_torch_refused_with_the_fix(version):
+    with pytest.raises(ImportError, match=rf"needs torch>={TORCH_FLOOR}, this Python has torch {re.escape(version)}"):
+        check_torch(version)
+
+
+@pytest.mark.parametrize("version", [TORCH_FLOOR + ".0", "2.11.0+cu130", "2.12.0a0+gitabc", "2.13.0+cpu", "3.0.0"])
+def test_floor_and_newer_accepted(version):
+    check_torch(version)

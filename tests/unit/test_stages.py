@@ -1,0 +1,187 @@
+"""The pipeline stage split and the schedule rules: pure functions, no processes."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from trainer3d.config.schema import Config, ModelConfig
+from trainer3d.model.transformer import Transformer
+from trainer3d.parallel.pipeline.bubble import StageClock, bubble_theory
+from trainer3d.parallel.pipeline.stages import split_into_stages, stage_layer_ranges, stages_of_rank
+from trainer3d.config.validate import pipeline_micro_batch_problem
+
+
+def counts(ranges):
+    return [len(r) for r in ranges]
+
+
+@pytest.mark.parametrize("n_layers,n_stages,expected", [
+    (8, 2, [4, 4]), (8, 4, [2, 2, 2, 2]), (4, 4, [1, 1, 1, 1]),
+    (10, 4, [3, 3, 2, 2]),  # remainder to the first stages: the last one carries the head and loss
+    (7, 2, [4, 3]), (5, 3, [2, 2, 1]),
+])
+def test_balanced_split(n_layers, n_stages, expected):
+    ranges = stage_layer_ranges(n_layers, n_stages)
+    assert counts(ranges) == expected
+    assert [i for r in ranges for i in r] == list(range(n_layers)), "contiguous, in order, each layer once"
+
+
+def test_uneven_override():
+    ranges = stage_layer_ranges(8, 3, [2, 5, 1])
+    assert [list(r) for r in ranges] == [[0, 1], [2, 3, 4, 5, 6], [7]]
+
+
+@pytest.mark.parametrize("bad", [[4, 4, 1], [4], [0, 8], [5, 4]])
+def test_bad_override_is_refused(bad):
+    with pytest.raises(ValueError, match="pp_layers"):
+        stage_layer_ranges(8, 2, bad)
+
+
+def test_too_few_layers_is_refused():
+    with pytest.raises(ValueError, match="cannot fill"):
+        stage_layer_ranges(3, 4)
+
+
+def test_interleaved_assignment_matches_torch():
+    """Rank r runs stages r, r+pp, ...: the mapping torch's interleaved schedules use."""
+    from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
+
+    for pp, v in [(2, 2), (4, 2), (2, 3)]:
+        torch_map = generate_stage_to_rank_mapping(pp, pp * v)
+        for rank in range(pp):
+            assert stages_of_rank(rank, pp, v) == sorted(s for s, r in torch_map.items() if r == rank)
+    assert stages_of_rank(1, 4, 2) == [1, 5]
+
+
+def _cfg(n_layers=8, pp=2, v=1, pp_layers=None):
+    cfg = Config()
+    cfg.model = ModelConfig(dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50)
+    cfg.parallel.pp, cfg.parallel.pp_virtual_stages, cfg.parallel.pp_layers = pp, v, pp_layers
+    cfg.parallel.pp_schedule = "interleaved_1f1b" if v > 1 else "1f1b"
+    return cfg
+
+
+@pytest.mark.parametrize("pp,v,pp_layers", [(2, 1, None), (4, 1, None), (2, 2, None), (4, 2, None), (2, 1, [3, 5])])
+def test_split_covers_the_model_once_on_meta(pp, v, pp_layers):
+    cfg = _cfg(pp=pp, v=v, pp_layers=pp_layers)
+    with torch.device("meta"):
+        full = Transformer(cfg.model)
+    full_names = {n for n, _ in full.named_parameters()}
+    seen = []
+    for rank in range(pp):
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+        chunks = split_into_stages(model, cfg, SimpleNamespace(pp_rank=rank))
+        assert len(chunks) == v
+        assert len({id(p) for c in chunks for p in c.parameters()}) == sum(1 for c in chunks for _ in c.parameters()), \
+            "chunks must not share parameters"
+        for chunk, stage in zip(chunks, stages_of_rank(rank, pp, v)):
+            assert all(p.is_meta for p in chunk.parameters()), "chunks stay on meta until materialised"
+            assert (chunk.tok_embeddings is not None) == (stage == 0)
+            assert (chunk.output is not None) == (chunk.norm is not None) == (stage == pp * v - 1)
+            seen += [n for n, _ in chunk.named_parameters()]
+    assert sorted(seen) == sorted(full_names), "every parameter on exactly one stage, under its 1-rank name"
+
+
+def test_split_keeps_global_layer_names():
+    cfg = _cfg(pp=2, v=2)  # 8 layers, 4 stages: rank 1 runs stages 1 (layers 2-3) and 3 (6-7)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    chunks = split_into_stages(model, cfg, SimpleNamespace(pp_rank=1))
+    assert [list(c.layers.keys()) for c in chunks] == [["2", "3"], ["6", "7"]]
+
+
+# ----------------------------------------------------------------- schedule rules vs torch itself
+
+def _fake_stages(pp, v):
+    """Enough of a PipelineStage for torch's schedule constructors, which hold the rules."""
+    return [SimpleNamespace(num_stages=pp * v, group_size=pp, group_rank=0, stage_index=k * pp)
+            for k in range(v)]
+
+
+def _torch_accepts(schedule, pp, v, n):
+    try:
+        if schedule == "interleaved_1f1b":
+            ScheduleInterleaved1F1B(_fake_stages(pp, v), n, loss_fn=lambda o, t: o, scale_grads=False)
+        else:
+            cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+            cls(_fake_stages(pp, 1)[0], n, loss_fn=lambda o, t: o, scale_grads=False)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 1),
+                                        ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)])
+def test_micro_batch_rule_matches_torch(schedule, v):
+    """Validation refuses exactly the micro-batch counts torch's schedule refuses."""
+    for pp in (2, 3, 4, 8):
+        for n in range(1, 4 * pp + 3):
+            problem = pipeline_micro_batch_problem(schedule, pp, n)
+            assert (problem is None) == _torch_accepts(schedule, pp, v, n), (schedule, pp, v, n, problem)
+
+
+def test_micro_batch_rule_messages_name_the_knob():
+    assert "train.grad_accum_steps>=4" in pipeline_micro_batch_problem("1f1b", 4, 3)
+    message = pipeline_micro_batch_problem("interleaved_1f1b", 2, 5)
+    assert "set train.grad_accum_steps=4 or 6" in message
+    for suggested in (4, 6):
+        assert pipeline_micro_batch_problem("interleaved_1f1b", 2, suggested) is None
+    assert pipeline_micro_batch_problem("1f1b", 1, 1) is None
+
+
+# ----------------------------------------------------------------- bubble arithmetic
+
+def test_bubble_theory():
+    assert bubble_theory(2, 2) == pytest.approx(1 / 3)
+    assert bubble_theory(4, 4) == pytest.approx(3 / 7)
+    assert bubble_theory(4, 32) == pytest.approx(3 / 35)
+    assert bubble_theory(4, 8, virtual_stages=2) == pytest.approx(3 / 22)
+
+
+def test_stage_clock_counts_only_busy_work():
+    ticks = iter(range(100))
+    clock = StageClock(torch.device("cpu"))
+    clock._now = lambda: float(next(ticks))  # a fake clock: every reading advances one second
+    clock.start_step()                       # t=0
+    with clock.busy():                       # 1..2: busy 1 s
+        pass
+    with clock.busy():                       # 3..4: busy 1 s
+        pass
+    clock.end_step()                         # t=5: wall 5 s
+    with clock.busy():                       # outside a step: not counted
+        pass
+    assert clock.pop_times() == [(2.0, 5.0)]
+    assert clock.pop_bubbles() == []
+    clock.start_step()
+    clock.timed(lambda: None)()
+    clock.end_step()
+    assert clock.pop_bubbles() == [pytest.approx(1 - 1 / 3)]
+
+
+def test_dry_run_plan_shows_the_stages():
+    from trainer3d.memory.dry_run import describe_plan
+    from trainer3d.config.validate import validate
+
+    cfg = _cfg(n_layers=10, pp=4)
+    cfg.parallel.dp, cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, 2, 16
+    plan = describe_plan(validate(cfg))
+    assert "pipeline: 1f1b, 4 stages, 8 micro-batches, bubble_theory 0.273" in plan  # 3 / (8 + 3)
+    assert "stage 0 (pp rank 0): layers 0-2" in plan and "stage 3 (pp rank 3): layers 8-9" in plan
+
+
+# ----------------------------------------------------------------- the saved-activation meter
+
+def test_meter_counts_saved_tensors_once_until_backward_frees_them():
+    from trainer3d.memory.meter import SavedActivationMeter
+
+    w = torch.nn.Parameter(torch.randn(64, 32))
+    x = torch.randn(16, 64, requires_grad=True)
+    with SavedActivationMeter([w]) as meter:
+        h = x @ w                 # saves x (and w: a parameter, not counted)
+        y = (h * h).sum()         # saves h twice: one storage, counted once
+        assert meter.live_bytes == x.nbytes + h.nbytes == 16 * 64 * 4 + 16 * 32 * 4
+        y.backward()
+    assert meter.live_bytes == 0 and meter.peak_bytes == x.nbytes + h.nbytes

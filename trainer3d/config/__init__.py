@@ -1,0 +1,9 @@
+"""Compose and validate: what a run is, before anything starts.
+
+``schema`` holds the typed dataclasses Hydra's ConfigStore registers (every field documented;
+``conf/`` only selects and overrides them); ``knobs`` every field's range or choices;
+``validate`` the rules of a layout as a pure function, run in the submitting process and
+naming the knob to change; ``jsonfile`` the size-bounded reader of JSON objects the run did
+not write (token headers, Hugging Face config and index files). Imports nothing of
+trainer3d but ``job.device_check`` (the device rules validate() applies).
+"""

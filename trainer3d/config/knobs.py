@@ -1,0 +1,172 @@
+"""Every knob's valid values, as tables: numeric ranges, string choices, the schema's keys.
+
+``validate`` (trainer3d/config/validate.py) checks each numeric knob against ``RANGES`` and each
+string knob against ``CHOICES`` (or lists it in ``FREE_TEXT``): the tests hold every field
+of the schema to being in one of them, so a new knob cannot arrive unchecked. NaN and inf
+are refused everywhere (a NaN compares false with every bound). ``unknown_keys`` finds keys
+the schema lacks — Hydra's ``+key=value`` adds them to the composed config, and
+``OmegaConf.to_object`` would drop them without a word.
+"""
+
+import dataclasses
+import math
+import os
+import typing
+from typing import Dict, List, Optional, Tuple
+
+from omegaconf import DictConfig, ListConfig
+
+from trainer3d.config.schema import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """lo <= value (lo < value if ``lo_open``), and value < hi where hi is given."""
+
+    lo: float
+    lo_open: bool = False
+    hi: Optional[float] = None
+
+    def holds(self, value) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        above = value > self.lo if self.lo_open else value >= self.lo
+        return above and (self.hi is None or value < self.hi)
+
+    def describe(self) -> str:
+        if self.hi is not None:
+            return f"must be in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g})"
+        return f"must be {'>' if self.lo_open else '>='} {self.lo:g}"
+
+
+AT_LEAST_1, AT_LEAST_0, POSITIVE, UNIT = Range(1), Range(0), Range(0, lo_open=True), Range(0, hi=1)
+
+RANGES: Dict[str, Range] = {
+    **{f"model.{k}": AT_LEAST_1 for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+                                         "vocab_size", "max_seq_len")},
+    "model.rope_theta": POSITIVE, "model.norm_eps": POSITIVE, "model.init_std": POSITIVE,
+    "model.bos_token_id": AT_LEAST_0,
+    "model.rope_scaling.factor": POSITIVE, "model.rope_scaling.low_freq_factor": POSITIVE,
+    "model.rope_scaling.high_freq_factor": POSITIVE, "model.rope_scaling.original_max_seq_len": AT_LEAST_1,
+    **{f"parallel.{k}": AT_LEAST_1 for k in ("tp", "pp", "dp", "pp_virtual_stages")},
+    "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": POSITIVE, "parallel.init_timeout_s": POSITIVE,
+    **{f"train.{k}": AT_LEAST_1 for k in ("micro_batch_size", "grad_accum_steps", "global_batch_size", "seq_len",
+                                         "max_steps", "log_every", "eval_steps")},
+    "train.seed": Range(0, hi=2 ** 63), "train.loss_scale_init": POSITIVE, "train.peak_tflops": POSITIVE,
+    "train.eval_every": AT_LEAST_0,
+    "optim.lr": POSITIVE, "optim.min_lr": AT_LEAST_0, "optim.warmup_steps": AT_LEAST_0,
+    "optim.decay_steps": AT_LEAST_1, "optim.weight_decay": AT_LEAST_0, "optim.beta1": UNIT, "optim.beta2": UNIT,
+    "optim.eps": POSITIVE, "optim.grad_clip": AT_LEAST_0,
+    "data.val_fraction": UNIT,
+    "launcher.timeout_min": AT_LEAST_1, "launcher.nodes": AT_LEAST_1, "launcher.tasks_per_node": AT_LEAST_1,
+    "launcher.gpus_per_node": AT_LEAST_0, "launcher.cpus_per_task": AT_LEAST_1, "launcher.mem_gb": POSITIVE,
+    "launcher.signal_delay_s": AT_LEAST_0, "launcher.max_requeues": AT_LEAST_0,
+    "checkpoint.every": AT_LEAST_0, "checkpoint.keep": AT_LEAST_1,
+}
+"""Each numeric knob's valid values (None, where the field is optional, means "derive it")."""
+
+CHOICES: Dict[str, Tuple[object, ...]] = {
+    "parallel.zero_stage": (0, 1, 2, 3),
+    "model.rope_scaling.type": ("none", "llama3"),
+    "parallel.pp_schedule": ("1f1b", "gpipe", "interleaved_1f1b"),
+    "parallel.zero_reduce": ("auto", "all_reduce", "reduce_scatter"),
+    "parallel.backend": ("auto", "gloo", "nccl"),
+    "train.dtype": ("fp32", "bf16", "fp16"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "train.on_nonfinite": ("stop", "continue"),
+    "optim.name": ("adamw",),
+    "data.name": ("stdlib", "tokens"),
+    "launcher.name": ("local", "slurm", "inplace"),
+    "logger.name": ("console", "wandb"),
+    "logger.mode": ("auto", "offline", "online", "disabled"),
+}
+"""Each knob with a fixed set of values."""
+
+FREE_TEXT = ("model.name", "model.init_from", "train.resume", "data.path", "data.val_path", "data.cache_dir",
+             "launcher.folder", "launcher.partition", "launcher.account", "launcher.qos", "launcher.constraint",
+             "launcher.job_name", "logger.project", "logger.entity", "logger.group", "logger.run_name",
+             "checkpoint.dir", "run_dir")
+"""String knobs naming a path or a label: when set, they must not be empty."""
+
+
+def get(cfg: Config, knob: str):
+    value = cfg
+    for part in knob.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def nullable(knob: str) -> bool:
+    """The schema lets ``knob`` be null (its field is ``Optional``)."""
+    owner = Config
+    for part in knob.split("."):
+        hint = typing.get_type_hints(owner)[part]
+        owner = hint
+    return type(None) in typing.get_args(hint)
+
+
+def range_problems(cfg: Config) -> List[str]:
+    """One line per numeric knob outside its range."""
+    problems = []
+    for knob, valid in RANGES.items():
+        value = get(cfg, knob)
+        if value is not None and not valid.holds(value):
+            problems.append(f"{knob}={value} {valid.describe()}{', or null' if nullable(knob) else ''}")
+    return problems
+
+
+def choice_problems(cfg: Config) -> List[str]:
+    """One line per knob not among its choices, or set but empty."""
+    problems = []
+    for knob, choices in CHOICES.items():
+        value = get(cfg, knob)
+        if value not in choices:
+            shown = knob[:-len(".name")] if knob.endswith(".name") else knob
+            problems.append(f"{shown}={value} is not one of {', '.join(map(str, choices))}")
+    for knob in FREE_TEXT:
+        value = get(cfg, knob)
+        if value is not None and not str(value).strip():
+            problems.append(f"{knob} is empty; give a value or leave it unset")
+    return problems
+
+
+DIRECTORIES = ("run_dir", "checkpoint.dir", "launcher.folder", "data.cache_dir")
+"""Knobs naming a directory the run writes into."""
+
+
+def path_problems(cfg: Config) -> List[str]:
+    """A directory knob that names an existing file (checked before launch, where the files are)."""
+    problems = []
+    for knob in DIRECTORIES:
+        value = get(cfg, knob)
+        if value and os.path.exists(os.path.expanduser(value)) and not os.path.isdir(os.path.expanduser(value)):
+            problems.append(f"{knob}={value} is a file, not a directory; give a directory")
+    return problems
+
+
+def _unwrap(hint):
+    """The dataclass a field holds (directly, optionally, or as list elements), else None."""
+    for arg in (hint, *typing.get_args(hint)):
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def unknown_keys(node, schema=Config, prefix: str = "") -> List[str]:
+    """The keys of the composed config ``node`` that the dataclass ``schema`` has no field for."""
+    hints = typing.get_type_hints(schema)
+    found = []
+    for key in node.keys() if isinstance(node, DictConfig) else ():
+        name = f"{prefix}{key}"
+        if key not in hints:
+            where = f"the keys of {prefix[:-1]}" if prefix else "the top-level keys"
+            found.append(f"{name} is not a config key (misspelled?); {where} are: {', '.join(sorted(hints))}")
+            continue
+        inner = _unwrap(hints[key])
+        child = node._get_node(key)
+        if inner is not None and isinstance(child, DictConfig):
+            found += unknown_keys(child, inner, f"{name}.")
+        elif inner is not None and isinstance(child, ListConfig):
+            for i, item in enumerate(child):
+                found += unknown_keys(item, inner, f"{name}[{i}].")
+    return found

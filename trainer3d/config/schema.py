@@ -1,0 +1,286 @@
+"""The run's typed configuration.
+
+Every knob lives in one of these dataclasses, registered in Hydra's ConfigStore as the
+schema; the YAML files in ``conf/`` only select a group member and override values, so a
+typo or a wrong type is refused by Hydra before anything runs. Cross-field rules (batch
+arithmetic, divisibility, ZeRO with pipelining) are checked by ``trainer3d.config.validate``.
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class RopeScalingConfig:
+    """Rotary frequency scaling for contexts longer than pre-training's (Llama 3.1's "llama3"
+    scheme: long wavelengths divided by ``factor``, short ones kept, a smooth ramp between)."""
+
+    type: str = "none"
+    """none | llama3."""
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+    """The context length the model was pre-trained with before scaling."""
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-style decoder: RMSNorm, rotary positions, SwiGLU MLP, no biases."""
+
+    name: str = "tiny"
+    """The conf/model member this came from (for the record)."""
+    dim: int = 128
+    """Hidden size."""
+    n_layers: int = 4
+    """Transformer blocks."""
+    n_heads: int = 4
+    """Query heads; head_dim = dim / n_heads."""
+    n_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); equal to n_heads for plain multi-head."""
+    head_dim: Optional[int] = None
+    """Width of one attention head; default dim // n_heads."""
+    ffn_dim: int = 384
+    """Width of the SwiGLU hidden layer."""
+    vocab_size: int = 257
+    """Logical vocabulary; tensor parallelism pads it to a multiple of tp, padding masked out of the loss."""
+    max_seq_len: int = 256
+    """Longest sequence the rotary tables cover (train.seq_len must not exceed it)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position frequencies."""
+    norm_eps: float = 1e-5
+    """RMSNorm's epsilon."""
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    tie_embeddings: bool = False
+    """The output head reuses the input embedding matrix (with pipelining, the first and last
+    stage hold copies whose gradients are summed)."""
+    init_std: float = 0.02
+    """Std of the normal init; output projections are scaled by 1/sqrt(2 * n_layers)."""
+    init_from: Optional[str] = None
+    """A Hugging Face Llama directory (config.json + safetensors) to start from: the rest of
+    this section is derived from its config.json before launch, and every rank reads its own
+    slices of the weights. Explicit model.* overrides must agree with config.json."""
+    bos_token_id: Optional[int] = None
+    """Beginning-of-sequence token id, when known (from init_from's config.json); written into
+    exported Hugging Face configs."""
+    eos_token_ids: List[int] = field(default_factory=list)
+    """End-of-sequence token id(s), when known (Llama 3 chat models have several)."""
+
+
+@dataclass
+class ParallelConfig:
+    """The 3D layout. World size = tp * pp * dp; rank order is TP fastest, then DP, then PP."""
+
+    tp: int = 1
+    """Tensor-parallel degree (Megatron-style column/row split inside each layer)."""
+    pp: int = 1
+    """Pipeline-parallel degree (stages)."""
+    dp: int = 1
+    """Data-parallel degree (model replicas, each taking a slice of the global batch)."""
+    zero_stage: int = 0
+    """0: replicated optimizer; 1: optimizer state sharded over dp; 2/3 (pp == 1 only): FSDP2."""
+    sequence_parallel: bool = False
+    """Shard norm regions along the sequence across tp (needs tp > 1)."""
+    pp_schedule: str = "1f1b"
+    """1f1b | gpipe | interleaved_1f1b."""
+    pp_virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved_1f1b only)."""
+    pp_layers: Optional[List[int]] = None
+    """Layers per stage, e.g. [3, 5]; default: as even as possible."""
+    bucket_mb: float = 25.0
+    """Size of the gradient-reduction buckets over dp, in MiB."""
+    zero_reduce: str = "auto"
+    """How ZeRO-1 reduces gradients: all_reduce | reduce_scatter | auto (all_reduce on gloo, reduce_scatter on NCCL)."""
+    backend: str = "auto"
+    """torch.distributed backend: auto (nccl with GPUs, else gloo) | gloo | nccl."""
+    timeout_s: float = 120.0
+    """The training step's collective timeout: a dead or stuck rank ends the job after this long
+    instead of hanging."""
+    init_timeout_s: float = 1200.0
+    """The timeout of start-up (rendezvous, building the model, the first step with its
+    compilation) and of checkpoint saves and loads, which may wait on a slow shared filesystem."""
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop. Give any two of micro_batch_size, grad_accum_steps and
+    global_batch_size; the third is derived as global = micro * grad_accum * dp."""
+
+    micro_batch_size: Optional[int] = 8
+    """Sequences per micro-batch on one data-parallel rank."""
+    grad_accum_steps: Optional[int] = None
+    """Micro-batches per optimizer step on one data-parallel rank (the pipeline's micro-batches)."""
+    global_batch_size: Optional[int] = 32
+    """Sequences per optimizer step over all data-parallel ranks."""
+    seq_len: int = 128
+    max_steps: int = 300
+    seed: int = 1234
+    log_every: int = 10
+    """Read metrics from the device, print and write them every this many steps."""
+    dtype: str = "fp32"
+    """Parameter/activation dtype: fp32 | bf16 | fp16 (master weights stay fp32)."""
+    loss_scale_init: float = 65536.0
+    """fp16 only: the dynamic loss scale's first value (halved on each step with inf/nan gradients,
+    which is skipped; doubled after 2000 clean steps)."""
+    on_nonfinite: str = "stop"
+    """What an inf/nan loss or gradient norm does (read at the logging interval and before each
+    checkpoint): stop (end the run with an error, saving nothing) | continue (train on)."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in backward instead of keeping them."""
+    resume: str = "auto"
+    """auto (newest complete checkpoint of the run, if any) | never | a checkpoint path."""
+    device: str = "auto"
+    """auto | cpu | cuda. auto is cuda when launcher.gpus_per_node > 0, cpu for a Slurm job
+    without GPUs, else cuda where a GPU is visible (checked before launch); one rank per GPU."""
+    compile: bool = False
+    """torch.compile each transformer block (after tensor parallelism, before pipeline staging)."""
+    peak_tflops: Optional[float] = None
+    """Peak TFLOP/s per rank for MFU; default from the device name where known."""
+    eval_every: int = 100
+    """Evaluate on the validation set (data.val_fraction or data.val_path) every this many steps; 0: never."""
+    eval_steps: Optional[int] = 10
+    """Global batches of validation windows per evaluation, the same ones each time; null: the whole set."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up and cosine decay to min_lr."""
+
+    name: str = "adamw"
+    """The conf/optim member this came from (for the record)."""
+    lr: float = 3e-3
+    """Peak learning rate, reached at the end of warm-up."""
+    min_lr: float = 3e-4
+    """Where the cosine decay ends."""
+    warmup_steps: int = 20
+    """Steps of linear warm-up from lr / warmup_steps to lr."""
+    decay_steps: Optional[int] = None
+    """Steps of the cosine decay after warm-up; default: the rest of train.max_steps."""
+    weight_decay: float = 0.1
+    """Applied to matrices and embeddings, not to norm weights."""
+    beta1: float = 0.9
+    """AdamW's decay of the first moment."""
+    beta2: float = 0.95
+    """AdamW's decay of the second moment."""
+    eps: float = 1e-8
+    """Added to the square root of the second moment."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+
+
+@dataclass
+class BlendSource:
+    """One token file of a blend and its share of the training samples."""
+
+    path: str = MISSING
+    """Token file (.bin, with its .json header)."""
+    weight: float = 1.0
+    """Relative share of the samples (weights are normalised by their sum)."""
+
+
+@dataclass
+class DataConfig:
+    """Training tokens: the built-in corpus, or token files made by tools/prepare_data.py."""
+
+    name: str = "stdlib"
+    """stdlib (this Python's standard-library source, byte-level, no download) | tokens."""
+    path: Optional[str] = None
+    """Token file (.bin, with its .json header) when name=tokens."""
+    blend: List[BlendSource] = field(default_factory=list)
+    """Several token files mixed by weight, instead of data.path (name=tokens), e.g.
+    '[{path: a.bin, weight: 0.7}, {path: b.bin, weight: 0.3}]'; they must share a tokenizer."""
+    val_fraction: float = 0.0
+    """Hold out the last fraction of every training file's tokens for validation (0: none)."""
+    val_path: Optional[str] = None
+    """A token file to validate on, instead of val_fraction (same tokenizer as the training data)."""
+    cache_dir: str = "~/.cache/trainer3d"
+    """Where the built-in corpus is tokenised once and kept, with the record of verified token files."""
+
+
+@dataclass
+class LauncherConfig:
+    """How ranks are started: local processes or a Slurm job, both through submitit."""
+
+    name: str = "local"
+    """local (one process per rank on this machine) | slurm | inplace (already inside srun/torchrun)."""
+    folder: str = "${hydra:runtime.output_dir}/submitit"
+    """submitit's folder: pickled job, per-rank logs."""
+    timeout_min: int = 60
+    wait: bool = True
+    """Follow the job's progress and exit with its status (slurm: false = submit and return)."""
+    nodes: int = 1
+    tasks_per_node: Optional[int] = None
+    """Ranks per node; default: world size / nodes."""
+    gpus_per_node: int = 0
+    """GPUs per node; > 0 means the ranks run on CUDA, one per GPU (the Slurm request asks for them
+    and tasks_per_node must equal it)."""
+    cpus_per_task: Optional[int] = None
+    mem_gb: Optional[float] = None
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    job_name: str = "trainer3d"
+    sbatch_extra: List[str] = field(default_factory=list)
+    """Extra '#SBATCH' options, e.g. ['--exclusive', '--reservation=foo']."""
+    setup: List[str] = field(default_factory=list)
+    """Shell lines run in the job before the ranks start (module load, conda activate)."""
+    signal_delay_s: int = 90
+    """Slurm sends USR2 this long before the time limit: ranks checkpoint and the job requeues."""
+    max_requeues: int = 3
+    """Cap on requeues after preemption or time limit."""
+
+
+@dataclass
+class LoggerConfig:
+    """Where metrics go besides metrics.jsonl and the console."""
+
+    name: str = "console"
+    """console | wandb."""
+    mode: str = "auto"
+    """wandb mode: auto ($WANDB_MODE if set, else online when $WANDB_API_KEY is set, else offline)
+    | offline (no key needed; `wandb sync` later) | online | disabled."""
+    project: str = "trainer3d"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+    run_name: Optional[str] = None
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save every this many steps (0: only at the end and on preemption)."""
+    keep: int = 2
+    """Published checkpoints kept; older ones are deleted."""
+    dir: Optional[str] = None
+    """Default: <run_dir>/checkpoints."""
+    save_final: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run_dir: str = "${hydra:runtime.output_dir}"
+    """Where metrics.jsonl, checkpoints and logs of this run go."""
+    dry_run: bool = False
+    """Validate and print the rank layout and memory plan, start nothing."""
+
+
+def register_configs() -> None:
+    """Register the schema so conf/config.yaml can name it first in its defaults list."""
+    cs = ConfigStore.instance()
+    cs.store(name="trainer3d_schema", node=Config)
+
+
+register_configs()

@@ -1,0 +1,252 @@
+"""Check a config before anything launches.
+
+``validate`` is a pure function of the config (and the world size the launcher will
+give): it derives the missing batch knob and returns a completed copy, or raises
+``ConfigError`` listing every problem, each naming the knob to change and the fix.
+"""
+
+import copy
+from typing import List, Optional
+
+from trainer3d.job import device_check
+from trainer3d.config.schema import Config
+from trainer3d.config.knobs import choice_problems, range_problems
+
+class ConfigError(ValueError):
+    """A config the engine refuses; ``problems`` holds one line per broken rule."""
+
+    def __init__(self, problems: List[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+LAYOUT_KEYS = ("tp", "pp", "dp", "zero_stage", "pp_schedule", "pp_virtual_stages", "sequence_parallel")
+
+
+def world_size_of(cfg: Config) -> int:
+    p = cfg.parallel
+    return p.tp * p.pp * p.dp
+
+
+def layout_of(cfg: Config) -> dict:
+    """The run's layout: the world size and the ``parallel.*`` knobs that decide what each
+    rank holds (logged with the config, kept in every checkpoint's marker, compared on resume)."""
+    return {"world_size": world_size_of(cfg), **{k: getattr(cfg.parallel, k) for k in LAYOUT_KEYS}}
+
+
+def validate(cfg: Config, world_size: Optional[int] = None) -> Config:
+    """Return a copy of ``cfg`` with the batch arithmetic completed, or raise ConfigError.
+
+    ``world_size`` is what the launcher will start (Slurm: nodes * tasks_per_node;
+    in place: $WORLD_SIZE); None means the local launcher, which starts tp * pp * dp.
+    """
+    cfg = copy.deepcopy(cfg)
+    problems: List[str] = []
+    _check_ranges(cfg, problems)
+    if problems:  # the rules below divide by these knobs
+        raise ConfigError(problems)
+    _check_world(cfg, world_size, problems)
+    _derive_batch(cfg, problems)
+    _check_pipeline(cfg, problems)
+    _check_tensor(cfg, problems)
+    _check_zero_and_precision(cfg, problems)
+    _check_data(cfg, problems)
+    problems += choice_problems(cfg)
+    problems += device_check.config_problems(cfg, world_size_of(cfg))
+    _check_signal_delay(cfg, problems)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def _check_ranges(cfg: Config, problems: List[str]) -> None:
+    """Every numeric knob in its range (the table of trainer3d/config/knobs.py)."""
+    problems += range_problems(cfg)
+    if cfg.optim.min_lr > cfg.optim.lr:
+        problems.append(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}; "
+                        "set optim.min_lr <= optim.lr")
+    for i, token in enumerate(cfg.model.eos_token_ids):
+        if not 0 <= token < cfg.model.vocab_size:
+            problems.append(f"model.eos_token_ids[{i}]={token} is outside the vocabulary [0, model.vocab_size)")
+    if cfg.model.bos_token_id is not None and cfg.model.bos_token_id >= cfg.model.vocab_size:
+        problems.append(f"model.bos_token_id={cfg.model.bos_token_id} is outside the vocabulary [0, model.vocab_size)")
+
+
+def _check_signal_delay(cfg: Config, problems: List[str]) -> None:
+    launcher = cfg.launcher
+    if launcher.name == "slurm" and launcher.signal_delay_s >= launcher.timeout_min * 60:
+        problems.append(f"launcher.signal_delay_s={launcher.signal_delay_s} is not below launcher.timeout_min="
+                        f"{launcher.timeout_min} minutes: the job would be told to stop as it starts; lower it")
+
+
+def _check_world(cfg: Config, world_size: Optional[int], problems: List[str]) -> None:
+    p, launcher = cfg.parallel, cfg.launcher
+    layout = world_size_of(cfg)
+    if launcher.name == "slurm":
+        tasks = launcher.tasks_per_node
+        if tasks is None:
+            if layout % launcher.nodes:
+                problems.append(
+                    f"tp({p.tp}) * pp({p.pp}) * dp({p.dp}) = {layout} ranks do not split evenly over "
+                    f"launcher.nodes={launcher.nodes}; change launcher.nodes or parallel.dp")
+                return
+            tasks = layout // launcher.nodes
+        world_size = launcher.nodes * tasks
+        if world_size != layout:
+            problems.append(
+                f"launcher.nodes({launcher.nodes}) * launcher.tasks_per_node({tasks}) = {world_size} "
+                f"ranks, but tp({p.tp}) * pp({p.pp}) * dp({p.dp}) = {layout}; "
+                f"set parallel.dp={_suggest_dp(cfg, world_size)} or change launcher.tasks_per_node")
+    elif world_size is not None and world_size != layout:
+        problems.append(
+            f"the allocation has {world_size} ranks but tp({p.tp}) * pp({p.pp}) * dp({p.dp}) = {layout}; "
+            f"set parallel.dp={_suggest_dp(cfg, world_size)}")
+
+
+def _suggest_dp(cfg: Config, world_size: int) -> str:
+    model_parallel = cfg.parallel.tp * cfg.parallel.pp
+    if world_size % model_parallel == 0:
+        return str(world_size // model_parallel)
+    return f"<world_size / (tp*pp)> (but {world_size} is not a multiple of tp*pp={model_parallel})"
+
+
+def _derive_batch(cfg: Config, problems: List[str]) -> None:
+    """global = micro * grad_accum * dp. DP, never the world size: TP and PP ranks share a batch."""
+    t, dp = cfg.train, cfg.parallel.dp
+    micro, accum, glob = t.micro_batch_size, t.grad_accum_steps, t.global_batch_size
+    given = sum(v is not None for v in (micro, accum, glob))
+    if given < 2:
+        problems.append("give two of train.micro_batch_size, train.grad_accum_steps, "
+                        "train.global_batch_size (the third is derived: global = micro * grad_accum * dp)")
+        return
+    if glob is None:
+        t.global_batch_size = micro * accum * dp
+    elif accum is None or micro is None:  # the missing one is global / (the given one * dp)
+        given_name, given, missing = (("micro_batch_size", micro, "grad_accum_steps") if accum is None
+                                      else ("grad_accum_steps", accum, "micro_batch_size"))
+        unit = given * dp
+        if glob % unit:
+            problems.append(
+                f"train.global_batch_size={glob} is not a multiple of {given_name}({given}) * dp({dp}) "
+                f"= {unit}; set train.global_batch_size={max(1, round(glob / unit)) * unit}")
+        else:
+            setattr(t, missing, glob // unit)
+    elif micro * accum * dp != glob:
+        problems.append(
+            f"train.global_batch_size={glob} is not micro_batch_size({micro}) * grad_accum_steps({accum}) "
+            f"* dp({dp}) = {micro * accum * dp}; set train.global_batch_size={micro * accum * dp} "
+            f"or leave one of the three unset (null)")
+
+
+def _check_pipeline(cfg: Config, problems: List[str]) -> None:
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    if p.pp_virtual_stages > 1 and p.pp_schedule != "interleaved_1f1b":
+        problems.append(f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs "
+                        "parallel.pp_schedule=interleaved_1f1b (or set pp_virtual_stages=1)")
+    stages = p.pp * p.pp_virtual_stages
+    if m.n_layers < stages:
+        problems.append(f"model.n_layers={m.n_layers} < pp({p.pp}) * pp_virtual_stages({p.pp_virtual_stages}) "
+                        f"= {stages} stages; every stage needs a layer: lower parallel.pp")
+    if p.pp_layers is not None:
+        if len(p.pp_layers) != stages:
+            problems.append(f"parallel.pp_layers has {len(p.pp_layers)} entries, needs one per stage "
+                            f"(pp * pp_virtual_stages = {stages})")
+        elif sum(p.pp_layers) != m.n_layers or min(p.pp_layers) < 1:
+            problems.append(f"parallel.pp_layers={list(p.pp_layers)} must be >= 1 each and sum to "
+                            f"model.n_layers={m.n_layers}")
+    accum = t.grad_accum_steps
+    if p.pp > 1 and accum is not None:
+        problem = pipeline_micro_batch_problem(p.pp_schedule, p.pp, accum)
+        if problem:
+            problems.append(problem)
+
+
+def pipeline_micro_batch_problem(schedule: str, pp: int, n_micro: int) -> Optional[str]:
+    """Why torch's ``schedule`` cannot run ``n_micro`` micro-batches on ``pp`` ranks, or None.
+
+    Exactly what torch.distributed.pipelining 2.13 refuses (measured for pp 2 and 4,
+    n_micro 1..9, virtual stages 1..3; every other combination matched one process):
+    - 1f1b: Schedule1F1B raises for n_micro < stages (each stage needs one in flight);
+    - gpipe: any n_micro >= 1;
+    - interleaved_1f1b: ScheduleInterleaved1F1B runs rounds = max(1, n_micro // pp) of
+      equal size, so n_micro must be a multiple of the rounds (below pp is fine; pp=2: 5
+      is refused, 3 and 6 run). Independent of the virtual stages per rank.
+    The pipeline checks this again at run time (parallel/pipeline/schedule.py).
+    """
+    if pp <= 1:
+        return None
+    if schedule == "1f1b" and n_micro < pp:
+        return (f"train.grad_accum_steps={n_micro} < parallel.pp={pp}: 1f1b needs at least one "
+                f"micro-batch per stage in flight; set train.grad_accum_steps>={pp} "
+                "(or parallel.pp_schedule=gpipe)")
+    if schedule == "interleaved_1f1b":
+        rounds = max(1, n_micro // pp)
+        if n_micro % rounds:
+            fits = [n for n in range(1, 2 * n_micro + pp) if n % max(1, n // pp) == 0]
+            below = max(n for n in fits if n < n_micro)
+            above = min(n for n in fits if n > n_micro)
+            return (f"train.grad_accum_steps={n_micro} does not fit interleaved_1f1b on parallel.pp={pp}: "
+                    f"torch runs {rounds} rounds of equal size (grad_accum_steps // pp), and {n_micro} "
+                    f"is not a multiple of {rounds}; set train.grad_accum_steps={below} or {above}")
+    return None
+
+
+def _check_tensor(cfg: Config, problems: List[str]) -> None:
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    if m.head_dim is None and m.dim % m.n_heads:
+        problems.append(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads} "
+                        "(or set model.head_dim)")
+    if m.n_heads % m.n_kv_heads:
+        problems.append(f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads}")
+    elif m.head_dim is not None and (m.head_dim < 2 or m.head_dim % 2):
+        problems.append(f"model.head_dim={m.head_dim} must be even (and >= 2) for rotary embeddings")
+    elif m.head_dim is None and (m.dim // m.n_heads) % 2:
+        problems.append(f"head dim model.dim/model.n_heads={m.dim // m.n_heads} must be even for rotary "
+                        "embeddings; change model.dim or model.n_heads")
+    _check_rope_scaling(cfg, problems)
+    for knob, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
+                        ("model.ffn_dim", m.ffn_dim)):
+        if value % p.tp:
+            problems.append(f"{knob}={value} is not divisible by parallel.tp={p.tp}; "
+                            f"each tensor-parallel rank needs an equal share: change parallel.tp")
+    if t.seq_len > m.max_seq_len:
+        problems.append(f"train.seq_len={t.seq_len} > model.max_seq_len={m.max_seq_len}; "
+                        "lower train.seq_len or raise model.max_seq_len")
+    if p.sequence_parallel and p.tp == 1:
+        problems.append("parallel.sequence_parallel=true needs parallel.tp > 1")
+    if p.sequence_parallel and t.seq_len % p.tp:
+        problems.append(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp}, "
+                        "which sequence parallelism needs")
+
+
+def _check_rope_scaling(cfg: Config, problems: List[str]) -> None:
+    r = cfg.model.rope_scaling
+    if r.type == "llama3" and r.high_freq_factor <= r.low_freq_factor:
+        problems.append(f"model.rope_scaling.high_freq_factor={r.high_freq_factor} must exceed "
+                        f"model.rope_scaling.low_freq_factor={r.low_freq_factor}")
+
+
+def _check_zero_and_precision(cfg: Config, problems: List[str]) -> None:
+    p, t = cfg.parallel, cfg.train
+    if p.zero_stage >= 2 and p.pp > 1:
+        problems.append(
+            f"parallel.zero_stage={p.zero_stage} with parallel.pp={p.pp}: pipelining accumulates full "
+            "gradients over a step's micro-batches, so partitioned gradients/parameters buy nothing and "
+            "break the schedule; use parallel.zero_stage=1 (or 0) with pipelining")
+
+
+def _check_data(cfg: Config, problems: List[str]) -> None:
+    """The data knobs among themselves; the files are checked before launch by trainer3d.data.checks."""
+    d, t = cfg.data, cfg.train
+    if d.name == "tokens" and not d.path and not d.blend:
+        problems.append("data=tokens needs data.path=<file.bin> or data.blend=[{path: ..., weight: ...}, ...] "
+                        "(make token files with tools/prepare_data.py)")
+    if d.path and d.blend:
+        problems.append("data.path and data.blend are both set; give one (a blend lists every file)")
+    if d.blend and d.name != "tokens":
+        problems.append(f"data.blend needs data=tokens (data={d.name} has a corpus of its own)")
+    for i, source in enumerate(d.blend):
+        if not source.weight > 0:
+            problems.append(f"data.blend[{i}].weight={source.weight} must be > 0")
+    if d.val_fraction > 0 and d.val_path:
+        problems.append("data.val_fraction and data.val_path are both set; give one (or set data.val_fraction=0)")

@@ -1,0 +1,12 @@
+"""Launch: turning a validated config into running ranks, and keeping the job honest.
+
+``launch`` submits through submitit (local processes, or in place inside an allocation) and is
+each rank's body (``TrainTask``: process group, then ``trainer.Trainer``); ``slurm`` and
+``sweep`` the Slurm launcher and ``-m`` reports; ``follow`` watches a running job through the
+ranks' ``heartbeat`` files; ``interrupt`` ends a job's processes on the submitter's signals;
+``preemption`` is the agreed stop at a step boundary; ``runlock`` one run per run dir;
+``failure`` a rank's real cause in one line; ``device_check`` and ``requirements`` the
+machine's devices and torch, checked before launch and in each rank; ``local_ranks`` a
+function on N gloo ranks of this machine (benchmarks, tests). May import ``config`` and
+``parallel.topology``; the engine only through ``trainer``.
+"""

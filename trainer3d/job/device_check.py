@@ -1,0 +1,94 @@
+"""Which device the ranks run on, decided from the config and checked, never guessed.
+
+One rank per GPU, always (NCCL refuses two ranks on one GPU, and a rank that silently fell
+back to the CPU would run a GPU job orders of magnitude slower). The decision:
+
+- ``launcher.gpus_per_node > 0``: CUDA (``train.device=cpu`` with it is refused);
+- ``train.device=cuda`` or ``cpu``: as given;
+- ``train.device=auto``: a Slurm job without GPUs runs on CPU; a local or in-place run
+  uses CUDA where a GPU is visible to it.
+
+Three places check it, each as early as what it needs is known:
+``config_problems`` (pure rules, from ``validate``), ``machine_problems`` (the submitting
+machine's GPUs, for the local launcher, before any rank starts) and ``rank_device`` (inside
+each rank: CUDA visible, ``LOCAL_RANK`` below the GPU count).
+"""
+
+import os
+from typing import List, Optional
+
+import torch
+
+from trainer3d.config.schema import Config
+
+
+class DeviceError(RuntimeError):
+    """A rank cannot run on the device its config asks for."""
+
+
+def uses_cuda(cfg: Config, cuda_visible: bool) -> bool:
+    """Whether the ranks of ``cfg`` run on CUDA, on a machine where ``cuda_visible`` says if a GPU is."""
+    if cfg.launcher.gpus_per_node > 0 or cfg.train.device == "cuda" or cfg.parallel.backend == "nccl":
+        return True
+    if cfg.train.device == "cpu" or cfg.launcher.name == "slurm":
+        return False
+    return cuda_visible
+
+
+def config_problems(cfg: Config, world_size: int) -> List[str]:
+    """The device rules that need no machine: one line per problem, naming the knob."""
+    launcher, t = cfg.launcher, cfg.train
+    gpus = launcher.gpus_per_node
+    problems = []
+    if gpus > 0 and t.device == "cpu":
+        problems.append(f"launcher.gpus_per_node={gpus} asks for GPUs but train.device=cpu; "
+                        "set train.device=cuda (or auto), or launcher.gpus_per_node=0")
+    if launcher.name == "slurm" and gpus > 0:
+        tasks = launcher.tasks_per_node or world_size // max(1, launcher.nodes)
+        if tasks != gpus:
+            problems.append(f"launcher.tasks_per_node={tasks} but launcher.gpus_per_node={gpus}: one rank "
+                            f"per GPU; set launcher.tasks_per_node={gpus} (and parallel.dp to match)")
+    if launcher.name == "slurm" and t.device == "cuda" and gpus == 0:
+        problems.append("train.device=cuda on Slurm needs GPUs in the request: set launcher.gpus_per_node "
+                        "to the GPUs per node (= launcher.tasks_per_node)")
+    if cfg.parallel.backend == "nccl" and (t.device == "cpu" or (launcher.name == "slurm" and gpus == 0)):
+        problems.append("parallel.backend=nccl needs CUDA ranks; set parallel.backend=auto (gloo on CPU) "
+                        "or run on GPUs (train.device=cuda, launcher.gpus_per_node)")
+    return problems
+
+
+def machine_problems(cfg: Config, world_size: int, device_count: Optional[int] = None) -> List[str]:
+    """What this machine cannot give a local run (the launcher starts every rank here)."""
+    if cfg.launcher.name != "local":
+        return []
+    count = torch.cuda.device_count() if device_count is None else device_count
+    if not uses_cuda(cfg, count > 0):
+        return []
+    if count == 0:
+        knob = (f"launcher.gpus_per_node={cfg.launcher.gpus_per_node}" if cfg.launcher.gpus_per_node
+                else "train.device=cuda" if cfg.train.device == "cuda" else "parallel.backend=nccl")
+        return [f"{knob} but no CUDA device is visible here (torch.cuda.device_count() = 0); "
+                "set train.device=cpu and launcher.gpus_per_node=0, or run where GPUs are"]
+    if world_size > count:
+        p = cfg.parallel
+        return [f"tp({p.tp}) * pp({p.pp}) * dp({p.dp}) = {world_size} ranks on this machine, but {count} "
+                f"GPU(s) are visible: one rank per GPU; lower parallel.dp (or tp, pp) to fit, or set "
+                "train.device=cpu"]
+    return []
+
+
+def rank_device(cfg: Config) -> torch.device:
+    """This rank's device; raises DeviceError where a CUDA rank cannot have its own GPU."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not uses_cuda(cfg, torch.cuda.is_available()):
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise DeviceError(f"rank {os.environ.get('RANK', '0')} was asked to run on CUDA (train.device="
+                          f"{cfg.train.device}, launcher.gpus_per_node={cfg.launcher.gpus_per_node}) but sees "
+                          f"no GPU (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                          "request GPUs for the job or set train.device=cpu")
+    if local_rank >= count:
+        raise DeviceError(f"LOCAL_RANK={local_rank} but this node shows {count} GPU(s): one rank per GPU; "
+                          f"start at most {count} rank(s) per node (launcher.tasks_per_node)")
+    return torch.device("cuda", local_rank)

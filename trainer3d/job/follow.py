@@ -1,0 +1,210 @@
+"""Follow a job from the submitting process: echo rank 0's progress; on a failure, end the
+job at once and say which rank caused it.
+
+A failure is seen two ways: a rank's error result (submitit's result pickle), or a rank
+whose heartbeat (trainer3d/job/heartbeat.py) stopped for longer than ``parallel.timeout_s``
+while others still beat. Either way the follower waits at most ``SETTLE_S`` for the other
+ranks' outcomes to land (enough for a dead or stopped rank's beat to go stale), takes its
+diagnosis, and ends the job — it does not wait for the victims to time out a second time.
+So a rank stopped with SIGSTOP ends the job about one ``parallel.timeout_s`` after it
+stopped, and the report names it rather than the ranks that timed out waiting for it.
+
+The report leads with one line, the likeliest cause, in this order: ranks whose heartbeat
+stopped (a whole node's ranks: that node), else the earliest error (by the time its result
+was written), else ranks that exited without a result.
+"""
+
+import pickle
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import submitit
+
+from trainer3d.job.heartbeat import STALE_S, Beat, HeartbeatReader
+
+POLL_S = 0.5
+SETTLE_S = STALE_S + 2.0
+_OWN_PREFIX = "trainer3d.job.failure.RankFailed: "
+
+
+class _Tail:
+    """Echo the new complete lines of a growing log file (rank 0's stdout). A requeued Slurm
+    job's next attempt truncates it (sbatch's default --open-mode): start again from its top."""
+
+    def __init__(self, path: Path):
+        self.path, self.pos = path, 0
+
+    def echo(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                if f.seek(0, 2) < self.pos:
+                    self.pos = 0
+                f.seek(self.pos)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        end = data.rfind(b"\n") + 1
+        self.pos += end
+        for line in data[:end].decode(errors="replace").splitlines():
+            if not line.startswith("submitit "):
+                print(line, flush=True)
+
+
+def _task_outcome(job: submitit.Job, task: int) -> Optional[tuple]:
+    """("success", result) or ("error", traceback text) once task's result is written, else None."""
+    path = job.task(task).paths.result_pickle
+    if not path.exists():
+        return None
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except (EOFError, pickle.UnpicklingError):  # being written
+        return None
+
+
+@dataclass
+class Watch:
+    """What the follower knows while the job runs: outcomes, heartbeats, and when trouble began."""
+
+    num_tasks: int
+    timeout_s: float
+    reader: Optional[HeartbeatReader] = None
+    outcomes: Dict[int, Optional[tuple]] = field(default_factory=dict)
+    beats: Dict[int, Beat] = field(default_factory=dict)
+    stale: Dict[int, Beat] = field(default_factory=dict)
+    """Ranks seen without a beat for STALE_S while the job was still running."""
+    trouble_at: Optional[float] = None
+
+    def update(self, job: submitit.Job) -> None:
+        self.outcomes = {t: _task_outcome(job, t) for t in range(self.num_tasks)}
+        self.beats = self.reader.read() if self.reader else {}
+        now = time.monotonic()
+        self.stale = {r: b for r, b in self.beats.items()
+                      if b.state == "running" and b.age(now) >= STALE_S and self.outcomes.get(r) is None}
+        fresh = [b for b in self.beats.values() if b.state == "running" and b.age(now) < STALE_S]
+        stalled = any(b.age(now) > self.timeout_s for b in self.stale.values()) and fresh
+        errored = any(o and o[0] == "error" for o in self.outcomes.values())
+        if self.trouble_at is None and (errored or stalled):
+            self.trouble_at = now
+
+    def settled(self) -> bool:
+        """Trouble seen, and every rank has a result, a stale beat or an exit, or SETTLE_S passed."""
+        if self.trouble_at is None:
+            return False
+        if time.monotonic() - self.trouble_at >= SETTLE_S:
+            return True
+        return all(self.outcomes.get(t) is not None or t in self.stale
+                   or (t in self.beats and self.beats[t].state == "exited") for t in range(self.num_tasks))
+
+
+def follow(job: submitit.Job, timeout_s: float, heartbeats: Optional[Path] = None,
+           end: Optional[Callable[[], None]] = None) -> int:
+    """Echo rank 0's progress until every task ends; on a failure, end the job and explain.
+
+    ``heartbeats``: the job's heartbeat directory, if its ranks write one. ``end``: how to end
+    the job (default: submitit's cancel)."""
+    tail = _Tail(job.task(0).paths.stdout)
+    watch = Watch(job.num_tasks, timeout_s, HeartbeatReader(heartbeats, job.num_tasks) if heartbeats else None)
+    cancelled, silent = False, None
+    while not job.done():
+        tail.echo()
+        watch.update(job)
+        if watch.settled():
+            silent = stale_lines(watch.stale, watch.beats)  # before ending: what the processes are doing now
+            (end or job.cancel)()
+            cancelled = True
+            _wait_done(job, timeout_s=30)
+            break
+        time.sleep(POLL_S)
+    tail.echo()
+    return report(job, watch, cancelled, silent)
+
+
+def _wait_done(job: submitit.Job, timeout_s: float) -> None:
+    deadline = time.time() + timeout_s
+    while not job.done() and time.time() < deadline:
+        time.sleep(POLL_S)
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    line = lines[-1][:300] if lines else ""
+    return line[len(_OWN_PREFIX):] if line.startswith(_OWN_PREFIX) else line
+
+
+def _log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def _process_state(beat: Beat) -> str:
+    """What became of a stale rank's process, where we can look (same host)."""
+    if beat.host != socket.gethostname():
+        return f"pid {beat.pid} on {beat.host}"
+    try:
+        state = Path(f"/proc/{beat.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return f"pid {beat.pid} on {beat.host}: gone"
+    what = {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "Z": "gone", "D": "stuck in the kernel (I/O)"}
+    return f"pid {beat.pid} on {beat.host}: {what.get(state, 'alive but frozen')}"
+
+
+def stale_lines(stale: Dict[int, Beat], beats: Dict[int, Beat]) -> List[str]:
+    """One line per node whose every rank went silent (when others still beat), else per rank."""
+    hosts = {b.host for b in beats.values()}
+    lines, named = [], set()
+    for host in sorted({b.host for b in stale.values()}):
+        on_host = sorted(r for r, b in beats.items() if b.host == host)
+        if len(hosts) > 1 and all(r in stale for r in on_host):
+            steps = sorted({stale[r].step for r in on_host})
+            lines.append(f"node {host} stopped responding: ranks {', '.join(map(str, on_host))} sent no heartbeat "
+                         f"after step {steps[0]} (node lost, or its processes killed or stopped)")
+            named.update(on_host)
+    now = time.monotonic()
+    for r in sorted(set(stale) - named):
+        b = stale[r]
+        lines.append(f"rank {r} stopped making progress after step {b.step}: no heartbeat for "
+                     f"{b.age(now):.0f} s ({_process_state(b)})")
+    return lines
+
+
+def report(job: submitit.Job, watch: Watch, cancelled: bool = False, silent: Optional[List[str]] = None) -> int:
+    """0 if every rank returned; else print the likeliest cause in one line, then each rank's fate."""
+    tasks = range(watch.num_tasks)
+    outcomes = {t: _task_outcome(job, t) for t in tasks}
+    errors = {t: o[1] for t, o in outcomes.items() if o and o[0] == "error"}
+    missing = [t for t, o in outcomes.items() if o is None and t not in watch.stale]
+    if not errors and not missing and not watch.stale:
+        return 0
+    by_time = sorted(errors, key=lambda t: job.task(t).paths.result_pickle.stat().st_mtime)
+    silent = stale_lines(watch.stale, watch.beats) if silent is None else silent
+    fates = {t: (f"still running at step {watch.beats[t].step} after the others failed; cancelled"
+                 if t in watch.beats else "still running after the others failed; cancelled")
+             if cancelled else "exited without a result (killed, out of memory, or crashed outside Python)"
+             for t in missing}
+    if silent:
+        cause = silent[0]
+    elif missing and (not cancelled or not by_time):  # a rank that died without a word comes first
+        cause = f"rank {missing[0]}: {fates[missing[0]]}"
+    else:
+        cause = f"rank {by_time[0]}: {_last_line(errors[by_time[0]])}"
+    print(f"\ntrainer3d: job {job.job_id} failed: {cause}", file=sys.stderr)
+    for line in silent[1:]:
+        print(f"  {line}", file=sys.stderr)
+    for t in missing:
+        print(f"  rank {t}: {fates[t]}", file=sys.stderr)
+    for t in by_time:
+        print(f"  rank {t}: {_last_line(errors[t])}", file=sys.stderr)
+    if missing and not cancelled:
+        t = missing[0]
+        print(f"--- rank {t} log tail ({job.task(t).paths.stderr}) ---\n{_log_tail(job.task(t).paths.stderr)}",
+              file=sys.stderr)
+    elif by_time:
+        print(f"--- rank {by_time[0]} traceback ---\n{errors[by_time[0]]}", file=sys.stderr)
+    return 1

@@ -1,0 +1,128 @@
+"""The submitting process is told to stop: end the job it started, leave nothing running.
+
+SIGTERM, SIGINT and SIGHUP to ``python -m trainer3d.train`` (a ``kill``, Ctrl-C, a closed
+terminal, a CI time limit) must not leave ranks training on their own: they hold the
+devices and keep writing the run dir. While a job is followed, ``JobSignals`` turns those
+signals into ``Interrupted`` (a BaseException, like KeyboardInterrupt, so no ``except
+Exception`` swallows it); the launcher then ends the job (local: ``end_processes``; Slurm:
+scancel), prints one line and exits with 128 + the signal number.
+
+Local ranks are found by a token in their environment, not by the process tree: the
+submitting process puts ``TRAINER3D_JOB=<token>`` into the environment of the job it starts,
+and every process below it inherits it — submitit's controller, the ranks, and whatever
+they start (a data worker, wandb's service), including children re-parented after their
+parent died or that started a session of their own. ``/proc/<pid>/environ`` holds each
+process's environment as it was exec'd (proc(5)).
+"""
+
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+from typing import List, Optional
+
+TOKEN_VAR = "TRAINER3D_JOB"
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+KILL_WAIT_S = 10.0
+"""After SIGTERM, ranks get this long to stop (they save a checkpoint at the next step boundary,
+trainer3d/job/preemption.py) before SIGKILL — the part Slurm's KillWait plays on a cluster."""
+
+
+class Interrupted(BaseException):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+class JobSignals:
+    """``with JobSignals() as sig: job = submit(); sig.arm(); follow(job)``.
+
+    Before ``arm()`` a signal is only recorded (so it cannot land between the job's start
+    and the moment we know its id); from ``arm()`` on it raises Interrupted. The previous
+    handlers come back on exit.
+    """
+
+    def __init__(self):
+        self.received: Optional[int] = None
+        self.armed = False
+        self._previous = {}
+
+    def __enter__(self) -> "JobSignals":
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+        if self.armed:
+            self.armed = False  # once: ending the job must not be interrupted by a second signal
+            raise Interrupted(signum)
+
+    def arm(self) -> None:
+        self.armed = True
+        if self.received is not None:
+            self.armed = False
+            raise Interrupted(self.received)
+
+    def __exit__(self, *exc) -> None:
+        self.armed = False
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex
+
+
+def processes_with_token(token: str) -> List[int]:
+    """Live processes (not this one) whose environment carries ``TRAINER3D_JOB=token``."""
+    needle = f"{TOKEN_VAR}={token}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = Path(entry.path, "environ").read_bytes()
+        except OSError:  # gone, or not ours to read
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+def _signal_all(pids: List[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def end_processes(token: str, kill_wait_s: float = KILL_WAIT_S, reap=None) -> int:
+    """SIGTERM (and SIGCONT, for stopped ones) to every process of the job, SIGKILL to those left
+    after ``kill_wait_s``; returns how many there were. ``reap()`` collects our own child (the
+    controller) so it does not linger as a zombie."""
+    pids = processes_with_token(token)
+    _signal_all(pids, signal.SIGTERM)
+    _signal_all(pids, signal.SIGCONT)
+    deadline = time.monotonic() + kill_wait_s
+    while processes_with_token(token) and time.monotonic() < deadline:
+        if reap:
+            reap()
+        time.sleep(0.1)
+    for _ in range(50):  # SIGKILL cannot be caught; re-sent to anything started meanwhile
+        left = processes_with_token(token)
+        if not left:
+            break
+        _signal_all(left, signal.SIGKILL)
+        if reap:
+            reap()
+        time.sleep(0.1)
+    if reap:
+        reap()
+    return len(pids)

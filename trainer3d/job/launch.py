@@ -1,0 +1,223 @@
+"""Start the ranks: through submitit (local processes or a Slurm job), or in place.
+
+The submitting process validates the config, prepares the data, takes the run dir's lock
+(trainer3d/job/runlock.py), submits ``TrainTask`` and follows the job (trainer3d/job/follow.py):
+it echoes rank 0's progress lines; if a rank fails or stops beating it ends the job and
+names the cause; if it is itself told to stop (SIGTERM, SIGINT, SIGHUP) it ends the job
+first (trainer3d/job/interrupt.py). Inside each task, submitit's ``TorchDistributedEnvironment``
+exports MASTER_ADDR/PORT, RANK and WORLD_SIZE, the rank starts its heartbeat
+(trainer3d/job/heartbeat.py), and the process group starts with an explicit timeout, so a dead
+peer ends the job instead of hanging it for gloo's default 30 minutes.
+"""
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import submitit
+import torch
+import torch._inductor.config as inductor_config
+import torch.distributed as dist
+
+from trainer3d.config.schema import Config
+from trainer3d.job.device_check import rank_device
+from trainer3d.job.failure import rank_failures
+from trainer3d.job.follow import follow
+from trainer3d.job.heartbeat import Heartbeat, heartbeat_dir
+from trainer3d.job.interrupt import TOKEN_VAR, Interrupted, JobSignals, end_processes, new_token, processes_with_token
+from trainer3d.job.preemption import leave
+from trainer3d.job.runlock import RunDirBusy, RunDirLock
+from trainer3d.parallel.timeouts import seconds
+from trainer3d.parallel.topology import ParallelDims, Topology
+from trainer3d.trainer import Trainer
+
+
+# --------------------------------------------------------------------------- inside a rank
+
+def in_distributed_env() -> bool:
+    """True when this process is already one rank of an allocation (torchrun, or an srun step)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
+                                                 and "MASTER_ADDR" in os.environ):
+        return True
+    submitit_task = any(k.startswith("SUBMITIT_") for k in os.environ)
+    return "SLURM_STEP_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1 and not submitit_task
+
+
+def init_distributed(cfg: Config) -> torch.device:
+    """Initialise the default process group from the environment; return this rank's device.
+
+    The group starts with the start-up timeout (``parallel.init_timeout_s``); the trainer
+    switches to the step's after the first step (trainer3d/parallel/timeouts.py)."""
+    device = rank_device(cfg)
+    use_cuda = device.type == "cuda"
+    # Ranks share the host's cores: without this each one starts a thread pool, and with
+    # train.compile a pool of inductor compile workers, the size of the whole host.
+    share = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    inductor_config.compile_threads = share
+    if use_cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(share)
+    backend = cfg.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if use_cuda else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=seconds(cfg.parallel.init_timeout_s),
+                                device_id=device if use_cuda else None)
+    return device
+
+
+def run_rank(cfg: Config, heartbeat: Optional[Heartbeat] = None, lock_run_dir: bool = False):
+    """The body of every rank: process group, layout, trainer. Returns rank 0's summary.
+
+    ``lock_run_dir``: rank 0 takes the run dir's lock (Slurm and in-place runs, where no
+    submitting process holds it); every rank fails alike when another run holds it."""
+    device = init_distributed(cfg)
+    lock = None
+    try:
+        if lock_run_dir:
+            lock = _lock_on_rank0(cfg)
+        p = cfg.parallel
+        dims = ParallelDims.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp), device, cfg.model.tie_embeddings,
+                                  timeout_s=p.init_timeout_s)
+        trainer = Trainer(cfg, dims)
+        trainer.heartbeat = heartbeat
+        summary = trainer.train()
+        if trainer.stopped is not None:  # SIGUSR2/SIGTERM: every rank stopped at the same step
+            leave(trainer.stopped, trainer.stop_signal, dims.rank)
+        return summary
+    finally:
+        if lock is not None:
+            lock.release()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _lock_on_rank0(cfg: Config) -> Optional[RunDirLock]:
+    """Rank 0 takes the run dir's lock; all ranks learn whether it could (one broadcast)."""
+    lock, refusal = None, [None]
+    if dist.get_rank() == 0:
+        try:
+            lock = RunDirLock(cfg.run_dir).acquire(job_id=os.environ.get("SLURM_JOB_ID"))
+        except RunDirBusy as err:
+            refusal[0] = str(err)
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise RunDirBusy(refusal[0])
+    return lock
+
+
+def export_rank_env() -> None:
+    """Set torch.distributed's env:// variables (RANK, WORLD_SIZE, MASTER_ADDR/PORT, LOCAL_*).
+
+    A submitit task (local or Slurm): from submitit's TorchDistributedEnvironment, replacing
+    what a parent job left. torchrun (or anyone who set RANK/WORLD_SIZE/MASTER_ADDR): kept.
+    A task of a plain ``srun`` step (slurm/train.sbatch): the same TorchDistributedEnvironment
+    over Slurm's variables (SLURM_PROCID, SLURM_NTASKS, ...) — submitit recognises a Slurm
+    job only by SUBMITIT_EXECUTOR, which srun does not set, so it is set here.
+    """
+    if "SUBMITIT_EXECUTOR" not in os.environ:
+        if "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+            return
+        if "SLURM_STEP_ID" not in os.environ or "SLURM_PROCID" not in os.environ:
+            raise RuntimeError("launcher=inplace needs to run inside an srun step or under torchrun "
+                               "(RANK, WORLD_SIZE, MASTER_ADDR unset); use launcher=local to start the ranks here")
+        os.environ["SUBMITIT_EXECUTOR"] = "slurm"
+    submitit.helpers.TorchDistributedEnvironment().export(overwrite=True)
+
+
+class TrainTask:
+    """What submitit runs on every task. Picklable: it holds the resolved config, how many
+    times the job was requeued (the cap is launcher.max_requeues), and whether rank 0 must
+    take the run dir's lock (no submitting process holds it: Slurm, in place)."""
+
+    def __init__(self, cfg: Config, requeues: int = 0, lock_run_dir: bool = True):
+        self.cfg = cfg
+        self.requeues = requeues
+        self.lock_run_dir = lock_run_dir
+
+    def __call__(self):
+        export_rank_env()
+        heartbeat = Heartbeat(heartbeat_dir(self.cfg.run_dir), int(os.environ.get("RANK", "0"))).start()
+        try:
+            with rank_failures([self.cfg.run_dir, self.cfg.checkpoint.dir or self.cfg.run_dir]):
+                return run_rank(self.cfg, heartbeat, self.lock_run_dir)
+        finally:
+            heartbeat.stop()
+
+    def checkpoint(self, *args, **kwargs) -> Optional[submitit.helpers.DelayedSubmission]:
+        """submitit's requeue hook, run on rank 0 once every rank has stopped at the same step and
+        saved (trainer3d/job/preemption.py): the same task again (it resumes from the newest
+        checkpoint, train.resume=auto), or None past launcher.max_requeues, which ends the job."""
+        cap = self.cfg.launcher.max_requeues
+        if self.requeues >= cap:
+            print(f"trainer3d: not requeuing: launcher.max_requeues={cap} requeue(s) done already",
+                  file=sys.stderr, flush=True)
+            return None
+        print(f"trainer3d: requeuing (requeue {self.requeues + 1} of at most {cap})", file=sys.stderr, flush=True)
+        return submitit.helpers.DelayedSubmission(TrainTask(self.cfg, self.requeues + 1, self.lock_run_dir))
+
+
+# --------------------------------------------------------------------------- submitting process
+
+def make_executor(cfg: Config, world_size: int) -> submitit.Executor:
+    folder = Path(cfg.launcher.folder)
+    executor = submitit.AutoExecutor(folder=folder, cluster="local")
+    executor.update_parameters(tasks_per_node=world_size, timeout_min=cfg.launcher.timeout_min,
+                               name=cfg.launcher.job_name)
+    return executor
+
+
+def launch_local(cfg: Config) -> int:
+    """Run a validated config as local processes, one per rank; return the exit status.
+    This process holds the run dir's lock meanwhile."""
+    try:
+        lock = RunDirLock(cfg.run_dir).acquire()
+    except RunDirBusy as err:
+        print(f"trainer3d: {err}", file=sys.stderr)
+        return 2
+    try:
+        return _local_job(cfg, lock)
+    finally:
+        lock.release()
+
+
+def submit_with_token(executor: submitit.Executor, task, token: str) -> submitit.Job:
+    """Submit with ``TRAINER3D_JOB=token`` in the job's environment (what ``end_processes`` finds)."""
+    before = os.environ.get(TOKEN_VAR)
+    os.environ[TOKEN_VAR] = token
+    try:
+        return executor.submit(task)
+    finally:
+        if before is None:
+            del os.environ[TOKEN_VAR]
+        else:
+            os.environ[TOKEN_VAR] = before
+
+
+def _local_job(cfg: Config, lock: RunDirLock) -> int:
+    """One process per rank on this machine, followed until it ends."""
+    p = cfg.parallel
+    world = p.tp * p.pp * p.dp
+    token = new_token()
+
+    def end() -> None:
+        end_processes(token, reap=job.done)
+
+    with JobSignals() as signals:
+        job = submit_with_token(make_executor(cfg, world), TrainTask(cfg, lock_run_dir=False), token)
+        lock.record(job.job_id)
+        print(f"trainer3d: {world} local rank(s) (tp={p.tp} pp={p.pp} dp={p.dp}), job {job.job_id}, "
+              f"logs in {cfg.launcher.folder}", flush=True)
+        try:
+            signals.arm()
+            status = follow(job, p.timeout_s, heartbeat_dir(cfg.run_dir), end=end)
+        except Interrupted as sig:
+            print(f"trainer3d: {sig.name}: ending job {job.job_id} and its {world} rank(s)", file=sys.stderr,
+                  flush=True)
+            end()
+            raise SystemExit(128 + sig.signum) from None
+        if processes_with_token(token):  # e.g. a child a rank left behind
+            end()
+    return status

@@ -1,0 +1,91 @@
+"""Run a function on N gloo ranks of this machine and collect what each returns.
+
+    results = run_ranks(fn, 4, *args, timeout=120)
+
+The benchmarks in tools/ and the multi-rank tests use it to exercise the engine's pieces on
+real process groups without the launcher. ``fn(rank, world_size, *args)`` must be a
+module-level function (it is pickled by name). Ranks are forked from a forkserver that has
+torch and the engine (trainer3d.job.launch: the trainer, pipelining, FSDP, DTensor) imported
+already, so a rank starts in milliseconds instead of the seconds those imports cost. The first rank that raises makes ``run_ranks`` raise with that
+rank's traceback and the others are killed; a run that outlives ``timeout`` is killed and
+reported, never left hanging.
+"""
+
+import datetime
+import functools
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, List
+
+import torch
+import torch.distributed as dist
+
+
+@functools.lru_cache(maxsize=None)
+def _context():
+    """One forkserver per process, started on first use."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "trainer3d.job.launch"])
+    return ctx
+
+
+def _rank_main(fn, rank, world_size, init_file, results, threads, pg_timeout_s, args):
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        results.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # noqa: B902 - report everything, including SystemExit
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120, threads: int = 1,
+              pg_timeout_s: float = 60) -> List[Any]:
+    """``fn``'s return value on every rank, in rank order. ``threads``: torch threads per rank;
+    ``pg_timeout_s``: the process group's timeout (a collective waiting on a dead peer fails
+    after it)."""
+    ctx = _context()
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_rank_main, daemon=True,
+                             args=(fn, r, world_size, init_file, results, threads, pg_timeout_s, args))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        try:
+            out = _collect(results, procs, timeout)
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    return [out[r] for r in range(world_size)]
+
+
+def _collect(results, procs, timeout: float) -> dict:
+    out: dict = {}
+    deadline = time.monotonic() + timeout
+    while len(out) < len(procs):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"ranks {sorted(set(range(len(procs))) - set(out))} did not finish within {timeout}s")
+        try:
+            rank, status, value = results.get(timeout=min(remaining, 1.0))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+            if dead:
+                raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+            continue
+        if status == "error":
+            raise RuntimeError(f"rank {rank} failed:\n{value}")
+        out[rank] = value
+    return out

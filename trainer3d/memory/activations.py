@@ -1,0 +1,236 @@
+"""Activation memory: what one micro-batch leaves saved for backward, term by term, and how
+many micro-batches a pipeline stage holds at once.
+
+Saved activations are the tensors autograd keeps from forward to backward, each storage
+counted once (views share it); ``trainer3d/memory/meter.py`` measures exactly
+these with ``torch.autograd.graph.saved_tensors_hooks`` and tests/multirank/test_activation_memory.py
+holds this file to the measurement, stage by stage, through the real pipeline. The
+derivation, next to Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", Table 2: 34sbh + 5as^2b per layer for GPT), is docs/memory.md. In
+their notation: s sequence, b micro-batch, h hidden, a heads, t tensor-parallel degree;
+here also h_kv = kv-heads x head_dim, f = FFN width, V = vocabulary, p = bytes of an
+activation (4 fp32, 2 bf16/fp16). Per layer, with the flash kernel:
+
+    norms         2 x (4sbh + 4sb + p sbh)   fp32 input copy, 1/rms, normalised (each /t with SP)
+    inputs        2 x p sbh                  what wq/wk/wv and w1/w3 read (SP: the gathered sequence)
+    attention     p sb (2h + 2h_kv)/t + 4asb/t   q, k, v after RoPE, output, log-sum-exp
+    SwiGLU        4 p sbf/t                  w1 x, w3 x, silu(w1 x), their product
+    RoPE tables   8 s head_dim               cos and sin, fp32
+
+The math kernel keeps the attention probabilities instead (the paper's 5as^2b is our
+p as^2b/t) and 4 p sbh/t of copies of q, k, v and the output; activation checkpointing keeps only the block input
+(p sbh, /t with SP) and recomputes the rest in backward (trainer3d/parallel/recompute.py).
+"""
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+from trainer3d.config.schema import Config, ModelConfig
+from trainer3d.model.transformer import head_dim_of
+
+ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+ATTENTION_KERNELS = ("flash", "math")
+INT64, FP32 = 8, 4
+
+
+def head_dim(model: ModelConfig) -> int:
+    """The width of one attention head (the one place the formulas read it: the model's own rule)."""
+    return head_dim_of(model)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What one micro-batch's activations on one tensor-parallel rank depend on."""
+
+    b: int
+    """Micro-batch size (sequences)."""
+    s: int
+    h: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    t: int
+    sp: bool
+    p: int
+    """Bytes per activation element (train.dtype)."""
+    kernel: str = "flash"
+    """Which SDPA kernel runs: flash (CPU fp32/bf16, CUDA flash/memory-efficient) or math."""
+
+    @classmethod
+    def of(cls, cfg: Config, kernel: str = "flash") -> "Sizes":
+        m, p = cfg.model, cfg.parallel
+        return cls(b=cfg.train.micro_batch_size, s=cfg.train.seq_len, h=m.dim, heads=m.n_heads,
+                   kv_heads=m.n_kv_heads, head_dim=head_dim(m), ffn=m.ffn_dim, vocab=m.vocab_size, t=p.tp,
+                   sp=p.sequence_parallel, p=ACT_BYTES[cfg.train.dtype], kernel=kernel)
+
+    @property
+    def n(self) -> int:
+        """Tokens of the micro-batch (s b)."""
+        return self.b * self.s
+
+    @property
+    def n_norm(self) -> int:
+        """Tokens in a norm region on this rank: all of them, or 1/t under sequence parallelism."""
+        return self.n // self.t if self.sp else self.n
+
+    @property
+    def vocab_local(self) -> int:
+        """Logit columns per tp rank: the vocabulary padded to a multiple of t, over t."""
+        return -(-self.vocab // self.t)
+
+    def hidden_bytes(self) -> int:
+        """One hidden state between blocks (a pipeline hand-over): p sbh, /t with SP."""
+        return self.p * self.n_norm * self.h
+
+
+def _norm(z: Sizes) -> int:
+    """RMSNorm (model/transformer.py): x.float() (its own copy unless fp32), 1/rms, and the
+    normalised value before the weight multiply (in the activation dtype)."""
+    return FP32 * z.n_norm * z.h + FP32 * z.n_norm + z.p * z.n_norm * z.h
+
+
+def _attention(z: Sizes) -> Dict[str, int]:
+    local_heads, local_kv = z.heads // z.t, z.kv_heads // z.t
+    q = z.p * z.n * local_heads * z.head_dim       # one tensor shaped like q (or like SDPA's output)
+    kv = z.p * z.n * local_kv * z.head_dim
+    if z.kernel == "flash":
+        # SDPA's inputs (q and k after RoPE, v), its output (which wo reads through a view)
+        # and the log-sum-exp per query and head
+        terms = {"q_k_v": q + 2 * kv, "attention": q + FP32 * z.n * local_heads}
+    elif z.kernel == "math":
+        # the composite keeps its own contiguous copies instead of the inputs: scaled q,
+        # k^T and v (expanded to every query head), the probabilities, and the output copy wo reads
+        terms = {"attention": 4 * q + z.p * local_heads * z.s * z.s * z.b}
+    else:
+        raise ValueError(f"attention kernel {z.kernel!r}: one of {ATTENTION_KERNELS}")
+    return terms
+
+
+def layer_terms(z: Sizes) -> Dict[str, int]:
+    """Saved bytes of one transformer block for one micro-batch (no recomputation)."""
+    return {
+        "attention_norm": _norm(z),
+        "attention_input": z.p * z.n * z.h,
+        "rope_tables": 2 * FP32 * z.s * z.head_dim,
+        **_attention(z),
+        "ffn_norm": _norm(z),
+        "ffn_input": z.p * z.n * z.h,
+        "swiglu": 4 * z.p * z.n * (z.ffn // z.t),
+    }
+
+
+def recomputed_layer_terms(z: Sizes) -> Dict[str, int]:
+    """With activation checkpointing a block keeps its input alone."""
+    return {"block_input": z.hidden_bytes()}
+
+
+def embedding_terms(z: Sizes) -> Dict[str, int]:
+    """The first stage's lookup. tp = 1: the token ids it indexes with (a view of the step's
+    batch, counted per step: ``shared_terms``); tp > 1: this rank's shifted ids and mask."""
+    return {} if z.t == 1 else {"embedding_ids": INT64 * z.n + z.n}
+
+
+def _targets_copied(z: Sizes) -> bool:
+    """Whether the loss reads a copy of the targets: it takes them in the logits' token order,
+    sequence-major (``token_rows`` in model/transformer.py), a copy of the batch-first
+    targets unless the micro-batch is a single sequence (then both orders are one)."""
+    return z.b > 1
+
+
+def head_terms(z: Sizes) -> Dict[str, int]:
+    """The last stage: final norm, the head's input, and the loss's one fp32 buffer, the
+    softmax over this rank's vocabulary columns (padding columns included:
+    parallel/tensor/loss.py), with at tp > 1 the targets' local index and mask; at tp = 1
+    the targets themselves, in token order (``_targets_copied``; else a view of the step's
+    batch: ``shared_terms``)."""
+    if z.t > 1:
+        targets = INT64 * z.n + z.n
+    else:
+        targets = INT64 * z.n if _targets_copied(z) else 0
+    loss = FP32 * z.n * z.vocab_local + targets
+    return {"final_norm": _norm(z), "head_input": z.p * z.n * z.h, "loss": loss}
+
+
+def shared_terms(z: Sizes, micro_batches: int, first: bool, last: bool, pp: int) -> Dict[str, int]:
+    """Saved per step, not per micro-batch: with tp = 1 the embedding (and the loss, when it
+    reads the targets uncopied) keep views of the step's token batch. Without a pipeline,
+    inputs and targets are two views of one (micro_batches, b, s + 1) tensor; in a pipeline
+    the first stage reads the inputs and the last the targets, each a (micro_batches, b, s)
+    tensor (trainer3d/data/loader.py)."""
+    if z.t > 1:
+        return {}
+    if pp == 1:
+        return {"token_batch": INT64 * micro_batches * z.b * (z.s + 1)}
+    uses = int(first) + int(last and not _targets_copied(z))
+    return {"token_batch": uses * INT64 * micro_batches * z.n} if uses else {}
+
+
+def chunk_terms(z: Sizes, n_layers: int, first: bool, last: bool, recompute: bool) -> Dict[str, int]:
+    """Saved bytes of one micro-batch through one pipeline chunk, term by term."""
+    layer = recomputed_layer_terms(z) if recompute else layer_terms(z)
+    terms = {f"layers.{name}": n_layers * value for name, value in layer.items()}
+    if first:
+        terms.update(embedding_terms(z))
+    if last:
+        terms.update(head_terms(z))
+    return terms
+
+
+# ------------------------------------------------------------------ micro-batches in flight
+
+def schedule_ops(schedule: str, pp: int, virtual: int, m: int, pp_rank: int) -> List[Tuple[str, int]]:
+    """The forward ('F') and backward ('B') order of local chunk indices on ``pp_rank``, as
+    torch.distributed.pipelining 2.13 runs it (torch/distributed/pipelining/schedules.py):
+
+    - gpipe: every forward, then every backward;
+    - 1f1b: min(m, pp - rank) warm-up forwards, then one backward and one forward in turn
+      (``Schedule1F1B._step_microbatches``);
+    - interleaved_1f1b: (v - 1) * mb_per_round + 2 (pp - 1 - rank) warm-up forwards
+      (``_get_warmup_ops``), then one forward and one backward in turn; forwards walk the
+      local chunks round by round, backwards in reverse (``forward_stage_index`` /
+      ``backward_stage_index`` of ``ScheduleInterleaved1F1B``).
+    Without a pipeline every micro-batch runs forward and backward before the next one.
+    """
+    if pp == 1:
+        return [op for _ in range(m) for op in (("F", 0), ("B", 0))]
+    if schedule == "gpipe":
+        return [("F", 0)] * m + [("B", 0)] * m
+    if schedule == "1f1b":
+        warmup = min(pp - pp_rank, m)
+        steady = [op for _ in range(m - warmup) for op in (("B", 0), ("F", 0))]
+        return [("F", 0)] * warmup + steady + [("B", 0)] * warmup
+    if schedule != "interleaved_1f1b":
+        raise ValueError(f"pipeline schedule {schedule!r}")
+    per_round = m // max(1, m // pp)
+    total = virtual * m
+    warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - pp_rank), total)
+    fwd = [(k // per_round) % virtual for k in range(total)]
+    bwd = [virtual - 1 - ((k - warmup) // per_round) % virtual for k in range(warmup, warmup + total)]
+    ops = [("F", c) for c in fwd[:warmup]]
+    for k in range(total - warmup):
+        ops += [("F", fwd[warmup + k]), ("B", bwd[k])]
+    return ops + [("B", c) for c in bwd[total - warmup:]]
+
+
+def peak_in_flight(ops: Sequence[Tuple[str, int]], per_micro: Sequence[int], per_step: Sequence[int]
+                   ) -> Tuple[int, List[int]]:
+    """The most bytes alive over ``ops``, and each chunk's micro-batches in flight then.
+
+    ``per_micro[c]``: what one micro-batch leaves on local chunk c until its backward;
+    ``per_step[c]``: what chunk c keeps while any of its micro-batches is in flight.
+    """
+    alive: Dict[int, int] = defaultdict(int)
+    live, best, at = 0, 0, [0] * len(per_micro)
+    for kind, chunk in ops:
+        step = 1 if kind == "F" else -1
+        before = alive[chunk]
+        alive[chunk] += step
+        live += step * per_micro[chunk]
+        if (before == 0) != (alive[chunk] == 0):  # the chunk's first micro-batch arrived or its last left
+            live += step * per_step[chunk]
+        if live > best:
+            best, at = live, [alive[c] for c in range(len(per_micro))]
+    return best, at

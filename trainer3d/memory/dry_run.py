@@ -1,0 +1,114 @@
+"""Dry run (``dry_run=true``): the layout of a validated config, printed without starting a process.
+
+It shows which global rank is which (pp, dp, tp), the groups, the layers of each pipeline
+stage, each stage's model-state memory per rank next to the ZeRO paper's, and each stage's
+whole peak term by term — model states, saved activations at the schedule's peak, pipeline
+buffers, the largest backward transient — with the worst rank named
+(``trainer3d.memory.peak``: the accounting the planner uses too). Shapes come from the
+model built on the meta device (no memory) and cut by the same stage split and
+tensor-parallel layers the ranks use, so the figures hold for any world size (e.g. 512).
+"""
+
+from typing import List
+
+import torch
+
+from trainer3d.config.schema import Config
+from trainer3d.memory.states import engine_model_state_bytes, format_bytes, paper_model_state_bytes, rank_parameter_shapes
+from trainer3d.model.transformer import count_parameters
+from trainer3d.parallel.pipeline.stages import describe_stages
+from trainer3d.memory.peak import RankMemory, rank_memory
+from trainer3d.parallel.topology import Topology
+
+MiB, GiB = 2 ** 20, 2 ** 30
+
+
+def memory_lines(cfg: Config) -> List[str]:
+    """Model-state bytes per rank of every pipeline rank (tp rank 0, dp rank 0)."""
+    p, t = cfg.parallel, cfg.train
+    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp)
+    bucket = max(1, int(p.bucket_mb * MiB) // 4)
+    lines = [f"model state per rank (parameters + gradients + optimizer; dtype={t.dtype}, "
+             f"zero_stage={p.zero_stage}, dp={p.dp}; trainer3d/memory/states.py):",
+             f"  {'pp rank':>7}  {'parameters':>14}  {'this engine':>12}  {'ZeRO paper*':>12}  "
+             f"params / grads / master / optimizer"]
+    for pp_rank in range(p.pp):
+        shapes = rank_parameter_shapes(cfg, topo.rank(pp_rank, 0, 0))
+        psi = sum(torch.Size(s).numel() for s in shapes)
+        engine = engine_model_state_bytes(shapes, p.dp, p.zero_stage, t.dtype, bucket)
+        paper = paper_model_state_bytes(psi, p.dp, p.zero_stage)
+        terms = " / ".join(format_bytes(getattr(engine, k)) for k in ("params", "grads", "master", "optimizer"))
+        lines.append(f"  {pp_rank:>7}  {psi:>14,}  {format_bytes(engine.total):>12}  {format_bytes(paper):>12}  {terms}")
+    lines.append("  * the paper's mixed-precision accounting (2+2+12 bytes per parameter); activations not included")
+    return lines
+
+
+def _shown_ranks(pp: int) -> List[int]:
+    return list(range(pp)) if pp <= 8 else [0, 1, 2, pp - 3, pp - 2, pp - 1]
+
+
+def peak_lines(cfg: Config) -> List[str]:
+    """Every pipeline rank's peak in a step, term by term (trainer3d/memory/peak.py)."""
+    p, t = cfg.parallel, cfg.train
+    mems = [rank_memory(cfg, r) for r in range(p.pp)]
+    worst = max(mems, key=lambda mem: mem.total)
+    shown = [mems[r] for r in _shown_ranks(p.pp)]
+    rows = [("model states", lambda mem: mem.states.total)]
+    names = dict.fromkeys(k for mem in shown for k in mem.activations)
+    rows += [(f"  {k}", lambda mem, k=k: mem.activations.get(k, 0)) for k in names]
+    rows += [("activations (saved)", lambda mem: mem.activation_bytes)]
+    names = dict.fromkeys(k for mem in shown for k in (*mem.buffers, *mem.transients))
+    rows += [(f"{k}", lambda mem, k=k: mem.buffers.get(k, mem.transients.get(k, 0))) for k in names]
+    rows += [("peak (largest transient only)", lambda mem: mem.total)]
+    head = "".join(f"{'pp ' + str(mem.pp_rank):>12}" for mem in shown)
+    lines = [f"peak memory per rank in a step (trainer3d/memory/peak.py; micro-batch {t.micro_batch_size} x "
+             f"{t.seq_len} tokens, {t.grad_accum_steps} per step, "
+             f"recompute={'on' if t.activation_checkpointing else 'off'}):",
+             f"  {'term':<34}{head}",
+             f"  {'micro-batches in flight':<34}" + "".join(f"{_flight(mem):>12}" for mem in shown)]
+    lines += [f"  {label:<34}" + "".join(f"{format_bytes(get(mem)):>12}" for mem in shown) for label, get in rows]
+    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp)
+    first = topo.rank(worst.pp_rank, 0, 0)
+    lines.append(f"  worst: pp rank {worst.pp_rank} (global ranks {first}..{first + p.dp * p.tp - 1}), "
+                 f"{format_bytes(worst.total)} per rank")
+    return lines
+
+
+def _flight(mem: RankMemory) -> str:
+    return "+".join(map(str, mem.in_flight))
+
+
+def _group(ranks: List[int]) -> str:
+    if len(ranks) > 8 and ranks == list(range(ranks[0], ranks[-1] + 1, ranks[1] - ranks[0])):
+        return f"[{ranks[0]},{ranks[1]},...,{ranks[-1]}]"
+    return "[" + ",".join(map(str, ranks)) + "]"
+
+
+def _groups(topo: Topology, dim: str, shown: int = 6) -> str:
+    groups = topo.groups(dim)
+    text = " ".join(_group(g) for g in groups[:shown])
+    return f"{len(groups)} {dim} groups of {len(groups[0])}: {text}" + (" ..." if len(groups) > shown else "")
+
+
+def describe_plan(cfg: Config) -> str:
+    p, t = cfg.parallel, cfg.train
+    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp)
+    lines = [
+        f"layout: tp={p.tp} x pp={p.pp} x dp={p.dp} = {topo.world_size} ranks, zero_stage={p.zero_stage}"
+        + (", sequence parallel" if p.sequence_parallel else ""),
+        f"model: {cfg.model.name}, {count_parameters(cfg.model):,} parameters",
+        f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x grad_accum {t.grad_accum_steps} "
+        f"x dp {p.dp} sequences of {t.seq_len} tokens",
+        *(_groups(topo, dim) for dim in ("tp", "dp", "pp")),
+    ]
+    if p.pp > 1:
+        lines.append(describe_stages(cfg))
+    lines += memory_lines(cfg)
+    lines += peak_lines(cfg)
+    lines += ["rank     pp    dp    tp"] + [f"{r:<7} {c.pp:>3}  {c.dp:>4}  {c.tp:>4}"
+                                         for r in range(topo.world_size) for c in [topo.coords(r)]]
+    return "\n".join(lines)
+
+
+def print_plan(cfg: Config) -> None:
+    print(describe_plan(cfg))

@@ -1,0 +1,174 @@
+"""A rank's peak memory in a training step, term by term: the one accounting the dry run
+(``dry_run=true``) prints and the planner (``python -m trainer3d.plan``) searches with.
+
+    peak = model states        parameters, fp32 gradients, master weights, Adam moments
+                               (trainer3d/memory/states.py, exact: tests/tools/test_zero_memory.py)
+         + saved activations   what autograd keeps for backward, at the schedule's peak:
+                               per micro-batch (trainer3d/memory/activations.py) x the micro-batches
+                               in flight (tests/multirank/test_activation_memory.py measures both)
+         + pipeline buffers    torch's PipelineStage allocates, for every micro-batch of
+                               the step, a receive buffer for its input activation and one
+                               for its output gradient (torch/distributed/pipelining/stage.py,
+                               ``_setup_forward_recv_info`` / ``_create_grad_recv_info``), and
+                               keeps each in-flight micro-batch's output until its backward
+                               (``fwd_cache``); the first block's saved input *is* the receive
+                               buffer when it is kept as is (fp32, or under recomputation)
+         + the largest transient  of the backward: the loss gradient cast to 16-bit logits, a
+                               recomputed block, a 16-bit parameter gradient before it is
+                               added into the fp32 buffer, FSDP2's unsharded parameters and
+                               gradients of one unit (an estimate: no CPU counterpart measures it)
+
+Not counted: the framework's own buffers (CUDA context, NCCL, allocator fragmentation); the
+planner keeps a per-device reserve for them. ZeRO 0/1 need no bucket buffers (buckets are
+slices of the flat buffers, reduced and gathered in place).
+"""
+
+import functools
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+from trainer3d.memory.activations import (FP32, Sizes, chunk_terms, layer_terms, peak_in_flight, schedule_ops,
+                                   shared_terms)
+from trainer3d.config.schema import Config
+from trainer3d.memory.states import BYTES, ModelStateBytes, engine_model_state_bytes, model_shapes, stage_parameter_shapes
+from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
+
+
+@dataclass
+class RankMemory:
+    """Peak bytes of one rank (tp rank 0, dp rank 0 of pipeline rank ``pp_rank``), by term."""
+
+    pp_rank: int
+    states: ModelStateBytes
+    activations: Dict[str, int]
+    buffers: Dict[str, int] = field(default_factory=dict)
+    transients: Dict[str, int] = field(default_factory=dict)
+    in_flight: List[int] = field(default_factory=list)
+    """Micro-batches in flight on each of the rank's chunks at the peak."""
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(self.activations.values())
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(self.buffers.values())
+
+    @property
+    def transient_bytes(self) -> int:
+        return max(self.transients.values(), default=0)
+
+    @property
+    def total(self) -> int:
+        return self.states.total + self.activation_bytes + self.buffer_bytes + self.transient_bytes
+
+
+@functools.lru_cache(maxsize=4096)
+def _interleaved_ops(pp: int, virtual: int, m: int, pp_rank: int):
+    return schedule_ops("interleaved_1f1b", pp, virtual, m, pp_rank)
+
+
+def _in_flight(cfg: Config, pp_rank: int, per_micro: List[int], per_step: List[int]) -> Tuple[int, List[int]]:
+    """Peak saved bytes and micro-batches in flight per chunk (closed forms where there is one)."""
+    p, m = cfg.parallel, cfg.train.grad_accum_steps
+    if p.pp > 1 and p.pp_schedule == "interleaved_1f1b":
+        return peak_in_flight(_interleaved_ops(p.pp, p.pp_virtual_stages, m, pp_rank), per_micro, per_step)
+    count = 1 if p.pp == 1 else m if p.pp_schedule == "gpipe" else min(m, p.pp - pp_rank)
+    return count * per_micro[0] + per_step[0], [count]
+
+
+_STATES: Dict[str, ModelStateBytes] = {}
+
+
+def _states_of(cfg: Config, stages: List[int]) -> ModelStateBytes:
+    """Model states of these stages, cached on what they depend on (the planner asks often)."""
+    p = cfg.parallel
+    key = repr((sorted(vars(cfg.model).items()), p.tp, p.pp, p.pp_virtual_stages, p.pp_layers, p.dp,
+                p.zero_stage, p.bucket_mb, cfg.train.dtype, stages))
+    if key not in _STATES:
+        shapes = [s for stage in stages for s in stage_parameter_shapes(cfg, stage)]
+        bucket = max(1, int(p.bucket_mb * 2 ** 20) // 4)
+        _STATES[key] = engine_model_state_bytes(shapes, p.dp, p.zero_stage, cfg.train.dtype, bucket)
+    return _STATES[key]
+
+
+def rank_memory(cfg: Config, pp_rank: int, kernel: str = "flash") -> RankMemory:
+    """The peak of a validated config's pipeline rank ``pp_rank``, term by term."""
+    p, t = cfg.parallel, cfg.train
+    last, m = n_stages(cfg) - 1, t.grad_accum_steps
+    stages = stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages)
+    ranges = stage_layer_ranges(cfg.model.n_layers, last + 1, p.pp_layers)
+    z = Sizes.of(cfg, kernel)
+    recompute = t.activation_checkpointing
+    chunks = [chunk_terms(z, len(ranges[s]), s == 0, s == last, recompute) for s in stages]
+    shared = [shared_terms(z, m, s == 0, s == last, p.pp) for s in stages]
+    _, counts = _in_flight(cfg, pp_rank, [sum(c.values()) for c in chunks], [sum(s.values()) for s in shared])
+    activations: Dict[str, int] = {}
+    for per_micro, per_step, n in zip(chunks, shared, counts):
+        for name, value in per_micro.items():
+            activations[name] = activations.get(name, 0) + n * value
+        for name, value in per_step.items():  # kept while any of the chunk's micro-batches is in flight
+            activations[name] = activations.get(name, 0) + (value if n else 0)
+    mem = RankMemory(pp_rank=pp_rank, states=_states_of(cfg, stages), activations=activations, in_flight=counts)
+    if p.pp > 1:
+        mem.buffers = _pipeline_buffers(z, stages, last, m, counts, recompute)
+    mem.transients = _transients(cfg, z, stages, last)
+    return mem
+
+
+def receive_buffer_bytes(z: Sizes, stages: List[int], last: int, m: int) -> int:
+    """torch's receive buffers on a rank: per micro-batch of the step, the input activation of
+    every chunk but the first stage and the output gradient of every chunk but the last."""
+    return sum(m * z.hidden_bytes() * ((s > 0) + (s < last)) for s in stages)
+
+
+def _pipeline_buffers(z: Sizes, stages: List[int], last: int, m: int, counts: List[int],
+                      recompute: bool) -> Dict[str, int]:
+    hidden = z.hidden_bytes()
+    receive = receive_buffer_bytes(z, stages, last, m)
+    kept_as_is = recompute or z.p == FP32  # the first block saves x (fp32) or its whole input (recompute)
+    aliased = sum(n * hidden for s, n in zip(stages, counts) if s > 0 and kept_as_is)
+    held = sum(n * (hidden if s < last else z.p * z.n * z.vocab_local) for s, n in zip(stages, counts))
+    return {"pp_receive_buffers": receive - aliased, "pp_outputs_held": held}
+
+
+def _transients(cfg: Config, z: Sizes, stages: List[int], last: int) -> Dict[str, int]:
+    p, t = cfg.parallel, cfg.train
+    out: Dict[str, int] = {}
+    if last in stages and z.p != FP32:  # the loss's gradient is its saved fp32 softmax, made in
+        out["loss_backward"] = z.p * z.n * z.vocab_local  # place; 16-bit logits take a cast of it
+    if t.activation_checkpointing:
+        out["recomputed_block"] = sum(layer_terms(z).values()) - z.hidden_bytes()
+    b = BYTES[t.dtype]
+    if p.zero_stage in (0, 1) and b != FP32:
+        shapes = model_shapes(cfg.model, p.tp)
+        held = [*shapes.block, *(shapes.before if 0 in stages else ()), *(shapes.after if last in stages else ())]
+        out["low_precision_grad"] = b * max(_numel(s) for s in held)
+    if p.zero_stage in (2, 3):
+        out["fsdp_unit"] = _fsdp_unit_bytes(cfg, b)
+    return out
+
+
+def _fsdp_unit_bytes(cfg: Config, b: int) -> int:
+    """FSDP2 shards every block and the root (embedding, final norm, head) as units: one
+    unit's gradients unsharded (compute dtype, then fp32 for the reduce-scatter) and, for
+    stage 3, its parameters gathered with the next unit's prefetched."""
+    shapes = model_shapes(cfg.model, cfg.parallel.tp)
+    block = sum(_numel(s) for s in shapes.block)
+    root = sum(_numel(s) for s in (*shapes.before, *shapes.after))
+    unit = max(block, root)
+    gathered = 2 * b * unit if cfg.parallel.zero_stage == 3 else 0
+    return gathered + (b + FP32) * unit
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def worst_rank(cfg: Config, pp_ranks=None, kernel: str = "flash") -> RankMemory:
+    """The pipeline rank with the highest peak (all of them, or those given)."""
+    ranks = range(cfg.parallel.pp) if pp_ranks is None else pp_ranks
+    return max((rank_memory(cfg, r, kernel) for r in ranks), key=lambda mem: mem.total)

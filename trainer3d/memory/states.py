@@ -1,0 +1,210 @@
+"""Model-state memory per rank: the ZeRO paper's accounting, and what this engine allocates.
+
+Model states are parameters, gradients and optimizer states (Rajbhandari et al. 2020,
+"ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", sec. 3.1);
+activations and temporary buffers are not counted here. Ψ is the number of parameters a
+rank's model replica holds (all of them when tp = pp = 1), N the dp degree.
+
+The paper (sec. 5.1, Table 1) trains with mixed-precision Adam: 2Ψ bytes of fp16
+parameters, 2Ψ of fp16 gradients and KΨ of optimizer state (K = 12: fp32 master weights,
+momentum, variance), so per rank
+
+    stage 0 (plain DP)      (2 + 2 + K) Ψ
+    stage 1 (P_os)          2Ψ + 2Ψ + KΨ/N
+    stage 2 (P_os+g)        2Ψ + (2 + K) Ψ/N
+    stage 3 (P_os+g+p)      (2 + 2 + K) Ψ/N
+
+This engine allocates, term by term (``engine_model_state_bytes``; b = 2 for bf16/fp16,
+L = the flat buffer's padded length, S = N x the per-parameter padded shard length,
+S' = N x the rank's unpadded shard length):
+
+    stage   parameters   gradients   fp32 master      Adam moments
+    0       bΨ | 4Ψ      4Ψ          4Ψ | none        8Ψ
+    1       bL | 4L      4L          4L/N | none      8L/N
+    2       4S/N + bΨ    4S/N        (the 4S/N)       8S'/N
+    3       4S/N         4S/N        (the 4S/N)       8S'/N
+
+(first of a pair: bf16/fp16 training; second: fp32) plus 4 bytes of step counter and, for
+fp16, 16 bytes of loss-scaler state. Why each term differs from the paper's:
+
+- gradients are 4 bytes, not 2: micro-batch gradients are accumulated and reduced over dp
+  in an fp32 buffer (Megatron-LM's choice for bf16: summing many micro-batches and ranks
+  in 16 bits loses small updates). That is +2Ψ for stages 0/1, +2Ψ/N for 2. Stage 3
+  comes out equal to the paper's 16Ψ/N: it keeps no 16-bit parameter shard (FSDP2 casts
+  while gathering), which gives those 2Ψ/N back. The low-precision ``.grad`` of one
+  parameter lives only until its hook adds it into the fp32 buffer.
+- fp32 training needs no master copy: the fp32 parameters are the master weights (stage 0:
+  4Ψ + 4Ψ + 8Ψ = 16Ψ, the paper's total with every term in 4-byte words). Stages 2/3 keep fp32 shards as the parameters themselves
+  and FSDP2 all-gathers a compute-dtype copy: stage 2 holds it for the whole forward and
+  backward (the paper's replicated 2Ψ; 4Ψ in fp32), stage 3 one block at a time (not counted).
+- padding: stage 1 pads each gradient bucket to a multiple of N so every rank owns an equal
+  slice (L - Ψ < N per bucket); FSDP2 gives every rank ceil(rows/N) rows of each parameter.
+- no bucket buffers: buckets are slices of the flat buffers, reduced and gathered in place.
+"""
+
+import copy
+from dataclasses import dataclass
+from math import prod
+from typing import Dict, List, Sequence, Tuple, Union
+
+import torch
+
+from trainer3d.config.schema import Config, ModelConfig
+from trainer3d.parallel.parallelize import build_meta_chunks
+from trainer3d.parallel.zero.buckets import plan_buckets
+from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
+from trainer3d.parallel.topology import ParallelDims, Topology
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+STEP_BYTES = 4          # the fp32 step counter
+FP16_SCALER_BYTES = 16  # scale, last used scale, growth tracker, found_inf
+
+Shapes = Union[int, Sequence[Tuple[int, ...]]]
+
+
+def paper_model_state_bytes(psi: float, dp: int, stage: int, k: int = 12) -> float:
+    """Bytes per rank by the ZeRO paper's formulas (mixed precision, K bytes/param optimizer)."""
+    if stage == 0:
+        return (2 + 2 + k) * psi
+    if stage == 1:
+        return 2 * psi + 2 * psi + k * psi / dp
+    if stage == 2:
+        return 2 * psi + (2 + k) * psi / dp
+    if stage == 3:
+        return (2 + 2 + k) * psi / dp
+    raise ValueError(f"zero stage {stage}")
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """This engine's model-state bytes on one rank, by term (see the module docstring)."""
+
+    params: int
+    grads: int
+    master: int
+    optimizer: int
+    """Adam's exp_avg and exp_avg_sq, the step counter and (fp16) the loss scaler."""
+    gathered: int = 0
+    """ZeRO-2's full compute-dtype parameters, held from forward until backward ends."""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.master + self.optimizer + self.gathered
+
+
+def _shapes(shapes: Shapes) -> List[Tuple[int, ...]]:
+    return [(int(shapes),)] if isinstance(shapes, (int, float)) else [tuple(s) for s in shapes]
+
+
+def engine_model_state_bytes(shapes: Shapes, dp: int, stage: int, dtype: str,
+                             bucket_numel: int = 25 * 2 ** 20 // 4, dp_rank: int = 0) -> ModelStateBytes:
+    """What this engine allocates per rank for parameters of ``shapes`` (this rank's model
+    replica, in registration order; an int Ψ stands for one flat tensor of Ψ elements).
+
+    ``bucket_numel`` is ``parallel.bucket_mb`` in fp32 elements (it sets stage 1's padding).
+    ``dp_rank`` matters for stages 2/3 only: FSDP2 keeps parameter and gradient shards padded
+    to ceil(rows/N) rows, but the moments cover the rank's real rows (rank 0 has the most).
+    """
+    shapes, b = _shapes(shapes), BYTES[dtype]
+    scalars = STEP_BYTES + (FP16_SCALER_BYTES if dtype == "fp16" else 0)
+    psi = sum(prod(s) for s in shapes)
+    if stage in (0, 1):
+        numels = [prod(s) for s in reversed(shapes)]  # the flat buffer's (backward) order
+        _, _, flat = plan_buckets(numels, bucket_numel, dp if stage == 1 else 1)
+        owned = flat // dp if stage == 1 else flat
+        master = 4 * owned if b != 4 else 0
+        return ModelStateBytes(params=b * flat, grads=4 * flat, master=master, optimizer=8 * owned + scalars)
+    if stage in (2, 3):
+        rows = [-(-s[0] // dp) for s in shapes]
+        shard = sum(r * prod(s[1:]) for r, s in zip(rows, shapes))
+        real = sum(min(r, max(0, s[0] - dp_rank * r)) * prod(s[1:]) for r, s in zip(rows, shapes))
+        gathered = b * psi if stage == 2 else 0
+        return ModelStateBytes(params=4 * shard, grads=4 * shard, master=0, optimizer=8 * real + scalars,
+                               gathered=gathered)
+    raise ValueError(f"zero stage {stage}")
+
+
+# ------------------------------------------------------------------ the shapes a rank holds
+
+def planning_dims(cfg: Config, rank: int) -> ParallelDims:
+    """The ParallelDims of ``rank`` without process groups (for building shapes on meta)."""
+    p = cfg.parallel
+    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp)
+    return ParallelDims(topo=topo, rank=rank, mesh=None, tp_group=None, dp_group=None, pp_group=None,
+                        device=torch.device("meta"))
+
+
+Shape = Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """One tp rank's parameter shapes in registration order: what is registered before the
+    blocks (the embedding), one block, what comes after them (final norm, head)."""
+
+    before: Tuple[Shape, ...]
+    block: Tuple[Shape, ...]
+    after: Tuple[Shape, ...]
+
+
+_MODEL_SHAPES: Dict[Tuple[str, int], ModelShapes] = {}
+
+
+def model_shapes(model: ModelConfig, tp: int) -> ModelShapes:
+    """The real model and tensor-parallel layers built on the meta device (no memory), with one
+    block: every block has the same shapes (a 70b meta build of all 80 takes seconds, and the
+    planner asks about thousands of layouts). Cached per model and tp."""
+    key = (repr(sorted(vars(model).items())), tp)
+    if key not in _MODEL_SHAPES:
+        cfg = Config(model=copy.deepcopy(model))
+        cfg.model.n_layers, cfg.parallel.tp = 1, tp
+        (one_block,) = build_meta_chunks(cfg, planning_dims(cfg, 0))
+        parts: Dict[str, List[Shape]] = {"before": [], "block": [], "after": []}
+        for name, p in one_block.named_parameters():
+            part = "block" if name.startswith("layers.") else "after" if parts["block"] else "before"
+            parts[part].append(tuple(p.shape))
+        _MODEL_SHAPES[key] = ModelShapes(**{k: tuple(v) for k, v in parts.items()})
+    return _MODEL_SHAPES[key]
+
+
+def stage_parameter_shapes(cfg: Config, stage: int) -> List[Shape]:
+    """The shapes pipeline ``stage`` holds on one tp rank, as ``split_into_stages`` cuts the
+    model: its blocks, plus what is registered before them (the embedding) on the first stage
+    and after them (final norm, head) on the last (parallel/pipeline/stages.py, ``keep_stage``); with
+    tied embeddings the last stage also holds the embedding, as its head's weight."""
+    ranges = stage_layer_ranges(cfg.model.n_layers, n_stages(cfg), cfg.parallel.pp_layers)
+    shapes = model_shapes(cfg.model, cfg.parallel.tp)
+    last = len(ranges) - 1
+    # a tied head is the embedding matrix: the last stage keeps its own copy of it
+    before = stage == 0 or (stage == last and cfg.model.tie_embeddings)
+    return [*(shapes.before if before else ()), *shapes.block * len(ranges[stage]),
+            *(shapes.after if stage == last else ())]
+
+
+def rank_parameter_shapes(cfg: Config, rank: int) -> List[Tuple[int, ...]]:
+    """Shapes of the parameters global ``rank`` holds, in registration order (its stages, TP-sharded)."""
+    p = cfg.parallel
+    pp_rank = Topology(tp=p.tp, pp=p.pp, dp=p.dp).coords(rank).pp
+    return [s for stage in stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages) for s in stage_parameter_shapes(cfg, stage)]
+
+
+# ------------------------------------------------------------------ the paper's Table 1
+
+TABLE1_MODELS = (("7.5B", 7.5e9), ("128B", 128e9), ("1T", 1e12))
+TABLE1_DP = (1, 4, 16, 64, 256, 1024)
+
+
+def table1() -> List[Tuple[str, int, float, float, float]]:
+    """Rows (model, dp, P_os GB, P_os+g GB, P_os+g+p GB) of the paper's Table 1 (K=12, decimal GB)."""
+    return [(name, dp, *(paper_model_state_bytes(psi, dp, stage) / 1e9 for stage in (1, 2, 3)))
+            for name, psi in TABLE1_MODELS for dp in TABLE1_DP]
+
+
+def format_bytes(n: float) -> str:
+    """Binary units for reports: 3.25 GiB, 812.5 MiB."""
+    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
+
+
+def format_gb(value: float) -> str:
+    """Three significant figures, as the paper prints (1.88, 31.4, 536, 4187)."""
+    return f"{value:.3g}" if value < 1000 else f"{value:.0f}"

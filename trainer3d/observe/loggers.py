@@ -1,0 +1,98 @@
+"""Metric sinks beyond metrics.jsonl and the console: wandb.
+
+One wandb run per training run, opened by rank 0 only. Its id is kept in the run dir
+(``wandb_run_id``), so a Slurm requeue — same run dir — resumes the same wandb run instead
+of starting another. Offline by default: no key and no network needed, ``wandb sync`` later.
+"""
+
+import dataclasses
+import os
+import re
+import uuid
+from pathlib import Path
+from typing import Iterable, Optional
+
+from trainer3d.config.schema import Config
+from trainer3d.config.validate import layout_of
+
+SECRET_MARKERS = ("key", "token", "secret", "password")
+
+
+def wandb_mode(logger_mode: str, environ=os.environ) -> str:
+    """auto: $WANDB_MODE if set, else online when $WANDB_API_KEY is set, else offline."""
+    if logger_mode != "auto":
+        return logger_mode
+    if environ.get("WANDB_MODE"):
+        return environ["WANDB_MODE"]
+    return "online" if environ.get("WANDB_API_KEY") else "offline"
+
+
+def looks_secret(key: str) -> bool:
+    """``api_key``, ``Token``, ``hfToken``: yes; ``bos_token_id``, ``eos_token_ids``,
+    ``tokenizer``: no (a vocabulary's token ids and its tokenizer are not credentials)."""
+    key = key.lower()
+    if re.search(r"_ids?$", key) or "tokenizer" in key:
+        return False
+    return any(m in key for m in SECRET_MARKERS)
+
+
+def scrub(value):
+    """The config as plain data, with anything that looks like a credential removed."""
+    if isinstance(value, dict):
+        return {k: ("<redacted>" if looks_secret(k) else scrub(v)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [scrub(v) for v in value]
+    return value
+
+
+def _run_id(run_dir: Path) -> str:
+    path = run_dir / "wandb_run_id"
+    if path.exists():
+        return path.read_text().strip()
+    run_id = uuid.uuid4().hex[:12]
+    path.write_text(run_id + "\n")
+    return run_id
+
+
+class WandbLogger:
+    """Rank 0's wandb run: the resolved config and layout once, then one entry per step."""
+
+    def __init__(self, cfg: Config):
+        import wandb  # optional and slow to import: only runs that log to wandb pay for it
+
+        run_dir = self.run_dir = Path(cfg.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lc = cfg.logger
+        self.mode = wandb_mode(lc.mode)
+        config = scrub(dataclasses.asdict(cfg))
+        config["layout"] = layout_of(cfg)
+        self.run = wandb.init(project=lc.project, entity=lc.entity, group=lc.group, tags=list(lc.tags) or None,
+                              name=lc.run_name or run_dir.name, id=_run_id(run_dir), resume="allow",
+                              dir=str(run_dir), mode=self.mode, config=config)
+
+    def log(self, rows: Iterable[dict]) -> None:
+        for row in rows:
+            self.run.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+        hint = sync_hint(self.run_dir) if self.mode == "offline" else None
+        if hint:
+            print(f"wandb: offline run saved; to upload it: {hint}", flush=True)
+
+
+def build_sinks(cfg: Config) -> list:
+    """The extra metric sinks rank 0 writes to (empty for logger=console)."""
+    if cfg.logger.name == "wandb" and wandb_mode(cfg.logger.mode) != "disabled":
+        return [WandbLogger(cfg)]
+    return []
+
+
+def offline_run_dirs(run_dir: Path) -> list:
+    """This run's offline wandb directories (what `wandb sync` takes)."""
+    return sorted((Path(run_dir) / "wandb").glob("offline-run-*"))
+
+
+def sync_hint(run_dir: Path) -> Optional[str]:
+    dirs = offline_run_dirs(run_dir)
+    return f"wandb sync {dirs[-1]}" if dirs else None

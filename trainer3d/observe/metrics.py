@@ -1,0 +1,204 @@
+"""Step metrics: kept on the device between logging intervals, reduced once per interval.
+
+Every step's loss and gradient norm stay device tensors; every ``train.log_every`` steps
+(and at the end) they are stacked and reduced to rank 0 — the only host-device sync of the
+loop: one sum-reduce of the per-step values (loss, and the columns averaged over ranks:
+pipeline bubble, communication time) and one max-reduce of the per-rank figures (memory).
+Rank 0 then writes one JSON object per step to ``<run_dir>/metrics.jsonl``, hands the same
+rows to the sinks (wandb), and prints one progress line.
+
+Each row: step, loss, lr, grad_norm, tokens_per_s (global), tokens_per_s_per_rank,
+tflops_per_rank and mfu (model FLOPs, trainer3d/model/flops.py, against ``peak_tflops``),
+step_time_s, comm_s (host time in the step's communication calls, mean over ranks;
+trainer3d/observe/telemetry.py says what it counts), bubble and bubble_theory (0 without a
+pipeline), skipped (fp16 steps skipped on inf/nan; 0 otherwise), loss_scale (fp16 only),
+and memory, the max over ranks: mem_state_bytes (parameters + gradients + optimizer state,
+tensor bytes), and mem_rss_bytes on CPU or mem_allocated_bytes / mem_reserved_bytes on GPU;
+rows of steps after which the model was evaluated add val_loss (mean over the validation
+batches, reduced like the loss), val_ppl = exp(val_loss) and eval_s (rank 0's evaluation
+time, left out of step_time_s).
+
+The loss exists on the last pipeline stage only, where every tp rank holds the same value
+and every dp replica its own; ranks of other stages (and tp ranks > 0) contribute zero,
+so the sum over the world divided by dp is the mean over dp replicas.
+"""
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, TextIO
+
+import torch
+import torch.distributed as dist
+
+from trainer3d.observe.telemetry import CommTimer, process_memory
+from trainer3d.parallel.topology import ParallelDims
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+class MetricsLogger:
+    def __init__(self, dims: ParallelDims, run_dir: str, max_steps: int, tokens_per_step: int,
+                 start_step: int = 0, flops_per_token: float = 0.0, peak_tflops: Optional[float] = None,
+                 sinks: Sequence = (), stream: TextIO = None):
+        self.dims = dims
+        self.max_steps = max_steps
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.peak_tflops = peak_tflops
+        self.sinks = list(sinks)
+        self.stream = stream or sys.stdout
+        self._live = bool(getattr(self.stream, "isatty", lambda: False)())  # a terminal: rewrite one line
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.world_size = dims.topo.world_size
+        self._steps: List[int] = []
+        self._losses: List[torch.Tensor] = []
+        self._norms: List[torch.Tensor] = []
+        self._lrs: List[float] = []
+        self._extras: List[Dict[str, torch.Tensor]] = []  # e.g. fp16's loss_scale, skipped (same on every rank)
+        self._val: Dict[int, torch.Tensor] = {}  # validation loss by step (trainer3d/observe/evaluate.py)
+        self._eval_s: Dict[int, float] = {}
+        self._interval_start = time.perf_counter()
+        self._owns_loss = dims.is_last_stage and dims.tp_rank == 0
+        self.comm = CommTimer()
+        """``with metrics.comm(): <a communication call>`` inside a step (trainer3d/observe/telemetry.py)."""
+        self._columns: Dict[str, Callable[[], List[float]]] = {"comm_s": self.comm.pop}
+        self.constants: Dict[str, float] = {"bubble": 0.0, "bubble_theory": 0.0}
+        """Values written unchanged into every row (e.g. the pipeline's bubble_theory)."""
+        self.state_bytes: Callable[[], int] = lambda: 0
+        """This rank's model-state tensor bytes (set by the trainer; read at flush)."""
+        self.last: Optional[dict] = None
+        if dims.rank == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._truncate_after(start_step)
+
+    def _truncate_after(self, start_step: int) -> None:
+        """On resume, drop rows of steps the restored run will redo (none lost, none doubled)."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] < start_step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def add_column(self, name: str, read: Callable[[], List[float]]) -> None:
+        """A per-step metric averaged over all ranks: at each flush ``read()`` returns this
+        rank's values for the steps recorded since the last flush (it may read the device)."""
+        self._columns[name] = read
+        self.constants.pop(name, None)
+
+    def record(self, step: int, loss: Optional[torch.Tensor], grad_norm: torch.Tensor, lr: float,
+               extra: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        """Keep this step's device tensors (``extra``: more per-step columns); no sync."""
+        self._steps.append(step)
+        zero = torch.zeros((), device=grad_norm.device)
+        self._losses.append(loss.detach().float() if (loss is not None and self._owns_loss) else zero)
+        self._norms.append(grad_norm.detach().float())
+        self._lrs.append(lr)
+        self._extras.append(extra or {})
+        self.comm.end_step()
+
+    def record_eval(self, step: int, loss: Optional[torch.Tensor], seconds: float) -> None:
+        """Keep step ``step``'s validation loss (every rank calls it at the same steps); no sync.
+        Reduced like the training loss and written as ``val_loss``, ``val_ppl`` and ``eval_s`` in
+        that step's row; the ``seconds`` it took do not count as training time."""
+        kept = loss is not None and self._owns_loss
+        self._val[step] = loss.detach().float() if kept else torch.zeros((), device=self._norms[-1].device)
+        self._eval_s[step] = seconds
+        self._interval_start += seconds
+
+    def _per_rank(self) -> Dict[str, float]:
+        return {"mem_state_bytes": float(self.state_bytes()), **process_memory(self.dims.device)}
+
+    def flush(self) -> Optional[dict]:
+        """Reduce the interval's metrics to rank 0 and write them; returns rank 0's last row."""
+        if not self._steps:
+            return self.last
+        packed = torch.stack(self._losses)
+        device = packed.device
+        val = torch.stack([self._val.get(s, torch.zeros((), device=device)) for s in self._steps])
+        # One sum-reduce for the per-step values: (steps, 2 + columns).
+        extra = [torch.tensor(read(), dtype=packed.dtype, device=device) for read in self._columns.values()]
+        packed = torch.stack([packed, val, *extra], dim=1)
+        dist.reduce(packed, dst=0)
+        per_rank = self._per_rank()
+        peaks = torch.tensor(list(per_rank.values()), dtype=torch.float64, device=device)
+        dist.reduce(peaks, dst=0, op=dist.ReduceOp.MAX)
+        now = time.perf_counter()
+        elapsed, n = now - self._interval_start, len(self._steps)
+        self._interval_start = now
+        if self.dims.rank == 0:
+            losses = (packed[:, 0] / self.dims.dp).tolist()
+            norms = torch.stack(self._norms).tolist()
+            columns = {name: (packed[:, i + 2] / self.world_size).tolist() for i, name in enumerate(self._columns)}
+            val = {s: v for s, v in zip(self._steps, (packed[:, 1] / self.dims.dp).tolist()) if s in self._val}
+            if self._extras[0]:
+                columns.update({k: torch.stack([e[k] for e in self._extras]).tolist() for k in self._extras[0]})
+            memory = dict(zip(per_rank, [int(v) for v in peaks.tolist()]))
+            self._write(losses, norms, elapsed / n, columns, memory, val)
+        self._steps, self._losses, self._norms, self._lrs, self._extras, self._val = [], [], [], [], [], {}
+        return self.last
+
+    def _throughput(self, step_time: float) -> Dict[str, float]:
+        tokens_per_s = self.tokens_per_step / step_time if step_time > 0 else float("nan")
+        per_rank = tokens_per_s / self.world_size
+        tflops = per_rank * self.flops_per_token / 1e12
+        mfu = tflops / self.peak_tflops if self.peak_tflops else None
+        return {"tokens_per_s": tokens_per_s, "tokens_per_s_per_rank": per_rank,
+                "tflops_per_rank": tflops, "mfu": mfu}
+
+    def _write(self, losses: List[float], norms: List[float], step_time: float,
+               columns: Dict[str, List[float]], memory: Dict[str, int], val: Dict[int, float]) -> None:
+        throughput = self._throughput(step_time)
+        rows = []
+        for i, (s, loss, norm, lr) in enumerate(zip(self._steps, losses, norms, self._lrs)):
+            row = {"step": s, "loss": loss, "lr": lr, "grad_norm": norm, **throughput, "step_time_s": step_time,
+                   "skipped": 0, **self.constants}
+            row.update({name: values[i] for name, values in columns.items()}, **memory)
+            if s in val:
+                row.update(val_loss=val[s], val_ppl=math.exp(min(val[s], 700.0)), eval_s=self._eval_s.pop(s, 0.0))
+            rows.append(row)
+        with open(self.path, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        for sink in self.sinks:
+            sink.log(rows)
+        self.last = rows[-1]
+        evaluated = [{"val_loss": r["val_loss"], "val_ppl": r["val_ppl"]} for r in rows if "val_loss" in r]
+        self._print({**rows[-1], **(evaluated[-1] if evaluated else {})},
+                    skipped=sum(bool(r.get("skipped")) for r in rows))
+
+    def progress_line(self, row: dict, skipped: int = 0) -> str:
+        done = row["step"] + 1
+        eta = format_duration((self.max_steps - done) * row["step_time_s"])
+        loss = row["loss"]
+        loss_text = f"{loss:.4f}" if math.isfinite(loss) else str(loss)
+        mfu = f"{100 * row['mfu']:.1f}%" if row.get("mfu") is not None else "n/a"
+        return (f"step {done:>{len(str(self.max_steps))}}/{self.max_steps} | loss {loss_text} | "
+                f"lr {row['lr']:.2e} | grad_norm {row['grad_norm']:.3f} | "
+                f"{row['tokens_per_s']:,.0f} tok/s | MFU {mfu} | {row['step_time_s']:.3f} s/step | eta {eta}"
+                + (f" | val_loss {row['val_loss']:.4f} (ppl {row['val_ppl']:.2f})" if "val_loss" in row else "")
+                + (f" | loss_scale {row['loss_scale']:.0f}, {skipped} step(s) skipped" if "loss_scale" in row else ""))
+
+    def _print(self, row: dict, skipped: int = 0) -> None:
+        line = self.progress_line(row, skipped)
+        if self._live:  # a terminal: rewrite the line in place, keep the last one
+            end = "\n" if row["step"] + 1 >= self.max_steps else ""
+            self.stream.write("\r\x1b[2K" + line + end)
+        else:  # a file (a Slurm log, submitit's stdout): plain lines, no carriage returns
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        """End of training: close the sinks (wandb) on rank 0."""
+        if self._live and self.last is not None and self.last["step"] + 1 < self.max_steps:
+            self.stream.write("\n")
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []

@@ -1,0 +1,41 @@
+"""The global gradient norm over TP, PP and DP in one all-reduce, and clipping by it.
+
+Each optimizer wrapper knows which gradient elements this rank must count so that every
+element of the full model's gradient is counted exactly once over the world (a TP-
+replicated norm weight on tp rank 0 only; a gradient replicated over dp on one dp rank or
+its owning ZeRO shard). The sum of squares is reduced once over the default group; the
+clip coefficient stays a device tensor, so there is no host sync in the step.
+"""
+
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from trainer3d.model.init import tp_shard_of
+from trainer3d.parallel.topology import ParallelDims
+
+
+def counted_once_over_tp(param: torch.Tensor, dims: ParallelDims) -> bool:
+    """TP shards are distinct on every tp rank; replicated parameters are counted on tp rank 0."""
+    return tp_shard_of(param) is not None or dims.tp_rank == 0
+
+
+def sum_of_squares(tensors: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros((), device=device, dtype=torch.float32)
+    norms = torch._foreach_norm([t.float() if t.dtype != torch.float32 else t for t in tensors])
+    return torch.stack(norms).pow(2).sum()
+
+
+def clip_by_global_norm_(local_sq: torch.Tensor, grads: List[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Reduce this rank's share of the squared norm over the world, scale ``grads`` in place
+    so the global norm is at most ``max_norm`` (0: no clipping); return the global norm."""
+    total = local_sq.detach().clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    norm = total.sqrt()
+    if max_norm > 0 and grads:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef)
+    return norm

@@ -1,0 +1,99 @@
+"""Apply the layout to the parallelism-agnostic model.
+
+``build_model_chunks`` is the whole recipe, in order:
+1. build the full model on the meta device (no memory);
+2. pipeline: keep only this rank's stage(s) (parallel/pipeline/stages.py);
+3. tensor parallel: swap Linear/Embedding layers for sharded ones (parallel/tensor/layers.py);
+4. cast to the dtype the parameters are stored in (still on meta, so nothing is held in a
+   wider dtype first: ``train.dtype``, or fp32 under FSDP, whose parameters are the master
+   weights — optim/mixed_precision.py), materialise on this rank's device and fill from the
+   parameter source: the layout-independent random init, or ``model.init_from``'s Hugging
+   Face weights, each producing only this rank's slices (nothing at all when resuming);
+5. per-layer activation checkpointing, if asked;
+6. bf16/fp16: the linear layers compute through ``parallel/wgrad.py``'s ``linear``, whose
+   backward accumulates weight gradients into the optimizer's fp32 buffer;
+7. torch.compile of each transformer block, if asked (parallel/compile.py).
+``build_optimizer`` then wraps the chunks in the data-parallel optimizer (ZeRO stages 0/1:
+parallel/zero/flat.py, 2/3: parallel/zero/fsdp.py).
+"""
+
+from typing import Callable, List
+
+import torch
+from torch import nn
+
+from trainer3d.config.schema import Config
+from trainer3d.hf.source import HFSource
+from trainer3d.model.init import ParameterSource, RandomInit, fill_parameters
+from trainer3d.model.transformer import Transformer
+from trainer3d.parallel.compile import compile_blocks
+from trainer3d.parallel.zero.fsdp import FSDPOptimizer
+from trainer3d.parallel.zero.optimizer import ZeroOptimizer
+from trainer3d.optim.mixed_precision import param_dtype
+from trainer3d.parallel.recompute import checkpoint_layers
+from trainer3d.parallel.pipeline.stages import split_into_stages
+from trainer3d.parallel.tensor.layers import apply_tensor_parallel
+from trainer3d.parallel.tensor.loss import vocab_parallel_loss_fn
+from trainer3d.parallel.wgrad import route_linear_layers
+from trainer3d.parallel.zero.flat import ReplicatedOptimizer, ShardedOptimizer
+from trainer3d.parallel.topology import ParallelDims
+
+
+def build_meta_chunks(cfg: Config, dims: ParallelDims) -> List[nn.Module]:
+    """Steps 1-3: this rank's chunks, split and tensor-parallel, still on the meta device
+    (the dry run reads their shapes without allocating anything)."""
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    chunks = split_into_stages(model, cfg, dims) if dims.pp > 1 else [model]
+    if dims.tp > 1:
+        for chunk in chunks:
+            apply_tensor_parallel(chunk, cfg, dims)
+    return chunks
+
+
+def parameter_source(cfg: Config) -> ParameterSource:
+    """Where the initial values come from: ``model.init_from``'s weights, else the random init."""
+    if cfg.model.init_from:
+        return HFSource(cfg.model.init_from, cfg.model)
+    return RandomInit(cfg.model, cfg.train.seed)
+
+
+def build_model_chunks(cfg: Config, dims: ParallelDims, initialise: bool = True) -> List[nn.Module]:
+    """This rank's model chunks (one per pipeline stage it runs; one when pp == 1).
+
+    ``initialise=False`` (a resumed run: the checkpoint fills every parameter) draws or reads
+    nothing; parameters are zeroed, because the padded vocabulary's tail rows are in no
+    checkpoint and must stay zero."""
+    chunks = build_meta_chunks(cfg, dims)
+    source = parameter_source(cfg) if initialise else None
+    for chunk in chunks:
+        chunk.to(dtype=param_dtype(cfg))
+        chunk.to_empty(device=dims.device)
+        if source is None:
+            for param in chunk.parameters():
+                param.detach().zero_()
+        else:
+            fill_parameters(chunk, source)
+    if cfg.train.activation_checkpointing:
+        checkpoint_layers(chunks)
+    if param_dtype(cfg) != torch.float32:
+        route_linear_layers(chunks)
+    if cfg.train.compile:
+        compile_blocks(chunks)
+    return chunks
+
+
+def build_optimizer(chunks: List[nn.Module], cfg: Config, dims: ParallelDims) -> ZeroOptimizer:
+    """The optimizer of ``parallel.zero_stage`` over this rank's chunks."""
+    stage = cfg.parallel.zero_stage
+    if stage == 0:
+        return ReplicatedOptimizer(chunks, cfg, dims)
+    if stage == 1:
+        return ShardedOptimizer(chunks, cfg, dims)
+    return FSDPOptimizer(chunks, cfg, dims)
+
+
+def build_loss_fn(cfg: Config, dims: ParallelDims) -> Callable:
+    """(logits, targets) -> mean token loss; vocabulary-parallel when tp > 1, the same fused
+    function over the whole vocabulary when tp = 1 (parallel/tensor/loss.py)."""
+    return vocab_parallel_loss_fn(cfg, dims)

@@ -1,0 +1,140 @@
+"""Pipeline parallelism: a step's micro-batches through 1F1B, GPipe or interleaved 1F1B.
+
+The schedules are torch.distributed.pipelining's (tests/multirank/test_pipeline.py holds their losses
+and gradients to a single process). This module builds them over ``dims.pp_group`` and guards their
+pitfalls:
+
+- gradient scaling: ``scale_grads=False``. The trainer's ``MicroBatchLoss`` is the
+  schedule's loss function and already divides each micro-batch's loss by grad_accum
+  (torch's own scaling divides the whole ``.grad``, including any earlier gradient);
+- equal micro-batch shapes: the step's (grad_accum, micro_batch, seq) batch is handed
+  over flattened, and torch splits it back into exactly grad_accum equal chunks (a
+  ragged chunk raises on the last stage while the others hang);
+- losses exist on the last stage only; torch's shape inference on the first step calls
+  the loss function once more on a copy of micro-batch 0, so that extra record is
+  dropped and ``MicroBatchLoss.pop_mean`` sees exactly grad_accum losses;
+- micro-batch counts a schedule cannot run (1F1B: fewer than the stages) are refused by
+  the config validation and again here, with the same message, before any rank sends;
+- a dead or stuck neighbour: the pp group carries ``parallel.timeout_s`` (trainer3d/parallel/topology.py),
+  so a receive fails instead of hanging and the launcher ends the job.
+
+Stage compute is timed (``StageClock``) so the bubble is measured, not assumed.
+
+Memory: 1F1B bounds the saved activations at (stages - stage index) micro-batches
+(tests/multirank/test_pipeline.py measures it). Outside that bound, torch 2.13's PipelineStage
+allocates one receive buffer per micro-batch for the step (activations in, gradients
+back: one hidden state each), so those grow with grad_accum; and a stage's output is
+kept until its backward although only its graph is needed then (Megatron frees the data).
+"""
+
+from typing import List, Optional
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from trainer3d.config.schema import Config
+from trainer3d.parallel.pipeline.bubble import StageClock, bubble_theory
+from trainer3d.parallel.pipeline.stages import stages_of_rank
+from trainer3d.parallel.topology import ParallelDims
+from trainer3d.config.validate import pipeline_micro_batch_problem
+
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+class TimedStage(PipelineStage):
+    """A PipelineStage whose forward and backward compute count as busy time."""
+
+    def __init__(self, *args, clock: StageClock, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.clock = clock
+
+    def forward_one_chunk(self, *args, **kwargs):
+        with self.clock.busy():
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args, **kwargs):
+        with self.clock.busy():
+            return super().backward_one_chunk(*args, **kwargs)
+
+
+class Pipeline:
+    """This rank's stage(s) of the pipeline and the schedule that runs a step through them."""
+
+    def __init__(self, chunks: List[nn.Module], micro_loss, cfg: Config, dims: ParallelDims):
+        p = cfg.parallel
+        self.n_micro = cfg.train.grad_accum_steps
+        problem = pipeline_micro_batch_problem(p.pp_schedule, p.pp, self.n_micro)
+        if problem:
+            raise ValueError(problem)
+        stage_ids = stages_of_rank(dims.pp_rank, p.pp, p.pp_virtual_stages)
+        if len(chunks) != len(stage_ids):
+            raise ValueError(f"pp rank {dims.pp_rank} runs stages {stage_ids} but has {len(chunks)} chunks")
+        n_stages = p.pp * p.pp_virtual_stages
+        self.micro_loss = micro_loss
+        self.clock = StageClock(dims.device)
+        self.stages = [TimedStage(chunk, stage, n_stages, dims.device, group=dims.pp_group, clock=self.clock)
+                       for chunk, stage in zip(chunks, stage_ids)]
+        self.holds_first = 0 in stage_ids
+        self.holds_last = n_stages - 1 in stage_ids
+        schedule_cls = SCHEDULES[p.pp_schedule]
+        loss_fn = self.clock.timed(micro_loss)
+        if p.pp_schedule == "interleaved_1f1b":
+            self.schedule = schedule_cls(self.stages, self.n_micro, loss_fn=loss_fn, scale_grads=False)
+        else:
+            self.schedule = schedule_cls(self.stages[0], self.n_micro, loss_fn=loss_fn, scale_grads=False)
+        self.bubble_theory = bubble_theory(p.pp, self.n_micro, p.pp_virtual_stages)
+
+    def _schedule_args(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]):
+        """The schedule's positional inputs (first stage) and target (last stage), flattened to
+        grad_accum * micro_batch rows that torch splits back into grad_accum equal chunks."""
+        for name, batch, needed in (("inputs", inputs, self.holds_first), ("targets", targets, self.holds_last)):
+            if needed and (batch is None or batch.dim() != 3 or batch.shape[0] != self.n_micro):
+                shape = None if batch is None else tuple(batch.shape)
+                raise ValueError(f"pipeline expects ({self.n_micro}, micro_batch, seq) {name}, got {shape}")
+        args = (inputs.flatten(0, 1),) if self.holds_first else ()
+        target = targets.flatten(0, 1) if self.holds_last else None
+        return args, target
+
+    def forward_backward(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]) -> None:
+        """Run the step's micro-batches; gradients accumulate in the chunks' ``.grad``.
+
+        ``inputs``/``targets`` are (grad_accum, micro_batch, seq), needed on the first and the
+        last stage only (None elsewhere); the other stages only pass hidden states along,
+        sequence-first (seq, batch, dim) as the model computes them (model/transformer.py):
+        their shape is inferred from the first micro-batch, so the receive buffers take the
+        model's layout, and a sequence-sharded hidden state under tensor/sequence
+        parallelism, with no change here.
+        """
+        args, target = self._schedule_args(inputs, targets)
+        recorded = len(self.micro_loss.losses)
+        self.clock.start_step()
+        self.schedule.step(*args, target=target, return_outputs=False)
+        self.clock.end_step()
+        if self.holds_last:
+            self._drop_shape_inference_loss(recorded)
+
+    def forward(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]) -> None:
+        """Forward only (validation): the micro-batches' losses are recorded, no gradient, no bubble.
+
+        torch's ``eval`` runs the schedule with its backward turned off; switching between
+        it and ``step`` re-infers the stages' shapes (and, back in training, calls the loss
+        once more: dropped as in every first step).
+        """
+        args, target = self._schedule_args(inputs, targets)
+        with torch.no_grad():
+            self.schedule.eval(*args, target=target, return_outputs=False)
+
+    def _drop_shape_inference_loss(self, recorded: int) -> None:
+        """Keep the step's grad_accum real losses (the first step also records shape inference's)."""
+        losses = self.micro_loss.losses
+        extra = len(losses) - recorded - self.n_micro
+        if extra < 0:
+            raise RuntimeError(f"the last stage recorded {len(losses) - recorded} losses for "
+                               f"{self.n_micro} micro-batches")
+        del losses[recorded:recorded + extra]
+
+    def report_to(self, metrics) -> None:
+        """Add the per-step ``bubble`` (mean over all ranks) and ``bubble_theory`` columns."""
+        metrics.add_column("bubble", self.clock.pop_bubbles)
+        metrics.constants["bubble_theory"] = self.bubble_theory

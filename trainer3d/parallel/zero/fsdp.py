@@ -1,0 +1,137 @@
+"""ZeRO stages 2 and 3 through FSDP2 (``fully_shard``), for pp == 1 only.
+
+Every transformer block and then the root module are sharded over the dp sub-mesh
+(``dims.mesh["dp"]``): each rank keeps dim-0 slice ``dp_rank`` of every parameter, in fp32
+(the master weights), with its gradient and AdamW moments for that slice alone.
+
+- Stage 3 (P_os+g+p): ``reshard_after_forward=True`` — a block's full parameters exist only
+  while it runs, all-gathered again for backward.
+- Stage 2 (P_os+g): ``reshard_after_forward=False`` — the full (compute-dtype) parameters
+  stay from forward until the end of backward, as ZeRO-2 keeps parameters replicated.
+
+Gradients are reduce-scattered in fp32 after every micro-batch's backward and summed into
+the sharded gradient, so no rank ever holds the full gradient (FSDP's default; skipping the
+sync on early micro-batches would keep an unsharded one). bf16/fp16 compute through
+``MixedPrecisionPolicy(param_dtype=...)``: the model is built in fp32 for these stages
+(``precision.param_dtype``), so the sharded fp32 parameters — the master weights — start
+from the exact initial values, not from their rounding to ``train.dtype``. The update is the same fused AdamW kernel as stages
+0/1, run on the local shards; fp16 loss scaling and the global-norm clip as there.
+
+Tensor parallelism composes: FSDP shards each rank's tp slice over the dp sub-mesh, and
+since ``fully_shard`` replaces the parameters (dropping their tensor-parallel marks), the
+marks are put back on the sharded parameters: the global norm counts tp-replicated
+parameters once, the sequence-parallel sync finds the replicated norm weights, and the
+checkpoint places each shard in the full tensor. The tp ranks of one dp rank hold the
+same rows of a replicated parameter, so summing their gradient shards over tp
+(trainer3d/parallel/tensor/layers.py) sums the same elements.
+"""
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from trainer3d.config.schema import Config
+from trainer3d.model.init import canonical_name, mark_tp_shard, tp_shard_of
+from trainer3d.optim.schedule import decays
+from trainer3d.optim.adamw import adamw_update_
+from trainer3d.optim.clip import clip_by_global_norm_, counted_once_over_tp, sum_of_squares
+from trainer3d.parallel.zero.optimizer import StateView, ZeroOptimizer
+from trainer3d.optim.mixed_precision import DTYPES, make_loss_scaler
+from trainer3d.parallel.topology import ParallelDims
+
+
+def shard_model(model: nn.Module, cfg: Config, dims: ParallelDims) -> None:
+    """fp32 master parameters sharded over dp; compute in ``train.dtype``; tp marks kept."""
+    marks = {name: tp_shard_of(p) for name, p in model.named_parameters()}
+    compute = DTYPES[cfg.train.dtype]
+    policy = MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute,
+                                  reduce_dtype=torch.float32)
+    reshard = cfg.parallel.zero_stage == 3
+    mesh = dims.mesh["dp"]
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    for name, p in model.named_parameters():
+        shard = marks[name]
+        if shard is not None:
+            mark_tp_shard(p, shard.dim, shard.rank, shard.size, shard.full)
+
+
+class FSDPOptimizer(ZeroOptimizer):
+    """ZeRO-2/3: the optimizer contract over an FSDP2-sharded model."""
+
+    def __init__(self, chunks: List[nn.Module], cfg: Config, dims: ParallelDims):
+        if len(chunks) != 1 or dims.pp != 1:
+            raise ValueError(f"parallel.zero_stage={cfg.parallel.zero_stage} needs parallel.pp=1")
+        if any(p.dtype != torch.float32 for p in chunks[0].parameters()):
+            raise ValueError("FSDP keeps the fp32 master weights as its parameters: build the model in fp32")
+        self.cfg, self.dims = cfg, dims
+        model = chunks[0]
+        shard_model(model, cfg, dims)
+        self.named = [(canonical_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named]
+        with torch.no_grad():
+            self.local = [p.to_local() for p in self.params]  # views of the sharded fp32 storage
+        self.exp_avg = [torch.zeros_like(t) for t in self.local]
+        self.exp_avg_sq = [torch.zeros_like(t) for t in self.local]
+        self.step_count = torch.zeros((), dtype=torch.float32, device=dims.device)
+        self.decay = [decays(n, p) for n, p in self.named]
+        self.counted = [counted_once_over_tp(p, dims) for p in self.params]
+        self.scaler = make_loss_scaler(DTYPES[cfg.train.dtype], dims.device, cfg.train.loss_scale_init)
+
+    def _local_grads(self) -> List[torch.Tensor]:
+        return [p.grad.to_local() if p.grad is not None else torch.zeros_like(t)
+                for p, t in zip(self.params, self.local)]
+
+    def parameters(self) -> List[nn.Parameter]:
+        return self.params
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def reduce_gradients(self) -> None:
+        """FSDP reduce-scattered every micro-batch inside backward; fp16: unscale the shards."""
+        if self.scaler is not None:
+            torch._foreach_mul_(self._local_grads(), self.scaler.inv_scale())
+
+    def grad(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """This rank's dp shard of ``param``'s gradient (None before any backward)."""
+        return param.grad.to_local() if param.grad is not None else None
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        grads = self._local_grads()
+        local_sq = sum_of_squares([g for g, c in zip(grads, self.counted) if c], self.dims.device)
+        norm = clip_by_global_norm_(local_sq, grads, max_norm)
+        if self.scaler is not None:
+            self.scaler.check(norm)
+        return norm
+
+    def step(self, lr: float) -> None:
+        found_inf = self.scaler.found_inf if self.scaler is not None else None
+        adamw_update_(self.local, self._local_grads(), self.exp_avg, self.exp_avg_sq, self.decay,
+                      self.step_count, lr, self.cfg.optim, found_inf)
+        if self.scaler is not None:
+            self.scaler.update()
+
+    def checkpoint_views(self) -> List[StateView]:
+        """Per parameter: the flat range of its (tp-local) tensor this rank's shard covers
+        (FSDP2 gives rank r rows [r*ceil(rows/dp), ...)), with views of the shard — the fp32
+        parameters are the master weights — and of its moments."""
+        out = []
+        for (name, param), local, a, b in zip(self.named, self.local, self.exp_avg, self.exp_avg_sq):
+            rows, per_row = param.shape[0], math.prod(param.shape[1:])
+            lo = min(self.dims.dp_rank * -(-rows // self.dims.dp), rows) * per_row
+            out.append(StateView(name, tuple(param.shape), tp_shard_of(param), lo, lo + local.numel(),
+                                 {"param": local.view(-1), "exp_avg": a.view(-1), "exp_avg_sq": b.view(-1)}))
+        return out
+
+    def after_load(self) -> None:
+        """Nothing to derive: the loaded fp32 shards are what FSDP gathers (and casts) next."""
+
+    def state_tensors(self) -> Dict[str, List[torch.Tensor]]:
+        return {"params": list(self.local), "grads": [p.grad.to_local() for p in self.params if p.grad is not None],
+                "master": [], "optimizer": [*self.exp_avg, *self.exp_avg_sq, *self._scalar_tensors()]}

@@ -1,0 +1,59 @@
+"""The planner's configuration: the training schema plus the cluster and the search space.
+
+``PlanConfig`` extends the training ``Config`` (same groups, same ``validate()``), so
+``python -m trainer3d.plan model=7b train.global_batch_size=1024 ...`` reads the model and
+batch exactly as ``python -m trainer3d.train`` would, and the layout knobs it searches are
+the training config's own (``parallel.*``, ``train.micro_batch_size``, ...).
+"""
+
+from dataclasses import dataclass, field
+from typing import List
+
+from hydra.core.config_store import ConfigStore
+
+from trainer3d.config.schema import Config
+from trainer3d.plan.devices import DEFAULT_CALIBRATION
+
+
+@dataclass
+class ClusterConfig:
+    """The machines to plan for."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    """Ranks per node: GPUs, or on CPU machines the ranks sharing the node's cores."""
+    gpu: str = "h100-sxm"
+    """A device preset (h100-sxm, h100-pcie, h200, a100-80g, a100-40g, cpu: trainer3d/plan/devices.py)
+    or calibrated (the file ``python -m trainer3d.plan --calibrate`` wrote)."""
+    calibration: str = DEFAULT_CALIBRATION
+    """Where --calibrate writes this machine's figures and cluster.gpu=calibrated reads them."""
+    backend: str = "auto"
+    """Collectives: auto (nccl on GPUs, gloo on CPUs) | nccl | gloo (ZeRO-1 reduces by reduce-scatter on nccl)."""
+
+
+@dataclass
+class SearchConfig:
+    """What the planner tries, and how much it prints."""
+
+    top: int = 5
+    """Layouts printed, fastest first, each with its training command."""
+    micro_batch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    zero_stages: List[int] = field(default_factory=lambda: [0, 1, 2, 3])
+    virtual_stages: List[int] = field(default_factory=lambda: [1, 2, 4])
+    """Model chunks per pipeline rank; above 1 with interleaved_1f1b. (GPipe is never proposed:
+    it has 1F1B's bubble and holds every micro-batch's activations.)"""
+    sequence_parallel: List[bool] = field(default_factory=lambda: [False, True])
+    recompute: List[bool] = field(default_factory=lambda: [False, True])
+
+
+@dataclass
+class PlanConfig(Config):
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
+
+
+def register_plan_config() -> None:
+    ConfigStore.instance().store(name="trainer3d_plan_schema", node=PlanConfig)
+
+
+register_plan_config()
