@@ -66,14 +66,14 @@ def load_model(path: Path):
             tensors = load_full_model(path)  # refuses a checkpoint that fails its checksums
             config = read_marker(path)["config"]
         except CheckpointError as err:
-            raise SystemExit(f"sample: {err}")
+            raise SystemExit(f"sample: {err}") from None
         model = Transformer(model_config_of(config))
         fill_parameters(model, lambda name, shape, shard: tensors[name])
         return model, data_tokenizer(config)[0]
     try:
         cfg = model_config(read_json(path / "config.json"))
     except (DirError, ValueError) as err:
-        raise SystemExit(f"sample: {path} is neither a trainer3d checkpoint nor a Hugging Face Llama directory:\n{err}")
+        raise SystemExit(f"sample: {path} is neither a trainer3d checkpoint nor a Hugging Face Llama directory:\n{err}") from None
     problems = weight_problems(path, cfg)
     if problems:
         raise SystemExit("sample: " + "\n".join(problems))

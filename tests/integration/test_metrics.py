@@ -1,7 +1,6 @@
 """Observability: metrics.jsonl's keys, wandb (offline, for real), the progress line, no syncs."""
 
 import io
-import json
 import os
 import subprocess
 import sys
@@ -21,7 +20,6 @@ from trainer3d.observe.metrics import MetricsLogger
 from trainer3d.model.flops import flops_per_token
 from trainer3d.parallel.parallelize import build_meta_chunks
 from trainer3d.parallel.zero.flat import bucket_numel
-from trainer3d.observe.telemetry import process_memory
 from trainer3d.parallel.topology import ParallelDims, Topology
 from trainer3d.trainer import Trainer
 from trainer3d.config.validate import validate

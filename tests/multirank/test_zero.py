@@ -200,7 +200,7 @@ def test_fsdp_with_tensor_parallelism_equals_torch_adamw(stage, sp):
         assert norms[0] > 0.5, "the clip must be active for this test to mean anything"
         for name, ref in want.items():
             torch.testing.assert_close(torch.from_numpy(got[name]), torch.from_numpy(ref), rtol=1e-5, atol=3e-5,
-                                       msg=lambda m: f"rank {rank} {name}: {m}")
+                                       msg=lambda m, rank=rank, name=name: f"rank {rank} {name}: {m}")
 
 
 # ----------------------------------------------------------------- fp32 masters of a bf16 model

@@ -67,7 +67,7 @@ def test_usr2_twice_requeues_twice_and_resumes_exactly(slurm_cluster, tmp_path, 
             time.sleep(0.5)
         subprocess.run(["scancel", "--signal=USR2", job], check=True, env=slurm_cluster)
         deadline = time.time() + 300  # wait for the requeued attempt to resume
-        while f"resumed from" not in _rank0_log(run, job).split("requeuing")[-1] or \
+        while "resumed from" not in _rank0_log(run, job).split("requeuing")[-1] or \
                 _rank0_log(run, job).count("resumed from") < i + 1:
             assert time.time() < deadline, f"no resume after signal {i + 1}:\n{_rank0_log(run, job)[-3000:]}"
             time.sleep(1)

@@ -3,7 +3,6 @@
 import dataclasses
 import time
 
-import pytest
 
 from trainer3d.config.schema import Config
 from trainer3d.observe.loggers import WandbLogger, scrub, wandb_mode

@@ -17,7 +17,6 @@ from trainer3d.memory.states import format_bytes
 from trainer3d.model.flops import layer_matmul_params, matmul_params
 from trainer3d.plan.devices import PRESETS, Device, device_for, load_calibration
 from trainer3d.plan.search import evaluate, search
-from trainer3d.plan.step_time import step_time
 from trainer3d.config.validate import validate
 
 

@@ -227,7 +227,7 @@ def _check_rope_scaling(cfg: Config, problems: List[str]) -> None:
 
 
 def _check_zero_and_precision(cfg: Config, problems: List[str]) -> None:
-    p, t = cfg.parallel, cfg.train
+    p = cfg.parallel
     if p.zero_stage >= 2 and p.pp > 1:
         problems.append(
             f"parallel.zero_stage={p.zero_stage} with parallel.pp={p.pp}: pipelining accumulates full "
@@ -237,7 +237,7 @@ def _check_zero_and_precision(cfg: Config, problems: List[str]) -> None:
 
 def _check_data(cfg: Config, problems: List[str]) -> None:
     """The data knobs among themselves; the files are checked before launch by trainer3d.data.checks."""
-    d, t = cfg.data, cfg.train
+    d = cfg.data
     if d.name == "tokens" and not d.path and not d.blend:
         problems.append("data=tokens needs data.path=<file.bin> or data.blend=[{path: ..., weight: ...}, ...] "
                         "(make token files with tools/prepare_data.py)")

@@ -83,7 +83,7 @@ def _collect(results, procs, timeout: float) -> dict:
         except queue.Empty:
             dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
             if dead:
-                raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
             continue
         if status == "error":
             raise RuntimeError(f"rank {rank} failed:\n{value}")

@@ -92,7 +92,7 @@ def block_figures() -> Dict[str, float]:
     cfg.train.micro_batch_size, cfg.train.seq_len = 2, 128
     block = Block(cfg.model)
     for module in (block.attention, block.feed_forward):
-        for name, child in list(module.named_children()):
+        for name in [n for n, _ in module.named_children()]:
             setattr(module, name, nn.Identity())
     x = torch.randn(128, 2, 512, requires_grad=True)  # (seq, batch, dim), as blocks see it
     took = 1.0 / _best_rate(lambda: block(x).sum().backward(), 1.0)
@@ -218,11 +218,11 @@ def engine_figures(figures: dict, steps: int = 12, warmup: int = 3) -> dict:
         fitted["step_overhead_us"] = probe("", tmp)(lambda x: {"step_overhead_us": x})
         latency: Dict[int, float] = {}
         for ranks, layout in TP_PROBES.items():
-            latency[ranks] = probe(layout, tmp)(lambda x: {"latency_by_ranks": {**latency, ranks: x}})
+            latency[ranks] = probe(layout, tmp)(lambda x, ranks=ranks: {"latency_by_ranks": {**latency, ranks: x}})
         fitted["latency_by_ranks"] = latency
         action: Dict[int, float] = {}
         for ranks, layout in PP_PROBES.items():
-            action[ranks] = probe(layout, tmp)(lambda x: {"action_by_ranks": {**action, ranks: x}})
+            action[ranks] = probe(layout, tmp)(lambda x, ranks=ranks: {"action_by_ranks": {**action, ranks: x}})
         fitted["action_by_ranks"] = action
     return fitted
 

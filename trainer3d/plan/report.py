@@ -33,7 +33,7 @@ def summary_lines(cfg: PlanConfig, device: Device, result: SearchResult) -> List
     if result.closest_over is not None:
         over, closest, rank = result.closest_over
         lines.append(f"  closest that does not fit: {_layout(closest)}, over by {format_bytes(over)} on stage {rank}")
-    for knob, example in result.refusal_examples.items():
+    for example in result.refusal_examples.values():
         lines.append(f"  e.g. {example}")
     return lines
 

@@ -97,7 +97,7 @@ class ZeroOptimizer(ABC):
         time their module's next forward runs (ZeRO-1 gathers them meanwhile), and at once
         after ``wait_params``."""
 
-    def wait_params(self) -> None:
+    def wait_params(self) -> None:  # noqa: B027  (a no-op where nothing is gathered late)
         """The model's parameters hold the last step's values: for a reader that is not a
         module's forward (the methods of this contract that return parameters or state
         views wait by themselves)."""
