@@ -174,7 +174,7 @@ def test_shared_cores_bound_a_step_by_the_nodes_work():
 # ------------------------------------------------------------------ the accuracy tool's pure parts
 
 def _accuracy_tool():
-    spec = importlib.util.spec_from_file_location("plan_accuracy", ROOT / "tools" / "plan_accuracy.py")
+    spec = importlib.util.spec_from_file_location("plan_accuracy", ROOT / "tools" / "bench" / "plan_accuracy.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
