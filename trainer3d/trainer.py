@@ -204,7 +204,7 @@ class Trainer:
             self.save_checkpoint(self.stopped.step, background=False)
         elif self.cfg.checkpoint.save_final and self.start_step < t.max_steps:
             self.save_checkpoint(t.max_steps, background=False)
-        self.checkpointer.wait("end of training")
+        self.checkpointer.wait("the end of training")
         self.metrics.close()
         if self.dims.rank != 0:
             return None

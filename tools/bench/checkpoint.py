@@ -39,6 +39,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -120,8 +121,8 @@ def _stalls(run_dir: Path) -> Dict[str, List[float]]:
 
 
 def _hash_speeds(mb: int = 256) -> Dict[str, float]:
-    """GB/s of each checksum over ``mb`` MiB in memory, one thread, best of 3."""
-    import xxhash
+    """GB/s of each checksum over ``mb`` MiB in memory, one thread, best of 3 (BLAKE3 and CRC32C
+    where their packages are installed: they are measured, not used)."""
     data = memoryview(os.urandom(1 << 20) * mb)
     kinds = {"XXH3-128 (xxhash)": xxhash.xxh3_128, "SHA-256 (hashlib)": hashlib.sha256}
     for name, module, attr in (("BLAKE3 (blake3)", "blake3", "blake3"), ("CRC32C (google-crc32c)", "google_crc32c",

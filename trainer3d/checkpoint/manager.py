@@ -8,7 +8,7 @@
     ...
     checkpointer.poll()                            # every step boundary
     checkpointer.save(step)                        # every checkpoint.every steps, at the end, on preemption
-    checkpointer.wait("end of training")           # before the job ends (also on an error)
+    checkpointer.wait("the end of training")       # before the job ends (also on an error)
 
 A save (trainer3d/checkpoint/saver.py): with ``checkpoint.async_save`` the loop stops only
 to copy this rank's state into host buffers (trainer3d/checkpoint/staging.py); writing,
@@ -133,9 +133,10 @@ class Checkpointer:
         """Save the state after ``steps_done`` steps (resume starts at that step); every rank.
         ``background`` (default ``checkpoint.async_save``): return once the state is staged."""
         started = time.perf_counter()
-        self.wait(f"checkpoint of step {steps_done}")
-        if self.last_saved == steps_done:
+        if self.last_saved == steps_done:  # saved (or being saved) already: only its end is waited for
+            self.wait("the end of training")
             return
+        self.wait(f"the checkpoint of step {steps_done}")
         background = self.cfg.checkpoint.async_save if background is None else background
         job = self._job(steps_done, staged=background)
         report = SaveReport(steps_done, job.final, stall_s=0.0)

@@ -209,7 +209,7 @@ class Background:
             self._check.wait()
             self._check = None
         if not concurrent.futures.wait([self._future], timeout=quiet_s).done:
-            self.say(f"{why}: waiting for the checkpoint of step {self.inflight.step} to finish writing")
+            self.say(f"{why} waits for the checkpoint of step {self.inflight.step} to finish writing")
             rest = None if timeout_s is None else max(0.0, timeout_s - quiet_s)
             if not concurrent.futures.wait([self._future], timeout=rest).done:
                 raise TimeoutError(f"the checkpoint of step {self.inflight.step} did not finish writing within "
