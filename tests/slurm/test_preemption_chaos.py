@@ -1,4 +1,4 @@
-"""Zero-loss preemption with saves in the background: tools/preemption_chaos.py against the
+"""Zero-loss preemption with saves in the background: tools/bench/preemption_chaos.py against the
 dev cluster, two USR2 preemptions (the tool's default is five; its figures are in
 docs/checkpoints.md). Every step's loss must equal the uninterrupted local run's."""
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tools import preemption_chaos
+from tools.bench import preemption_chaos
 
 pytestmark = pytest.mark.slurm
 

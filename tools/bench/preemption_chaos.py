@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Preempt a Slurm run again and again; prove it loses no step and say how long each restart took.
 
-    flock /work/wt/slurm.lock python tools/preemption_chaos.py [--signals 5] [--steps 60] [--every 4]
+    python tools/bench/preemption_chaos.py [--signals 5] [--steps 60] [--every 4]
 
 Needs a Slurm cluster (slurm/cluster.sh start: the dev cluster on this machine; SLURM_CONF
 as ``slurm/cluster.sh env`` prints). It trains the same run twice, pp2 on two tasks:
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = ("train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=16",
          "train.grad_accum_steps=null", "optim.warmup_steps=5", "train.log_every=1", "parallel.timeout_s=60",
          "parallel=single", "parallel.pp=2", "logger.mode=disabled")
@@ -73,15 +73,15 @@ def chaos(run_dir: Path, signals: int, steps: int, every: int, gap: int) -> List
     records = []
     for i in range(signals):
         start = records[-1]["stopped_after"] if records else 0
-        _wait(f"step {start + gap}", lambda: len(_rows(run_dir)) >= start + gap, 600, job)
+        _wait(f"step {start + gap}", lambda start=start: len(_rows(run_dir)) >= start + gap, 600, job)
         sent = time.monotonic()
         subprocess.run(["scancel", "--signal=USR2", job], check=True)
-        _wait(f"the stop after signal {i + 1}", lambda: _rank0_log(run_dir, job).count("job requeued") > i, 300, job)
+        _wait(f"the stop after signal {i + 1}", lambda i=i: _rank0_log(run_dir, job).count("job requeued") > i, 300, job)
         stopped = int(_rank0_log(run_dir, job).split("job requeued")[i].rsplit("stopped after step ", 1)[1].split()[0])
-        _wait(f"the resume after signal {i + 1}", lambda: _rank0_log(run_dir, job).count("resumed from") > i, 300, job)
+        _wait(f"the resume after signal {i + 1}", lambda i=i: _rank0_log(run_dir, job).count("resumed from") > i, 300, job)
         resumed = time.monotonic()
         _wait(f"a step after resume {i + 1}",
-              lambda: (lambda rows: len(rows) > stopped and rows[-1]["step"] >= stopped)(_rows(run_dir)), 300, job)
+              lambda stopped=stopped: (lambda rows: len(rows) > stopped and rows[-1]["step"] >= stopped)(_rows(run_dir)), 300, job)
         records.append({"signal": i + 1, "stopped_after": stopped, "to_resumed_s": resumed - sent,
                         "to_training_s": time.monotonic() - sent})
         print(f"signal {i + 1}: stopped after step {stopped}; resumed {resumed - sent:.1f} s after the signal, "
