@@ -12,7 +12,7 @@
                                ``_setup_forward_recv_info`` / ``_create_grad_recv_info``), and
                                keeps each in-flight micro-batch's output until its backward
                                (``fwd_cache``); the first block's saved input *is* the receive
-                               buffer when it is kept as is (fp32, or under recomputation)
+                               buffer (its norm keeps its input as is, recomputation the block's)
          + the largest transient  of the backward: the loss gradient cast to 16-bit logits, a
                                recomputed block, a 16-bit parameter gradient before it is
                                added into the fp32 buffer, FSDP2's unsharded parameters and
@@ -111,7 +111,7 @@ def rank_memory(cfg: Config, pp_rank: int, kernel: str = "flash") -> RankMemory:
             activations[name] = activations.get(name, 0) + (value if n else 0)
     mem = RankMemory(pp_rank=pp_rank, states=_states_of(cfg, stages), activations=activations, in_flight=counts)
     if p.pp > 1:
-        mem.buffers = _pipeline_buffers(z, stages, last, m, counts, recompute)
+        mem.buffers = _pipeline_buffers(z, stages, last, m, counts)
     mem.transients = _transients(cfg, z, stages, last)
     return mem
 
@@ -122,12 +122,11 @@ def receive_buffer_bytes(z: Sizes, stages: List[int], last: int, m: int) -> int:
     return sum(m * z.hidden_bytes() * ((s > 0) + (s < last)) for s in stages)
 
 
-def _pipeline_buffers(z: Sizes, stages: List[int], last: int, m: int, counts: List[int],
-                      recompute: bool) -> Dict[str, int]:
+def _pipeline_buffers(z: Sizes, stages: List[int], last: int, m: int, counts: List[int]) -> Dict[str, int]:
     hidden = z.hidden_bytes()
     receive = receive_buffer_bytes(z, stages, last, m)
-    kept_as_is = recompute or z.p == FP32  # the first block saves x (fp32) or its whole input (recompute)
-    aliased = sum(n * hidden for s, n in zip(stages, counts) if s > 0 and kept_as_is)
+    # the first block saves its input as is: its norm's x, or the whole input under recomputation
+    aliased = sum(n * hidden for s, n in zip(stages, counts) if s > 0)
     held = sum(n * (hidden if s < last else z.p * z.n * z.vocab_local) for s, n in zip(stages, counts))
     return {"pp_receive_buffers": receive - aliased, "pp_outputs_held": held}
 
