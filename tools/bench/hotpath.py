@@ -82,7 +82,10 @@ def _rank(rank, world, args):
     dims = ParallelDims.build(Topology(tp=args.tp, pp=1, dp=args.dp), torch.device("cpu"))
     (model,) = build_model_chunks(cfg, dims)
     optimizer = build_optimizer([model], cfg, dims)
-    loss_fn = build_loss_fn(cfg, dims)
+    try:  # the loss that applies the head itself (train.loss_chunk_tokens) takes the chunks
+        loss_fn = build_loss_fn(cfg, dims, [model])
+    except TypeError:  # a revision from before it
+        loss_fn = build_loss_fn(cfg, dims)
     g = torch.Generator().manual_seed(dims.dp_rank)
 
     def step(meter=None):
