@@ -8,5 +8,6 @@ which is fastest.
     step_time.py   the step-time model
     probe.py       the engine at a negligible size, for --calibrate's fixed costs
     search.py      enumerate, validate(), fit (trainer3d/memory/peak.py), time, rank
+    evaluate.py    plan.evaluate=true: one given layout, every term, a JSON last line
     report.py      the table and the training commands
 """

@@ -65,6 +65,8 @@ class Device:
     engine's tensor-parallel collectives at a negligible model size; missing N: ``latency_us``."""
     cores: int = 0
     """CPU: cores per node, shared by its ranks (0: each rank has its own device)."""
+    peak_tflops: Dict[str, float] = field(default_factory=dict)
+    """The data sheet's dense peak by train.dtype, the denominator of MFU (empty: unknown, CPUs)."""
     action_by_ranks: Dict[int, float] = field(default_factory=dict)
     """CPU: ``pipeline_action_us`` when N ranks share the node's cores (a stage waits for its
     neighbour to get a core), measured through the engine at a negligible model size; missing
@@ -115,8 +117,10 @@ def _gpu(name: str, memory_gib: float, bf16_tflops: float, fp32_tflops: float, h
          intra_gbps: float, inter_gbps: float, sheet: str) -> Device:
     """A GPU from its data sheet (dense peaks, memory, links) at ACHIEVABLE of each rate."""
     rates = {"bf16": ACHIEVABLE * bf16_tflops, "fp16": ACHIEVABLE * bf16_tflops, "fp32": ACHIEVABLE * fp32_tflops}
+    peaks = {"bf16": bf16_tflops, "fp16": bf16_tflops, "fp32": fp32_tflops}
     return Device(name, memory_gib=memory_gib, reserved_gib=4, matmul_tflops=rates, memory_gbps=ACHIEVABLE * hbm_tbps * 1e3,
-                  intra_gbps=intra_gbps, inter_gbps=inter_gbps, latency_us=10, source=f"NVIDIA data sheet: {sheet}")
+                  intra_gbps=intra_gbps, inter_gbps=inter_gbps, latency_us=10, source=f"NVIDIA data sheet: {sheet}",
+                  peak_tflops=peaks)
 
 
 # intra: NCCL bus bandwidth a little under the NVLink (PCIe) per-direction figure;

@@ -35,6 +35,8 @@ class Plan:
     cfg: Config
     memory: RankMemory
     step: StepTime
+    ranks: Dict[int, RankMemory] = field(default_factory=dict)
+    """The peak of every pipeline rank that bounds the layout (``ranks_evaluated``)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -99,7 +101,7 @@ def evaluate(cfg: Config, device: Device, ranks_per_node: int, backend: str) -> 
     when the memory does not fit; search() drops those)."""
     mems = {r: rank_memory(cfg, r) for r in ranks_evaluated(cfg.parallel.pp)}
     step = step_time(cfg, device, {r: mem.states for r, mem in mems.items()}, ranks_per_node, backend)
-    return Plan(cfg=cfg, memory=max(mems.values(), key=lambda mem: mem.total), step=step)
+    return Plan(cfg=cfg, memory=max(mems.values(), key=lambda mem: mem.total), step=step, ranks=mems)
 
 
 def backend_of(cfg: PlanConfig, device: Device) -> str:

@@ -47,9 +47,20 @@ class SearchConfig:
 
 
 @dataclass
+class PlanOptions:
+    """What the planner does."""
+
+    evaluate: bool = False
+    """Evaluate exactly the layout of the overrides (``parallel.*``, ``train.micro_batch_size``,
+    ``train.activation_checkpointing``, ...) instead of searching: its memory per bounding rank,
+    its step-time terms, and a last line of JSON (trainer3d/plan/evaluate.py)."""
+
+
+@dataclass
 class PlanConfig(Config):
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
+    plan: PlanOptions = field(default_factory=PlanOptions)
 
 
 def register_plan_config() -> None:

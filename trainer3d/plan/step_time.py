@@ -33,7 +33,7 @@ cores (CPUs) a step also takes at least the node's total work over the node's th
 (``Device.node_rate``): the rank waiting in a bubble lends its core to the others.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Dict, List
 
 from trainer3d.memory.activations import FP32, Sizes, layer_terms
@@ -89,6 +89,10 @@ class StepTime:
     optimizer: float = 0.0
     node_bound: float = 0.0
     host: float = 0.0
+
+    def terms(self) -> Dict[str, float]:
+        """Every term by name (``compute`` includes ``tp_comm``; the step adds the rest)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @property
     def critical_path(self) -> float:
