@@ -41,6 +41,20 @@ def test_evaluate_prints_a_7b_layout_on_8_gpus_with_a_json_last_line():
     text = proc.stdout
     assert "pipeline rank 0:" in text and "pipeline rank 1:" in text and "pp_receive_buffers" in text
     assert "bubble" in text and "dp_comm" in text
+    for term in ("gemm", "attention", "elementwise", "tp_comm", "launch", "head"):
+        assert f"  {term} " in text, term
+
+
+def test_the_attention_kernel_is_a_cluster_knob():
+    layout = (*SEVEN_B_ON_8, "parallel.tp=8", "parallel.pp=1", "parallel.dp=1", "train.micro_batch_size=1",
+              "plan.evaluate=true")
+    device = device_for("h100-sxm")
+    flash = evaluate_report(_plan_config(*layout), device)[1]
+    math = evaluate_report(_plan_config(*layout, "cluster.attention=math"), device)[1]
+    assert math["step_s"] > flash["step_s"]  # every score computed, and written to memory
+    assert math["peak_bytes"] > flash["peak_bytes"]  # ... and kept for backward
+    with pytest.raises(LayoutError, match="cluster.attention=xformers is not one of flash, math"):
+        evaluate_report(_plan_config(*layout, "cluster.attention=xformers"), device)
 
 
 def test_evaluate_agrees_with_the_search_on_the_same_layout():

@@ -47,7 +47,10 @@ def layout_config(cfg: PlanConfig, device: Device) -> Config:
 
 def evaluate_layout(cfg: PlanConfig, device: Device) -> Plan:
     """Memory and step time of the overrides' layout (raises LayoutError or ConfigError)."""
-    return evaluate(layout_config(cfg, device), device, cfg.cluster.gpus_per_node, backend_of(cfg, device))
+    c = cfg.cluster
+    if c.attention not in ("flash", "math"):
+        raise LayoutError(f"cluster.attention={c.attention} is not one of flash, math")
+    return evaluate(layout_config(cfg, device), device, c.gpus_per_node, backend_of(cfg, device), c.attention)
 
 
 def _terms(terms: Dict[str, int]) -> str:

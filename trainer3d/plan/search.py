@@ -96,11 +96,11 @@ def candidates(cfg: PlanConfig, device: Device) -> Iterator[Config]:
 _KNOB = re.compile(r"([a-z_]+\.[a-z_]+)")
 
 
-def evaluate(cfg: Config, device: Device, ranks_per_node: int, backend: str) -> Plan:
+def evaluate(cfg: Config, device: Device, ranks_per_node: int, backend: str, attention: str = "flash") -> Plan:
     """A validated layout's worst peak memory and predicted step (the step is timed even
     when the memory does not fit; search() drops those)."""
-    mems = {r: rank_memory(cfg, r) for r in ranks_evaluated(cfg.parallel.pp)}
-    step = step_time(cfg, device, {r: mem.states for r, mem in mems.items()}, ranks_per_node, backend)
+    mems = {r: rank_memory(cfg, r, attention) for r in ranks_evaluated(cfg.parallel.pp)}
+    step = step_time(cfg, device, {r: mem.states for r, mem in mems.items()}, ranks_per_node, backend, attention)
     return Plan(cfg=cfg, memory=max(mems.values(), key=lambda mem: mem.total), step=step, ranks=mems)
 
 
@@ -122,7 +122,7 @@ def search(cfg: PlanConfig, device: Device) -> SearchResult:
             result.refused[knob] += 1
             result.refusal_examples.setdefault(knob, err.problems[0])
             continue
-        plan = evaluate(valid, device, c.gpus_per_node, backend)
+        plan = evaluate(valid, device, c.gpus_per_node, backend, c.attention)
         if plan.memory.total > usable:
             result.over_memory += 1
             over = plan.memory.total - usable

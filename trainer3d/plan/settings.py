@@ -27,6 +27,9 @@ class ClusterConfig:
     or calibrated (the file ``python -m trainer3d.plan --calibrate`` wrote)."""
     calibration: str = DEFAULT_CALIBRATION
     """Where --calibrate writes this machine's figures and cluster.gpu=calibrated reads them."""
+    attention: str = "flash"
+    """The attention kernel timed and its saved bytes: flash (torch's SDPA on GPUs) | math (unfused:
+    every score computed and kept, as torch's math SDPA or Megatron-LM 2021; trainer3d/plan/kernels.py)."""
     backend: str = "auto"
     """Collectives: auto (nccl on GPUs, gloo on CPUs) | nccl | gloo (ZeRO-1 reduces by reduce-scatter on nccl)."""
 
