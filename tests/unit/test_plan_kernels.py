@@ -21,6 +21,14 @@ def test_gemm_model_gives_the_measured_rate_at_the_measured_shape(name):
     assert k.mamf_tflops < k.peak_tflops
 
 
+def test_gpu_presets_time_their_kernels_at_their_own_memory_bandwidth():
+    for name, device in PRESETS.items():
+        if device.kernels is not None:
+            assert device.kernels.hbm_gbps == pytest.approx(device.memory_gbps), name
+            assert device.kernels.peak_tflops == device.peak_tflops["bf16"], name
+    assert PRESETS["cpu"].kernels is None  # CPUs: the calibrated matmul rate
+
+
 def test_wave_and_tile_quantisation_by_hand():
     # 108 tiles of 128 x 128 fill 108 SMs exactly once
     assert waves(128, 128 * 108, 108) == 1.0

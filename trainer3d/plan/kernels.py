@@ -23,10 +23,10 @@ Attention, per micro-batch on one tensor-parallel rank:
 
     flash  the causal half of the score FLOPs (QK^T and PV: 4 b s^2 heads d / 2), forward
            once and backward 2.5 x (FlashAttention's backward recomputes QK^T), at
-           ``flash_fraction`` of the data-sheet peak: FlashAttention-2 (Dao 2023, Fig. 6,
-           forward + backward, causal, head dim 128, A100) 150-190 TFLOP/s of 312; on H100 the
-           FlashAttention-2 kernel torch runs reaches 300-350 of 989 (Shah et al. 2024,
-           "FlashAttention-3", Fig. 5)
+           ``flash_fraction`` of the data-sheet peak: FlashAttention-2 reaches 50-73% of the
+           A100's peak forward (Dao 2023, arXiv:2307.08691, abstract), its backward less, so
+           0.55 for both; on H100 the FlashAttention-2 kernel torch runs reaches 35% (Shah et
+           al. 2024, "FlashAttention-3", arXiv:2407.08608, abstract)
     math   unfused (torch's math SDPA; Megatron-LM 2021's baddbmm + fused softmax + bmm): every
            score computed (s^2, the mask applied after), QK^T and PV as batched GEMMs of the
            shapes above (head dim as k), plus the s^2 scores through memory: written, read and
@@ -37,9 +37,12 @@ Attention, per micro-batch on one tensor-parallel rank:
 Launches: a block runs ``block_ops()`` aten operators forward and about twice that backward
 (counted by tracing a real block, not guessed); each costs the host ``launch_us`` to dispatch.
 CUDA runs kernels asynchronously, so the host's time binds only when a block's kernels are
-shorter than their launches (small models): a block takes the longer of the two. About 10 us
-per eager operator: PyTorch's dispatch plus cudaLaunchKernel (Horace He, "Making Deep
-Learning Go Brrrr From First Principles", 2022: eager overhead of order 10 us per op).
+shorter than their launches (small models): a block takes the longer of the two. 10 us per
+operator is an assumption of the order of PyTorch's eager dispatch plus a CUDA kernel launch,
+not a measurement; only launch-bound (small) models depend on it.
+
+The tile set and the fill depth K_FILL are modelling assumptions (the anchor is the measured
+rate); the achievable HBM bandwidth is the Device's (0.8 of the data sheet, devices.py).
 """
 
 import functools
@@ -156,9 +159,10 @@ KERNELS = {
     "a100-40g": Kernels(sms=108, peak_tflops=312, mamf_tflops=267.9, mamf_shape=(6912, 16384, 2048),
                         hbm_gbps=1244, flash_fraction=0.55),
     "h100": Kernels(sms=132, peak_tflops=989, mamf_tflops=792.1, mamf_shape=(6144, 17920, 2816), hbm_gbps=2680,
-                    flash_fraction=0.33),
+                    flash_fraction=0.35),
+    # no published MAMF for the PCIe card: the SXM's, scaled by the data sheets' peaks
     "h100-pcie": Kernels(sms=114, peak_tflops=756, mamf_tflops=792.1 * 756 / 989, mamf_shape=(6144, 17920, 2816),
-                         hbm_gbps=1600, flash_fraction=0.33),
+                         hbm_gbps=1600, flash_fraction=0.35),
     "h200": Kernels(sms=132, peak_tflops=989, mamf_tflops=792.1, mamf_shape=(6144, 17920, 2816), hbm_gbps=3840,
-                    flash_fraction=0.33),
+                    flash_fraction=0.35),
 }
