@@ -26,6 +26,9 @@ from trainer3d.plan.settings import PlanConfig
 
 MEGATRON_2021 = ("Narayanan et al. 2021, \"Efficient Large-Scale Language Model Training on GPU Clusters Using "
                  "Megatron-LM\" (SC21, arXiv:2104.04473), Table 1")
+# Table 1's 1T row is also the abstract's "502 petaFLOP/s on 3072 GPUs (per-GPU throughput of 52% of
+# theoretical peak)"; tests/unit/test_published_runs.py checks every row against the table's own
+# parameter-count and aggregate-PFLOP/s columns.
 KORTHIKANTI_2022 = ("Korthikanti et al. 2022, \"Reducing Activation Recomputation in Large Transformer Models\" "
                     "(arXiv:2205.05198), Tables 3 and 5")
 MT_NLG = ("Smith et al. 2022, \"Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B\" "
