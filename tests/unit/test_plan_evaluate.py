@@ -42,7 +42,12 @@ def test_evaluate_prints_a_7b_layout_on_8_gpus_with_a_json_last_line():
     assert "pipeline rank 0:" in text and "pipeline rank 1:" in text and "pp_receive_buffers" in text
     assert "bubble" in text and "dp_comm" in text
     for term in ("gemm", "attention", "elementwise", "tp_comm", "launch", "head"):
-        assert f"  {term} " in text, term
+        assert f"    {term} " in text, term
+        assert f"compute.{term}" in fields["step_terms"], term
+    parts = sum(v for k, v in fields["step_terms"].items() if k.startswith("compute."))
+    assert parts == pytest.approx(fields["step_terms"]["compute"])
+    assert sum(fields["step_terms"][k] for k in ("compute", "bubble", "pp_comm", "dp_comm", "optimizer", "host")) \
+        == pytest.approx(fields["step_s"])
 
 
 def test_the_attention_kernel_is_a_cluster_knob():

@@ -9,7 +9,8 @@ term of those ranks and every step-time term; its last line is one JSON object:
 
     tokens_per_s, tokens_per_s_per_gpu, model_tflops_per_gpu (the PaLM count the metrics use,
     trainer3d/model/flops.py), mfu (of the data sheet's dense peak; null where unknown),
-    step_s, peak_bytes (the worst rank), usable_bytes, fits, bounding_rank, layout
+    step_s, step_terms (seconds by term, StepTime.terms), peak_bytes (the worst rank),
+    usable_bytes, fits, bounding_rank, layout
 """
 
 import json
@@ -80,7 +81,8 @@ def step_lines(step: StepTime) -> List[str]:
     total = step.total
     lines = [f"step time {total:.4g} s:"]
     for name, value in step.terms().items():
-        lines.append(f"  {name:<22} {value:>10.4g} s {value / total:>7.1%}" if total else f"  {name:<22} {value:.4g} s")
+        label = "  " + name.replace("compute.", "  ")
+        lines.append(f"{label:<24} {value:>10.4g} s {value / total:>7.1%}" if total else f"{label:<24} {value:.4g} s")
     return lines
 
 
@@ -98,7 +100,8 @@ def summary(cfg: PlanConfig, device: Device, plan: Plan) -> Dict[str, object]:
               "micro_batch_size": t.micro_batch_size, "grad_accum_steps": t.grad_accum_steps,
               "activation_checkpointing": t.activation_checkpointing}
     return {"tokens_per_s": plan.tokens_per_s, "tokens_per_s_per_gpu": per_gpu, "model_tflops_per_gpu": tflops,
-            "mfu": tflops / peak if peak else None, "step_s": plan.step.total, "peak_bytes": plan.memory.total,
+            "mfu": tflops / peak if peak else None, "step_s": plan.step.total, "step_terms": plan.step.terms(),
+            "peak_bytes": plan.memory.total,
             "usable_bytes": int(usable), "fits": plan.memory.total <= usable, "bounding_rank": plan.memory.pp_rank,
             "device": device.name, "world": world, "layout": layout}
 

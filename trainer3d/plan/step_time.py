@@ -93,8 +93,9 @@ class StepTime:
     tp_comm, launch, recompute, head; block_time.py)."""
 
     def terms(self) -> Dict[str, float]:
-        """Every term by name, ``compute``'s parts indented under it (``tp_comm`` is one of
-        them); the step is compute + bubble + pp_comm (or node_bound) + dp_comm + optimizer + host."""
+        """Every term by name, ``compute``'s parts as ``compute.<part>`` after it (``tp_comm``
+        is one of them); the step is compute + bubble + pp_comm (or node_bound) + dp_comm +
+        optimizer + host."""
         out: Dict[str, float] = {}
         for f in fields(self):
             if f.name in ("tp_comm", "compute_terms"):
@@ -102,7 +103,7 @@ class StepTime:
             out[f.name] = getattr(self, f.name)
             if f.name == "compute":
                 parts = self.compute_terms or {"tp_comm": self.tp_comm}
-                out.update({f"  {name}": value for name, value in sorted(parts.items(), key=lambda kv: -kv[1])})
+                out.update({f"compute.{name}": value for name, value in sorted(parts.items(), key=lambda kv: -kv[1])})
         return out
 
     @property
