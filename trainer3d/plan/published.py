@@ -32,9 +32,10 @@ MEGATRON_2021 = ("Narayanan et al. 2021, \"Efficient Large-Scale Language Model 
 KORTHIKANTI_2022 = ("Korthikanti et al. 2022, \"Reducing Activation Recomputation in Large Transformer Models\" "
                     "(arXiv:2205.05198), Tables 3 and 5")
 MT_NLG = ("Smith et al. 2022, \"Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B\" "
-          "(arXiv:2201.11990), sec. 2.4: 60.1 s per iteration on 280 DGX A100 nodes")
+          "(arXiv:2201.11990), system throughput: 60.1 s per iteration of 1920 sequences on 280 DGX A100 nodes")
 BLOOM = ("BigScience 2022, BLOOM 176B model summary (bigscience.notion.site: 384 A100 80GB, one replica per 48 "
-         "GPUs, \"about 150 TFLOPs\"); Le Scao et al. 2022 (arXiv:2211.05100) sec. 3.4 for the layout")
+         "GPUs, \"about 150 TFLOPs\"); Le Scao et al. 2022 (arXiv:2211.05100) and the training script "
+         "(bigscience-workshop/bigscience, train/tr11-176B-ml) for tp 4 x pp 12 x dp 8, micro-batch 2, batch 2048")
 LLAMA3 = ("Llama Team 2024, \"The Llama 3 Herd of Models\" (arXiv:2407.21783), Table 4: 405B pre-training, "
           "H100 80GB, BF16 MFU")
 
