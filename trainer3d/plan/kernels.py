@@ -6,8 +6,9 @@ performance/dl-performance-matrix-multiplication: "Tile quantization", "Wave qua
 
     t = max(2 m n k / (rate x waves(m, n) x depth(k)),  p (m k + k n + m n) / HBM bandwidth)
 
-    waves(m, n)  output tiles over the SMs: tiles / (ceil(tiles / SMs) x SMs), the best of
-                 cuBLAS's 256x128, 128x256 and 128x128 tiles (the last wave runs part-empty)
+    waves(m, n)  output tiles over the SMs: tiles / (ceil(tiles / SMs) x SMs) times the share
+                 of each tile inside the output, the best of 256x128, 128x256, 128x128, 128x64
+                 and 64x128 tiles (cuBLAS picks among such; the last wave runs part-empty)
     depth(k)     k / (k + K_FILL): each tile pays a fixed prologue (filling the multi-stage
                  shared-memory pipeline) and epilogue (writing C), about two 32-deep k-steps
     rate         chosen so that the model gives the *measured* maximum achievable matmul
@@ -28,8 +29,9 @@ Attention, per micro-batch on one tensor-parallel rank:
            0.55 for both; on H100 the FlashAttention-2 kernel torch runs reaches 35% (Shah et
            al. 2024, "FlashAttention-3", arXiv:2407.08608, abstract)
     math   unfused (torch's math SDPA; Megatron-LM 2021's baddbmm + fused softmax + bmm): every
-           score computed (s^2, the mask applied after), QK^T and PV as batched GEMMs of the
-           shapes above (head dim as k), plus the s^2 scores through memory: written, read and
+           score computed (s^2, the mask applied after), QK^T (s x s, head dim deep) and PV
+           (s x head dim, s deep) as batched GEMMs by shape, plus the s^2 scores through
+           memory: written, read and
            written by the softmax, read by PV (4 passes forward); backward dP written, the
            softmax's gradient reading P and dP and writing dS, dS read by two GEMMs, P read
            once more (7 passes)
