@@ -31,10 +31,9 @@ Attention, per micro-batch on one tensor-parallel rank:
     math   unfused (torch's math SDPA; Megatron-LM 2021's baddbmm + fused softmax + bmm): every
            score computed (s^2, the mask applied after), QK^T (s x s, head dim deep) and PV
            (s x head dim, s deep) as batched GEMMs by shape, plus the s^2 scores through
-           memory: written, read and
-           written by the softmax, read by PV (4 passes forward); backward dP written, the
-           softmax's gradient reading P and dP and writing dS, dS read by two GEMMs, P read
-           once more (7 passes)
+           memory: written, read and written by the softmax, read by PV (4 passes forward);
+           backward dP written, the softmax's gradient reading P and dP and writing dS, dS
+           read by two GEMMs, P read once more (7 passes)
 
 Launches: a block runs ``block_ops()`` aten operators forward and about twice that backward
 (counted by tracing a real block, not guessed); each costs the host ``launch_us`` to dispatch.
