@@ -10,6 +10,7 @@ exports MASTER_ADDR/PORT, RANK and WORLD_SIZE, the rank starts its heartbeat
 peer ends the job instead of hanging it for gloo's default 30 minutes.
 """
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -156,7 +157,9 @@ class TrainTask:
                   file=sys.stderr, flush=True)
             return None
         print(f"trainer3d: requeuing (requeue {self.requeues + 1} of at most {cap})", file=sys.stderr, flush=True)
-        return submitit.helpers.DelayedSubmission(TrainTask(self.cfg, self.requeues + 1, self.lock_run_dir))
+        # The next attempt continues this one (``never`` would be refused beside its own checkpoints).
+        cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train, resume="auto"))
+        return submitit.helpers.DelayedSubmission(TrainTask(cfg, self.requeues + 1, self.lock_run_dir))
 
 
 # --------------------------------------------------------------------------- submitting process
