@@ -8,6 +8,12 @@ before Hydra touches the directory: here it is created and a probe file is writt
 synced (a full file system refuses the data block even where it still has inodes for an
 empty file), then removed. A refusal is one line naming the directory, the reason and the
 knob, and the process exits with status 2, as for any refused config.
+
+``on_job_start`` writes the run's record of its config, ``.hydra/`` (``config.yaml``,
+``hydra.yaml``, ``overrides.yaml``, as Hydra writes them; conf/config.yaml turns Hydra's own
+writer off), through ``scrub`` (trainer3d/config/secrets.py): a token in any config string
+(``launcher.setup=["export HF_TOKEN=hf_..."]``) never reaches the disk, and one line says
+what was redacted. The job itself runs with the values given.
 """
 
 import os
@@ -17,8 +23,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from trainer3d.config.secrets import redaction_line, scrub
+
+RECORD_DIR = ".hydra"
 PROBE_BYTES = 64 * 1024
 """What the probe writes: more than a file system's block, less than any run's first file."""
 
@@ -58,3 +67,23 @@ class RunDirCheck(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         refuse_unwritable(Path(str(config.hydra.sweep.dir)), "hydra.sweep.dir")
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        write_record(config)
+
+
+def write_record(config: DictConfig) -> None:
+    """``<run dir>/.hydra/{config,hydra,overrides}.yaml`` with credentials redacted."""
+    hydra = config.hydra
+    directory = Path(str(hydra.runtime.output_dir)) / (hydra.output_subdir or RECORD_DIR)
+    found: list = []
+    task = {k: v for k, v in OmegaConf.to_container(config, resolve=False).items() if k != "hydra"}
+    records = {"config.yaml": scrub(task, found),
+               "hydra.yaml": scrub({"hydra": OmegaConf.to_container(hydra, resolve=False)}),
+               "overrides.yaml": scrub(OmegaConf.to_container(hydra.overrides.task, resolve=False), found, "override")}
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, data in records.items():
+        (directory / name).write_text(OmegaConf.to_yaml(OmegaConf.create(data)))
+    line = redaction_line(found, f"{directory}, checkpoint markers and wandb")
+    if line:
+        print(line, file=sys.stderr, flush=True)
