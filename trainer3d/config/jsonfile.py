@@ -49,6 +49,8 @@ def read_json_object(path: Path, max_bytes: int = MAX_JSON_BYTES) -> dict:
     """The JSON object in ``path``; ValueError naming the file if it is too large, not JSON,
     nested too deeply or not an object (callers add their own fix to the message)."""
     path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path} is {'a directory' if path.is_dir() else 'not a regular file'}, not a JSON file")
     if path.stat().st_size > max_bytes:
         raise ValueError(f"{path} is larger than {max_bytes} bytes; not a config, index or header file")
     value = parse_json(path.read_bytes(), str(path))
