@@ -33,7 +33,7 @@ def memory_lines(cfg: Config) -> List[str]:
              f"  {'pp rank':>7}  {'parameters':>14}  {'this engine':>12}  {'ZeRO paper*':>12}  "
              f"params / grads / master / optimizer"]
     for pp_rank in range(p.pp):
-        shapes = rank_parameter_shapes(cfg, topo.rank(pp_rank, 0, 0))
+        shapes = rank_parameter_shapes(cfg, topo.rank(pp_rank, 0, 0, 0))
         psi = sum(torch.Size(s).numel() for s in shapes)
         engine = engine_model_state_bytes(shapes, p.dp, p.zero_stage, t.dtype, bucket)
         paper = paper_model_state_bytes(psi, p.dp, p.zero_stage)
@@ -68,7 +68,7 @@ def peak_lines(cfg: Config) -> List[str]:
              f"  {'micro-batches in flight':<34}" + "".join(f"{_flight(mem):>12}" for mem in shown)]
     lines += [f"  {label:<34}" + "".join(f"{format_bytes(get(mem)):>12}" for mem in shown) for label, get in rows]
     topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp)
-    first = topo.rank(worst.pp_rank, 0, 0)
+    first = topo.rank(worst.pp_rank, 0, 0, 0)
     lines.append(f"  worst: pp rank {worst.pp_rank} (global ranks {first}..{first + p.dp * p.tp - 1}), "
                  f"{format_bytes(worst.total)} per rank")
     return lines

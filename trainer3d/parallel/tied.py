@@ -60,7 +60,7 @@ def sum_tied_gradients(chunks: Iterable[nn.Module], optimizer: ZeroOptimizer, di
         return
     param = next(p for chunk in chunks for n, p in chunk.named_parameters() if canonical_name(n) == TIED)
     grad = optimizer.grad(param).view(-1)
-    if not sharded or dims.dp == 1:
+    if not sharded or dims.dp_cp == 1:
         dist.all_reduce(grad, group=dims.embedding_group)
         return
     owned = torch.zeros_like(grad)

@@ -50,7 +50,7 @@ def shard_model(model: nn.Module, cfg: Config, dims: ParallelDims) -> None:
     policy = MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute,
                                   reduce_dtype=torch.float32)
     reshard = cfg.parallel.zero_stage == 3
-    mesh = dims.mesh["dp"]
+    mesh = dims.dp_cp_mesh()
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
@@ -124,7 +124,7 @@ class FSDPOptimizer(ZeroOptimizer):
         out = []
         for (name, param), local, a, b in zip(self.named, self.local, self.exp_avg, self.exp_avg_sq):
             rows, per_row = param.shape[0], math.prod(param.shape[1:])
-            lo = min(self.dims.dp_rank * -(-rows // self.dims.dp), rows) * per_row
+            lo = min(self.dims.dp_cp_rank * -(-rows // self.dims.dp_cp), rows) * per_row
             out.append(StateView(name, tuple(param.shape), tp_shard_of(param), lo, lo + local.numel(),
                                  {"param": local.view(-1), "exp_avg": a.view(-1), "exp_avg_sq": b.view(-1)}))
         return out
