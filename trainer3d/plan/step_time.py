@@ -10,6 +10,10 @@ the final norm, head and loss on the last):
                                               the block saves (trainer3d/memory/activations.py)
              + tensor-parallel collectives    2 all-reduces per block (or all-gather +
                                               reduce-scatter, the same bytes) over intra-node links
+             + context-parallel exchange      cp − 1 hops of a key/value block per block (backward:
+                                              the blocks and their fp32 gradients, one more hop),
+                                              each hidden behind one block's attention where it
+                                              is shorter (ring attention, trainer3d/parallel/context/)
              + dispatch overhead              host time per block (CPUs)
     backward = 2 x the matmuls, 3 passes of elementwise traffic, the same collectives, and
                with recomputation the blocks' forward again
@@ -34,7 +38,7 @@ cores (CPUs) a step also takes at least the node's total work over the node's th
 """
 
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 from trainer3d.memory.activations import FP32, Sizes, layer_terms
 from trainer3d.config.schema import Config
@@ -99,6 +103,24 @@ class StepTime:
         return max(self.critical_path, self.node_bound) + self.dp_comm + self.optimizer + self.host
 
 
+def _cp_exposed(cfg: Config, z: Sizes, device: Device, rate: float, lat: float,
+                ranks_per_node: int) -> Tuple[float, float]:
+    """(forward, backward) seconds per block of the ring's hops not hidden behind attention:
+    a hop carries this rank's keys and values (backward: and their fp32 gradients) while one
+    block of attention computes (a causal half-square of the local queries on local keys)."""
+    p = cfg.parallel
+    if p.cp == 1:
+        return 0.0, 0.0
+    gbps = _link_gbps(device, p.tp * p.cp, ranks_per_node)
+    kv = 2 * z.n * z.kv_heads // p.tp * z.head_dim
+    hop = z.p * kv / (gbps * 1e9) + lat * 1e-6
+    grad_hop = (z.p + FP32) * kv / (gbps * 1e9) + lat * 1e-6
+    block_attention = 2 * z.n * z.s * z.heads // p.tp * z.head_dim / rate  # QK^T and PV, half of them masked
+    fwd = (p.cp - 1) * max(0.0, hop - block_attention)
+    bwd = (p.cp - 1) * max(0.0, grad_hop - 2 * block_attention) + FP32 * kv / (gbps * 1e9) + lat * 1e-6
+    return fwd, bwd
+
+
 def micro_batch_times(cfg: Config, device: Device, pp_rank: int, ranks_per_node: int) -> RankTimes:
     p, t, m = cfg.parallel, cfg.train, cfg.model
     z = Sizes.of(cfg)
@@ -108,11 +130,13 @@ def micro_batch_times(cfg: Config, device: Device, pp_rank: int, ranks_per_node:
     hidden = z.p * z.n * z.h
     lat = device.latency(ranks_per_node)
     region = all_reduce_s(hidden, p.tp, device.intra_gbps, lat)  # one all-reduce, or AG + RS
-    flops = z.n * (2 * layer_matmul_params(m) + 2 * z.s * z.heads * z.head_dim) / p.tp
+    # a token attends over the whole sequence (t.seq_len) whichever cp rank holds it
+    flops = z.n * (2 * layer_matmul_params(m) + 2 * t.seq_len * z.heads * z.head_dim) / p.tp
     saved = sum(layer_terms(z).values())
     overhead = device.layer_overhead_us * 1e-6 / speed
-    block_fwd = flops / rate + FWD_PASSES * saved / bw + 2 * region + overhead / 3
-    block_bwd = 2 * flops / rate + BWD_PASSES * saved / bw + 2 * region + 2 * overhead / 3
+    cp_fwd, cp_bwd = _cp_exposed(cfg, z, device, rate, lat, ranks_per_node)
+    block_fwd = flops / rate + FWD_PASSES * saved / bw + 2 * region + overhead / 3 + cp_fwd
+    block_bwd = 2 * flops / rate + BWD_PASSES * saved / bw + 2 * region + 2 * overhead / 3 + cp_bwd
     if t.activation_checkpointing:
         block_bwd += block_fwd
     last = n_stages(cfg) - 1
@@ -142,27 +166,28 @@ def _link_gbps(device: Device, span: int, ranks_per_node: int) -> float:
 def _dp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: RankTimes,
                 ranks_per_node: int, backend: str) -> float:
     p, t = cfg.parallel, cfg.train
-    if p.dp == 1:
+    n = p.dp * p.cp  # gradients are reduced, and ZeRO shards, over dp x cp
+    if n == 1:
         return 0.0
-    gbps = _link_gbps(device, p.tp * p.dp, ranks_per_node)
-    lat = device.latency(min(ranks_per_node, p.tp * p.pp * p.dp))
+    gbps = _link_gbps(device, p.tp * n, ranks_per_node)
+    lat = device.latency(min(ranks_per_node, p.tp * p.pp * n))
     m = t.grad_accum_steps
     if p.zero_stage in (2, 3):
-        params = states.params // FP32 * p.dp  # the unsharded fp32 parameters FSDP2 gathers from
+        params = states.params // FP32 * n  # the unsharded fp32 parameters FSDP2 gathers from
         b = BYTES[t.dtype]
-        gather = gather_s(b * params, p.dp, gbps, lat)
-        scatter = gather_s(FP32 * params, p.dp, gbps, lat)
+        gather = gather_s(b * params, n, gbps, lat)
+        scatter = gather_s(FP32 * params, n, gbps, lat)
         bwd_gather = gather if p.zero_stage == 3 else 0.0
         per_micro = max(0.0, gather - times.forward) + max(0.0, bwd_gather + scatter - times.backward)
         return m * per_micro + gather / (cfg.model.n_layers + 1)
     grads = states.grads
     scatter = p.zero_stage == 1 and backend == "nccl"
-    reduce = gather_s(grads, p.dp, gbps, lat) if scatter else all_reduce_s(grads, p.dp, gbps, lat)
+    reduce = gather_s(grads, n, gbps, lat) if scatter else all_reduce_s(grads, n, gbps, lat)
     bucket_share = min(1.0, p.bucket_mb * 2 ** 20 / max(1, grads))
     last_bucket = reduce * bucket_share
     exposed = last_bucket + max(0.0, reduce - last_bucket - times.backward)
     if p.zero_stage == 1:  # waited for bucket by bucket in the next first forward (parallel/zero/param_gather.py)
-        gather = gather_s(states.params, p.dp, gbps, lat)
+        gather = gather_s(states.params, n, gbps, lat)
         exposed += gather * bucket_share + max(0.0, gather * (1 - bucket_share) - times.forward)
     return exposed
 
@@ -173,14 +198,14 @@ def step_time(cfg: Config, device: Device, states: Dict[int, ModelStateBytes], r
     last: the others differ only by the layers they hold, balanced by the stage split)."""
     p, t = cfg.parallel, cfg.train
     m, v = t.grad_accum_steps, p.pp_virtual_stages
-    node_ranks = min(ranks_per_node, p.tp * p.pp * p.dp)
+    node_ranks = min(ranks_per_node, p.tp * p.cp * p.pp * p.dp)
     times: Dict[int, RankTimes] = {r: micro_batch_times(cfg, device, r, node_ranks) for r in states}
     slowest = max(times, key=lambda r: times[r].forward + times[r].backward)
     busy = times[slowest].forward + times[slowest].backward
     z = Sizes.of(cfg)
     hop = 0.0
     if p.pp > 1:
-        gbps = _link_gbps(device, p.tp * p.dp * p.pp, ranks_per_node)
+        gbps = _link_gbps(device, p.tp * p.cp * p.dp * p.pp, ranks_per_node)
         hop = z.hidden_bytes() / (gbps * 1e9) + (device.latency(node_ranks) + device.pipeline_action(node_ranks)) * 1e-6
     slot = busy + 2 * v * hop
     fill = (p.pp - 1) / v
