@@ -1,7 +1,7 @@
 """ZeRO stages 2 and 3 through FSDP2 (``fully_shard``), for pp == 1 only.
 
 Every transformer block and then the root module are sharded over the dp sub-mesh
-(``dims.mesh["dp"]``): each rank keeps dim-0 slice ``dp_rank`` of every parameter, in fp32
+(``dims.dp_cp_mesh()``, dp x cp): each rank keeps dim-0 slice ``dp_cp_rank`` of every parameter, in fp32
 (the master weights), with its gradient and AdamW moments for that slice alone.
 
 - Stage 3 (P_os+g+p): ``reshard_after_forward=True`` — a block's full parameters exist only
@@ -62,6 +62,8 @@ def shard_model(model: nn.Module, cfg: Config, dims: ParallelDims) -> None:
 
 class FSDPOptimizer(ZeroOptimizer):
     """ZeRO-2/3: the optimizer contract over an FSDP2-sharded model."""
+
+    shards_state = True
 
     def __init__(self, chunks: List[nn.Module], cfg: Config, dims: ParallelDims):
         if len(chunks) != 1 or dims.pp != 1:
