@@ -83,12 +83,13 @@ _STATES: Dict[str, ModelStateBytes] = {}
 def _states_of(cfg: Config, stages: List[int]) -> ModelStateBytes:
     """Model states of these stages, cached on what they depend on (the planner asks often)."""
     p = cfg.parallel
-    key = repr((sorted(vars(cfg.model).items()), p.tp, p.pp, p.pp_virtual_stages, p.pp_layers, p.dp,
+    key = repr((sorted(vars(cfg.model).items()), p.tp, p.pp, p.pp_virtual_stages, p.pp_layers, p.dp * p.cp,
                 p.zero_stage, p.bucket_mb, cfg.train.dtype, stages))
     if key not in _STATES:
         shapes = [s for stage in stages for s in stage_parameter_shapes(cfg, stage)]
         bucket = max(1, int(p.bucket_mb * 2 ** 20) // 4)
-        _STATES[key] = engine_model_state_bytes(shapes, p.dp, p.zero_stage, cfg.train.dtype, bucket)
+        # ZeRO shards over dp x cp (the gradient-reduction group, trainer3d/parallel/topology.py)
+        _STATES[key] = engine_model_state_bytes(shapes, p.dp * p.cp, p.zero_stage, cfg.train.dtype, bucket)
     return _STATES[key]
 
 

@@ -71,6 +71,9 @@ def block_time(cfg: Config, device: Device, ranks_per_node: int, attention: str 
         f, b = k.linear_s(z.n, n_in, n_out, z.p)
         gemm_f, gemm_b = gemm_f + f, gemm_b + b
     attn_f, attn_b = k.attention_s(attention, z.b, z.s, z.heads // t, z.head_dim, z.p)
+    # context parallelism: the local queries attend over the whole sequence (cp x the local
+    # keys, load-balanced: trainer3d/parallel/context/sharding.py)
+    attn_f, attn_b = attn_f * z.cp, attn_b * z.cp
     saved = sum(layer_terms(Sizes.of(cfg, "flash")).values())
     bw = k.hbm_gbps * 1e9
     fwd = {"gemm": gemm_f, "attention": attn_f, "elementwise": FWD_PASSES * saved / bw, "tp_comm": 2 * region}
@@ -89,7 +92,8 @@ def _measured_rate_block(cfg: Config, device: Device, ranks_per_node: int, regio
     speed = device.rank_speed(ranks_per_node)
     rate = device.matmul_tflops[cfg.train.dtype] * 1e12 * speed
     bw = (device.elementwise_gbps or device.memory_gbps) * 1e9 * speed
-    flops = z.n * (2 * layer_matmul_params(cfg.model) + 2 * z.s * z.heads * z.head_dim) / z.t
+    # a token attends over the whole sequence whichever cp rank holds it
+    flops = z.n * (2 * layer_matmul_params(cfg.model) + 2 * z.s * z.cp * z.heads * z.head_dim) / z.t
     saved = sum(layer_terms(z).values())
     overhead = device.layer_overhead_us * 1e-6 / speed
     fwd = {"gemm": flops / rate, "elementwise": FWD_PASSES * saved / bw, "tp_comm": 2 * region,

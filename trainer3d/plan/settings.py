@@ -47,6 +47,11 @@ class SearchConfig:
     it has 1F1B's bubble and holds every micro-batch's activations.)"""
     sequence_parallel: List[bool] = field(default_factory=lambda: [False, True])
     recompute: List[bool] = field(default_factory=lambda: [False, True])
+    context_parallel_from: int = 16384
+    """train.seq_len from which context parallelism is tried (cp over the powers of two up to
+    ``context_parallel_max``, within what tp leaves); shorter sequences search cp = 1 only."""
+    context_parallel_max: int = 16
+    """The largest cp tried."""
 
 
 @dataclass

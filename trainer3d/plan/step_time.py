@@ -7,7 +7,10 @@ traffic, tensor-parallel collectives and the host's launches beyond the device's
 (trainer3d/plan/kernels.py, with the published figures they come from); on CPUs and
 calibrated machines the causal model FLOPs at the measured rate, the elementwise traffic
 at the measured rate and the measured dispatch overhead. With recomputation the backward
-runs the blocks' forward again.
+runs the blocks' forward again. With context parallelism each block adds the ring's
+exchange where it is longer than the attention it hides behind: cp − 1 hops of a key/value
+block (backward: the blocks and their fp32 gradients, one more hop; ring attention,
+trainer3d/parallel/context/).
 
     step = (m + (p - 1) / v) x (slowest rank's forward + backward + 2 v hand-overs, each a
                                               send and the schedule's host time per action)
@@ -115,11 +118,33 @@ class StepTime:
         return max(self.critical_path, self.node_bound) + self.dp_comm + self.optimizer + self.host
 
 
+def _cp_exposed(cfg: Config, z: Sizes, device: Device, ranks_per_node: int) -> Tuple[float, float]:
+    """(forward, backward) seconds per block of the ring's hops not hidden behind attention:
+    a hop carries this rank's keys and values (backward: and their fp32 gradients) while one
+    block of attention computes (a causal half-square of the local queries on local keys)."""
+    p = cfg.parallel
+    if p.cp == 1:
+        return 0.0, 0.0
+    rate = device.matmul_tflops[cfg.train.dtype] * 1e12 * device.rank_speed(ranks_per_node)
+    lat = device.latency(ranks_per_node)
+    gbps = _link_gbps(device, p.tp * p.cp, ranks_per_node)
+    kv = 2 * z.n * z.kv_heads // p.tp * z.head_dim
+    hop = z.p * kv / (gbps * 1e9) + lat * 1e-6
+    grad_hop = (z.p + FP32) * kv / (gbps * 1e9) + lat * 1e-6
+    block_attention = 2 * z.n * z.s * z.heads // p.tp * z.head_dim / rate  # QK^T and PV, half of them masked
+    fwd = (p.cp - 1) * max(0.0, hop - block_attention)
+    bwd = (p.cp - 1) * max(0.0, grad_hop - 2 * block_attention) + FP32 * kv / (gbps * 1e9) + lat * 1e-6
+    return fwd, bwd
+
+
 def micro_batch_times(cfg: Config, device: Device, pp_rank: int, ranks_per_node: int,
                       attention: str = "flash") -> RankTimes:
     p, t, m = cfg.parallel, cfg.train, cfg.model
     z = Sizes.of(cfg)
     block = block_time(cfg, device, ranks_per_node, attention)
+    cp_fwd, cp_bwd = _cp_exposed(cfg, z, device, ranks_per_node)
+    if p.cp > 1:
+        block.fwd["cp_comm"], block.bwd["cp_comm"] = cp_fwd, cp_bwd
     region = tp_region_s(cfg, device, ranks_per_node)
     last = n_stages(cfg) - 1
     ranges = stage_layer_ranges(m.n_layers, last + 1, p.pp_layers)
@@ -169,28 +194,29 @@ def _link_gbps(device: Device, span: int, ranks_per_node: int) -> float:
 def _dp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: RankTimes,
                 ranks_per_node: int, backend: str) -> float:
     p, t = cfg.parallel, cfg.train
-    if p.dp == 1:
+    n = p.dp * p.cp  # gradients are reduced, and ZeRO shards, over dp x cp
+    if n == 1:
         return 0.0
-    gbps = _link_gbps(device, p.tp * p.dp, ranks_per_node)
-    lat = device.latency(min(ranks_per_node, p.tp * p.pp * p.dp))
+    gbps = _link_gbps(device, p.tp * n, ranks_per_node)
+    lat = device.latency(min(ranks_per_node, p.tp * p.pp * n))
     m = t.grad_accum_steps
     if p.zero_stage in (2, 3):
-        params = states.params // FP32 * p.dp  # the unsharded fp32 parameters FSDP2 gathers from
+        params = states.params // FP32 * n  # the unsharded fp32 parameters FSDP2 gathers from
         b = BYTES[t.dtype]
         units = cfg.model.n_layers + 1  # FSDP2 units: every block and the root (parallel/zero/fsdp.py)
-        gather = unit_gathers_s(b * params, units, p.dp, gbps, lat)
-        scatter = unit_gathers_s(FP32 * params, units, p.dp, gbps, lat)
+        gather = unit_gathers_s(b * params, units, n, gbps, lat)
+        scatter = unit_gathers_s(FP32 * params, units, n, gbps, lat)
         bwd_gather = gather if p.zero_stage == 3 else 0.0
         per_micro = max(0.0, gather - times.forward) + max(0.0, bwd_gather + scatter - times.backward)
         return m * per_micro + gather / (cfg.model.n_layers + 1)
     grads = states.grads
     scatter = p.zero_stage == 1 and backend == "nccl"
-    reduce = gather_s(grads, p.dp, gbps, lat) if scatter else all_reduce_s(grads, p.dp, gbps, lat)
+    reduce = gather_s(grads, n, gbps, lat) if scatter else all_reduce_s(grads, n, gbps, lat)
     bucket_share = min(1.0, p.bucket_mb * 2 ** 20 / max(1, grads))
     last_bucket = reduce * bucket_share
     exposed = last_bucket + max(0.0, reduce - last_bucket - times.backward)
     if p.zero_stage == 1:  # waited for bucket by bucket in the next first forward (parallel/zero/param_gather.py)
-        gather = gather_s(states.params, p.dp, gbps, lat)
+        gather = gather_s(states.params, n, gbps, lat)
         exposed += gather * bucket_share + max(0.0, gather * (1 - bucket_share) - times.forward)
     return exposed
 
@@ -202,14 +228,14 @@ def step_time(cfg: Config, device: Device, states: Dict[int, ModelStateBytes], r
     ``attention``: the attention kernel (``cluster.attention``, kernels.py)."""
     p, t = cfg.parallel, cfg.train
     m, v = t.grad_accum_steps, p.pp_virtual_stages
-    node_ranks = min(ranks_per_node, p.tp * p.pp * p.dp)
+    node_ranks = min(ranks_per_node, p.tp * p.cp * p.pp * p.dp)
     times: Dict[int, RankTimes] = {r: micro_batch_times(cfg, device, r, node_ranks, attention) for r in states}
     slowest = max(times, key=lambda r: times[r].forward + times[r].backward)
     busy = times[slowest].forward + times[slowest].backward
     z = Sizes.of(cfg)
     hop = 0.0
     if p.pp > 1:
-        gbps = _link_gbps(device, p.tp * p.dp * p.pp, ranks_per_node)
+        gbps = _link_gbps(device, p.tp * p.cp * p.dp * p.pp, ranks_per_node)
         hop = z.hidden_bytes() / (gbps * 1e9) + (device.latency(node_ranks) + device.pipeline_action(node_ranks)) * 1e-6
     slot = busy + 2 * v * hop
     fill = (p.pp - 1) / v
