@@ -2,9 +2,11 @@
 
 ``Trainer.__init__`` builds this rank's model chunks, optimizer and data loader from the
 config and the layout; ``train_step`` is forward_backward (all grad_accum micro-batches,
-through the pipeline schedule when pp > 1) -> reduce gradients over dp -> clip by the
-global norm -> optimizer step; ``train`` repeats it, evaluates on the validation set
-every train.eval_every steps (``forward_only``, trainer3d/observe/evaluate.py) and logs at the interval.
+through the pipeline schedule when pp > 1) -> finalize the gradients (the dp reduction, the
+tp and tied-embedding sums: trainer3d/parallel/finalize.py) -> clip by the global norm ->
+optimizer step; ``train`` repeats it, evaluates on the validation set every
+train.eval_every steps (``forward_only``, trainer3d/observe/evaluate.py) and logs at the
+interval.
 """
 
 import contextlib
@@ -24,12 +26,11 @@ from trainer3d.observe.metrics import MetricsLogger
 from trainer3d.model.flops import flops_per_token
 from trainer3d.observe.nonfinite import NonFiniteWatch
 from trainer3d.optim.schedule import lr_at
+from trainer3d.parallel.finalize import GradFinalizer
 from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer
 from trainer3d.parallel.zero.optimizer import ZeroOptimizer
 from trainer3d.parallel.pipeline.losses import StepLosses
 from trainer3d.parallel.pipeline.schedule import Pipeline
-from trainer3d.parallel.tensor.layers import sync_sequence_parallel_grads
-from trainer3d.parallel.tied import sum_tied_gradients
 from trainer3d.job.preemption import Stop, StopSignal
 from trainer3d.observe.telemetry import model_state_bytes, resolve_peak_tflops
 from trainer3d.parallel.timeouts import GroupTimeouts
@@ -79,6 +80,7 @@ class Trainer:
         resume_from = agree_on_resume(cfg, dims, self.timeouts)
         self.chunks: List[nn.Module] = build_model_chunks(cfg, dims, initialise=resume_from is None)
         self.optimizer: ZeroOptimizer = build_optimizer(self.chunks, cfg, dims)
+        self.grads = GradFinalizer(self.chunks, self.optimizer, dims, cfg.parallel.sequence_parallel)
         self.checkpointer = Checkpointer(cfg, dims, self.optimizer, self.timeouts)
         self.micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims), t.grad_accum_steps, self.optimizer)
         self.pipeline = Pipeline(self.chunks, self.micro_loss, cfg, dims) if dims.pp > 1 else None
@@ -86,8 +88,6 @@ class Trainer:
         self.start_step = self.checkpointer.load(resume_from)
         self.metrics = self._build_metrics()
         self.nonfinite = NonFiniteWatch(dims.device, norm_counts=t.dtype != "fp16", action=t.on_nonfinite)
-        if self.pipeline is not None:
-            self.pipeline.report_to(self.metrics)
 
     def _build_data(self):
         """This rank's training batches (read ahead) and evaluator (None without a validation set);
@@ -106,8 +106,10 @@ class Trainer:
         metrics = MetricsLogger(dims, cfg.run_dir, t.max_steps, tokens_per_step=t.global_batch_size * t.seq_len,
                                 start_step=self.start_step, flops_per_token=flops_per_token(cfg.model, t.seq_len),
                                 peak_tflops=resolve_peak_tflops(t.peak_tflops, dims.device, t.dtype) if rank0 else None,
-                                sinks=build_sinks(cfg) if rank0 else ())
-        metrics.state_bytes = lambda: model_state_bytes(self.chunks, self.optimizer)
+                                sinks=build_sinks(cfg) if rank0 else (),
+                                state_bytes=lambda: model_state_bytes(self.chunks, self.optimizer))
+        if self.pipeline is not None:
+            self.pipeline.report_to(metrics)
         return metrics
 
     # ------------------------------------------------------------------ one step
@@ -144,10 +146,7 @@ class Trainer:
         self.optimizer.zero_grad()
         loss = self.forward_backward(inputs, targets)
         with self.metrics.comm():  # communication the backward did not overlap, and the norm's all-reduce
-            self.optimizer.reduce_gradients()
-            if self.cfg.parallel.sequence_parallel:
-                sync_sequence_parallel_grads(self.optimizer, self.dims)
-            sum_tied_gradients(self.chunks, self.optimizer, self.dims, sharded=self.cfg.parallel.zero_stage >= 1)
+            self.grads.finalize()
             grad_norm = self.optimizer.clip_grad_norm(self.cfg.optim.grad_clip)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         self.optimizer.step(lr)

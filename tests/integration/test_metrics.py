@@ -145,9 +145,9 @@ def _reduced_rows(rank, world, run_dir):
     """Two steps on a dp=world layout: rank r's loss is 10 r + step, its bubble column
     (r + 1) / 10, its memory figure 1000 (r + 1)."""
     dims = dims_for(dp=world)
-    logger = MetricsLogger(dims, run_dir, max_steps=2, tokens_per_step=100, stream=io.StringIO())
+    logger = MetricsLogger(dims, run_dir, max_steps=2, tokens_per_step=100, stream=io.StringIO(),
+                           state_bytes=lambda: 1000 * (rank + 1))
     logger.add_column("bubble", lambda: [(rank + 1) / 10] * 2)
-    logger.state_bytes = lambda: 1000 * (rank + 1)
     for step in range(2):
         logger.record(step, torch.tensor(10.0 * rank + step), torch.tensor(1.0), 1e-3)
     return logger.flush()

@@ -53,7 +53,7 @@ def format_duration(seconds: float) -> str:
 class MetricsLogger:
     def __init__(self, dims: ParallelDims, run_dir: str, max_steps: int, tokens_per_step: int,
                  start_step: int = 0, flops_per_token: float = 0.0, peak_tflops: Optional[float] = None,
-                 sinks: Sequence = (), stream: TextIO = None):
+                 sinks: Sequence = (), stream: TextIO = None, state_bytes: Optional[Callable[[], int]] = None):
         self.dims = dims
         self.max_steps = max_steps
         self.tokens_per_step = tokens_per_step
@@ -79,9 +79,9 @@ class MetricsLogger:
         """``with metrics.comm(): <a communication call>`` inside a step (trainer3d/observe/telemetry.py)."""
         self._columns: Dict[str, Callable[[], List[float]]] = {"comm_s": self.comm.pop}
         self.constants: Dict[str, float] = {"bubble": 0.0, "bubble_theory": 0.0}
-        """Values written unchanged into every row (e.g. the pipeline's bubble_theory)."""
-        self.state_bytes: Callable[[], int] = lambda: 0
-        """This rank's model-state tensor bytes (set by the trainer; read at flush)."""
+        """Values written unchanged into every row (``set_constant``: e.g. the pipeline's bubble_theory)."""
+        self.state_bytes: Callable[[], int] = state_bytes or (lambda: 0)
+        """This rank's model-state tensor bytes (read at flush)."""
         self.last: Optional[dict] = None
         if dims.rank == 0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -100,6 +100,10 @@ class MetricsLogger:
         rank's values for the steps recorded since the last flush (it may read the device)."""
         self._columns[name] = read
         self.constants.pop(name, None)
+
+    def set_constant(self, name: str, value: float) -> None:
+        """A value written unchanged into every row."""
+        self.constants[name] = value
 
     def record(self, step: int, loss: Optional[torch.Tensor], grad_norm: torch.Tensor, lr: float,
                extra: Optional[Dict[str, torch.Tensor]] = None) -> None:

@@ -8,7 +8,8 @@ its own package with its communication beside it: ``tensor/`` (Megatron-style sh
 layers, sequence parallelism, the vocabulary-parallel loss), ``pipeline/`` (stages, the
 1F1B/interleaved schedules, the bubble clock), ``zero/`` (data parallelism: the optimizer
 contract, flat-buffer ZeRO 0/1 with bucketed reduction and an overlapped gather, FSDP2 for
-ZeRO 2/3). Beside them: ``comm`` (collective shims), ``wgrad`` (low-precision weight
+ZeRO 2/3). Beside them: ``finalize`` (the gradients after backward: dp reduction, sequence-parallel
+and tied-embedding sums), ``comm`` (collective shims), ``wgrad`` (low-precision weight
 gradients into fp32 buffers), ``recompute``, ``compile``, ``tied`` (the tied embedding's
 two copies). May import ``config``, ``model``, ``optim`` and ``hf.source``; nothing above it
 (``job``, ``observe``, ``memory``, the trainer).

@@ -141,4 +141,4 @@ class Pipeline:
     def report_to(self, metrics) -> None:
         """Add the per-step ``bubble`` (mean over all ranks) and ``bubble_theory`` columns."""
         metrics.add_column("bubble", self.clock.pop_bubbles)
-        metrics.constants["bubble_theory"] = self.bubble_theory
+        metrics.set_constant("bubble_theory", self.bubble_theory)

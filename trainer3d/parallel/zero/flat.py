@@ -68,6 +68,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
     def __init__(self, chunks: List[nn.Module], cfg: Config, dims: ParallelDims, sharded: bool,
                  overlap_gather: bool = True):
         self.cfg, self.dims, self.sharded = cfg, dims, sharded
+        self.shards_state = sharded
         named = [(canonical_name(n), p) for chunk in chunks for n, p in chunk.named_parameters() if p.requires_grad]
         self.names: Dict[nn.Parameter, str] = {p: n for n, p in named}
         dtype = DTYPES[cfg.train.dtype]
@@ -107,6 +108,9 @@ class FlatZeroOptimizer(ZeroOptimizer):
     def parameters(self) -> List[nn.Parameter]:
         self.wait_params()
         return list(self.names)
+
+    def owned_ranges(self, param: torch.Tensor) -> List[Tuple[int, int]]:
+        return [s.local_range for s in self.adam.segments if s.param is param]
 
     def wait_params(self) -> None:
         if self.deferred is not None:

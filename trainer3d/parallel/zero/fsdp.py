@@ -63,6 +63,8 @@ def shard_model(model: nn.Module, cfg: Config, dims: ParallelDims) -> None:
 class FSDPOptimizer(ZeroOptimizer):
     """ZeRO-2/3: the optimizer contract over an FSDP2-sharded model."""
 
+    shards_state = True
+
     def __init__(self, chunks: List[nn.Module], cfg: Config, dims: ParallelDims):
         if len(chunks) != 1 or dims.pp != 1:
             raise ValueError(f"parallel.zero_stage={cfg.parallel.zero_stage} needs parallel.pp=1")
