@@ -2,9 +2,11 @@
 
 ``Trainer.__init__`` builds this rank's model chunks, optimizer and data loader from the
 config and the layout; ``train_step`` is forward_backward (all grad_accum micro-batches,
-through the pipeline schedule when pp > 1) -> reduce gradients over dp -> clip by the
-global norm -> optimizer step; ``train`` repeats it, evaluates on the validation set
-every train.eval_every steps (``forward_only``, trainer3d/observe/evaluate.py) and logs at the interval.
+through the pipeline schedule when pp > 1) -> finalize the gradients (the dp reduction, the
+tp and tied-embedding sums: trainer3d/parallel/finalize.py) -> clip by the global norm ->
+optimizer step; ``train`` repeats it, evaluates on the validation set every
+train.eval_every steps (``forward_only``, trainer3d/observe/evaluate.py) and logs at the
+interval.
 """
 
 import contextlib
@@ -24,11 +26,11 @@ from trainer3d.observe.metrics import MetricsLogger
 from trainer3d.model.flops import flops_per_token
 from trainer3d.observe.nonfinite import NonFiniteWatch
 from trainer3d.optim.schedule import lr_at
+from trainer3d.parallel.finalize import GradFinalizer
 from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer
 from trainer3d.parallel.zero.optimizer import ZeroOptimizer
+from trainer3d.parallel.pipeline.losses import StepLosses
 from trainer3d.parallel.pipeline.schedule import Pipeline
-from trainer3d.parallel.tensor.layers import sync_sequence_parallel_grads
-from trainer3d.parallel.tied import sum_tied_gradients
 from trainer3d.job.preemption import Stop, StopSignal
 from trainer3d.observe.telemetry import model_state_bytes, resolve_peak_tflops
 from trainer3d.parallel.timeouts import GroupTimeouts
@@ -38,30 +40,26 @@ from trainer3d.parallel.topology import ParallelDims
 class MicroBatchLoss:
     """The loss function of one micro-batch, as the pipeline schedule and the plain loop call it.
 
-    It keeps the plain loss (detached, for logging) and returns what backward needs: the
-    loss divided by grad_accum (so accumulated gradients are those of the step's mean
-    loss; the schedule's own gradient scaling stays off) and multiplied by the optimizer's
-    loss scale (fp16).
+    It records the plain loss (for logging) in ``losses``, the step's ``StepLosses``, and
+    returns what backward needs: the loss divided by grad_accum (so accumulated gradients
+    are those of the step's mean loss; the schedule's own gradient scaling stays off) and
+    multiplied by the optimizer's loss scale (fp16).
     """
 
     def __init__(self, loss_fn: Callable, grad_accum_steps: int, optimizer: ZeroOptimizer):
         self.loss_fn = loss_fn
         self.grad_accum_steps = grad_accum_steps
         self.optimizer = optimizer
-        self.losses: List[torch.Tensor] = []
+        self.losses = StepLosses()
 
     def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = self.loss_fn(output, targets)
-        self.losses.append(loss.detach())
+        self.losses.record(loss)
         return self.optimizer.scale_loss(loss) / self.grad_accum_steps
 
     def pop_mean(self) -> Optional[torch.Tensor]:
         """Mean loss of the micro-batches since the last call (None where no loss is computed)."""
-        if not self.losses:
-            return None
-        mean = torch.stack(self.losses).mean()
-        self.losses = []
-        return mean
+        return self.losses.take_mean()
 
 
 class Trainer:
@@ -82,6 +80,7 @@ class Trainer:
         resume_from = agree_on_resume(cfg, dims, self.timeouts)
         self.chunks: List[nn.Module] = build_model_chunks(cfg, dims, initialise=resume_from is None)
         self.optimizer: ZeroOptimizer = build_optimizer(self.chunks, cfg, dims)
+        self.grads = GradFinalizer(self.chunks, self.optimizer, dims, cfg.parallel.sequence_parallel)
         self.checkpointer = Checkpointer(cfg, dims, self.optimizer, self.timeouts)
         self.micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims, self.chunks), t.grad_accum_steps, self.optimizer)
         self.pipeline = Pipeline(self.chunks, self.micro_loss, cfg, dims) if dims.pp > 1 else None
@@ -89,14 +88,13 @@ class Trainer:
         self.start_step = self.checkpointer.load(resume_from)
         self.metrics = self._build_metrics()
         self.nonfinite = NonFiniteWatch(dims.device, norm_counts=t.dtype != "fp16", action=t.on_nonfinite)
-        if self.pipeline is not None:
-            self.pipeline.report_to(self.metrics)
 
     def _build_data(self):
         """This rank's training batches (read ahead) and evaluator (None without a validation set);
         the first stage reads inputs, the last targets, the stages between nothing."""
         dims, t = self.dims, self.cfg.train
-        train, val = build_readers(self.cfg, dims.dp, dims.dp_rank, dims.is_first_stage, dims.is_last_stage)
+        train, val = build_readers(self.cfg, dims.dp, dims.dp_rank, dims.is_first_stage, dims.is_last_stage,
+                                   dims.cp, dims.cp_rank)
         evaluator = None
         if val is not None and evaluates(self.cfg):
             evaluator = Evaluator(val, eval_batches(self.cfg, val.n_windows), t.eval_every, dims.device)
@@ -109,8 +107,10 @@ class Trainer:
         metrics = MetricsLogger(dims, cfg.run_dir, t.max_steps, tokens_per_step=t.global_batch_size * t.seq_len,
                                 start_step=self.start_step, flops_per_token=flops_per_token(cfg.model, t.seq_len),
                                 peak_tflops=resolve_peak_tflops(t.peak_tflops, dims.device, t.dtype) if rank0 else None,
-                                sinks=build_sinks(cfg) if rank0 else ())
-        metrics.state_bytes = lambda: model_state_bytes(self.chunks, self.optimizer)
+                                sinks=build_sinks(cfg) if rank0 else (),
+                                state_bytes=lambda: model_state_bytes(self.chunks, self.optimizer))
+        if self.pipeline is not None:
+            self.pipeline.report_to(metrics)
         return metrics
 
     # ------------------------------------------------------------------ one step
@@ -124,12 +124,12 @@ class Trainer:
         over micro-batches on ranks that compute it (the last stage), None elsewhere.
         """
         if self.pipeline is not None:
-            self.pipeline.forward_backward(inputs, targets)
-        else:
-            model = self.chunks[0]
-            for m in range(inputs.shape[0]):
-                self.micro_loss(model(inputs[m]), targets[m]).backward()
-        return self.micro_loss.pop_mean()
+            self.pipeline.forward_backward(inputs, targets)  # checks the count of losses its last stage records
+            return self.micro_loss.losses.take_mean()
+        model = self.chunks[0]
+        for m in range(inputs.shape[0]):
+            self.micro_loss(model(inputs[m]), targets[m]).backward()
+        return self.micro_loss.losses.take_mean(expected=inputs.shape[0])
 
     def forward_only(self, inputs: Optional[torch.Tensor],
                      targets: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -147,10 +147,7 @@ class Trainer:
         self.optimizer.zero_grad()
         loss = self.forward_backward(inputs, targets)
         with self.metrics.comm():  # communication the backward did not overlap, and the norm's all-reduce
-            self.optimizer.reduce_gradients()
-            if self.cfg.parallel.sequence_parallel:
-                sync_sequence_parallel_grads(self.optimizer, self.dims)
-            sum_tied_gradients(self.chunks, self.optimizer, self.dims, sharded=self.cfg.parallel.zero_stage >= 1)
+            self.grads.finalize()
             grad_norm = self.optimizer.clip_grad_norm(self.cfg.optim.grad_clip)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         self.optimizer.step(lr)

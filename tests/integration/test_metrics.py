@@ -39,7 +39,7 @@ def _state_bytes_by_accounting(overrides) -> int:
     p, topo = cfg.parallel, Topology(tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp)
     most = 0
     for pp_rank in range(p.pp):
-        dims = ParallelDims(topo=topo, rank=topo.rank(pp_rank, 0, 0), mesh=None, tp_group=None, dp_group=None,
+        dims = ParallelDims(topo=topo, rank=topo.rank(pp_rank, 0, 0, 0), mesh=None, tp_group=None, dp_group=None,
                             pp_group=None, device=torch.device("meta"))
         shapes = [tuple(q.shape) for chunk in build_meta_chunks(cfg, dims) for q in chunk.parameters()]
         want = engine_model_state_bytes(shapes, p.dp, p.zero_stage, cfg.train.dtype, bucket_numel(cfg))
@@ -145,9 +145,9 @@ def _reduced_rows(rank, world, run_dir):
     """Two steps on a dp=world layout: rank r's loss is 10 r + step, its bubble column
     (r + 1) / 10, its memory figure 1000 (r + 1)."""
     dims = dims_for(dp=world)
-    logger = MetricsLogger(dims, run_dir, max_steps=2, tokens_per_step=100, stream=io.StringIO())
+    logger = MetricsLogger(dims, run_dir, max_steps=2, tokens_per_step=100, stream=io.StringIO(),
+                           state_bytes=lambda: 1000 * (rank + 1))
     logger.add_column("bubble", lambda: [(rank + 1) / 10] * 2)
-    logger.state_bytes = lambda: 1000 * (rank + 1)
     for step in range(2):
         logger.record(step, torch.tensor(10.0 * rank + step), torch.tensor(1.0), 1e-3)
     return logger.flush()

@@ -44,7 +44,7 @@ def _whole_model(rank, world_size, sp):
     from trainer3d.model.init import init_parameters, tp_shard_of
     from trainer3d.model.transformer import Transformer, cross_entropy_loss
     from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks
-    from trainer3d.parallel.tensor.layers import sync_sequence_parallel_grads
+    from trainer3d.parallel.finalize import GradFinalizer
     from trainer3d.parallel.zero.flat import ReplicatedOptimizer
 
     dims = dims_for(tp=world_size)
@@ -78,12 +78,11 @@ def _whole_model(rank, world_size, sp):
     # The optimizer owns the gradients (its hooks accumulate them into one fp32 buffer): build it
     # before backward and read each parameter's gradient through it, as the trainer does.
     optimizer = ReplicatedOptimizer(chunks, cfg, dims)
+    grads = GradFinalizer(chunks, optimizer, dims, sp)
     optimizer.zero_grad()
     loss = loss_fn(model(tokens), targets)
     loss.backward()
-    optimizer.reduce_gradients()
-    if sp:
-        sync_sequence_parallel_grads(optimizer, dims)
+    grads.finalize()
     out["loss"] = abs(loss.item() - ref_loss.item())
     for name, p in model.named_parameters():
         full, grad = ref_params[name].grad, optimizer.grad(p)
@@ -108,9 +107,7 @@ def _whole_model(rank, world_size, sp):
     for _ in range(2):
         optimizer.zero_grad()
         loss_fn(model(tokens), targets).backward()
-        optimizer.reduce_gradients()
-        if sp:
-            sync_sequence_parallel_grads(optimizer, dims)
+        grads.finalize()
         optimizer.clip_grad_norm(1.0)
         optimizer.step(1e-2)
     flat = torch.cat([p.detach().flatten() for n, p in model.named_parameters() if tp_shard_of(p) is None])

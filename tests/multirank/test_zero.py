@@ -15,7 +15,7 @@ from tests.support.zero_ranks import (build, forward_backward, global_batch, los
 from trainer3d.model.init import canonical_name, init_parameters, tp_shard_of
 from trainer3d.model.transformer import Transformer
 from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer
-from trainer3d.parallel.tensor.layers import sync_sequence_parallel_grads
+from trainer3d.parallel.finalize import GradFinalizer
 
 STEPS = 3
 # (stage, zero_reduce, bucket_mb): several buckets at 0.01 MiB (~2.6k fp32 elements each).
@@ -166,15 +166,14 @@ def _tp_fsdp(rank, world, stage, sp):
     opt = build_optimizer(chunks, cfg, dims)
     model, loss_fn, accum = chunks[0], build_loss_fn(cfg, dims, chunks), cfg.train.grad_accum_steps
     kept = marks == {canonical_name(n): tp_shard_of(p) for n, p in model.named_parameters()}
+    grads = GradFinalizer(chunks, opt, dims, sp)
     norms = []
     for step in range(STEPS):
         opt.zero_grad()
         x, y = global_batch(cfg, step)
         for m in range(dims.dp_rank * accum, (dims.dp_rank + 1) * accum):
             (opt.scale_loss(loss_fn(model(x[m]), y[m])) / accum).backward()
-        opt.reduce_gradients()
-        if sp:
-            sync_sequence_parallel_grads(opt, dims)
+        grads.finalize()
         norms.append(opt.clip_grad_norm(cfg.optim.grad_clip).item())
         opt.step(1e-2)
     ref_params, ref_norms = reference_steps(make_cfg(2, 0, grad_clip=0.5), STEPS)

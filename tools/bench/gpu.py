@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from trainer3d.config.schema import Config, ModelConfig  # noqa: E402
 from trainer3d.memory.states import engine_model_state_bytes, format_bytes, rank_parameter_shapes  # noqa: E402
 from trainer3d.model.flops import flops_per_token  # noqa: E402
+from trainer3d.parallel.finalize import GradFinalizer  # noqa: E402
 from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer  # noqa: E402
 from trainer3d.observe.telemetry import peak_rss_bytes, resolve_peak_tflops  # noqa: E402
 from trainer3d.parallel.topology import ParallelDims, Topology  # noqa: E402
@@ -77,6 +78,7 @@ def time_variant(cfg: Config, dims: ParallelDims, args) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     chunks = build_model_chunks(cfg, dims)
     optimizer = build_optimizer(chunks, cfg, dims)
+    grads = GradFinalizer(chunks, optimizer, dims, cfg.parallel.sequence_parallel)
     loss_fn = build_loss_fn(cfg, dims, chunks)
     g = torch.Generator().manual_seed(0)
     vocab, shape = cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len)
@@ -88,7 +90,7 @@ def time_variant(cfg: Config, dims: ParallelDims, args) -> dict:
         started = time.perf_counter()
         optimizer.zero_grad()
         loss_fn(chunks[0](tokens), targets).backward()
-        optimizer.reduce_gradients()
+        grads.finalize()
         optimizer.clip_grad_norm(1.0)
         optimizer.step(1e-4)
         _sync(device)

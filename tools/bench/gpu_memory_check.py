@@ -29,6 +29,7 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from trainer3d.config.schema import Config, ModelConfig  # noqa: E402
+from trainer3d.parallel.finalize import GradFinalizer  # noqa: E402
 from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer  # noqa: E402
 from trainer3d.memory.meter import SavedActivationMeter  # noqa: E402
 from trainer3d.memory.peak import rank_memory  # noqa: E402
@@ -55,6 +56,7 @@ def run_point(cfg: Config, dims: ParallelDims) -> int:
     """Peak bytes of the second step: allocator peak on CUDA, saved activations on CPU."""
     chunks = build_model_chunks(cfg, dims)
     optimizer = build_optimizer(chunks, cfg, dims)
+    grads = GradFinalizer(chunks, optimizer, dims, cfg.parallel.sequence_parallel)
     micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims, chunks), cfg.train.grad_accum_steps, optimizer)
     trainer = SimpleNamespace(pipeline=None, chunks=chunks, micro_loss=micro_loss)
     t = cfg.train
@@ -72,7 +74,7 @@ def run_point(cfg: Config, dims: ParallelDims) -> int:
                 Trainer.forward_backward(trainer, inputs, targets)
         else:
             Trainer.forward_backward(trainer, inputs, targets)
-        optimizer.reduce_gradients()
+        grads.finalize()
         optimizer.clip_grad_norm(1.0)
         optimizer.step(1e-4)
     if dims.device.type == "cuda":

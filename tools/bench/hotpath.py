@@ -69,7 +69,7 @@ def _rank(rank, world, args):
     from trainer3d.config.schema import Config, ModelConfig
     from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer
     from trainer3d.memory.meter import SavedActivationMeter
-    from trainer3d.parallel.tensor.layers import sync_sequence_parallel_grads
+    from trainer3d.parallel.finalize import GradFinalizer
     from trainer3d.parallel.topology import ParallelDims, Topology
 
     cfg = Config()
@@ -82,6 +82,7 @@ def _rank(rank, world, args):
     dims = ParallelDims.build(Topology(tp=args.tp, pp=1, dp=args.dp), torch.device("cpu"))
     (model,) = build_model_chunks(cfg, dims)
     optimizer = build_optimizer([model], cfg, dims)
+    grads = GradFinalizer([model], optimizer, dims, args.sp)
     try:  # the loss that applies the head itself (train.loss_chunk_tokens) takes the chunks
         loss_fn = build_loss_fn(cfg, dims, [model])
     except TypeError:  # a revision from before it
@@ -100,9 +101,7 @@ def _rank(rank, world, args):
                 loss = loss_fn(model(batch[0, m]), batch[1, m])
             losses.append(loss.detach())
             (optimizer.scale_loss(loss) / args.grad_accum).backward()
-        optimizer.reduce_gradients()
-        if args.sp:
-            sync_sequence_parallel_grads(optimizer, dims)
+        grads.finalize()
         optimizer.clip_grad_norm(1.0)
         optimizer.step(1e-3)
         return torch.stack(losses).mean()

@@ -47,6 +47,7 @@ from common import add_model_arguments, bench_config  # noqa: E402
 from trainer3d.job.local_ranks import run_ranks  # noqa: E402
 from trainer3d.model.init import init_parameters  # noqa: E402
 from trainer3d.model.transformer import Transformer, cross_entropy_loss  # noqa: E402
+from trainer3d.parallel.finalize import GradFinalizer  # noqa: E402
 from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks  # noqa: E402
 from trainer3d.parallel.zero.flat import ReplicatedOptimizer  # noqa: E402
 from trainer3d.parallel.topology import ParallelDims, Topology  # noqa: E402
@@ -62,13 +63,14 @@ def _config(args):
 def _ours(cfg, dims):
     chunks = build_model_chunks(cfg, dims)
     optimizer = ReplicatedOptimizer(chunks, cfg, dims)
+    grads = GradFinalizer(chunks, optimizer, dims, cfg.parallel.sequence_parallel)
     loss_fn = build_loss_fn(cfg, dims)
 
     def step(tokens, targets):
         optimizer.zero_grad()
         loss = loss_fn(chunks[0](tokens), targets)
         loss.backward()
-        optimizer.reduce_gradients()
+        grads.finalize()
         optimizer.clip_grad_norm(1.0)
         optimizer.step(1e-3)
         return loss.detach()

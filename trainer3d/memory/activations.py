@@ -9,7 +9,10 @@ derivation, next to Korthikanti et al. 2022 ("Reducing Activation Recomputation 
 Transformer Models", Table 2: 34sbh + 5as^2b per layer for GPT), is docs/memory.md. In
 their notation: s sequence, b micro-batch, h hidden, a heads, t tensor-parallel degree;
 here also h_kv = kv-heads x head_dim, f = FFN width, V = vocabulary, p = bytes of an
-activation (4 fp32, 2 bf16/fp16). Per layer, with the flash kernel:
+activation (4 fp32, 2 bf16/fp16). With context parallelism s is a cp rank's tokens,
+seq_len / cp: every term below is per token except none, so each divides by cp (the cp
+attention saves what the flash kernel saves, trainer3d/parallel/context/attention.py).
+Per layer, with the flash kernel:
 
     norms         2 x (p sbh + 4sb)          input (activation dtype), 1/rms (each /t with SP)
     inputs        2 x p sbh                  what wq/wk/wv and w1/w3 read (SP: the gathered sequence)
@@ -60,6 +63,8 @@ class Sizes:
     """Bytes per activation element (train.dtype)."""
     kernel: str = "flash"
     """Which SDPA kernel runs: flash (CPU fp32/bf16, CUDA flash/memory-efficient) or math."""
+    cp: int = 1
+    """Context-parallel degree (``s`` is already this cp rank's share of the sequence)."""
     loss_chunk: int = 0
     """Tokens per chunk of the loss that applies the head itself (train.loss_chunk_tokens);
     0: the model's whole logits go to the loss."""
@@ -67,10 +72,10 @@ class Sizes:
     @classmethod
     def of(cls, cfg: Config, kernel: str = "flash") -> "Sizes":
         m, p = cfg.model, cfg.parallel
-        return cls(b=cfg.train.micro_batch_size, s=cfg.train.seq_len, h=m.dim, heads=m.n_heads,
+        return cls(b=cfg.train.micro_batch_size, s=cfg.train.seq_len // p.cp, h=m.dim, heads=m.n_heads,
                    kv_heads=m.n_kv_heads, head_dim=head_dim(m), ffn=m.ffn_dim, vocab=m.vocab_size, t=p.tp,
-                   sp=p.sequence_parallel, p=ACT_BYTES[cfg.train.dtype], kernel=kernel,
-                   loss_chunk=cfg.train.loss_chunk_tokens)
+                   sp=p.sequence_parallel, p=ACT_BYTES[cfg.train.dtype], kernel="flash" if p.cp > 1 else kernel,
+                   cp=p.cp, loss_chunk=cfg.train.loss_chunk_tokens)
 
     @property
     def n(self) -> int:
@@ -172,10 +177,11 @@ def shared_terms(z: Sizes, micro_batches: int, first: bool, last: bool, pp: int)
     reads the targets uncopied) keep views of the step's token batch. Without a pipeline,
     inputs and targets are two views of one (micro_batches, b, s + 1) tensor; in a pipeline
     the first stage reads the inputs and the last the targets, each a (micro_batches, b, s)
-    tensor (trainer3d/data/loader.py); the chunked loss keeps no targets."""
+    tensor (trainer3d/data/loader.py), as are a cp rank's inputs and targets (its two chunks
+    of each, copied out); the chunked loss keeps no targets."""
     if z.t > 1:
         return {}
-    if pp == 1:
+    if pp == 1 and z.cp == 1:
         return {"token_batch": INT64 * micro_batches * z.b * (z.s + 1)}
     uses = int(first) + int(last and not z.loss_chunk and not _targets_copied(z))
     return {"token_batch": uses * INT64 * micro_batches * z.n} if uses else {}

@@ -9,7 +9,8 @@ is what one process's shared Parameter accumulates. Megatron-LM does the same ov
 "embedding group" (``_allreduce_embedding_grads`` in
 megatron/core/distributed/finalize_model_grads.py).
 
-The sum works on what the optimizer steps from (``optimizer.grad(param)``):
+``TiedEmbedding`` (called by trainer3d/parallel/finalize.py) sums what the optimizer steps
+from (``optimizer.grad(param)``):
 
 - replicated optimizer (ZeRO-0) or dp = 1: every rank holds the whole dp-averaged
   gradient, and the two ends of each (dp, tp) column all-reduce it
@@ -25,7 +26,7 @@ checkpoints store the first stage's copy only (``drop_tied_copies``), under the 
 own name, which any layout loads into both copies.
 """
 
-from typing import Dict, Iterable
+from typing import Dict, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -51,21 +52,32 @@ def drop_tied_copies(state: Dict[str, object], dims: ParallelDims) -> Dict[str, 
     return {k: v for k, v in state.items() if not k.endswith("." + TIED)}
 
 
-def sum_tied_gradients(chunks: Iterable[nn.Module], optimizer: ZeroOptimizer, dims: ParallelDims,
-                       sharded: bool) -> None:
-    """Sum the first and last stage's embedding gradients (after the dp reduction); a no-op
-    without tied embeddings across stages. ``sharded``: the optimizer is ZeRO-1 (each dp rank
-    owns a part of every gradient)."""
-    if dims.embedding_group is None:
-        return
-    param = next(p for chunk in chunks for n, p in chunk.named_parameters() if canonical_name(n) == TIED)
-    grad = optimizer.grad(param).view(-1)
-    if not sharded or dims.dp == 1:
-        dist.all_reduce(grad, group=dims.embedding_group)
-        return
-    owned = torch.zeros_like(grad)
-    for view in optimizer.checkpoint_views():  # the ranges whose optimizer state this rank owns
-        if view.name == TIED and "exp_avg" in view.tensors:
-            owned[view.start:view.end] = grad[view.start:view.end]
-    dist.all_reduce(owned, group=dims.embedding_dp_group)
-    grad.copy_(owned)
+class TiedEmbedding:
+    """This rank's copy of a tied embedding held on both ends of a pipeline, and the sum of
+    the two copies' gradients (after the dp reduction, before clipping)."""
+
+    def __init__(self, param: nn.Parameter, optimizer: ZeroOptimizer, dims: ParallelDims):
+        self.param, self.optimizer, self.dims = param, optimizer, dims
+        self.owned = optimizer.owned_ranges(param)
+        """The ranges of the flattened gradient whose update this rank owns (all of it unless
+        the optimizer shards its state over dp)."""
+        self.sharded = optimizer.shards_state and dims.dp_cp > 1
+
+    @classmethod
+    def find(cls, chunks: Iterable[nn.Module], optimizer: ZeroOptimizer, dims: ParallelDims) -> Optional["TiedEmbedding"]:
+        """None without tied embeddings across stages (no ``dims.embedding_group``)."""
+        if dims.embedding_group is None:
+            return None
+        param = next(p for chunk in chunks for n, p in chunk.named_parameters() if canonical_name(n) == TIED)
+        return cls(param, optimizer, dims)
+
+    def sum_gradients(self) -> None:
+        grad = self.optimizer.grad(self.param).view(-1)
+        if not self.sharded:
+            dist.all_reduce(grad, group=self.dims.embedding_group)
+            return
+        owned = torch.zeros_like(grad)
+        for lo, hi in self.owned:
+            owned[lo:hi] = grad[lo:hi]
+        dist.all_reduce(owned, group=self.dims.embedding_dp_group)
+        grad.copy_(owned)

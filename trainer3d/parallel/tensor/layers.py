@@ -23,20 +23,18 @@ Sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2): between blocks the h
 is sharded along the sequence, so norms and residual adds run on 1/tp of the tokens; a
 region opens with an all-gather instead of an identity and closes with a reduce-scatter
 instead of an all-reduce (same bytes on the wire, 1/tp of the activations kept). The norm
-weights then see only their shard's tokens: ``sync_sequence_parallel_grads`` sums their
+weights then see only their shard's tokens: trainer3d/parallel/finalize.py sums their
 gradients over tp.
 """
 
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from trainer3d.config.schema import Config
-from trainer3d.model.init import mark_tp_shard, tp_shard_of
-from trainer3d.parallel.zero.optimizer import ZeroOptimizer
+from trainer3d.model.init import mark_tp_shard
 from trainer3d.parallel.tensor.comm import ENTER, LEAVE
 from trainer3d.parallel.wgrad import linear
 from trainer3d.parallel.topology import ParallelDims
@@ -237,25 +235,3 @@ def apply_tensor_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
     # A tied head is the embedding matrix again: both split the padded vocabulary by rows,
     # rank r holding rows [r V'/tp, (r+1) V'/tp) of each, so the shards coincide.
     model.tie_weights()
-
-
-def sync_sequence_parallel_grads(optimizer: ZeroOptimizer, dims: ParallelDims) -> None:
-    """Sum the gradients of tp-replicated parameters over tp (sequence parallelism only).
-
-    Under sequence parallelism every replicated parameter (the norms) lives in a sequence-
-    sharded region, so each tp rank's gradient covers only its tokens; the sum over tp is
-    the full gradient, after which every tp rank holds the same one and the replicas stay
-    in sync. Works on ``optimizer.grad(param)``, this rank's part of the dp-reduced
-    gradient (one flat all-reduce for all of them): the whole gradient for ZeRO 0/1, the
-    dp shard under FSDP, where the tp ranks of one dp rank hold the same rows.
-    """
-    if dims.tp == 1:
-        return
-    replicated = [p for p in optimizer.parameters() if tp_shard_of(p) is None]
-    grads = [g for g in (optimizer.grad(p) for p in replicated) if g is not None]
-    if not grads:
-        return
-    flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=dims.tp_group)
-    for g, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        g.copy_(summed)

@@ -9,8 +9,9 @@ One step, as trainer3d/trainer.py runs it::
 
     opt.zero_grad()
     (opt.scale_loss(loss) / grad_accum).backward()   # every micro-batch
-    opt.reduce_gradients()                           # dp reduction done (fp16: unscaled)
-    sync_sequence_parallel_grads(...)                # tp sum of opt.grad(p), sequence parallelism only
+    opt.reduce_gradients()                           # dp reduction done (fp16: unscaled), and then
+                                                     # the tp and tied-embedding sums of opt.grad(p):
+                                                     # both in GradFinalizer (parallel/finalize.py)
     norm = opt.clip_grad_norm(max_norm)              # global norm, each element counted once
     opt.step(lr)                                     # ZeRO-1: parameters gathered during the next forward
     opt.step_metrics()                               # device tensors for metrics.jsonl
@@ -55,7 +56,7 @@ class StateView:
 
 
 class ZeroOptimizer(ABC):
-    """AdamW with fp32 state over this rank's model chunks, data-parallel over ``dims.dp_group``."""
+    """AdamW with fp32 state over this rank's model chunks, data-parallel over ``dims.dp_cp_group`` (dp x cp)."""
 
     step_count: torch.Tensor
     """Optimizer steps taken (a device scalar; skipped fp16 steps do not count)."""
@@ -84,6 +85,15 @@ class ZeroOptimizer(ABC):
     def grad(self, param: torch.Tensor) -> Optional[torch.Tensor]:
         """This rank's part of ``param``'s reduced gradient, a plain tensor the step reads:
         an in-place change to it (the sequence-parallel sync) is what the step uses."""
+
+    shards_state: bool = False
+    """Each dp rank owns (updates) only part of every gradient: ZeRO 1-3."""
+
+    def owned_ranges(self, param: torch.Tensor) -> List[Tuple[int, int]]:
+        """The ``[start, end)`` ranges of ``grad(param)`` flattened whose update this rank owns
+        (all of it unless the state is sharded over dp)."""
+        grad = self.grad(param)
+        return [(0, grad.numel())] if grad is not None else []
 
     @abstractmethod
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
