@@ -20,6 +20,15 @@ are written into it in fp32 straight from the logits' own dtype (no fp32 copy of
 logits), exponentiated and normalised in place, saved as the softmax, and turned into the
 gradient in place by the backward (so a graph through it can be backpropagated once).
 With tp = 1 the same function is the loss, without the collectives.
+
+The training loss does not even hold that buffer: ``chunked_head_loss`` takes the last
+stage's hidden states and the head's weight and runs the same three reductions over
+``train.loss_chunk_tokens`` tokens at a time, each chunk's logits formed, reduced,
+differentiated and multiplied out into the gradients of the hidden states and the head's
+weight, then freed (Liger-Kernel's fused linear cross-entropy; Wijmans et al. 2024, "Cut
+Your Losses in Large-Vocabulary Language Models", for the same aim by recomputation). The
+model's last stage then returns its hidden states (``Transformer.head_in_loss``, set by
+``parallel.build_loss_fn``); inference (tools/sample.py) still forms whole logits.
 """
 
 import torch
