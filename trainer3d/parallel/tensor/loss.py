@@ -144,16 +144,18 @@ def _chunk_softmax(logits, exp, local_t, group):
         # an fp32 copy, then the shift: on CPU faster than one mixed-dtype subtraction into fp32
         exp = exp.copy_(logits).sub_(z_max.unsqueeze(-1)).exp_()
         sum_exp = exp.sum(dim=-1)
-    _all_reduce(sum_exp, group)
-    _all_reduce(target_z, group)
+    if group is not None:  # the two sums in one all-reduce: one synchronisation fewer per chunk
+        sums = torch.stack([sum_exp, target_z])
+        _all_reduce(sums, group)
+        sum_exp, target_z = sums[0], sums[1]
     return exp, sum_exp, target_z, local_t, here
 
 
 class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     """(tokens, dim) hidden states, (local vocab, dim) head weight, (tokens,) targets -> mean
     token loss (fp32) of ``hidden @ weight.T`` over the tp ``group``, ``chunk`` tokens at a
-    time: each chunk's logits are formed, reduced (max, sum of exp, target logit: the three
-    all-reduces of ``_VocabParallelCrossEntropy``), turned into their gradient and multiplied
+    time: each chunk's logits are formed, reduced (max, sum of exp, target logit: the
+    reductions of ``_VocabParallelCrossEntropy``, the two sums in one all-reduce), turned into their gradient and multiplied
     out, then freed. The gradients w.r.t. the hidden states and the weight are computed in
     forward, as Liger-Kernel's fused linear cross-entropy does (no matmul is repeated), and
     saved; backward only scales them by the incoming gradient (the trainer's 1/grad_accum and
