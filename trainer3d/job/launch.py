@@ -233,9 +233,11 @@ def _local_job(cfg: Config, lock: RunDirLock) -> int:
             signals.arm()
             status = follow(job, p.timeout_s, heartbeat_dir(cfg.run_dir), end=end)
         except Interrupted as sig:
+            wait_s = cfg.launcher.signal_delay_s
             _say(f"trainer3d: {sig.name}: ending job {job.job_id}: its {world} rank(s) stop at the next step "
-                 "boundary and save a checkpoint")
-            end()
+                 f"boundary and save a checkpoint (up to {wait_s} s, launcher.signal_delay_s; signal again to "
+                 "kill them now)")
+            end_processes(token, kill_wait_s=wait_s, reap=job.done, hurry=lambda: signals.again)
             raise SystemExit(128 + sig.signum) from None
         if processes_with_token(token):  # e.g. a child a rank left behind
             end()
