@@ -22,6 +22,7 @@ import torch._inductor.config as inductor_config
 import torch.distributed as dist
 
 from trainer3d.config.schema import Config
+from trainer3d.config.validate import world_size_of
 from trainer3d.job.device_check import rank_device
 from trainer3d.job.failure import rank_failures
 from trainer3d.job.follow import follow
@@ -83,7 +84,7 @@ def run_rank(cfg: Config, heartbeat: Optional[Heartbeat] = None, lock_run_dir: b
         if lock_run_dir:
             lock = _lock_on_rank0(cfg)
         p = cfg.parallel
-        dims = ParallelDims.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp), device, cfg.model.tie_embeddings,
+        dims = ParallelDims.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp), device, cfg.model.tie_embeddings,
                                   timeout_s=p.init_timeout_s)
         trainer = Trainer(cfg, dims)
         trainer.heartbeat = heartbeat
@@ -214,7 +215,7 @@ def submit_with_token(executor: submitit.Executor, task, token: str, owned: bool
 def _local_job(cfg: Config, lock: RunDirLock) -> int:
     """One process per rank on this machine, followed until it ends."""
     p = cfg.parallel
-    world = p.tp * p.pp * p.dp
+    world = world_size_of(cfg)
     token = new_token()
 
     def end() -> None:
@@ -227,7 +228,8 @@ def _local_job(cfg: Config, lock: RunDirLock) -> int:
             job = submit_with_token(make_executor(cfg, world), TrainTask(cfg, lock_run_dir=False), token,
                                     owned=True)
         lock.record(job.job_id, token)
-        print(f"trainer3d: {world} local rank(s) (tp={p.tp} pp={p.pp} dp={p.dp}), job {job.job_id}, "
+        cp = f" cp={p.cp}" if p.cp > 1 else ""
+        print(f"trainer3d: {world} local rank(s) (tp={p.tp}{cp} pp={p.pp} dp={p.dp}), job {job.job_id}, "
               f"logs in {cfg.launcher.folder}", flush=True)
         try:
             signals.arm()

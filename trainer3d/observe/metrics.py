@@ -179,10 +179,10 @@ class MetricsLogger:
         elapsed, n = now - self._interval_start, len(self._steps)
         self._interval_start = now
         if self.dims.rank == 0:
-            losses = (packed[:, 0] / self.dims.dp).tolist()
+            losses = (packed[:, 0] / self.dims.dp_cp).tolist()  # every dp and cp rank's mean, as many tokens each
             norms = torch.stack(self._norms).tolist()
             columns = {name: (packed[:, i + 2] / self.world_size).tolist() for i, name in enumerate(self._columns)}
-            val = {s: v for s, v in zip(self._steps, (packed[:, 1] / self.dims.dp).tolist()) if s in self._val}
+            val = {s: v for s, v in zip(self._steps, (packed[:, 1] / self.dims.dp_cp).tolist()) if s in self._val}
             if self._extras[0]:
                 columns.update({k: torch.stack([e[k] for e in self._extras]).tolist() for k in self._extras[0]})
             memory = dict(zip(per_rank, [int(v) for v in peaks.tolist()]))
