@@ -78,7 +78,8 @@ def test_evaluate_agrees_with_the_search_on_the_same_layout():
 def test_a_layout_that_does_not_cover_the_cluster_is_refused_naming_the_fix():
     cfg = _plan_config(*SEVEN_B_ON_8, "parallel.tp=2", "parallel.pp=1", "parallel.dp=2", "train.micro_batch_size=1",
                        "plan.evaluate=true")
-    with pytest.raises(LayoutError, match=r"cluster.nodes\*cluster.gpus_per_node = 8; set parallel.dp=4"):
+    covers = r"tp\*cp\*pp\*dp = 2\*1\*1\*2 = 4 ranks, but cluster.nodes\*cluster.gpus_per_node = 8; set parallel.dp=4"
+    with pytest.raises(LayoutError, match=covers):
         evaluate_report(cfg, device_for("h100-sxm"))
     cfg = _plan_config(*SEVEN_B_ON_8, "parallel.dp=8", "plan.evaluate=true")
     with pytest.raises(LayoutError, match="set train.micro_batch_size"):
