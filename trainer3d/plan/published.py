@@ -82,6 +82,8 @@ def _megatron(name, heads, h, layers, tp, pp, gpus, batch, tflops) -> Run:
 
 
 def _korthikanti(name, heads, h, layers, pp, gpus, batch, full_s, present_s) -> List[Run]:
+    """Table 3's configuration (tp 8 throughout) and Table 5's iteration times; micro-batch 1
+    is assumed (the tables give the global batch only)."""
     full = Run(KORTHIKANTI_2022, f"{name} full recompute", h, layers, heads, 8, pp, gpus, batch, full_s, "iteration_s")
     present = replace(full, name=f"{name} SP, no recompute", published=present_s, recompute=False, sp=True,
                       attention="flash")
