@@ -17,6 +17,7 @@ Layout (what transformers writes and reads): ``model.safetensors``, or
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,6 +166,25 @@ def tensor_infos(directory: Path) -> Dict[str, TensorInfo]:
 
 # ----------------------------------------------------------------------------- writing
 
+def umask_mode(path: Path) -> None:
+    """Give ``path`` the permissions ``open()`` gives a new file, 0666 less the process umask
+    (safetensors' ``save_file`` creates its files 0600)."""
+    path.chmod(0o666 & ~process_umask())
+
+
+def process_umask() -> int:
+    """The umask, read from /proc (Linux, proc(5)) without changing it; elsewhere set and restored."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
 def plan_shards(tensors: Dict[str, torch.Tensor], max_bytes: int) -> List[Dict[str, torch.Tensor]]:
     """Tensors in order, cut into shards of at most ``max_bytes`` (a bigger tensor alone)."""
     shards, current, size = [], {}, 0
@@ -184,11 +204,13 @@ def write_safetensors_dir(tensors: Dict[str, torch.Tensor], out: Path, max_shard
     shards = plan_shards(tensors, max_shard_bytes)
     if len(shards) == 1:
         save_file(shards[0], str(out / SINGLE), metadata=metadata)
+        umask_mode(out / SINGLE)
         return [out / SINGLE]
     files = [out / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for file, shard in zip(files, shards):
         save_file(shard, str(file), metadata=metadata)
+        umask_mode(file)
         weight_map.update({name: file.name for name in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
