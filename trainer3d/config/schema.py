@@ -240,6 +240,9 @@ class LauncherConfig:
     """Slurm sends USR2 this long before the time limit: ranks checkpoint and the job requeues."""
     max_requeues: int = 3
     """Cap on requeues after preemption or time limit."""
+    check_memory: bool = True
+    """Refuse (local launcher) a run whose estimated peak (the dry run's accounting) exceeds each
+    GPU's memory, or for CPU ranks this host's; false launches anyway (trainer3d/job/memory_check.py)."""
 
 
 @dataclass

@@ -14,11 +14,13 @@ seq_len / cp: every term below is per token except none, so each divides by cp (
 attention saves what the flash kernel saves, trainer3d/parallel/context/attention.py).
 Per layer, with the flash kernel:
 
-    norms         2 x (4sbh + 4sb + p sbh)   fp32 input copy, 1/rms, normalised (each /t with SP)
+    norms         2 x (p sbh + 4sb)          input (activation dtype), 1/rms (each /t with SP)
     inputs        2 x p sbh                  what wq/wk/wv and w1/w3 read (SP: the gathered sequence)
     attention     p sb (2h + 2h_kv)/t + 4asb/t   q, k, v after RoPE, output, log-sum-exp
-    SwiGLU        4 p sbf/t                  w1 x, w3 x, silu(w1 x), their product
+    SwiGLU        2 p sbf/t                  w1 x and w3 x (silu and the product are recomputed)
     RoPE tables   8 s head_dim               cos and sin, fp32
+
+(the norm, RoPE and SwiGLU are autograd Functions that save no more: model/functional.py).
 
 The math kernel keeps the attention probabilities instead (the paper's 5as^2b is our
 p as^2b/t) and 4 p sbh/t of copies of q, k, v and the output; activation checkpointing keeps only the block input
@@ -93,9 +95,9 @@ class Sizes:
 
 
 def _norm(z: Sizes) -> int:
-    """RMSNorm (model/transformer.py): x.float() (its own copy unless fp32), 1/rms, and the
-    normalised value before the weight multiply (in the activation dtype)."""
-    return FP32 * z.n_norm * z.h + FP32 * z.n_norm + z.p * z.n_norm * z.h
+    """RMSNorm (model/functional.py's ``rms_norm``): its input, in the activation dtype (the
+    residual stream's own storage), and 1/rms in fp32."""
+    return z.p * z.n_norm * z.h + FP32 * z.n_norm
 
 
 def _attention(z: Sizes) -> Dict[str, int]:
@@ -124,7 +126,7 @@ def layer_terms(z: Sizes) -> Dict[str, int]:
         **_attention(z),
         "ffn_norm": _norm(z),
         "ffn_input": z.p * z.n * z.h,
-        "swiglu": 4 * z.p * z.n * (z.ffn // z.t),
+        "swiglu": 2 * z.p * z.n * (z.ffn // z.t),
     }
 
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer3d.config.schema import ModelConfig, RopeScalingConfig
+from trainer3d.model.functional import apply_rotary, rms_norm, swiglu_linear
 
 
 class RMSNorm(nn.Module):
@@ -37,10 +38,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the activation dtype (bf16 loses the mean square).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
+        # Normalised in fp32 whatever the activation dtype; keeps x and 1/rms (functional.py).
+        return rms_norm(x, self.weight, self.eps)
 
 
 def head_dim_of(cfg: ModelConfig) -> int:
@@ -79,14 +78,6 @@ def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.devi
     angles = torch.outer(positions.to(torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + head_dim/2) of x: (seq, batch, heads, head_dim)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    cos, sin = cos[:, None, None, :], sin[:, None, None, :]
-    return (x.float() * cos + rotated.float() * sin).type_as(x)
 
 
 class CausalAttention(nn.Module):
@@ -132,7 +123,10 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x). w2's matmul runs inside ``swiglu_linear``, which
+    keeps w1 x and w3 x and recomputes the product for w2's weight gradient; a w2 that
+    sums partial products over ranks (a row-parallel one, parallel/tensor/layers.py) does
+    it in its ``reduce``, which its own forward calls after the same matmul."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -141,7 +135,9 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        out = swiglu_linear(self.w1(x), self.w3(x), self.w2.weight)
+        reduce = getattr(self.w2, "reduce", None)
+        return reduce(out) if reduce is not None else out
 
 
 class Block(nn.Module):

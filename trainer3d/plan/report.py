@@ -7,8 +7,8 @@ from trainer3d.model.flops import flops_per_token
 from trainer3d.model.transformer import count_parameters
 from trainer3d.plan.settings import PlanConfig
 from trainer3d.plan.devices import Device
+from trainer3d.plan.evaluate import memory_lines, step_lines
 from trainer3d.plan.search import Plan, SearchResult, command
-
 
 
 def _layout(plan_cfg) -> str:
@@ -63,4 +63,7 @@ def report(cfg: PlanConfig, device: Device, result: SearchResult, user_overrides
         return "\n".join(lines)
     lines += ["", *table_lines(cfg, top), ""]
     lines += [f"{i:>3}  {command(plan.cfg, user_overrides)}" for i, plan in enumerate(top, 1)]
+    lines += ["", f"#1 in detail ({_layout(top[0].cfg)}; plan.evaluate=true with its command's overrides prints "
+              "the same):", *memory_lines(top[0], device.usable_bytes(cfg.cluster.gpus_per_node)),
+              *step_lines(top[0].step)]
     return "\n".join(lines)

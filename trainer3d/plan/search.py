@@ -36,6 +36,8 @@ class Plan:
     cfg: Config
     memory: RankMemory
     step: StepTime
+    ranks: Dict[int, RankMemory] = field(default_factory=dict)
+    """The peak of every pipeline rank that bounds the layout (``ranks_evaluated``)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -111,12 +113,12 @@ def candidates(cfg: PlanConfig, device: Device) -> Iterator[Config]:
 _KNOB = re.compile(r"([a-z_]+\.[a-z_]+)")
 
 
-def evaluate(cfg: Config, device: Device, ranks_per_node: int, backend: str) -> Plan:
+def evaluate(cfg: Config, device: Device, ranks_per_node: int, backend: str, attention: str = "flash") -> Plan:
     """A validated layout's worst peak memory and predicted step (the step is timed even
     when the memory does not fit; search() drops those)."""
-    mems = {r: rank_memory(cfg, r) for r in ranks_evaluated(cfg.parallel.pp)}
-    step = step_time(cfg, device, {r: mem.states for r, mem in mems.items()}, ranks_per_node, backend)
-    return Plan(cfg=cfg, memory=max(mems.values(), key=lambda mem: mem.total), step=step)
+    mems = {r: rank_memory(cfg, r, attention) for r in ranks_evaluated(cfg.parallel.pp)}
+    step = step_time(cfg, device, {r: mem.states for r, mem in mems.items()}, ranks_per_node, backend, attention)
+    return Plan(cfg=cfg, memory=max(mems.values(), key=lambda mem: mem.total), step=step, ranks=mems)
 
 
 def backend_of(cfg: PlanConfig, device: Device) -> str:
@@ -137,7 +139,7 @@ def search(cfg: PlanConfig, device: Device) -> SearchResult:
             result.refused[knob] += 1
             result.refusal_examples.setdefault(knob, err.problems[0])
             continue
-        plan = evaluate(valid, device, c.gpus_per_node, backend)
+        plan = evaluate(valid, device, c.gpus_per_node, backend, c.attention)
         if plan.memory.total > usable:
             result.over_memory += 1
             over = plan.memory.total - usable
