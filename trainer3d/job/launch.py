@@ -27,6 +27,7 @@ from trainer3d.job.follow import follow
 from trainer3d.job.heartbeat import Heartbeat, heartbeat_dir
 from trainer3d.job.interrupt import TOKEN_VAR, Interrupted, JobSignals, end_processes, new_token, processes_with_token
 from trainer3d.job.preemption import leave
+from trainer3d.job.resume import stop_line
 from trainer3d.job.runlock import RunDirBusy, RunDirLock
 from trainer3d.parallel.timeouts import seconds
 from trainer3d.parallel.topology import ParallelDims, Topology
@@ -85,7 +86,7 @@ def run_rank(cfg: Config, heartbeat: Optional[Heartbeat] = None, lock_run_dir: b
         trainer.heartbeat = heartbeat
         summary = trainer.train()
         if trainer.stopped is not None:  # SIGUSR2/SIGTERM: every rank stopped at the same step
-            leave(trainer.stopped, trainer.stop_signal, dims.rank)
+            leave(trainer.stopped, trainer.stop_signal, dims.rank, cfg)
         return summary
     finally:
         if lock is not None:
@@ -217,6 +218,7 @@ def _local_job(cfg: Config, lock: RunDirLock) -> int:
             print(f"trainer3d: {sig.name}: ending job {job.job_id} and its {world} rank(s)", file=sys.stderr,
                   flush=True)
             end()
+            print(stop_line(cfg, f"stopped on {sig.name}"), file=sys.stderr, flush=True)
             raise SystemExit(128 + sig.signum) from None
         if processes_with_token(token):  # e.g. a child a rank left behind
             end()
