@@ -29,6 +29,7 @@ from trainer3d.optim.schedule import lr_at
 from trainer3d.parallel.finalize import GradFinalizer
 from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer
 from trainer3d.parallel.zero.optimizer import ZeroOptimizer
+from trainer3d.parallel.pipeline.losses import StepLosses
 from trainer3d.parallel.pipeline.schedule import Pipeline
 from trainer3d.job.preemption import Stop, StopSignal
 from trainer3d.observe.telemetry import model_state_bytes, resolve_peak_tflops
@@ -39,30 +40,26 @@ from trainer3d.parallel.topology import ParallelDims
 class MicroBatchLoss:
     """The loss function of one micro-batch, as the pipeline schedule and the plain loop call it.
 
-    It keeps the plain loss (detached, for logging) and returns what backward needs: the
-    loss divided by grad_accum (so accumulated gradients are those of the step's mean
-    loss; the schedule's own gradient scaling stays off) and multiplied by the optimizer's
-    loss scale (fp16).
+    It records the plain loss (for logging) in ``losses``, the step's ``StepLosses``, and
+    returns what backward needs: the loss divided by grad_accum (so accumulated gradients
+    are those of the step's mean loss; the schedule's own gradient scaling stays off) and
+    multiplied by the optimizer's loss scale (fp16).
     """
 
     def __init__(self, loss_fn: Callable, grad_accum_steps: int, optimizer: ZeroOptimizer):
         self.loss_fn = loss_fn
         self.grad_accum_steps = grad_accum_steps
         self.optimizer = optimizer
-        self.losses: List[torch.Tensor] = []
+        self.losses = StepLosses()
 
     def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = self.loss_fn(output, targets)
-        self.losses.append(loss.detach())
+        self.losses.record(loss)
         return self.optimizer.scale_loss(loss) / self.grad_accum_steps
 
     def pop_mean(self) -> Optional[torch.Tensor]:
         """Mean loss of the micro-batches since the last call (None where no loss is computed)."""
-        if not self.losses:
-            return None
-        mean = torch.stack(self.losses).mean()
-        self.losses = []
-        return mean
+        return self.losses.take_mean()
 
 
 class Trainer:
@@ -96,7 +93,8 @@ class Trainer:
         """This rank's training batches (read ahead) and evaluator (None without a validation set);
         the first stage reads inputs, the last targets, the stages between nothing."""
         dims, t = self.dims, self.cfg.train
-        train, val = build_readers(self.cfg, dims.dp, dims.dp_rank, dims.is_first_stage, dims.is_last_stage)
+        train, val = build_readers(self.cfg, dims.dp, dims.dp_rank, dims.is_first_stage, dims.is_last_stage,
+                                   dims.cp, dims.cp_rank)
         evaluator = None
         if val is not None and evaluates(self.cfg):
             evaluator = Evaluator(val, eval_batches(self.cfg, val.n_windows), t.eval_every, dims.device)
@@ -126,12 +124,12 @@ class Trainer:
         over micro-batches on ranks that compute it (the last stage), None elsewhere.
         """
         if self.pipeline is not None:
-            self.pipeline.forward_backward(inputs, targets)
-        else:
-            model = self.chunks[0]
-            for m in range(inputs.shape[0]):
-                self.micro_loss(model(inputs[m]), targets[m]).backward()
-        return self.micro_loss.pop_mean()
+            self.pipeline.forward_backward(inputs, targets)  # checks the count of losses its last stage records
+            return self.micro_loss.losses.take_mean()
+        model = self.chunks[0]
+        for m in range(inputs.shape[0]):
+            self.micro_loss(model(inputs[m]), targets[m]).backward()
+        return self.micro_loss.losses.take_mean(expected=inputs.shape[0])
 
     def forward_only(self, inputs: Optional[torch.Tensor],
                      targets: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from torch.distributed.pipelining import PipelineStage
 
 from tests.support.harness import dims_for, run_ranks
 from trainer3d.config.schema import Config, ModelConfig
@@ -13,7 +14,8 @@ from trainer3d.model.init import init_parameters
 from trainer3d.model.transformer import Transformer, cross_entropy_loss
 from trainer3d.parallel.parallelize import build_model_chunks, build_optimizer
 from trainer3d.memory.meter import SavedActivationMeter
-from trainer3d.parallel.pipeline.schedule import Pipeline
+from trainer3d.parallel.pipeline.buffers import receive_buffers_held
+from trainer3d.parallel.pipeline.schedule import SCHEDULES, Pipeline
 from trainer3d.trainer import MicroBatchLoss
 
 TINY = ModelConfig(dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50, max_seq_len=16)
@@ -50,7 +52,7 @@ def pipelined_steps(rank, world, pp, schedule, virtual_stages, n_micro):
     losses = []
     for _ in range(2):
         pipe.forward_backward(x, y)
-        losses.append([loss.item() for loss in micro_loss.losses])
+        losses.append([loss.item() for loss in micro_loss.losses.values()])
         micro_loss.pop_mean()
     grads = {n: p.grad.numpy().copy() for c in chunks for n, p in c.named_parameters()}
     return losses, grads
@@ -148,3 +150,58 @@ def test_1f1b_bounds_activation_memory_gpipe_does_not(pp):
         # GPipe: every micro-batch's activations live until the first backward.
         for n_micro in (few, many):
             assert peaks["gpipe", n_micro] == pytest.approx(n_micro * one, rel=0.10), (stage, n_micro, peaks, one)
+
+
+# ----------------------------------------------------------------- receive buffers
+
+def _stock_receive_bytes(chunks, cfg, dims, x, y) -> int:
+    """torch's own PipelineStage on the same chunks: the bytes its receive buffers hold after a step."""
+    p = cfg.parallel
+    n_stages = p.pp * p.pp_virtual_stages
+    stages = [PipelineStage(c, dims.pp_rank + k * p.pp, n_stages, dims.device, group=dims.pp_group)
+              for k, c in enumerate(chunks)]
+    schedule = SCHEDULES[p.pp_schedule]
+    loss = lambda out, target: cross_entropy_loss(out, target) / cfg.train.grad_accum_steps  # noqa: E731
+    run = schedule(stages if p.pp_schedule == "interleaved_1f1b" else stages[0], cfg.train.grad_accum_steps,
+                   loss_fn=loss, scale_grads=False)
+    first, last = dims.pp_rank == 0, dims.pp_rank == p.pp - 1
+    run.step(*((x.flatten(0, 1),) if first else ()), target=y.flatten(0, 1) if last else None)
+    infos = [i for s in stages for recv in (*s.args_recv_info.values(), *s.grad_recv_info.values()) for i in recv]
+    return sum(i.buffer.untyped_storage().nbytes() for i in infos if i.buffer is not None)
+
+
+def receive_buffers(rank, world, pp, schedule, virtual_stages, n_micro):
+    """Peak receive-buffer bytes of a step (the second: the first infers shapes), the bytes left
+    after it, and what torch's stock stages hold for the same step."""
+    cfg = _cfg(pp, schedule, virtual_stages, n_micro)
+    dims = dims_for(pp=pp)
+    chunks, micro_loss, pipe = _pipeline(cfg, dims)
+    x, y = _batch(n_micro)
+    pipe.forward_backward(x, y)
+    pipe.receive.reset_peak()
+    pipe.forward_backward(x, y)
+    micro_loss.pop_mean()
+    return pipe.receive.peak_bytes, pipe.receive.live_bytes, _stock_receive_bytes(chunks, cfg, dims, x, y)
+
+
+@pytest.mark.parametrize("schedule,pp,virtual_stages,n_micro",
+                         [("1f1b", 4, 1, 16), ("gpipe", 2, 1, 6), ("interleaved_1f1b", 4, 2, 8)])
+def test_receive_buffers_are_held_for_the_micro_batches_in_flight_only(schedule, pp, virtual_stages, n_micro):
+    """1F1B: stage s holds an input buffer for each of its min(m, pp - s) micro-batches in
+    flight and one output-gradient buffer during a backward; GPipe holds all m inputs;
+    interleaved as counted along torch's action order. torch's stock PipelineStage holds one
+    of each per micro-batch and chunk of the step."""
+    torch.set_num_threads(1)
+    hidden = SEQ * MICRO * TINY.dim * 4  # one fp32 hidden state
+    results = run_ranks(receive_buffers, pp, pp, schedule, virtual_stages, n_micro, timeout=300)
+    for stage, (peak, left, stock) in enumerate(results):
+        print(f"{schedule} pp{pp} m{n_micro} stage {stage}: peak {peak:,} B, torch's stage {stock:,} B")
+        if schedule != "interleaved_1f1b":  # the closed form, by hand
+            in_flight = n_micro if schedule == "gpipe" else min(n_micro, pp - stage)
+            assert peak == hidden * ((stage > 0) * in_flight + (stage < pp - 1)), (stage, peak)
+        assert peak == hidden * receive_buffers_held(schedule, pp, virtual_stages, n_micro, stage), (stage, peak)
+        assert left == 0, "every receive buffer is freed by the end of the step"
+        chunks = [stage + k * pp for k in range(virtual_stages)]
+        last = pp * virtual_stages - 1
+        assert stock == hidden * n_micro * sum((s > 0) + (s < last) for s in chunks), (stage, stock)
+        assert peak < stock or schedule == "gpipe", (stage, peak, stock)  # GPipe really holds them all

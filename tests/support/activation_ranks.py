@@ -7,8 +7,9 @@ its first), then one measured step under ``SavedActivationMeter``, which counts 
 storage autograd saves for backward once while any reference to it is saved.
 
 Each rank returns, per layout: its pipeline rank, the peak saved bytes over the measured
-step, the bytes still saved after it (0: backward freed everything) and the bytes of its
-pipeline stages' receive buffers. tests/multirank/test_activation_memory.py compares them with
+step, the bytes still saved after it (0: backward freed everything) and the most bytes its
+pipeline stages' receive buffers held at once in it. tests/multirank/test_activation_memory.py
+compares them with
 ``trainer3d.memory.peak``. After an engine change that moves activations (a new layout of
 sequence parallelism, a chunked loss), re-run that test: a failing stage prints its
 predicted terms next to the measured total; change the term in trainer3d/memory/activations.py
@@ -53,16 +54,6 @@ def _batch(cfg: Config, first: bool, last: bool):
     return (rows[..., :-1].contiguous() if first else None), (rows[..., 1:].contiguous() if last else None)
 
 
-def _receive_buffer_bytes(pipeline) -> int:
-    if pipeline is None:
-        return 0
-    total = 0
-    for stage in pipeline.stages:
-        infos = [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
-        total += sum(info.buffer.nbytes for recv in infos for info in recv if info.buffer is not None)
-    return total
-
-
 def measure(rank: int, world: int, layouts: List[dict]) -> List[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -87,8 +78,10 @@ def measure(rank: int, world: int, layouts: List[dict]) -> List[dict]:
             Trainer.forward_backward(trainer, inputs, targets)
             meter = SavedActivationMeter([p for chunk in chunks for p in chunk.parameters()])
             optimizer.zero_grad()
+            if pipeline is not None:
+                pipeline.receive.reset_peak()
             with meter:
                 Trainer.forward_backward(trainer, inputs, targets)
         out.append({"pp_rank": dims.pp_rank, "tp_rank": dims.tp_rank, "peak": meter.peak_bytes,
-                    "left": meter.live_bytes, "receive": _receive_buffer_bytes(pipeline)})
+                    "left": meter.live_bytes, "receive": pipeline.receive.peak_bytes if pipeline else 0})
     return out

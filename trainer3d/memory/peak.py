@@ -6,13 +6,14 @@
          + saved activations   what autograd keeps for backward, at the schedule's peak:
                                per micro-batch (trainer3d/memory/activations.py) x the micro-batches
                                in flight (tests/multirank/test_activation_memory.py measures both)
-         + pipeline buffers    torch's PipelineStage allocates, for every micro-batch of
-                               the step, a receive buffer for its input activation and one
-                               for its output gradient (torch/distributed/pipelining/stage.py,
-                               ``_setup_forward_recv_info`` / ``_create_grad_recv_info``), and
-                               keeps each in-flight micro-batch's output until its backward
-                               (``fwd_cache``); the first block's saved input *is* the receive
-                               buffer when it is kept as is (fp32, or under recomputation)
+         + pipeline buffers    receive buffers for the micro-batches in flight only: an input
+                               activation per in-flight micro-batch and an output gradient
+                               during a backward (trainer3d/parallel/pipeline/buffers.py,
+                               ``receive_buffers_held``, measured by tests/multirank/
+                               test_pipeline.py), and each in-flight micro-batch's output kept
+                               until its backward (torch's ``fwd_cache``); the first block's
+                               saved input *is* the receive buffer (its norm keeps its input
+                               as is, recomputation the block's)
          + the largest transient  of the backward: the loss gradient cast to 16-bit logits, a
                                recomputed block, a 16-bit parameter gradient before it is
                                added into the fp32 buffer, FSDP2's unsharded parameters and
@@ -31,6 +32,7 @@ from trainer3d.memory.activations import (FP32, Sizes, chunk_terms, layer_terms,
                                    shared_terms)
 from trainer3d.config.schema import Config
 from trainer3d.memory.states import BYTES, ModelStateBytes, engine_model_state_bytes, model_shapes, stage_parameter_shapes
+from trainer3d.parallel.pipeline.buffers import receive_buffers_held
 from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
 
 
@@ -83,12 +85,13 @@ _STATES: Dict[str, ModelStateBytes] = {}
 def _states_of(cfg: Config, stages: List[int]) -> ModelStateBytes:
     """Model states of these stages, cached on what they depend on (the planner asks often)."""
     p = cfg.parallel
-    key = repr((sorted(vars(cfg.model).items()), p.tp, p.pp, p.pp_virtual_stages, p.pp_layers, p.dp,
+    key = repr((sorted(vars(cfg.model).items()), p.tp, p.pp, p.pp_virtual_stages, p.pp_layers, p.dp * p.cp,
                 p.zero_stage, p.bucket_mb, cfg.train.dtype, stages))
     if key not in _STATES:
         shapes = [s for stage in stages for s in stage_parameter_shapes(cfg, stage)]
         bucket = max(1, int(p.bucket_mb * 2 ** 20) // 4)
-        _STATES[key] = engine_model_state_bytes(shapes, p.dp, p.zero_stage, cfg.train.dtype, bucket)
+        # ZeRO shards over dp x cp (the gradient-reduction group, trainer3d/parallel/topology.py)
+        _STATES[key] = engine_model_state_bytes(shapes, p.dp * p.cp, p.zero_stage, cfg.train.dtype, bucket)
     return _STATES[key]
 
 
@@ -111,25 +114,27 @@ def rank_memory(cfg: Config, pp_rank: int, kernel: str = "flash") -> RankMemory:
             activations[name] = activations.get(name, 0) + (value if n else 0)
     mem = RankMemory(pp_rank=pp_rank, states=_states_of(cfg, stages), activations=activations, in_flight=counts)
     if p.pp > 1:
-        mem.buffers = _pipeline_buffers(z, stages, last, m, counts, recompute)
+        mem.buffers = _pipeline_buffers(cfg, z, pp_rank, stages, counts)
     mem.transients = _transients(cfg, z, stages, last)
     return mem
 
 
-def receive_buffer_bytes(z: Sizes, stages: List[int], last: int, m: int) -> int:
-    """torch's receive buffers on a rank: per micro-batch of the step, the input activation of
-    every chunk but the first stage and the output gradient of every chunk but the last."""
-    return sum(m * z.hidden_bytes() * ((s > 0) + (s < last)) for s in stages)
+def receive_buffer_bytes(cfg: Config, pp_rank: int) -> int:
+    """The most bytes of receive buffers pp rank ``pp_rank`` holds at once in a step (one
+    hidden state each, for the micro-batches in flight: parallel/pipeline/buffers.py)."""
+    p = cfg.parallel
+    held = receive_buffers_held(p.pp_schedule, p.pp, p.pp_virtual_stages, cfg.train.grad_accum_steps, pp_rank)
+    return held * Sizes.of(cfg).hidden_bytes()
 
 
-def _pipeline_buffers(z: Sizes, stages: List[int], last: int, m: int, counts: List[int],
-                      recompute: bool) -> Dict[str, int]:
-    hidden = z.hidden_bytes()
-    receive = receive_buffer_bytes(z, stages, last, m)
-    kept_as_is = recompute or z.p == FP32  # the first block saves x (fp32) or its whole input (recompute)
-    aliased = sum(n * hidden for s, n in zip(stages, counts) if s > 0 and kept_as_is)
+def _pipeline_buffers(cfg: Config, z: Sizes, pp_rank: int, stages: List[int], counts: List[int]) -> Dict[str, int]:
+    hidden, last = z.hidden_bytes(), n_stages(cfg) - 1
+    receive = receive_buffer_bytes(cfg, pp_rank)
+    # the first block saves its input as is (its norm's x, or the whole input under
+    # recomputation): counted as activations
+    aliased = sum(n * hidden for s, n in zip(stages, counts) if s > 0)
     held = sum(n * (hidden if s < last else z.p * z.n * z.vocab_local) for s, n in zip(stages, counts))
-    return {"pp_receive_buffers": receive - aliased, "pp_outputs_held": held}
+    return {"pp_receive_buffers": max(0, receive - aliased), "pp_outputs_held": held}
 
 
 def _transients(cfg: Config, z: Sizes, stages: List[int], last: int) -> Dict[str, int]:

@@ -10,9 +10,10 @@ pitfalls:
 - equal micro-batch shapes: the step's (grad_accum, micro_batch, seq) batch is handed
   over flattened, and torch splits it back into exactly grad_accum equal chunks (a
   ragged chunk raises on the last stage while the others hang);
-- losses exist on the last stage only; torch's shape inference on the first step calls
-  the loss function once more on a copy of micro-batch 0, so that extra record is
-  dropped and ``MicroBatchLoss.pop_mean`` sees exactly grad_accum losses;
+- losses exist on the last stage only, recorded in the trainer's ``StepLosses``
+  (losses.py); torch's shape inference on the first step calls the loss function once
+  more on a copy of micro-batch 0, inside ``StepLosses.not_recorded``, so the record holds
+  exactly grad_accum losses;
 - micro-batch counts a schedule cannot run (1F1B: fewer than the stages) are refused by
   the config validation and again here, with the same message, before any rank sends;
 - a dead or stuck neighbour: the pp group carries ``parallel.timeout_s`` (trainer3d/parallel/topology.py),
@@ -21,20 +22,22 @@ pitfalls:
 Stage compute is timed (``StageClock``) so the bubble is measured, not assumed.
 
 Memory: 1F1B bounds the saved activations at (stages - stage index) micro-batches
-(tests/multirank/test_pipeline.py measures it). Outside that bound, torch 2.13's PipelineStage
-allocates one receive buffer per micro-batch for the step (activations in, gradients
-back: one hidden state each), so those grow with grad_accum; and a stage's output is
-kept until its backward although only its graph is needed then (Megatron frees the data).
+(tests/multirank/test_pipeline.py measures it), and the receive buffers with them: a buffer
+exists from its receive to its micro-batch's backward (buffers.py), where torch 2.13's
+PipelineStage keeps one per micro-batch of the step. A stage's output is kept until its
+backward although only its graph is needed then (Megatron frees the data).
 """
 
 from typing import List, Optional
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from trainer3d.config.schema import Config
 from trainer3d.parallel.pipeline.bubble import StageClock, bubble_theory
+from trainer3d.parallel.pipeline.buffers import BoundedReceiveStage, ReceiveLedger
+from trainer3d.parallel.pipeline.losses import StepLosses
 from trainer3d.parallel.pipeline.stages import stages_of_rank
 from trainer3d.parallel.topology import ParallelDims
 from trainer3d.config.validate import pipeline_micro_batch_problem
@@ -42,12 +45,18 @@ from trainer3d.config.validate import pipeline_micro_batch_problem
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
-class TimedStage(PipelineStage):
-    """A PipelineStage whose forward and backward compute count as busy time."""
+class TimedStage(BoundedReceiveStage):
+    """A stage whose forward and backward compute count as busy time, and whose shape
+    inference's loss is not one of the step's (``StepLosses.not_recorded``)."""
 
-    def __init__(self, *args, clock: StageClock, **kwargs):
+    def __init__(self, *args, clock: StageClock, losses: StepLosses, **kwargs):
         super().__init__(*args, **kwargs)
         self.clock = clock
+        self.losses = losses
+
+    def _prepare_backward_infra(self, *args, **kwargs):
+        with self.losses.not_recorded():
+            return super()._prepare_backward_infra(*args, **kwargs)
 
     def forward_one_chunk(self, *args, **kwargs):
         with self.clock.busy():
@@ -73,7 +82,9 @@ class Pipeline:
         n_stages = p.pp * p.pp_virtual_stages
         self.micro_loss = micro_loss
         self.clock = StageClock(dims.device)
-        self.stages = [TimedStage(chunk, stage, n_stages, dims.device, group=dims.pp_group, clock=self.clock)
+        self.receive = ReceiveLedger()
+        self.stages = [TimedStage(chunk, stage, n_stages, dims.device, group=dims.pp_group, clock=self.clock,
+                                  losses=micro_loss.losses, ledger=self.receive)
                        for chunk, stage in zip(chunks, stage_ids)]
         self.holds_first = 0 in stage_ids
         self.holds_last = n_stages - 1 in stage_ids
@@ -111,8 +122,10 @@ class Pipeline:
         self.clock.start_step()
         self.schedule.step(*args, target=target, return_outputs=False)
         self.clock.end_step()
-        if self.holds_last:
-            self._drop_shape_inference_loss(recorded)
+        computed = len(self.micro_loss.losses) - recorded
+        if computed != (self.n_micro if self.holds_last else 0):
+            raise RuntimeError(f"pp rank stage(s) {[s.stage_index for s in self.stages]} recorded {computed} "
+                               f"losses for {self.n_micro} micro-batches")
 
     def forward(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]) -> None:
         """Forward only (validation): the micro-batches' losses are recorded, no gradient, no bubble.
@@ -124,15 +137,6 @@ class Pipeline:
         args, target = self._schedule_args(inputs, targets)
         with torch.no_grad():
             self.schedule.eval(*args, target=target, return_outputs=False)
-
-    def _drop_shape_inference_loss(self, recorded: int) -> None:
-        """Keep the step's grad_accum real losses (the first step also records shape inference's)."""
-        losses = self.micro_loss.losses
-        extra = len(losses) - recorded - self.n_micro
-        if extra < 0:
-            raise RuntimeError(f"the last stage recorded {len(losses) - recorded} losses for "
-                               f"{self.n_micro} micro-batches")
-        del losses[recorded:recorded + extra]
 
     def report_to(self, metrics) -> None:
         """Add the per-step ``bubble`` (mean over all ranks) and ``bubble_theory`` columns."""
