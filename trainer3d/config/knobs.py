@@ -78,7 +78,7 @@ CHOICES: Dict[str, Tuple[object, ...]] = {
     "optim.name": ("adamw",),
     "data.name": ("stdlib", "tokens"),
     "launcher.name": ("local", "slurm", "inplace"),
-    "logger.name": ("console", "wandb"),
+    "logger.name": ("console", "wandb", "tensorboard"),
     "logger.mode": ("auto", "offline", "online", "disabled"),
     "checkpoint.async_save": (True, False),
 }

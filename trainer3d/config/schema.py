@@ -152,6 +152,11 @@ class TrainConfig:
     """Evaluate on the validation set (data.val_fraction or data.val_path) every this many steps; 0: never."""
     eval_steps: Optional[int] = 10
     """Global batches of validation windows per evaluation, the same ones each time; null: the whole set."""
+    profile: List[int] = field(default_factory=list)
+    """A window of steps to trace, ``[first, end]`` (steps first..end-1, e.g. [10, 13]; []: off):
+    every rank writes a torch.profiler trace, ``<run_dir>/profile/trace_rank<r>.json`` (Chrome
+    trace JSON for ui.perfetto.dev or TensorBoard), and on CUDA a memory snapshot,
+    ``memory_rank<r>.pickle``, for pytorch.org/memory_viz (trainer3d/observe/profile.py)."""
 
 
 @dataclass
@@ -251,7 +256,7 @@ class LoggerConfig:
     """Where metrics go besides metrics.jsonl and the console."""
 
     name: str = "console"
-    """console | wandb."""
+    """console | wandb | tensorboard (event files in <run_dir>/tensorboard: ``tensorboard --logdir outputs``)."""
     mode: str = "auto"
     """wandb mode: auto ($WANDB_MODE if set, else online when $WANDB_API_KEY is set, else offline)
     | offline (no key needed; `wandb sync` later) | online | disabled."""

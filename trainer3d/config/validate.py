@@ -275,9 +275,18 @@ def _check_data(cfg: Config, problems: List[str]) -> None:
     if d.val_fraction > 0 and d.val_path:
         problems.append("data.val_fraction and data.val_path are both set; give one (or set data.val_fraction=0)")
     _check_eval(cfg, problems)
+    _check_profile(cfg, problems)
     if cfg.name is not None and not RUN_NAME.match(str(cfg.name)):
         problems.append(f"name={cfg.name!r}: a run name is letters, digits, '.', '_' and '-' (no '/', not starting "
                         "with '.'), e.g. name=llama-1b-web")
+
+
+def _check_profile(cfg: Config, problems: List[str]) -> None:
+    window, steps = list(cfg.train.profile), cfg.train.max_steps
+    if window and not (len(window) == 2 and 0 <= window[0] < window[1] <= steps):
+        problems.append(f"train.profile={window} must be [first, end] with 0 <= first < end <= train.max_steps"
+                        f"={steps} (steps first..end-1 are traced), e.g. train.profile=[{min(2, steps - 1)},"
+                        f"{min(5, steps)}], or [] for none")
 
 
 def _check_eval(cfg: Config, problems: List[str]) -> None:
