@@ -51,6 +51,12 @@ import math
 from dataclasses import dataclass
 from typing import Tuple
 
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainer3d.config.schema import ModelConfig
+from trainer3d.model.transformer import Block
+
 TILES = ((256, 128), (128, 256), (128, 128), (128, 64), (64, 128))
 K_FILL = 64
 
@@ -130,12 +136,6 @@ def depth(k: int) -> float:
 def block_ops() -> Tuple[int, int]:
     """aten operators of one transformer block's forward and backward, counted by running a
     small block (the count does not depend on its size) under a dispatch mode."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from trainer3d.config.schema import ModelConfig
-    from trainer3d.model.transformer import Block
-
     class Count(TorchDispatchMode):
         calls = 0
 
