@@ -29,6 +29,7 @@ from trainer3d.memory.dry_run import print_plan
 from trainer3d.hf.check import apply_init_from
 from trainer3d.config.knobs import path_problems, unknown_keys
 from trainer3d.job.launch import TrainTask, in_distributed_env, launch_local
+from trainer3d.job.resume import remember_command
 from trainer3d.job.slurm import launch_slurm
 from trainer3d.config.validate import ConfigError, validate, world_size_of
 
@@ -37,11 +38,14 @@ def resolve(dcfg: DictConfig) -> Config:
     """The composed config as plain dataclasses, interpolations resolved (picklable).
 
     In a sweep (``-m``) every point's wandb run joins one group, named after the sweep's
-    directory, unless ``logger.group`` is set.
+    directory, unless ``logger.group`` is set; a named run (``name=``) is wandb's run name
+    unless ``logger.run_name`` is set.
     """
     cfg = OmegaConf.to_object(dcfg)
     if cfg.logger.group is None and HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         cfg.logger.group = os.path.basename(os.path.normpath(HydraConfig.get().sweep.dir))
+    if cfg.logger.run_name is None and cfg.name is not None:
+        cfg.logger.run_name = cfg.name
     return cfg
 
 
@@ -103,6 +107,7 @@ def run(cfg: Config, explicit_model: Sequence[str] = ()) -> int:
         print(f"trainer3d: run dir error: {problem}", file=sys.stderr)
     if problems:
         return 2
+    remember_command(cfg)  # the ranks' stop line prints it (trainer3d/job/resume.py)
     return launch(cfg)
 
 

@@ -31,6 +31,7 @@ from trainer3d.job.interrupt import (TOKEN_VAR, Interrupted, JobSignals, end_pro
                                      terminal_signals_blocked)
 from trainer3d.job.preemption import leave
 from trainer3d.job.owner import OWNER_VAR, owner_id, watch_owner
+from trainer3d.job.resume import stop_line
 from trainer3d.job.runlock import RunDirBusy, RunDirLock
 from trainer3d.job.runlock import join as join_run_dir
 from trainer3d.parallel.timeouts import seconds
@@ -90,7 +91,7 @@ def run_rank(cfg: Config, heartbeat: Optional[Heartbeat] = None, lock_run_dir: b
         trainer.heartbeat = heartbeat
         summary = trainer.train()
         if trainer.stopped is not None:  # SIGUSR2/SIGTERM: every rank stopped at the same step
-            leave(trainer.stopped, trainer.stop_signal, dims.rank)
+            leave(trainer.stopped, trainer.stop_signal, dims.rank, cfg)
         return summary
     finally:
         if lock is not None:
@@ -240,6 +241,7 @@ def _local_job(cfg: Config, lock: RunDirLock) -> int:
                  f"boundary and save a checkpoint (up to {wait_s} s, launcher.signal_delay_s; signal again to "
                  "kill them now)")
             end_processes(token, kill_wait_s=wait_s, reap=job.done, hurry=lambda: signals.again)
+            _say(stop_line(cfg, f"stopped on {sig.name}"))
             raise SystemExit(128 + sig.signum) from None
         if processes_with_token(token):  # e.g. a child a rank left behind
             end()

@@ -201,9 +201,9 @@ class MetricsLogger:
     def _write(self, losses: List[float], norms: List[float], step_time: float,
                columns: Dict[str, List[float]], memory: Dict[str, int], val: Dict[int, float]) -> None:
         throughput = self._throughput(step_time)
-        rows = []
+        rows, written = [], time.time()  # wall-clock time, unix seconds: when the interval's rows were read out
         for i, (s, loss, norm, lr) in enumerate(zip(self._steps, losses, norms, self._lrs)):
-            row = {"step": s, "loss": loss, "lr": lr, "grad_norm": norm, **throughput, "step_time_s": step_time,
+            row = {"step": s, "time": written, "loss": loss, "lr": lr, "grad_norm": norm, **throughput, "step_time_s": step_time,
                    "skipped": 0, **self.constants}
             row.update({name: values[i] for name, values in columns.items()}, **memory)
             if s in val:
