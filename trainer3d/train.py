@@ -18,7 +18,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from trainer3d.checkpoint.choose import choose
-from trainer3d.checkpoint.manager import checkpoint_root
+from trainer3d.checkpoint.store import checkpoint_root
 from trainer3d.checkpoint.store import CheckpointError
 from trainer3d.config.schema import Config  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.data.checks import check_data
