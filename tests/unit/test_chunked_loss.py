@@ -150,3 +150,24 @@ def test_chunked_loss_over_tp_ranks_matches_one_process(sp, tied):
     for rank, diffs in enumerate(run_ranks(_tp_case, 2, sp, tied, timeout=300)):
         for what, diff in diffs.items():
             assert diff <= 1e-5, f"rank {rank} {what}: {diff:.2e}"
+
+
+def test_the_heads_gradient_goes_into_its_fp32_sink():
+    """bf16 weights with a ``MainGradSink`` (ZeRO 0/1, parallel/wgrad.py): the head's gradient
+    is added into its fp32 buffer, scaled by the incoming gradient, and ``.grad`` stays empty."""
+    from trainer3d.parallel.wgrad import MainGradSink
+
+    cfg = _config(5)
+    torch.manual_seed(0)
+    model = Transformer(cfg.model).to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    head = model.output.weight
+    sink = MainGradSink({head: torch.zeros(head.shape)})
+    loss_fn = build_loss_fn(cfg, planning_dims(cfg, 0), [model])
+    x, y = _batch()
+    (3 * loss_fn(model(x), y)).backward()
+    _reference(ref, x, y)
+    assert head.grad is None
+    want = ref.output.weight.grad.float()
+    torch.testing.assert_close(sink.views[head], want, rtol=2e-2, atol=2 ** -7 * want.abs().max().item())
+    sink.detach()

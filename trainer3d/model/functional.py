@@ -49,8 +49,9 @@ class _RMSNorm(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             g = (grad_y * weight).float()
-            # d/dx of x * rsqrt(mean(x^2) + eps): rstd * (g - xhat * mean(g * xhat))
-            grad_x = (rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))).to(x.dtype)
+            # d/dx of x * rsqrt(mean(x^2) + eps): rstd * (g - xhat * mean(g * xhat)), in place
+            dot = (g * xhat).mean(-1, keepdim=True)
+            grad_x = g.sub_(xhat.mul_(dot)).mul_(rstd).to(x.dtype)
         return grad_x, grad_weight, None
 
 
@@ -58,16 +59,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _RMSNorm.apply(x, weight, eps)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Pairs (i, i + d/2) turned a quarter: (x1, x2) -> (-x2, x1)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def _rotate_half_back(x: torch.Tensor) -> torch.Tensor:
-    """The transpose of ``_rotate_half``: (u1, u2) -> (u2, -u1)."""
-    u1, u2 = x.chunk(2, dim=-1)
-    return torch.cat([u2, -u1], dim=-1)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """x cos + R(x) sin in fp32, R turning pairs (i, i + d/2) a quarter: (x1, x2) -> (-x2, x1)
+    (``sign`` 1), or back, its transpose: (x1, x2) -> (x2, -x1) (``sign`` -1). Each element is
+    one product plus one, rounded as ``x * cos + cat([-x2, x1]) * sin`` rounds it, without
+    building the rotated copy."""
+    xf = x.float()
+    out = xf * cos
+    x1, x2 = xf.chunk(2, dim=-1)
+    s1, s2 = sin.chunk(2, dim=-1)
+    o1, o2 = out.chunk(2, dim=-1)
+    o1.sub_(x2 * s1) if sign > 0 else o1.add_(x2 * s1)
+    o2.add_(x1 * s2) if sign > 0 else o2.sub_(x1 * s2)
+    return out
 
 
 class _Rotary(torch.autograd.Function):
@@ -77,13 +81,12 @@ class _Rotary(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         cos, sin = cos[:, None, None, :], sin[:, None, None, :]
         ctx.save_for_backward(cos, sin)
-        return (x.float() * cos + _rotate_half(x).float() * sin).type_as(x)
+        return _rotate(x, cos, sin, 1.0).type_as(x)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        g = grad_y.float()
-        return (g * cos + _rotate_half_back(g * sin)).to(grad_y.dtype), None, None
+        return _rotate(grad_y, cos, sin, -1.0).to(grad_y.dtype), None, None
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -107,9 +110,7 @@ class _SwiGLULinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         a, b, weight = ctx.saved_tensors
-        af = a.float()
-        sig = torch.sigmoid(af)
-        silu = (af * sig).to(a.dtype)  # F.silu's value in the activation dtype
+        silu = F.silu(a)
         grad_2d = grad_y.reshape(-1, grad_y.shape[-1])
         grad_weight = None
         if ctx.needs_input_grad[2]:
@@ -122,8 +123,7 @@ class _SwiGLULinear(torch.autograd.Function):
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             grad_prod = grad_2d.mm(weight).view(*grad_y.shape[:-1], weight.shape[1])
             grad_b = grad_prod * silu
-            # silu'(a) = sig (1 + a (1 - sig)), in fp32 as torch's silu_backward computes it
-            grad_a = ((grad_prod * b).float() * (sig * (1 + af * (1 - sig)))).to(a.dtype)
+            grad_a = torch.ops.aten.silu_backward(grad_prod.mul_(b), a)  # F.silu's own derivative
         return grad_a, grad_b, grad_weight, None
 
 

@@ -10,8 +10,9 @@ tensor_parallel/layers.py, ``LinearWithGradAccumulationAndAsyncCommunication``).
 
 ``linear`` does the same for every linear layer (tp=1 ``nn.Linear``, and the column/row-
 parallel ones of parallel/tensor/layers.py) whose weight the optimizer has given a
-``MainGradSink``, and so does SwiGLU's w2 (``swiglu_linear``, model/functional.py), which
-runs its matmul itself:
+``MainGradSink``, and so do SwiGLU's w2 (``swiglu_linear``, model/functional.py) and the
+chunked loss's head (``chunked_head_loss``, parallel/tensor/loss.py), which run their matmuls
+themselves:
 
 - on CUDA, where ``torch.addmm`` takes ``out_dtype=torch.float32`` with bf16/fp16 inputs
   (aten/src/ATen/native/cuda/Blas.cpp, ``_addmm_dtype_out_cuda``), the matmul accumulates

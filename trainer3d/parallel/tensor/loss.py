@@ -20,6 +20,15 @@ are written into it in fp32 straight from the logits' own dtype (no fp32 copy of
 logits), exponentiated and normalised in place, saved as the softmax, and turned into the
 gradient in place by the backward (so a graph through it can be backpropagated once).
 With tp = 1 the same function is the loss, without the collectives.
+
+The training loss does not even hold that buffer: ``chunked_head_loss`` takes the last
+stage's hidden states and the head's weight and runs the same three reductions over
+``train.loss_chunk_tokens`` tokens at a time, each chunk's logits formed, reduced,
+differentiated and multiplied out into the gradients of the hidden states and the head's
+weight, then freed (Liger-Kernel's fused linear cross-entropy; Wijmans et al. 2024, "Cut
+Your Losses in Large-Vocabulary Language Models", for the same aim by recomputation). The
+model's last stage then returns its hidden states (``Transformer.head_in_loss``, set by
+``parallel.build_loss_fn``); inference (tools/sample.py) still forms whole logits.
 """
 
 import torch
@@ -135,16 +144,18 @@ def _chunk_softmax(logits, exp, local_t, group):
         # an fp32 copy, then the shift: on CPU faster than one mixed-dtype subtraction into fp32
         exp = exp.copy_(logits).sub_(z_max.unsqueeze(-1)).exp_()
         sum_exp = exp.sum(dim=-1)
-    _all_reduce(sum_exp, group)
-    _all_reduce(target_z, group)
+    if group is not None:  # the two sums in one all-reduce: one synchronisation fewer per chunk
+        sums = torch.stack([sum_exp, target_z])
+        _all_reduce(sums, group)
+        sum_exp, target_z = sums[0], sums[1]
     return exp, sum_exp, target_z, local_t, here
 
 
 class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     """(tokens, dim) hidden states, (local vocab, dim) head weight, (tokens,) targets -> mean
     token loss (fp32) of ``hidden @ weight.T`` over the tp ``group``, ``chunk`` tokens at a
-    time: each chunk's logits are formed, reduced (max, sum of exp, target logit: the three
-    all-reduces of ``_VocabParallelCrossEntropy``), turned into their gradient and multiplied
+    time: each chunk's logits are formed, reduced (max, sum of exp, target logit: the
+    reductions of ``_VocabParallelCrossEntropy``, the two sums in one all-reduce), turned into their gradient and multiplied
     out, then freed. The gradients w.r.t. the hidden states and the weight are computed in
     forward, as Liger-Kernel's fused linear cross-entropy does (no matmul is repeated), and
     saved; backward only scales them by the incoming gradient (the trainer's 1/grad_accum and
