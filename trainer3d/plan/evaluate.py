@@ -34,9 +34,10 @@ def layout_config(cfg: PlanConfig, device: Device) -> Config:
     """The training config of the overrides' layout on the cluster, validated."""
     c, p, t = cfg.cluster, cfg.parallel, cfg.train
     world = c.nodes * c.gpus_per_node
-    if p.tp * p.pp * p.dp != world:
-        fix = f"parallel.dp={world // (p.tp * p.pp)}" if world % (p.tp * p.pp) == 0 else "another parallel.tp/pp"
-        raise LayoutError(f"parallel.tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {p.tp * p.pp * p.dp} ranks, but "
+    if p.tp * p.cp * p.pp * p.dp != world:
+        split = p.tp * p.cp * p.pp
+        fix = f"parallel.dp={world // split}" if world % split == 0 else "another parallel.tp/cp/pp"
+        raise LayoutError(f"parallel.tp*cp*pp*dp = {p.tp}*{p.cp}*{p.pp}*{p.dp} = {split * p.dp} ranks, but "
                           f"cluster.nodes*cluster.gpus_per_node = {world}; set {fix}")
     if t.micro_batch_size is None and t.grad_accum_steps is None:
         raise LayoutError("plan.evaluate=true evaluates one layout: set train.micro_batch_size "
