@@ -25,6 +25,7 @@ from trainer3d.observe.loggers import build_sinks
 from trainer3d.observe.metrics import MetricsLogger
 from trainer3d.model.flops import flops_per_token
 from trainer3d.observe.nonfinite import NonFiniteWatch
+from trainer3d.observe.profile import StepProfiler
 from trainer3d.optim.schedule import lr_at
 from trainer3d.parallel.finalize import GradFinalizer
 from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer
@@ -82,12 +83,13 @@ class Trainer:
         self.optimizer: ZeroOptimizer = build_optimizer(self.chunks, cfg, dims)
         self.grads = GradFinalizer(self.chunks, self.optimizer, dims, cfg.parallel.sequence_parallel)
         self.checkpointer = Checkpointer(cfg, dims, self.optimizer, self.timeouts)
-        self.micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims), t.grad_accum_steps, self.optimizer)
+        self.micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims, self.chunks), t.grad_accum_steps, self.optimizer)
         self.pipeline = Pipeline(self.chunks, self.micro_loss, cfg, dims) if dims.pp > 1 else None
         self.data, self.evaluator = self._build_data()
         self.start_step = self.checkpointer.load(resume_from)
         self.metrics = self._build_metrics()
         self.nonfinite = NonFiniteWatch(dims.device, norm_counts=t.dtype != "fp16", action=t.on_nonfinite)
+        self.profiler = StepProfiler(list(t.profile), cfg.run_dir, dims.rank, dims.device)
 
     def _build_data(self):
         """This rank's training batches (read ahead) and evaluator (None without a validation set);
@@ -169,10 +171,12 @@ class Trainer:
         t = self.cfg.train
         started = time.perf_counter()
         for step in range(self.start_step, t.max_steps):
+            self.profiler.before(step)
             loss, grad_norm, lr = self.train_step(step)
             self.timeouts.to_step()  # start-up (the first step: compilation, warm-up) is over
             self.metrics.record(step, loss, grad_norm, lr, self.optimizer.step_metrics())
             self.nonfinite.record(step, loss, grad_norm)
+            self.profiler.after(step)
             if self.heartbeat is not None:
                 self.heartbeat.step = step + 1
             if self.evaluator is not None and self.evaluator.due(step + 1):
@@ -192,6 +196,7 @@ class Trainer:
             if flag:
                 self.stopped = Stop(step=step + 1, flag=flag)
                 break
+        self.profiler.close()  # a run stopped inside the window writes what it traced
         last = self.metrics.flush()
         self.optimizer.wait_params()  # the model a caller reads after training holds the last step
         self.data.close()

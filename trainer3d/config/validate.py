@@ -9,7 +9,7 @@ import copy
 from typing import List, Optional
 
 from trainer3d.job import device_check
-from trainer3d.config.schema import Config
+from trainer3d.config.schema import RUN_NAME, Config, TrainConfig
 from trainer3d.config.knobs import choice_problems, range_problems
 
 class ConfigError(ValueError):
@@ -274,3 +274,28 @@ def _check_data(cfg: Config, problems: List[str]) -> None:
             problems.append(f"data.blend[{i}].weight={source.weight} must be > 0")
     if d.val_fraction > 0 and d.val_path:
         problems.append("data.val_fraction and data.val_path are both set; give one (or set data.val_fraction=0)")
+    _check_eval(cfg, problems)
+    _check_profile(cfg, problems)
+    if cfg.name is not None and not RUN_NAME.match(str(cfg.name)):
+        problems.append(f"name={cfg.name!r}: a run name is letters, digits, '.', '_' and '-' (no '/', not starting "
+                        "with '.'), e.g. name=llama-1b-web")
+
+
+def _check_profile(cfg: Config, problems: List[str]) -> None:
+    window, steps = list(cfg.train.profile), cfg.train.max_steps
+    if window and not (len(window) == 2 and 0 <= window[0] < window[1] <= steps):
+        problems.append(f"train.profile={window} must be [first, end] with 0 <= first < end <= train.max_steps"
+                        f"={steps} (steps first..end-1 are traced), e.g. train.profile=[{min(2, steps - 1)},"
+                        f"{min(5, steps)}], or [] for none")
+
+
+def _check_eval(cfg: Config, problems: List[str]) -> None:
+    """Evaluation knobs set (away from their defaults) with no validation data to evaluate on
+    would be ignored without a word: refused, naming the data knobs that give it some."""
+    t, d, default = cfg.train, cfg.data, TrainConfig()
+    if d.val_fraction > 0 or d.val_path or t.eval_every == 0:
+        return
+    given = [f"train.{k}={getattr(t, k)}" for k in ("eval_every", "eval_steps") if getattr(t, k) != getattr(default, k)]
+    if given:
+        problems.append(f"{' and '.join(given)} but there is no validation data: set data.val_fraction (e.g. 0.01) "
+                        "or data.val_path=<file.bin>, or train.eval_every=0 for no evaluation")

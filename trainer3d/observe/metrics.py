@@ -101,16 +101,21 @@ class MetricsLogger:
         A line that is not a row (torn by a crash or a full disk mid-write) is dropped, named."""
         if not self.path.exists():
             return
-        kept, torn = [], 0
+        kept, torn, dropped = [], 0, 0
         for line in self.path.read_text(errors="replace").splitlines():
             row = _row(line)
             if row is None:
                 torn += bool(line.strip())
             elif row["step"] < start_step:
                 kept.append(line)
+            else:
+                dropped += 1
         if torn:
             print(f"trainer3d: {self.path}: dropped {torn} line(s) that are not complete rows (a write cut "
                   "short by a crash or a full disk)", file=sys.stderr, flush=True)
+        if dropped and start_step == 0:  # an earlier run's rows, and no checkpoint to continue it from
+            print(f"trainer3d: {self.path}: replacing {dropped} row(s) of an earlier run that left no "
+                  "checkpoint (this run starts at step 0)", file=sys.stderr, flush=True)
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def add_column(self, name: str, read: Callable[[], List[float]]) -> None:
@@ -196,9 +201,9 @@ class MetricsLogger:
     def _write(self, losses: List[float], norms: List[float], step_time: float,
                columns: Dict[str, List[float]], memory: Dict[str, int], val: Dict[int, float]) -> None:
         throughput = self._throughput(step_time)
-        rows = []
+        rows, written = [], time.time()  # wall-clock time, unix seconds: when the interval's rows were read out
         for i, (s, loss, norm, lr) in enumerate(zip(self._steps, losses, norms, self._lrs)):
-            row = {"step": s, "loss": loss, "lr": lr, "grad_norm": norm, **throughput, "step_time_s": step_time,
+            row = {"step": s, "time": written, "loss": loss, "lr": lr, "grad_norm": norm, **throughput, "step_time_s": step_time,
                    "skipped": 0, **self.constants}
             row.update({name: values[i] for name, values in columns.items()}, **memory)
             if s in val:
