@@ -74,11 +74,25 @@ class WandbLogger:
         for row in rows:
             self.run.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
 
+    def summary(self, values: dict) -> None:
+        """The run's end-of-training figures (goodput against the prediction: observe/goodput.py)."""
+        self.run.summary.update({f"goodput/{k}": v for k, v in _flat(values).items()})
+
     def close(self) -> None:
         self.run.finish()
         hint = sync_hint(self.run_dir) if self.mode == "offline" else None
         if hint:
             print(f"wandb: offline run saved; to upload it: {hint}", flush=True)
+
+
+def _flat(values: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def build_sinks(cfg: Config) -> list:

@@ -20,6 +20,8 @@ time, left out of step_time_s); the first row after a checkpoint save started ad
 ckpt_stall_s (seconds the loop stood still for it: staging its state, or the whole save;
 inside that row's step_time_s), the first row after its writing ended adds ckpt_write_s
 (seconds the writing, hashing, read-back and publication took, in the background or not).
+Goodput (trainer3d/observe/goodput.py): bubble_s, compute_s and the planner's prediction for
+the run's layout (predicted_*) in every row; at the end goodput.json and a console summary.
 
 The loss exists on the last pipeline stage only, where every tp rank holds the same value
 and every dp replica its own; ranks of other stages (and tp ranks > 0) contribute zero,
@@ -36,6 +38,7 @@ from typing import Callable, Dict, List, Optional, Sequence, TextIO
 import torch
 import torch.distributed as dist
 
+from trainer3d.observe.goodput import Prediction, lost_before, split_step, summarize, summary_lines, write_summary
 from trainer3d.observe.telemetry import CommTimer, process_memory
 from trainer3d.parallel.topology import ParallelDims
 
@@ -53,7 +56,8 @@ def format_duration(seconds: float) -> str:
 class MetricsLogger:
     def __init__(self, dims: ParallelDims, run_dir: str, max_steps: int, tokens_per_step: int,
                  start_step: int = 0, flops_per_token: float = 0.0, peak_tflops: Optional[float] = None,
-                 sinks: Sequence = (), stream: TextIO = None, state_bytes: Optional[Callable[[], int]] = None):
+                 sinks: Sequence = (), stream: TextIO = None, state_bytes: Optional[Callable[[], int]] = None,
+                 prediction: Optional[Prediction] = None):
         self.dims = dims
         self.max_steps = max_steps
         self.tokens_per_step = tokens_per_step
@@ -78,8 +82,12 @@ class MetricsLogger:
         self.comm = CommTimer()
         """``with metrics.comm(): <a communication call>`` inside a step (trainer3d/observe/telemetry.py)."""
         self._columns: Dict[str, Callable[[], List[float]]] = {"comm_s": self.comm.pop}
-        self.constants: Dict[str, float] = {"bubble": 0.0, "bubble_theory": 0.0}
+        self.constants: Dict[str, float] = {"bubble": 0.0, "bubble_theory": 0.0,
+                                            **(prediction.columns() if prediction else {})}
         """Values written unchanged into every row (``set_constant``: e.g. the pipeline's bubble_theory)."""
+        self.prediction = prediction
+        self.lost_s = 0.0
+        """Work lost to restarts (trainer3d/observe/goodput.py), known on rank 0."""
         self.state_bytes: Callable[[], int] = state_bytes or (lambda: 0)
         """This rank's model-state tensor bytes (read at flush)."""
         self.last: Optional[dict] = None
@@ -89,11 +97,12 @@ class MetricsLogger:
 
     def _truncate_after(self, start_step: int) -> None:
         """On resume, drop rows of steps the restored run will redo (none lost, none doubled)."""
-        if not self.path.exists():
-            return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] < start_step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()] \
+            if self.path.exists() else []
+        kept = [row for row in rows if row["step"] < start_step]
+        self.lost_s = lost_before(self.path.parent, [row for row in rows if row["step"] >= start_step])
+        if self.path.exists():
+            self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
 
     def add_column(self, name: str, read: Callable[[], List[float]]) -> None:
         """A per-step metric averaged over all ranks: at each flush ``read()`` returns this
@@ -187,6 +196,11 @@ class MetricsLogger:
                 row.update(val_loss=val[s], val_ppl=math.exp(min(val[s], 700.0)), eval_s=self._eval_s.pop(s, 0.0))
             row.update(self._ckpt.pop(s, {}))
             rows.append(row)
+        # step_time_s is the interval's mean: so are the parts goodput.py splits it into
+        means = {k: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in ("bubble", "comm_s", "ckpt_stall_s")}
+        parts = split_step({"step_time_s": step_time, **means})
+        for row in rows:
+            row.update(parts)
         with open(self.path, "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
@@ -220,6 +234,23 @@ class MetricsLogger:
         else:  # a file (a Slurm log, submitit's stdout): plain lines, no carriage returns
             self.stream.write(line + "\n")
         self.stream.flush()
+
+    def summarize(self) -> Optional[dict]:
+        """Rank 0 at the end of training: the run's goodput against the prediction (every row of
+        metrics.jsonl, restarts' lost work included), printed, written to goodput.json and handed
+        to the sinks."""
+        if self.dims.rank != 0:
+            return None
+        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()] \
+            if self.path.exists() else []
+        summary = summarize(rows, self.lost_s, self.prediction)
+        write_summary(self.path.parent, summary)
+        for line in summary_lines(summary):
+            self.stream.write(line + "\n")
+        self.stream.flush()
+        for sink in self.sinks:
+            sink.summary(summary)
+        return summary
 
     def close(self) -> None:
         """End of training: close the sinks (wandb) on rank 0."""
