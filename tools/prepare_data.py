@@ -121,6 +121,9 @@ def main(argv=None) -> int:
     except (InputError, TokenFileError, ValueError) as err:
         print(f"prepare_data: {err}", file=sys.stderr)
         return 1
+    except OSError as err:  # e.g. an unreadable input or a full disk: the file and the reason, no traceback
+        print(f"prepare_data: {err.filename or args.out}: {err.strerror or err}", file=sys.stderr)
+        return 1
     seconds = time.perf_counter() - started
     print(f"prepare_data: {len(files)} files, {format_bytes(progress.total)} -> {header.n_tokens:,} tokens "
           f"(vocab {header.vocab_size}, {header.dtype}, max id {header.max_id}, tokenizer {header.tokenizer.name}) "

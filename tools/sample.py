@@ -7,10 +7,14 @@
 
 One process on the CPU. A checkpoint is read as tools/export_model.py reads it (checksums verified,
 DCP with a restricted metadata reader); a Hugging Face directory is checked as ``model.init_from`` checks it
-and read with safetensors. Tokens: a tokenizer.json beside the weights (or ``--tokenizer``;
-for a checkpoint, the tokenizer its training data records) through the ``tokenizers``
-package; otherwise byte-level, as the built-in corpus and tools/prepare_data.py tokenise
-(bytes 0-255, end-of-document 256). Generation stops at an end-of-sequence id.
+and read with safetensors. Tokens: ``--tokenizer``, else a tokenizer.json beside the weights,
+else (a checkpoint) the tokenizer its training data records, through the ``tokenizers``
+package; byte-level (bytes 0-255, end-of-document 256, as the built-in corpus and
+tools/prepare_data.py without a tokenizer make them) only for a model whose data was
+byte-level (a checkpoint's record) or whose vocabulary is exactly 257 (an export). A
+tokenizer whose ids the model's vocabulary cannot hold, or a model with no tokenizer and a
+vocabulary that is not byte-level, is refused in one line naming ``--tokenizer``: decoding
+such ids as bytes prints noise. Generation stops at an end-of-sequence id.
 """
 
 import argparse
@@ -25,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer3d.checkpoint.export import load_full_model, model_config_of  # noqa: E402
 from trainer3d.checkpoint.store import MARKER, CheckpointError, read_marker  # noqa: E402
-from trainer3d.data import EOF_TOKEN  # noqa: E402
+from trainer3d.data import BYTE_VOCAB, EOF_TOKEN  # noqa: E402
 from trainer3d.hf.check import weight_problems  # noqa: E402
-from trainer3d.hf.export import data_tokenizer  # noqa: E402
+from trainer3d.hf.export import DataTokens, data_tokenizer  # noqa: E402
 from trainer3d.hf.files import DirError, read_json  # noqa: E402
 from trainer3d.hf.mapping import model_config  # noqa: E402
 from trainer3d.hf.source import HFSource  # noqa: E402
@@ -51,6 +55,7 @@ class FileTokenizer:
 
     def __init__(self, path: Path):
         self.tokenizer = Tokenizer.from_file(str(path))
+        self.size = self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> List[int]:
         return self.tokenizer.encode(text).ids
@@ -60,7 +65,7 @@ class FileTokenizer:
 
 
 def load_model(path: Path):
-    """(model, tokenizer found beside it or recorded by its data, or None)."""
+    """(model, what its training data records about tokens: DataTokens, empty for a Hugging Face directory)."""
     if (path / MARKER).exists():
         try:
             tensors = load_full_model(path)  # refuses a checkpoint that fails its checksums
@@ -69,7 +74,7 @@ def load_model(path: Path):
             raise SystemExit(f"sample: {err}") from None
         model = Transformer(model_config_of(config))
         fill_parameters(model, lambda name, shape, shard: tensors[name])
-        return model, data_tokenizer(config)[0]
+        return model, data_tokenizer(config)
     try:
         cfg = model_config(read_json(path / "config.json"))
     except (DirError, ValueError) as err:
@@ -79,21 +84,32 @@ def load_model(path: Path):
         raise SystemExit("sample: " + "\n".join(problems))
     model = Transformer(cfg)
     fill_parameters(model, HFSource(path, cfg))
-    return model, None
+    return model, DataTokens()
 
 
-def choose_tokenizer(path: Path, given: Optional[Path], recorded: Optional[Path], vocab_size: int):
-    for candidate in (given, path / "tokenizer.json", recorded):
+def choose_tokenizer(path: Path, given: Optional[Path], data: DataTokens, vocab_size: int):
+    """The tokenizer to use: --tokenizer, tokenizer.json beside the model, the data's record, or
+    byte level where the model's data was byte-level; refused (SystemExit, one line) where its
+    ids do not fit the model's vocabulary."""
+    for candidate in (given, path / "tokenizer.json", data.tokenizer):
         if candidate is not None:
             file = candidate / "tokenizer.json" if candidate.is_dir() else candidate
             if file.is_file():
-                return FileTokenizer(file)
+                tokenizer = FileTokenizer(file)
+                if tokenizer.size > vocab_size:
+                    raise SystemExit(f"sample: the tokenizer {file} has {tokenizer.size} ids but the model's "
+                                     f"vocabulary is {vocab_size}: give the tokenizer its training data was made "
+                                     "with (--tokenizer FILE)")
+                return tokenizer
             if candidate is given:
                 raise SystemExit(f"sample: --tokenizer {given}: no tokenizer.json there")
-    if vocab_size < 257:
-        raise SystemExit(f"sample: no tokenizer found and the vocabulary ({vocab_size}) is too small for "
-                         "byte-level tokens; give --tokenizer")
-    return ByteTokenizer()
+    if data.byte_level or (data.tokenizer is None and vocab_size == BYTE_VOCAB):
+        if vocab_size < BYTE_VOCAB:
+            raise SystemExit(f"sample: the vocabulary ({vocab_size}) is too small for byte-level tokens "
+                             f"({BYTE_VOCAB}); give --tokenizer")
+        return ByteTokenizer()
+    raise SystemExit(f"sample: {path} has no tokenizer.json and its vocabulary ({vocab_size}) is not byte-level "
+                     f"({BYTE_VOCAB}): give the tokenizer its training data was made with (--tokenizer FILE)")
 
 
 def next_token(logits: torch.Tensor, greedy: bool, temperature: float, top_p: float,
@@ -142,9 +158,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.temperature <= 0 or not 0 < args.top_p <= 1:
         parser.error("--temperature must be > 0 and --top-p in (0, 1]; use --greedy for argmax decoding")
-    model, recorded = load_model(args.model)
+    model, data = load_model(args.model)
     model.eval()
-    tokenizer = choose_tokenizer(args.model, args.tokenizer, recorded, model.cfg.vocab_size)
+    tokenizer = choose_tokenizer(args.model, args.tokenizer, data, model.cfg.vocab_size)
     eos = list(model.cfg.eos_token_ids) or ([tokenizer.eos] if isinstance(tokenizer, ByteTokenizer) else [])
     ids = tokenizer.encode(args.prompt)
     if not ids:

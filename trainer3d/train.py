@@ -22,6 +22,7 @@ from trainer3d.checkpoint.store import CheckpointError
 from trainer3d.config.schema import Config  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.data.checks import check_data
 from trainer3d.job.device_check import machine_problems
+from trainer3d.job.memory_check import memory_problems
 from trainer3d.memory.dry_run import print_plan
 from trainer3d.hf.check import apply_init_from
 from trainer3d.config.knobs import path_problems, unknown_keys
@@ -83,6 +84,11 @@ def run(cfg: Config, explicit_model: Sequence[str] = ()) -> int:
     problems = machine_problems(cfg, world_size_of(cfg))
     for problem in problems:
         print(f"trainer3d: device error: {problem}", file=sys.stderr)
+    if problems:
+        return 2
+    problems = memory_problems(cfg, world_size_of(cfg))
+    for problem in problems:
+        print(f"trainer3d: memory error: {problem}", file=sys.stderr)
     if problems:
         return 2
     problems = check_data(cfg)  # also a data vocabulary or id the model (init_from's included) cannot embed

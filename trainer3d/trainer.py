@@ -133,7 +133,8 @@ class Trainer:
         """This rank's training batches (read ahead) and evaluator (None without a validation set);
         the first stage reads inputs, the last targets, the stages between nothing."""
         dims, t = self.dims, self.cfg.train
-        train, val = build_readers(self.cfg, dims.dp, dims.dp_rank, dims.is_first_stage, dims.is_last_stage)
+        train, val = build_readers(self.cfg, dims.dp, dims.dp_rank, dims.is_first_stage, dims.is_last_stage,
+                                   dims.cp, dims.cp_rank)
         evaluator = None
         if val is not None and evaluates(self.cfg):
             evaluator = Evaluator(val, eval_batches(self.cfg, val.n_windows), t.eval_every, dims.device)

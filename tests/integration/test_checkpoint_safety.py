@@ -164,7 +164,7 @@ def test_auto_falls_back_to_the_newest_good_checkpoint_and_says_so(tmp_path, cap
     (good / store.MARKER).write_text((good / store.MARKER).read_text().replace('"step": 10', '"step": 11'))
     assert train.run(cfg) == 2
     err = capsys.readouterr().err
-    assert "no checkpoint under" in err and str(good) in err and str(bad) in err and "train.resume=never" in err
+    assert "no checkpoint under" in err and str(good) in err and str(bad) in err and "hydra.run.dir" in err
 
 
 def test_retention_keeps_the_last_good_checkpoint(tmp_path):

@@ -40,7 +40,7 @@ def _state_bytes_by_accounting(overrides) -> int:
     p, topo = cfg.parallel, Topology(tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp)
     most = 0
     for pp_rank in range(p.pp):
-        dims = ParallelDims(topo=topo, rank=topo.rank(pp_rank, 0, 0), mesh=None, tp_group=None, dp_group=None,
+        dims = ParallelDims(topo=topo, rank=topo.rank(pp_rank, 0, 0, 0), mesh=None, tp_group=None, dp_group=None,
                             pp_group=None, device=torch.device("meta"))
         shapes = [tuple(q.shape) for chunk in build_meta_chunks(cfg, dims) for q in chunk.parameters()]
         want = engine_model_state_bytes(shapes, p.dp, p.zero_stage, cfg.train.dtype, bucket_numel(cfg))

@@ -1,14 +1,18 @@
-"""Class: two runs in one run dir. The run dir's lock is held for the run's lifetime; a second
-run is refused before it launches, naming the holder; a dead holder frees it."""
+"""Class: two runs in one run dir, and a job that outlives its owner. The run dir's lock is held
+for the run's lifetime by the submitting process and by every rank of its job; a second run is
+refused before it launches, naming the holder, while any of them lives; a job whose submitting
+process was killed (SIGKILL: no handler runs) stops at a step boundary, saves and ends."""
 
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from tests.support.background import Run
+from tests.support.background import Run, marked
+from trainer3d.checkpoint import store
 from trainer3d.job.runlock import RunDirBusy, RunDirLock
 
 SMALL = ("parallel=single", "train.max_steps=100000", "train.log_every=1", "train.seq_len=64",
@@ -46,3 +50,44 @@ def test_a_second_run_on_the_same_run_dir_is_refused_before_launch(tmp_path):
         first.proc.send_signal(signal.SIGTERM)
         assert first.wait(timeout=120) == 128 + signal.SIGTERM
     assert os.path.exists(run_dir / "run.lock")
+
+
+def test_a_rank_holding_the_run_dir_keeps_it_busy_after_its_submitter_died(tmp_path):
+    """What a local rank does (runlock.join), in a process whose submitter record names a dead pid."""
+    lock = RunDirLock(str(tmp_path)).acquire()
+    lock.record("77", token="no-such-token")
+    lock.share()
+    rank = subprocess.Popen([sys.executable, "-c", "import time; from trainer3d.job.runlock import join; "
+                             f"join({str(tmp_path)!r}); print('joined', flush=True); time.sleep(600)"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout.readline().strip() == "joined"
+        lock.release()  # the submitting process is gone; its rank is not
+        with pytest.raises(RunDirBusy, match=r"pid \d+ on host .*, job 77, started .*"):
+            RunDirLock(str(tmp_path)).check_free()
+    finally:
+        rank.kill()
+        rank.wait()
+    RunDirLock(str(tmp_path)).check_free()
+
+
+@pytest.mark.slow
+def test_a_job_never_outlives_its_submitter_and_holds_its_run_dir_while_it_lives(tmp_path):
+    """kill -9 of the submitting process: its ranks hold the run dir until they are gone, then
+    stop at a step boundary, save and exit on their own; nothing is left running."""
+    run_dir = tmp_path / "run"
+    overrides = [*SMALL[1:], "parallel=dp2", "checkpoint.every=1000000", "parallel.timeout_s=60"]
+    with Run(run_dir, overrides) as run:
+        run.wait_for("| loss ", count=2)
+        run.proc.send_signal(signal.SIGKILL)
+        run.proc.wait()
+        with pytest.raises(RunDirBusy, match=rf"pid {run.proc.pid} on host .*, which has exited; its processes "
+                                             r"still running: pid \d+"):
+            RunDirLock(str(run_dir)).check_free()
+        deadline = time.monotonic() + 120
+        while marked(run.mark) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert marked(run.mark) == [], "the job outlived its submitting process"
+    saved = store.published(run_dir / "checkpoints")
+    assert len(saved) == 1 and store.is_complete(saved[0][1]) == (True, ""), saved
+    RunDirLock(str(run_dir)).check_free()

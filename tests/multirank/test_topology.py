@@ -10,10 +10,10 @@ from tests.support.harness import dims_for, run_ranks
 
 def test_sixteen_ranks_tp2_pp2_dp4_by_hand():
     topo = Topology(tp=2, pp=2, dp=4)
-    # (pp, dp, tp) of every rank, written out from rank = (pp * dp + dp_rank) * tp + tp_rank
+    # (pp, dp, tp) of every rank (cp = 1), written out from rank = (pp * dp + dp_rank) * tp + tp_rank
     expected = [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (0, 3, 0), (0, 3, 1),
                 (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1), (1, 2, 0), (1, 2, 1), (1, 3, 0), (1, 3, 1)]
-    assert [tuple(topo.coords(r)) for r in range(16)] == expected
+    assert [tuple(topo.coords(r)) for r in range(16)] == [(p, d, 0, t) for p, d, t in expected]
     assert topo.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
     assert topo.groups("dp") == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
     assert topo.groups("pp") == [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]]

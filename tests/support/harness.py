@@ -11,6 +11,6 @@ from trainer3d.job.local_ranks import run_ranks  # noqa: F401  (the tests' entry
 from trainer3d.parallel.topology import ParallelDims, Topology
 
 
-def dims_for(tp: int = 1, pp: int = 1, dp: int = 1, tied_embeddings: bool = False) -> ParallelDims:
+def dims_for(tp: int = 1, pp: int = 1, dp: int = 1, tied_embeddings: bool = False, cp: int = 1) -> ParallelDims:
     """This rank's ParallelDims on CPU (call inside a rank)."""
-    return ParallelDims.build(Topology(tp=tp, pp=pp, dp=dp), torch.device("cpu"), tied_embeddings)
+    return ParallelDims.build(Topology(tp=tp, pp=pp, dp=dp, cp=cp), torch.device("cpu"), tied_embeddings)

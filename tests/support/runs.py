@@ -34,7 +34,7 @@ from trainer3d.data.checks import check_data
 from trainer3d.hf.check import apply_init_from
 from trainer3d.job.launch import TrainTask
 from trainer3d.job.local_ranks import run_ranks
-from trainer3d.config.validate import validate
+from trainer3d.config.validate import validate, world_size_of
 
 
 # Small enough for 2 cores: 20 steps of 16 sequences x 64 tokens, loss logged every step.
@@ -88,7 +88,7 @@ def train_in_ranks(run_dir: Path, overrides: Sequence[str], timeout: float = 900
     """Train ``overrides`` on tp x pp x dp in-process gloo ranks; rank 0's stdout."""
     cfg = configure(run_dir, overrides)
     p = cfg.parallel
-    return run_ranks(_train_rank, p.tp * p.pp * p.dp, cfg, timeout=timeout, pg_timeout_s=p.timeout_s)[0]
+    return run_ranks(_train_rank, world_size_of(cfg), cfg, timeout=timeout, pg_timeout_s=p.timeout_s)[0]
 
 
 def read_metrics(run_dir: Path) -> List[dict]:

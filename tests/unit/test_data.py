@@ -105,6 +105,23 @@ def test_a_rank_reads_only_what_it_feeds(token_file):
     assert reader([token_file], 16, 2, 3, seed=1, inputs=False, targets=False).batch(4) == (None, None)
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_cp_rank_reads_its_chunks(token_file, cp):
+    """Each cp rank's inputs and targets are its two chunks of the whole windows (sharding by
+    hand: 2 * cp chunks of 32 / (2 * cp) tokens, rank r holding r and 2cp-1-r), whichever
+    stage reads them."""
+    inputs, targets = reader([token_file], 32, 2, 3, seed=1).batch(4)
+    n = 32 // (2 * cp)
+    for r in range(cp):
+        cols = [*range(r * n, (r + 1) * n), *range((2 * cp - 1 - r) * n, (2 * cp - r) * n)]
+        got = reader([token_file], 32, 2, 3, seed=1, cp=cp, cp_rank=r).batch(4)
+        assert torch.equal(got[0], inputs[..., cols]) and torch.equal(got[1], targets[..., cols])
+        assert torch.equal(reader([token_file], 32, 2, 3, seed=1, cp=cp, cp_rank=r, inputs=False).batch(4)[1],
+                           targets[..., cols])
+        assert torch.equal(reader([token_file], 32, 2, 3, seed=1, cp=cp, cp_rank=r, targets=False).batch(4)[0],
+                           inputs[..., cols])
+
+
 def test_sampler_is_deterministic_and_resumable():
     a, b = SampleOrder([600], [1.0], seed=9), SampleOrder([600], [1.0], seed=9)
     walked = [a(step_samples(s, 16, 0, 16))[1] for s in range(31)]

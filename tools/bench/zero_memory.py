@@ -38,7 +38,7 @@ def print_layout(args) -> None:
     cfg = Config(model=model_preset(args.model))
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp = args.tp, args.pp, args.dp
     topo = Topology(tp=args.tp, pp=args.pp, dp=args.dp)
-    per_stage = [rank_parameter_shapes(cfg, topo.rank(s, 0, 0)) for s in range(args.pp)]
+    per_stage = [rank_parameter_shapes(cfg, topo.rank(s, 0, 0, 0)) for s in range(args.pp)]
     counts = [sum(torch.Size(s).numel() for s in shapes) for shapes in per_stage]
     stage = max(range(args.pp), key=counts.__getitem__)
     psi = counts[stage]

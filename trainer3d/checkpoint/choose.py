@@ -2,7 +2,10 @@
 submitting process (before launch, so a refusal costs no rank start-up) and for rank 0.
 
 ``train.resume=auto`` takes the newest checkpoint whose data match their checksums, skipping
-newer broken ones (each named); an explicit path must be intact itself. Either way the
+newer broken ones (each named); an explicit path must be intact itself. ``never`` is refused
+where checkpoints of an earlier run already lie: the new run's saves would sit among steps it
+did not train, retention would delete its own newer saves in favour of the old run's higher
+steps, and its metrics.jsonl would replace the old one's; a new run gets a new run dir. Either way the
 checkpoint's model (recorded in its marker) must be the run's: a different shape would fail
 deep inside DCP with a size assertion, a different rope or norm setting would silently train
 another function. Every differing key is named. A change of ``train.dtype`` is allowed:
@@ -70,6 +73,12 @@ def choose(cfg: Config, root: Path, verify_data: bool = True, exclude: Iterable[
     ``exclude``: checkpoints whose data failed that verification (``auto`` passes over them)."""
     want = cfg.train.resume
     if want == "never":
+        earlier = store.published(root)
+        if earlier:
+            raise CheckpointError(
+                f"train.resume=never, but {root} holds {len(earlier)} checkpoint(s) of an earlier run (newest "
+                f"{earlier[-1][1].name}); set train.resume=auto to continue that run, or give this run a new "
+                "hydra.run.dir=... to start over")
         return None
     skipped: List[Tuple[Path, str]] = []
     if want == "auto":
@@ -78,7 +87,7 @@ def choose(cfg: Config, root: Path, verify_data: bool = True, exclude: Iterable[
             raise CheckpointError(
                 f"train.resume=auto: no checkpoint under {root} passes its checks ("
                 + "; ".join(f"{path}: {why}" for path, why in skipped)
-                + "); set train.resume=never to start over from step 0, or train.resume=<path> of a good copy")
+                + "); give this run a new hydra.run.dir=... to start over from step 0, or train.resume=<path> of a good copy")
         if found is None:
             return None
         path, knob = found[1], f"train.resume=auto (checkpoint {found[1]})"
@@ -88,9 +97,10 @@ def choose(cfg: Config, root: Path, verify_data: bool = True, exclude: Iterable[
     info = store.read_marker(path)
     saved_model = info.get("config", {}).get("model")
     if not isinstance(saved_model, dict):
-        raise CheckpointError(f"{knob}: the checkpoint records no model config; resume with train.resume=never")
+        raise CheckpointError(f"{knob}: the checkpoint records no model config; start over in a new "
+                              "hydra.run.dir=...")
     changes = model_changes(saved_model, cfg.model)
     if changes:
         raise CheckpointError(f"{knob} holds a different model: {', '.join(changes)}; set these model.* knobs as "
-                              "the checkpoint has them, or start fresh (train.resume=never, or another run dir)")
+                              "the checkpoint has them, or start fresh in a new hydra.run.dir=...")
     return Choice(int(info["step"]), Path(path), info, skipped)

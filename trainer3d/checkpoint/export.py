@@ -30,7 +30,6 @@ from omegaconf import OmegaConf
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.reader import CheckpointReader, TensorOnlyLoadPlanner
 from trainer3d.config.schema import ModelConfig
-from trainer3d.data import EOF_TOKEN
 from trainer3d.hf.export import data_tokenizer, write_hf
 from trainer3d.hf.files import write_safetensors_dir
 from trainer3d.optim.mixed_precision import DTYPES
@@ -68,11 +67,12 @@ def export(path: Path, out: Path, fmt: str = "hf", dtype: Optional[str] = None,
         (out / "config.json").write_text(json.dumps(info["config"]["model"], indent=1))
         return files
     cfg = model_config_of(info["config"])
-    recorded, byte_level = data_tokenizer(info["config"])
-    if byte_level and not cfg.eos_token_ids:
-        cfg.eos_token_ids = [EOF_TOKEN]
+    data = data_tokenizer(info["config"])
+    if not cfg.eos_token_ids and data.eos_id is not None:
+        cfg.eos_token_ids = [data.eos_id]  # the end-of-document id the model learned to emit
     weight_dtype = next(iter(tensors.values())).dtype
-    return write_hf(tensors, cfg, out, weight_dtype, max_shard_bytes, tokenizer or recorded, meta)
+    return write_hf(tensors, cfg, out, weight_dtype, max_shard_bytes, tokenizer or data.tokenizer, meta,
+                    byte_level=data.byte_level)
 
 
 def main(argv=None) -> int:

@@ -49,7 +49,7 @@ from trainer3d.checkpoint.store import CheckpointError
 from trainer3d.checkpoint.verify import shared_problem
 from trainer3d.config.schema import Config
 from trainer3d.config.validate import layout_of
-from trainer3d.observe.loggers import scrub
+from trainer3d.config.secrets import scrub
 from trainer3d.parallel.tied import TIED, drop_tied_copies
 from trainer3d.parallel.timeouts import GroupTimeouts, seconds
 from trainer3d.parallel.topology import ParallelDims

@@ -23,9 +23,12 @@ from typing import Iterable, List, Optional, Tuple
 
 from trainer3d.checkpoint import digest
 from trainer3d.checkpoint import metadata as checked_metadata
+from trainer3d.config.jsonfile import parse_json
 
 MARKER = "trainer3d.json"
+MAX_MARKER_BYTES = 16 * 2 ** 20
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_HEX = re.compile(r"^[0-9a-f]{16,128}$")
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -42,19 +45,44 @@ def read_metadata(path: Path):
 
 
 def _marker(path: Path) -> Tuple[Optional[dict], str]:
-    """(the marker, "") if it parses and matches its own checksum, else (None, why)."""
+    """(the marker, "") if it parses, matches its own checksum and holds well-formed fields,
+    else (None, why). A marker is untrusted input like the rest of the checkpoint: its seal
+    proves only that it was not changed since someone sealed it."""
     try:
-        info = json.loads((path / MARKER).read_text())
+        data = (path / MARKER).read_bytes()
+        if len(data) > MAX_MARKER_BYTES:
+            return None, f"{MARKER} is larger than {MAX_MARKER_BYTES} bytes"
+        info = parse_json(data, MARKER)
     except (OSError, ValueError) as err:
         return None, f"unreadable {MARKER} ({err})"
     if not isinstance(info, dict) or not isinstance(info.get("files"), dict):
         return None, f"{MARKER} records no checksums (written by an older trainer3d, or edited)"
     if not isinstance(info.get("step"), int) or not isinstance(info.get("config", {}), dict):
         return None, f"{MARKER} has a malformed step or config"
-    problem = digest.seal_problem(info)
-    if problem is None and not all(n == ".metadata" or checked_metadata.DATA_FILE.match(n) for n in info["files"]):
-        problem = f"{MARKER} lists a file that is not part of a checkpoint"
+    problem = digest.seal_problem(info) or _marker_fields_problem(path, info)
     return (None, problem) if problem else (info, "")
+
+
+def _marker_fields_problem(path: Path, info: dict) -> Optional[str]:
+    """Why a sealed marker's fields are not what a save writes, or None."""
+    match = _STEP_DIR.match(Path(path).name)
+    step = info["step"]
+    if type(step) is not int or (match is not None and step != int(match.group(1))):
+        return f"{MARKER} records step {step!r}, outside this checkpoint ({Path(path).name})"
+    for name, entry in info["files"].items():
+        if not (name == ".metadata" or checked_metadata.DATA_FILE.match(name)):
+            return f"{MARKER} lists a file that is not part of a checkpoint ({name!r})"
+        kind = digest.recorded_kind(entry) if isinstance(entry, dict) else None
+        size = entry.get("bytes") if isinstance(entry, dict) else None
+        if kind is None or type(size) is not int or size < 0 or not _HEX.match(entry[kind]):
+            return f"{MARKER} has a malformed entry for {name} (needs its byte count and a hex digest)"
+    for key in ("layout", "config"):
+        if key in info and not isinstance(info[key], dict):
+            return f"{MARKER} has a malformed {key}"
+    model = info.get("config", {}).get("model")
+    if model is not None and not isinstance(model, dict):
+        return f"{MARKER} has a malformed model config"
+    return None
 
 
 def is_complete(path: Path, verify_data: bool = True) -> Tuple[bool, str]:

@@ -4,6 +4,7 @@
 ``conf/`` only selects and overrides them); ``knobs`` every field's range or choices;
 ``validate`` the rules of a layout as a pure function, run in the submitting process and
 naming the knob to change; ``jsonfile`` the size-bounded reader of JSON objects the run did
-not write (token headers, Hugging Face config and index files). Imports nothing of
+not write (token headers, Hugging Face config and index files); ``secrets`` the redaction of
+credentials, by key and by value, from every record of a config (.hydra/, markers, wandb). Imports nothing of
 trainer3d but ``job.device_check`` (the device rules validate() applies).
 """

@@ -72,7 +72,7 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """The 3D layout. World size = tp * pp * dp; rank order is TP fastest, then DP, then PP."""
+    """The layout. World size = tp * cp * pp * dp; rank order is TP fastest, then CP, then DP, then PP."""
 
     tp: int = 1
     """Tensor-parallel degree (Megatron-style column/row split inside each layer)."""
@@ -80,6 +80,14 @@ class ParallelConfig:
     """Pipeline-parallel degree (stages)."""
     dp: int = 1
     """Data-parallel degree (model replicas, each taking a slice of the global batch)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over cp ranks (load-balanced chunks, exact
+    causal attention across them; trainer3d/parallel/context/). Does not multiply the batch;
+    needs train.seq_len divisible by 2 * cp."""
+    cp_attention: str = "ring"
+    """How attention reaches the other cp ranks' keys and values: ring (blocks passed around a
+    ring with send/recv, overlapped with compute) | all_gather (all at once; faster for short
+    sequences, docs/context_parallel.md)."""
     zero_stage: int = 0
     """0: replicated optimizer; 1: optimizer state sharded over dp; 2/3 (pp == 1 only): FSDP2."""
     sequence_parallel: bool = False
@@ -232,6 +240,9 @@ class LauncherConfig:
     """Slurm sends USR2 this long before the time limit: ranks checkpoint and the job requeues."""
     max_requeues: int = 3
     """Cap on requeues after preemption or time limit."""
+    check_memory: bool = True
+    """Refuse (local launcher) a run whose estimated peak (the dry run's accounting) exceeds each
+    GPU's memory, or for CPU ranks this host's; false launches anyway (trainer3d/job/memory_check.py)."""
 
 
 @dataclass

@@ -20,12 +20,18 @@ class ConfigError(ValueError):
         super().__init__("\n".join(problems))
 
 
-LAYOUT_KEYS = ("tp", "pp", "dp", "zero_stage", "pp_schedule", "pp_virtual_stages", "sequence_parallel")
+LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "zero_stage", "pp_schedule", "pp_virtual_stages", "sequence_parallel")
 
 
 def world_size_of(cfg: Config) -> int:
     p = cfg.parallel
-    return p.tp * p.pp * p.dp
+    return p.tp * p.cp * p.pp * p.dp
+
+
+def _layout_text(cfg: Config) -> str:
+    """``tp(2) * pp(2) * dp(2)``, with ``cp(..)`` after tp when cp > 1."""
+    p = cfg.parallel
+    return f"tp({p.tp}) * {f'cp({p.cp}) * ' if p.cp > 1 else ''}pp({p.pp}) * dp({p.dp})"
 
 
 def layout_of(cfg: Config) -> dict:
@@ -38,7 +44,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> Config:
     """Return a copy of ``cfg`` with the batch arithmetic completed, or raise ConfigError.
 
     ``world_size`` is what the launcher will start (Slurm: nodes * tasks_per_node;
-    in place: $WORLD_SIZE); None means the local launcher, which starts tp * pp * dp.
+    in place: $WORLD_SIZE); None means the local launcher, which starts tp * cp * pp * dp.
     """
     cfg = copy.deepcopy(cfg)
     problems: List[str] = []
@@ -49,6 +55,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> Config:
     _derive_batch(cfg, problems)
     _check_pipeline(cfg, problems)
     _check_tensor(cfg, problems)
+    _check_context(cfg, problems)
     _check_zero_and_precision(cfg, problems)
     _check_data(cfg, problems)
     problems += choice_problems(cfg)
@@ -80,14 +87,14 @@ def _check_signal_delay(cfg: Config, problems: List[str]) -> None:
 
 
 def _check_world(cfg: Config, world_size: Optional[int], problems: List[str]) -> None:
-    p, launcher = cfg.parallel, cfg.launcher
+    launcher = cfg.launcher
     layout = world_size_of(cfg)
     if launcher.name == "slurm":
         tasks = launcher.tasks_per_node
         if tasks is None:
             if layout % launcher.nodes:
                 problems.append(
-                    f"tp({p.tp}) * pp({p.pp}) * dp({p.dp}) = {layout} ranks do not split evenly over "
+                    f"{_layout_text(cfg)} = {layout} ranks do not split evenly over "
                     f"launcher.nodes={launcher.nodes}; change launcher.nodes or parallel.dp")
                 return
             tasks = layout // launcher.nodes
@@ -95,19 +102,21 @@ def _check_world(cfg: Config, world_size: Optional[int], problems: List[str]) ->
         if world_size != layout:
             problems.append(
                 f"launcher.nodes({launcher.nodes}) * launcher.tasks_per_node({tasks}) = {world_size} "
-                f"ranks, but tp({p.tp}) * pp({p.pp}) * dp({p.dp}) = {layout}; "
+                f"ranks, but {_layout_text(cfg)} = {layout}; "
                 f"set parallel.dp={_suggest_dp(cfg, world_size)} or change launcher.tasks_per_node")
     elif world_size is not None and world_size != layout:
         problems.append(
-            f"the allocation has {world_size} ranks but tp({p.tp}) * pp({p.pp}) * dp({p.dp}) = {layout}; "
+            f"the allocation has {world_size} ranks but {_layout_text(cfg)} = {layout}; "
             f"set parallel.dp={_suggest_dp(cfg, world_size)}")
 
 
 def _suggest_dp(cfg: Config, world_size: int) -> str:
-    model_parallel = cfg.parallel.tp * cfg.parallel.pp
+    p = cfg.parallel
+    model_parallel = p.tp * p.cp * p.pp
     if world_size % model_parallel == 0:
         return str(world_size // model_parallel)
-    return f"<world_size / (tp*pp)> (but {world_size} is not a multiple of tp*pp={model_parallel})"
+    names = "tp*cp*pp" if p.cp > 1 else "tp*pp"
+    return f"<world_size / ({names})> (but {world_size} is not a multiple of {names}={model_parallel})"
 
 
 def _derive_batch(cfg: Config, problems: List[str]) -> None:
@@ -217,6 +226,21 @@ def _check_tensor(cfg: Config, problems: List[str]) -> None:
     if p.sequence_parallel and t.seq_len % p.tp:
         problems.append(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp}, "
                         "which sequence parallelism needs")
+
+
+def _check_context(cfg: Config, problems: List[str]) -> None:
+    """Context parallelism cuts each sequence into 2 * cp chunks (trainer3d/parallel/context/sharding.py);
+    with sequence parallelism a cp rank's tokens are split again over tp."""
+    p, t = cfg.parallel, cfg.train
+    if p.cp == 1:
+        return
+    if t.seq_len % (2 * p.cp):
+        fit = max(2 * p.cp, t.seq_len // (2 * p.cp) * 2 * p.cp)
+        problems.append(f"train.seq_len={t.seq_len} is not a multiple of 2 * parallel.cp = {2 * p.cp} "
+                        f"(each cp rank holds two equal chunks); set train.seq_len={fit} or change parallel.cp")
+    elif p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
+        problems.append(f"train.seq_len={t.seq_len} / parallel.cp={p.cp} = {t.seq_len // p.cp} tokens per cp "
+                        f"rank is not divisible by parallel.tp={p.tp}, which sequence parallelism needs")
 
 
 def _check_rope_scaling(cfg: Config, problems: List[str]) -> None:

@@ -1,8 +1,19 @@
 """Documents from the inputs of tools/prepare_data.py, streamed: text files, directories, JSON Lines.
 
 Inputs are files or directories (walked recursively for the given suffixes); a file may be
-compressed (``.gz``, ``.zst``: the suffix before it decides its kind). A text file is one
-document; each line of a JSON Lines file (``.jsonl``) is one, its text under ``text_key``.
+compressed with gzip or zstd (the suffix before ``.gz``/``.zst`` decides its kind). What a file
+holds is decided by its first bytes, not its name: gzip and zstd streams are decompressed
+whatever the suffix, a ``.gz``/``.zst`` file that is not one is refused, and so is any other
+compressed or archive format (xz, bzip2, lz4, zip, 7z, tar) and any file with NUL bytes in its
+first block — a binary file tokenised as text would train on garbage. A corrupt compressed
+stream is refused naming the file. A text file is one document; each line of a JSON Lines
+file (``.jsonl``) is one, its text under ``text_key``.
+
+Memory: a JSON Lines record is read whole, so one is at most ``MAX_RECORD_BYTES`` (longer
+ones are refused naming file and line). Byte-level preparation in one process holds about
+four times its largest record at most (its text, the text's UTF-8 bytes, the 2-byte ids;
+tests/tools/test_prepare_inputs.py measures it); with ``--workers N`` add the up to 2 N
+batches in flight (trainer3d/data/prepare.py), each holding at least one record.
 
 Nothing is read whole: a text file comes in pieces of at most ``PIECE_BYTES``, cut just
 after a newline that precedes a non-space character (where byte-level pre-tokenizers such
@@ -14,6 +25,7 @@ import gzip
 import io
 import json
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterator, List, Sequence, Tuple, Union
@@ -21,7 +33,14 @@ from typing import BinaryIO, Iterator, List, Sequence, Tuple, Union
 import zstandard
 
 PIECE_BYTES = 4 << 20
+MAX_RECORD_BYTES = 64 << 20
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
+SUPPORTED = {".gz": b"\x1f\x8b", ".zst": b"\x28\xb5\x2f\xfd"}
+"""Compression read here: suffix -> the magic bytes its stream starts with."""
+UNSUPPORTED = {"xz": b"\xfd7zXZ\x00", "bzip2": b"BZh", "lz4": b"\x04\x22\x4d\x18", "zip": b"PK\x03\x04",
+               "7z": b"7z\xbc\xaf\x27\x1c", "lzma": b"\x5d\x00\x00"}
+"""Formats recognised by their magic bytes and refused (decompress them first)."""
+COMPRESSION_SUFFIXES = (*SUPPORTED, ".xz", ".bz2", ".lz4", ".zip", ".7z", ".lzma", ".tar", ".tgz")
 
 
 class InputError(ValueError):
@@ -37,7 +56,7 @@ class Piece:
 def kind_suffix(path: Path) -> str:
     """The suffix that says what a file holds, under any compression suffix (a.jsonl.gz -> .jsonl)."""
     suffixes = path.suffixes
-    if suffixes and suffixes[-1] in (".gz", ".zst"):
+    if suffixes and suffixes[-1] in COMPRESSION_SUFFIXES:
         suffixes = suffixes[:-1]
     return suffixes[-1] if suffixes else ""
 
@@ -68,15 +87,71 @@ class Progress:
         return self.done_files + (self._raw.tell() if self._raw is not None and not self._raw.closed else 0)
 
 
+def _format(path: Path, head: bytes) -> str:
+    """The compression of ``path`` from its first bytes ("" for none); InputError if unsupported."""
+    found = next((suffix for suffix, magic in SUPPORTED.items() if head.startswith(magic)), None)
+    if found:
+        return found
+    refused = next((name for name, magic in UNSUPPORTED.items() if head.startswith(magic)), None)
+    if refused is None and len(head) > 262 and head[257:262] == b"ustar":
+        refused = "tar"
+    if refused is None and path.suffix in COMPRESSION_SUFFIXES:
+        refused = f"{path.suffix[1:]} (by its name; its bytes are not a gzip or zstd stream)"
+    if refused is None and b"\0" in head:
+        refused = "binary (NUL bytes in its first block)"
+    if refused:
+        raise InputError(f"{path}: {refused} data, which prepare_data does not read as text; give plain text, "
+                         "JSON Lines, or gzip/zstd-compressed ones")
+    return ""
+
+
 def _open(path: Path, progress: Progress) -> Tuple[BinaryIO, BinaryIO]:
     """(raw file, decompressed stream)."""
     raw = open(path, "rb")
+    try:
+        kind = _format(path, raw.peek(4096)[:4096] if hasattr(raw, "peek") else b"")
+    except InputError:
+        raw.close()
+        raise
     progress._raw = raw
-    if path.suffix == ".gz":
+    if kind == ".gz":
         return raw, gzip.GzipFile(fileobj=raw)
-    if path.suffix == ".zst":
-        return raw, zstandard.ZstdDecompressor().stream_reader(raw)
+    if kind == ".zst":
+        return raw, io.BufferedReader(_Zstd(raw))
     return raw, raw
+
+
+class _Zstd(io.RawIOBase):
+    """The decompressed bytes of zstd frames (one or more, concatenated) read from ``raw``. A
+    stream cut short raises EOFError (zstandard's own stream reader returns what it decoded
+    and no error). Input is fed in small blocks, so one call's output stays small."""
+
+    BLOCK = 16 << 10
+
+    def __init__(self, raw: BinaryIO):
+        super().__init__()
+        self._raw, self._obj, self._out, self._started = raw, zstandard.ZstdDecompressor().decompressobj(), b"", False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._out:
+            block = self._raw.read(self.BLOCK)
+            if not block:
+                if self._started and not self._obj.eof:
+                    raise EOFError("the zstd stream ends inside a frame (truncated)")
+                return 0
+            if self._obj.eof:  # the previous frame ended with the previous block
+                self._obj = zstandard.ZstdDecompressor().decompressobj()
+            self._started, out = True, self._obj.decompress(block)
+            while self._obj.eof and self._obj.unused_data:  # the next frame starts in this block
+                rest, self._obj = self._obj.unused_data, zstandard.ZstdDecompressor().decompressobj()
+                out += self._obj.decompress(rest)
+            self._out = out
+        n = min(len(buffer), len(self._out))
+        buffer[:n], self._out = self._out[:n], self._out[n:]
+        return n
 
 
 def _cut(buffer: bytes) -> int:
@@ -111,16 +186,28 @@ def _text_pieces(stream: BinaryIO) -> Iterator[Piece]:
 
 
 def _jsonl_pieces(stream: BinaryIO, path: Path, text_key: str) -> Iterator[Piece]:
-    for number, line in enumerate(io.TextIOWrapper(stream, encoding="utf-8", errors="replace"), 1):
+    number = 0
+    while True:
+        line = stream.readline(MAX_RECORD_BYTES + 1)
+        if not line:
+            return
+        number += 1
+        if len(line) > MAX_RECORD_BYTES:
+            raise InputError(f"{path}:{number}: a record longer than {MAX_RECORD_BYTES} bytes; split the document "
+                             "into records of at most that size")
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(line.decode("utf-8", errors="replace"))
         except ValueError as err:
             raise InputError(f"{path}:{number}: not JSON ({err})") from None
+        except RecursionError:
+            raise InputError(f"{path}:{number}: nested too deeply to be a record") from None
+        line = None  # not held while the record's text is encoded
         text = record.get(text_key) if isinstance(record, dict) else None
         if not isinstance(text, str):
             raise InputError(f"{path}:{number}: no string under key {text_key!r} (choose the key with --text-key)")
+        record = None
         yield Piece(text, True)
 
 
@@ -133,8 +220,8 @@ def documents(files: Sequence[Path], text_key: str, progress: Progress) -> Itera
                 yield from _jsonl_pieces(stream, path, text_key)
             else:
                 yield from _text_pieces(stream)
-        except (OSError, EOFError) as err:
-            raise InputError(f"{path}: cannot read ({err})") from None
+        except (OSError, EOFError, zlib.error, zstandard.ZstdError) as err:
+            raise InputError(f"{path}: cannot read, corrupt or truncated ({err})") from None
         finally:
             stream.close()
             raw.close()

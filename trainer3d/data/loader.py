@@ -6,6 +6,9 @@ seq_len) int64, for this data-parallel rank's slice of the step's global batch (
 says which windows). A rank reads only what it feeds: the first pipeline stage the inputs,
 the last the targets, the stages between nothing (None); without a pipeline both. The
 tensor-parallel ranks of a replica read the same tokens themselves (no broadcast needed).
+With context parallelism (cp > 1) each cp rank of a replica reads the same samples but only
+its two chunks of each (trainer3d/parallel/context/sharding.py), so the tensors are
+(grad_accum, micro_batch, seq_len / cp) and the sampler does not know about cp.
 
 ``Prefetcher`` reads step ``s + 1`` in a background thread while step ``s`` computes; on
 CUDA into pinned host memory, so the copy to the device is asynchronous (``non_blocking``).
@@ -24,6 +27,7 @@ from trainer3d.data.sampler import SampleOrder, VALIDATION_KEY, step_samples
 from trainer3d.data.sources import Part, plan
 from trainer3d.data.tokenfile import TokenFile
 from trainer3d.data.tokens import TokenFileError
+from trainer3d.parallel.context.sharding import chunks_of
 
 Batch = Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
 
@@ -32,7 +36,8 @@ class BatchReader:
     """One data-parallel rank's micro-batches from token files, in a ``SampleOrder``."""
 
     def __init__(self, files: List[TokenFile], parts: List[Part], order: SampleOrder, micro_batch_size: int,
-                 grad_accum_steps: int, dp: int, dp_rank: int, inputs: bool = True, targets: bool = True):
+                 grad_accum_steps: int, dp: int, dp_rank: int, inputs: bool = True, targets: bool = True,
+                 cp: int = 1, cp_rank: int = 0):
         self.tokens = [f.tokens for f in files]
         self.spans = [p.span for p in parts]
         self.order = order
@@ -41,6 +46,10 @@ class BatchReader:
         self.global_batch_size = micro_batch_size * grad_accum_steps * dp
         self.dp_rank = dp_rank
         self.want_inputs, self.want_targets = inputs, targets
+        # The (offset, length) pieces of each window this rank reads: the whole window, or
+        # its cp rank's two chunks.
+        chunk = self.seq_len // (2 * cp)
+        self.pieces = [(0, self.seq_len)] if cp == 1 else [(c * chunk, chunk) for c in chunks_of(cp, cp_rank)]
 
     @property
     def n_windows(self) -> int:
@@ -57,15 +66,18 @@ class BatchReader:
             return None, None
         seq = self.seq_len
         first = 0 if self.want_inputs else 1  # the targets alone start one token later
-        length = seq + (1 if self.want_inputs and self.want_targets else 0)
+        extra = 1 if self.want_inputs and self.want_targets else 0
+        n = self.pieces[0][1]  # every piece has the same length
         sources, windows = self.windows(step)
-        rows = np.empty((len(windows), length), dtype=np.int64)
+        rows = np.empty((len(windows), len(self.pieces), n + extra), dtype=np.int64)
         for i, (k, w) in enumerate(zip(sources.tolist(), windows.tolist())):
             start = self.spans[k].start + w * seq + first
-            rows[i] = self.tokens[k][start:start + length]
-        rows = torch.from_numpy(rows).view(self.accum, self.micro, length)
-        inputs = rows[..., :seq] if self.want_inputs else None
-        targets = rows[..., length - seq:] if self.want_targets else None
+            for j, (offset, _) in enumerate(self.pieces):
+                rows[i, j] = self.tokens[k][start + offset:start + offset + n + extra]
+        rows = torch.from_numpy(rows).view(self.accum, self.micro, len(self.pieces), n + extra)
+        local = len(self.pieces) * n
+        inputs = rows[..., :n].reshape(self.accum, self.micro, local) if self.want_inputs else None
+        targets = rows[..., extra:].reshape(self.accum, self.micro, local) if self.want_targets else None
         return inputs, targets
 
 
@@ -96,9 +108,10 @@ class Prefetcher:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def build_readers(cfg: Config, dp: int, dp_rank: int, inputs: bool = True,
-                  targets: bool = True) -> Tuple[BatchReader, Optional[BatchReader]]:
-    """(training reader, validation reader or None) of data-parallel rank ``dp_rank``."""
+def build_readers(cfg: Config, dp: int, dp_rank: int, inputs: bool = True, targets: bool = True,
+                  cp: int = 1, cp_rank: int = 0) -> Tuple[BatchReader, Optional[BatchReader]]:
+    """(training reader, validation reader or None) of data-parallel rank ``dp_rank`` (and
+    context-parallel rank ``cp_rank``: its chunks of each sequence)."""
     t = cfg.train
     files = {}
 
@@ -116,6 +129,6 @@ def build_readers(cfg: Config, dp: int, dp_rank: int, inputs: bool = True,
     def reader(parts: List[Part], seed: int) -> BatchReader:
         order = SampleOrder([p.span.n_windows for p in parts], [p.weight for p in parts], seed)
         return BatchReader([files[p.path] for p in parts], parts, order, t.micro_batch_size,
-                           t.grad_accum_steps, dp, dp_rank, inputs, targets)
+                           t.grad_accum_steps, dp, dp_rank, inputs, targets, cp, cp_rank)
 
     return reader(train, t.seed), (reader(val, VALIDATION_KEY) if val else None)

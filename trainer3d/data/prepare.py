@@ -13,7 +13,6 @@ one thread (TOKENIZERS_PARALLELISM=false), so ``--workers N`` uses N cores.
 
 import collections
 import hashlib
-import json
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from typing import Callable, Iterator, List, Optional
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from trainer3d.config.jsonfile import read_json_object
 from trainer3d.data.corpus import BYTE_LEVEL, BYTE_VOCAB, EOF_TOKEN
 from trainer3d.data.documents import Piece, batched
 from trainer3d.data.tokens import TokenHeader, TokenizerInfo, TokenWriter
@@ -45,10 +45,25 @@ class Encoder:
 BYTE_ENCODER = Encoder(None, EOF_TOKEN, BYTE_VOCAB, BYTE_LEVEL)
 
 
+def _configured_eos(config_path: Path, where: str) -> Optional[str]:
+    """The eos_token a tokenizer_config.json names (a string, or an object with a string
+    ``content``), None if it names none; ValueError naming the file and key if malformed."""
+    try:
+        config = read_json_object(config_path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{where}: {config_path} cannot be read ({err}); fix it or name the token with "
+                         "--eos-token") from None
+    eos = config.get("eos_token")
+    token = eos.get("content") if isinstance(eos, dict) else eos
+    if token is not None and not isinstance(token, str):
+        raise ValueError(f"{where}: {config_path}: eos_token is {type(token).__name__} {token!r}, not a string "
+                         "(or an object with a string content); fix it or name the token with --eos-token")
+    return token
+
+
 def _eos_token(tokenizer_dir: Optional[Path], vocab: dict, eos_token: Optional[str], where: str) -> str:
     if eos_token is None and tokenizer_dir is not None and (tokenizer_dir / "tokenizer_config.json").exists():
-        eos = json.loads((tokenizer_dir / "tokenizer_config.json").read_text()).get("eos_token")
-        eos_token = eos.get("content") if isinstance(eos, dict) else eos
+        eos_token = _configured_eos(tokenizer_dir / "tokenizer_config.json", where)
     if eos_token is None:
         eos_token = next((t for t in EOS_CANDIDATES if t in vocab), None)
     if eos_token is None or eos_token not in vocab:
@@ -65,8 +80,8 @@ def load_tokenizer(spec: str, eos_token: Optional[str] = None) -> Encoder:
     if not file.is_file():
         raise ValueError(f"--tokenizer {spec}: no {file.name} there (give a tokenizer.json or a directory "
                          "holding one, e.g. a Hugging Face model directory)")
-    text = file.read_text()
     try:
+        text = file.read_text()
         tokenizer = Tokenizer.from_str(text)
     except Exception as err:  # tokenizers raises its own exception type for a malformed file
         raise ValueError(f"--tokenizer {spec}: {file} is not a tokenizers JSON file ({err})") from None
@@ -104,15 +119,22 @@ def _init_worker(encoder: Encoder) -> None:
 def encode_batch(batch: List[Piece]) -> np.ndarray:
     """Token ids of a batch of pieces, the EOS id after each piece that ends a document."""
     encoder, tokenizer = _WORKER["encoder"], _WORKER["tokenizer"]
-    if tokenizer is None:
+    dtype = np.uint16 if encoder.vocab_size <= 2 ** 16 else np.uint32  # the token file's own width
+    if tokenizer is None:  # bytes straight into the output: no per-piece copy of the ids
         data = [p.text if isinstance(p.text, bytes) else p.text.encode() for p in batch]
-        ids = [np.frombuffer(d, dtype=np.uint8).astype(np.uint32) for d in data]
+        ids = [np.frombuffer(d, dtype=np.uint8) for d in data]
     else:
         texts = [p.text.decode("utf-8", errors="replace") if isinstance(p.text, bytes) else p.text for p in batch]
-        ids = [np.asarray(e.ids, dtype=np.uint32) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
-    eos = np.array([encoder.eos_id], dtype=np.uint32)
-    parts = [part for p, i in zip(batch, ids) for part in ((i, eos) if p.ends_document else (i,))]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
+        ids = [np.asarray(e.ids, dtype=dtype) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+    out = np.empty(sum(len(i) for i in ids) + sum(p.ends_document for p in batch), dtype=dtype)
+    at = 0
+    for piece, piece_ids in zip(batch, ids):
+        out[at:at + len(piece_ids)] = piece_ids
+        at += len(piece_ids)
+        if piece.ends_document:
+            out[at] = encoder.eos_id
+            at += 1
+    return out
 
 
 def encode_all(batches: Iterator[List[Piece]], encoder: Encoder, workers: int) -> Iterator[np.ndarray]:

@@ -158,7 +158,14 @@ class TokenWriter:
 
     def __init__(self, path, vocab_size: int, tokenizer: TokenizerInfo, eos_id: Optional[int]):
         self.path = bin_path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for target in (self.path, header_path(self.path)):
+            if target.is_dir() or (target.exists() and not target.is_file()):
+                raise TokenFileError(f"{target} is a directory (or another non-file) where the token file "
+                                     f"{'header ' if target != self.path else ''}goes; give --out a file path")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise TokenFileError(f"{self.path.parent}: cannot make the output directory ({err.strerror})") from None
         self.vocab_size, self.tokenizer, self.eos_id = int(vocab_size), tokenizer, eos_id
         self.dtype = dtype_for(self.vocab_size)
         if eos_id is not None and not 0 <= eos_id < self.vocab_size:
@@ -181,7 +188,7 @@ class TokenWriter:
             raise TokenFileError(f"{self.path}: token id {bad} is outside the vocabulary of {self.vocab_size} "
                                  "(ids must be 0 .. vocab_size-1); use the tokenizer the vocabulary belongs to, "
                                  "or a larger --vocab-size")
-        data = ids.astype(DTYPES[self.dtype], copy=False).tobytes()
+        data = np.ascontiguousarray(ids.astype(DTYPES[self.dtype], copy=False)).data  # a view: no bytes copy
         self._file.write(data)
         self._hash.update(data)
         self.n_tokens += ids.size
@@ -192,11 +199,16 @@ class TokenWriter:
         self.header = TokenHeader(dtype=self.dtype, vocab_size=self.vocab_size, n_tokens=self.n_tokens,
                                   max_id=self.max_id, eos_id=self.eos_id, tokenizer=self.tokenizer,
                                   sha256=self._hash.hexdigest())
-        _publish(self._tmp, self.path)
         tmp_header = _new_temp(header_path(self.path))
-        with open(tmp_header, "x") as f:
-            f.write(self.header.to_json() + "\n")
-        _publish(tmp_header, header_path(self.path))
+        try:
+            with open(tmp_header, "x") as f:
+                f.write(self.header.to_json() + "\n")
+            _publish(self._tmp, self.path)
+            _publish(tmp_header, header_path(self.path))
+        except BaseException:  # a full disk, an interrupt: no temp file stays behind
+            self._tmp.unlink(missing_ok=True)
+            tmp_header.unlink(missing_ok=True)
+            raise
         return self.header
 
     def abort(self) -> None:

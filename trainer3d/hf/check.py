@@ -5,7 +5,12 @@ Every refusal is one line naming the field, file or override at fault, and all o
 reported together (``ConfigError``), before any rank starts: a config.json of another
 architecture or with settings this model does not implement, an explicit ``model.*``
 override that disagrees with config.json, a missing shard, a tensor missing or of the
-wrong shape or dtype. Only JSON and safetensors headers are read (trainer3d/hf/files.py).
+wrong shape or dtype, overlapping or out-of-range byte ranges, a NaN or Inf in a weight.
+JSON and safetensors headers are read and checked first (trainer3d/hf/files.py); the model's
+tensors are listed only once the files hold as many tensors as config.json implies (a config
+that declares a million layers is refused by arithmetic, not by building the list); then each
+weight's bytes are scanned for non-finite values through a memory map, a bounded chunk at a
+time (the one pass over the data before launch; it leaves the pages cached for the ranks).
 """
 
 import dataclasses
@@ -13,7 +18,7 @@ from pathlib import Path
 from typing import Collection, Dict, List
 
 from trainer3d.config.schema import Config, ModelConfig
-from trainer3d.hf.files import DTYPES, DirError, TensorInfo, read_json, tensor_infos
+from trainer3d.hf.files import DTYPES, DirError, TensorInfo, first_nonfinite, read_json, tensor_infos
 from trainer3d.hf.mapping import CONFIG, IGNORED, from_hf, hf_shapes, model_fields
 from trainer3d.config.validate import ConfigError
 
@@ -48,7 +53,14 @@ def weight_problems(directory: Path, cfg: ModelConfig) -> List[str]:
         infos = tensor_infos(directory)
     except DirError as err:
         return [str(err)]
-    need = hf_shapes(cfg)
+    implied = expected_count(cfg)
+    if implied > len(infos):
+        return [f"{directory}: config.json implies {implied} tensors ({cfg.n_layers} layers), the weights hold "
+                f"{len(infos)}; the weights do not match config.json"]
+    try:
+        need = hf_shapes(cfg)
+    except (ValueError, RuntimeError, ArithmeticError, AssertionError) as err:
+        return [f"{directory / 'config.json'}: describes no model that can be built ({type(err).__name__}: {err})"]
     problems = []
     missing = [name for name in need if name not in infos]
     if missing:
@@ -64,7 +76,21 @@ def weight_problems(directory: Path, cfg: ModelConfig) -> List[str]:
         name, info = bad_dtype[0]
         problems.append(f"{info.file}: {name} is {info.dtype}; only {', '.join(DTYPES)} weights can be loaded")
     problems += _unexpected(infos, cfg)
-    return problems
+    return problems or _nonfinite(infos, need)
+
+
+def expected_count(cfg: ModelConfig) -> int:
+    """Tensors a Llama of ``cfg`` has: 9 per layer, the embedding, the final norm, the head."""
+    return 9 * cfg.n_layers + 2 + (0 if cfg.tie_embeddings else 1)
+
+
+def _nonfinite(infos: Dict[str, TensorInfo], need: Dict[str, tuple]) -> List[str]:
+    for name in need:
+        index = first_nonfinite(infos[name])
+        if index is not None:
+            return [f"{infos[name].file}: {name} holds a NaN or Inf (element {index}); the weights are damaged "
+                    "or diverged: give a checkpoint with finite weights"]
+    return []
 
 
 def _unexpected(infos: Dict[str, TensorInfo], cfg: ModelConfig) -> List[str]:

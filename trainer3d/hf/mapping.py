@@ -107,6 +107,10 @@ def hf_shapes(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
 
 # ----------------------------------------------------------------------------- config.json -> ModelConfig
 
+POSITIVE = ("dim", "ffn_dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size")
+"""Sizes a model cannot have zero of (zero heads would divide by zero deriving head_dim)."""
+
+
 def _typed(field: str, key: str, value: Any, problems: List[str]) -> Any:
     want = _TYPES.get(field, int)
     number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
@@ -114,6 +118,9 @@ def _typed(field: str, key: str, value: Any, problems: List[str]) -> Any:
         number and value >= 0 and (want is float or float(value).is_integer()))
     if not ok:
         problems.append(f"config.json: {key}={value!r} is not a valid {want.__name__}")
+        return None
+    if field in POSITIVE and value < 1:
+        problems.append(f"config.json: {key}={value!r} must be a positive integer")
         return None
     return want(value)
 

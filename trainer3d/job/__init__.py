@@ -5,8 +5,11 @@ each rank's body (``TrainTask``: process group, then ``trainer.Trainer``); ``slu
 ``sweep`` the Slurm launcher and ``-m`` reports; ``follow`` watches a running job through the
 ranks' ``heartbeat`` files; ``interrupt`` ends a job's processes on the submitter's signals;
 ``preemption`` is the agreed stop at a step boundary; ``runlock`` one run per run dir;
-``failure`` a rank's real cause in one line; ``device_check`` and ``requirements`` the
+``rundir`` an unwritable or full run dir refused before Hydra writes to it;
+``failure`` a rank's real cause in one line; ``memory_check`` a run that does not fit refused
+before launch; ``device_check`` and ``requirements`` the
 machine's devices and torch, checked before launch and in each rank; ``local_ranks`` a
-function on N gloo ranks of this machine (benchmarks, tests). May import ``config`` and
-``parallel.topology``; the engine only through ``trainer``.
+function on N gloo ranks of this machine (benchmarks, tests). May import ``config``,
+``parallel.topology`` and, for ``memory_check``, the dry run's accounting (``memory``,
+``parallel.pipeline.stages``); the engine only through ``trainer``.
 """

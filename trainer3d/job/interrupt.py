@@ -7,6 +7,18 @@ signals into ``Interrupted`` (a BaseException, like KeyboardInterrupt, so no ``e
 Exception`` swallows it); the launcher then ends the job (local: ``end_processes``; Slurm:
 scancel), prints one line and exits with 128 + the signal number.
 
+A terminal signals more than the submitting process: Ctrl-C sends SIGINT, and a closed
+terminal (through its shell) SIGHUP, to the whole foreground process group — submitit's
+controller and every rank included. Left to their default actions the ranks would die on the
+spot, unsaved, and the controller would kill them (on SIGINT it interrupts its wait and kills
+its tasks within a second). So the job is started with SIGINT and SIGHUP blocked
+(``terminal_signals_blocked``): the signal mask is inherited across fork and exec
+(sigprocmask(2)), so the controller and the ranks never receive them, while the submitting
+process unblocks them as soon as the job is submitted and receives them as usual. It then
+ends the job as for a ``kill``: SIGTERM to every process, on which the ranks take the agreed
+stop at the next step boundary and save (trainer3d/job/preemption.py), one line, and exit
+130 (SIGINT) or 129 (SIGHUP).
+
 Local ranks are found by a token in their environment, not by the process tree: the
 submitting process puts ``TRAINER3D_JOB=<token>`` into the environment of the job it starts,
 and every process below it inherits it — submitit's controller, the ranks, and whatever
@@ -15,6 +27,7 @@ parent died or that started a session of their own. ``/proc/<pid>/environ`` hold
 process's environment as it was exec'd (proc(5)).
 """
 
+import contextlib
 import os
 import signal
 import time
@@ -73,6 +86,20 @@ class JobSignals:
         self.armed = False
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+TERMINAL_SIGNALS = {signal.SIGINT, signal.SIGHUP}
+
+
+@contextlib.contextmanager
+def terminal_signals_blocked():
+    """SIGINT and SIGHUP blocked in this thread meanwhile, and in every process started meanwhile
+    for its lifetime (the mask is inherited); one arriving meanwhile is delivered on exit."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINAL_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def new_token() -> str:

@@ -10,6 +10,7 @@ exports MASTER_ADDR/PORT, RANK and WORLD_SIZE, the rank starts its heartbeat
 peer ends the job instead of hanging it for gloo's default 30 minutes.
 """
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -21,13 +22,17 @@ import torch._inductor.config as inductor_config
 import torch.distributed as dist
 
 from trainer3d.config.schema import Config
+from trainer3d.config.validate import world_size_of
 from trainer3d.job.device_check import rank_device
 from trainer3d.job.failure import rank_failures
 from trainer3d.job.follow import follow
 from trainer3d.job.heartbeat import Heartbeat, heartbeat_dir
-from trainer3d.job.interrupt import TOKEN_VAR, Interrupted, JobSignals, end_processes, new_token, processes_with_token
+from trainer3d.job.interrupt import (TOKEN_VAR, Interrupted, JobSignals, end_processes, new_token, processes_with_token,
+                                     terminal_signals_blocked)
 from trainer3d.job.preemption import leave
+from trainer3d.job.owner import OWNER_VAR, owner_id, watch_owner
 from trainer3d.job.runlock import RunDirBusy, RunDirLock
+from trainer3d.job.runlock import join as join_run_dir
 from trainer3d.parallel.timeouts import seconds
 from trainer3d.parallel.topology import ParallelDims, Topology
 from trainer3d.trainer import Trainer
@@ -79,7 +84,7 @@ def run_rank(cfg: Config, heartbeat: Optional[Heartbeat] = None, lock_run_dir: b
         if lock_run_dir:
             lock = _lock_on_rank0(cfg)
         p = cfg.parallel
-        dims = ParallelDims.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp), device, cfg.model.tie_embeddings,
+        dims = ParallelDims.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp), device, cfg.model.tie_embeddings,
                                   timeout_s=p.init_timeout_s)
         trainer = Trainer(cfg, dims)
         trainer.heartbeat = heartbeat
@@ -139,12 +144,17 @@ class TrainTask:
 
     def __call__(self):
         export_rank_env()
+        owner = watch_owner()  # a local job: stop when the submitting process or the controller is gone
         heartbeat = Heartbeat(heartbeat_dir(self.cfg.run_dir), int(os.environ.get("RANK", "0"))).start()
         try:
             with rank_failures([self.cfg.run_dir, self.cfg.checkpoint.dir or self.cfg.run_dir]):
+                if not self.lock_run_dir:
+                    join_run_dir(self.cfg.run_dir)  # the run dir stays locked while this rank lives
                 return run_rank(self.cfg, heartbeat, self.lock_run_dir)
         finally:
             heartbeat.stop()
+            if owner is not None:
+                owner.stop()
 
     def checkpoint(self, *args, **kwargs) -> Optional[submitit.helpers.DelayedSubmission]:
         """submitit's requeue hook, run on rank 0 once every rank has stopped at the same step and
@@ -156,7 +166,9 @@ class TrainTask:
                   file=sys.stderr, flush=True)
             return None
         print(f"trainer3d: requeuing (requeue {self.requeues + 1} of at most {cap})", file=sys.stderr, flush=True)
-        return submitit.helpers.DelayedSubmission(TrainTask(self.cfg, self.requeues + 1, self.lock_run_dir))
+        # The next attempt continues this one (``never`` would be refused beside its own checkpoints).
+        cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train, resume="auto"))
+        return submitit.helpers.DelayedSubmission(TrainTask(cfg, self.requeues + 1, self.lock_run_dir))
 
 
 # --------------------------------------------------------------------------- submitting process
@@ -184,40 +196,60 @@ def launch_local(cfg: Config) -> int:
 
 
 def submit_with_token(executor: submitit.Executor, task, token: str) -> submitit.Job:
-    """Submit with ``TRAINER3D_JOB=token`` in the job's environment (what ``end_processes`` finds)."""
-    before = os.environ.get(TOKEN_VAR)
-    os.environ[TOKEN_VAR] = token
+    """Submit with ``TRAINER3D_JOB=token`` (what ``end_processes`` finds) and this process as the
+    job's owner (``TRAINER3D_OWNER``, what the ranks watch) in the job's environment."""
+    values = {TOKEN_VAR: token, OWNER_VAR: owner_id()}
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
     try:
         return executor.submit(task)
     finally:
-        if before is None:
-            del os.environ[TOKEN_VAR]
-        else:
-            os.environ[TOKEN_VAR] = before
+        for key, value in before.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
 
 
 def _local_job(cfg: Config, lock: RunDirLock) -> int:
     """One process per rank on this machine, followed until it ends."""
     p = cfg.parallel
-    world = p.tp * p.pp * p.dp
+    world = world_size_of(cfg)
     token = new_token()
 
     def end() -> None:
         end_processes(token, reap=job.done)
 
     with JobSignals() as signals:
-        job = submit_with_token(make_executor(cfg, world), TrainTask(cfg, lock_run_dir=False), token)
-        lock.record(job.job_id)
-        print(f"trainer3d: {world} local rank(s) (tp={p.tp} pp={p.pp} dp={p.dp}), job {job.job_id}, "
+        lock.record(None, token)
+        lock.share()  # the ranks hold the run dir with this process, and after it (trainer3d/job/runlock.py)
+        with terminal_signals_blocked():  # Ctrl-C and hang-ups reach this process only, not the job's
+            job = submit_with_token(make_executor(cfg, world), TrainTask(cfg, lock_run_dir=False), token)
+        lock.record(job.job_id, token)
+        cp = f" cp={p.cp}" if p.cp > 1 else ""
+        print(f"trainer3d: {world} local rank(s) (tp={p.tp}{cp} pp={p.pp} dp={p.dp}), job {job.job_id}, "
               f"logs in {cfg.launcher.folder}", flush=True)
         try:
             signals.arm()
             status = follow(job, p.timeout_s, heartbeat_dir(cfg.run_dir), end=end)
         except Interrupted as sig:
-            print(f"trainer3d: {sig.name}: ending job {job.job_id} and its {world} rank(s)", file=sys.stderr,
-                  flush=True)
+            _say(f"trainer3d: {sig.name}: ending job {job.job_id}: its {world} rank(s) stop at the next step "
+                 "boundary and save a checkpoint")
             end()
             raise SystemExit(128 + sig.signum) from None
         if processes_with_token(token):  # e.g. a child a rank left behind
             end()
     return status
+
+
+def _say(line: str) -> None:
+    """One line on stderr; a terminal that hung up (SIGHUP) cannot take it, and from then on
+    this process's output goes nowhere rather than failing the job's ending (EIO)."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+        sys.stdout.flush()
+    except OSError:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        os.close(null)

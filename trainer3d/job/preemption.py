@@ -32,7 +32,10 @@ import torch.distributed as dist
 
 # Flags, ordered: a job told to end (TERM) must not requeue because another rank saw USR2.
 NONE, REQUEUE, END = 0, 1, 2
-FLAG_OF = {signal.SIGUSR2: REQUEUE, signal.SIGTERM: END}
+FLAG_OF = {signal.SIGUSR2: REQUEUE, signal.SIGTERM: END, signal.SIGINT: END, signal.SIGHUP: END}
+"""SIGINT and SIGHUP reach a rank only where it runs in a terminal's process group itself (in
+place, under torchrun); the local launcher starts its ranks with them blocked and relays them
+as SIGTERM (trainer3d/job/interrupt.py). Either way they are the same agreed stop."""
 NAME_OF = {REQUEUE: "SIGUSR2", END: "SIGTERM"}
 
 NOT_SUBMITIT = "not a submitit job: nothing requeues it"

@@ -10,6 +10,15 @@ job takes it again after the previous attempt died. The lock file also records w
 A holder that dies, however it dies, releases the lock: the kernel drops a flock with the
 last descriptor of the open file (flock(2)); a stale record is simply overwritten. On NFS,
 Linux emulates flock with byte-range locks, which the server arbitrates between nodes.
+
+A local job is held by its own processes too, not only by the process that submitted it: a
+submitting process killed with SIGKILL must not free the run dir while its ranks still run
+(a second start beside them would interleave metrics and prune the other's checkpoints). So
+before submitting, the submitting process turns its exclusive lock into a shared one
+(``share``), and every local rank takes a shared lock of its own as it starts (``join``):
+another start's exclusive request is refused while any of them lives, and the refusal names
+the job — its submitting process (alive or gone) and the job's processes still running,
+found by the job's token (trainer3d/job/interrupt.py).
 """
 
 import fcntl
@@ -20,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from trainer3d.job.interrupt import processes_with_token
+
 LOCK_NAME = "run.lock"
 
 
@@ -27,10 +38,27 @@ class RunDirBusy(RuntimeError):
     """Another run holds the run dir."""
 
 
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (OSError, ValueError, TypeError):
+        return False
+    return True
+
+
 def describe_holder(record: dict) -> str:
-    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record["started"])) if "started" in record else "?"
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record["started"])) \
+        if isinstance(record.get("started"), (int, float)) else "?"
     job = f", job {record['job_id']}" if record.get("job_id") else ""
-    return f"pid {record.get('pid', '?')} on host {record.get('host', '?')}{job}, started {started}"
+    said = f"pid {record.get('pid', '?')} on host {record.get('host', '?')}{job}, started {started}"
+    if record.get("host") == socket.gethostname() and not _alive(record.get("pid")):
+        said += ", which has exited"
+    token = record.get("token")
+    if isinstance(token, str) and token and record.get("host") == socket.gethostname():
+        left = processes_with_token(token)
+        if left:
+            said += f"; its processes still running: pid {', '.join(map(str, sorted(left)[:8]))}"
+    return said
 
 
 class RunDirLock:
@@ -55,12 +83,16 @@ class RunDirLock:
         self.record(job_id)
         return self
 
-    def record(self, job_id: Optional[str]) -> None:
-        """Write who holds the lock (again, once the job id is known)."""
+    def record(self, job_id: Optional[str], token: Optional[str] = None) -> None:
+        """Write who holds the lock (again, once the job id is known; ``token``: the job's)."""
         data = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "job_id": job_id,
-                           "started": time.time()}).encode()
+                           "token": token, "started": time.time()}).encode()
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, data, 0)
+
+    def share(self) -> None:
+        """Hold the lock shared from now on, so the job's ranks can hold it with us (``join``)."""
+        fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
 
     def check_free(self) -> None:
         """Raise RunDirBusy if another run holds the lock; hold nothing afterwards."""
@@ -79,8 +111,24 @@ class RunDirLock:
         self.release()
 
 
+def join(run_dir: str) -> int:
+    """A rank of a local job: hold the run dir's lock shared for this process's lifetime (the
+    descriptor returned is never closed: the kernel drops the lock when the process ends), or
+    RunDirBusy if another start holds it exclusively."""
+    path = Path(run_dir) / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _read(fd)
+        os.close(fd)
+        raise RunDirBusy(f"run dir {run_dir} was taken by another run ({describe_holder(holder)})") from None
+    return fd
+
+
 def _read(fd: int) -> dict:
     try:
-        return json.loads(os.pread(fd, 4096, 0) or b"{}")
-    except ValueError:
+        record = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (ValueError, RecursionError):
         return {}
+    return record if isinstance(record, dict) else {}

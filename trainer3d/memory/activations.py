@@ -9,14 +9,19 @@ derivation, next to Korthikanti et al. 2022 ("Reducing Activation Recomputation 
 Transformer Models", Table 2: 34sbh + 5as^2b per layer for GPT), is docs/memory.md. In
 their notation: s sequence, b micro-batch, h hidden, a heads, t tensor-parallel degree;
 here also h_kv = kv-heads x head_dim, f = FFN width, V = vocabulary, p = bytes of an
-activation (4 fp32, 2 bf16/fp16). Per layer, with the flash kernel:
+activation (4 fp32, 2 bf16/fp16). With context parallelism s is a cp rank's tokens,
+seq_len / cp: every term below is per token except none, so each divides by cp (the cp
+attention saves what the flash kernel saves, trainer3d/parallel/context/attention.py).
+Per layer, with the flash kernel:
 
-    norms         2 x (4sbh + 4sb + p sbh)   fp32 input copy, 1/rms, normalised (each /t with SP)
+    norms         2 x (p sbh + 4sb)          input (activation dtype), 1/rms (each /t with SP)
     inputs        2 x p sbh                  what wq/wk/wv and w1/w3 read (/t with SP: the shard,
                                              gathered again in backward: parallel/tensor/sequence.py)
     attention     p sb (2h + 2h_kv)/t + 4asb/t   q, k, v after RoPE, output, log-sum-exp
-    SwiGLU        4 p sbf/t                  w1 x, w3 x, silu(w1 x), their product
+    SwiGLU        2 p sbf/t                  w1 x and w3 x (silu and the product are recomputed)
     RoPE tables   8 s head_dim               cos and sin, fp32
+
+(the norm, RoPE and SwiGLU are autograd Functions that save no more: model/functional.py).
 
 The math kernel keeps the attention probabilities instead (the paper's 5as^2b is our
 p as^2b/t) and 4 p sbh/t of copies of q, k, v and the output; activation checkpointing keeps only the block input
@@ -59,13 +64,16 @@ class Sizes:
     """Bytes per activation element (train.dtype)."""
     kernel: str = "flash"
     """Which SDPA kernel runs: flash (CPU fp32/bf16, CUDA flash/memory-efficient) or math."""
+    cp: int = 1
+    """Context-parallel degree (``s`` is already this cp rank's share of the sequence)."""
 
     @classmethod
     def of(cls, cfg: Config, kernel: str = "flash") -> "Sizes":
         m, p = cfg.model, cfg.parallel
-        return cls(b=cfg.train.micro_batch_size, s=cfg.train.seq_len, h=m.dim, heads=m.n_heads,
+        return cls(b=cfg.train.micro_batch_size, s=cfg.train.seq_len // p.cp, h=m.dim, heads=m.n_heads,
                    kv_heads=m.n_kv_heads, head_dim=head_dim(m), ffn=m.ffn_dim, vocab=m.vocab_size, t=p.tp,
-                   sp=p.sequence_parallel, p=ACT_BYTES[cfg.train.dtype], kernel=kernel)
+                   sp=p.sequence_parallel, p=ACT_BYTES[cfg.train.dtype], kernel="flash" if p.cp > 1 else kernel,
+                   cp=p.cp)
 
     @property
     def n(self) -> int:
@@ -88,9 +96,9 @@ class Sizes:
 
 
 def _norm(z: Sizes) -> int:
-    """RMSNorm (model/transformer.py): x.float() (its own copy unless fp32), 1/rms, and the
-    normalised value before the weight multiply (in the activation dtype)."""
-    return FP32 * z.n_norm * z.h + FP32 * z.n_norm + z.p * z.n_norm * z.h
+    """RMSNorm (model/functional.py's ``rms_norm``): its input, in the activation dtype (the
+    residual stream's own storage), and 1/rms in fp32."""
+    return z.p * z.n_norm * z.h + FP32 * z.n_norm
 
 
 def _attention(z: Sizes) -> Dict[str, int]:
@@ -119,7 +127,7 @@ def layer_terms(z: Sizes) -> Dict[str, int]:
         **_attention(z),
         "ffn_norm": _norm(z),
         "ffn_input": z.p * z.n_norm * z.h,
-        "swiglu": 4 * z.p * z.n * (z.ffn // z.t),
+        "swiglu": 2 * z.p * z.n * (z.ffn // z.t),
     }
 
 
@@ -160,10 +168,11 @@ def shared_terms(z: Sizes, micro_batches: int, first: bool, last: bool, pp: int)
     reads the targets uncopied) keep views of the step's token batch. Without a pipeline,
     inputs and targets are two views of one (micro_batches, b, s + 1) tensor; in a pipeline
     the first stage reads the inputs and the last the targets, each a (micro_batches, b, s)
-    tensor (trainer3d/data/loader.py)."""
+    tensor (trainer3d/data/loader.py), as are a cp rank's inputs and targets (its two chunks
+    of each, copied out)."""
     if z.t > 1:
         return {}
-    if pp == 1:
+    if pp == 1 and z.cp == 1:
         return {"token_batch": INT64 * micro_batches * z.b * (z.s + 1)}
     uses = int(first) + int(last and not _targets_copied(z))
     return {"token_batch": uses * INT64 * micro_batches * z.n} if uses else {}

@@ -26,17 +26,19 @@ MiB, GiB = 2 ** 20, 2 ** 30
 def memory_lines(cfg: Config) -> List[str]:
     """Model-state bytes per rank of every pipeline rank (tp rank 0, dp rank 0)."""
     p, t = cfg.parallel, cfg.train
-    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp)
+    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
     bucket = max(1, int(p.bucket_mb * MiB) // 4)
+    shards = p.dp * p.cp  # ZeRO shards over dp x cp
     lines = [f"model state per rank (parameters + gradients + optimizer; dtype={t.dtype}, "
-             f"zero_stage={p.zero_stage}, dp={p.dp}; trainer3d/memory/states.py):",
+             f"zero_stage={p.zero_stage}, dp={p.dp}{f' x cp={p.cp}' if p.cp > 1 else ''}; "
+             "trainer3d/memory/states.py):",
              f"  {'pp rank':>7}  {'parameters':>14}  {'this engine':>12}  {'ZeRO paper*':>12}  "
              f"params / grads / master / optimizer"]
     for pp_rank in range(p.pp):
-        shapes = rank_parameter_shapes(cfg, topo.rank(pp_rank, 0, 0))
+        shapes = rank_parameter_shapes(cfg, topo.rank(pp_rank, 0, 0, 0))
         psi = sum(torch.Size(s).numel() for s in shapes)
-        engine = engine_model_state_bytes(shapes, p.dp, p.zero_stage, t.dtype, bucket)
-        paper = paper_model_state_bytes(psi, p.dp, p.zero_stage)
+        engine = engine_model_state_bytes(shapes, shards, p.zero_stage, t.dtype, bucket)
+        paper = paper_model_state_bytes(psi, shards, p.zero_stage)
         terms = " / ".join(format_bytes(getattr(engine, k)) for k in ("params", "grads", "master", "optimizer"))
         lines.append(f"  {pp_rank:>7}  {psi:>14,}  {format_bytes(engine.total):>12}  {format_bytes(paper):>12}  {terms}")
     lines.append("  * the paper's mixed-precision accounting (2+2+12 bytes per parameter); activations not included")
@@ -61,15 +63,16 @@ def peak_lines(cfg: Config) -> List[str]:
     rows += [(f"{k}", lambda mem, k=k: mem.buffers.get(k, mem.transients.get(k, 0))) for k in names]
     rows += [("peak (largest transient only)", lambda mem: mem.total)]
     head = "".join(f"{'pp ' + str(mem.pp_rank):>12}" for mem in shown)
+    tokens = f"{t.seq_len} tokens" + (f" (/ cp {p.cp} = {t.seq_len // p.cp} per rank)" if p.cp > 1 else "")
     lines = [f"peak memory per rank in a step (trainer3d/memory/peak.py; micro-batch {t.micro_batch_size} x "
-             f"{t.seq_len} tokens, {t.grad_accum_steps} per step, "
+             f"{tokens}, {t.grad_accum_steps} per step, "
              f"recompute={'on' if t.activation_checkpointing else 'off'}):",
              f"  {'term':<34}{head}",
              f"  {'micro-batches in flight':<34}" + "".join(f"{_flight(mem):>12}" for mem in shown)]
     lines += [f"  {label:<34}" + "".join(f"{format_bytes(get(mem)):>12}" for mem in shown) for label, get in rows]
-    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp)
-    first = topo.rank(worst.pp_rank, 0, 0)
-    lines.append(f"  worst: pp rank {worst.pp_rank} (global ranks {first}..{first + p.dp * p.tp - 1}), "
+    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
+    first = topo.rank(worst.pp_rank, 0, 0, 0)
+    lines.append(f"  worst: pp rank {worst.pp_rank} (global ranks {first}..{first + p.dp * p.cp * p.tp - 1}), "
                  f"{format_bytes(worst.total)} per rank")
     return lines
 
@@ -92,21 +95,27 @@ def _groups(topo: Topology, dim: str, shown: int = 6) -> str:
 
 def describe_plan(cfg: Config) -> str:
     p, t = cfg.parallel, cfg.train
-    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp)
+    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
+    cp = f" x cp={p.cp}" if p.cp > 1 else ""
     lines = [
-        f"layout: tp={p.tp} x pp={p.pp} x dp={p.dp} = {topo.world_size} ranks, zero_stage={p.zero_stage}"
-        + (", sequence parallel" if p.sequence_parallel else ""),
+        f"layout: tp={p.tp}{cp} x pp={p.pp} x dp={p.dp} = {topo.world_size} ranks, zero_stage={p.zero_stage}"
+        + (", sequence parallel" if p.sequence_parallel else "")
+        + (f", context parallel ({p.cp_attention})" if p.cp > 1 else ""),
         f"model: {cfg.model.name}, {count_parameters(cfg.model):,} parameters",
         f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x grad_accum {t.grad_accum_steps} "
         f"x dp {p.dp} sequences of {t.seq_len} tokens",
-        *(_groups(topo, dim) for dim in ("tp", "dp", "pp")),
+        *(_groups(topo, dim) for dim in ("tp", *(("cp",) if p.cp > 1 else ()), "dp", "pp")),
     ]
     if p.pp > 1:
         lines.append(describe_stages(cfg))
     lines += memory_lines(cfg)
     lines += peak_lines(cfg)
-    lines += ["rank     pp    dp    tp"] + [f"{r:<7} {c.pp:>3}  {c.dp:>4}  {c.tp:>4}"
-                                         for r in range(topo.world_size) for c in [topo.coords(r)]]
+    if p.cp > 1:
+        lines += ["rank     pp    dp    cp    tp"] + [f"{r:<7} {c.pp:>3}  {c.dp:>4}  {c.cp:>4}  {c.tp:>4}"
+                                                   for r in range(topo.world_size) for c in [topo.coords(r)]]
+    else:
+        lines += ["rank     pp    dp    tp"] + [f"{r:<7} {c.pp:>3}  {c.dp:>4}  {c.tp:>4}"
+                                             for r in range(topo.world_size) for c in [topo.coords(r)]]
     return "\n".join(lines)
 
 

@@ -12,8 +12,8 @@
                                ``receive_buffers_held``, measured by tests/multirank/
                                test_pipeline.py), and each in-flight micro-batch's output kept
                                until its backward (torch's ``fwd_cache``); the first block's
-                               saved input *is* the receive buffer when it is kept as is
-                               (fp32, or under recomputation)
+                               saved input *is* the receive buffer (its norm keeps its input
+                               as is, recomputation the block's)
          + the largest transient  of the backward: the loss gradient cast to 16-bit logits, a
                                recomputed block, a 16-bit parameter gradient before it is
                                added into the fp32 buffer, FSDP2's unsharded parameters and
@@ -85,12 +85,13 @@ _STATES: Dict[str, ModelStateBytes] = {}
 def _states_of(cfg: Config, stages: List[int]) -> ModelStateBytes:
     """Model states of these stages, cached on what they depend on (the planner asks often)."""
     p = cfg.parallel
-    key = repr((sorted(vars(cfg.model).items()), p.tp, p.pp, p.pp_virtual_stages, p.pp_layers, p.dp,
+    key = repr((sorted(vars(cfg.model).items()), p.tp, p.pp, p.pp_virtual_stages, p.pp_layers, p.dp * p.cp,
                 p.zero_stage, p.bucket_mb, cfg.train.dtype, stages))
     if key not in _STATES:
         shapes = [s for stage in stages for s in stage_parameter_shapes(cfg, stage)]
         bucket = max(1, int(p.bucket_mb * 2 ** 20) // 4)
-        _STATES[key] = engine_model_state_bytes(shapes, p.dp, p.zero_stage, cfg.train.dtype, bucket)
+        # ZeRO shards over dp x cp (the gradient-reduction group, trainer3d/parallel/topology.py)
+        _STATES[key] = engine_model_state_bytes(shapes, p.dp * p.cp, p.zero_stage, cfg.train.dtype, bucket)
     return _STATES[key]
 
 
@@ -129,8 +130,9 @@ def receive_buffer_bytes(cfg: Config, pp_rank: int) -> int:
 def _pipeline_buffers(cfg: Config, z: Sizes, pp_rank: int, stages: List[int], counts: List[int]) -> Dict[str, int]:
     hidden, last = z.hidden_bytes(), n_stages(cfg) - 1
     receive = receive_buffer_bytes(cfg, pp_rank)
-    kept_as_is = cfg.train.activation_checkpointing or z.p == FP32  # the first block saves x (fp32) or its input
-    aliased = sum(n * hidden for s, n in zip(stages, counts) if s > 0 and kept_as_is)  # counted as activations
+    # the first block saves its input as is (its norm's x, or the whole input under
+    # recomputation): counted as activations
+    aliased = sum(n * hidden for s, n in zip(stages, counts) if s > 0)
     held = sum(n * (hidden if s < last else z.p * z.n * z.vocab_local) for s, n in zip(stages, counts))
     return {"pp_receive_buffers": max(0, receive - aliased), "pp_outputs_held": held}
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer3d.config.schema import ModelConfig, RopeScalingConfig
+from trainer3d.model.functional import apply_rotary, rms_norm, swiglu_linear
 
 
 class RMSNorm(nn.Module):
@@ -37,10 +38,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the activation dtype (bf16 loses the mean square).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
+        # Normalised in fp32 whatever the activation dtype; keeps x and 1/rms (functional.py).
+        return rms_norm(x, self.weight, self.eps)
 
 
 def head_dim_of(cfg: ModelConfig) -> int:
@@ -64,8 +63,9 @@ def llama3_scaled_frequencies(inv_freq: torch.Tensor, scaling: RopeScalingConfig
 
 
 def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device,
-                   scaling: Optional[RopeScalingConfig] = None):
-    """cos/sin tables of shape (seq_len, head_dim), computed in fp32.
+                   scaling: Optional[RopeScalingConfig] = None, positions: Optional[torch.Tensor] = None):
+    """cos/sin tables of shape (seq_len, head_dim), computed in fp32, for positions
+    0..seq_len-1 or the ``positions`` given (a context-parallel shard's, trainer3d/parallel/context/).
 
     Recomputed per forward (O(seq * head_dim), negligible next to the matmuls), which keeps
     the model free of buffers that meta-device construction would have to re-materialise.
@@ -73,17 +73,26 @@ def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.devi
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     if scaling is not None and scaling.type == "llama3":
         inv_freq = llama3_scaled_frequencies(inv_freq, scaling)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    if positions is None:
+        positions = torch.arange(seq_len, device=device)
+    angles = torch.outer(positions.to(torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + head_dim/2) of x: (seq, batch, heads, head_dim)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    cos, sin = cos[:, None, None, :], sin[:, None, None, :]
-    return (x.float() * cos + rotated.float() * sin).type_as(x)
+class CausalAttention(nn.Module):
+    """Causal attention over a sequence held whole: positions 0..seq-1, torch's fused kernel.
+
+    The one part of attention that reads other tokens. Context parallelism, where a rank holds
+    only chunks of the sequence, replaces it with its own (trainer3d/parallel/context/apply.py)."""
+
+    def positions(self, seq: int, device: torch.device) -> Optional[torch.Tensor]:
+        """The positions of the tokens held (None: 0..seq-1)."""
+        return None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (batch, heads, seq, head_dim), k and v (batch, kv_heads, seq, head_dim)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class Attention(nn.Module):
@@ -91,6 +100,7 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = head_dim_of(cfg)
         self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
+        self.core = CausalAttention()
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
@@ -102,17 +112,21 @@ class Attention(nn.Module):
         q = q.view(seq, batch, -1, self.head_dim)
         k = k.view(seq, batch, -1, self.head_dim)
         v = v.view(seq, batch, -1, self.head_dim)
-        cos, sin = rotary_cos_sin(seq, self.head_dim, self.rope_theta, x.device, self.rope_scaling)
+        cos, sin = rotary_cos_sin(seq, self.head_dim, self.rope_theta, x.device, self.rope_scaling,
+                                  self.core.positions(seq, x.device))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # views (batch, heads, seq, head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        out = self.core(q, k, v)
         # Back to (seq, batch, heads x head_dim): a view where the kernel writes its output in
         # q's memory order (torch's CPU flash kernel does), else one copy.
         return self.wo(out.permute(2, 0, 1, 3).reshape(seq, batch, -1))
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x). w2's matmul runs inside ``swiglu_linear``, which
+    keeps w1 x and w3 x and recomputes the product for w2's weight gradient; a w2 that
+    sums partial products over ranks (a row-parallel one, parallel/tensor/layers.py) does
+    it in its ``reduce``, which its own forward calls after the same matmul."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -121,7 +135,9 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        out = swiglu_linear(self.w1(x), self.w3(x), self.w2.weight)
+        reduce = getattr(self.w2, "reduce", None)
+        return reduce(out) if reduce is not None else out
 
 
 class Block(nn.Module):

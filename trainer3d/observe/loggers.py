@@ -7,15 +7,13 @@ of starting another. Offline by default: no key and no network needed, ``wandb s
 
 import dataclasses
 import os
-import re
 import uuid
 from pathlib import Path
 from typing import Iterable, Optional
 
 from trainer3d.config.schema import Config
+from trainer3d.config.secrets import scrub
 from trainer3d.config.validate import layout_of
-
-SECRET_MARKERS = ("key", "token", "secret", "password")
 
 
 def wandb_mode(logger_mode: str, environ=os.environ) -> str:
@@ -25,24 +23,6 @@ def wandb_mode(logger_mode: str, environ=os.environ) -> str:
     if environ.get("WANDB_MODE"):
         return environ["WANDB_MODE"]
     return "online" if environ.get("WANDB_API_KEY") else "offline"
-
-
-def looks_secret(key: str) -> bool:
-    """``api_key``, ``Token``, ``hfToken``: yes; ``bos_token_id``, ``eos_token_ids``,
-    ``tokenizer``: no (a vocabulary's token ids and its tokenizer are not credentials)."""
-    key = key.lower()
-    if re.search(r"_ids?$", key) or "tokenizer" in key:
-        return False
-    return any(m in key for m in SECRET_MARKERS)
-
-
-def scrub(value):
-    """The config as plain data, with anything that looks like a credential removed."""
-    if isinstance(value, dict):
-        return {k: ("<redacted>" if looks_secret(k) else scrub(v)) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [scrub(v) for v in value]
-    return value
 
 
 def _run_id(run_dir: Path) -> str:

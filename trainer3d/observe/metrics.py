@@ -53,6 +53,15 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
+def _row(line: str) -> Optional[dict]:
+    """A metrics.jsonl line as a row (a JSON object with an integer step), or None."""
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return row if isinstance(row, dict) and type(row.get("step")) is int else None
+
+
 class MetricsLogger:
     def __init__(self, dims: ParallelDims, run_dir: str, max_steps: int, tokens_per_step: int,
                  start_step: int = 0, flops_per_token: float = 0.0, peak_tflops: Optional[float] = None,
@@ -96,13 +105,26 @@ class MetricsLogger:
             self._truncate_after(start_step)
 
     def _truncate_after(self, start_step: int) -> None:
-        """On resume, drop rows of steps the restored run will redo (none lost, none doubled)."""
-        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()] \
-            if self.path.exists() else []
-        kept = [row for row in rows if row["step"] < start_step]
-        self.lost_s = lost_before(self.path.parent, [row for row in rows if row["step"] >= start_step])
-        if self.path.exists():
-            self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        """On resume, drop rows of steps the restored run will redo (none lost, none doubled;
+        their measured time is work lost to the restart: goodput.py). A line that is not a row
+        (torn by a crash or a full disk mid-write) is dropped, named."""
+        if not self.path.exists():
+            self.lost_s = lost_before(self.path.parent, [])
+            return
+        kept, dropped, torn = [], [], 0
+        for line in self.path.read_text(errors="replace").splitlines():
+            row = _row(line)
+            if row is None:
+                torn += bool(line.strip())
+            elif row["step"] < start_step:
+                kept.append(line)
+            else:
+                dropped.append(row)
+        self.lost_s = lost_before(self.path.parent, dropped)
+        if torn:
+            print(f"trainer3d: {self.path}: dropped {torn} line(s) that are not complete rows (a write cut "
+                  "short by a crash or a full disk)", file=sys.stderr, flush=True)
+        self.path.write_text("".join(line + "\n" for line in kept))
 
     def add_column(self, name: str, read: Callable[[], List[float]]) -> None:
         """A per-step metric averaged over all ranks: at each flush ``read()`` returns this
@@ -165,10 +187,10 @@ class MetricsLogger:
         elapsed, n = now - self._interval_start, len(self._steps)
         self._interval_start = now
         if self.dims.rank == 0:
-            losses = (packed[:, 0] / self.dims.dp).tolist()
+            losses = (packed[:, 0] / self.dims.dp_cp).tolist()  # every dp and cp rank's mean, as many tokens each
             norms = torch.stack(self._norms).tolist()
             columns = {name: (packed[:, i + 2] / self.world_size).tolist() for i, name in enumerate(self._columns)}
-            val = {s: v for s, v in zip(self._steps, (packed[:, 1] / self.dims.dp).tolist()) if s in self._val}
+            val = {s: v for s, v in zip(self._steps, (packed[:, 1] / self.dims.dp_cp).tolist()) if s in self._val}
             if self._extras[0]:
                 columns.update({k: torch.stack([e[k] for e in self._extras]).tolist() for k in self._extras[0]})
             memory = dict(zip(per_rank, [int(v) for v in peaks.tolist()]))
@@ -241,8 +263,8 @@ class MetricsLogger:
         to the sinks."""
         if self.dims.rank != 0:
             return None
-        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()] \
-            if self.path.exists() else []
+        lines = self.path.read_text(errors="replace").splitlines() if self.path.exists() else []
+        rows = [row for row in map(_row, lines) if row is not None and "step_time_s" in row]
         summary = summarize(rows, self.lost_s, self.prediction)
         write_summary(self.path.parent, summary)
         for line in summary_lines(summary):

@@ -9,10 +9,12 @@
    weights — optim/mixed_precision.py), materialise on this rank's device and fill from the
    parameter source: the layout-independent random init, or ``model.init_from``'s Hugging
    Face weights, each producing only this rank's slices (nothing at all when resuming);
-5. per-layer activation checkpointing, if asked;
-6. bf16/fp16: the linear layers compute through ``parallel/wgrad.py``'s ``linear``, whose
+5. context parallelism: each block's attention core reads the other cp ranks' keys and
+   values (parallel/context/apply.py), when cp > 1;
+6. per-layer activation checkpointing, if asked;
+7. bf16/fp16: the linear layers compute through ``parallel/wgrad.py``'s ``linear``, whose
    backward accumulates weight gradients into the optimizer's fp32 buffer;
-7. torch.compile of each transformer block, if asked (parallel/compile.py).
+8. torch.compile of each transformer block, if asked (parallel/compile.py).
 ``build_optimizer`` then wraps the chunks in the data-parallel optimizer (ZeRO stages 0/1:
 parallel/zero/flat.py, 2/3: parallel/zero/fsdp.py).
 """
@@ -27,6 +29,7 @@ from trainer3d.hf.source import HFSource
 from trainer3d.model.init import ParameterSource, RandomInit, fill_parameters
 from trainer3d.model.transformer import Transformer
 from trainer3d.parallel.compile import compile_blocks
+from trainer3d.parallel.context.apply import apply_context_parallel
 from trainer3d.parallel.zero.fsdp import FSDPOptimizer
 from trainer3d.parallel.zero.optimizer import ZeroOptimizer
 from trainer3d.optim.mixed_precision import param_dtype
@@ -74,6 +77,7 @@ def build_model_chunks(cfg: Config, dims: ParallelDims, initialise: bool = True)
                 param.detach().zero_()
         else:
             fill_parameters(chunk, source)
+    apply_context_parallel(chunks, dims, cfg.parallel.cp_attention)
     if cfg.train.activation_checkpointing:
         checkpoint_layers(chunks)
     if param_dtype(cfg) != torch.float32:

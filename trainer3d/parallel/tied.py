@@ -61,7 +61,7 @@ class TiedEmbedding:
         self.owned = optimizer.owned_ranges(param)
         """The ranges of the flattened gradient whose update this rank owns (all of it unless
         the optimizer shards its state over dp)."""
-        self.sharded = optimizer.shards_state and dims.dp > 1
+        self.sharded = optimizer.shards_state and dims.dp_cp > 1
 
     @classmethod
     def find(cls, chunks: Iterable[nn.Module], optimizer: ZeroOptimizer, dims: ParallelDims) -> Optional["TiedEmbedding"]:

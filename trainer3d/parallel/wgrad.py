@@ -10,7 +10,8 @@ tensor_parallel/layers.py, ``LinearWithGradAccumulationAndAsyncCommunication``).
 
 ``linear`` does the same for every linear layer (tp=1 ``nn.Linear``, and the column/row-
 parallel ones of parallel/tensor/layers.py) whose weight the optimizer has given a
-``MainGradSink``:
+``MainGradSink``, and so does SwiGLU's w2 (``swiglu_linear``, model/functional.py), which
+runs its matmul itself:
 
 - on CUDA, where ``torch.addmm`` takes ``out_dtype=torch.float32`` with bf16/fp16 inputs
   (aten/src/ATen/native/cuda/Blas.cpp, ``_addmm_dtype_out_cuda``), the matmul accumulates
@@ -38,8 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SINK = "main_grad_sink"
-"""The attribute of a parameter that holds its ``MainGradSink``."""
+from trainer3d.model.functional import SINK  # the attribute of a parameter that holds its MainGradSink
 
 
 def _fused_addmm_works(device: torch.device) -> bool:

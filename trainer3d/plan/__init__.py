@@ -6,7 +6,11 @@ which is fastest.
     devices.py     device presets (with their sources) and calibration files
     calibrate.py   --calibrate: this machine's matmul rate, memory bandwidth, collectives
     step_time.py   the step-time model
+    block_time.py  one block's forward and backward by term
+    kernels.py     GPU kernels by shape: GEMMs, attention, launches (with their sources)
     probe.py       the engine at a negligible size, for --calibrate's fixed costs
     search.py      enumerate, validate(), fit (trainer3d/memory/peak.py), time, rank
+    evaluate.py    plan.evaluate=true: one given layout, every term, a JSON last line
     report.py      the table and the training commands
+    published.py   published large runs and the planner's prediction of each
 """

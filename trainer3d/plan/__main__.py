@@ -4,6 +4,7 @@ cluster.gpu=h100-sxm train.global_batch_size=1024 train.seq_len=4096``.
 Hydra composes the training schema plus ``cluster.*`` and ``search.*`` (conf/plan.yaml);
 the planner prints the search's summary, the fastest layouts that fit with their predicted
 peak memory and step time, and each one's ``python -m trainer3d.train`` command.
+``plan.evaluate=true`` evaluates the overrides' own layout instead (trainer3d/plan/evaluate.py).
 ``python -m trainer3d.plan --calibrate [--out FILE]`` measures this machine instead and
 writes the file ``cluster.gpu=calibrated`` reads.
 """
@@ -14,7 +15,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from trainer3d.config.validate import ConfigError
 from trainer3d.plan.calibrate import main as calibrate_main
+from trainer3d.plan.evaluate import LayoutError, evaluate_report
 from trainer3d.plan.settings import PlanConfig  # noqa: F401  (registers the schema)
 from trainer3d.plan.devices import device_for
 from trainer3d.plan.report import report
@@ -29,6 +32,13 @@ def _main(dcfg: DictConfig) -> None:
     except (ValueError, FileNotFoundError) as err:
         print(f"trainer3d.plan: {err}", file=sys.stderr)
         sys.exit(2)
+    if cfg.plan.evaluate:
+        try:
+            print(evaluate_report(cfg, device)[0])
+        except (LayoutError, ConfigError) as err:
+            print(f"trainer3d.plan: {err}", file=sys.stderr)
+            sys.exit(2)
+        return
     print(report(cfg, device, search(cfg, device), HydraConfig.get().overrides.task))
 
 

@@ -48,7 +48,7 @@ from trainer3d.model.transformer import Block
 from trainer3d.plan.devices import DEFAULT_CALIBRATION, Device
 from trainer3d.plan.probe import measured_step_s, training_config
 from trainer3d.plan.search import evaluate
-from trainer3d.plan.step_time import BWD_PASSES, FWD_PASSES
+from trainer3d.plan.block_time import BWD_PASSES, FWD_PASSES
 
 MATMUL = 512
 RANKS = (1, 2, 4, 8)

@@ -4,7 +4,10 @@ A GPU preset's rates are *achievable* figures: the dense data-sheet peaks and me
 bandwidth times ``ACHIEVABLE`` (0.8: a bf16 8192^3 ``torch.mm`` measured 790 TFLOP/s on an
 H100 SXM 80GB with torch 2.11, of the 989 the data sheet gives), and collective bus
 bandwidths a little under the links' per-direction figures (nccl-tests reports bus
-bandwidth in those units: https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md). ``cpu`` is a
+bandwidth in those units: https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md). A GPU
+preset's blocks are timed by shape from its ``kernels`` (trainer3d/plan/kernels.py: GEMMs
+anchored on a measured matmul rate, attention kernels, launches); its flat ``matmul_tflops``
+times only what has no shape there. ``cpu`` is a
 placeholder: ``python -m trainer3d.plan --calibrate`` measures this machine
 (trainer3d/plan/calibrate.py) and ``cluster.gpu=calibrated`` reads what it wrote.
 
@@ -18,7 +21,9 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
+
+from trainer3d.plan.kernels import KERNELS, Kernels
 
 DEFAULT_CALIBRATION = "~/.cache/trainer3d/calibration.json"
 
@@ -65,6 +70,11 @@ class Device:
     engine's tensor-parallel collectives at a negligible model size; missing N: ``latency_us``."""
     cores: int = 0
     """CPU: cores per node, shared by its ranks (0: each rank has its own device)."""
+    peak_tflops: Dict[str, float] = field(default_factory=dict)
+    """The data sheet's dense peak by train.dtype, the denominator of MFU (empty: unknown, CPUs)."""
+    kernels: Optional[Kernels] = None
+    """GPU presets: GEMM, attention and launch costs by shape (trainer3d/plan/kernels.py);
+    None: the block's matmuls run at ``matmul_tflops`` (CPUs, calibration files)."""
     action_by_ranks: Dict[int, float] = field(default_factory=dict)
     """CPU: ``pipeline_action_us`` when N ranks share the node's cores (a stage waits for its
     neighbour to get a core), measured through the engine at a negligible model size; missing
@@ -112,26 +122,28 @@ ACHIEVABLE = 0.8
 
 
 def _gpu(name: str, memory_gib: float, bf16_tflops: float, fp32_tflops: float, hbm_tbps: float,
-         intra_gbps: float, inter_gbps: float, sheet: str) -> Device:
+         intra_gbps: float, inter_gbps: float, sheet: str, kernels: Kernels) -> Device:
     """A GPU from its data sheet (dense peaks, memory, links) at ACHIEVABLE of each rate."""
     rates = {"bf16": ACHIEVABLE * bf16_tflops, "fp16": ACHIEVABLE * bf16_tflops, "fp32": ACHIEVABLE * fp32_tflops}
+    peaks = {"bf16": bf16_tflops, "fp16": bf16_tflops, "fp32": fp32_tflops}
     return Device(name, memory_gib=memory_gib, reserved_gib=4, matmul_tflops=rates, memory_gbps=ACHIEVABLE * hbm_tbps * 1e3,
-                  intra_gbps=intra_gbps, inter_gbps=inter_gbps, latency_us=10, source=f"NVIDIA data sheet: {sheet}")
+                  intra_gbps=intra_gbps, inter_gbps=inter_gbps, latency_us=10, source=f"NVIDIA data sheet: {sheet}",
+                  peak_tflops=peaks, kernels=kernels)
 
 
 # intra: NCCL bus bandwidth a little under the NVLink (PCIe) per-direction figure;
 # inter: one InfiniBand NIC per GPU as in DGX systems (H100: 400 Gb/s, A100: 200 Gb/s).
 PRESETS: Dict[str, Device] = {
     "h100-sxm": _gpu("h100-sxm", 80, 989, 67, 3.35, 360, 45, "989 TFLOP/s bf16, 67 fp32, 80 GB HBM3 3.35 TB/s, "
-                     "NVLink4 450 GB/s per direction; one 400 Gb/s NIC per GPU"),
+                     "NVLink4 450 GB/s per direction; one 400 Gb/s NIC per GPU", KERNELS["h100"]),
     "h100-pcie": _gpu("h100-pcie", 80, 756, 51, 2.0, 50, 22, "756 TFLOP/s bf16, 51 fp32, 80 GB HBM2e 2.0 TB/s, "
-                      "PCIe Gen5 64 GB/s per direction; one 200 Gb/s NIC per GPU"),
+                      "PCIe Gen5 64 GB/s per direction; one 200 Gb/s NIC per GPU", KERNELS["h100-pcie"]),
     "h200": _gpu("h200", 141, 989, 67, 4.8, 360, 45, "989 TFLOP/s bf16, 67 fp32, 141 GB HBM3e 4.8 TB/s, "
-                 "NVLink4 450 GB/s per direction; one 400 Gb/s NIC per GPU"),
+                 "NVLink4 450 GB/s per direction; one 400 Gb/s NIC per GPU", KERNELS["h200"]),
     "a100-80g": _gpu("a100-80g", 80, 312, 19.5, 2.0, 230, 22, "312 TFLOP/s bf16, 19.5 fp32, 80 GB HBM2e 2.0 TB/s, "
-                     "NVLink3 300 GB/s per direction; one 200 Gb/s NIC per GPU"),
+                     "NVLink3 300 GB/s per direction; one 200 Gb/s NIC per GPU", KERNELS["a100"]),
     "a100-40g": _gpu("a100-40g", 40, 312, 19.5, 1.555, 230, 22, "312 TFLOP/s bf16, 19.5 fp32, 40 GB HBM2 1.6 TB/s, "
-                     "NVLink3 300 GB/s per direction; one 200 Gb/s NIC per GPU"),
+                     "NVLink3 300 GB/s per direction; one 200 Gb/s NIC per GPU", KERNELS["a100-40g"]),
     "cpu": Device(
         "cpu", memory_gib=16, reserved_gib=2, matmul_tflops={"fp32": 0.09, "bf16": 0.4, "fp16": 0.002},
         memory_gbps=50, elementwise_gbps=8, intra_gbps=1.0, inter_gbps=0.1, latency_us=100, layer_overhead_us=500,

@@ -7,13 +7,14 @@ from trainer3d.model.flops import flops_per_token
 from trainer3d.model.transformer import count_parameters
 from trainer3d.plan.settings import PlanConfig
 from trainer3d.plan.devices import Device
+from trainer3d.plan.evaluate import memory_lines, step_lines
 from trainer3d.plan.search import Plan, SearchResult, command
-
 
 
 def _layout(plan_cfg) -> str:
     p, t = plan_cfg.parallel, plan_cfg.train
-    return (f"tp={p.tp} pp={p.pp} dp={p.dp} micro={t.micro_batch_size} zero={p.zero_stage}"
+    return (f"tp={p.tp}{f' cp={p.cp}' if p.cp > 1 else ''} pp={p.pp} dp={p.dp} micro={t.micro_batch_size} "
+            f"zero={p.zero_stage}"
             + (" sp" if p.sequence_parallel else "") + (" recompute" if t.activation_checkpointing else "")
             + (f" interleaved v={p.pp_virtual_stages}" if p.pp_virtual_stages > 1 else ""))
 
@@ -40,13 +41,13 @@ def summary_lines(cfg: PlanConfig, device: Device, result: SearchResult) -> List
 
 def table_lines(cfg: PlanConfig, plans: Sequence[Plan]) -> List[str]:
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
-    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'v':>2} {'dp':>5} {'micro':>5} {'accum':>5} {'zero':>4} {'sp':>3} "
+    head = (f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'v':>2} {'dp':>5} {'micro':>5} {'accum':>5} {'zero':>4} {'sp':>3} "
             f"{'recomp':>6} {'peak':>10} {'step s':>8} {'bubble':>6} {'tokens/s':>11} {'TFLOP/s/rank':>12}")
     lines = [head]
     for i, plan in enumerate(plans, 1):
         p, t = plan.cfg.parallel, plan.cfg.train
         tflops = flops_per_token(plan.cfg.model, t.seq_len) * plan.tokens_per_s / world / 1e12
-        lines.append(f"{i:>3} {p.tp:>3} {p.pp:>3} {p.pp_virtual_stages:>2} {p.dp:>5} {t.micro_batch_size:>5} "
+        lines.append(f"{i:>3} {p.tp:>3} {p.cp:>3} {p.pp:>3} {p.pp_virtual_stages:>2} {p.dp:>5} {t.micro_batch_size:>5} "
                      f"{t.grad_accum_steps:>5} {p.zero_stage:>4} {'y' if p.sequence_parallel else '-':>3} "
                      f"{'y' if t.activation_checkpointing else '-':>6} {format_bytes(plan.memory.total):>10} "
                      f"{plan.step.total:>8.3f} {plan.step.bubble / plan.step.total:>6.1%} "
@@ -62,4 +63,7 @@ def report(cfg: PlanConfig, device: Device, result: SearchResult, user_overrides
         return "\n".join(lines)
     lines += ["", *table_lines(cfg, top), ""]
     lines += [f"{i:>3}  {command(plan.cfg, user_overrides)}" for i, plan in enumerate(top, 1)]
+    lines += ["", f"#1 in detail ({_layout(top[0].cfg)}; plan.evaluate=true with its command's overrides prints "
+              "the same):", *memory_lines(top[0], device.usable_bytes(cfg.cluster.gpus_per_node)),
+              *step_lines(top[0].step)]
     return "\n".join(lines)

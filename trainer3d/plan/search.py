@@ -2,8 +2,9 @@
 rank the rest by predicted tokens/s.
 
 The space: tp over the divisors of the ranks per node (tensor parallelism stays inside a
-node, trainer3d/parallel/topology.py), pp over the divisors of what is left (at most one layer per
-stage), dp the rest; then micro-batch size, ZeRO stage, sequence parallelism (tp > 1),
+node, trainer3d/parallel/topology.py), for long sequences (``search.context_parallel_from``)
+cp over the powers of two that divide what is left, pp over the divisors of what is left
+then (at most one layer per stage), dp the rest; then micro-batch size, ZeRO stage, sequence parallelism (tp > 1),
 recomputation and the schedule (1F1B, or interleaved 1F1B with v chunks per rank when
 pp > 1). Two of validate()'s rules shape the space instead of filtering it (ZeRO 2/3 only
 without a pipeline; at least one layer per stage), and without data parallelism only ZeRO
@@ -35,6 +36,8 @@ class Plan:
     cfg: Config
     memory: RankMemory
     step: StepTime
+    ranks: Dict[int, RankMemory] = field(default_factory=dict)
+    """The peak of every pipeline rank that bounds the layout (``ranks_evaluated``)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -67,6 +70,21 @@ def _launcher(cfg: PlanConfig, device: Device) -> LauncherConfig:
                                gpus_per_node=0 if device.shared_memory else c.gpus_per_node)
 
 
+def context_parallel_sizes(cfg: PlanConfig, ranks: int) -> List[int]:
+    """The cp degrees tried with ``ranks`` left after tp: 1, and for sequences of at least
+    ``search.context_parallel_from`` tokens the powers of two up to ``context_parallel_max``
+    that divide ``ranks`` and split the sequence into 2 cp equal chunks."""
+    s, seq = cfg.search, cfg.train.seq_len
+    if seq < s.context_parallel_from:
+        return [1]
+    sizes, cp = [], 1
+    while cp <= min(ranks, s.context_parallel_max):
+        if ranks % cp == 0 and seq % (2 * cp) == 0:
+            sizes.append(cp)
+        cp *= 2
+    return sizes
+
+
 def candidates(cfg: PlanConfig, device: Device) -> Iterator[Config]:
     """Every layout of the search space, unvalidated (see the module docstring)."""
     c, s, m = cfg.cluster, cfg.search, cfg.model
@@ -74,8 +92,9 @@ def candidates(cfg: PlanConfig, device: Device) -> Iterator[Config]:
     launcher = _launcher(cfg, device)
     base = Config(model=cfg.model, optim=cfg.optim, data=cfg.data, logger=cfg.logger, checkpoint=cfg.checkpoint,
                   launcher=launcher, run_dir=".")
-    for tp in _divisors(c.gpus_per_node):
-        for pp in (d for d in _divisors(world // tp) if d <= m.n_layers):
+    splits = [(t, k) for t in _divisors(c.gpus_per_node) for k in context_parallel_sizes(cfg, world // t)]
+    for tp, cp in splits:
+        for pp in (d for d in _divisors(world // (tp * cp)) if d <= m.n_layers):
             schedules = [("1f1b", 1)] + [("interleaved_1f1b", v) for v in s.virtual_stages
                                          if v > 1 and pp > 1 and pp * v <= m.n_layers]
             for micro in s.micro_batch_sizes:
@@ -84,7 +103,7 @@ def candidates(cfg: PlanConfig, device: Device) -> Iterator[Config]:
                         for recompute in s.recompute:
                             for schedule, v in schedules:
                                 parallel = dataclasses.replace(
-                                    cfg.parallel, tp=tp, pp=pp, dp=world // (tp * pp), zero_stage=zero,
+                                    cfg.parallel, tp=tp, cp=cp, pp=pp, dp=world // (tp * cp * pp), zero_stage=zero,
                                     sequence_parallel=sp, pp_schedule=schedule, pp_virtual_stages=v, pp_layers=None)
                                 train = dataclasses.replace(cfg.train, micro_batch_size=micro, grad_accum_steps=None,
                                                             activation_checkpointing=recompute)
@@ -94,12 +113,12 @@ def candidates(cfg: PlanConfig, device: Device) -> Iterator[Config]:
 _KNOB = re.compile(r"([a-z_]+\.[a-z_]+)")
 
 
-def evaluate(cfg: Config, device: Device, ranks_per_node: int, backend: str) -> Plan:
+def evaluate(cfg: Config, device: Device, ranks_per_node: int, backend: str, attention: str = "flash") -> Plan:
     """A validated layout's worst peak memory and predicted step (the step is timed even
     when the memory does not fit; search() drops those)."""
-    mems = {r: rank_memory(cfg, r) for r in ranks_evaluated(cfg.parallel.pp)}
-    step = step_time(cfg, device, {r: mem.states for r, mem in mems.items()}, ranks_per_node, backend)
-    return Plan(cfg=cfg, memory=max(mems.values(), key=lambda mem: mem.total), step=step)
+    mems = {r: rank_memory(cfg, r, attention) for r in ranks_evaluated(cfg.parallel.pp)}
+    step = step_time(cfg, device, {r: mem.states for r, mem in mems.items()}, ranks_per_node, backend, attention)
+    return Plan(cfg=cfg, memory=max(mems.values(), key=lambda mem: mem.total), step=step, ranks=mems)
 
 
 def backend_of(cfg: PlanConfig, device: Device) -> str:
@@ -120,7 +139,7 @@ def search(cfg: PlanConfig, device: Device) -> SearchResult:
             result.refused[knob] += 1
             result.refusal_examples.setdefault(knob, err.problems[0])
             continue
-        plan = evaluate(valid, device, c.gpus_per_node, backend)
+        plan = evaluate(valid, device, c.gpus_per_node, backend, c.attention)
         if plan.memory.total > usable:
             result.over_memory += 1
             over = plan.memory.total - usable
@@ -143,6 +162,8 @@ def layout_overrides(cfg: Config) -> List[str]:
     """The knobs a plan sets, as ``python -m trainer3d.train`` overrides."""
     p, t, launcher = cfg.parallel, cfg.train, cfg.launcher
     out = [f"parallel.tp={p.tp}", f"parallel.pp={p.pp}", f"parallel.dp={p.dp}", f"parallel.zero_stage={p.zero_stage}"]
+    if p.cp > 1:
+        out.append(f"parallel.cp={p.cp}")
     if p.sequence_parallel:
         out.append("parallel.sequence_parallel=true")
     if p.pp_schedule != "1f1b":

@@ -27,6 +27,9 @@ class ClusterConfig:
     or calibrated (the file ``python -m trainer3d.plan --calibrate`` wrote)."""
     calibration: str = DEFAULT_CALIBRATION
     """Where --calibrate writes this machine's figures and cluster.gpu=calibrated reads them."""
+    attention: str = "flash"
+    """The attention kernel timed and its saved bytes: flash (torch's SDPA on GPUs) | math (unfused:
+    every score computed and kept, as torch's math SDPA or Megatron-LM 2021; trainer3d/plan/kernels.py)."""
     backend: str = "auto"
     """Collectives: auto (nccl on GPUs, gloo on CPUs) | nccl | gloo (ZeRO-1 reduces by reduce-scatter on nccl)."""
 
@@ -44,12 +47,28 @@ class SearchConfig:
     it has 1F1B's bubble and holds every micro-batch's activations.)"""
     sequence_parallel: List[bool] = field(default_factory=lambda: [False, True])
     recompute: List[bool] = field(default_factory=lambda: [False, True])
+    context_parallel_from: int = 16384
+    """train.seq_len from which context parallelism is tried (cp over the powers of two up to
+    ``context_parallel_max``, within what tp leaves); shorter sequences search cp = 1 only."""
+    context_parallel_max: int = 16
+    """The largest cp tried."""
+
+
+@dataclass
+class PlanOptions:
+    """What the planner does."""
+
+    evaluate: bool = False
+    """Evaluate exactly the layout of the overrides (``parallel.*``, ``train.micro_batch_size``,
+    ``train.activation_checkpointing``, ...) instead of searching: its memory per bounding rank,
+    its step-time terms, and a last line of JSON (trainer3d/plan/evaluate.py)."""
 
 
 @dataclass
 class PlanConfig(Config):
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
+    plan: PlanOptions = field(default_factory=PlanOptions)
 
 
 def register_plan_config() -> None:

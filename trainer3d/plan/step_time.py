@@ -1,18 +1,16 @@
 """Predicted time of one training step of a validated layout on a Device.
 
 Per micro-batch, on a pipeline rank (its chunks' blocks; the embedding on the first stage,
-the final norm, head and loss on the last):
-
-    forward  = matmul FLOPs / rate            2 x the matmul weights per token (PaLM's count,
-                                              trainer3d/model/flops.py), attention scores
-                                              counted causally (half of PaLM's 4sh)
-             + elementwise bytes / bandwidth  norms, RoPE, SwiGLU, softmax: 2 passes over what
-                                              the block saves (trainer3d/memory/activations.py)
-             + tensor-parallel collectives    2 all-reduces per block (or all-gather +
-                                              reduce-scatter, the same bytes) over intra-node links
-             + dispatch overhead              host time per block (CPUs)
-    backward = 2 x the matmuls, 3 passes of elementwise traffic, the same collectives, and
-               with recomputation the blocks' forward again
+the final norm, head and loss on the last), each block's forward and backward by term
+(block_time.py): on GPU presets its GEMMs by shape, the attention kernel, elementwise
+traffic, tensor-parallel collectives and the host's launches beyond the device's time
+(trainer3d/plan/kernels.py, with the published figures they come from); on CPUs and
+calibrated machines the causal model FLOPs at the measured rate, the elementwise traffic
+at the measured rate and the measured dispatch overhead. With recomputation the backward
+runs the blocks' forward again. With context parallelism each block adds the ring's
+exchange where it is longer than the attention it hides behind: cp − 1 hops of a key/value
+block (backward: the blocks and their fp32 gradients, one more hop; ring attention,
+trainer3d/parallel/context/).
 
     step = (m + (p - 1) / v) x (slowest rank's forward + backward + 2 v hand-overs, each a
                                               send and the schedule's host time per action)
@@ -21,7 +19,8 @@ the final norm, head and loss on the last):
                                               backward except the last bucket; ZeRO-1's
                                               parameter all-gather, overlapped with the next
                                               first forward except the first bucket; FSDP2's
-                                              un-overlapped share
+                                              un-overlapped share, one collective's latency
+                                              per sharded unit (every block and the root)
          + optimizer                          AdamW over the owned elements, memory-bound
          + host                               the engine's own time per step outside the blocks
                                               (CPUs: measured by --calibrate; 0 on GPUs)
@@ -33,27 +32,28 @@ cores (CPUs) a step also takes at least the node's total work over the node's th
 (``Device.node_rate``): the rank waiting in a bubble lends its core to the others.
 """
 
-from dataclasses import dataclass
-from typing import Dict, List
+from dataclasses import dataclass, field, fields
+from typing import Dict, List, Tuple
 
-from trainer3d.memory.activations import FP32, Sizes, layer_terms
+from trainer3d.memory.activations import FP32, Sizes
 from trainer3d.config.schema import Config
 from trainer3d.memory.states import BYTES, ModelStateBytes
-from trainer3d.model.flops import layer_matmul_params
 from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
+from trainer3d.plan.block_time import all_reduce_s, block_time, tp_region_s
 from trainer3d.plan.devices import Device
 
-FWD_PASSES, BWD_PASSES = 2, 3
 ADAMW_BYTES = 36  # per owned element: read grad, moments, master/param; write moments, master/param (+16-bit copy)
-
-
-def all_reduce_s(nbytes: float, n: int, gbps: float, latency_us: float) -> float:
-    return 0.0 if n == 1 else 2 * (n - 1) / n * nbytes / (gbps * 1e9) + 2 * (n - 1) * latency_us * 1e-6
 
 
 def gather_s(nbytes: float, n: int, gbps: float, latency_us: float) -> float:
     """An all-gather into (or a reduce-scatter out of) ``nbytes``."""
     return 0.0 if n == 1 else (n - 1) / n * nbytes / (gbps * 1e9) + (n - 1) * latency_us * 1e-6
+
+
+def unit_gathers_s(nbytes: float, units: int, n: int, gbps: float, latency_us: float) -> float:
+    """All-gathers (or reduce-scatters) of ``nbytes`` in ``units`` collectives, one per
+    sharded unit: the bytes once, the ring's hops once per unit."""
+    return 0.0 if n == 1 else gather_s(nbytes, n, gbps, 0.0) + units * (n - 1) * latency_us * 1e-6
 
 
 @dataclass
@@ -63,6 +63,8 @@ class RankTimes:
     forward: float
     backward: float
     tp_comm: float
+    terms: Dict[str, float] = field(default_factory=dict)
+    """forward + backward by term (block_time.py's, ``recompute``, ``head``)."""
 
 
 @dataclass
@@ -89,6 +91,23 @@ class StepTime:
     optimizer: float = 0.0
     node_bound: float = 0.0
     host: float = 0.0
+    compute_terms: Dict[str, float] = field(default_factory=dict)
+    """``compute`` by term (the slowest rank's m micro-batches: gemm, attention, elementwise,
+    tp_comm, launch, recompute, head; block_time.py)."""
+
+    def terms(self) -> Dict[str, float]:
+        """Every term by name, ``compute``'s parts as ``compute.<part>`` after it (``tp_comm``
+        is one of them); the step is compute + bubble + pp_comm (or node_bound) + dp_comm +
+        optimizer + host."""
+        out: Dict[str, float] = {}
+        for f in fields(self):
+            if f.name in ("tp_comm", "compute_terms"):
+                continue
+            out[f.name] = getattr(self, f.name)
+            if f.name == "compute":
+                parts = self.compute_terms or {"tp_comm": self.tp_comm}
+                out.update({f"compute.{name}": value for name, value in sorted(parts.items(), key=lambda kv: -kv[1])})
+        return out
 
     @property
     def critical_path(self) -> float:
@@ -99,39 +118,72 @@ class StepTime:
         return max(self.critical_path, self.node_bound) + self.dp_comm + self.optimizer + self.host
 
 
-def micro_batch_times(cfg: Config, device: Device, pp_rank: int, ranks_per_node: int) -> RankTimes:
+def _cp_exposed(cfg: Config, z: Sizes, device: Device, ranks_per_node: int) -> Tuple[float, float]:
+    """(forward, backward) seconds per block of the ring's hops not hidden behind attention:
+    a hop carries this rank's keys and values (backward: and their fp32 gradients) while one
+    block of attention computes (a causal half-square of the local queries on local keys)."""
+    p = cfg.parallel
+    if p.cp == 1:
+        return 0.0, 0.0
+    rate = device.matmul_tflops[cfg.train.dtype] * 1e12 * device.rank_speed(ranks_per_node)
+    lat = device.latency(ranks_per_node)
+    gbps = _link_gbps(device, p.tp * p.cp, ranks_per_node)
+    kv = 2 * z.n * z.kv_heads // p.tp * z.head_dim
+    hop = z.p * kv / (gbps * 1e9) + lat * 1e-6
+    grad_hop = (z.p + FP32) * kv / (gbps * 1e9) + lat * 1e-6
+    block_attention = 2 * z.n * z.s * z.heads // p.tp * z.head_dim / rate  # QK^T and PV, half of them masked
+    fwd = (p.cp - 1) * max(0.0, hop - block_attention)
+    bwd = (p.cp - 1) * max(0.0, grad_hop - 2 * block_attention) + FP32 * kv / (gbps * 1e9) + lat * 1e-6
+    return fwd, bwd
+
+
+def micro_batch_times(cfg: Config, device: Device, pp_rank: int, ranks_per_node: int,
+                      attention: str = "flash") -> RankTimes:
     p, t, m = cfg.parallel, cfg.train, cfg.model
     z = Sizes.of(cfg)
-    speed = device.rank_speed(ranks_per_node)
-    rate = device.matmul_tflops[t.dtype] * 1e12 * speed
-    bw = (device.elementwise_gbps or device.memory_gbps) * 1e9 * speed
-    hidden = z.p * z.n * z.h
-    lat = device.latency(ranks_per_node)
-    region = all_reduce_s(hidden, p.tp, device.intra_gbps, lat)  # one all-reduce, or AG + RS
-    flops = z.n * (2 * layer_matmul_params(m) + 2 * z.s * z.heads * z.head_dim) / p.tp
-    saved = sum(layer_terms(z).values())
-    overhead = device.layer_overhead_us * 1e-6 / speed
-    block_fwd = flops / rate + FWD_PASSES * saved / bw + 2 * region + overhead / 3
-    block_bwd = 2 * flops / rate + BWD_PASSES * saved / bw + 2 * region + 2 * overhead / 3
-    if t.activation_checkpointing:
-        block_bwd += block_fwd
+    block = block_time(cfg, device, ranks_per_node, attention)
+    cp_fwd, cp_bwd = _cp_exposed(cfg, z, device, ranks_per_node)
+    if p.cp > 1:
+        block.fwd["cp_comm"], block.bwd["cp_comm"] = cp_fwd, cp_bwd
+    region = tp_region_s(cfg, device, ranks_per_node)
     last = n_stages(cfg) - 1
     ranges = stage_layer_ranges(m.n_layers, last + 1, p.pp_layers)
     stages = stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages)
     layers = sum(len(ranges[s]) for s in stages)
-    fwd, bwd = layers * block_fwd, layers * block_bwd
+    terms = {name: layers * (block.fwd.get(name, 0.0) + block.bwd.get(name, 0.0)) for name in {*block.fwd, *block.bwd}}
+    fwd, bwd = layers * block.forward, layers * block.backward
+    if t.activation_checkpointing:
+        terms["recompute"] = layers * block.forward
+        bwd += layers * block.forward
     tp = layers * (4 + 2 * t.activation_checkpointing) * region
     if 0 in stages:
         fwd += region
         tp += region
+        terms["tp_comm"] += region
     if last in stages:
-        head = 2 * z.n * z.h * z.vocab_local / rate
-        logits = FP32 * z.n * z.vocab_local
+        head_f, head_b = _head_s(cfg, device, z, ranks_per_node)
+        lat = device.latency(ranks_per_node)
         loss = 3 * all_reduce_s(FP32 * z.n, p.tp, device.intra_gbps, lat)
-        fwd += head + 2 * logits / bw + loss
-        bwd += 2 * head + 3 * logits / bw + region
+        fwd += head_f + loss
+        bwd += head_b + region
         tp += loss + region
-    return RankTimes(forward=fwd, backward=bwd, tp_comm=tp)
+        terms["head"] = head_f + head_b
+        terms["tp_comm"] += loss + region
+    return RankTimes(forward=fwd, backward=bwd, tp_comm=tp, terms=terms)
+
+
+def _head_s(cfg: Config, device: Device, z: Sizes, ranks_per_node: int) -> Tuple[float, float]:
+    """The output head's matmuls and the fp32 logits' elementwise passes (2 forward, 3 back)."""
+    logits = FP32 * z.n * z.vocab_local
+    if device.kernels is not None:
+        f, b = device.kernels.linear_s(z.n, z.h, z.vocab_local, z.p)
+        bw = device.kernels.hbm_gbps * 1e9
+        return f + 2 * logits / bw, b + 3 * logits / bw
+    speed = device.rank_speed(ranks_per_node)
+    rate = device.matmul_tflops[cfg.train.dtype] * 1e12 * speed
+    bw = (device.elementwise_gbps or device.memory_gbps) * 1e9 * speed
+    head = 2 * z.n * z.h * z.vocab_local / rate
+    return head + 2 * logits / bw, 2 * head + 3 * logits / bw
 
 
 def _link_gbps(device: Device, span: int, ranks_per_node: int) -> float:
@@ -142,45 +194,48 @@ def _link_gbps(device: Device, span: int, ranks_per_node: int) -> float:
 def _dp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: RankTimes,
                 ranks_per_node: int, backend: str) -> float:
     p, t = cfg.parallel, cfg.train
-    if p.dp == 1:
+    n = p.dp * p.cp  # gradients are reduced, and ZeRO shards, over dp x cp
+    if n == 1:
         return 0.0
-    gbps = _link_gbps(device, p.tp * p.dp, ranks_per_node)
-    lat = device.latency(min(ranks_per_node, p.tp * p.pp * p.dp))
+    gbps = _link_gbps(device, p.tp * n, ranks_per_node)
+    lat = device.latency(min(ranks_per_node, p.tp * p.pp * n))
     m = t.grad_accum_steps
     if p.zero_stage in (2, 3):
-        params = states.params // FP32 * p.dp  # the unsharded fp32 parameters FSDP2 gathers from
+        params = states.params // FP32 * n  # the unsharded fp32 parameters FSDP2 gathers from
         b = BYTES[t.dtype]
-        gather = gather_s(b * params, p.dp, gbps, lat)
-        scatter = gather_s(FP32 * params, p.dp, gbps, lat)
+        units = cfg.model.n_layers + 1  # FSDP2 units: every block and the root (parallel/zero/fsdp.py)
+        gather = unit_gathers_s(b * params, units, n, gbps, lat)
+        scatter = unit_gathers_s(FP32 * params, units, n, gbps, lat)
         bwd_gather = gather if p.zero_stage == 3 else 0.0
         per_micro = max(0.0, gather - times.forward) + max(0.0, bwd_gather + scatter - times.backward)
         return m * per_micro + gather / (cfg.model.n_layers + 1)
     grads = states.grads
     scatter = p.zero_stage == 1 and backend == "nccl"
-    reduce = gather_s(grads, p.dp, gbps, lat) if scatter else all_reduce_s(grads, p.dp, gbps, lat)
+    reduce = gather_s(grads, n, gbps, lat) if scatter else all_reduce_s(grads, n, gbps, lat)
     bucket_share = min(1.0, p.bucket_mb * 2 ** 20 / max(1, grads))
     last_bucket = reduce * bucket_share
     exposed = last_bucket + max(0.0, reduce - last_bucket - times.backward)
     if p.zero_stage == 1:  # waited for bucket by bucket in the next first forward (parallel/zero/param_gather.py)
-        gather = gather_s(states.params, p.dp, gbps, lat)
+        gather = gather_s(states.params, n, gbps, lat)
         exposed += gather * bucket_share + max(0.0, gather * (1 - bucket_share) - times.forward)
     return exposed
 
 
 def step_time(cfg: Config, device: Device, states: Dict[int, ModelStateBytes], ranks_per_node: int,
-              backend: str = "nccl") -> StepTime:
+              backend: str = "nccl", attention: str = "flash") -> StepTime:
     """``states``: model states of the pipeline ranks to time (at least the first and the
-    last: the others differ only by the layers they hold, balanced by the stage split)."""
+    last: the others differ only by the layers they hold, balanced by the stage split);
+    ``attention``: the attention kernel (``cluster.attention``, kernels.py)."""
     p, t = cfg.parallel, cfg.train
     m, v = t.grad_accum_steps, p.pp_virtual_stages
-    node_ranks = min(ranks_per_node, p.tp * p.pp * p.dp)
-    times: Dict[int, RankTimes] = {r: micro_batch_times(cfg, device, r, node_ranks) for r in states}
+    node_ranks = min(ranks_per_node, p.tp * p.cp * p.pp * p.dp)
+    times: Dict[int, RankTimes] = {r: micro_batch_times(cfg, device, r, node_ranks, attention) for r in states}
     slowest = max(times, key=lambda r: times[r].forward + times[r].backward)
     busy = times[slowest].forward + times[slowest].backward
     z = Sizes.of(cfg)
     hop = 0.0
     if p.pp > 1:
-        gbps = _link_gbps(device, p.tp * p.dp * p.pp, ranks_per_node)
+        gbps = _link_gbps(device, p.tp * p.cp * p.dp * p.pp, ranks_per_node)
         hop = z.hidden_bytes() / (gbps * 1e9) + (device.latency(node_ranks) + device.pipeline_action(node_ranks)) * 1e-6
     slot = busy + 2 * v * hop
     fill = (p.pp - 1) / v
@@ -191,7 +246,8 @@ def step_time(cfg: Config, device: Device, states: Dict[int, ModelStateBytes], r
     mean_compute = sum(m * (x.forward + x.backward) for x in times.values()) / len(times)
     return StepTime(compute=m * busy, tp_comm=m * times[slowest].tp_comm, bubble=fill * slot,
                     pp_comm=m * 2 * v * hop, dp_comm=share * dp, optimizer=share * optimizer,
-                    node_bound=share * mean_compute if share > 1 else 0.0, host=device.step_overhead_us * 1e-6)
+                    node_bound=share * mean_compute if share > 1 else 0.0, host=device.step_overhead_us * 1e-6,
+                    compute_terms={name: m * value for name, value in times[slowest].terms.items()})
 
 
 def _optimizer_s(cfg: Config, device: Device, states: ModelStateBytes) -> float:

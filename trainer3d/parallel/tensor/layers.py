@@ -133,7 +133,12 @@ class RowParallelLinear(_TPShardedModule):
         self._shard("weight", [out_features, in_features // self.tp_size], 1, in_features, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return LEAVE[self.output_comm](linear(x, self.weight), self.tp_group)
+        return self.reduce(linear(x, self.weight))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum over tp of each rank's x_r B_r^T (also called by the model's SwiGLU,
+        which computes w2's matmul itself: model/functional.py)."""
+        return LEAVE[self.output_comm](partial, self.tp_group)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}/{self.tp_size}, out={self.out_features}, output_comm={self.output_comm}"

@@ -53,7 +53,7 @@ def reduce_mode(cfg: Config, dims: ParallelDims) -> str:
     reduce_scatter 32.7 ms)."""
     mode = cfg.parallel.zero_reduce
     if mode == "auto":
-        mode = "reduce_scatter" if comm.backend_of(dims.dp_group) == "nccl" else "all_reduce"
+        mode = "reduce_scatter" if comm.backend_of(dims.dp_cp_group) == "nccl" else "all_reduce"
     return mode
 
 
@@ -72,9 +72,9 @@ class FlatZeroOptimizer(ZeroOptimizer):
         named = [(canonical_name(n), p) for chunk in chunks for n, p in chunk.named_parameters() if p.requires_grad]
         self.names: Dict[nn.Parameter, str] = {p: n for n, p in named}
         dtype = DTYPES[cfg.train.dtype]
-        self.buffers = FlatBuffers([p for _, p in named], bucket_numel(cfg), dims.dp if sharded else 1, dtype)
+        self.buffers = FlatBuffers([p for _, p in named], bucket_numel(cfg), dims.dp_cp if sharded else 1, dtype)
         mode = reduce_mode(cfg, dims) if sharded else "all_reduce"
-        self.reducer = GradReducer(self.buffers, dims.dp_group, dims.dp, dims.dp_rank,
+        self.reducer = GradReducer(self.buffers, dims.dp_cp_group, dims.dp_cp, dims.dp_cp_rank,
                                    cfg.train.grad_accum_steps, mode)
         # bf16/fp16: the linear layers' backward accumulates into the fp32 buffer (wgrad.py)
         self.wgrad_sink = low_precision_sink(self.buffers.params, self.buffers.grad_view, dtype)
@@ -88,11 +88,11 @@ class FlatZeroOptimizer(ZeroOptimizer):
         self._owned_grads = [self.buffers.grad_buffer[lo:hi] for lo, hi in self.pieces]
         # Each gradient element counted once over the world: ZeRO-1 owners count their slices;
         # stage 0's replicas are identical, so dp rank 0 counts for all of them.
-        counts_here = sharded or dims.dp_rank == 0
+        counts_here = sharded or dims.dp_cp_rank == 0
         self._counted = [g for s, g in zip(segments, self.adam.grad_views)
                          if counts_here and counted_once_over_tp(s.param, dims) and not is_tied_copy(s.name, dims)]
         self.deferred = None
-        if sharded and dims.dp > 1 and overlap_gather:
+        if sharded and dims.dp_cp > 1 and overlap_gather:
             self.deferred = DeferredGather(chunks, {p: b.index for b in self.buffers.buckets for p in b.params})
 
     def _owned_pieces(self) -> List[Tuple[int, int]]:
@@ -100,8 +100,8 @@ class FlatZeroOptimizer(ZeroOptimizer):
             return [(0, self.buffers.numel)]
         out = []
         for b in self.buffers.buckets:
-            size = b.numel // self.dims.dp
-            lo = b.start + self.dims.dp_rank * size
+            size = b.numel // self.dims.dp_cp
+            lo = b.start + self.dims.dp_cp_rank * size
             out.append((lo, lo + size))
         return out
 
@@ -152,11 +152,11 @@ class FlatZeroOptimizer(ZeroOptimizer):
         """Stage 1: every bucket's parameters from their owners, in place in the flat buffer,
         launched in forward order (the embedding's bucket, laid out last, first); ``defer``:
         waited for where they are read (param_gather.py), else now."""
-        if not self.sharded or self.dims.dp == 1:
+        if not self.sharded or self.dims.dp_cp == 1:
             return
         flat, works = self.buffers.param_buffer, {}
         for b, (lo, hi) in reversed(list(zip(self.buffers.buckets, self.pieces))):
-            works[b.index] = comm.all_gather(flat[b.start:b.end], flat[lo:hi], self.dims.dp_group)
+            works[b.index] = comm.all_gather(flat[b.start:b.end], flat[lo:hi], self.dims.dp_cp_group)
         if defer and self.deferred is not None:
             self.deferred.hand_over(works)
             return

@@ -1,7 +1,7 @@
 """ZeRO stages 2 and 3 through FSDP2 (``fully_shard``), for pp == 1 only.
 
 Every transformer block and then the root module are sharded over the dp sub-mesh
-(``dims.mesh["dp"]``): each rank keeps dim-0 slice ``dp_rank`` of every parameter, in fp32
+(``dims.dp_cp_mesh()``, dp x cp): each rank keeps dim-0 slice ``dp_cp_rank`` of every parameter, in fp32
 (the master weights), with its gradient and AdamW moments for that slice alone.
 
 - Stage 3 (P_os+g+p): ``reshard_after_forward=True`` — a block's full parameters exist only
@@ -50,7 +50,7 @@ def shard_model(model: nn.Module, cfg: Config, dims: ParallelDims) -> None:
     policy = MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute,
                                   reduce_dtype=torch.float32)
     reshard = cfg.parallel.zero_stage == 3
-    mesh = dims.mesh["dp"]
+    mesh = dims.dp_cp_mesh()
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
@@ -126,7 +126,7 @@ class FSDPOptimizer(ZeroOptimizer):
         out = []
         for (name, param), local, a, b in zip(self.named, self.local, self.exp_avg, self.exp_avg_sq):
             rows, per_row = param.shape[0], math.prod(param.shape[1:])
-            lo = min(self.dims.dp_rank * -(-rows // self.dims.dp), rows) * per_row
+            lo = min(self.dims.dp_cp_rank * -(-rows // self.dims.dp_cp), rows) * per_row
             out.append(StateView(name, tuple(param.shape), tp_shard_of(param), lo, lo + local.numel(),
                                  {"param": local.view(-1), "exp_avg": a.view(-1), "exp_avg_sq": b.view(-1)}))
         return out

@@ -56,7 +56,7 @@ class StateView:
 
 
 class ZeroOptimizer(ABC):
-    """AdamW with fp32 state over this rank's model chunks, data-parallel over ``dims.dp_group``."""
+    """AdamW with fp32 state over this rank's model chunks, data-parallel over ``dims.dp_cp_group`` (dp x cp)."""
 
     step_count: torch.Tensor
     """Optimizer steps taken (a device scalar; skipped fp16 steps do not count)."""

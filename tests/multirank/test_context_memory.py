@@ -1,0 +1,58 @@
+"""Context parallelism's activation memory, measured: the bytes autograd saves for backward
+(``saved_tensors_hooks``, trainer3d/memory/meter.py) on each cp rank of the same sequence,
+against one rank holding it whole, and against trainer3d/memory/peak.py's prediction."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.support.activation_ranks import layout_config
+from tests.support.harness import dims_for, run_ranks
+from trainer3d.config.validate import validate
+from trainer3d.memory.peak import rank_memory
+from trainer3d.parallel.context.sharding import shard_sequence
+
+
+def _config(cp: int, **layout):
+    cfg = layout_config(**layout)
+    cfg.parallel.cp = cp
+    return cfg
+
+
+def _measure(rank: int, world: int, layout: dict) -> int:
+    from trainer3d.memory.meter import SavedActivationMeter
+    from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer
+    from trainer3d.trainer import MicroBatchLoss, Trainer
+
+    cfg = _config(world, **layout)
+    dims = dims_for(cp=world)
+    chunks = build_model_chunks(cfg, dims)
+    optimizer = build_optimizer(chunks, cfg, dims)
+    micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims), cfg.train.grad_accum_steps, optimizer)
+    trainer = SimpleNamespace(pipeline=None, chunks=chunks, micro_loss=micro_loss)
+    t = cfg.train
+    rows = torch.randint(0, cfg.model.vocab_size, (t.grad_accum_steps, t.micro_batch_size, t.seq_len + 1),
+                         generator=torch.Generator().manual_seed(0))
+    inputs, targets = rows[..., :-1], rows[..., 1:]  # as the loader reads them: views of one tensor (cp = 1)
+    if world > 1:  # or this cp rank's two chunks of each, copied out
+        inputs, targets = (shard_sequence(x, world, dims.cp_rank) for x in (inputs, targets))
+    Trainer.forward_backward(trainer, inputs, targets)  # warm-up
+    meter = SavedActivationMeter([p for chunk in chunks for p in chunk.parameters()])
+    optimizer.zero_grad()
+    with meter:
+        Trainer.forward_backward(trainer, inputs, targets)
+    assert meter.live_bytes == 0
+    return meter.peak_bytes
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(dtype="bf16", micro=1)], ids=["fp32", "bf16-micro1"])
+def test_cp4_saves_a_quarter_of_the_activations(layout):
+    whole = run_ranks(_measure, 1, layout, timeout=300)[0]
+    shards = run_ranks(_measure, 4, layout, timeout=300)
+    for cp, measured in ((1, [whole]), (4, shards)):
+        predicted = rank_memory(validate(_config(cp, **layout)), 0).activation_bytes
+        assert all(m == predicted for m in measured), (cp, measured, predicted)
+    ratios = [m / whole for m in shards]
+    print(f"cp=4 / cp=1 saved activations per rank: {whole:,} B -> {shards[0]:,} B ({max(ratios):.3f})")
+    assert max(ratios) <= 0.3

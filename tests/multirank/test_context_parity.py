@@ -1,0 +1,65 @@
+"""Context parallelism trains the model one process trains: per-step fp32 losses within a
+relative 1e-5 over 20 steps (tests/support/runs.py: PARITY) of the 1-rank run with the same
+global batch, seed and data, for cp alone, cp with grouped-query attention, cp beside
+tensor (with sequence parallelism) and pipeline parallelism, cp beside data parallelism
+with ZeRO-1 and with FSDP2's ZeRO-3, both exchanges (ring, all-gather), recomputation with
+compile; and a checkpoint of a cp layout resumed in one process."""
+
+import pytest
+
+from tests.support.runs import PARITY, assert_parity, losses_in_ranks, read_metrics, reference_losses, train_in_ranks
+from trainer3d.checkpoint import store
+
+GQA = ("model.n_heads=4", "model.n_kv_heads=2")
+
+
+def case(cp, tp=1, pp=1, dp=1, zero=0, model=(), extra=(), slow=True, id=None):
+    layout = (f"parallel.cp={cp}", f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}",
+              f"parallel.zero_stage={zero}")
+    return pytest.param(model, (*layout, *extra), id=id or f"cp{cp}-tp{tp}-pp{pp}-dp{dp}-z{zero}",
+                        marks=[pytest.mark.slow] if slow else [])
+
+
+MATRIX = [
+    case(2, slow=False),
+    case(2, extra=("parallel.cp_attention=all_gather",), id="cp2-all_gather"),
+    case(4, model=GQA, id="cp4-gqa"),
+    case(2, tp=2, pp=2, extra=("parallel.sequence_parallel=true",), id="cp2-tp2-pp2-sp"),
+    case(2, dp=2, zero=1),
+    case(2, dp=1, zero=3, id="cp2-z3-fsdp2"),
+]
+
+
+@pytest.mark.parametrize("model,layout", MATRIX)
+def test_context_parallel_matches_single_process(tmp_path, session_tmp, model, layout):
+    ref = reference_losses(session_tmp, [*PARITY, *model])
+    got = losses_in_ranks(tmp_path, [*PARITY, *model, "parallel=single", *layout], timeout=900)
+    print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # inductor compiles on every rank at once: minutes on 2 loaded cores
+def test_cp2_with_recompute_and_compile_matches_single_process(tmp_path, session_tmp):
+    """Activation checkpointing replays the ring in backward; compile builds each block around
+    the cp attention (which it leaves eager)."""
+    ref = reference_losses(session_tmp, PARITY)
+    layout = ("parallel=single", "parallel.cp=2", "train.activation_checkpointing=true", "train.compile=true")
+    got = losses_in_ranks(tmp_path, [*PARITY, *layout], timeout=1200)
+    print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
+
+
+@pytest.mark.slow
+def test_checkpoint_of_cp2_dp2_zero1_resumes_in_one_process(tmp_path, session_tmp):
+    """cp is not in the saved state: a checkpoint written by cp2 x dp2 with ZeRO-1 (optimizer
+    state sharded over dp x cp = 4) loads into one process, which trains on as the reference."""
+    ref = reference_losses(session_tmp, [*PARITY, *GQA])
+    first, second = tmp_path / "cp2", tmp_path / "single"
+    train_in_ranks(first, [*PARITY, *GQA, "parallel=single", "parallel.cp=2", "parallel.dp=2",
+                           "parallel.zero_stage=1", "checkpoint.every=10"])
+    stdout = train_in_ranks(second, [*PARITY, *GQA, "parallel=single",
+                                     f"train.resume={store.step_dir(first / 'checkpoints', 10)}"])
+    assert "layout changed since the checkpoint" in stdout and "cp 2 -> 1" in stdout
+    rows = read_metrics(second)
+    assert [r["step"] for r in rows] == list(range(10, 20))
+    worst = max(abs(r["loss"] - want) / want for r, want in zip(rows, ref[10:]))
+    assert worst <= 1e-5, worst

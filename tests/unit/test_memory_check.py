@@ -1,0 +1,83 @@
+"""Class: memory before launch. A run whose estimate (the dry run's own accounting) exceeds each
+GPU's memory, or for CPU ranks the host's, is refused before any rank starts, naming the
+estimate, the limit and the override knob; the check runs in bounded memory whatever the
+config declares (a million layers are refused by arithmetic)."""
+
+import subprocess
+import sys
+import tracemalloc
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.unit.test_validate import make
+from trainer3d import train
+from trainer3d.config.validate import validate, world_size_of
+from trainer3d.job.memory_check import memory_problems, states_lower_bound
+from trainer3d.memory.peak import rank_memory
+
+MILLION = ["parallel=single", "model.n_layers=1000000", "train.device=cpu"]
+
+
+def _cfg(overrides):
+    return validate(make(overrides))
+
+
+def test_a_million_layers_are_refused_before_launch_in_bounded_memory(monkeypatch, capsys):
+    monkeypatch.setattr(train, "launch", lambda cfg: pytest.fail("launched"))
+    cfg = make(MILLION)
+    tracemalloc.start()
+    try:
+        assert train.run(cfg) == 2
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("trainer3d: memory error: the dry run's estimate"), err
+    assert "GiB at least (model states alone)" in err[0] and "of memory" in err[0], err
+    assert "launcher.check_memory=false" in err[0], err
+    assert peak < 64 * 2 ** 20, f"{peak / 2 ** 20:.0f} MiB of Python objects to refuse"
+
+
+@pytest.mark.parametrize("overrides", [
+    ["parallel=tp2-pp2-dp2"],
+    ["parallel=dp2", "parallel.zero_stage=1", "train.dtype=bf16"],
+    ["parallel=dp2", "parallel.zero_stage=2", "train.dtype=bf16"],
+    ["parallel=dp2", "parallel.zero_stage=3"],
+    ["parallel=tp2-pp2-dp2", "parallel.pp_virtual_stages=2", "parallel.pp_schedule=interleaved_1f1b",
+     "model.n_layers=8", "model.tie_embeddings=true"],
+])
+def test_the_quick_bound_never_exceeds_the_dry_runs_model_states(overrides):
+    cfg = _cfg(overrides)
+    for r in range(cfg.parallel.pp):
+        exact = rank_memory(cfg, r).states.total
+        assert 0.9 * exact < states_lower_bound(cfg, r) <= exact
+
+
+def test_cpu_ranks_are_held_to_the_hosts_memory_by_the_dry_runs_sum():
+    cfg = _cfg(["parallel=tp2-pp2-dp2", "train.device=cpu"])
+    p = cfg.parallel
+    need = sum(rank_memory(cfg, r).total for r in range(p.pp)) * p.tp * p.dp
+    assert memory_problems(cfg, world_size_of(cfg), host_bytes=need) == []
+    (line,) = memory_problems(cfg, world_size_of(cfg), host_bytes=need - 1)
+    gib = f"{need / 2 ** 30:.2f} GiB" if need >= 2 ** 30 else f"{need / 2 ** 20:.1f} MiB"
+    assert f"for the 8 CPU rank(s) on this host is {gib}" in line and "activations" in line, line
+    cfg.launcher.check_memory = False
+    assert memory_problems(cfg, world_size_of(cfg), host_bytes=1) == []
+
+
+def test_cuda_ranks_are_held_to_each_gpus_memory():
+    cfg = _cfg(["parallel=tp2-pp2-dp2", "train.device=cuda"])
+    worst = max(rank_memory(cfg, r).total for r in range(cfg.parallel.pp))
+    assert memory_problems(cfg, 8, device_bytes=worst) == []
+    (line,) = memory_problems(cfg, 8, device_bytes=worst - 1)
+    assert "per rank (pp rank" in line and "of each GPU" in line and "launcher.check_memory=false" in line, line
+
+
+def test_the_entry_point_refuses_a_million_layers_before_launch(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={tmp_path}", *MILLION],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("trainer3d: memory error: "), lines
+    assert not (tmp_path / "submitit").exists(), "nothing launched"

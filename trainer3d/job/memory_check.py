@@ -1,0 +1,121 @@
+"""Memory before launch: a run whose estimated peak does not fit is refused before any rank
+allocates, naming the estimate, the limit and the knobs.
+
+The estimate is the dry run's own accounting (``dry_run=true``; trainer3d/memory/peak.py:
+model states, saved activations at the schedule's peak, pipeline buffers, the largest
+transient) of every pipeline rank. The limit: for CUDA ranks the smallest total memory of
+the GPUs they get, per rank; for CPU ranks this host's physical memory (MemTotal), shared by
+all of them, so the ranks' estimates are summed. It runs for the local launcher, where the
+ranks start on this machine; ``launcher.check_memory=false`` launches anyway (the estimate
+leaves out the framework's own memory — CUDA context, NCCL, the allocator's slack — so a
+refused run does not fit; a run that passes may still not).
+
+The check itself runs in bounded memory whatever the config declares: a lower bound of the
+model states (parameter count x bytes per parameter, from one block's shapes times the
+stage's layer count: arithmetic, no list per layer) is compared first, so a config declaring
+a million layers is refused for the cost of building one block on the meta device; only a
+run whose bound fits is accounted term by term.
+"""
+
+import os
+from dataclasses import dataclass
+from math import prod
+from typing import List, Optional
+
+import torch
+
+from trainer3d.config.schema import Config
+from trainer3d.job.device_check import uses_cuda
+from trainer3d.memory.peak import rank_memory
+from trainer3d.memory.states import BYTES, format_bytes, model_shapes
+from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
+
+KNOB = "launcher.check_memory=false"
+FIXES = ("shrink the model or the batch (train.micro_batch_size, train.seq_len), spread it (parallel.tp, "
+         "parallel.pp, parallel.dp with parallel.zero_stage, train.activation_checkpointing)")
+
+
+@dataclass
+class Estimate:
+    per_rank: List[int]
+    """Bytes of each pipeline rank (tp rank 0, dp rank 0)."""
+    exact: bool
+    """False: a lower bound of the model states alone."""
+    detail: str = ""
+
+
+def rank_parameters(cfg: Config, pp_rank: int) -> int:
+    """Parameters one tp rank of ``pp_rank`` holds, by arithmetic over one block's shapes."""
+    shapes = model_shapes(cfg.model, cfg.parallel.tp)
+    ranges = stage_layer_ranges(cfg.model.n_layers, n_stages(cfg), cfg.parallel.pp_layers)
+    last = len(ranges) - 1
+    before, block, after = (sum(prod(s) for s in part) for part in (shapes.before, shapes.block, shapes.after))
+    total = 0
+    for stage in stages_of_rank(pp_rank, cfg.parallel.pp, cfg.parallel.pp_virtual_stages):
+        total += block * len(ranges[stage])
+        total += before if stage == 0 or (stage == last and cfg.model.tie_embeddings) else 0
+        total += after if stage == last else 0
+    return total
+
+
+def states_lower_bound(cfg: Config, pp_rank: int) -> int:
+    """Model-state bytes the rank holds at least (trainer3d/memory/states.py's table, with
+    every padded length at its unpadded minimum)."""
+    psi, b, n = rank_parameters(cfg, pp_rank), BYTES[cfg.train.dtype], cfg.parallel.dp
+    master = 4 if b != 4 else 0
+    stage = cfg.parallel.zero_stage
+    if stage == 0:
+        return (b + 4 + master + 8) * psi
+    if stage == 1:
+        return (b + 4) * psi + (master + 8) * psi // n
+    return 16 * psi // n + (b * psi if stage == 2 else 0)
+
+
+def estimate(cfg: Config, limit: int, ranks_summed: bool) -> Estimate:
+    """The pipeline ranks' peaks: the lower bound where it alone exceeds ``limit``, else exact."""
+    p = cfg.parallel
+    bound = [states_lower_bound(cfg, r) for r in range(p.pp)]
+    if (sum(bound) * p.tp * p.dp if ranks_summed else max(bound)) > limit:
+        return Estimate(bound, exact=False)
+    mems = [rank_memory(cfg, r) for r in range(p.pp)]
+    worst = max(mems, key=lambda m: m.total)
+    detail = (f"pp rank {worst.pp_rank}: model states {format_bytes(worst.states.total)}, activations "
+              f"{format_bytes(worst.activation_bytes)}, pipeline buffers {format_bytes(worst.buffer_bytes)}, "
+              f"transient {format_bytes(worst.transient_bytes)}")
+    return Estimate([m.total for m in mems], exact=True, detail=detail)
+
+
+def host_memory() -> int:
+    """This host's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def memory_problems(cfg: Config, world_size: int, device_bytes: Optional[int] = None,
+                    host_bytes: Optional[int] = None) -> List[str]:
+    """One line if the validated ``cfg`` does not fit this machine (local launcher), else [].
+    ``device_bytes``/``host_bytes``: the limits (default: this machine's)."""
+    if not cfg.launcher.check_memory or cfg.launcher.name != "local":
+        return []
+    count = torch.cuda.device_count() if device_bytes is None else max(1, world_size)
+    if uses_cuda(cfg, count > 0):
+        if device_bytes is None:
+            if count < world_size:
+                return []  # machine_problems names that
+            device_bytes = min(torch.cuda.get_device_properties(i).total_memory for i in range(world_size))
+        found = estimate(cfg, device_bytes, ranks_summed=False)
+        worst = max(found.per_rank)
+        if worst <= device_bytes:
+            return []
+        said = f"{format_bytes(worst)} per rank" + (f" ({found.detail})" if found.exact else
+                                                     " at least (model states alone)")
+        return [f"the dry run's estimate is {said}, more than the {format_bytes(device_bytes)} of each GPU; "
+                f"{FIXES}; or set {KNOB} to launch anyway"]
+    limit = host_memory() if host_bytes is None else host_bytes
+    found = estimate(cfg, limit, ranks_summed=True)
+    total = sum(found.per_rank) * cfg.parallel.tp * cfg.parallel.dp
+    if total <= limit:
+        return []
+    said = f"{format_bytes(total)}" + (f" (the worst, {format_bytes(max(found.per_rank))}, {found.detail})"
+                                       if found.exact else " at least (model states alone)")
+    return [f"the dry run's estimate for the {world_size} CPU rank(s) on this host is {said}, more than its "
+            f"{format_bytes(limit)} of memory; {FIXES}; or set {KNOB} to launch anyway"]

@@ -1,0 +1,109 @@
+"""Attention of a query block on one key/value block, with its log-sum-exp, and the merge.
+
+Blockwise attention (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022, sec. 3.1):
+softmax attention over keys K = K_1 ∪ K_2 is a weighted sum of the attention over each
+part, weighted by each part's share of the normaliser: with lse_j the log-sum-exp of the
+scores on K_j,
+
+    lse = log(exp(lse_1) + exp(lse_2)),   out = exp(lse_1 − lse) out_1 + exp(lse_2 − lse) out_2.
+
+Backward of one block needs only the final ``out`` and ``lse`` (FlashAttention's backward,
+Algorithm 4): P_j = exp(S_j − lse), dS_j = P_j ∘ (dP_j − rowsum(dO ∘ O)), so each block's
+gradients are computed on their own and summed.
+
+Tensors are (batch, heads, seq, head_dim); keys and values may have fewer heads than the
+queries (grouped-query attention: query head h uses key/value head h // (heads / kv_heads)).
+``causal`` is the top-left-aligned mask of a square diagonal block (a rank's own keys,
+whose positions are those of its queries). On CPU, torch's flash-attention kernel
+(``_scaled_dot_product_flash_attention_for_cpu`` and its backward, both GQA-aware) does the
+work; elsewhere the same maths in plain torch ops, scores in fp32 (or wider inputs' dtype).
+"""
+
+from typing import Tuple
+
+import torch
+
+_CPU_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(b, kv_heads, s, d) -> (b, heads, s, d), each kv head repeated for its query heads."""
+    b, kv, s, d = t.shape
+    if kv == heads:
+        return t
+    return t[:, :, None].expand(b, kv, heads // kv, s, d).reshape(b, heads, s, d)
+
+
+def _fold_kv(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The reverse of ``_expand_kv`` for gradients: sum over each kv head's query heads."""
+    b, heads, s, d = t.shape
+    if kv_heads == heads:
+        return t
+    return t.view(b, kv_heads, heads // kv_heads, s, d).sum(2)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What scores and accumulators are kept in: fp32, or the inputs' dtype when wider."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    wide = acc_dtype(q.dtype)
+    s = torch.matmul(q.to(wide), _expand_kv(k, q.shape[1]).to(wide).transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out in q's dtype, lse in fp32 of shape (batch, heads, seq_q))."""
+    if q.device.type == "cpu":
+        out, lse = _CPU_FORWARD(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
+    return math_forward(q, k, v, causal, scale)
+
+
+def math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                 scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``block_forward`` in plain torch ops (any device)."""
+    s = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    out = torch.matmul(p, _expand_kv(v, q.shape[1]).to(p.dtype))
+    return out.to(q.dtype), lse
+
+
+def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, causal: bool, scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of this block's part of the attention whose final output is ``out`` with
+    log-sum-exp ``lse`` (the merged ones, not this block's own)."""
+    if q.device.type == "cpu":
+        return _CPU_BACKWARD(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return math_backward(dout, q, k, v, out, lse, causal, scale)
+
+
+def math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, causal: bool, scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``block_backward`` in plain torch ops (any device)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
+    wide = p.dtype
+    do = dout.to(wide)
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    dp = torch.matmul(do, _expand_kv(v, heads).to(wide).transpose(-1, -2))
+    delta = (do * out.to(wide)).sum(-1, keepdim=True)
+    ds = p * (dp - delta) * scale
+    dq = torch.matmul(ds, _expand_kv(k, heads).to(wide))
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(wide))
+    return dq.to(q.dtype), _fold_kv(dk, kv_heads).to(k.dtype), _fold_kv(dv, kv_heads).to(v.dtype)
+
+
+def merge_(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Fold a block's (out, lse) into the accumulators (``acc_dtype``; views allowed), in place."""
+    lse = lse.to(acc_lse.dtype)
+    new_lse = torch.logaddexp(acc_lse, lse)
+    acc_out.mul_(torch.exp(acc_lse - new_lse).unsqueeze(-1))
+    acc_out.add_(out.to(acc_out.dtype) * torch.exp(lse - new_lse).unsqueeze(-1))
+    acc_lse.copy_(new_lse)
