@@ -9,6 +9,7 @@ to the launcher.
 
 import os
 import sys
+from pathlib import Path
 from typing import List, Sequence
 
 import hydra
@@ -25,6 +26,7 @@ from trainer3d.config.schema import Config  # noqa: F401  (registers the schema 
 from trainer3d.data.checks import check_data
 from trainer3d.job.device_check import machine_problems
 from trainer3d.job.memory_check import memory_problems
+from trainer3d.job.rundir import write_problem
 from trainer3d.memory.dry_run import print_plan
 from trainer3d.hf.check import apply_init_from
 from trainer3d.config.knobs import path_problems, unknown_keys
@@ -102,8 +104,26 @@ def run(cfg: Config, explicit_model: Sequence[str] = ()) -> int:
         print(f"trainer3d: data error: {problem}", file=sys.stderr)
     if problems:
         return 2
+    problems = directory_problems(cfg)
+    for problem in problems:
+        print(f"trainer3d: run dir error: {problem}", file=sys.stderr)
+    if problems:
+        return 2
     remember_command(cfg)  # the ranks' stop line prints it (trainer3d/job/resume.py)
     return launch(cfg)
+
+
+def directory_problems(cfg: Config) -> List[str]:
+    """The directories the ranks write (run dir, checkpoints, launcher logs), each created and
+    probed with a synced write (trainer3d/job/rundir.py): a full or unwritable one is one line
+    here, not a traceback in a rank."""
+    knobs = {"run_dir": cfg.run_dir, "checkpoint.dir": cfg.checkpoint.dir, "launcher.folder": cfg.launcher.folder}
+    problems = []
+    for knob, value in knobs.items():
+        problem = write_problem(Path(value).expanduser()) if value else None
+        if problem:
+            problems.append(f"{knob}: {problem}; free space or fix its permissions, or point {knob} elsewhere")
+    return problems
 
 
 def check_resume(cfg: Config) -> bool:

@@ -83,7 +83,7 @@ class Trainer:
         self.optimizer: ZeroOptimizer = build_optimizer(self.chunks, cfg, dims)
         self.grads = GradFinalizer(self.chunks, self.optimizer, dims, cfg.parallel.sequence_parallel)
         self.checkpointer = Checkpointer(cfg, dims, self.optimizer, self.timeouts)
-        self.micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims), t.grad_accum_steps, self.optimizer)
+        self.micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims, self.chunks), t.grad_accum_steps, self.optimizer)
         self.pipeline = Pipeline(self.chunks, self.micro_loss, cfg, dims) if dims.pp > 1 else None
         self.data, self.evaluator = self._build_data()
         self.start_step = self.checkpointer.load(resume_from)

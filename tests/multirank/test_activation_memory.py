@@ -14,12 +14,13 @@ REL = 0.05
 # >= 12 layouts mixing tp, pp, sequence parallelism, recomputation, schedules, micro-batch
 # sizes, dtypes and the SDPA kernel; grouped by world size (one set of ranks each).
 LAYOUTS = {
-    1: [dict(), dict(micro=4, recompute=True), dict(dtype="bf16", accum=3), dict(kernel="math")],
-    2: [dict(tp=2), dict(tp=2, sp=True, micro=1), dict(pp=2, accum=4),
+    1: [dict(), dict(micro=4, recompute=True), dict(dtype="bf16", accum=3), dict(kernel="math"), dict(chunk=0)],
+    2: [dict(tp=2), dict(tp=2, sp=True, micro=1), dict(pp=2, accum=4), dict(tp=2, chunk=0),
         dict(pp=2, schedule="gpipe", accum=3, recompute=True),
         dict(pp=2, schedule="interleaved_1f1b", virtual=2, accum=4)],
     4: [dict(tp=2, pp=2, sp=True), dict(tp=2, pp=2, schedule="gpipe", accum=3, dtype="bf16"),
         dict(tp=2, pp=2, schedule="interleaved_1f1b", virtual=2, accum=4, recompute=True),
+        dict(tp=2, pp=2, micro=1, chunk=0),
         dict(pp=4, micro=1, accum=5), dict(tp=4, sp=True, recompute=True, kernel="math"),
         dict(pp=4, schedule="interleaved_1f1b", virtual=2, accum=8, dtype="bf16")],
 }

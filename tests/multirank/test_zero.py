@@ -164,7 +164,7 @@ def _tp_fsdp(rank, world, stage, sp):
     chunks = build_model_chunks(cfg, dims)
     marks = {canonical_name(n): tp_shard_of(p) for n, p in chunks[0].named_parameters()}
     opt = build_optimizer(chunks, cfg, dims)
-    model, loss_fn, accum = chunks[0], build_loss_fn(cfg, dims), cfg.train.grad_accum_steps
+    model, loss_fn, accum = chunks[0], build_loss_fn(cfg, dims, chunks), cfg.train.grad_accum_steps
     kept = marks == {canonical_name(n): tp_shard_of(p) for n, p in model.named_parameters()}
     grads = GradFinalizer(chunks, opt, dims, sp)
     norms = []

@@ -32,13 +32,14 @@ SEQ = 32
 
 
 def layout_config(tp=1, pp=1, micro=2, accum=2, schedule="1f1b", virtual=1, sp=False, recompute=False,
-                  dtype="fp32", kernel="flash") -> Config:
+                  dtype="fp32", kernel="flash", chunk=24) -> Config:
     cfg = Config()
     cfg.model = copy.deepcopy(MODEL)
     p, t = cfg.parallel, cfg.train
     p.tp, p.pp, p.dp, p.pp_schedule, p.pp_virtual_stages, p.sequence_parallel = tp, pp, 1, schedule, virtual, sp
     t.micro_batch_size, t.grad_accum_steps, t.global_batch_size = micro, accum, micro * accum
     t.seq_len, t.seed, t.dtype, t.activation_checkpointing = SEQ, 3, dtype, recompute
+    t.loss_chunk_tokens = chunk  # 0: whole logits; 24: the chunked loss over 64 tokens in three chunks
     return cfg
 
 
@@ -69,7 +70,7 @@ def measure(rank: int, world: int, layouts: List[dict]) -> List[dict]:
         dims = dims_for(tp=cfg.parallel.tp, pp=cfg.parallel.pp)
         chunks = build_model_chunks(cfg, dims)
         optimizer = build_optimizer(chunks, cfg, dims)
-        micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims), cfg.train.grad_accum_steps, optimizer)
+        micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims, chunks), cfg.train.grad_accum_steps, optimizer)
         pipeline = Pipeline(chunks, micro_loss, cfg, dims) if dims.pp > 1 else None
         trainer = SimpleNamespace(pipeline=pipeline, chunks=chunks, micro_loss=micro_loss)
         inputs, targets = _batch(cfg, dims.is_first_stage, dims.is_last_stage)

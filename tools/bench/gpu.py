@@ -79,7 +79,7 @@ def time_variant(cfg: Config, dims: ParallelDims, args) -> dict:
     chunks = build_model_chunks(cfg, dims)
     optimizer = build_optimizer(chunks, cfg, dims)
     grads = GradFinalizer(chunks, optimizer, dims, cfg.parallel.sequence_parallel)
-    loss_fn = build_loss_fn(cfg, dims)
+    loss_fn = build_loss_fn(cfg, dims, chunks)
     g = torch.Generator().manual_seed(0)
     vocab, shape = cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len)
     times = []

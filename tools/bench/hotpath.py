@@ -83,7 +83,10 @@ def _rank(rank, world, args):
     (model,) = build_model_chunks(cfg, dims)
     optimizer = build_optimizer([model], cfg, dims)
     grads = GradFinalizer([model], optimizer, dims, args.sp)
-    loss_fn = build_loss_fn(cfg, dims)
+    try:  # the loss that applies the head itself (train.loss_chunk_tokens) takes the chunks
+        loss_fn = build_loss_fn(cfg, dims, [model])
+    except TypeError:  # a revision from before it
+        loss_fn = build_loss_fn(cfg, dims)
     g = torch.Generator().manual_seed(dims.dp_rank)
 
     def step(meter=None):

@@ -53,7 +53,7 @@ RANGES: Dict[str, Range] = {
     **{f"train.{k}": AT_LEAST_1 for k in ("micro_batch_size", "grad_accum_steps", "global_batch_size", "seq_len",
                                          "max_steps", "log_every", "eval_steps")},
     "train.seed": Range(0, hi=2 ** 63), "train.loss_scale_init": POSITIVE, "train.peak_tflops": POSITIVE,
-    "train.eval_every": AT_LEAST_0,
+    "train.eval_every": AT_LEAST_0, "train.loss_chunk_tokens": AT_LEAST_0,
     "optim.lr": POSITIVE, "optim.min_lr": AT_LEAST_0, "optim.warmup_steps": AT_LEAST_0,
     "optim.decay_steps": AT_LEAST_1, "optim.weight_decay": AT_LEAST_0, "optim.beta1": UNIT, "optim.beta2": UNIT,
     "optim.eps": POSITIVE, "optim.grad_clip": AT_LEAST_0,

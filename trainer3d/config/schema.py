@@ -146,6 +146,10 @@ class TrainConfig:
     without GPUs, else cuda where a GPU is visible (checked before launch); one rank per GPU."""
     compile: bool = False
     """torch.compile each transformer block (after tensor parallelism, before pipeline staging)."""
+    loss_chunk_tokens: int = 256
+    """The last stage applies the head inside the loss, this many tokens at a time, so no more
+    than this many rows of logits exist at once (parallel/tensor/loss.py; docs/memory.md);
+    0: the model returns the whole logits and the loss reads them."""
     peak_tflops: Optional[float] = None
     """Peak TFLOP/s per rank for MFU; default from the device name where known."""
     eval_every: int = 100

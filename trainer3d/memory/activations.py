@@ -65,6 +65,9 @@ class Sizes:
     """Which SDPA kernel runs: flash (CPU fp32/bf16, CUDA flash/memory-efficient) or math."""
     cp: int = 1
     """Context-parallel degree (``s`` is already this cp rank's share of the sequence)."""
+    loss_chunk: int = 0
+    """Tokens per chunk of the loss that applies the head itself (train.loss_chunk_tokens);
+    0: the model's whole logits go to the loss."""
 
     @classmethod
     def of(cls, cfg: Config, kernel: str = "flash") -> "Sizes":
@@ -72,7 +75,7 @@ class Sizes:
         return cls(b=cfg.train.micro_batch_size, s=cfg.train.seq_len // p.cp, h=m.dim, heads=m.n_heads,
                    kv_heads=m.n_kv_heads, head_dim=head_dim(m), ffn=m.ffn_dim, vocab=m.vocab_size, t=p.tp,
                    sp=p.sequence_parallel, p=ACT_BYTES[cfg.train.dtype], kernel="flash" if p.cp > 1 else kernel,
-                   cp=p.cp)
+                   cp=p.cp, loss_chunk=cfg.train.loss_chunk_tokens)
 
     @property
     def n(self) -> int:
@@ -149,11 +152,18 @@ def _targets_copied(z: Sizes) -> bool:
 
 
 def head_terms(z: Sizes) -> Dict[str, int]:
-    """The last stage: final norm, the head's input, and the loss's one fp32 buffer, the
-    softmax over this rank's vocabulary columns (padding columns included:
-    parallel/tensor/loss.py), with at tp > 1 the targets' local index and mask; at tp = 1
-    the targets themselves, in token order (``_targets_copied``; else a view of the step's
-    batch: ``shared_terms``)."""
+    """The last stage: the final norm, then
+
+    - the chunked loss (``loss_chunk`` > 0): the gradients it computes in forward, w.r.t. the
+      hidden states (all tokens: the gathered sequence under SP) and the head's weight (this
+      rank's padded vocabulary rows), both in the activation dtype; the logits exist one
+      chunk at a time and are not kept (``loss_transient_bytes``);
+    - whole logits: the head's input and the loss's one fp32 buffer, the softmax over this
+      rank's vocabulary columns (padding columns included: parallel/tensor/loss.py), with at
+      tp > 1 the targets' local index and mask; at tp = 1 the targets themselves, in token
+      order (``_targets_copied``; else a view of the step's batch: ``shared_terms``)."""
+    if z.loss_chunk:
+        return {"final_norm": _norm(z), "loss": z.p * z.n * z.h + z.p * z.vocab_local * z.h}
     if z.t > 1:
         targets = INT64 * z.n + z.n
     else:
@@ -168,13 +178,23 @@ def shared_terms(z: Sizes, micro_batches: int, first: bool, last: bool, pp: int)
     inputs and targets are two views of one (micro_batches, b, s + 1) tensor; in a pipeline
     the first stage reads the inputs and the last the targets, each a (micro_batches, b, s)
     tensor (trainer3d/data/loader.py), as are a cp rank's inputs and targets (its two chunks
-    of each, copied out)."""
+    of each, copied out); the chunked loss keeps no targets."""
     if z.t > 1:
         return {}
     if pp == 1 and z.cp == 1:
         return {"token_batch": INT64 * micro_batches * z.b * (z.s + 1)}
-    uses = int(first) + int(last and not _targets_copied(z))
+    uses = int(first) + int(last and not z.loss_chunk and not _targets_copied(z))
     return {"token_batch": uses * INT64 * micro_batches * z.n} if uses else {}
+
+
+def loss_transient_bytes(z: Sizes) -> int:
+    """The chunked loss's working set in forward (parallel/tensor/loss.py): one chunk's logits
+    (activation dtype; their gradient is written back over them), their fp32 exponentials
+    (16-bit activations; fp32 ones are exponentiated in place), the fp32 sum of the head's
+    gradient and one chunk's share of it in the activation dtype."""
+    rows = min(z.loss_chunk, z.n)
+    exp = FP32 if z.p != FP32 else 0
+    return (z.p + exp) * rows * z.vocab_local + (FP32 + z.p) * z.vocab_local * z.h
 
 
 def chunk_terms(z: Sizes, n_layers: int, first: bool, last: bool, recompute: bool) -> Dict[str, int]:

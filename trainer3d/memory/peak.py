@@ -14,7 +14,8 @@
                                until its backward (torch's ``fwd_cache``); the first block's
                                saved input *is* the receive buffer (its norm keeps its input
                                as is, recomputation the block's)
-         + the largest transient  of the backward: the loss gradient cast to 16-bit logits, a
+         + the largest transient  the chunked loss's one chunk of logits (forward), or of the
+                               backward: the loss gradient cast to 16-bit logits, a
                                recomputed block, a 16-bit parameter gradient before it is
                                added into the fp32 buffer, FSDP2's unsharded parameters and
                                gradients of one unit (an estimate: no CPU counterpart measures it)
@@ -28,8 +29,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
-from trainer3d.memory.activations import (FP32, Sizes, chunk_terms, layer_terms, peak_in_flight, schedule_ops,
-                                   shared_terms)
+from trainer3d.memory.activations import (FP32, Sizes, chunk_terms, layer_terms, loss_transient_bytes,
+                                          peak_in_flight, schedule_ops, shared_terms)
 from trainer3d.config.schema import Config
 from trainer3d.memory.states import BYTES, ModelStateBytes, engine_model_state_bytes, model_shapes, stage_parameter_shapes
 from trainer3d.parallel.pipeline.buffers import receive_buffers_held
@@ -133,14 +134,17 @@ def _pipeline_buffers(cfg: Config, z: Sizes, pp_rank: int, stages: List[int], co
     # the first block saves its input as is (its norm's x, or the whole input under
     # recomputation): counted as activations
     aliased = sum(n * hidden for s, n in zip(stages, counts) if s > 0)
-    held = sum(n * (hidden if s < last else z.p * z.n * z.vocab_local) for s, n in zip(stages, counts))
+    logits = z.p * z.n * z.vocab_local
+    held = sum(n * (hidden if s < last or z.loss_chunk else logits) for s, n in zip(stages, counts))
     return {"pp_receive_buffers": max(0, receive - aliased), "pp_outputs_held": held}
 
 
 def _transients(cfg: Config, z: Sizes, stages: List[int], last: int) -> Dict[str, int]:
     p, t = cfg.parallel, cfg.train
     out: Dict[str, int] = {}
-    if last in stages and z.p != FP32:  # the loss's gradient is its saved fp32 softmax, made in
+    if last in stages and z.loss_chunk:
+        out["loss_chunk"] = loss_transient_bytes(z)
+    elif last in stages and z.p != FP32:  # the loss's gradient is its saved fp32 softmax, made in
         out["loss_backward"] = z.p * z.n * z.vocab_local  # place; 16-bit logits take a cast of it
     if t.activation_checkpointing:
         out["recomputed_block"] = sum(layer_terms(z).values()) - z.hidden_bytes()

@@ -154,7 +154,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """tokens (batch, seq) -> logits (batch, seq, vocab), a view of sequence-first memory.
+    """tokens (batch, seq) -> logits (batch, seq, vocab), a view of sequence-first memory; with
+    ``head_in_loss`` the hidden states the head would read, sequence-first (seq, batch, dim).
 
     A pipeline stage keeps a subset: after the first stage (``embeds_tokens`` False) it takes
     hidden states, without ``output`` it returns them, both sequence-first (seq, batch, dim)
@@ -176,6 +177,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.head_in_loss = False
+        """Return the final norm's output, the loss applying ``output`` to it chunk by chunk
+        (parallel/tensor/loss.py's ``chunked_head_loss``; set by ``build_loss_fn``)."""
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -196,7 +200,9 @@ class Transformer(nn.Module):
             h = layer(h)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h).transpose(0, 1) if self.output is not None else h
+        if self.output is None or self.head_in_loss:
+            return h
+        return self.output(h).transpose(0, 1)
 
 
 def token_rows(logits: torch.Tensor, targets: torch.Tensor):

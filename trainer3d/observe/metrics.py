@@ -101,16 +101,21 @@ class MetricsLogger:
         A line that is not a row (torn by a crash or a full disk mid-write) is dropped, named."""
         if not self.path.exists():
             return
-        kept, torn = [], 0
+        kept, torn, dropped = [], 0, 0
         for line in self.path.read_text(errors="replace").splitlines():
             row = _row(line)
             if row is None:
                 torn += bool(line.strip())
             elif row["step"] < start_step:
                 kept.append(line)
+            else:
+                dropped += 1
         if torn:
             print(f"trainer3d: {self.path}: dropped {torn} line(s) that are not complete rows (a write cut "
                   "short by a crash or a full disk)", file=sys.stderr, flush=True)
+        if dropped and start_step == 0:  # an earlier run's rows, and no checkpoint to continue it from
+            print(f"trainer3d: {self.path}: replacing {dropped} row(s) of an earlier run that left no "
+                  "checkpoint (this run starts at step 0)", file=sys.stderr, flush=True)
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def add_column(self, name: str, read: Callable[[], List[float]]) -> None:

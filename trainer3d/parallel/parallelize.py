@@ -19,7 +19,7 @@
 parallel/zero/flat.py, 2/3: parallel/zero/fsdp.py).
 """
 
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ from trainer3d.optim.mixed_precision import param_dtype
 from trainer3d.parallel.recompute import checkpoint_layers
 from trainer3d.parallel.pipeline.stages import split_into_stages
 from trainer3d.parallel.tensor.layers import apply_tensor_parallel
-from trainer3d.parallel.tensor.loss import vocab_parallel_loss_fn
+from trainer3d.parallel.tensor.loss import chunked_loss_fn, vocab_parallel_loss_fn
 from trainer3d.parallel.wgrad import route_linear_layers
 from trainer3d.parallel.zero.flat import ReplicatedOptimizer, ShardedOptimizer
 from trainer3d.parallel.topology import ParallelDims
@@ -97,7 +97,16 @@ def build_optimizer(chunks: List[nn.Module], cfg: Config, dims: ParallelDims) ->
     return FSDPOptimizer(chunks, cfg, dims)
 
 
-def build_loss_fn(cfg: Config, dims: ParallelDims) -> Callable:
-    """(logits, targets) -> mean token loss; vocabulary-parallel when tp > 1, the same fused
-    function over the whole vocabulary when tp = 1 (parallel/tensor/loss.py)."""
+def build_loss_fn(cfg: Config, dims: ParallelDims, chunks: Optional[List[nn.Module]] = None) -> Callable:
+    """(last stage's output, targets) -> mean token loss, vocabulary-parallel when tp > 1
+    (parallel/tensor/loss.py).
+
+    Given this rank's ``chunks`` and ``train.loss_chunk_tokens`` > 0, the chunk holding the
+    head returns its hidden states (``head_in_loss``) and the loss applies the head chunk by
+    chunk, never holding the whole logits; otherwise (no chunks: the model returns logits)
+    the loss reads whole logits."""
+    heads = [chunk for chunk in chunks or () if getattr(chunk, "output", None) is not None]
+    if heads and cfg.train.loss_chunk_tokens > 0:
+        heads[-1].head_in_loss = True
+        return chunked_loss_fn(cfg, dims, heads[-1].output)
     return vocab_parallel_loss_fn(cfg, dims)

@@ -24,9 +24,13 @@ With tp = 1 the same function is the loss, without the collectives.
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from trainer3d.config.schema import Config
+from trainer3d.model.functional import SINK
 from trainer3d.model.transformer import token_rows
+from trainer3d.parallel.tensor.comm import ENTER
+from trainer3d.parallel.tensor.layers import ColumnParallelLinear
 from trainer3d.parallel.topology import ParallelDims
 
 
@@ -109,6 +113,123 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
     group = dims.tp_group if dims.tp > 1 else None
     rows, row_targets = token_rows(local_logits, targets)
     return _VocabParallelCrossEntropy.apply(rows, row_targets, start, valid, group)
+
+
+def _chunk_softmax(logits, exp, local_t, group):
+    """One chunk's (rows, valid) logits of this rank's vocabulary slice -> exp(z - m) written
+    into ``exp`` (fp32; may be the logits themselves), the sum of exp over all ranks, the
+    target's shifted logit (z_t - m, 0 where another rank holds the target), and the local
+    target index with its mask (``local_t``: target - this slice's start)."""
+    rows, valid = logits.shape
+    here = (local_t >= 0) & (local_t < valid)
+    local_t = local_t.masked_fill(~here, 0)
+    if valid == 0:
+        z_max = torch.full((rows,), float("-inf"), device=logits.device)
+        _all_reduce(z_max, group, dist.ReduceOp.MAX)
+        sum_exp, target_z = torch.zeros_like(z_max), torch.zeros_like(z_max)
+    else:
+        z_max = logits.max(dim=-1).values.float()
+        _all_reduce(z_max, group, dist.ReduceOp.MAX)
+        # read before ``exp`` may overwrite the logits
+        target_z = (logits.gather(1, local_t.unsqueeze(1)).squeeze(1).float() - z_max).masked_fill(~here, 0.0)
+        # an fp32 copy, then the shift: on CPU faster than one mixed-dtype subtraction into fp32
+        exp = exp.copy_(logits).sub_(z_max.unsqueeze(-1)).exp_()
+        sum_exp = exp.sum(dim=-1)
+    _all_reduce(sum_exp, group)
+    _all_reduce(target_z, group)
+    return exp, sum_exp, target_z, local_t, here
+
+
+class _ChunkedHeadCrossEntropy(torch.autograd.Function):
+    """(tokens, dim) hidden states, (local vocab, dim) head weight, (tokens,) targets -> mean
+    token loss (fp32) of ``hidden @ weight.T`` over the tp ``group``, ``chunk`` tokens at a
+    time: each chunk's logits are formed, reduced (max, sum of exp, target logit: the three
+    all-reduces of ``_VocabParallelCrossEntropy``), turned into their gradient and multiplied
+    out, then freed. The gradients w.r.t. the hidden states and the weight are computed in
+    forward, as Liger-Kernel's fused linear cross-entropy does (no matmul is repeated), and
+    saved; backward only scales them by the incoming gradient (the trainer's 1/grad_accum and
+    loss scale). ``grad`` False (evaluation, no_grad) computes the loss alone."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, start, valid, group, chunk, sink, grad):
+        n, local = hidden.shape[0], weight.shape[0]
+        w = weight[:valid]
+        grad_hidden = torch.empty_like(hidden) if grad else None
+        # fp32 accumulation over chunks, rounded to the weight's dtype once, as one matmul would
+        # be; transposed, (dim, vocab), so each chunk's product reads the chunk's gradient as it lies
+        grad_wt = torch.zeros(weight.shape[1], local, device=weight.device) if grad else None
+        # One chunk's logits and, for 16-bit ones, their fp32 exponentials: allocated once, reused
+        # by every chunk (the 16-bit gradient is written back over the logits).
+        logits_buf = torch.empty(min(chunk, n), valid, dtype=hidden.dtype, device=hidden.device)
+        exp_buf = logits_buf if hidden.dtype == torch.float32 else torch.empty(logits_buf.shape, device=hidden.device)
+        total = torch.zeros((), device=hidden.device)
+        for r0 in range(0, n, chunk):
+            h, t = hidden[r0:r0 + chunk], targets[r0:r0 + chunk]
+            logits = torch.mm(h, w.t(), out=logits_buf[:h.shape[0]])
+            exp, sum_exp, target_z, local_t, here = _chunk_softmax(logits, exp_buf[:h.shape[0]], t - start, group)
+            total += (sum_exp.log() - target_z).sum()
+            if grad and valid > 0:
+                # d mean / d logits = (softmax - onehot(target)) / n, then cast as autograd casts
+                # a gradient to its input's dtype
+                grad_z = exp.div_((sum_exp * n).unsqueeze(-1))
+                rows = torch.arange(h.shape[0], device=h.device)
+                grad_z.index_put_((rows, local_t), here.to(grad_z.dtype) / -n, accumulate=True)
+                g = logits.copy_(grad_z)
+                torch.mm(g, w, out=grad_hidden[r0:r0 + chunk])
+                grad_wt[:, :valid].add_(h.t().mm(g))
+            elif grad:
+                grad_hidden[r0:r0 + chunk].zero_()
+        if grad:
+            ctx.save_for_backward(grad_hidden, grad_wt.to(weight.dtype).t().contiguous())
+        ctx.grad, ctx.sink = grad, sink
+        ctx.main_grad = sink.views[weight] if sink is not None else None
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if not ctx.grad:
+            raise RuntimeError("the chunked loss ran without gradients (grad=False) and has no backward")
+        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_h = grad_hidden * grad_loss if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            if ctx.sink is None:
+                grad_w = grad_weight * grad_loss
+            elif torch._C._will_engine_execute_node(ctx.next_functions[1][0]):  # see parallel/wgrad.py
+                ctx.main_grad.addcmul_(grad_weight, grad_loss)
+        return grad_h, grad_w, None, None, None, None, None, None, None
+
+
+def chunked_head_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, vocab_size: int,
+                      dims: ParallelDims, chunk_tokens: int) -> torch.Tensor:
+    """Mean token cross-entropy (fp32) of ``head`` applied to the last stage's ``hidden``
+    (seq, batch, dim), sequence-first as the model returns it (a sequence shard under
+    sequence parallelism), against batch-first ``targets``, never holding more than
+    ``chunk_tokens`` rows of logits. ``head``: the model's ``output``, an ``nn.Linear`` or a
+    ``ColumnParallelLinear`` (its region opened here as its forward would)."""
+    if isinstance(head, ColumnParallelLinear) and head.input_comm is not None:
+        hidden = ENTER[head.input_comm](hidden, head.tp_group)
+    weight = head.weight
+    start, local, valid = vocab_range(vocab_size, dims.tp, dims.tp_rank)
+    if weight.shape[0] != local:
+        raise ValueError(f"the head has {weight.shape[0]} rows, expected {local} "
+                         f"(vocabulary {vocab_size} padded over tp={dims.tp})")
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    sink = getattr(weight, SINK, None) if grad and weight.requires_grad else None
+    group = dims.tp_group if dims.tp > 1 else None
+    rows = hidden.flatten(0, 1)  # sequence-major tokens: (seq, batch) -> rows
+    row_targets = targets.t().flatten()  # the same order (a copy of the integer targets)
+    return _ChunkedHeadCrossEntropy.apply(rows, weight, row_targets, start, valid, group, chunk_tokens, sink, grad)
+
+
+def chunked_loss_fn(cfg: Config, dims: ParallelDims, head: nn.Module):
+    """(hidden, targets) -> mean token loss through ``head``, chunk by chunk (``chunked_head_loss``)."""
+    vocab_size, chunk = cfg.model.vocab_size, cfg.train.loss_chunk_tokens
+
+    def loss_fn(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return chunked_head_loss(hidden, head, targets, vocab_size, dims, chunk)
+
+    return loss_fn
 
 
 def vocab_parallel_loss_fn(cfg: Config, dims: ParallelDims):

@@ -53,7 +53,12 @@ def shard_model(model: nn.Module, cfg: Config, dims: ParallelDims) -> None:
     mesh = dims.dp_cp_mesh()
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    # The root (embedding, final norm, head) stays gathered from forward to backward when the
+    # loss applies the head after the model's forward (``train.loss_chunk_tokens``: it reads
+    # the head's weight then, and saves gradients computed from it); backward starts with the
+    # root anyway, so the gathered root is what stage 3 all-gathers again at once otherwise.
+    root_reshard = reshard and cfg.train.loss_chunk_tokens == 0
+    fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=policy)
     for name, p in model.named_parameters():
         shard = marks[name]
         if shard is not None:
