@@ -18,7 +18,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from trainer3d.checkpoint.choose import choose
-from trainer3d.checkpoint.manager import checkpoint_root
+from trainer3d.checkpoint.store import checkpoint_root
 from trainer3d.checkpoint.store import CheckpointError
 from trainer3d.config.conf_dir import CONF_DIR
 from trainer3d.config.help import print_help, wants_help

@@ -99,9 +99,11 @@ def _fp16_skip(rank, world, stage):
     before = params_by_name(model, opt)
     opt.zero_grad()
     forward_backward(model, opt, cfg, dims.dp_rank, 0)
-    if rank == 1:  # one rank's overflow must make every rank skip
-        opt.grad(opt.parameters()[0]).view(-1)[0] = float("inf")
     opt.reduce_gradients()
+    # One rank's overflow must make every rank skip. Written once the reduction is done: the
+    # buckets' all-reduces run asynchronously from backward and would race with the write.
+    if rank == 1:
+        opt.grad(opt.parameters()[0]).view(-1)[0] = float("inf")
     opt.clip_grad_norm(1.0)
     opt.step(1e-2)
     skipped = {k: v.item() for k, v in opt.step_metrics().items()}

@@ -30,6 +30,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
+from trainer3d.checkpoint.store import checkpoint_root, step_dir
 from trainer3d.job.resume import command_for
 
 # Flags, ordered: a job told to end (TERM) must not requeue because another rank saw USR2.
@@ -141,9 +142,6 @@ def leave(stop: Stop, stop_signal: StopSignal, rank: int, cfg=None) -> None:
     outcome = _broadcast(outcome, stop_signal.group)
     saved = "checkpoint saved"
     if cfg is not None:  # the run's Config: name the checkpoint and the command that resumes it
-        from trainer3d.checkpoint.manager import checkpoint_root
-        from trainer3d.checkpoint.store import step_dir
-
         saved = f"checkpoint {step_dir(checkpoint_root(cfg), stop.step)} saved"
     what = f"stopped after step {stop.step} on {stop.signal_name}; {saved}"
     if outcome == REQUEUED:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from trainer3d.checkpoint import store
+from trainer3d.checkpoint.store import checkpoint_root
 from trainer3d.config.schema import Config
 
 COMMAND_VAR = "TRAINER3D_COMMAND"
@@ -54,7 +55,6 @@ def command_for(cfg: Config) -> str:
 
 def newest_checkpoint(cfg: Config) -> Optional[Path]:
     """The newest published checkpoint of the run (not verified: a stop line only names it)."""
-    from trainer3d.checkpoint.manager import checkpoint_root  # heavy (torch.distributed); only when stopping
 
     found = store.published(checkpoint_root(cfg))
     return found[-1][1] if found else None
