@@ -10,7 +10,10 @@ metrics.jsonl becomes one curve). Curves are labelled by what differs between th
 overrides (from each run's .hydra/overrides.yaml) that not every run shares; a run without
 overrides, or runs that differ in none, by the directory name. Writes ``loss.png`` and
 ``throughput.png``, plus ``val_loss.png`` and ``mfu.png`` when the runs logged them, into
---out. Needs matplotlib: ``pip install 'trainer3d[plot]'``.
+--out, and ``goodput.png`` when they logged goodput's parts (trainer3d/observe/goodput.py):
+per run, each step's measured compute, pipeline bubble, exposed communication and checkpoint
+stall stacked, with the planner's predicted step and compute for the run's layout as lines.
+Needs matplotlib: ``pip install 'trainer3d[plot]'``.
 """
 
 import argparse
@@ -113,6 +116,38 @@ def plot(runs: Dict[str, Dict], key: str, ylabel: str, path: Path, window: int, 
     return drawn
 
 
+GOODPUT_PARTS = (("compute_s", "compute"), ("bubble_s", "pipeline bubble"), ("comm_s", "exposed communication"),
+                 ("ckpt_stall_mean_s", "checkpoint stall"))
+
+
+def plot_goodput(runs: Dict[str, Dict], path: Path) -> bool:
+    """One panel per run that logged goodput: measured parts stacked, predictions as lines."""
+    shown = {label: series for label, series in runs.items() if series.get("compute_s")}
+    if not shown:
+        return False
+    fig, axes = plt.subplots(len(shown), 1, figsize=(8, 3.2 * len(shown)), squeeze=False)
+    for ax, (label, series) in zip(axes[:, 0], shown.items()):
+        steps = [s for s, _ in series["compute_s"]]
+        stacks = []
+        for key, _ in GOODPUT_PARTS:
+            values = dict(series.get(key, []))
+            stacks.append([values.get(s, 0.0) for s in steps])
+        ax.stackplot(steps, *stacks, labels=[name for _, name in GOODPUT_PARTS], alpha=0.8)
+        for key, name, style in (("predicted_step_time_s", "predicted step", "--"),
+                                 ("predicted_compute_s", "predicted compute", ":")):
+            if series.get(key):
+                ax.plot(*zip(*series[key]), style, color="black", linewidth=1.2, label=name)
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("seconds per step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run dirs, metrics.jsonl files or sweep dirs")
@@ -132,6 +167,8 @@ def main(argv=None) -> int:
                                                     ("throughput.png", "tokens_per_s", "tokens/s", False),
                                                     ("mfu.png", "mfu", "MFU", False))
                if plot(runs, key, ylabel, out / name, args.smooth, log_y)]
+    if plot_goodput(runs, out / "goodput.png"):
+        written.append("goodput.png")
     for name in written:
         print(f"plot_metrics: wrote {out / name} ({len(runs)} run(s))")
     return 0 if written else 1

@@ -20,6 +20,8 @@ from omegaconf import DictConfig, OmegaConf
 from trainer3d.checkpoint.choose import choose
 from trainer3d.checkpoint.store import checkpoint_root
 from trainer3d.checkpoint.store import CheckpointError
+from trainer3d.config.conf_dir import CONF_DIR
+from trainer3d.config.help import print_help, wants_help
 from trainer3d.config.schema import Config  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.data.checks import check_data
 from trainer3d.job.device_check import machine_problems
@@ -154,7 +156,7 @@ def launch(cfg: Config) -> int:
     return launch_local(cfg)
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def _main(dcfg: DictConfig) -> int:
     unknown = unknown_keys(dcfg)  # what a +key=value added: to_object would drop it silently
     for problem in unknown:
@@ -168,6 +170,9 @@ def _main(dcfg: DictConfig) -> int:
 
 
 def main() -> None:
+    if wants_help(sys.argv[1:]):  # every knob with its default, range and docstring (Hydra's page lists groups only)
+        print_help("python -m trainer3d.train", "config", Config, sys.argv[1:])
+        sys.exit(0)  # as argparse's --help
     _main()
 
 

@@ -9,12 +9,16 @@ import sys
 from tests.conftest import ROOT
 
 
-def _fake_run(path, scale, overrides, val_every=0):
+def _fake_run(path, scale, overrides, val_every=0, goodput=False):
     (path / ".hydra").mkdir(parents=True)
     (path / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
     rows = [{"step": s, "loss": scale * (5.0 - s / 10), "tokens_per_s": 1000.0 + s, "lr": 1e-3} for s in range(30)]
     for row in rows[val_every - 1::val_every] if val_every else ():
         row["val_loss"] = row["loss"] + 0.1
+    if goodput:
+        for row in rows:
+            row.update(step_time_s=1.0, compute_s=0.7, bubble_s=0.2, comm_s=0.1, ckpt_stall_mean_s=0.0,
+                       predicted_step_time_s=0.9, predicted_compute_s=0.75)
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -29,6 +33,16 @@ def test_plot_two_runs(tmp_path):
         png = (tmp_path / "plots" / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     assert not (tmp_path / "plots" / "mfu.png").exists()
+    assert not (tmp_path / "plots" / "goodput.png").exists()  # neither run logged goodput's parts
+
+
+def test_goodput_plot_of_runs_that_logged_it(tmp_path):
+    _fake_run(tmp_path / "a", 1.0, ["parallel.pp=2"], goodput=True)
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(tmp_path / "a"),
+                           "--out", str(tmp_path / "plots")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    png = (tmp_path / "plots" / "goodput.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000 and "goodput.png" in proc.stdout
 
 
 def test_sweep_dir_and_missing_input(tmp_path):

@@ -55,6 +55,10 @@ class WandbLogger:
         for row in rows:
             self.run.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
 
+    def summary(self, values: dict) -> None:
+        """The run's end-of-training figures (goodput against the prediction: observe/goodput.py)."""
+        self.run.summary.update({f"goodput/{k}": v for k, v in _flat(values).items()})
+
     def close(self) -> None:
         self.run.finish()
         hint = sync_hint(self.run_dir) if self.mode == "offline" else None
@@ -81,10 +85,24 @@ class TensorBoardLogger:
                     self.writer.add_scalar(key, value, global_step=row["step"], walltime=row.get("time"))
         self.writer.flush()
 
+    def summary(self, values: dict) -> None:
+        """The run's summary (goodput against the prediction) as a text panel."""
+        self.writer.add_text("summary", "```\n" + json.dumps(values, indent=1) + "\n```")
+
     def close(self) -> None:
         self.writer.close()
         print(f"tensorboard: event files in {self.dir}; to view them: tensorboard --logdir {self.dir.parent}",
               flush=True)
+
+
+def _flat(values: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def build_sinks(cfg: Config) -> list:
