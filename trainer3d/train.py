@@ -9,6 +9,7 @@ to the launcher.
 
 import os
 import sys
+from pathlib import Path
 from typing import List, Sequence
 
 import hydra
@@ -17,16 +18,20 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from trainer3d.checkpoint.choose import choose
-from trainer3d.checkpoint.manager import checkpoint_root
+from trainer3d.checkpoint.store import checkpoint_root
 from trainer3d.checkpoint.store import CheckpointError
+from trainer3d.config.conf_dir import CONF_DIR
+from trainer3d.config.help import print_help, wants_help
 from trainer3d.config.schema import Config  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.data.checks import check_data
 from trainer3d.job.device_check import machine_problems
 from trainer3d.job.memory_check import memory_problems
+from trainer3d.job.rundir import write_problem
 from trainer3d.memory.dry_run import print_plan
 from trainer3d.hf.check import apply_init_from
 from trainer3d.config.knobs import path_problems, unknown_keys
 from trainer3d.job.launch import TrainTask, in_distributed_env, launch_local
+from trainer3d.job.resume import remember_command
 from trainer3d.job.slurm import launch_slurm
 from trainer3d.config.validate import ConfigError, validate, world_size_of
 
@@ -35,11 +40,14 @@ def resolve(dcfg: DictConfig) -> Config:
     """The composed config as plain dataclasses, interpolations resolved (picklable).
 
     In a sweep (``-m``) every point's wandb run joins one group, named after the sweep's
-    directory, unless ``logger.group`` is set.
+    directory, unless ``logger.group`` is set; a named run (``name=``) is wandb's run name
+    unless ``logger.run_name`` is set.
     """
     cfg = OmegaConf.to_object(dcfg)
     if cfg.logger.group is None and HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         cfg.logger.group = os.path.basename(os.path.normpath(HydraConfig.get().sweep.dir))
+    if cfg.logger.run_name is None and cfg.name is not None:
+        cfg.logger.run_name = cfg.name
     return cfg
 
 
@@ -96,7 +104,26 @@ def run(cfg: Config, explicit_model: Sequence[str] = ()) -> int:
         print(f"trainer3d: data error: {problem}", file=sys.stderr)
     if problems:
         return 2
+    problems = directory_problems(cfg)
+    for problem in problems:
+        print(f"trainer3d: run dir error: {problem}", file=sys.stderr)
+    if problems:
+        return 2
+    remember_command(cfg)  # the ranks' stop line prints it (trainer3d/job/resume.py)
     return launch(cfg)
+
+
+def directory_problems(cfg: Config) -> List[str]:
+    """The directories the ranks write (run dir, checkpoints, launcher logs), each created and
+    probed with a synced write (trainer3d/job/rundir.py): a full or unwritable one is one line
+    here, not a traceback in a rank."""
+    knobs = {"run_dir": cfg.run_dir, "checkpoint.dir": cfg.checkpoint.dir, "launcher.folder": cfg.launcher.folder}
+    problems = []
+    for knob, value in knobs.items():
+        problem = write_problem(Path(value).expanduser()) if value else None
+        if problem:
+            problems.append(f"{knob}: {problem}; free space or fix its permissions, or point {knob} elsewhere")
+    return problems
 
 
 def check_resume(cfg: Config) -> bool:
@@ -129,7 +156,7 @@ def launch(cfg: Config) -> int:
     return launch_local(cfg)
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def _main(dcfg: DictConfig) -> int:
     unknown = unknown_keys(dcfg)  # what a +key=value added: to_object would drop it silently
     for problem in unknown:
@@ -143,6 +170,9 @@ def _main(dcfg: DictConfig) -> int:
 
 
 def main() -> None:
+    if wants_help(sys.argv[1:]):  # every knob with its default, range and docstring (Hydra's page lists groups only)
+        print_help("python -m trainer3d.train", "config", Config, sys.argv[1:])
+        sys.exit(0)  # as argparse's --help
     _main()
 
 

@@ -10,7 +10,9 @@ interval.
 """
 
 import contextlib
+import os
 import time
+from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -21,10 +23,12 @@ from trainer3d.config.schema import Config
 from trainer3d.data.loader import Prefetcher, build_readers
 from trainer3d.data.sources import eval_batches, evaluates
 from trainer3d.observe.evaluate import Evaluator
+from trainer3d.observe.goodput import Prediction
 from trainer3d.observe.loggers import build_sinks
 from trainer3d.observe.metrics import MetricsLogger
 from trainer3d.model.flops import flops_per_token
 from trainer3d.observe.nonfinite import NonFiniteWatch
+from trainer3d.observe.profile import StepProfiler
 from trainer3d.optim.schedule import lr_at
 from trainer3d.parallel.finalize import GradFinalizer
 from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer
@@ -35,6 +39,43 @@ from trainer3d.job.preemption import Stop, StopSignal
 from trainer3d.observe.telemetry import model_state_bytes, resolve_peak_tflops
 from trainer3d.parallel.timeouts import GroupTimeouts
 from trainer3d.parallel.topology import ParallelDims
+from trainer3d.plan.devices import DEFAULT_CALIBRATION, PRESETS, device_for
+from trainer3d.plan.search import evaluate
+
+
+def device_preset(device: torch.device) -> Optional[str]:
+    """The planner's device (trainer3d/plan/devices.py) this rank runs on: a GPU preset by its
+    name, on CPUs ``calibrated`` where ``python -m trainer3d.plan --calibrate`` measured the
+    machine, else the ``cpu`` placeholder; None for a GPU without a preset."""
+    if device.type != "cuda":
+        return "calibrated" if Path(os.path.expanduser(DEFAULT_CALIBRATION)).is_file() else "cpu"
+    name = torch.cuda.get_device_name(device).upper()
+    for marker, preset in (("H100 PCIE", "h100-pcie"), ("H100", "h100-sxm"), ("H200", "h200"),
+                           ("A100-SXM4-80GB", "a100-80g"), ("A100 80GB", "a100-80g"), ("A100", "a100-40g")):
+        if marker in name:
+            return preset
+    return None
+
+
+def predict_step(cfg: Config, dims: ParallelDims) -> Optional[Prediction]:
+    """The planner's step for this run's own layout (trainer3d/plan/search.py ``evaluate``;
+    every rank computes it, so none waits in the first step for another's), in goodput's parts: its pipeline bubble with the stage hand-overs (what a rank waits on
+    its neighbours), its exposed data-parallel communication, and the rest as compute."""
+    preset = device_preset(dims.device)
+    if preset is None:
+        return None
+    device = device_for(preset)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dims.topo.world_size))
+    try:
+        plan = evaluate(cfg, device, per_node, "gloo" if dims.device.type == "cpu" else "nccl")
+    except (ValueError, NotImplementedError) as err:  # a layout the planner cannot time: train without
+        print(f"goodput: no prediction for this layout ({err})", flush=True)
+        return None
+    step = plan.step
+    waiting = step.bubble + step.pp_comm
+    source = device.name if preset in PRESETS else f"{device.name} (calibrated)"
+    return Prediction(step_s=step.total, compute_s=step.total - waiting - step.dp_comm, bubble_s=waiting,
+                      comm_s=step.dp_comm, tokens_per_s=plan.tokens_per_s, device=source)
 
 
 class MicroBatchLoss:
@@ -88,6 +129,7 @@ class Trainer:
         self.start_step = self.checkpointer.load(resume_from)
         self.metrics = self._build_metrics()
         self.nonfinite = NonFiniteWatch(dims.device, norm_counts=t.dtype != "fp16", action=t.on_nonfinite)
+        self.profiler = StepProfiler(list(t.profile), cfg.run_dir, dims.rank, dims.device)
 
     def _build_data(self):
         """This rank's training batches (read ahead) and evaluator (None without a validation set);
@@ -107,7 +149,7 @@ class Trainer:
         metrics = MetricsLogger(dims, cfg.run_dir, t.max_steps, tokens_per_step=t.global_batch_size * t.seq_len,
                                 start_step=self.start_step, flops_per_token=flops_per_token(cfg.model, t.seq_len),
                                 peak_tflops=resolve_peak_tflops(t.peak_tflops, dims.device, t.dtype) if rank0 else None,
-                                sinks=build_sinks(cfg) if rank0 else (),
+                                sinks=build_sinks(cfg) if rank0 else (), prediction=predict_step(cfg, dims),
                                 state_bytes=lambda: model_state_bytes(self.chunks, self.optimizer))
         if self.pipeline is not None:
             self.pipeline.report_to(metrics)
@@ -169,10 +211,12 @@ class Trainer:
         t = self.cfg.train
         started = time.perf_counter()
         for step in range(self.start_step, t.max_steps):
+            self.profiler.before(step)
             loss, grad_norm, lr = self.train_step(step)
             self.timeouts.to_step()  # start-up (the first step: compilation, warm-up) is over
             self.metrics.record(step, loss, grad_norm, lr, self.optimizer.step_metrics())
             self.nonfinite.record(step, loss, grad_norm)
+            self.profiler.after(step)
             if self.heartbeat is not None:
                 self.heartbeat.step = step + 1
             if self.evaluator is not None and self.evaluator.due(step + 1):
@@ -192,6 +236,7 @@ class Trainer:
             if flag:
                 self.stopped = Stop(step=step + 1, flag=flag)
                 break
+        self.profiler.close()  # a run stopped inside the window writes what it traced
         last = self.metrics.flush()
         self.optimizer.wait_params()  # the model a caller reads after training holds the last step
         self.data.close()
@@ -202,6 +247,7 @@ class Trainer:
         elif self.cfg.checkpoint.save_final and self.start_step < t.max_steps:
             self.save_checkpoint(t.max_steps, background=False)
         self.checkpointer.wait("the end of training")
+        self.metrics.summarize()
         self.metrics.close()
         if self.dims.rank != 0:
             return None

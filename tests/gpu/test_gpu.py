@@ -60,3 +60,16 @@ def test_compiled_matches_eager_on_gpu(tmp_path, fp32_cuda):
     got = losses(tmp_path, [*PARITY, *CUDA, "train.compile=true"])
     worst = assert_parity(got, fp32_cuda, rel_tol=COMPILE_REL_TOL)
     print(f"compiled vs eager on CUDA: worst relative loss difference {worst:.1e}")
+
+
+def test_profile_window_on_cuda_writes_a_trace_with_kernels_and_a_memory_snapshot(tmp_path):
+    """train.profile on CUDA: the trace holds the GPU's kernels, and the memory snapshot is the
+    allocator's (what pytorch.org/memory_viz reads: a pickle with segments and traces)."""
+    import json
+    import pickle
+
+    run_train(tmp_path / "run", [*CUDA, *PARITY, "train.profile=[2,4]"])
+    trace = json.loads((tmp_path / "run" / "profile" / "trace_rank0.json").read_text())
+    assert any(e.get("cat") == "kernel" for e in trace["traceEvents"]), "CUDA kernels in the trace"
+    snapshot = pickle.loads((tmp_path / "run" / "profile" / "memory_rank0.pickle").read_bytes())
+    assert snapshot["segments"] and snapshot["device_traces"][0], "allocations recorded in the window"

@@ -60,3 +60,11 @@ def test_a_signal_before_arm_is_held_until_the_job_is_known():
         with pytest.raises(BaseException) as raised:
             signals.arm()
         assert type(raised.value).__name__ == "Interrupted" and raised.value.signum == signal.SIGHUP
+
+
+def test_a_second_signal_asks_to_kill_at_once():
+    with JobSignals() as signals:
+        signal.raise_signal(signal.SIGINT)
+        assert not signals.again
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C twice: stop waiting for the ranks to save
+        assert signals.again

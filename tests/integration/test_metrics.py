@@ -1,6 +1,7 @@
 """Observability: metrics.jsonl's keys, wandb (offline, for real), the progress line, no syncs."""
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -68,6 +69,25 @@ def test_one_offline_wandb_run_per_training_run_with_config_and_every_metric(tmp
         assert row["bubble"] > 0 and row["bubble_theory"] == pytest.approx(1 / 3)
         assert row["mem_state_bytes"] == pytest.approx(state_bytes, rel=0.02)  # measured = the accounting
         assert row["comm_s"] > 0 and row["skipped"] == 0  # the dp reduction and the norm's all-reduce take time
+        # goodput: the step split into its parts, the planner's prediction for this layout beside it
+        assert 0 < row["bubble_s"] < row["step_time_s"] and row["compute_s"] >= 0
+        assert row["predicted_step_time_s"] > 0 and row["predicted_bubble_s"] > 0
+        assert row["predicted_step_time_s"] == pytest.approx(
+            row["predicted_compute_s"] + row["predicted_bubble_s"] + row["predicted_comm_s"])
+        assert row["predicted_tokens_per_s"] == pytest.approx(8 * 64 / row["predicted_step_time_s"])
+    for interval in (rows[:3], rows[3:]):  # train.log_every=3: the parts cover the interval's mean step
+        mean = {k: sum(r.get(k, 0.0) for r in interval) / 3 for k in ("bubble", "comm_s", "ckpt_stall_s")}
+        step = interval[0]["step_time_s"]
+        for r in interval:
+            assert r["bubble_s"] == pytest.approx(mean["bubble"] * step)
+            assert r["compute_s"] == pytest.approx(max(0.0, step - r["bubble_s"] - mean["comm_s"] - mean["ckpt_stall_s"]))
+    goodput = json.loads((run_dir / "goodput.json").read_text())
+    assert goodput["steps"] == 6 and goodput["lost_s"] == 0
+    assert goodput["train_s"] == pytest.approx(sum(r["step_time_s"] for r in rows))
+    assert goodput["goodput"] == pytest.approx(sum(r["compute_s"] for r in rows) / goodput["train_s"])
+    assert goodput["predicted"]["step_s"] == rows[0]["predicted_step_time_s"]
+    assert "goodput:" in proc.stdout + proc.stderr or any("goodput:" in p.read_text(errors="ignore")
+                                                          for p in (run_dir / "submitit").glob("*_0_log.out"))
     files = run_files(run_dir)
     assert len({f.stem for f in files}) == 1, f"one wandb run per training run (4 ranks), got {files}"
     run = read_run(files[0])
@@ -81,6 +101,8 @@ def test_one_offline_wandb_run_per_training_run_with_config_and_every_metric(tmp
     assert [h["val_loss"] for h in history if "val_loss" in h] == pytest.approx(
         [r["val_loss"] for r in rows if "val_loss" in r])
     assert KEYS - {"step"} <= history[0].keys()
+    assert run["summary"]["goodput/goodput"] == pytest.approx(goodput["goodput"])
+    assert run["summary"]["goodput/predicted.step_s"] == pytest.approx(goodput["predicted"]["step_s"])
     assert "wandb sync" in proc.stdout + proc.stderr or any("wandb sync" in p.read_text(errors="ignore")
                                                             for p in (run_dir / "submitit").glob("*_0_log.out"))
     for path in tmp_path.rglob("*"):

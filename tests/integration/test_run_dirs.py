@@ -51,6 +51,25 @@ def test_a_torn_metrics_line_does_not_block_the_next_start(tmp_path, capsys, tor
     assert len(err) == 1 and "metrics.jsonl" in err[0] and "dropped 1 line" in err[0], err
 
 
+def test_an_earlier_runs_rows_are_not_replaced_silently(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 3.0}) + "\n" for s in range(4)))
+    _rank0_logger(tmp_path, start_step=0)
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "replacing 4 row(s) of an earlier run that left no checkpoint" in err[0], err
+
+
+def test_an_unwritable_checkpoint_dir_is_one_line_before_launch(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(train, "launch", lambda cfg: pytest.fail("launched"))
+    (tmp_path / "file").write_text("in the way")
+    cfg = _cfg()
+    cfg.run_dir = cfg.launcher.folder = str(tmp_path / "run")
+    cfg.checkpoint.dir = str(tmp_path / "file" / "ckpt")
+    assert train.run(cfg) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"trainer3d: run dir error: checkpoint.dir: {tmp_path / 'file'}"), err
+
+
 def _train(run_dir, *overrides) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run_dir}", "parallel=single",
                            "train.max_steps=1", *overrides], capture_output=True, text=True, timeout=120, cwd=ROOT)

@@ -76,7 +76,7 @@ def test_a_job_never_outlives_its_submitter_and_holds_its_run_dir_while_it_lives
     """kill -9 of the submitting process: its ranks hold the run dir until they are gone, then
     stop at a step boundary, save and exit on their own; nothing is left running."""
     run_dir = tmp_path / "run"
-    overrides = [*SMALL[1:], "parallel=dp2", "checkpoint.every=1000000", "parallel.timeout_s=60"]
+    overrides = [*SMALL, "checkpoint.every=1000000", "parallel.timeout_s=60"]
     with Run(run_dir, overrides) as run:
         run.wait_for("| loss ", count=2)
         run.proc.send_signal(signal.SIGKILL)

@@ -56,11 +56,11 @@ def test_layer_formula_is_the_papers_form_for_this_model():
     h_kv = z.kv_heads * z.head_dim
     want = s * b * h * 12 + 4 * s * b * h_kv + 4 * s * b * f + 4 * a * s * b + 8 * s * b + 8 * s * z.head_dim
     assert sum(layer_terms(z).values()) == want
-    # tensor + sequence parallel: norms split, the gathered inputs kept whole (4 sbh)
+    # tensor + sequence parallel: everything but the RoPE tables split over t, the projections'
+    # inputs too (their shard kept, gathered again in backward; Korthikanti et al. 2022, sec. 4.2.2)
     tsp = Sizes.of(validate(layout_config(dtype="bf16", tp=4, sp=True)))
     t = 4
-    want = (4 * s * b * h + (8 * s * b * h + 4 * s * b * h_kv + 4 * s * b * f + 4 * a * s * b + 8 * s * b) // t
-            + 8 * s * z.head_dim)
+    want = (12 * s * b * h + 4 * s * b * h_kv + 4 * s * b * f + 4 * a * s * b + 8 * s * b) // t + 8 * s * z.head_dim
     assert sum(layer_terms(tsp).values()) == want
 
 

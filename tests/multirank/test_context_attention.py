@@ -1,8 +1,8 @@
 """Context-parallel attention on cp gloo ranks against torch's causal attention on the whole
 sequence: each rank computes the reference itself (same seed, fp64), runs its shard through
 the cp attention, and compares its part of the output and of the q/k/v gradients
-(grouped-query attention), for the ring and the all-gather exchange; in bf16 the cp result
-is held to torch's own bf16 attention's distance from the fp64 reference."""
+(grouped-query attention), for the ring and the all-gather exchange; in bf16 and fp16 the cp
+result is held to torch's own attention's distance from the fp64 reference in that dtype."""
 
 import pytest
 import torch
@@ -47,7 +47,8 @@ def test_cp_attention_equals_whole_sequence(mode, world, kv_heads):
         assert max(diffs) < 1e-12, diffs
 
 
-@pytest.mark.parametrize("mode", ["ring", "all_gather"])
-def test_cp_attention_bf16_as_close_as_torch(mode):
-    for diffs, torch_diffs in run_ranks(_compare, 2, mode, 2, torch.bfloat16, timeout=120):
+@pytest.mark.parametrize("mode,dtype", [("ring", torch.bfloat16), ("all_gather", torch.bfloat16),
+                                        ("ring", torch.float16)])
+def test_cp_attention_low_precision_as_close_as_torch(mode, dtype):
+    for diffs, torch_diffs in run_ranks(_compare, 2, mode, 2, dtype, timeout=120):
         assert all(a <= 2 * b + 1e-3 for a, b in zip(diffs, torch_diffs)), (diffs, torch_diffs)

@@ -1,7 +1,7 @@
 """Context parallelism trains the model one process trains: per-step fp32 losses within a
 relative 1e-5 over 20 steps (tests/support/runs.py: PARITY) of the 1-rank run with the same
 global batch, seed and data, for cp alone, cp with grouped-query attention, cp beside
-tensor (with sequence parallelism) and pipeline parallelism, cp beside data parallelism
+tensor (with sequence parallelism) and pipeline parallelism (1F1B, interleaved), cp beside data parallelism
 with ZeRO-1 and with FSDP2's ZeRO-3, both exchanges (ring, all-gather), recomputation with
 compile; and a checkpoint of a cp layout resumed in one process."""
 
@@ -25,6 +25,8 @@ MATRIX = [
     case(2, extra=("parallel.cp_attention=all_gather",), id="cp2-all_gather"),
     case(4, model=GQA, id="cp4-gqa"),
     case(2, tp=2, pp=2, extra=("parallel.sequence_parallel=true",), id="cp2-tp2-pp2-sp"),
+    case(2, pp=2, extra=("parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"),
+         id="cp2-pp2-interleaved"),
     case(2, dp=2, zero=1),
     case(2, dp=1, zero=3, id="cp2-z3-fsdp2"),
 ]

@@ -98,10 +98,20 @@ def _fp16_skip(rank, world, stage):
     dims, model, opt = build(cfg)
     before = params_by_name(model, opt)
     opt.zero_grad()
+    # One rank's overflow must make every rank skip. Stages 0/1: it arises in rank 1's backward
+    # (a norm weight's gradient, before the bucket holding it is reduced: the buckets' all-reduces
+    # run asynchronously from backward, a write into the buffer afterwards would race with them);
+    # stage 3: in rank 1's reduced shard, which its norm counts.
+    norm_weight = next(p for p in opt.parameters() if p.ndim == 1)
+    hook = None
+    if rank == 1 and stage < 2:
+        hook = norm_weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
     forward_backward(model, opt, cfg, dims.dp_rank, 0)
-    if rank == 1:  # one rank's overflow must make every rank skip
-        opt.grad(opt.parameters()[0]).view(-1)[0] = float("inf")
+    if hook is not None:
+        hook.remove()
     opt.reduce_gradients()
+    if rank == 1 and stage >= 2:
+        opt.grad(norm_weight).view(-1)[0] = float("inf")
     opt.clip_grad_norm(1.0)
     opt.step(1e-2)
     skipped = {k: v.item() for k, v in opt.step_metrics().items()}

@@ -34,10 +34,10 @@ def _payloads(data: bytes) -> Iterator[bytes]:
 
 
 def read_run(run_file: Path) -> Dict[str, object]:
-    """{'run': Record.run, 'config': {key: value}, 'history': [{key: value}]}."""
+    """{'run': Record.run, 'config': {key: value}, 'history': [{key: value}], 'summary': {key: value}}."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    out = {"run": None, "config": {}, "history": []}
+    out = {"run": None, "config": {}, "history": [], "summary": {}}
     for payload in _payloads(Path(run_file).read_bytes()):
         rec = pb.Record()
         rec.ParseFromString(payload)
@@ -50,6 +50,9 @@ def read_run(run_file: Path) -> Dict[str, object]:
         elif kind == "history":
             out["history"].append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
                                    for i in rec.history.item})
+        elif kind == "summary":
+            out["summary"].update({(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
+                                   for i in rec.summary.update})
     return out
 
 

@@ -99,8 +99,8 @@ def _single_dims():
 
     class _Dims:
         topo = Topology(tp=1, pp=1, dp=1)
-        tp = pp = dp = 1
-        tp_rank = pp_rank = dp_rank = 0
+        tp = pp = dp = cp = 1
+        tp_rank = pp_rank = dp_rank = cp_rank = 0
         device = torch.device("cpu")
     return _Dims()
 

@@ -1,4 +1,6 @@
-"""tools/plot_metrics.py draws PNGs from two runs' metrics.jsonl."""
+"""tools/plot_metrics.py draws PNGs from two runs' metrics.jsonl: loss, throughput and
+validation loss, runs labelled by the overrides they do not share; without matplotlib it
+refuses in one line naming the extra that installs it."""
 
 import json
 import subprocess
@@ -7,10 +9,16 @@ import sys
 from tests.conftest import ROOT
 
 
-def _fake_run(path, scale, overrides):
+def _fake_run(path, scale, overrides, val_every=0, goodput=False):
     (path / ".hydra").mkdir(parents=True)
     (path / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
     rows = [{"step": s, "loss": scale * (5.0 - s / 10), "tokens_per_s": 1000.0 + s, "lr": 1e-3} for s in range(30)]
+    for row in rows[val_every - 1::val_every] if val_every else ():
+        row["val_loss"] = row["loss"] + 0.1
+    if goodput:
+        for row in rows:
+            row.update(step_time_s=1.0, compute_s=0.7, bubble_s=0.2, comm_s=0.1, ckpt_stall_mean_s=0.0,
+                       predicted_step_time_s=0.9, predicted_compute_s=0.75)
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -25,6 +33,16 @@ def test_plot_two_runs(tmp_path):
         png = (tmp_path / "plots" / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     assert not (tmp_path / "plots" / "mfu.png").exists()
+    assert not (tmp_path / "plots" / "goodput.png").exists()  # neither run logged goodput's parts
+
+
+def test_goodput_plot_of_runs_that_logged_it(tmp_path):
+    _fake_run(tmp_path / "a", 1.0, ["parallel.pp=2"], goodput=True)
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(tmp_path / "a"),
+                           "--out", str(tmp_path / "plots")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    png = (tmp_path / "plots" / "goodput.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000 and "goodput.png" in proc.stdout
 
 
 def test_sweep_dir_and_missing_input(tmp_path):
@@ -36,3 +54,29 @@ def test_sweep_dir_and_missing_input(tmp_path):
     assert ok.returncode == 0 and "2 run(s)" in ok.stdout, ok.stderr
     missing = subprocess.run([sys.executable, tool, str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
     assert missing.returncode != 0 and "not found" in missing.stderr
+
+
+def test_validation_loss_is_drawn_and_labels_say_what_differs(tmp_path):
+    from tools.plot_metrics import find_runs, labels_of
+
+    shared = ["model=tiny", "train.max_steps=30", "hydra.run.dir=x"]
+    _fake_run(tmp_path / "a", 1.0, [*shared, "parallel.dp=2"], val_every=10)
+    _fake_run(tmp_path / "b", 1.1, [*shared, "parallel.dp=4", "train.lr=1e-3"], val_every=10)
+    (tmp_path / "c").mkdir()  # no overrides: its directory name
+    (tmp_path / "c" / "metrics.jsonl").write_text((tmp_path / "a" / "metrics.jsonl").read_text())
+    runs = find_runs([str(tmp_path / n) for n in "abc"])
+    assert labels_of(runs) == ["parallel.dp=2", "parallel.dp=4 train.lr=1e-3", "c"]
+    assert labels_of(runs[:1]) == ["model=tiny train.max_steps=30 parallel.dp=2"]  # one run: all it was given
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(tmp_path / "a"),
+                           str(tmp_path / "b"), "--out", str(tmp_path / "plots")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "plots" / "val_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_matplotlib_it_names_the_extra(tmp_path):
+    hide = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = ['plot_metrics.py', '.']; "
+            f"runpy.run_path({str(ROOT / 'tools' / 'plot_metrics.py')!r}, run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
+        "plot_metrics: needs matplotlib, which the plot extra installs: pip install 'trainer3d[plot]'"]

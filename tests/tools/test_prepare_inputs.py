@@ -137,3 +137,12 @@ def test_preparation_memory_is_a_small_multiple_of_the_largest_record(tmp_path):
         tracemalloc.stop()
     print(f"peak {peak / record:.2f} x the largest record")
     assert peak < 4 * record + (8 << 20)
+
+
+def test_a_token_header_that_is_a_directory_is_refused_when_read(tmp_path):
+    from trainer3d.data.tokens import TokenFileError, read_header
+
+    (tmp_path / "c.bin").write_bytes(b"\0" * 8)
+    (tmp_path / "c.json").mkdir()
+    with pytest.raises(TokenFileError, match=rf"{tmp_path / 'c.json'} is a directory, not a JSON file"):
+        read_header(tmp_path / "c.bin")

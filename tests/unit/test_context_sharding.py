@@ -1,6 +1,8 @@
 """Context parallelism's pieces that need no process: the load-balanced sharding, the block
 kernels and the log-sum-exp merge, each against torch's own attention or a hand count."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -40,13 +42,15 @@ def _qkv(heads=4, kv_heads=2, s=16, d=8, dtype=torch.float64):
             torch.randn(2, kv_heads, s, d, generator=g, dtype=dtype))
 
 
-@pytest.mark.parametrize("impl", ["cpu", "math"])
+@pytest.mark.parametrize("impl", ["cpu", "math", "math-tiled"])
 def test_blocks_merged_equal_causal_attention(impl):
     """Queries in two halves, keys in two halves: the first half's causal block, the second half's
     full block on the first keys merged with its causal block on the second keys, forward and
-    backward, equal torch's causal attention (GQA, fp64)."""
-    fwd = kernels.block_forward if impl == "cpu" else kernels.math_forward
-    bwd = kernels.block_backward if impl == "cpu" else kernels.math_backward
+    backward, equal torch's causal attention (GQA, fp64); the plain-torch kernels whole and
+    3 query rows at a time (tiles that do not divide the block)."""
+    tile = {"math": kernels.TILE, "math-tiled": 3}.get(impl)
+    fwd = kernels.block_forward if impl == "cpu" else functools.partial(kernels.math_forward, tile=tile)
+    bwd = kernels.block_backward if impl == "cpu" else functools.partial(kernels.math_backward, tile=tile)
     q, k, v = _qkv()
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, enable_gqa=True)

@@ -57,7 +57,7 @@ def test_the_quick_bound_never_exceeds_the_dry_runs_model_states(overrides):
 def test_cpu_ranks_are_held_to_the_hosts_memory_by_the_dry_runs_sum():
     cfg = _cfg(["parallel=tp2-pp2-dp2", "train.device=cpu"])
     p = cfg.parallel
-    need = sum(rank_memory(cfg, r).total for r in range(p.pp)) * p.tp * p.dp
+    need = sum(rank_memory(cfg, r).total for r in range(p.pp)) * p.tp * p.cp * p.dp
     assert memory_problems(cfg, world_size_of(cfg), host_bytes=need) == []
     (line,) = memory_problems(cfg, world_size_of(cfg), host_bytes=need - 1)
     gib = f"{need / 2 ** 30:.2f} GiB" if need >= 2 ** 30 else f"{need / 2 ** 20:.1f} MiB"

@@ -47,12 +47,15 @@ def test_a_cp_rank_computes_its_share_of_the_tokens_over_the_whole_sequence(cp):
 
 def test_long_context_plan_for_llama3_8b_on_64_gpus_uses_cp():
     """Llama-3.1-8B at 131,072 tokens on 8 x 8 H100 (without recomputation, to keep the search
-    small): no layout fits without cp; with it the fastest is tp 2 x cp 8 x dp 4, ZeRO-3."""
+    small): the search proposes cp, the sequence split over a node or less (cp x tp <= 8: the
+    ring on NVLink), and it is faster than the best layout without cp."""
     args = ("model=llama3.1-8b", "cluster.nodes=8", "cluster.gpus_per_node=8", "train.global_batch_size=16",
             "train.seq_len=131072", "search.recompute=[false]", "search.micro_batch_sizes=[1,2]",
             "search.virtual_stages=[1]")
     device = device_for("h100-sxm")
     without = search(_plan_config(*args, "search.context_parallel_from=1000000"), device)
-    assert not without.plans and without.over_memory
-    best = search(_plan_config(*args), device).plans[0].cfg.parallel
-    assert (best.tp, best.cp, best.pp, best.dp, best.zero_stage) == (2, 8, 1, 4, 3)
+    best = search(_plan_config(*args), device).plans[0]
+    p = best.cfg.parallel
+    assert p.cp > 1 and p.cp * p.tp <= 8
+    assert all(plan.cfg.parallel.cp == 1 for plan in without.plans)
+    assert not without.plans or best.tokens_per_s > without.plans[0].tokens_per_s

@@ -78,7 +78,8 @@ def test_evaluate_agrees_with_the_search_on_the_same_layout():
 def test_a_layout_that_does_not_cover_the_cluster_is_refused_naming_the_fix():
     cfg = _plan_config(*SEVEN_B_ON_8, "parallel.tp=2", "parallel.pp=1", "parallel.dp=2", "train.micro_batch_size=1",
                        "plan.evaluate=true")
-    with pytest.raises(LayoutError, match=r"cluster.nodes\*cluster.gpus_per_node = 8; set parallel.dp=4"):
+    covers = r"tp\*cp\*pp\*dp = 2\*1\*1\*2 = 4 ranks, but cluster.nodes\*cluster.gpus_per_node = 8; set parallel.dp=4"
+    with pytest.raises(LayoutError, match=covers):
         evaluate_report(cfg, device_for("h100-sxm"))
     cfg = _plan_config(*SEVEN_B_ON_8, "parallel.dp=8", "plan.evaluate=true")
     with pytest.raises(LayoutError, match="set train.micro_batch_size"):
@@ -87,3 +88,14 @@ def test_a_layout_that_does_not_cover_the_cluster_is_refused_naming_the_fix():
                        "plan.evaluate=true")
     with pytest.raises(ConfigError, match="global_batch_size"):
         evaluate_report(cfg, device_for("h100-sxm"))
+
+
+def test_a_context_parallel_layout_is_evaluated_with_its_ring_exchange():
+    cfg = _plan_config("model=7b", "model.max_seq_len=32768", "cluster.nodes=1", "cluster.gpus_per_node=8",
+                       "cluster.gpu=h100-sxm", "train.global_batch_size=8", "train.seq_len=32768", "parallel.tp=2",
+                       "parallel.cp=4", "parallel.pp=1", "parallel.dp=1", "parallel.sequence_parallel=true",
+                       "train.micro_batch_size=1", "train.activation_checkpointing=true", "plan.evaluate=true")
+    text, fields = evaluate_report(cfg, device_for("h100-sxm"))
+    assert fields["layout"]["cp"] == 4 and fields["world"] == 8
+    assert fields["step_terms"]["compute.cp_comm"] >= 0 and "cp_comm" in text
+    assert fields["tokens_per_s_per_gpu"] * 8 * fields["step_s"] == pytest.approx(8 * 32768)

@@ -158,5 +158,6 @@ def test_a_recipe_is_one_command():
            "dry_run=true", "hydra.run.dir=/tmp/trainer3d-recipe-dry-run"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    assert "layout: tp=1 x pp=1 x dp=64 = 64 ranks, zero_stage=3" in proc.stdout
+    par = OmegaConf.load(ROOT / "conf" / "experiment" / "llama3.1-70b-64gpu.yaml").parallel
+    assert f"layout: tp={par.tp} x pp={par.pp} x dp={par.dp} = 64 ranks, zero_stage={par.zero_stage}" in proc.stdout
     assert "model: llama3.1-70b, 70,553,706,496 parameters" in proc.stdout

@@ -21,7 +21,7 @@ from trainer3d.plan.published import RUNS, SHORT, Check, check, command  # noqa:
 
 def layout(c: Check) -> str:
     r = c.run
-    parts = [f"tp{r.tp} pp{r.pp} dp{r.gpus // (r.tp * r.pp)}", f"micro {r.micro}", f"batch {r.global_batch}"]
+    parts = [f"tp{r.tp}" + (f" cp{r.cp}" if r.cp > 1 else "") + f" pp{r.pp} dp{r.gpus // (r.tp * r.cp * r.pp)}", f"micro {r.micro}", f"batch {r.global_batch}"]
     parts += (["SP"] if r.sp else []) + (["recompute"] if r.recompute else []) + [r.attention]
     return ", ".join(parts)
 

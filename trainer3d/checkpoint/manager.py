@@ -45,7 +45,7 @@ from trainer3d.checkpoint.reader import CheckpointReader, TensorOnlyLoadPlanner
 from trainer3d.checkpoint.saver import Background, SaveGroups, SaveJob, SaveReport, write
 from trainer3d.checkpoint.staging import Staging
 from trainer3d.checkpoint.state import PieceMaker, after_load, rank_state
-from trainer3d.checkpoint.store import CheckpointError
+from trainer3d.checkpoint.store import CheckpointError, checkpoint_root
 from trainer3d.checkpoint.verify import shared_problem
 from trainer3d.config.schema import Config
 from trainer3d.config.validate import layout_of
@@ -54,10 +54,6 @@ from trainer3d.parallel.tied import TIED, drop_tied_copies
 from trainer3d.parallel.timeouts import GroupTimeouts, seconds
 from trainer3d.parallel.topology import ParallelDims
 from trainer3d.parallel.zero.optimizer import ZeroOptimizer
-
-
-def checkpoint_root(cfg: Config) -> Path:
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run_dir) / "checkpoints"
 
 
 def _say(dims: ParallelDims, text: str) -> None:

@@ -25,10 +25,16 @@ from trainer3d.checkpoint import digest
 from trainer3d.checkpoint import metadata as checked_metadata
 from trainer3d.config.jsonfile import parse_json
 
+
 MARKER = "trainer3d.json"
 MAX_MARKER_BYTES = 16 * 2 ** 20
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _HEX = re.compile(r"^[0-9a-f]{16,128}$")
+
+
+def checkpoint_root(cfg) -> Path:
+    """Where a run's checkpoints live: ``checkpoint.dir``, else ``<run_dir>/checkpoints``."""
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run_dir) / "checkpoints"
 
 
 def step_dir(root: Path, step: int) -> Path:

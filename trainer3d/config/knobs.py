@@ -78,7 +78,7 @@ CHOICES: Dict[str, Tuple[object, ...]] = {
     "optim.name": ("adamw",),
     "data.name": ("stdlib", "tokens"),
     "launcher.name": ("local", "slurm", "inplace"),
-    "logger.name": ("console", "wandb"),
+    "logger.name": ("console", "wandb", "tensorboard"),
     "logger.mode": ("auto", "offline", "online", "disabled"),
     "checkpoint.async_save": (True, False),
 }
@@ -87,7 +87,7 @@ CHOICES: Dict[str, Tuple[object, ...]] = {
 FREE_TEXT = ("model.name", "model.init_from", "train.resume", "data.path", "data.val_path", "data.cache_dir",
              "launcher.folder", "launcher.partition", "launcher.account", "launcher.qos", "launcher.constraint",
              "launcher.job_name", "logger.project", "logger.entity", "logger.group", "logger.run_name",
-             "checkpoint.dir", "run_dir")
+             "checkpoint.dir", "run_dir", "name")
 """String knobs naming a path or a label: when set, they must not be empty."""
 
 

@@ -6,11 +6,12 @@ typo or a wrong type is refused by Hydra before anything runs. Cross-field rules
 arithmetic, divisibility, ZeRO with pipelining) are checked by ``trainer3d.config.validate``.
 """
 
+import re
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 @dataclass
@@ -155,6 +156,11 @@ class TrainConfig:
     """Evaluate on the validation set (data.val_fraction or data.val_path) every this many steps; 0: never."""
     eval_steps: Optional[int] = 10
     """Global batches of validation windows per evaluation, the same ones each time; null: the whole set."""
+    profile: List[int] = field(default_factory=list)
+    """A window of steps to trace, ``[first, end]`` (steps first..end-1, e.g. [10, 13]; []: off):
+    every rank writes a torch.profiler trace, ``<run_dir>/profile/trace_rank<r>.json`` (Chrome
+    trace JSON for ui.perfetto.dev or TensorBoard), and on CUDA a memory snapshot,
+    ``memory_rank<r>.pickle``, for pytorch.org/memory_viz (trainer3d/observe/profile.py)."""
 
 
 @dataclass
@@ -254,7 +260,7 @@ class LoggerConfig:
     """Where metrics go besides metrics.jsonl and the console."""
 
     name: str = "console"
-    """console | wandb."""
+    """console | wandb | tensorboard (event files in <run_dir>/tensorboard: ``tensorboard --logdir outputs``)."""
     mode: str = "auto"
     """wandb mode: auto ($WANDB_MODE if set, else online when $WANDB_API_KEY is set, else offline)
     | offline (no key needed; `wandb sync` later) | online | disabled."""
@@ -290,10 +296,27 @@ class Config:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    name: Optional[str] = None
+    """A named run (letters, digits, ``.``, ``_``, ``-``): its run dir is ``outputs/<name>``
+    instead of a timestamped one, so the same command run again resumes it from its newest
+    checkpoint (train.resume=auto); also wandb's run name unless logger.run_name is set."""
     run_dir: str = "${hydra:runtime.output_dir}"
     """Where metrics.jsonl, checkpoints and logs of this run go."""
     dry_run: bool = False
     """Validate and print the rank layout and memory plan, start nothing."""
+
+
+RUN_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$")
+
+
+def named_run_dir(name: Optional[str], default: str) -> str:
+    """``hydra.run.dir`` (conf/config.yaml): ``outputs/<name>`` for a named run, else ``default``
+    (also for a malformed name, which validate refuses in one line: an exception raised while
+    Hydra resolves its run dir would reach the user as a page of traceback)."""
+    return f"outputs/{name}" if name is not None and RUN_NAME.match(str(name)) else default
+
+
+OmegaConf.register_new_resolver("trainer3d_run_dir", named_run_dir, replace=True)
 
 
 def register_configs() -> None:

@@ -9,7 +9,7 @@ import copy
 from typing import List, Optional
 
 from trainer3d.job import device_check
-from trainer3d.config.schema import Config
+from trainer3d.config.schema import RUN_NAME, Config, TrainConfig
 from trainer3d.config.knobs import choice_problems, range_problems
 
 class ConfigError(ValueError):
@@ -137,14 +137,38 @@ def _derive_batch(cfg: Config, problems: List[str]) -> None:
         if glob % unit:
             problems.append(
                 f"train.global_batch_size={glob} is not a multiple of {given_name}({given}) * dp({dp}) "
-                f"= {unit}; set train.global_batch_size={max(1, round(glob / unit)) * unit}")
+                f"= {unit}; set train.global_batch_size={max(1, round(glob / unit)) * unit}, or one consistent "
+                f"set: {consistent_batch(cfg)}")
         else:
             setattr(t, missing, glob // unit)
     elif micro * accum * dp != glob:
         problems.append(
             f"train.global_batch_size={glob} is not micro_batch_size({micro}) * grad_accum_steps({accum}) "
             f"* dp({dp}) = {micro * accum * dp}; set train.global_batch_size={micro * accum * dp} "
-            f"or leave one of the three unset (null)")
+            f"or leave one of the three unset (null), or one consistent set: {consistent_batch(cfg)}")
+
+
+def consistent_batch(cfg: Config) -> str:
+    """One micro x accum x dp set the batch and pipeline rules all accept, as the overrides to
+    give (a refusal proposes it whole instead of one knob at a time): the given global batch
+    kept where some micro batch no larger than the given one divides it, else the nearest
+    global batch above it at the given micro batch."""
+    t, p = cfg.train, cfg.parallel
+    micro = t.micro_batch_size or 1
+    glob = t.global_batch_size or micro * (t.grad_accum_steps or 1) * p.dp
+
+    def fits(accum: int) -> bool:
+        return accum >= 1 and pipeline_micro_batch_problem(p.pp_schedule, p.pp, accum) is None
+
+    pick = next(((m, glob // (m * p.dp)) for m in range(micro, 0, -1)
+                 if glob % (m * p.dp) == 0 and fits(glob // (m * p.dp))), None)
+    if pick is None:
+        accum = max(1, -(-glob // (micro * p.dp)))
+        while not fits(accum):
+            accum += 1
+        pick = (micro, accum)
+    m, a = pick
+    return f"train.micro_batch_size={m} train.grad_accum_steps={a} train.global_batch_size={m * a * p.dp}"
 
 
 def _check_pipeline(cfg: Config, problems: List[str]) -> None:
@@ -167,7 +191,7 @@ def _check_pipeline(cfg: Config, problems: List[str]) -> None:
     if p.pp > 1 and accum is not None:
         problem = pipeline_micro_batch_problem(p.pp_schedule, p.pp, accum)
         if problem:
-            problems.append(problem)
+            problems.append(f"{problem}; one consistent set: {consistent_batch(cfg)}")
 
 
 def pipeline_micro_batch_problem(schedule: str, pp: int, n_micro: int) -> Optional[str]:
@@ -274,3 +298,28 @@ def _check_data(cfg: Config, problems: List[str]) -> None:
             problems.append(f"data.blend[{i}].weight={source.weight} must be > 0")
     if d.val_fraction > 0 and d.val_path:
         problems.append("data.val_fraction and data.val_path are both set; give one (or set data.val_fraction=0)")
+    _check_eval(cfg, problems)
+    _check_profile(cfg, problems)
+    if cfg.name is not None and not RUN_NAME.match(str(cfg.name)):
+        problems.append(f"name={cfg.name!r}: a run name is letters, digits, '.', '_' and '-' (no '/', not starting "
+                        "with '.'), e.g. name=llama-1b-web")
+
+
+def _check_profile(cfg: Config, problems: List[str]) -> None:
+    window, steps = list(cfg.train.profile), cfg.train.max_steps
+    if window and not (len(window) == 2 and 0 <= window[0] < window[1] <= steps):
+        problems.append(f"train.profile={window} must be [first, end] with 0 <= first < end <= train.max_steps"
+                        f"={steps} (steps first..end-1 are traced), e.g. train.profile=[{min(2, steps - 1)},"
+                        f"{min(5, steps)}], or [] for none")
+
+
+def _check_eval(cfg: Config, problems: List[str]) -> None:
+    """Evaluation knobs set (away from their defaults) with no validation data to evaluate on
+    would be ignored without a word: refused, naming the data knobs that give it some."""
+    t, d, default = cfg.train, cfg.data, TrainConfig()
+    if d.val_fraction > 0 or d.val_path or t.eval_every == 0:
+        return
+    given = [f"train.{k}={getattr(t, k)}" for k in ("eval_every", "eval_steps") if getattr(t, k) != getattr(default, k)]
+    if given:
+        problems.append(f"{' and '.join(given)} but there is no validation data: set data.val_fraction (e.g. 0.01) "
+                        "or data.val_path=<file.bin>, or train.eval_every=0 for no evaluation")

@@ -11,6 +11,7 @@
     loader.py     this rank's batches (only what it feeds), read ahead of the step
     documents.py  the inputs of tools/prepare_data.py, streamed as documents
     prepare.py    tools/prepare_data.py's engine: documents -> tokenizer -> token file
+    megatron.py   a Megatron-LM indexed dataset (.bin + .idx), checked, as a token file
 
 Other code reads a token file's facts through ``read_header(path)``: ``vocab_size``,
 ``max_id``, ``eos_id``, ``tokenizer.path`` (the tokenizer.json to copy beside an exported

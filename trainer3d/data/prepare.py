@@ -100,8 +100,12 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, out: Path) -> Path:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(texts, trainer)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(tokenizer.to_str())  # open(): the umask's permissions, as for the token file
-    os.replace(tmp, out)
+    try:
+        tmp.write_text(tokenizer.to_str())  # open(): the umask's permissions, as for the token file
+        os.replace(tmp, out)
+    except BaseException:  # a full disk, an output path that is a directory: no temp file stays
+        tmp.unlink(missing_ok=True)
+        raise
     return out
 
 

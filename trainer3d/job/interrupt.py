@@ -17,7 +17,9 @@ its tasks within a second). So the job is started with SIGINT and SIGHUP blocked
 process unblocks them as soon as the job is submitted and receives them as usual. It then
 ends the job as for a ``kill``: SIGTERM to every process, on which the ranks take the agreed
 stop at the next step boundary and save (trainer3d/job/preemption.py), one line, and exit
-130 (SIGINT) or 129 (SIGHUP).
+130 (SIGINT) or 129 (SIGHUP). The ranks get ``launcher.signal_delay_s`` for it (the time a
+Slurm job gets to checkpoint before its limit: a step of a large model takes longer than a
+fixed few seconds); a second signal kills them at once.
 
 Local ranks are found by a token in their environment, not by the process tree: the
 submitting process puts ``TRAINER3D_JOB=<token>`` into the environment of the job it starts,
@@ -62,6 +64,7 @@ class JobSignals:
 
     def __init__(self):
         self.received: Optional[int] = None
+        self.again = False
         self.armed = False
         self._previous = {}
 
@@ -71,6 +74,7 @@ class JobSignals:
         return self
 
     def _handle(self, signum, frame) -> None:
+        self.again = self.received is not None  # a second signal: stop waiting for the ranks to save
         self.received = signum
         if self.armed:
             self.armed = False  # once: ending the job must not be interrupted by a second signal
@@ -130,15 +134,15 @@ def _signal_all(pids: List[int], sig: int) -> None:
             pass
 
 
-def end_processes(token: str, kill_wait_s: float = KILL_WAIT_S, reap=None) -> int:
+def end_processes(token: str, kill_wait_s: float = KILL_WAIT_S, reap=None, hurry=lambda: False) -> int:
     """SIGTERM (and SIGCONT, for stopped ones) to every process of the job, SIGKILL to those left
-    after ``kill_wait_s``; returns how many there were. ``reap()`` collects our own child (the
-    controller) so it does not linger as a zombie."""
+    after ``kill_wait_s`` (or as soon as ``hurry()``); returns how many there were. ``reap()``
+    collects our own child (the controller) so it does not linger as a zombie."""
     pids = processes_with_token(token)
     _signal_all(pids, signal.SIGTERM)
     _signal_all(pids, signal.SIGCONT)
     deadline = time.monotonic() + kill_wait_s
-    while processes_with_token(token) and time.monotonic() < deadline:
+    while processes_with_token(token) and time.monotonic() < deadline and not hurry():
         if reap:
             reap()
         time.sleep(0.1)

@@ -31,6 +31,7 @@ from trainer3d.job.interrupt import (TOKEN_VAR, Interrupted, JobSignals, end_pro
                                      terminal_signals_blocked)
 from trainer3d.job.preemption import leave
 from trainer3d.job.owner import OWNER_VAR, owner_id, watch_owner
+from trainer3d.job.resume import stop_line
 from trainer3d.job.runlock import RunDirBusy, RunDirLock
 from trainer3d.job.runlock import join as join_run_dir
 from trainer3d.parallel.timeouts import seconds
@@ -90,7 +91,7 @@ def run_rank(cfg: Config, heartbeat: Optional[Heartbeat] = None, lock_run_dir: b
         trainer.heartbeat = heartbeat
         summary = trainer.train()
         if trainer.stopped is not None:  # SIGUSR2/SIGTERM: every rank stopped at the same step
-            leave(trainer.stopped, trainer.stop_signal, dims.rank)
+            leave(trainer.stopped, trainer.stop_signal, dims.rank, cfg)
         return summary
     finally:
         if lock is not None:
@@ -195,10 +196,11 @@ def launch_local(cfg: Config) -> int:
         lock.release()
 
 
-def submit_with_token(executor: submitit.Executor, task, token: str) -> submitit.Job:
-    """Submit with ``TRAINER3D_JOB=token`` (what ``end_processes`` finds) and this process as the
-    job's owner (``TRAINER3D_OWNER``, what the ranks watch) in the job's environment."""
-    values = {TOKEN_VAR: token, OWNER_VAR: owner_id()}
+def submit_with_token(executor: submitit.Executor, task, token: str, owned: bool = False) -> submitit.Job:
+    """Submit with ``TRAINER3D_JOB=token`` (what ``end_processes`` finds) in the job's environment;
+    ``owned`` (local jobs, whose ranks run on this machine): this process as the job's owner too
+    (``TRAINER3D_OWNER``, what the ranks watch; trainer3d/job/owner.py)."""
+    values = {TOKEN_VAR: token, **({OWNER_VAR: owner_id()} if owned else {})}
     before = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
     try:
@@ -224,7 +226,8 @@ def _local_job(cfg: Config, lock: RunDirLock) -> int:
         lock.record(None, token)
         lock.share()  # the ranks hold the run dir with this process, and after it (trainer3d/job/runlock.py)
         with terminal_signals_blocked():  # Ctrl-C and hang-ups reach this process only, not the job's
-            job = submit_with_token(make_executor(cfg, world), TrainTask(cfg, lock_run_dir=False), token)
+            job = submit_with_token(make_executor(cfg, world), TrainTask(cfg, lock_run_dir=False), token,
+                                    owned=True)
         lock.record(job.job_id, token)
         cp = f" cp={p.cp}" if p.cp > 1 else ""
         print(f"trainer3d: {world} local rank(s) (tp={p.tp}{cp} pp={p.pp} dp={p.dp}), job {job.job_id}, "
@@ -233,9 +236,12 @@ def _local_job(cfg: Config, lock: RunDirLock) -> int:
             signals.arm()
             status = follow(job, p.timeout_s, heartbeat_dir(cfg.run_dir), end=end)
         except Interrupted as sig:
+            wait_s = cfg.launcher.signal_delay_s
             _say(f"trainer3d: {sig.name}: ending job {job.job_id}: its {world} rank(s) stop at the next step "
-                 "boundary and save a checkpoint")
-            end()
+                 f"boundary and save a checkpoint (up to {wait_s} s, launcher.signal_delay_s; signal again to "
+                 "kill them now)")
+            end_processes(token, kill_wait_s=wait_s, reap=job.done, hurry=lambda: signals.again)
+            _say(stop_line(cfg, f"stopped on {sig.name}"))
             raise SystemExit(128 + sig.signum) from None
         if processes_with_token(token):  # e.g. a child a rank left behind
             end()

@@ -75,7 +75,7 @@ def estimate(cfg: Config, limit: int, ranks_summed: bool) -> Estimate:
     """The pipeline ranks' peaks: the lower bound where it alone exceeds ``limit``, else exact."""
     p = cfg.parallel
     bound = [states_lower_bound(cfg, r) for r in range(p.pp)]
-    if (sum(bound) * p.tp * p.dp if ranks_summed else max(bound)) > limit:
+    if (sum(bound) * p.tp * p.cp * p.dp if ranks_summed else max(bound)) > limit:
         return Estimate(bound, exact=False)
     mems = [rank_memory(cfg, r) for r in range(p.pp)]
     worst = max(mems, key=lambda m: m.total)
@@ -112,7 +112,7 @@ def memory_problems(cfg: Config, world_size: int, device_bytes: Optional[int] = 
                 f"{FIXES}; or set {KNOB} to launch anyway"]
     limit = host_memory() if host_bytes is None else host_bytes
     found = estimate(cfg, limit, ranks_summed=True)
-    total = sum(found.per_rank) * cfg.parallel.tp * cfg.parallel.dp
+    total = sum(found.per_rank) * cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.dp  # the ranks of each pp rank
     if total <= limit:
         return []
     said = f"{format_bytes(total)}" + (f" (the worst, {format_bytes(max(found.per_rank))}, {found.detail})"

@@ -30,6 +30,9 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
+from trainer3d.checkpoint.store import checkpoint_root, step_dir
+from trainer3d.job.resume import command_for
+
 # Flags, ordered: a job told to end (TERM) must not requeue because another rank saw USR2.
 NONE, REQUEUE, END = 0, 1, 2
 FLAG_OF = {signal.SIGUSR2: REQUEUE, signal.SIGTERM: END, signal.SIGINT: END, signal.SIGHUP: END}
@@ -112,7 +115,7 @@ class _Done:
         return True
 
 
-def leave(stop: Stop, stop_signal: StopSignal, rank: int) -> None:
+def leave(stop: Stop, stop_signal: StopSignal, rank: int, cfg=None) -> None:
     """End every rank after an agreed stop and a saved checkpoint. Never returns.
 
     SIGUSR2 in a submitit job: rank 0 calls submitit's handler, which calls
@@ -137,7 +140,10 @@ def leave(stop: Stop, stop_signal: StopSignal, rank: int) -> None:
             except Exception as err:  # noqa: BLE001 - e.g. UncompletedJobError past max_requeues
                 reason = f"{type(err).__name__}: {err}"
     outcome = _broadcast(outcome, stop_signal.group)
-    what = f"stopped after step {stop.step} on {stop.signal_name}; checkpoint saved"
+    saved = "checkpoint saved"
+    if cfg is not None:  # the run's Config: name the checkpoint and the command that resumes it
+        saved = f"checkpoint {step_dir(checkpoint_root(cfg), stop.step)} saved"
+    what = f"stopped after step {stop.step} on {stop.signal_name}; {saved}"
     if outcome == REQUEUED:
         if submitit_exit is not None:
             print(f"trainer3d: {what}; job requeued", flush=True)
@@ -146,8 +152,9 @@ def leave(stop: Stop, stop_signal: StopSignal, rank: int) -> None:
     if outcome == REFUSED:
         raise TrainingStopped(f"{what}; not requeued: {reason if rank == 0 else 'see rank 0'}")
     if rank == 0:
-        print(f"trainer3d: {what}; not requeued ({reason}): resubmit or requeue to resume",
-              file=sys.stderr, flush=True)
+        command = command_for(cfg) if cfg is not None else ""
+        print(f"trainer3d: {what}; not requeued ({reason}): "
+              + (f"resume with: {command}" if command else "resubmit or requeue to resume"), file=sys.stderr, flush=True)
     sys.exit(EXIT_STOPPED)
 
 

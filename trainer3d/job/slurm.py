@@ -34,6 +34,7 @@ from trainer3d.job.follow import follow
 from trainer3d.job.heartbeat import heartbeat_dir
 from trainer3d.job.interrupt import Interrupted, JobSignals, new_token
 from trainer3d.job.launch import TrainTask, submit_with_token
+from trainer3d.job.resume import stop_line
 from trainer3d.job.runlock import RunDirBusy, RunDirLock
 from trainer3d.config.validate import world_size_of
 
@@ -247,6 +248,7 @@ def launch_slurm(cfg: Config, task=None) -> int:
         except Interrupted as sig:
             print(f"trainer3d: {sig.name}: cancelling Slurm job {job.job_id}", file=sys.stderr, flush=True)
             cancel_and_wait(job)
+            print(stop_line(cfg, f"Slurm job {job.job_id} cancelled on {sig.name}"), file=sys.stderr, flush=True)
             raise SystemExit(128 + sig.signum) from None
 
 

@@ -15,7 +15,8 @@ attention saves what the flash kernel saves, trainer3d/parallel/context/attentio
 Per layer, with the flash kernel:
 
     norms         2 x (p sbh + 4sb)          input (activation dtype), 1/rms (each /t with SP)
-    inputs        2 x p sbh                  what wq/wk/wv and w1/w3 read (SP: the gathered sequence)
+    inputs        2 x p sbh                  what wq/wk/wv and w1/w3 read (/t with SP: the shard,
+                                             gathered again in backward: parallel/tensor/sequence.py)
     attention     p sb (2h + 2h_kv)/t + 4asb/t   q, k, v after RoPE, output, log-sum-exp
     SwiGLU        2 p sbf/t                  w1 x and w3 x (silu and the product are recomputed)
     RoPE tables   8 s head_dim               cos and sin, fp32
@@ -124,11 +125,11 @@ def layer_terms(z: Sizes) -> Dict[str, int]:
     """Saved bytes of one transformer block for one micro-batch (no recomputation)."""
     return {
         "attention_norm": _norm(z),
-        "attention_input": z.p * z.n * z.h,
+        "attention_input": z.p * z.n_norm * z.h,
         "rope_tables": 2 * FP32 * z.s * z.head_dim,
         **_attention(z),
         "ffn_norm": _norm(z),
-        "ffn_input": z.p * z.n * z.h,
+        "ffn_input": z.p * z.n_norm * z.h,
         "swiglu": 2 * z.p * z.n * (z.ffn // z.t),
     }
 
@@ -158,7 +159,7 @@ def head_terms(z: Sizes) -> Dict[str, int]:
       hidden states (all tokens: the gathered sequence under SP) and the head's weight (this
       rank's padded vocabulary rows), both in the activation dtype; the logits exist one
       chunk at a time and are not kept (``loss_transient_bytes``);
-    - whole logits: the head's input and the loss's one fp32 buffer, the softmax over this
+    - whole logits: the head's input (the shard under SP) and the loss's one fp32 buffer, the softmax over this
       rank's vocabulary columns (padding columns included: parallel/tensor/loss.py), with at
       tp > 1 the targets' local index and mask; at tp = 1 the targets themselves, in token
       order (``_targets_copied``; else a view of the step's batch: ``shared_terms``)."""
@@ -169,7 +170,7 @@ def head_terms(z: Sizes) -> Dict[str, int]:
     else:
         targets = INT64 * z.n if _targets_copied(z) else 0
     loss = FP32 * z.n * z.vocab_local + targets
-    return {"final_norm": _norm(z), "head_input": z.p * z.n * z.h, "loss": loss}
+    return {"final_norm": _norm(z), "head_input": z.p * z.n_norm * z.h, "loss": loss}
 
 
 def shared_terms(z: Sizes, micro_batches: int, first: bool, last: bool, pp: int) -> Dict[str, int]:

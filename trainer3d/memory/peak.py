@@ -148,6 +148,8 @@ def _transients(cfg: Config, z: Sizes, stages: List[int], last: int) -> Dict[str
         out["loss_backward"] = z.p * z.n * z.vocab_local  # place; 16-bit logits take a cast of it
     if t.activation_checkpointing:
         out["recomputed_block"] = sum(layer_terms(z).values()) - z.hidden_bytes()
+    if z.sp and z.t > 1:  # a projection's input gathered again in backward, and its gradient before the scatter
+        out["sequence_parallel_regather"] = 2 * z.p * z.n * z.h
     b = BYTES[t.dtype]
     if p.zero_stage in (0, 1) and b != FP32:
         shapes = model_shapes(cfg.model, p.tp)

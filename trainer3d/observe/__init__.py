@@ -3,7 +3,8 @@
 ``metrics`` collects each step's figures on device, reads them at the log interval (the
 loop's only host sync) and writes ``metrics.jsonl`` and the progress line; ``telemetry`` the
 figures around the math (process memory, communication time, the device's peak rate);
-``loggers`` the sinks beside the file (console, wandb); ``nonfinite`` the device-side watch
+``loggers`` the sinks beside the file (console, wandb, TensorBoard); ``profile`` the
+``train.profile`` window's torch.profiler trace and CUDA memory snapshot; ``nonfinite`` the device-side watch
 for a non-finite loss or gradient norm; ``evaluate`` the held-out validation loss, forward
 only through the same model and pipeline. May import ``config``, ``model``, ``data`` and
 ``parallel``; the trainer calls it, it never drives the step.

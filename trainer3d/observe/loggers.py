@@ -1,4 +1,4 @@
-"""Metric sinks beyond metrics.jsonl and the console: wandb.
+"""Metric sinks beyond metrics.jsonl and the console: wandb and TensorBoard.
 
 One wandb run per training run, opened by rank 0 only. Its id is kept in the run dir
 (``wandb_run_id``), so a Slurm requeue — same run dir — resumes the same wandb run instead
@@ -6,6 +6,7 @@ of starting another. Offline by default: no key and no network needed, ``wandb s
 """
 
 import dataclasses
+import json
 import os
 import uuid
 from pathlib import Path
@@ -54,6 +55,10 @@ class WandbLogger:
         for row in rows:
             self.run.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
 
+    def summary(self, values: dict) -> None:
+        """The run's end-of-training figures (goodput against the prediction: observe/goodput.py)."""
+        self.run.summary.update({f"goodput/{k}": v for k, v in _flat(values).items()})
+
     def close(self) -> None:
         self.run.finish()
         hint = sync_hint(self.run_dir) if self.mode == "offline" else None
@@ -61,10 +66,51 @@ class WandbLogger:
             print(f"wandb: offline run saved; to upload it: {hint}", flush=True)
 
 
+class TensorBoardLogger:
+    """Rank 0's TensorBoard event files in ``<run_dir>/tensorboard``: every numeric column of a
+    metrics row as a scalar at its step, stamped with the row's wall-clock ``time``. A resumed
+    run appends a new event file to the same directory; TensorBoard reads them as one run."""
+
+    def __init__(self, cfg: Config):
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        self.dir = Path(cfg.run_dir) / "tensorboard"
+        self.writer = SummaryWriter(log_dir=str(self.dir))
+        self.writer.add_text("config", "```\n" + json.dumps(scrub(dataclasses.asdict(cfg)), indent=1) + "\n```")
+
+    def log(self, rows: Iterable[dict]) -> None:
+        for row in rows:
+            for key, value in row.items():
+                if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.writer.add_scalar(key, value, global_step=row["step"], walltime=row.get("time"))
+        self.writer.flush()
+
+    def summary(self, values: dict) -> None:
+        """The run's summary (goodput against the prediction) as a text panel."""
+        self.writer.add_text("summary", "```\n" + json.dumps(values, indent=1) + "\n```")
+
+    def close(self) -> None:
+        self.writer.close()
+        print(f"tensorboard: event files in {self.dir}; to view them: tensorboard --logdir {self.dir.parent}",
+              flush=True)
+
+
+def _flat(values: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def build_sinks(cfg: Config) -> list:
     """The extra metric sinks rank 0 writes to (empty for logger=console)."""
     if cfg.logger.name == "wandb" and wandb_mode(cfg.logger.mode) != "disabled":
         return [WandbLogger(cfg)]
+    if cfg.logger.name == "tensorboard":
+        return [TensorBoardLogger(cfg)]
     return []
 
 

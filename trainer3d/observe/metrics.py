@@ -20,6 +20,8 @@ time, left out of step_time_s); the first row after a checkpoint save started ad
 ckpt_stall_s (seconds the loop stood still for it: staging its state, or the whole save;
 inside that row's step_time_s), the first row after its writing ended adds ckpt_write_s
 (seconds the writing, hashing, read-back and publication took, in the background or not).
+Goodput (trainer3d/observe/goodput.py): bubble_s, compute_s and the planner's prediction for
+the run's layout (predicted_*) in every row; at the end goodput.json and a console summary.
 
 The loss exists on the last pipeline stage only, where every tp rank holds the same value
 and every dp replica its own; ranks of other stages (and tp ranks > 0) contribute zero,
@@ -36,6 +38,7 @@ from typing import Callable, Dict, List, Optional, Sequence, TextIO
 import torch
 import torch.distributed as dist
 
+from trainer3d.observe.goodput import Prediction, lost_before, split_step, summarize, summary_lines, write_summary
 from trainer3d.observe.telemetry import CommTimer, process_memory
 from trainer3d.parallel.topology import ParallelDims
 
@@ -62,7 +65,8 @@ def _row(line: str) -> Optional[dict]:
 class MetricsLogger:
     def __init__(self, dims: ParallelDims, run_dir: str, max_steps: int, tokens_per_step: int,
                  start_step: int = 0, flops_per_token: float = 0.0, peak_tflops: Optional[float] = None,
-                 sinks: Sequence = (), stream: TextIO = None, state_bytes: Optional[Callable[[], int]] = None):
+                 sinks: Sequence = (), stream: TextIO = None, state_bytes: Optional[Callable[[], int]] = None,
+                 prediction: Optional[Prediction] = None):
         self.dims = dims
         self.max_steps = max_steps
         self.tokens_per_step = tokens_per_step
@@ -87,8 +91,12 @@ class MetricsLogger:
         self.comm = CommTimer()
         """``with metrics.comm(): <a communication call>`` inside a step (trainer3d/observe/telemetry.py)."""
         self._columns: Dict[str, Callable[[], List[float]]] = {"comm_s": self.comm.pop}
-        self.constants: Dict[str, float] = {"bubble": 0.0, "bubble_theory": 0.0}
+        self.constants: Dict[str, float] = {"bubble": 0.0, "bubble_theory": 0.0,
+                                            **(prediction.columns() if prediction else {})}
         """Values written unchanged into every row (``set_constant``: e.g. the pipeline's bubble_theory)."""
+        self.prediction = prediction
+        self.lost_s = 0.0
+        """Work lost to restarts (trainer3d/observe/goodput.py), known on rank 0."""
         self.state_bytes: Callable[[], int] = state_bytes or (lambda: 0)
         """This rank's model-state tensor bytes (read at flush)."""
         self.last: Optional[dict] = None
@@ -97,20 +105,28 @@ class MetricsLogger:
             self._truncate_after(start_step)
 
     def _truncate_after(self, start_step: int) -> None:
-        """On resume, drop rows of steps the restored run will redo (none lost, none doubled).
-        A line that is not a row (torn by a crash or a full disk mid-write) is dropped, named."""
+        """On resume, drop rows of steps the restored run will redo (none lost, none doubled;
+        their measured time is work lost to the restart: goodput.py). A line that is not a row
+        (torn by a crash or a full disk mid-write) is dropped, named."""
         if not self.path.exists():
+            self.lost_s = lost_before(self.path.parent, [])
             return
-        kept, torn = [], 0
+        kept, dropped, torn = [], [], 0
         for line in self.path.read_text(errors="replace").splitlines():
             row = _row(line)
             if row is None:
                 torn += bool(line.strip())
             elif row["step"] < start_step:
                 kept.append(line)
+            else:
+                dropped.append(row)
+        self.lost_s = lost_before(self.path.parent, dropped)
         if torn:
             print(f"trainer3d: {self.path}: dropped {torn} line(s) that are not complete rows (a write cut "
                   "short by a crash or a full disk)", file=sys.stderr, flush=True)
+        if dropped and start_step == 0:  # an earlier run's rows, and no checkpoint to continue it from
+            print(f"trainer3d: {self.path}: replacing {len(dropped)} row(s) of an earlier run that left no "
+                  "checkpoint (this run starts at step 0)", file=sys.stderr, flush=True)
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def add_column(self, name: str, read: Callable[[], List[float]]) -> None:
@@ -196,15 +212,20 @@ class MetricsLogger:
     def _write(self, losses: List[float], norms: List[float], step_time: float,
                columns: Dict[str, List[float]], memory: Dict[str, int], val: Dict[int, float]) -> None:
         throughput = self._throughput(step_time)
-        rows = []
+        rows, written = [], time.time()  # wall-clock time, unix seconds: when the interval's rows were read out
         for i, (s, loss, norm, lr) in enumerate(zip(self._steps, losses, norms, self._lrs)):
-            row = {"step": s, "loss": loss, "lr": lr, "grad_norm": norm, **throughput, "step_time_s": step_time,
+            row = {"step": s, "time": written, "loss": loss, "lr": lr, "grad_norm": norm, **throughput, "step_time_s": step_time,
                    "skipped": 0, **self.constants}
             row.update({name: values[i] for name, values in columns.items()}, **memory)
             if s in val:
                 row.update(val_loss=val[s], val_ppl=math.exp(min(val[s], 700.0)), eval_s=self._eval_s.pop(s, 0.0))
             row.update(self._ckpt.pop(s, {}))
             rows.append(row)
+        # step_time_s is the interval's mean: so are the parts goodput.py splits it into
+        means = {k: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in ("bubble", "comm_s", "ckpt_stall_s")}
+        parts = split_step({"step_time_s": step_time, **means})
+        for row in rows:
+            row.update(parts)
         with open(self.path, "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
@@ -238,6 +259,23 @@ class MetricsLogger:
         else:  # a file (a Slurm log, submitit's stdout): plain lines, no carriage returns
             self.stream.write(line + "\n")
         self.stream.flush()
+
+    def summarize(self) -> Optional[dict]:
+        """Rank 0 at the end of training: the run's goodput against the prediction (every row of
+        metrics.jsonl, restarts' lost work included), printed, written to goodput.json and handed
+        to the sinks."""
+        if self.dims.rank != 0:
+            return None
+        lines = self.path.read_text(errors="replace").splitlines() if self.path.exists() else []
+        rows = [row for row in map(_row, lines) if row is not None and "step_time_s" in row]
+        summary = summarize(rows, self.lost_s, self.prediction)
+        write_summary(self.path.parent, summary)
+        for line in summary_lines(summary):
+            self.stream.write(line + "\n")
+        self.stream.flush()
+        for sink in self.sinks:
+            sink.summary(summary)
+        return summary
 
     def close(self) -> None:
         """End of training: close the sinks (wandb) on rank 0."""

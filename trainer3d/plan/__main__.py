@@ -15,6 +15,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from trainer3d.config.conf_dir import CONF_DIR
+from trainer3d.config.help import print_help, wants_help
 from trainer3d.config.validate import ConfigError
 from trainer3d.plan.calibrate import main as calibrate_main
 from trainer3d.plan.evaluate import LayoutError, evaluate_report
@@ -24,7 +26,7 @@ from trainer3d.plan.report import report
 from trainer3d.plan.search import search
 
 
-@hydra.main(version_base=None, config_path="../../conf", config_name="plan")
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="plan")
 def _main(dcfg: DictConfig) -> None:
     cfg = OmegaConf.to_object(dcfg)
     try:
@@ -46,6 +48,9 @@ def main() -> None:
     if "--calibrate" in sys.argv:
         calibrate_main(sys.argv[1:])
         return
+    if wants_help(sys.argv[1:]):
+        print_help("python -m trainer3d.plan", "plan", PlanConfig, sys.argv[1:])
+        sys.exit(0)  # as argparse's --help
     _main()
 
 

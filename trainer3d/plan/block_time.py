@@ -7,8 +7,8 @@ On a GPU preset (``Device.kernels``, trainer3d/plan/kernels.py):
                  widths, the whole micro-batch's tokens: sequence parallelism gathers them
                  first), each forward and backward (input and weight gradients) by shape
     attention    the attention core by kernel (``cluster.attention``: flash or math)
-    elementwise  norms, RoPE, SwiGLU, residuals: 2 passes forward, 3 backward over what the
-                 block saves (trainer3d/memory/activations.py, flash sizes) at the HBM rate
+    elementwise  norms, RoPE, SwiGLU, residuals: 2 passes forward, 3 backward over what
+                 they write (``elementwise_bytes``) at the HBM rate
     tp_comm      2 all-reduces forward, 2 backward (or all-gather + reduce-scatter with
                  sequence parallelism: the same bytes) over the node's links
     launch       the host's dispatch time beyond the device's (kernels.py: a block takes the
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Dict
 
 from trainer3d.config.schema import Config
-from trainer3d.memory.activations import Sizes, layer_terms
+from trainer3d.memory.activations import FP32, Sizes
 from trainer3d.model.flops import layer_matmul_params
 from trainer3d.plan.devices import Device
 from trainer3d.plan.kernels import block_ops
@@ -32,6 +32,24 @@ FWD_PASSES, BWD_PASSES = 2, 3
 
 def all_reduce_s(nbytes: float, n: int, gbps: float, latency_us: float) -> float:
     return 0.0 if n == 1 else 2 * (n - 1) / n * nbytes / (gbps * 1e9) + 2 * (n - 1) * latency_us * 1e-6
+
+
+def elementwise_bytes(z: Sizes) -> int:
+    """What a block's elementwise operators write in a forward, by the block's structure
+    (model/transformer.py) rather than by what autograd keeps of it (recomputation and
+    trainer3d/model/functional.py shrink that without making the operators cheaper):
+
+        2 RMSNorms     an fp32 copy of the input and the normalised output (norm region)
+        RoPE           q and k rotated
+        attention      the kernel's output
+        SwiGLU         silu(w1 x) and the product (reading w1 x and w3 x: 4 tensors of width f)
+        residuals      2 adds (norm region)
+    """
+    region = z.n_norm * z.h
+    q = z.n * (z.heads // z.t) * z.head_dim
+    kv = z.n * (z.kv_heads // z.t) * z.head_dim
+    ffn = z.n * (z.ffn // z.t)
+    return 2 * (FP32 + z.p) * region + z.p * (q + kv) + z.p * q + 4 * z.p * ffn + 2 * z.p * region
 
 
 @dataclass
@@ -74,7 +92,7 @@ def block_time(cfg: Config, device: Device, ranks_per_node: int, attention: str 
     # context parallelism: the local queries attend over the whole sequence (cp x the local
     # keys, load-balanced: trainer3d/parallel/context/sharding.py)
     attn_f, attn_b = attn_f * z.cp, attn_b * z.cp
-    saved = sum(layer_terms(Sizes.of(cfg, "flash")).values())
+    saved = elementwise_bytes(z)
     bw = k.hbm_gbps * 1e9
     fwd = {"gemm": gemm_f, "attention": attn_f, "elementwise": FWD_PASSES * saved / bw, "tp_comm": 2 * region}
     bwd = {"gemm": gemm_b, "attention": attn_b, "elementwise": BWD_PASSES * saved / bw, "tp_comm": 2 * region}
@@ -86,7 +104,8 @@ def block_time(cfg: Config, device: Device, ranks_per_node: int, attention: str 
 
 def _measured_rate_block(cfg: Config, device: Device, ranks_per_node: int, region: float) -> BlockTime:
     """A device known by one matmul rate (CPUs, calibration files): the causal model FLOPs
-    over that rate, the elementwise traffic at the measured elementwise rate, and the
+    over that rate, the elementwise traffic at the measured elementwise rate (calibrate.py
+    measures it against the same ``elementwise_bytes``), and the
     measured per-block dispatch overhead (a third forward, two thirds backward)."""
     z = Sizes.of(cfg)
     speed = device.rank_speed(ranks_per_node)
@@ -94,7 +113,7 @@ def _measured_rate_block(cfg: Config, device: Device, ranks_per_node: int, regio
     bw = (device.elementwise_gbps or device.memory_gbps) * 1e9 * speed
     # a token attends over the whole sequence whichever cp rank holds it
     flops = z.n * (2 * layer_matmul_params(cfg.model) + 2 * z.s * z.cp * z.heads * z.head_dim) / z.t
-    saved = sum(layer_terms(z).values())
+    saved = elementwise_bytes(z)
     overhead = device.layer_overhead_us * 1e-6 / speed
     fwd = {"gemm": flops / rate, "elementwise": FWD_PASSES * saved / bw, "tp_comm": 2 * region,
            "launch": overhead / 3}

@@ -42,13 +42,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer3d.memory.activations import Sizes, layer_terms
+from trainer3d.memory.activations import Sizes
 from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.model.transformer import Block
 from trainer3d.plan.devices import DEFAULT_CALIBRATION, Device
 from trainer3d.plan.probe import measured_step_s, training_config
 from trainer3d.plan.search import evaluate
-from trainer3d.plan.block_time import BWD_PASSES, FWD_PASSES
+from trainer3d.plan.block_time import BWD_PASSES, FWD_PASSES, elementwise_bytes
 
 MATMUL = 512
 RANKS = (1, 2, 4, 8)
@@ -83,7 +83,7 @@ def block_figures() -> Dict[str, float]:
     is a block's forward + backward with its seven projections replaced by identities (dim =
     FFN width = heads x head_dim = 512, 2 x 128 tokens): norms, RoPE, attention, SwiGLU's
     product and the residual adds, less that overhead, over the traffic the step-time model
-    charges for them (FWD_PASSES + BWD_PASSES times the block's saved activations).
+    charges for them (FWD_PASSES + BWD_PASSES times what the block's elementwise operators write).
     """
     tiny = Block(ModelConfig(dim=8, n_heads=2, n_kv_heads=2, ffn_dim=8, max_seq_len=4))
     x = torch.randn(4, 1, 8, requires_grad=True)
@@ -96,7 +96,7 @@ def block_figures() -> Dict[str, float]:
             setattr(module, name, nn.Identity())
     x = torch.randn(128, 2, 512, requires_grad=True)  # (seq, batch, dim), as blocks see it
     took = 1.0 / _best_rate(lambda: block(x).sum().backward(), 1.0)
-    traffic = (FWD_PASSES + BWD_PASSES) * sum(layer_terms(Sizes.of(cfg)).values())
+    traffic = (FWD_PASSES + BWD_PASSES) * elementwise_bytes(Sizes.of(cfg))
     return {"layer_overhead_us": overhead * 1e6, "elementwise_gbps": traffic / max(took - overhead, 1e-9) / 1e9}
 
 

@@ -34,9 +34,10 @@ def layout_config(cfg: PlanConfig, device: Device) -> Config:
     """The training config of the overrides' layout on the cluster, validated."""
     c, p, t = cfg.cluster, cfg.parallel, cfg.train
     world = c.nodes * c.gpus_per_node
-    if p.tp * p.pp * p.dp != world:
-        fix = f"parallel.dp={world // (p.tp * p.pp)}" if world % (p.tp * p.pp) == 0 else "another parallel.tp/pp"
-        raise LayoutError(f"parallel.tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {p.tp * p.pp * p.dp} ranks, but "
+    model_ranks = p.tp * p.cp * p.pp
+    if model_ranks * p.dp != world:
+        fix = f"parallel.dp={world // model_ranks}" if world % model_ranks == 0 else "another parallel.tp/cp/pp"
+        raise LayoutError(f"parallel.tp*cp*pp*dp = {p.tp}*{p.cp}*{p.pp}*{p.dp} = {model_ranks * p.dp} ranks, but "
                           f"cluster.nodes*cluster.gpus_per_node = {world}; set {fix}")
     if t.micro_batch_size is None and t.grad_accum_steps is None:
         raise LayoutError("plan.evaluate=true evaluates one layout: set train.micro_batch_size "
@@ -95,7 +96,8 @@ def summary(cfg: PlanConfig, device: Device, plan: Plan) -> Dict[str, object]:
     peak = device.peak_tflops.get(t.dtype)
     usable = device.usable_bytes(c.gpus_per_node)
     p = plan.cfg.parallel
-    layout = {"tp": p.tp, "pp": p.pp, "dp": p.dp, "zero_stage": p.zero_stage, "sequence_parallel": p.sequence_parallel,
+    layout = {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "zero_stage": p.zero_stage,
+              "sequence_parallel": p.sequence_parallel,
               "pp_schedule": p.pp_schedule, "pp_virtual_stages": p.pp_virtual_stages,
               "micro_batch_size": t.micro_batch_size, "grad_accum_steps": t.grad_accum_steps,
               "activation_checkpointing": t.activation_checkpointing}

@@ -60,6 +60,7 @@ class Run:
     unit: str
     """tflops_recompute | iteration_s | model_tflops (module docstring)."""
     micro: int = 1
+    cp: int = 1
     recompute: bool = True
     sp: bool = False
     n_kv_heads: Optional[int] = None
@@ -81,6 +82,8 @@ def _megatron(name, heads, h, layers, tp, pp, gpus, batch, tflops) -> Run:
 
 
 def _korthikanti(name, heads, h, layers, pp, gpus, batch, full_s, present_s) -> List[Run]:
+    """Table 3's configuration (tp 8 throughout) and Table 5's iteration times; micro-batch 1
+    is assumed (the tables give the global batch only)."""
     full = Run(KORTHIKANTI_2022, f"{name} full recompute", h, layers, heads, 8, pp, gpus, batch, full_s, "iteration_s")
     present = replace(full, name=f"{name} SP, no recompute", published=present_s, recompute=False, sp=True,
                       attention="flash")
@@ -111,6 +114,9 @@ RUNS: Tuple[Run, ...] = (
           n_kv_heads=8, ffn_dim=53248, vocab=128256, seq=8192, gpu="h100-sxm", attention="flash", recompute=False,
           sp=True, zero_stage=1, pp_layers=(7, *[8] * 14, 7))
       for gpus, tflops in ((8192, 430), (16384, 400))),
+    Run(LLAMA3, "Llama 3 405B, 16384 GPUs, 131k tokens", 16384, 126, 128, 8, 16, 16384, 128, 380, "model_tflops",
+        cp=16, n_kv_heads=8, ffn_dim=53248, vocab=128256, seq=131072, gpu="h100-sxm", attention="flash",
+        recompute=False, sp=True, zero_stage=1, pp_layers=(7, *[8] * 14, 7)),
 )
 
 
@@ -127,7 +133,7 @@ def plan_config(run: Run) -> PlanConfig:
     m.n_kv_heads = run.n_kv_heads or run.n_heads
     m.ffn_dim = run.ffn_dim or gpt_ffn(run.dim, run.tp)
     m.vocab_size, m.max_seq_len, m.tie_embeddings = run.vocab, run.seq, run.ffn_dim is None
-    p.tp, p.pp, p.dp = run.tp, run.pp, run.gpus // (run.tp * run.pp)
+    p.tp, p.cp, p.pp, p.dp = run.tp, run.cp, run.pp, run.gpus // (run.tp * run.cp * run.pp)
     p.zero_stage, p.sequence_parallel = run.zero_stage, run.sp
     p.pp_layers = list(run.pp_layers) if run.pp_layers else None
     p.pp_schedule, p.pp_virtual_stages = run.schedule, run.virtual
@@ -181,7 +187,7 @@ def command(run: Run) -> str:
              f"model.n_kv_heads={m.n_kv_heads}", f"model.ffn_dim={m.ffn_dim}", f"model.vocab_size={m.vocab_size}",
              f"model.max_seq_len={m.max_seq_len}", f"model.tie_embeddings={str(m.tie_embeddings).lower()}",
              f"cluster.gpu={c.gpu}", f"cluster.nodes={c.nodes}", f"cluster.attention={c.attention}",
-             f"parallel.tp={p.tp}", f"parallel.pp={p.pp}", f"parallel.dp={p.dp}", f"parallel.zero_stage={p.zero_stage}",
+             f"parallel.tp={p.tp}", f"parallel.cp={p.cp}", f"parallel.pp={p.pp}", f"parallel.dp={p.dp}", f"parallel.zero_stage={p.zero_stage}",
              f"parallel.sequence_parallel={str(p.sequence_parallel).lower()}",
              f"train.seq_len={t.seq_len}", f"train.global_batch_size={t.global_batch_size}",
              f"train.micro_batch_size={t.micro_batch_size}",

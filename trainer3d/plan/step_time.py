@@ -263,6 +263,7 @@ def tokens_per_s(cfg: Config, step: StepTime) -> float:
 def ranks_evaluated(pp: int) -> List[int]:
     """The pipeline ranks whose memory and time bound a layout: the first (most micro-batches
     in flight, the embedding, the remainder layers), the second (the most in flight of the
-    ranks holding both kinds of receive buffers, which grow with the step's micro-batches)
-    and the last (head, logits, loss). The dry run checks every rank."""
+    ranks holding both kinds of receive buffers, one per micro-batch in flight:
+    trainer3d/parallel/pipeline/buffers.py) and the last (head, logits, loss). The dry run
+    checks every rank."""
     return sorted({0, min(1, pp - 1), pp - 1})

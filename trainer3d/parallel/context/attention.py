@@ -131,14 +131,17 @@ class ContextAttentionFunction(torch.autograd.Function):
 
 def _ring_backward(dout, q, own, out, lse, cp: CPGroup, scale: float, dq) -> torch.Tensor:
     """Each block's key/value gradient travels with the block, gathering every rank's part;
-    one last hop takes it home. Returns this rank's block's (2, ...) gradient, in dq's dtype."""
-    block, dkv, grad_hop = own, torch.zeros(own.shape, dtype=dq.dtype, device=q.device), None
+    one last hop takes it home. Returns this rank's block's (2, ...) gradient, in dq's dtype.
+    This rank's part is computed before the part of the ranks the block passed is waited for
+    (then added), so a rank does not wait on its neighbour's compute before starting its own."""
+    block, grad_hop = own, None
     for step in range(cp.size):
         hop = cp.ring.start(block) if step + 1 < cp.size else None
-        if grad_hop is not None:  # the gradient of the block now held, from the ranks it passed
-            comm.wait(grad_hop[1])
-            dkv = grad_hop[0]
+        dkv = torch.zeros(own.shape, dtype=dq.dtype, device=q.device)
         _backward_block(dout, q, block, out, lse, (cp.rank - step) % cp.size, cp, scale, dq, dkv)
+        if grad_hop is not None:  # the gradient of the block held, from the ranks it passed
+            comm.wait(grad_hop[1])
+            dkv += grad_hop[0]
         grad_hop = cp.ring.start(dkv, comm.GRAD_TAG)
         if hop is not None:
             comm.wait(hop[1])

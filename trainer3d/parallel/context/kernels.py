@@ -16,7 +16,9 @@ queries (grouped-query attention: query head h uses key/value head h // (heads /
 ``causal`` is the top-left-aligned mask of a square diagonal block (a rank's own keys,
 whose positions are those of its queries). On CPU, torch's flash-attention kernel
 (``_scaled_dot_product_flash_attention_for_cpu`` and its backward, both GQA-aware) does the
-work; elsewhere the same maths in plain torch ops, scores in fp32 (or wider inputs' dtype).
+work; elsewhere the same maths in plain torch ops, scores in fp32 (or the inputs' dtype
+when wider), a tile of query rows at a time so the scores never span the whole block
+(a fused GPU kernel with its log-sum-exp is not wired in: docs/context_parallel.md).
 """
 
 from typing import Tuple
@@ -48,11 +50,17 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+TILE = 1024
+"""Query rows per tile of the plain-torch kernels: their scores take tile x keys, not queries x keys."""
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, row0: int = 0) -> torch.Tensor:
+    """Scores of query rows row0.. of a block on its keys; ``causal``: key j hidden from row i where j > i."""
     wide = acc_dtype(q.dtype)
     s = torch.matmul(q.to(wide), _expand_kv(k, q.shape[1]).to(wide).transpose(-1, -2)) * scale
     if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        rows = torch.arange(row0, row0 + s.shape[-2], device=s.device)[:, None]
+        s = s.masked_fill(torch.arange(s.shape[-1], device=s.device)[None, :] > rows, float("-inf"))
     return s
 
 
@@ -65,14 +73,17 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     return math_forward(q, k, v, causal, scale)
 
 
-def math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                 scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``block_forward`` in plain torch ops (any device)."""
-    s = _scores(q, k, causal, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
-    out = torch.matmul(p, _expand_kv(v, q.shape[1]).to(p.dtype))
-    return out.to(q.dtype), lse
+def math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                 tile: int = TILE) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``block_forward`` in plain torch ops (any device), ``tile`` query rows at a time."""
+    outs, lses = [], []
+    values = _expand_kv(v, q.shape[1])
+    for row0 in range(0, q.shape[2], tile):
+        s = _scores(q[:, :, row0:row0 + tile], k, causal, scale, row0)
+        lse = torch.logsumexp(s, dim=-1)
+        outs.append(torch.matmul(torch.exp(s - lse.unsqueeze(-1)), values.to(s.dtype)).to(q.dtype))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -85,19 +96,22 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 
 def math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, causal: bool, scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``block_backward`` in plain torch ops (any device)."""
-    heads, kv_heads = q.shape[1], k.shape[1]
-    p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
-    wide = p.dtype
-    do = dout.to(wide)
-    dv = torch.matmul(p.transpose(-1, -2), do)
-    dp = torch.matmul(do, _expand_kv(v, heads).to(wide).transpose(-1, -2))
-    delta = (do * out.to(wide)).sum(-1, keepdim=True)
-    ds = p * (dp - delta) * scale
-    dq = torch.matmul(ds, _expand_kv(k, heads).to(wide))
-    dk = torch.matmul(ds.transpose(-1, -2), q.to(wide))
-    return dq.to(q.dtype), _fold_kv(dk, kv_heads).to(k.dtype), _fold_kv(dv, kv_heads).to(v.dtype)
+                  lse: torch.Tensor, causal: bool, scale: float,
+                  tile: int = TILE) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``block_backward`` in plain torch ops (any device), ``tile`` query rows at a time."""
+    heads, kv_heads, wide = q.shape[1], k.shape[1], acc_dtype(q.dtype)
+    keys, values = _expand_kv(k, heads).to(wide), _expand_kv(v, heads).to(wide)
+    dk, dv, dqs = torch.zeros_like(keys), torch.zeros_like(values), []
+    for row0 in range(0, q.shape[2], tile):
+        rows = slice(row0, row0 + tile)
+        p = torch.exp(_scores(q[:, :, rows], k, causal, scale, row0) - lse[:, :, rows].unsqueeze(-1))
+        do = dout[:, :, rows].to(wide)
+        dv += torch.matmul(p.transpose(-1, -2), do)
+        delta = (do * out[:, :, rows].to(wide)).sum(-1, keepdim=True)
+        ds = p * (torch.matmul(do, values.transpose(-1, -2)) - delta) * scale
+        dqs.append(torch.matmul(ds, keys).to(q.dtype))
+        dk += torch.matmul(ds.transpose(-1, -2), q[:, :, rows].to(wide))
+    return torch.cat(dqs, dim=2), _fold_kv(dk, kv_heads).to(k.dtype), _fold_kv(dv, kv_heads).to(v.dtype)
 
 
 def merge_(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:

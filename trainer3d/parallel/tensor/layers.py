@@ -22,7 +22,9 @@ one input, so their input gradients are summed locally and reduced once.
 Sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2): between blocks the hidden state
 is sharded along the sequence, so norms and residual adds run on 1/tp of the tokens; a
 region opens with an all-gather instead of an identity and closes with a reduce-scatter
-instead of an all-reduce (same bytes on the wire, 1/tp of the activations kept). The norm
+instead of an all-reduce (same bytes on the wire, 1/tp of the activations kept); the
+projections behind the all-gather keep the shard and gather it again in backward
+(sequence.py). The norm
 weights then see only their shard's tokens: trainer3d/parallel/finalize.py sums their
 gradients over tp.
 """
@@ -36,6 +38,7 @@ from torch import nn
 from trainer3d.config.schema import Config
 from trainer3d.model.init import mark_tp_shard
 from trainer3d.parallel.tensor.comm import ENTER, LEAVE
+from trainer3d.parallel.tensor.sequence import SequenceParallelEntry, gathered_linears
 from trainer3d.parallel.wgrad import linear
 from trainer3d.parallel.topology import ParallelDims
 
@@ -89,13 +92,27 @@ class ColumnParallelLinear(_TPShardedModule):
         super().__init__(dims)
         self.in_features, self.out_features = in_features, out_features
         self.input_comm = input_comm
+        self.entered: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        """(sequence shard, this projection's output) set by a ``SequenceParallelEntry``."""
         local = padded_size(out_features, self.tp_size) // self.tp_size
         self._shard("weight", [local, in_features], 0, out_features, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.entered is not None:
+            return self.take_entered(x)
+        if self.input_comm == "gather" and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            return gathered_linears(x, [self.weight], self.tp_group)[0]  # keeps the shard (sequence.py)
         if self.input_comm is not None:
             x = ENTER[self.input_comm](x, self.tp_group)
         return linear(x, self.weight)
+
+    def take_entered(self, x: torch.Tensor) -> torch.Tensor:
+        """The output its module's ``SequenceParallelEntry`` computed from ``x``, handed over once."""
+        shard, out = self.entered
+        self.entered = None
+        if shard is not x:
+            raise RuntimeError(f"{self}: called on another input than its region was entered with")
+        return out
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}/{self.tp_size}, input_comm={self.input_comm}"
@@ -182,6 +199,14 @@ def _row(linear: nn.Linear, dims: ParallelDims, output_comm: str, what: str) -> 
     return RowParallelLinear(linear.in_features, linear.out_features, dims, output_comm, w.device, w.dtype)
 
 
+def _entry(comm: str, projections: List[nn.Module], dims: ParallelDims):
+    """The pre-hook opening a module's region: the sequence shard kept for backward under
+    sequence parallelism (sequence.py), else the copy (f) of the replicated input."""
+    if comm == "gather":
+        return SequenceParallelEntry(projections, dims.tp_group)
+    return enter_tp_region(comm, dims.tp_group)
+
+
 def _comms(sp: bool) -> Tuple[str, str]:
     """How a region is entered and left: sequence-sharded between blocks, or replicated."""
     return ("gather", "reduce_scatter") if sp else ("copy", "all_reduce")
@@ -194,7 +219,7 @@ def parallelize_attention(attn: nn.Module, dims: ParallelDims, sp: bool, name: s
     for proj in ("wq", "wk", "wv"):
         setattr(attn, proj, _column(getattr(attn, proj), dims, None, f"{name}.{proj}"))
     attn.wo = _row(attn.wo, dims, leave, f"{name}.wo")
-    attn.register_forward_pre_hook(enter_tp_region(enter, dims.tp_group))
+    attn.register_forward_pre_hook(_entry(enter, [attn.wq, attn.wk, attn.wv], dims))
 
 
 def parallelize_feed_forward(ffn: nn.Module, dims: ParallelDims, sp: bool, name: str = "feed_forward") -> None:
@@ -204,7 +229,7 @@ def parallelize_feed_forward(ffn: nn.Module, dims: ParallelDims, sp: bool, name:
     for proj in ("w1", "w3"):
         setattr(ffn, proj, _column(getattr(ffn, proj), dims, None, f"{name}.{proj}"))
     ffn.w2 = _row(ffn.w2, dims, leave, f"{name}.w2")
-    ffn.register_forward_pre_hook(enter_tp_region(enter, dims.tp_group))
+    ffn.register_forward_pre_hook(_entry(enter, [ffn.w1, ffn.w3], dims))
 
 
 def apply_tensor_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> None:

@@ -1,0 +1,82 @@
+"""One install, every documented path: ``--help`` of train and plan lists every knob with its
+value, valid values and docstring; the installed ``trainer3d`` command runs from any
+directory, also from a non-editable install that carries conf/ inside the package."""
+
+import os
+import shutil
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.unit.test_knobs import _leaves
+from trainer3d.config.help import field_docs
+from trainer3d.config.schema import Config, ModelConfig
+from trainer3d.plan.settings import PlanConfig
+
+CONSOLE = Path(sys.executable).parent / "trainer3d"
+
+
+def _help(module: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", module, *args, "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("module, schema", [("trainer3d.train", Config), ("trainer3d.plan", PlanConfig)])
+def test_help_lists_every_knob_with_its_value_range_and_docstring(module, schema):
+    text = _help(module)
+    lines = text.splitlines()
+    for knob, _ in _leaves(schema):
+        assert any(line.startswith(f"  {knob} = ") for line in lines), f"{knob} missing from --help"
+    assert "  model.dim = 128 (>= 1)" in lines
+    assert any(line.startswith("  train.dtype = ") and line.endswith(" (fp32 | bf16 | fp16)") for line in lines)
+    docs = field_docs(ModelConfig)
+    at = lines.index("  model.vocab_size = 257 (>= 1)")
+    assert " ".join(line.strip() for line in lines[at + 1:at + 3]).startswith(docs["vocab_size"][:60])
+    assert "  model: " in text and "tiny" in text  # the config groups and their options
+
+
+def test_help_shows_values_under_the_given_overrides():
+    assert "  model.dim = 4096 (>= 1)" in _help("trainer3d.train", "model=7b").splitlines()
+
+
+def test_field_docs_are_the_schemas_docstrings():
+    docs = field_docs(Config)
+    assert docs["dry_run"].startswith("Validate and print") and "run_dir" in docs
+    hints = typing.get_type_hints(ModelConfig)
+    assert set(field_docs(ModelConfig)) <= set(hints)
+
+
+def test_the_console_command_runs_from_any_directory(tmp_path):
+    assert CONSOLE.is_file(), f"{CONSOLE}: the `trainer3d` console script of pyproject.toml is not installed"
+    proc = subprocess.run([str(CONSOLE), "dry_run=true", "parallel=single", f"hydra.run.dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_non_editable_install_carries_conf(tmp_path):
+    """``pip install .`` (no checkout beside it): conf/ travels as trainer3d/conf."""
+    source, target = tmp_path / "src", tmp_path / "site"  # a copy: the build writes build/ beside the sources
+    for name in ("trainer3d", "conf"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                          "--target", str(target), str(source)], capture_output=True, text=True, timeout=600,
+                         cwd=tmp_path)
+    assert pip.returncode == 0, pip.stderr[-2000:]
+    assert (target / "trainer3d" / "conf" / "config.yaml").is_file()
+    assert (target / "trainer3d" / "conf" / "model" / "tiny.yaml").is_file()
+    run = ("import sys; sys.argv = ['trainer3d', 'dry_run=true', 'parallel=single', 'hydra.run.dir=run']; "
+           "from trainer3d.config.conf_dir import CONF_DIR; print(CONF_DIR); "
+           "from trainer3d.train import main; main()")  # what the console script does
+    proc = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=str(target)))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == str(target / "trainer3d" / "conf")
