@@ -1,6 +1,7 @@
 import ast
 import functools
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,24 @@ class TierScheduling(LoadScopeScheduling):
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
     return TierScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None
+
+
+_JOB_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGUSR2)
+
+
+@pytest.fixture(autouse=True)
+def _signals_as_a_fresh_process_has_them():
+    """Every test starts with the job signals unblocked and handled as a fresh interpreter
+    handles them, and leaves them so: a process a test starts (a submitit controller, a rank)
+    inherits this process's blocked mask and ignored signals, and a controller that ignores
+    SIGINT never ends on submitit's cancel."""
+    def reset():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _JOB_SIGNALS)
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig in _JOB_SIGNALS[1:]:
+            if signal.getsignal(sig) is signal.SIG_IGN:
+                signal.signal(sig, signal.SIG_DFL)
+    reset()
+    yield
+    reset()

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainer3d.config.schema import ModelConfig, RopeScalingConfig
 from trainer3d.model.functional import apply_rotary, rms_norm, swiglu_linear
@@ -135,7 +136,10 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = swiglu_linear(self.w1(x), self.w3(x), self.w2.weight)
+        a, b = self.w1(x), self.w3(x)
+        if isinstance(self.w2.weight, DTensor):  # torch's own tensor parallelism: w2's hooks shard and reduce
+            return self.w2(F.silu(a) * b)
+        out = swiglu_linear(a, b, self.w2.weight)
         reduce = getattr(self.w2, "reduce", None)
         return reduce(out) if reduce is not None else out
 
