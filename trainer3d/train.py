@@ -25,6 +25,7 @@ from trainer3d.config.defaults_used import defaults_block, given_keys, recipe_ke
 from trainer3d.config.help import print_help, wants_help
 from trainer3d.config.schema import Config  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.data.checks import check_data
+from trainer3d.extras import EXTRAS, missing
 from trainer3d.job.device_check import machine_problems
 from trainer3d.job.memory_check import memory_problems
 from trainer3d.job.rundir import write_problem
@@ -102,6 +103,10 @@ def run(cfg: Config, explicit_model: Sequence[str] = (), given: Optional[Set[str
     if cfg.dry_run:
         print_plan(cfg, defaults_block(cfg, given))
         return 0
+    problem = missing(cfg.logger.name, f"logger={cfg.logger.name}") if cfg.logger.name in EXTRAS else None
+    if problem:  # before any rank imports it
+        print(f"trainer3d: config error: {problem}", file=sys.stderr)
+        return 2
     problems = machine_problems(cfg, world_size_of(cfg))
     for problem in problems:
         print(f"trainer3d: device error: {problem}", file=sys.stderr)

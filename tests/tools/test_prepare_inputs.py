@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from tools import prepare_data
+from trainer3d.tools import prepare_data
 from trainer3d.data import TokenFile
 from trainer3d.data import documents as docs
 from trainer3d.data import prepare

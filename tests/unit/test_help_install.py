@@ -1,6 +1,7 @@
 """One install, every documented path: ``--help`` of train and plan lists every knob with its
 value, valid values and docstring; the installed ``trainer3d`` command runs from any
-directory, also from a non-editable install that carries conf/ inside the package."""
+directory, also from a non-editable install that carries conf/ inside the package, and so do
+the user tools' commands (``trainer3d-prepare-data`` ...)."""
 
 import os
 import shutil
@@ -80,3 +81,12 @@ def test_a_non_editable_install_carries_conf(tmp_path):
                           env=dict(os.environ, PYTHONPATH=str(target)))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0] == str(target / "trainer3d" / "conf")
+    env = dict(os.environ, PYTHONPATH=str(target))
+    for command in (["trainer3d-prepare-data", "--help"], ["trainer3d-plot-metrics", "--help"],
+                    ["trainer3d-plan", "--help"]):  # the console scripts pip wrote, run from elsewhere
+        proc = subprocess.run([sys.executable, str(target / "bin" / command[0]), *command[1:]], capture_output=True,
+                              text=True, timeout=120, cwd=tmp_path, env=env)
+        assert proc.returncode == 0 and "usage:" in proc.stdout, (command, proc.stderr)
+    proc = subprocess.run([sys.executable, "-m", "trainer3d.tools.sample", "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env=env)
+    assert proc.returncode == 0 and "--prompt" in proc.stdout, proc.stderr
