@@ -1,7 +1,8 @@
 """DCP's file writer, with checksums and a full disk reported as such (trainer3d/job/failure.py).
 
-Each data file is hashed on its way to disk and, once DCP has synced and closed it, read
-back from the storage rather than the page cache (trainer3d/checkpoint/digest.py);
+Each data file is written past the page cache where the file system allows it
+(trainer3d/checkpoint/direct.py), hashed on its way to disk and, once DCP has synced and
+closed it, read back from the storage rather than the page cache (trainer3d/checkpoint/digest.py);
 ``digests`` then holds this rank's files, which the checkpointer gathers into the marker. A
 file whose bytes on storage are not those written fails the save, so every published
 checkpoint was read back intact once.
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from trainer3d.checkpoint.digest import FILE_HASH, HashingStream, file_digest
+from trainer3d.checkpoint.direct import DirectFile
 from trainer3d.job.failure import naming_a_full_disk
 
 
@@ -36,13 +38,19 @@ class _HashingFileSystem(FileSystem):
 
     @contextmanager
     def create_stream(self, path, mode):
-        with super().create_stream(path, mode) as stream:
-            if "w" not in mode:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
                 yield stream
-                return
-            hashing = HashingStream(stream)
-            self.written[Path(path).name] = hashing
+            return
+        stream = DirectFile.open(Path(path))
+        hashing = HashingStream(stream)
+        self.written[Path(path).name] = hashing
+        try:
             yield hashing
+        except BaseException:
+            getattr(stream, "abort", stream.close)()
+            raise
+        stream.close()
 
 
 @contextmanager
