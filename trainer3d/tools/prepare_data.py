@@ -78,7 +78,8 @@ def parse_args(argv):
     parser.add_argument("--text-key", default="text", help="key of the text in JSON Lines records (default: text)")
     parser.add_argument("--workers", type=int, default=1, help="encoding processes (default: 1)")
     parser.add_argument("--suffixes", default=".txt,.md,.py,.rst,.json," + ",".join(JSONL_SUFFIXES),
-                        help="file suffixes taken from directories, before any .gz/.zst (default: %(default)s)")
+                        help="file suffixes taken from directories, before any .gz/.zst; an empty entry takes "
+                             "files without one (README, LICENSE): e.g. --suffixes .txt,.md, (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.tokenizer and args.train_tokenizer:
         parser.error("give --tokenizer or --train-tokenizer, not both")
