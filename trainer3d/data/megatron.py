@@ -204,7 +204,7 @@ def id_range(index: MegatronIndex, cache_dir: Optional[str]) -> Tuple[int, int]:
     """(smallest, largest) id in the .bin ((0, -1) if empty): one scan, kept per version of both files."""
     if cache_dir is None:
         return _scan(index)
-    stats = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in (index.bin, paths(index.bin)[1])]
+    stats = _stats(index)
     record = record_path(Path(cache_dir).expanduser(), index.bin.resolve())
     try:
         with locked_record(record):
@@ -215,7 +215,8 @@ def id_range(index: MegatronIndex, cache_dir: Optional[str]) -> Tuple[int, int]:
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 pass
             lo, hi = _scan(index)
-            record.write_text(json.dumps({"megatron": stats, "min_id": lo, "max_id": hi}))
+            if _stats(index) == stats:  # not rewritten while it was read: the result may be kept
+                record.write_text(json.dumps({"megatron": stats, "min_id": lo, "max_id": hi}))
             return lo, hi
     except OSError:  # a cache this process cannot write: scan every time rather than never
         return _scan(index)
@@ -226,8 +227,17 @@ def _scan(index: MegatronIndex) -> Tuple[int, int]:
         return 0, -1
     raw = np.memmap(index.bin, dtype=index.dtype, mode="r")
     step = max(1, CHUNK_BYTES // index.dtype.itemsize)
-    chunks = [raw[i:i + step] for i in range(0, len(raw), step)]
-    return min(int(c.min()) for c in chunks), max(int(c.max()) for c in chunks)
+    lo, hi = None, None
+    for i in range(0, len(raw), step):  # one pass, a chunk in memory at a time
+        chunk = np.asarray(raw[i:i + step])
+        lo = int(chunk.min()) if lo is None else min(lo, int(chunk.min()))
+        hi = int(chunk.max()) if hi is None else max(hi, int(chunk.max()))
+    return lo, hi
+
+
+def _stats(index: MegatronIndex) -> list:
+    """(path, size, mtime) of the .bin and the .idx: a version of the dataset."""
+    return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in (index.bin, paths(index.bin)[1])]
 
 
 def open_in_place(path, eos_id: Optional[int], vocab_size: int,
