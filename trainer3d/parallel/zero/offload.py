@@ -70,6 +70,15 @@ def contiguous_runs(segments: Sequence[Segment], decay: Sequence[bool]) -> List[
 class HostAdamW:
     """AdamW state of the owned pieces in host memory, and its step there.
 
+    The step is torch's fused CPU AdamW kernel (``torch._fused_adamw_``, vectorised with
+    at::vec, split over the cores by its own at::parallel_for) on a few long contiguous runs.
+    Measured against the alternatives on the same state (tools/bench/offload.py, figures in
+    docs/offload.md): the foreach path is 5-10x slower (one pass over memory per operation),
+    cutting the state into one slice per Python thread came out within the noise of the
+    kernel's own split, and DeepSpeed's CPUAdam (AdamW mode, OpenMP) within 0.8-1.2x of it
+    either way, so the kernel runs as it is: no thread pool of our own to size against
+    ``torch.get_num_threads``.
+
     Same layout as trainer3d/optim/adamw.py's ``FlatAdamW`` (the owned pieces one after the
     other), so a segment's state offset is the same; the fp32 masters always exist on the host
     (for fp32 models they are the host's copy of the owned parameters)."""
@@ -257,7 +266,10 @@ class OffloadedOptimizer(FlatZeroOptimizer):
         self._host_scalars.copy_(pair, non_blocking=self._host_scalars.is_pinned())
         if self._host_scalars.is_pinned():
             torch.cuda.current_stream(self.dims.device).synchronize()
-        grad_scale = self._host_scalars[0:1] if self._grad_scale is not None else None
+        # A divisor of exactly 1 (no clipping this step, no loss scale) is left out: the kernel
+        # would otherwise write every gradient back after dividing it, one more pass over memory.
+        divides = self._grad_scale is not None and bool(self._host_scalars[0] != 1)
+        grad_scale = self._host_scalars[0:1] if divides else None
         found_inf = self._host_scalars[1:2] if self.scaler is not None else None
         return grad_scale, found_inf
 
