@@ -160,16 +160,21 @@ class GradsToHost:
 
     def __init__(self, reducer: GradReducer, adam: HostAdamW):
         self.reducer, self.adam = reducer, adam
-        self.piece_of = {b.index: i for i, b in enumerate(reducer.buckets)}
+        self.owned: Dict[int, List[Tuple[int, int, int]]] = {}
+        """Per bucket, its owned ranges: (start, end) in the flat buffers and where they start in
+        the host buffers (ZeRO-1: this rank's slice of the bucket; stage 0: all of it)."""
+        for b in reducer.buckets:
+            self.owned[b.index] = [(max(b.start, lo), min(b.end, hi), at + max(b.start, lo) - lo)
+                                   for (lo, hi), at in zip(adam.pieces, adam.offsets) if max(b.start, lo) < min(b.end, hi)]
         self.stream = torch.cuda.Stream(adam.device) if adam.device.type == "cuda" else None
         self.queued: List[Bucket] = []
         """Launched buckets whose copy is not issued yet (no side stream only)."""
         self.done_event: Optional[torch.cuda.Event] = None
         reducer.on_launch = self.launched
 
-    def _copy_piece(self, index: int) -> None:
-        (lo, hi), at = self.adam.pieces[index], self.adam.offsets[index]
-        self.adam.grad[at:at + hi - lo].copy_(self.adam.grad_buffer[lo:hi], non_blocking=self.stream is not None)
+    def _copy_bucket(self, bucket: Bucket) -> None:
+        for lo, hi, at in self.owned[bucket.index]:
+            self.adam.grad[at:at + hi - lo].copy_(self.adam.grad_buffer[lo:hi], non_blocking=self.stream is not None)
 
     def launched(self, bucket: Bucket) -> None:
         if self.stream is None:
@@ -180,7 +185,7 @@ class GradsToHost:
         with torch.cuda.stream(self.stream):
             if bucket.work is not None:
                 bucket.work.wait()  # NCCL: this stream waits for the reduction, the host does not
-            self._copy_piece(self.piece_of[bucket.index])
+            self._copy_bucket(bucket)
 
     def _copy_completed(self) -> None:
         """No side stream: copy every queued bucket whose reduction has finished."""
@@ -189,7 +194,7 @@ class GradsToHost:
             if bucket.work is None or bucket.work.is_completed():
                 if bucket.work is not None:
                     bucket.work.wait()
-                self._copy_piece(self.piece_of[bucket.index])
+                self._copy_bucket(bucket)
             else:
                 still.append(bucket)
         self.queued = still
@@ -197,7 +202,7 @@ class GradsToHost:
     def finish(self) -> None:
         """After the reducer's ``finish``: every bucket's copy issued."""
         for bucket in self.queued:
-            self._copy_piece(self.piece_of[bucket.index])
+            self._copy_bucket(bucket)
         self.queued = []
 
     def again(self, segments: Sequence[Segment]) -> None:
