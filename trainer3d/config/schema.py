@@ -91,6 +91,11 @@ class ParallelConfig:
     sequences, docs/context_parallel.md)."""
     zero_stage: int = 0
     """0: replicated optimizer; 1: optimizer state sharded over dp; 2/3 (pp == 1 only): FSDP2."""
+    offload_optimizer: bool = False
+    """ZeRO-Offload (stages 0 and 1): this rank's fp32 master weights and AdamW moments live in
+    host memory (pinned on CUDA) and the AdamW step runs on the host's cores; the device keeps
+    the train.dtype parameters and the fp32 gradient buckets, whose owned slices go to the host
+    as backward finishes each (parallel/zero/offload.py, docs/offload.md)."""
     sequence_parallel: bool = False
     """Shard norm regions along the sequence across tp (needs tp > 1)."""
     pp_schedule: str = "1f1b"

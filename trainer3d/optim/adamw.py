@@ -69,9 +69,11 @@ def segments_of(names: Dict[nn.Parameter, str], ranges: Dict[nn.Parameter, Tuple
 @torch.no_grad()
 def adamw_update_(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs: List[torch.Tensor],
                   exp_avg_sqs: List[torch.Tensor], decay: List[bool], step_count: torch.Tensor, lr: float,
-                  cfg: OptimConfig, found_inf: Optional[torch.Tensor] = None) -> None:
+                  cfg: OptimConfig, found_inf: Optional[torch.Tensor] = None,
+                  grad_scale: Optional[torch.Tensor] = None) -> None:
     """AdamW on lists of fp32 tensors in place, weight decay where ``decay``; one shared step
-    counter (the kernel only reads it), advanced unless ``found_inf`` (as torch's fused path does)."""
+    counter (the kernel only reads it), advanced unless ``found_inf`` (as torch's fused path does).
+    ``grad_scale``: the kernel divides the gradients by it first (in place)."""
     step_count += 1
     for want, wd in ((True, cfg.weight_decay), (False, 0.0)):
         idx = [i for i, d in enumerate(decay) if d == want and params[i].numel()]
@@ -79,7 +81,7 @@ def adamw_update_(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avg
             torch._fused_adamw_([params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
                                 [exp_avg_sqs[i] for i in idx], [], [step_count] * len(idx), lr=lr,
                                 beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=wd, eps=cfg.eps, amsgrad=False,
-                                maximize=False, found_inf=found_inf)
+                                maximize=False, grad_scale=grad_scale, found_inf=found_inf)
     if found_inf is not None:
         step_count -= found_inf.squeeze()
 
