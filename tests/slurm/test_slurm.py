@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.support.runs import read_metrics, train_in_ranks
+from trainer3d.job.preemption import REQUEUE_ASKED
 
 # One worker runs every Slurm test, one at a time (tests/conftest.py: xdist_scope): they share
 # the session's cluster (tests/support/slurm_cluster.py).
@@ -76,7 +77,7 @@ def test_usr2_twice_requeues_twice_and_resumes_exactly(slurm_cluster, tmp_path, 
         assert time.time() < deadline
         time.sleep(2)
     log = _rank0_log(run, job)
-    assert log.count("job requeued") == 2 and log.count("resumed from") == 2, log[-3000:]
+    assert log.count(REQUEUE_ASKED) == 2 and log.count("resumed from") == 2, log[-3000:]
     assert losses(run) == local_run
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.runs import read_metrics, train_in_ranks
+from trainer3d.job.preemption import REQUEUE_ASKED
 from tests.support.slurm_cluster import SCRIPT
 from tests.slurm.test_slurm import SMALL, losses, train
 
@@ -83,7 +84,7 @@ def test_preemption_requeues_and_resumes_across_both_nodes(two_nodes, tmp_path, 
     waiter.join(timeout=600)
     proc = follow["proc"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "resumed from" in proc.stdout and "job requeued" in proc.stdout, proc.stdout[-3000:]
+    assert "resumed from" in proc.stdout and REQUEUE_ASKED in proc.stdout, proc.stdout[-3000:]
     assert _hosts(run) == ["t3d-n1", "t3d-n1", "t3d-n2", "t3d-n2"]
     assert losses(run) == local_runs["tp2-pp2"]
 

@@ -1,5 +1,6 @@
 """Checkpoint directories: publication, integrity, retention (a real DCP save on one rank)."""
 
+import fcntl
 import os
 import pickle
 
@@ -91,11 +92,22 @@ def test_markers_with_sha256_digests_are_still_checked(tmp_path):
 
 
 def test_the_read_back_reads_the_storage_not_the_page_cache(tmp_path, monkeypatch):
-    """The writer's read-back drops the file's cached pages first (posix_fadvise DONTNEED on the
-    synced file), so the bytes hashed come from the storage."""
-    calls = []
-    real = os.posix_fadvise
-    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: calls.append(advice) or
-                        real(fd, offset, length, advice))
+    """The writer's read-back reads each synced file past the page cache: with O_DIRECT, or
+    where the file system refuses it, after its cached pages were dropped (posix_fadvise
+    DONTNEED), so the bytes hashed come from the storage."""
+    reads, dropped = [], set()
+    real_readv, real_fadvise = os.readv, os.posix_fadvise
+
+    def readv(fd, buffers):
+        reads.append((fd, bool(fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))))
+        return real_readv(fd, buffers)
+
+    def fadvise(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_DONTNEED:
+            dropped.add(fd)
+        return real_fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "readv", readv)
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
     _save(tmp_path, 1)
-    assert calls and set(calls) == {os.POSIX_FADV_DONTNEED}
+    assert reads and all(direct or fd in dropped for fd, direct in reads), reads

@@ -29,6 +29,10 @@ from pathlib import Path
 from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from trainer3d.job.preemption import REQUEUE_ASKED  # noqa: E402  (the stop line's end, before the requeue)
+
 MODEL = ("train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=16",
          "train.grad_accum_steps=null", "optim.warmup_steps=5", "train.log_every=1", "parallel.timeout_s=60",
          "parallel=single", "parallel.pp=2", "logger.mode=disabled")
@@ -51,15 +55,35 @@ def _rank0_log(run_dir: Path, job: str) -> str:
 
 
 def _queued(job: str) -> bool:
-    out = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout
-    return bool(out.strip())
+    """Whether Slurm still holds ``job`` (pending, running, requeued). A query that fails — a
+    controller busy on a loaded machine — is asked again rather than read as "ended"."""
+    for _ in range(10):
+        proc = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True)
+        if proc.returncode == 0:
+            return bool(proc.stdout.strip())
+        if "Invalid job id" in proc.stderr:
+            return False
+        time.sleep(1)
+    return True
 
 
-def _wait(what: str, ready, timeout: float, job: Optional[str] = None) -> None:
+def _diagnosis(run_dir: Path, job: str) -> str:
+    """What a failed wait reports: Slurm's record of the job and the end of rank 0's log."""
+    sacct = subprocess.run(["sacct", "-j", job, "-n", "-P", "-o", "JobID,State,ExitCode,Restarts"],
+                           capture_output=True, text=True)
+    return f"sacct: {(sacct.stdout or sacct.stderr).strip()}\nrank 0's log, its end:\n{_rank0_log(run_dir, job)[-3000:]}"
+
+
+def _wait(what: str, ready, timeout: float, job: Optional[str] = None, run_dir: Optional[Path] = None) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
-        if time.monotonic() > deadline or (job is not None and not _queued(job)):
-            raise SystemExit(f"preemption_chaos: {what} did not happen within {timeout:.0f} s (or the job ended)")
+        ended = job is not None and not _queued(job)
+        if ended and ready():  # it happened just before the job ended
+            return
+        if time.monotonic() > deadline or ended:
+            why = "the job ended first" if ended else f"not within {timeout:.0f} s"
+            raise SystemExit(f"preemption_chaos: {what} did not happen ({why})"
+                             + (f"\n{_diagnosis(run_dir, job)}" if job is not None and run_dir is not None else ""))
         time.sleep(0.1)
 
 
@@ -73,15 +97,18 @@ def chaos(run_dir: Path, signals: int, steps: int, every: int, gap: int) -> List
     records = []
     for i in range(signals):
         start = records[-1]["stopped_after"] if records else 0
-        _wait(f"step {start + gap}", lambda start=start: len(_rows(run_dir)) >= start + gap, 600, job)
+        _wait(f"step {start + gap}", lambda start=start: len(_rows(run_dir)) >= start + gap, 600, job, run_dir)
         sent = time.monotonic()
         subprocess.run(["scancel", "--signal=USR2", job], check=True)
-        _wait(f"the stop after signal {i + 1}", lambda i=i: _rank0_log(run_dir, job).count("job requeued") > i, 300, job)
-        stopped = int(_rank0_log(run_dir, job).split("job requeued")[i].rsplit("stopped after step ", 1)[1].split()[0])
-        _wait(f"the resume after signal {i + 1}", lambda i=i: _rank0_log(run_dir, job).count("resumed from") > i, 300, job)
+        _wait(f"the stop after signal {i + 1}", lambda i=i: _rank0_log(run_dir, job).count(REQUEUE_ASKED) > i, 300,
+              job, run_dir)
+        stopped = int(_rank0_log(run_dir, job).split(REQUEUE_ASKED)[i].rsplit("stopped after step ", 1)[1].split()[0])
+        _wait(f"the resume after signal {i + 1}", lambda i=i: _rank0_log(run_dir, job).count("resumed from") > i, 300,
+              job, run_dir)
         resumed = time.monotonic()
         _wait(f"a step after resume {i + 1}",
-              lambda stopped=stopped: (lambda rows: len(rows) > stopped and rows[-1]["step"] >= stopped)(_rows(run_dir)), 300, job)
+              lambda stopped=stopped: (lambda rows: len(rows) > stopped and rows[-1]["step"] >= stopped)(_rows(run_dir)),
+              300, job, run_dir)
         records.append({"signal": i + 1, "stopped_after": stopped, "to_resumed_s": resumed - sent,
                         "to_training_s": time.monotonic() - sent})
         print(f"signal {i + 1}: stopped after step {stopped}; resumed {resumed - sent:.1f} s after the signal, "

@@ -18,7 +18,7 @@ from typing import Iterable, List, Optional, Tuple
 
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.store import CheckpointError
-from trainer3d.config.schema import Config, ModelConfig
+from trainer3d.config.schema import Config, ModelConfig, flatten
 
 RESUME_FIX = "give a published step_<N> directory, auto or never"
 
@@ -37,16 +37,6 @@ class Choice:
     """Newer checkpoints passed over by ``auto``, and why."""
 
 
-def _flat(section: dict, prefix: str = "model.") -> dict:
-    out = {}
-    for key, value in section.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def _with_head_dim(model: dict) -> dict:
     """``head_dim`` resolved (null means dim // n_heads), so an explicit equal value is no change."""
     dim, heads = model.get("dim"), model.get("n_heads")
@@ -57,9 +47,9 @@ def _with_head_dim(model: dict) -> dict:
 
 def model_changes(saved: dict, now: ModelConfig) -> List[str]:
     """``model.<key> <saved> -> <now>`` for every weight-relevant model field that differs."""
-    current = _flat(_with_head_dim(dataclasses.asdict(now)))
+    current = flatten(_with_head_dim(dataclasses.asdict(now)), "model.")
     # A field the marker lacks (written before the field existed) had its default then.
-    before = {**_flat(dataclasses.asdict(ModelConfig())), **_flat(_with_head_dim(dict(saved)))}
+    before = {**flatten(dataclasses.asdict(ModelConfig()), "model."), **flatten(_with_head_dim(dict(saved)), "model.")}
     ignored = tuple(f"model.{k}" for k in IGNORED_MODEL_KEYS)
     return [f"{key} {before.get(key)} -> {value}" for key, value in current.items()
             if not key.startswith(ignored) and before.get(key) != value]

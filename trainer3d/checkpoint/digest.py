@@ -1,8 +1,8 @@
 """Checksums of a checkpoint's files and of its marker.
 
 Every data file is hashed as DCP writes it — a wrapper around the stream sees each byte on
-its way to the file — and, once the file is synced, read back from the storage (its pages
-dropped from the page cache first, so the read is not an echo of memory): a file whose
+its way to the file — and, once the file is synced, read back from the storage (past the
+page cache, trainer3d/checkpoint/direct.py, so the read is not an echo of memory): a file whose
 bytes on storage differ from those written fails the save. The digests go into the marker
 (trainer3d.json), which carries its own digest over everything else in it, so a flipped
 byte in a weight, an optimizer moment, the metadata or the marker (model config included)
@@ -23,11 +23,12 @@ few kilobytes of JSON.
 import hashlib
 import io
 import json
-import os
 from pathlib import Path
 from typing import Dict, Iterable, Optional
 
 import xxhash
+
+from trainer3d.checkpoint.direct import read_blocks
 
 SEAL = "marker_sha256"
 FILE_HASH = "xxh3_128"
@@ -75,16 +76,19 @@ class HashingStream(io.RawIOBase):
 def file_digest(path: Path, kind: str = FILE_HASH, from_storage: bool = False) -> Dict[str, object]:
     """{kind: hex, "bytes": size} of the file as it is on disk now.
 
-    ``from_storage``: drop the file's pages from the page cache first (POSIX_FADV_DONTNEED,
-    posix_fadvise(2): clean pages only, so call it on a synced file), so the bytes come from
-    the storage device or the file server rather than from memory the writer just filled."""
+    ``from_storage``: read past the page cache (trainer3d/checkpoint/direct.py; call it on a
+    synced file), so the bytes come from the storage device or the file server rather than
+    from memory the writer just filled."""
     digest = _HASHES[kind]()
+    size = 0
+    if from_storage:
+        for block in read_blocks(path):
+            digest.update(block)
+            size += len(block)
+        return {kind: digest.hexdigest(), "bytes": size}
     with open(path, "rb", buffering=0) as f:
-        if from_storage and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         block = bytearray(_BLOCK)
         view = memoryview(block)
-        size = 0
         while True:
             n = f.readinto(block)
             if not n:

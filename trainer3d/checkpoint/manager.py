@@ -119,6 +119,12 @@ class Checkpointer:
             self._makers[device_type] = PieceMaker(mesh)
         return self._makers[device_type]
 
+    def staged_maker(self) -> PieceMaker:
+        """Pieces of the staging buffers, made once and refilled by every background save."""
+        if "staged" not in self._makers:
+            self._makers["staged"] = PieceMaker(self.maker("cpu").mesh, reuse=True)
+        return self._makers["staged"]
+
     # ------------------------------------------------------------------ save
 
     def due(self, steps_done: int) -> bool:
@@ -150,7 +156,7 @@ class Checkpointer:
 
     def _job(self, steps_done: int, staged: bool) -> SaveJob:
         if staged:
-            state = rank_state(self.optimizer, self.dims, self.maker("cpu"), stage=self._stage)
+            state = rank_state(self.optimizer, self.dims, self.staged_maker(), stage=self._stage)
             self.staging.done()
         else:
             state = rank_state(self.optimizer, self.dims, self.maker(self.dims.device.type))

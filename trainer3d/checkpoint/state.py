@@ -55,12 +55,26 @@ class PieceMaker:
     """Wraps views of this rank's storage (or of its host copy) as DTensors over ``mesh``, a
     1-D mesh of the whole world on the device the tensors are on."""
 
-    def __init__(self, mesh: DeviceMesh):
+    def __init__(self, mesh: DeviceMesh, reuse: bool = False):
         self.mesh = mesh
+        self.reuse = reuse
+        """Keep each piece made and return it again for the same storage and region: for the
+        staging buffers, which every background save refills in place (wrapping ~150 pieces
+        as DTensors took half of a save's stall: tools/bench/checkpoint.py). A kept piece holds
+        its storage alive, so no other tensor can take its address while it is kept."""
+        self._made: Dict[tuple, object] = {}
 
     def __call__(self, flat: torch.Tensor, local_shape: Sequence[int], shard, start: int, end: int):
         """``flat`` holds elements [start, end) of the flattened local tensor of ``local_shape``;
         None when they are all padding."""
+        if not self.reuse:
+            return self._make(flat, local_shape, shard, start, end)
+        key = (flat.data_ptr(), flat.numel(), flat.dtype, tuple(local_shape), repr(shard), start, end)
+        if key not in self._made:
+            self._made[key] = self._make(flat, local_shape, shard, start, end)
+        return self._made[key]
+
+    def _make(self, flat: torch.Tensor, local_shape: Sequence[int], shard, start: int, end: int):
         pcs = pieces(local_shape, shard, start, end)
         if not pcs:
             return None

@@ -309,6 +309,18 @@ class Config:
 RUN_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$")
 
 
+def flatten(values: dict, prefix: str = "") -> dict:
+    """A nested record (a config's ``asdict``, a run summary) with dotted keys, prefixed:
+    ``{"model": {"dim": 64}}`` -> ``{"model.dim": 64}``."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def named_run_dir(name: Optional[str], default: str) -> str:
     """``hydra.run.dir`` (conf/config.yaml): ``outputs/<name>`` for a named run, else ``default``
     (also for a malformed name, which validate refuses in one line: an exception raised while

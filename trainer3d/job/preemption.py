@@ -43,6 +43,8 @@ NAME_OF = {REQUEUE: "SIGUSR2", END: "SIGTERM"}
 
 NOT_SUBMITIT = "not a submitit job: nothing requeues it"
 EXITED, REQUEUED, REFUSED = 0, 1, 2  # what leave() does after the stop
+REQUEUE_ASKED = "asking Slurm to requeue the job"
+"""The end of rank 0's stop line before the requeue (a refusal follows it in one more line)."""
 EXIT_STOPPED = 75
 """Exit status of ranks stopped for good (sysexits' EX_TEMPFAIL: resubmit to resume)."""
 
@@ -127,11 +129,18 @@ def leave(stop: Stop, stop_signal: StopSignal, rank: int, cfg=None) -> None:
     """
     submitit_exit: Optional[SystemExit] = None
     outcome, reason = EXITED, NOT_SUBMITIT
+    saved = "checkpoint saved"
+    if cfg is not None:  # the run's Config: name the checkpoint and the command that resumes it
+        saved = f"checkpoint {step_dir(checkpoint_root(cfg), stop.step)} saved"
+    what = f"stopped after step {stop.step} on {stop.signal_name}; {saved}"
     if stop.flag == END:
         reason = "SIGTERM: the job was cancelled or preempted"
     elif rank == 0:
         handler = stop_signal.previous.get(signal.SIGUSR2)
         if callable(handler):
+            # Said before the requeue, which cancels the job's steps: a rank slow to get here
+            # again (a loaded node) may be killed after Slurm's KillWait with the line unsaid.
+            print(f"trainer3d: {what}; {REQUEUE_ASKED}", flush=True)
             outcome, reason = REFUSED, "submitit's handler returned without requeuing"
             try:
                 handler(signal.SIGUSR2, None)
@@ -140,13 +149,8 @@ def leave(stop: Stop, stop_signal: StopSignal, rank: int, cfg=None) -> None:
             except Exception as err:  # noqa: BLE001 - e.g. UncompletedJobError past max_requeues
                 reason = f"{type(err).__name__}: {err}"
     outcome = _broadcast(outcome, stop_signal.group)
-    saved = "checkpoint saved"
-    if cfg is not None:  # the run's Config: name the checkpoint and the command that resumes it
-        saved = f"checkpoint {step_dir(checkpoint_root(cfg), stop.step)} saved"
-    what = f"stopped after step {stop.step} on {stop.signal_name}; {saved}"
     if outcome == REQUEUED:
         if submitit_exit is not None:
-            print(f"trainer3d: {what}; job requeued", flush=True)
             raise submitit_exit  # its exit status is how submitit's local executor sees a requeue
         sys.exit(0)
     if outcome == REFUSED:

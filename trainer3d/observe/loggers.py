@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 from typing import Iterable, Optional
 
-from trainer3d.config.schema import Config
+from trainer3d.config.schema import Config, flatten
 from trainer3d.config.secrets import scrub
 from trainer3d.config.validate import layout_of
 
@@ -57,7 +57,7 @@ class WandbLogger:
 
     def summary(self, values: dict) -> None:
         """The run's end-of-training figures (goodput against the prediction: observe/goodput.py)."""
-        self.run.summary.update({f"goodput/{k}": v for k, v in _flat(values).items()})
+        self.run.summary.update({f"goodput/{k}": v for k, v in flatten(values).items()})
 
     def close(self) -> None:
         self.run.finish()
@@ -93,16 +93,6 @@ class TensorBoardLogger:
         self.writer.close()
         print(f"tensorboard: event files in {self.dir}; to view them: tensorboard --logdir {self.dir.parent}",
               flush=True)
-
-
-def _flat(values: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def build_sinks(cfg: Config) -> list:
