@@ -11,18 +11,20 @@ non-finite watch, the agreed stop, the checkpoint poll, the data prefetch — ev
 real run does each step. The child wraps ``Trainer.train_step`` to stamp the main thread's
 CPU time (``time.thread_time``) at the start of every step, so the difference of two stamps
 is one whole iteration of the loop (the step and everything the loop does after it), and
-runs it twice: with ``grad_accum_steps`` 1 and ``--accum`` (8). After training, in the same
-process, it times the model alone on the same micro-batches: the trainer's own model chunks
-and loss function with the engine's hooks taken off (the forward pre-hooks of ZeRO-1's
-gather, the post-accumulate-grad hooks of the bucketed reduction), forward, loss and
-backward, the gradient accumulating in ``.grad`` (this is M, the model's share per
-micro-batch: the layers' operators and autograd).
+runs it twice: with ``grad_accum_steps`` 1 and ``--accum`` (8). Between two steps, outside
+their stamps, it times the model alone on the same micro-batches: the trainer's own model
+chunks and loss function with the engine's hooks taken off (the forward pre-hooks of
+ZeRO-1's gather, the post-accumulate-grad hooks of the bucketed reduction), forward, loss
+and backward as many times as a step has micro-batches, autograd making its own ``.grad``
+(the engine's put back after). That is M, the model's share per micro-batch: the layers'
+operators and autograd, measured under the same conditions as the steps around it.
 
-With T(a) the mean CPU time of an iteration with ``a`` micro-batches,
+With T(a) the mean CPU time of an iteration with ``a`` micro-batches and M(a) the model's
+share measured beside it, the engine's time in an iteration is E(a) = T(a) - a M(a), and
 
-- per micro-batch: ``(T(accum) - T(1)) / (accum - 1) - M``: what the engine adds to each
+- per micro-batch: ``(E(accum) - E(1)) / (accum - 1)``: what the engine adds to each
   micro-batch (its hooks, the loss's bookkeeping, the data slicing);
-- per step: ``T(1) - M - that``: everything done once per step outside the model
+- per step: ``E(1)`` less that: everything done once per step outside the model
   (optimizer step, clipping, gradient finalisation, metrics, the watches, the data hand-off).
 
 One intra-op thread: the launcher would give the one rank all the cores, and OpenMP's
@@ -86,33 +88,26 @@ def _strip_hooks(chunks):
     return restore
 
 
-def _model_share(trainer, micro_batches: int, repeats: int) -> float:
+def _model_share(trainer, batch) -> float:
     """CPU seconds of the model alone (forward, loss, backward) per micro-batch: the trainer's
-    chunks and loss function on its own data, the engine's hooks off."""
-    import torch
-
+    chunks and loss function on ``batch`` (as many micro-batches as its steps), the engine's
+    hooks off and ``.grad`` autograd's own; both put back after."""
     model, loss_fn = trainer.chunks[0], trainer.micro_loss.loss_fn
-    inputs, targets = getattr(trainer.data, "reader", trainer.data).batch(0)  # the prefetcher is closed
-    grads = {p: p.grad for p in model.parameters()}
+    inputs, targets = batch
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
     restore = _strip_hooks(trainer.chunks)
     try:
-        for p in model.parameters():
+        for p in params:
             p.grad = None
-        best = float("inf")
-        for r in range(repeats + 1):
-            started = time.thread_time()
-            for _ in range(micro_batches):
-                for m in range(inputs.shape[0]):
-                    loss_fn(model(inputs[m]), targets[m]).backward()
-            took = (time.thread_time() - started) / (micro_batches * inputs.shape[0])
-            if r:  # the first repeat warms up
-                best = min(best, took)
+        started = time.thread_time()
+        for m in range(inputs.shape[0]):
+            loss_fn(model(inputs[m]), targets[m]).backward()
+        return (time.thread_time() - started) / inputs.shape[0]
     finally:
         restore()
-        with torch.no_grad():
-            for p, g in grads.items():
-                p.grad = g
-    return best
+        for p, g in zip(params, grads):
+            p.grad = g
 
 
 def child(args) -> dict:
@@ -121,7 +116,7 @@ def child(args) -> dict:
 
     if not Path(trainer_module.__file__).is_relative_to(args.root):
         raise RuntimeError(f"trainer3d imported from {trainer_module.__file__}, not {args.root}")
-    stamps, trainers = [], []
+    stamps, trainers, model_s, batch, aside = [], [], [], [], [0.0]
     init, step = trainer_module.Trainer.__init__, trainer_module.Trainer.train_step
     profiler = None
     if args.profile:
@@ -133,7 +128,13 @@ def child(args) -> dict:
         trainers.append(self)
 
     def step_spy(self, n, *a, **k):
-        stamps.append(time.thread_time())
+        if len(stamps) > args.warmup and not args.profile:  # the model alone, between two steps, outside their stamps
+            started = time.thread_time()
+            if not batch:
+                batch.append(getattr(self.data, "reader", self.data).batch(0))
+            model_s.append(_model_share(self, batch[0]))
+            aside[0] += time.thread_time() - started  # left out of the iteration it falls in
+        stamps.append(time.thread_time() - aside[0])
         if profiler is not None and len(stamps) == args.warmup + 1:
             profiler.enable()
         return step(self, n, *a, **k)
@@ -163,9 +164,8 @@ def child(args) -> dict:
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(args.profile)
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(args.profile)
     timed = [b - a for a, b in zip(stamps, stamps[1:])][args.warmup:]
-    model = _model_share(trainers[0], args.accum, repeats=5)
     return {"source": trainer_module.__file__, "iteration_s": statistics.fmean(timed),
-            "iteration_median_s": statistics.median(timed), "model_s": model}
+            "model_s": statistics.fmean(model_s) if model_s else 0.0}
 
 
 # ---------------------------------------------------------------------------- the parent: compare
@@ -198,10 +198,12 @@ def _run(root: Path, accum: int, args) -> dict:
 
 
 def figures(one: dict, many: dict, accum: int) -> dict:
-    """Per-step and per-micro-batch engine time (ms) from the runs with 1 and ``accum`` micro-batches."""
+    """Per-step and per-micro-batch engine time (ms) from the runs with 1 and ``accum`` micro-batches:
+    each run's engine time per iteration is its iteration less its micro-batches' model share."""
     model = statistics.fmean([one["model_s"], many["model_s"]])
-    per_micro = (many["iteration_s"] - one["iteration_s"]) / (accum - 1) - model
-    per_step = one["iteration_s"] - model - per_micro
+    engine_one, engine_many = one["iteration_s"] - one["model_s"], many["iteration_s"] - accum * many["model_s"]
+    per_micro = (engine_many - engine_one) / (accum - 1)
+    per_step = engine_one - per_micro
     return {"engine_step_ms": per_step * 1e3, "engine_micro_ms": per_micro * 1e3, "model_micro_ms": model * 1e3,
             "iteration_ms": many["iteration_s"] * 1e3}
 
@@ -215,7 +217,7 @@ def main(argv=None) -> int:
     parser.add_argument("--accum", type=int, default=8, help="micro-batches per step of the second run")
     parser.add_argument("--steps", type=int, default=60, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3, help="child runs per revision (alternating)")
+    parser.add_argument("--rounds", type=int, default=5, help="child runs per revision (alternating)")
     parser.add_argument("--against", help="a git revision to compare with (e.g. main)")
     parser.add_argument("--override", action="append", default=[], help="one more Hydra override (repeatable)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
