@@ -2,6 +2,7 @@
 """trainer3d against DeepSpeed, side by side: tokens/s of FLOP-matched models, interleaved pairs.
 
     python tools/bench/deepspeed_pair.py [--pairs 4] [--steps 100] [--warmup 20] [--only trainer3d]
+                                         [--against REV]
 
 Both train data-parallel over 2 CPU ranks (gloo), ZeRO stage 1, fp32, AdamW, gradient
 clipping at 1.0, micro-batches of 8 x 64 tokens, one micro-batch per step, each through its
@@ -23,7 +24,9 @@ own entry point:
   step to the end of the last step.
 
 Each pair runs both, alternating which goes first; each pair's ratio is trainer3d's tokens/s
-over DeepSpeed's, and the last line is the median ratio. Ranks get one intra-op thread each
+over DeepSpeed's, and the last line is the median ratio. ``--against REV`` adds trainer3d as
+it is at git revision REV (``git archive`` of trainer3d/ and conf/; overrides it does not
+know are left out) to each pair, with its own ratio: how the ratio moved between the two. Ranks get one intra-op thread each
 (2 ranks on the 2-core development machine; trainer3d's launcher gives each rank its share
 of the cores, and so does this script through ``--threads``). On a loaded machine the
 figures are noise-dominated: measure on an idle one.
@@ -36,6 +39,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -62,12 +66,18 @@ def matmul_weights_per_token(linears) -> int:
 
 # ---------------------------------------------------------------------------- trainer3d
 
-def run_trainer3d(steps: int, warmup: int) -> dict:
+def run_trainer3d(steps: int, warmup: int, root: Path = ROOT) -> dict:
+    """trainer3d's half, with trainer3d/ and conf/ of ``root`` (this tree, or a revision's)."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "trainer3d.train", *trainer3d_overrides(steps, run_dir)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800,
-                              env=dict(os.environ, WANDB_MODE="disabled"))
+        overrides = trainer3d_overrides(steps, run_dir)
+        schemas = [f for f in (root / "trainer3d" / "config" / "schema.py", root / "trainer3d" / "config.py") if f.exists()]
+        if not any("eval_every" in f.read_text(errors="replace") for f in schemas):
+            overrides.remove("train.eval_every=0")  # a revision from before evaluation
+        cmd = [sys.executable, "-m", "trainer3d.train", *overrides]
+        env = dict(os.environ, WANDB_MODE="disabled",
+                   PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=1800, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -189,6 +199,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // DP),
                         help="intra-op threads of each DeepSpeed rank (trainer3d's launcher: cores / ranks)")
     parser.add_argument("--only", choices=("trainer3d", "deepspeed"), help="run one side (no ratio)")
+    parser.add_argument("--against", metavar="REV",
+                        help="also run trainer3d as it is at git revision REV (its trainer3d/ and conf/) in each pair")
     parser.add_argument("--deepspeed-rank", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.deepspeed_rank:
@@ -198,22 +210,39 @@ def main(argv=None) -> int:
           f"({args.warmup} warm-up); load average {os.getloadavg()[0]:.1f}", flush=True)
     if args.only != "trainer3d":
         print(flops_line(), flush=True)
-    sides = {"trainer3d": lambda: run_trainer3d(args.steps, args.warmup),
-             "deepspeed": lambda: run_deepspeed(args.steps, args.warmup, args.threads)}
-    if args.only:
-        sides = {args.only: sides[args.only]}
-    ratios = []
-    for pair in range(args.pairs):
-        order = list(sides) if pair % 2 == 0 else list(reversed(sides))
-        got = {name: sides[name]() for name in order}
-        cells = "  ".join(f"{name} {r['tokens_per_s']:,.0f} tok/s (loss {r['loss']:.3f})" for name, r in got.items())
-        if len(got) == 2:
-            ratios.append(got["trainer3d"]["tokens_per_s"] / got["deepspeed"]["tokens_per_s"])
-            cells += f"  trainer3d / deepspeed {ratios[-1]:.3f}"
-        print(f"pair {pair + 1}: {cells}  (load {os.getloadavg()[0]:.1f})", flush=True)
-    if ratios:
-        print(f"trainer3d / deepspeed tokens/s, median of {len(ratios)} pairs: {statistics.median(ratios):.3f}")
+    with tempfile.TemporaryDirectory() as tmp:
+        sides = {"trainer3d": lambda: run_trainer3d(args.steps, args.warmup),
+                 "deepspeed": lambda: run_deepspeed(args.steps, args.warmup, args.threads)}
+        if args.only:
+            sides = {args.only: sides[args.only]}
+        if args.against:
+            old = _extract(args.against, Path(tmp))
+            sides[args.against] = lambda: run_trainer3d(args.steps, args.warmup, old)
+        ratios = {name: [] for name in sides if name != "deepspeed"}
+        for pair in range(args.pairs):
+            order = list(sides) if pair % 2 == 0 else list(reversed(sides))
+            got = {name: sides[name]() for name in order}
+            cells = "  ".join(f"{name} {r['tokens_per_s']:,.0f} tok/s (loss {r['loss']:.3f})" for name, r in got.items())
+            for name in ratios if "deepspeed" in got else ():
+                ratios[name].append(got[name]["tokens_per_s"] / got["deepspeed"]["tokens_per_s"])
+                cells += f"  {name} / deepspeed {ratios[name][-1]:.3f}"
+            print(f"pair {pair + 1}: {cells}  (load {os.getloadavg()[0]:.1f})", flush=True)
+    for name in [n for n in ratios if n != "trainer3d" and ratios[n]]:
+        print(f"{name} / deepspeed tokens/s, median of {len(ratios[name])} pairs: {statistics.median(ratios[name]):.3f}")
+    if ratios.get("trainer3d"):
+        print(f"trainer3d / deepspeed tokens/s, median of {len(ratios['trainer3d'])} pairs: "
+              f"{statistics.median(ratios['trainer3d']):.3f}")
     return 0
+
+
+def _extract(rev: str, into: Path) -> Path:
+    """trainer3d/ and conf/ as they are at git revision ``rev``, under ``into``."""
+    archive = into / "src.tar"
+    subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", "-o", str(archive), rev, "trainer3d", "conf"],
+                   check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    return into
 
 
 if __name__ == "__main__":
