@@ -42,8 +42,9 @@ interval's flush included). ``--against REV`` runs the same with trainer3d/ and 
 are at git revision REV (``git archive``), alternating with this tree, and prints ours / REV.
 The targets (issue 25): at most 2 ms per step and 0.5 ms per micro-batch.
 
-``--profile`` prints, instead, the functions of the engine that take the most CPU time over
-the timed steps (cProfile, one child, this tree), to see where the per-step time goes.
+``--profile N`` prints, instead, the N functions of the engine (trainer3d/ less the model)
+with the most cumulative CPU time per step (cProfile over the timed steps, one child with
+``--accum`` micro-batches), with REV's figure for each beside it: where the fixed time goes.
 """
 
 import argparse
@@ -158,14 +159,17 @@ def child(args) -> dict:
     except SystemExit as done:
         if done.code:
             raise
+    calls = {}
     if profiler is not None:
         profiler.disable()
         import pstats
-        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(args.profile)
-        pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(args.profile)
+        for (filename, _, name), (_, ncalls, _, cumtime, _) in pstats.Stats(profiler).stats.items():
+            if "/trainer3d/" in filename and "/trainer3d/model/" not in filename:  # the engine's own functions
+                key = f"{filename.split('/trainer3d/', 1)[1]}:{name}"
+                calls[key] = [calls.get(key, [0, 0.0])[0] + ncalls, calls.get(key, [0, 0.0])[1] + cumtime]
     timed = [b - a for a, b in zip(stamps, stamps[1:])][args.warmup:]
     return {"source": trainer_module.__file__, "iteration_s": statistics.fmean(timed),
-            "model_s": statistics.fmean(model_s) if model_s else 0.0}
+            "model_s": statistics.fmean(model_s) if model_s else 0.0, "steps": len(timed), "calls": calls}
 
 
 # ---------------------------------------------------------------------------- the parent: compare
@@ -189,8 +193,6 @@ def _run(root: Path, accum: int, args) -> dict:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env, cwd=root)
     if proc.returncode != 0:
         raise RuntimeError(f"host_overhead child ({root}, accum {accum}) failed:\n{proc.stderr[-3000:]}")
-    if args.profile:
-        sys.stderr.write(proc.stderr)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     if not Path(result.pop("source")).is_relative_to(root):
         raise RuntimeError(f"the child did not import trainer3d from {root}")
@@ -212,6 +214,23 @@ LABELS = (("engine_step_ms", "engine ms / step"), ("engine_micro_ms", "engine ms
           ("model_micro_ms", "model ms / micro-batch"), ("iteration_ms", "iteration ms (CPU)"))
 
 
+def profile(args) -> int:
+    """The engine's functions with the most cumulative CPU time per step (cProfile), this tree and REV."""
+    with tempfile.TemporaryDirectory() as tmp:
+        roots = {"this tree": ROOT, **({args.against: _extract(args.against, Path(tmp))} if args.against else {})}
+        runs = {name: _run(root, args.accum, args) for name, root in roots.items()}
+    per_step = {name: {k: (n / r["steps"], t / r["steps"] * 1e6) for k, (n, t) in r["calls"].items()}
+                for name, r in runs.items()}
+    print(f"cProfile of {args.steps} steps of {args.accum} micro-batches, one process; cumulative CPU us per step "
+          "(its own overhead included: compare within a row)")
+    print(f"{'function':<58}" + "".join(f"{name:>16}" for name in per_step) + "   calls/step")
+    mine = per_step["this tree"]
+    for key in sorted(mine, key=lambda k: -mine[k][1])[:args.profile]:
+        cells = "".join(f"{p[key][1]:>16.1f}" if key in p else f"{'-':>16}" for p in per_step.values())
+        print(f"{key:<58}{cells}   {mine[key][0]:.0f}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--accum", type=int, default=8, help="micro-batches per step of the second run")
@@ -230,8 +249,7 @@ def main(argv=None) -> int:
         print(json.dumps(child(args)))
         return 0
     if args.profile:
-        _run(ROOT, args.accum, args)
-        return 0
+        return profile(args)
     print(f"one process, fp32, dim 32 x 4 blocks, micro-batches of 1 x 32 tokens, {args.steps} steps; "
           f"load average {os.getloadavg()[0]:.1f}")
     with tempfile.TemporaryDirectory() as tmp:
