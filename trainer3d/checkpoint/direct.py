@@ -13,8 +13,8 @@ O_DIRECT asks for aligned transfers: ``DirectFile`` collects the stream's writes
 page-aligned buffer (an anonymous mmap) and hands the file whole buffers at aligned offsets;
 the tail that does not fill a block is written after O_DIRECT is turned off for the file
 (fcntl F_SETFL) and synced with it. Where the file system refuses O_DIRECT (tmpfs, some
-FUSE mounts: EINVAL at open or at the first write) the file is written through the page
-cache as before; nothing else changes. ``read_blocks`` reads a synced file the same way, so
+FUSE mounts: EINVAL at open or at the first write) the file goes through the page
+cache instead; nothing else changes. ``read_blocks`` reads a synced file the same way, so
 the read-back of a save comes from the storage device or the file server, not memory.
 """
 
