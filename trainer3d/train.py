@@ -25,7 +25,7 @@ from trainer3d.config.defaults_used import defaults_block, given_keys, recipe_ke
 from trainer3d.config.help import print_help, wants_help
 from trainer3d.config.schema import Config  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.data.checks import check_data
-from trainer3d.extras import EXTRAS, missing
+from trainer3d.config.extras import EXTRAS, missing
 from trainer3d.job.device_check import machine_problems
 from trainer3d.job.memory_check import memory_problems
 from trainer3d.job.rundir import write_problem

@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 from trainer3d.config.schema import Config, flatten
 from trainer3d.config.secrets import scrub
 from trainer3d.config.validate import layout_of
-from trainer3d.extras import require
+from trainer3d.config.extras import require
 
 
 def wandb_mode(logger_mode: str, environ=os.environ) -> str:
@@ -40,7 +40,6 @@ class WandbLogger:
     """Rank 0's wandb run: the resolved config and layout once, then one entry per step."""
 
     def __init__(self, cfg: Config):
-        require("wandb", "logger=wandb")  # checked before launch too (trainer3d/train.py)
         import wandb  # optional and slow to import: only runs that log to wandb pay for it
 
         run_dir = self.run_dir = Path(cfg.run_dir)

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from trainer3d.extras import require
+from trainer3d.config.extras import require
 
 require("plot", "plot_metrics")
 import matplotlib  # noqa: E402

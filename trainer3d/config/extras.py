@@ -3,12 +3,11 @@ missing one gives (the pip command that installs it) instead of a ModuleNotFound
 
     pip install 'trainer3d[plot]'          tools/plot_metrics.py (matplotlib)
     pip install 'trainer3d[tensorboard]'   logger=tensorboard (docs/metrics.md)
-    pip install 'trainer3d[wandb]'         logger=wandb (docs/metrics.md)
     pip install 'trainer3d[all]'           every one of them
 
-The core install trains, plans, prepares data (tokenizers, zstandard) and reads and writes
-Hugging Face directories (safetensors, tokenizers): those are imported on the training and
-export paths, so they are not optional. tests/unit/test_extras.py holds ``EXTRAS`` to
+The core install trains, logs to wandb (offline unless a key is set), plans, prepares data
+(tokenizers, zstandard) and reads and writes Hugging Face directories (safetensors,
+tokenizers): those are imported on the training and export paths, so they are not optional. tests/unit/test_extras.py holds ``EXTRAS`` to
 pyproject.toml's extras.
 """
 
@@ -18,7 +17,6 @@ from typing import Dict, Optional, Tuple
 EXTRAS: Dict[str, Tuple[str, ...]] = {
     "plot": ("matplotlib",),
     "tensorboard": ("tensorboard",),
-    "wandb": ("wandb",),
 }
 """extra -> the modules it provides."""
 
