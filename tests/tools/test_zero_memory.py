@@ -10,7 +10,7 @@ import torch
 from trainer3d.memory.states import engine_model_state_bytes, paper_model_state_bytes, table1
 from trainer3d.model.transformer import Transformer
 from trainer3d.parallel.zero.flat import bucket_numel
-from trainer3d.observe.telemetry import model_state_bytes
+from trainer3d.observe.telemetry import model_state_bytes, storage_bytes
 from tests.conftest import ROOT
 from tests.support.harness import run_ranks
 from tests.support.zero_ranks import build, global_batch, loss_of, make_cfg, train_step
@@ -121,3 +121,35 @@ def test_zero_memory_tool_reports_the_dry_runs_rank_shapes():
     counts = [sum(torch.Size(s).numel() for s in rank_parameter_shapes(cfg, rank)) for rank in (0, 4)]
     stage = max(range(2), key=counts.__getitem__)
     assert f"largest stage {stage}: {counts[stage]:,} parameters per rank" in proc.stdout
+
+
+def _measure_offload(rank, world):
+    """Stages 0/1 with the optimizer offloaded, after two steps: (device bytes measured, host
+    bytes measured, the accounting's ModelStateBytes)."""
+    with torch.device("meta"):
+        shapes = [tuple(p.shape) for p in Transformer(make_cfg(1, 0).model).parameters()]
+    out = []
+    for stage in (0, 1):
+        for dtype in ("fp32", "bf16", "fp16"):
+            cfg = make_cfg(world, stage, dtype=dtype, bucket_mb=0.01)
+            cfg.parallel.offload_optimizer = True
+            dims, model, opt = build(cfg)
+            for step in range(2):
+                train_step(model, opt, cfg, dims.dp_rank, step)
+            host = opt.adam.host_tensors()
+            held = {t.untyped_storage().data_ptr() for t in host}
+            device = [t for ts in opt.state_tensors().values() for t in ts if t.untyped_storage().data_ptr() not in held]
+            want = engine_model_state_bytes(shapes, world, stage, dtype, bucket_numel(cfg), offload=True)
+            out.append((stage, dtype, storage_bytes(device), storage_bytes(host), want))
+    return out
+
+
+def test_offloaded_state_is_host_memory_as_accounted():
+    """parallel.offload_optimizer: the host holds exactly the bytes trainer3d.memory.states says
+    (16 per owned element, + 2 for the bf16/fp16 cast, + the step counter), the device the
+    parameters, the fp32 gradient buckets and fp16's scaler, and no master or moment."""
+    for rank, rows in enumerate(run_ranks(_measure_offload, 2, timeout=300)):
+        for stage, dtype, device, host, want in rows:
+            assert host == want.host, (rank, stage, dtype)
+            assert device == want.total, (rank, stage, dtype)
+            assert want.master == 0 and want.optimizer == (16 if dtype == "fp16" else 0)

@@ -30,6 +30,7 @@ BAD = [
     (["train.micro_batch_size=null", "train.grad_accum_steps=null"], "give two of train.micro_batch_size"),
     (["parallel.pp=2", "parallel.zero_stage=2", "train.global_batch_size=64"], "parallel.zero_stage=2 with parallel.pp=2"),
     (["parallel.pp=2", "parallel.zero_stage=3", "train.global_batch_size=64"], "parallel.zero_stage=3 with parallel.pp=2"),
+    (["parallel.zero_stage=2", "parallel.offload_optimizer=true"], "use parallel.zero_stage=1 (or parallel.offload_optimizer=false)"),
     (["parallel.pp=4", "parallel.dp=1", "train.micro_batch_size=8", "train.global_batch_size=16"], "train.grad_accum_steps=2 < parallel.pp=4"),
     (["parallel.tp=3", "parallel.dp=1"], "model.n_heads=4 is not divisible by parallel.tp=3"),
     (["parallel.tp=4", "parallel.dp=1"], "model.n_kv_heads=2 is not divisible by parallel.tp=4"),

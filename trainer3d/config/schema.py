@@ -91,6 +91,11 @@ class ParallelConfig:
     sequences, docs/context_parallel.md)."""
     zero_stage: int = 0
     """0: replicated optimizer; 1: optimizer state sharded over dp; 2/3 (pp == 1 only): FSDP2."""
+    offload_optimizer: bool = False
+    """ZeRO-Offload (stages 0 and 1): this rank's fp32 master weights and AdamW moments live in
+    host memory (pinned on CUDA) and the AdamW step runs on the host's cores; the device keeps
+    the train.dtype parameters and the fp32 gradient buckets, whose owned slices go to the host
+    as backward finishes each (parallel/zero/offload.py, docs/offload.md)."""
     sequence_parallel: bool = False
     """Shard norm regions along the sequence across tp (needs tp > 1)."""
     pp_schedule: str = "1f1b"
@@ -206,7 +211,8 @@ class DataConfig:
     name: str = "stdlib"
     """stdlib (this Python's standard-library source, byte-level, no download) | tokens."""
     path: Optional[str] = None
-    """Token file (.bin, with its .json header) when name=tokens."""
+    """Token file (.bin, with its .json header) when name=tokens, or a Megatron-LM dataset's
+    prefix (PREFIX.bin + PREFIX.idx; set data.eos_id)."""
     blend: List[BlendSource] = field(default_factory=list)
     """Several token files mixed by weight, instead of data.path (name=tokens), e.g.
     '[{path: a.bin, weight: 0.7}, {path: b.bin, weight: 0.3}]'; they must share a tokenizer."""
@@ -214,6 +220,10 @@ class DataConfig:
     """Hold out the last fraction of every training file's tokens for validation (0: none)."""
     val_path: Optional[str] = None
     """A token file to validate on, instead of val_fraction (same tokenizer as the training data)."""
+    eos_id: Optional[int] = None
+    """The end-of-document id of Megatron-LM datasets (PREFIX.bin + PREFIX.idx, read in place as
+    data.path, a blend's path or data.val_path: their files do not record it), put between their
+    documents as token files have it; unused for token files, which record their own."""
     cache_dir: str = "~/.cache/trainer3d"
     """Where the built-in corpus is tokenised once and kept, with the record of verified token files."""
 

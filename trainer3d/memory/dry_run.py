@@ -9,7 +9,7 @@ model built on the meta device (no memory) and cut by the same stage split and
 tensor-parallel layers the ranks use, so the figures hold for any world size (e.g. 512).
 """
 
-from typing import List
+from typing import List, Sequence
 
 import torch
 
@@ -37,10 +37,14 @@ def memory_lines(cfg: Config) -> List[str]:
     for pp_rank in range(p.pp):
         shapes = rank_parameter_shapes(cfg, topo.rank(pp_rank, 0, 0, 0))
         psi = sum(torch.Size(s).numel() for s in shapes)
-        engine = engine_model_state_bytes(shapes, shards, p.zero_stage, t.dtype, bucket)
+        engine = engine_model_state_bytes(shapes, shards, p.zero_stage, t.dtype, bucket, offload=p.offload_optimizer)
         paper = paper_model_state_bytes(psi, shards, p.zero_stage)
         terms = " / ".join(format_bytes(getattr(engine, k)) for k in ("params", "grads", "master", "optimizer"))
-        lines.append(f"  {pp_rank:>7}  {psi:>14,}  {format_bytes(engine.total):>12}  {format_bytes(paper):>12}  {terms}")
+        lines.append(f"  {pp_rank:>7}  {psi:>14,}  {format_bytes(engine.total):>12}  {format_bytes(paper):>12}  {terms}"
+                     + (f"  + host {format_bytes(engine.host)}" if engine.host else ""))
+    if p.offload_optimizer:
+        lines.append("  host: the offloaded fp32 masters, moments and gradient copy of each rank "
+                     "(parallel.offload_optimizer), in host memory")
     lines.append("  * the paper's mixed-precision accounting (2+2+12 bytes per parameter); activations not included")
     return lines
 
@@ -74,6 +78,8 @@ def peak_lines(cfg: Config) -> List[str]:
     first = topo.rank(worst.pp_rank, 0, 0, 0)
     lines.append(f"  worst: pp rank {worst.pp_rank} (global ranks {first}..{first + p.dp * p.cp * p.tp - 1}), "
                  f"{format_bytes(worst.total)} per rank")
+    if p.offload_optimizer:
+        lines.append(f"  host memory (offloaded optimizer state), most on one rank: {format_bytes(max(m.host for m in mems))}")
     return lines
 
 
@@ -93,17 +99,21 @@ def _groups(topo: Topology, dim: str, shown: int = 6) -> str:
     return f"{len(groups)} {dim} groups of {len(groups[0])}: {text}" + (" ..." if len(groups) > shown else "")
 
 
-def describe_plan(cfg: Config) -> str:
+def describe_plan(cfg: Config, defaults: Sequence[str] = ()) -> str:
+    """The dry run's text; ``defaults``: the lines naming the sizing knobs left at their defaults
+    (trainer3d/config/defaults_used.py), printed under the batch line."""
     p, t = cfg.parallel, cfg.train
     topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
     cp = f" x cp={p.cp}" if p.cp > 1 else ""
     lines = [
         f"layout: tp={p.tp}{cp} x pp={p.pp} x dp={p.dp} = {topo.world_size} ranks, zero_stage={p.zero_stage}"
+        + (", optimizer offloaded to the host" if p.offload_optimizer else "")
         + (", sequence parallel" if p.sequence_parallel else "")
         + (f", context parallel ({p.cp_attention})" if p.cp > 1 else ""),
         f"model: {cfg.model.name}, {count_parameters(cfg.model):,} parameters",
         f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x grad_accum {t.grad_accum_steps} "
         f"x dp {p.dp} sequences of {t.seq_len} tokens",
+        *defaults,
         *(_groups(topo, dim) for dim in ("tp", *(("cp",) if p.cp > 1 else ()), "dp", "pp")),
     ]
     if p.pp > 1:
@@ -119,5 +129,5 @@ def describe_plan(cfg: Config) -> str:
     return "\n".join(lines)
 
 
-def print_plan(cfg: Config) -> None:
-    print(describe_plan(cfg))
+def print_plan(cfg: Config, defaults: Sequence[str] = ()) -> None:
+    print(describe_plan(cfg, defaults))

@@ -2,7 +2,9 @@
 (``dry_run=true``) prints and the planner (``python -m trainer3d.plan``) searches with.
 
     peak = model states        parameters, fp32 gradients, master weights, Adam moments
-                               (trainer3d/memory/states.py, exact: tests/tools/test_zero_memory.py)
+                               (trainer3d/memory/states.py, exact: tests/tools/test_zero_memory.py;
+                               with parallel.offload_optimizer the masters and moments are
+                               host memory, ``RankMemory.host``, outside the device's peak)
          + saved activations   what autograd keeps for backward, at the schedule's peak:
                                per micro-batch (trainer3d/memory/activations.py) x the micro-batches
                                in flight (tests/multirank/test_activation_memory.py measures both)
@@ -63,7 +65,13 @@ class RankMemory:
 
     @property
     def total(self) -> int:
+        """Device bytes at the peak."""
         return self.states.total + self.activation_bytes + self.buffer_bytes + self.transient_bytes
+
+    @property
+    def host(self) -> int:
+        """Host bytes of the offloaded optimizer state (0 without offload)."""
+        return self.states.host
 
 
 @functools.lru_cache(maxsize=4096)
@@ -87,12 +95,13 @@ def _states_of(cfg: Config, stages: List[int]) -> ModelStateBytes:
     """Model states of these stages, cached on what they depend on (the planner asks often)."""
     p = cfg.parallel
     key = repr((sorted(vars(cfg.model).items()), p.tp, p.pp, p.pp_virtual_stages, p.pp_layers, p.dp * p.cp,
-                p.zero_stage, p.bucket_mb, cfg.train.dtype, stages))
+                p.zero_stage, p.bucket_mb, cfg.train.dtype, stages, p.offload_optimizer))
     if key not in _STATES:
         shapes = [s for stage in stages for s in stage_parameter_shapes(cfg, stage)]
         bucket = max(1, int(p.bucket_mb * 2 ** 20) // 4)
         # ZeRO shards over dp x cp (the gradient-reduction group, trainer3d/parallel/topology.py)
-        _STATES[key] = engine_model_state_bytes(shapes, p.dp * p.cp, p.zero_stage, cfg.train.dtype, bucket)
+        _STATES[key] = engine_model_state_bytes(shapes, p.dp * p.cp, p.zero_stage, cfg.train.dtype, bucket,
+                                                offload=p.offload_optimizer)
     return _STATES[key]
 
 

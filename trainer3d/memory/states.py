@@ -86,9 +86,15 @@ class ModelStateBytes:
     """Adam's exp_avg and exp_avg_sq, the step counter and (fp16) the loss scaler."""
     gathered: int = 0
     """ZeRO-2's full compute-dtype parameters, held from forward until backward ends."""
+    host: int = 0
+    """Optimizer offload: the state in host memory (fp32 masters, moments and gradient copy,
+    the cast parameters on their way back, the step counter); not part of ``total``."""
+    offloaded: int = 0
+    """Optimizer offload: the owned elements whose state and step are on the host."""
 
     @property
     def total(self) -> int:
+        """Bytes on the device."""
         return self.params + self.grads + self.master + self.optimizer + self.gathered
 
 
@@ -97,13 +103,18 @@ def _shapes(shapes: Shapes) -> List[Tuple[int, ...]]:
 
 
 def engine_model_state_bytes(shapes: Shapes, dp: int, stage: int, dtype: str,
-                             bucket_numel: int = 25 * 2 ** 20 // 4, dp_rank: int = 0) -> ModelStateBytes:
+                             bucket_numel: int = 25 * 2 ** 20 // 4, dp_rank: int = 0,
+                             offload: bool = False) -> ModelStateBytes:
     """What this engine allocates per rank for parameters of ``shapes`` (this rank's model
     replica, in registration order; an int Ψ stands for one flat tensor of Ψ elements).
 
     ``bucket_numel`` is ``parallel.bucket_mb`` in fp32 elements (it sets stage 1's padding).
     ``dp_rank`` matters for stages 2/3 only: FSDP2 keeps parameter and gradient shards padded
     to ceil(rows/N) rows, but the moments cover the rank's real rows (rank 0 has the most).
+    ``offload`` (stages 0/1, parallel/zero/offload.py): the device keeps the parameters, the
+    fp32 gradient buckets and fp16's scaler; the host the owned elements' fp32 masters, moments
+    and gradient copy (16 bytes each), their cast for the way back (bf16/fp16: b more) and the
+    step counter.
     """
     shapes, b = _shapes(shapes), BYTES[dtype]
     scalars = STEP_BYTES + (FP16_SCALER_BYTES if dtype == "fp16" else 0)
@@ -112,6 +123,10 @@ def engine_model_state_bytes(shapes: Shapes, dp: int, stage: int, dtype: str,
         numels = [prod(s) for s in reversed(shapes)]  # the flat buffer's (backward) order
         _, _, flat = plan_buckets(numels, bucket_numel, dp if stage == 1 else 1)
         owned = flat // dp if stage == 1 else flat
+        if offload:
+            host = (16 + (b if b != 4 else 0)) * owned + STEP_BYTES
+            return ModelStateBytes(params=b * flat, grads=4 * flat, master=0, optimizer=scalars - STEP_BYTES,
+                                   host=host, offloaded=owned)
         master = 4 * owned if b != 4 else 0
         return ModelStateBytes(params=b * flat, grads=4 * flat, master=master, optimizer=8 * owned + scalars)
     if stage in (2, 3):

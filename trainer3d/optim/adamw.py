@@ -86,13 +86,15 @@ def adamw_groups(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs
 
 @torch.no_grad()
 def fused_adamw_(groups: List[Group], step_count: torch.Tensor, lr: float, cfg: OptimConfig,
-                 found_inf: Optional[torch.Tensor] = None) -> None:
+                 found_inf: Optional[torch.Tensor] = None, grad_scale: Optional[torch.Tensor] = None) -> None:
     """AdamW on ``groups`` in place; the one step counter they share (the kernel only reads it)
-    advanced unless ``found_inf`` (as torch's fused path does)."""
+    advanced unless ``found_inf`` (as torch's fused path does); ``grad_scale`` divides the
+    gradients first (in place)."""
     step_count += 1
     for wd, params, grads, exp_avgs, exp_avg_sqs, steps in groups:
         torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
-                            weight_decay=wd, eps=cfg.eps, amsgrad=False, maximize=False, found_inf=found_inf)
+                            weight_decay=wd, eps=cfg.eps, amsgrad=False, maximize=False, grad_scale=grad_scale,
+                            found_inf=found_inf)
     if found_inf is not None:
         step_count -= found_inf.squeeze()
 
@@ -100,11 +102,13 @@ def fused_adamw_(groups: List[Group], step_count: torch.Tensor, lr: float, cfg: 
 @torch.no_grad()
 def adamw_update_(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs: List[torch.Tensor],
                   exp_avg_sqs: List[torch.Tensor], decay: List[bool], step_count: torch.Tensor, lr: float,
-                  cfg: OptimConfig, found_inf: Optional[torch.Tensor] = None) -> None:
+                  cfg: OptimConfig, found_inf: Optional[torch.Tensor] = None,
+                  grad_scale: Optional[torch.Tensor] = None) -> None:
     """AdamW on lists of fp32 tensors in place, weight decay where ``decay``; one shared step
-    counter (the kernel only reads it), advanced unless ``found_inf`` (as torch's fused path does)."""
+    counter (the kernel only reads it), advanced unless ``found_inf`` (as torch's fused path does).
+    ``grad_scale``: the kernel divides the gradients by it first (in place)."""
     fused_adamw_(adamw_groups(params, grads, exp_avgs, exp_avg_sqs, decay, step_count, cfg), step_count, lr, cfg,
-                 found_inf)
+                 found_inf, grad_scale)
 
 
 class FlatAdamW:

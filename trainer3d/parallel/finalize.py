@@ -44,6 +44,9 @@ class GradFinalizer:
             self._sum_replicated_over_tp()
         if self.tied is not None:
             self.tied.sum_gradients()
+        changed = self.replicated + ([self.tied.param] if self.tied is not None else [])
+        if changed:
+            self.optimizer.grads_changed(changed)
 
     def _sum_replicated_over_tp(self) -> None:
         """The tp sum of the replicated parameters' gradients (one flat all-reduce): the full

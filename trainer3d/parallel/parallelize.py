@@ -39,6 +39,7 @@ from trainer3d.parallel.tensor.layers import apply_tensor_parallel
 from trainer3d.parallel.tensor.loss import chunked_loss_fn, vocab_parallel_loss_fn
 from trainer3d.parallel.wgrad import route_linear_layers
 from trainer3d.parallel.zero.flat import ReplicatedOptimizer, ShardedOptimizer
+from trainer3d.parallel.zero.offload import OffloadedOptimizer
 from trainer3d.parallel.topology import ParallelDims
 
 
@@ -90,6 +91,8 @@ def build_model_chunks(cfg: Config, dims: ParallelDims, initialise: bool = True)
 def build_optimizer(chunks: List[nn.Module], cfg: Config, dims: ParallelDims) -> ZeroOptimizer:
     """The optimizer of ``parallel.zero_stage`` over this rank's chunks."""
     stage = cfg.parallel.zero_stage
+    if cfg.parallel.offload_optimizer and stage < 2:
+        return OffloadedOptimizer(chunks, cfg, dims, sharded=stage == 1)
     if stage == 0:
         return ReplicatedOptimizer(chunks, cfg, dims)
     if stage == 1:

@@ -21,7 +21,7 @@ from trainer3d.config.validate import validate
 from trainer3d.memory.states import format_bytes
 from trainer3d.model.flops import flops_per_token
 from trainer3d.plan.devices import Device
-from trainer3d.plan.search import Plan, _launcher, backend_of, evaluate
+from trainer3d.plan.search import Plan, _launcher, backend_of, evaluate, host_link
 from trainer3d.plan.settings import PlanConfig
 from trainer3d.plan.step_time import StepTime
 
@@ -52,7 +52,8 @@ def evaluate_layout(cfg: PlanConfig, device: Device) -> Plan:
     c = cfg.cluster
     if c.attention not in ("flash", "math"):
         raise LayoutError(f"cluster.attention={c.attention} is not one of flash, math")
-    return evaluate(layout_config(cfg, device), device, c.gpus_per_node, backend_of(cfg, device), c.attention)
+    return evaluate(layout_config(cfg, device), device, c.gpus_per_node, backend_of(cfg, device), c.attention,
+                    host_link(cfg))
 
 
 def _terms(terms: Dict[str, int]) -> str:

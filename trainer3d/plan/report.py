@@ -14,7 +14,7 @@ from trainer3d.plan.search import Plan, SearchResult, command
 def _layout(plan_cfg) -> str:
     p, t = plan_cfg.parallel, plan_cfg.train
     return (f"tp={p.tp}{f' cp={p.cp}' if p.cp > 1 else ''} pp={p.pp} dp={p.dp} micro={t.micro_batch_size} "
-            f"zero={p.zero_stage}"
+            f"zero={p.zero_stage}" + (" offload" if p.offload_optimizer else "")
             + (" sp" if p.sequence_parallel else "") + (" recompute" if t.activation_checkpointing else "")
             + (f" interleaved v={p.pp_virtual_stages}" if p.pp_virtual_stages > 1 else ""))
 
@@ -48,7 +48,7 @@ def table_lines(cfg: PlanConfig, plans: Sequence[Plan]) -> List[str]:
         p, t = plan.cfg.parallel, plan.cfg.train
         tflops = flops_per_token(plan.cfg.model, t.seq_len) * plan.tokens_per_s / world / 1e12
         lines.append(f"{i:>3} {p.tp:>3} {p.cp:>3} {p.pp:>3} {p.pp_virtual_stages:>2} {p.dp:>5} {t.micro_batch_size:>5} "
-                     f"{t.grad_accum_steps:>5} {p.zero_stage:>4} {'y' if p.sequence_parallel else '-':>3} "
+                     f"{t.grad_accum_steps:>5} {str(p.zero_stage) + ('+o' if p.offload_optimizer else ''):>4} {'y' if p.sequence_parallel else '-':>3} "
                      f"{'y' if t.activation_checkpointing else '-':>6} {format_bytes(plan.memory.total):>10} "
                      f"{plan.step.total:>8.3f} {plan.step.bubble / plan.step.total:>6.1%} "
                      f"{plan.tokens_per_s:>11,.0f} {tflops:>12.3g}")

@@ -7,7 +7,8 @@ cp over the powers of two that divide what is left, pp over the divisors of what
 then (at most one layer per stage), dp the rest; then micro-batch size, ZeRO stage, sequence parallelism (tp > 1),
 recomputation and the schedule (1F1B, or interleaved 1F1B with v chunks per rank when
 pp > 1). Two of validate()'s rules shape the space instead of filtering it (ZeRO 2/3 only
-without a pipeline; at least one layer per stage), and without data parallelism only ZeRO
+without a pipeline; at least one layer per stage), a ZeRO 0/1 layout over the device's
+memory is tried once more with its optimizer offloaded to the host (``search.offload``), and without data parallelism only ZeRO
 stage 0 is tried (the others shard over dp = 1: the same layout). Every candidate goes through the engine's own ``validate()`` (its refusals are
 counted by the knob they name), then through the peak-memory accounting of the ranks that
 bound it (trainer3d/memory/peak.py), then through the step-time model (step_time.py).
@@ -23,7 +24,7 @@ from trainer3d.config.schema import Config, LauncherConfig
 from trainer3d.memory.peak import RankMemory, rank_memory
 from trainer3d.plan.settings import PlanConfig
 from trainer3d.plan.devices import Device
-from trainer3d.plan.step_time import StepTime, ranks_evaluated, step_time, tokens_per_s
+from trainer3d.plan.step_time import HostLink, StepTime, ranks_evaluated, step_time, tokens_per_s
 from trainer3d.config.validate import ConfigError, validate
 
 GiB = 2 ** 30
@@ -42,6 +43,11 @@ class Plan:
     @property
     def tokens_per_s(self) -> float:
         return tokens_per_s(self.cfg, self.step)
+
+    def host_per_node(self, ranks_per_node: int) -> int:
+        """Offloaded optimizer state on one node: the bounding ranks' most, times the ranks per
+        node (an upper bound: the pipeline ranks sharing a node hold about the same)."""
+        return max((mem.host for mem in self.ranks.values()), default=0) * ranks_per_node
 
 
 @dataclass
@@ -113,11 +119,13 @@ def candidates(cfg: PlanConfig, device: Device) -> Iterator[Config]:
 _KNOB = re.compile(r"([a-z_]+\.[a-z_]+)")
 
 
-def evaluate(cfg: Config, device: Device, ranks_per_node: int, backend: str, attention: str = "flash") -> Plan:
+def evaluate(cfg: Config, device: Device, ranks_per_node: int, backend: str, attention: str = "flash",
+             link: Optional[HostLink] = None) -> Plan:
     """A validated layout's worst peak memory and predicted step (the step is timed even
     when the memory does not fit; search() drops those)."""
     mems = {r: rank_memory(cfg, r, attention) for r in ranks_evaluated(cfg.parallel.pp)}
-    step = step_time(cfg, device, {r: mem.states for r, mem in mems.items()}, ranks_per_node, backend, attention)
+    step = step_time(cfg, device, {r: mem.states for r, mem in mems.items()}, ranks_per_node, backend, attention,
+                     link)
     return Plan(cfg=cfg, memory=max(mems.values(), key=lambda mem: mem.total), step=step, ranks=mems)
 
 
@@ -125,10 +133,27 @@ def backend_of(cfg: PlanConfig, device: Device) -> str:
     return cfg.cluster.backend if cfg.cluster.backend != "auto" else ("gloo" if device.shared_memory else "nccl")
 
 
+def host_link(cfg: PlanConfig) -> HostLink:
+    return HostLink(pcie_gbps=cfg.cluster.pcie_gb_s, host_gbps=cfg.cluster.host_memory_gb_s)
+
+
+def host_usable_bytes(cfg: PlanConfig) -> float:
+    """Host memory per node for offloaded optimizer state (``cluster.host_memory_gb`` less 10%)."""
+    return 0.9 * cfg.cluster.host_memory_gb * GiB
+
+
+def _offloaded(cfg: Config) -> Config:
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, offload_optimizer=True))
+
+
 def search(cfg: PlanConfig, device: Device) -> SearchResult:
+    """Every candidate that fits, fastest first; a ZeRO 0/1 candidate over the device's memory
+    is tried again with its optimizer offloaded (``search.offload``), and kept if that fits
+    the device and the node's host memory."""
     c = cfg.cluster
     backend = backend_of(cfg, device)
     usable = device.usable_bytes(c.gpus_per_node)
+    link, host_usable = host_link(cfg), host_usable_bytes(cfg)
     result = SearchResult()
     for candidate in candidates(cfg, device):
         result.evaluated += 1
@@ -139,8 +164,14 @@ def search(cfg: PlanConfig, device: Device) -> SearchResult:
             result.refused[knob] += 1
             result.refusal_examples.setdefault(knob, err.problems[0])
             continue
-        plan = evaluate(valid, device, c.gpus_per_node, backend, c.attention)
-        if plan.memory.total > usable:
+        plan = evaluate(valid, device, c.gpus_per_node, backend, c.attention, link)
+        # a CPU node's ranks share one memory: moving state to the host frees nothing there
+        if (plan.memory.total > usable and cfg.search.offload and valid.parallel.zero_stage < 2
+                and not valid.parallel.offload_optimizer and not device.shared_memory):
+            offloaded = evaluate(_offloaded(valid), device, c.gpus_per_node, backend, c.attention, link)
+            if offloaded.memory.total <= usable and offloaded.host_per_node(c.gpus_per_node) <= host_usable:
+                plan = offloaded
+        if plan.memory.total > usable or plan.host_per_node(c.gpus_per_node) > host_usable:
             result.over_memory += 1
             over = plan.memory.total - usable
             if result.closest_over is None or over < result.closest_over[0]:
@@ -166,6 +197,8 @@ def layout_overrides(cfg: Config) -> List[str]:
         out.append(f"parallel.cp={p.cp}")
     if p.sequence_parallel:
         out.append("parallel.sequence_parallel=true")
+    if p.offload_optimizer:
+        out.append("parallel.offload_optimizer=true")
     if p.pp_schedule != "1f1b":
         out += [f"parallel.pp_schedule={p.pp_schedule}", f"parallel.pp_virtual_stages={p.pp_virtual_stages}"]
     out += [f"train.micro_batch_size={t.micro_batch_size}", "train.grad_accum_steps=null",

@@ -32,6 +32,16 @@ class ClusterConfig:
     every score computed and kept, as torch's math SDPA or Megatron-LM 2021; trainer3d/plan/kernels.py)."""
     backend: str = "auto"
     """Collectives: auto (nccl on GPUs, gloo on CPUs) | nccl | gloo (ZeRO-1 reduces by reduce-scatter on nccl)."""
+    host_memory_gb: float = 1024.0
+    """Host memory per node, GiB, for the offloaded optimizer state of all its ranks
+    (parallel.offload_optimizer); default: a DGX A100's 1 TB. 10% is kept for the OS, the
+    data loaders and the page cache."""
+    host_memory_gb_s: float = 200.0
+    """The node's host memory bandwidth, GB/s, that its ranks' host AdamW steps share (the step is
+    memory-bound: docs/offload.md); default: about two thirds of two 8-channel DDR4-3200 sockets."""
+    pcie_gb_s: float = 25.0
+    """Each GPU's host link, GB/s per direction, for the offloaded gradients and parameters;
+    default: PCIe 4.0 x16 as achieved (32 GB/s raw)."""
 
 
 @dataclass
@@ -47,6 +57,9 @@ class SearchConfig:
     it has 1F1B's bubble and holds every micro-batch's activations.)"""
     sequence_parallel: List[bool] = field(default_factory=lambda: [False, True])
     recompute: List[bool] = field(default_factory=lambda: [False, True])
+    offload: bool = True
+    """Try ``parallel.offload_optimizer`` (ZeRO 0/1) for a layout that does not fit the device
+    without it; proposed only where it makes the layout fit."""
     context_parallel_from: int = 16384
     """train.seq_len from which context parallelism is tried (cp over the powers of two up to
     ``context_parallel_max``, within what tp leaves); shorter sequences search cp = 1 only."""

@@ -22,6 +22,11 @@ trainer3d/parallel/context/).
                                               un-overlapped share, one collective's latency
                                               per sharded unit (every block and the root)
          + optimizer                          AdamW over the owned elements, memory-bound
+         + offload                            parallel.offload_optimizer: the gradients' copy to
+                                              the host (overlapped with the last micro-batch's
+                                              backward except the last bucket), the host AdamW
+                                              (memory-bound, the node's host bandwidth shared by
+                                              its ranks) and the parameters' copy back
          + host                               the engine's own time per step outside the blocks
                                               (CPUs: measured by --calibrate; 0 on GPUs)
 
@@ -33,7 +38,7 @@ cores (CPUs) a step also takes at least the node's total work over the node's th
 """
 
 from dataclasses import dataclass, field, fields
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from trainer3d.memory.activations import FP32, Sizes
 from trainer3d.config.schema import Config
@@ -43,6 +48,15 @@ from trainer3d.plan.block_time import all_reduce_s, block_time, tp_region_s
 from trainer3d.plan.devices import Device
 
 ADAMW_BYTES = 36  # per owned element: read grad, moments, master/param; write moments, master/param (+16-bit copy)
+HOST_ADAMW_BYTES = 32  # the host kernel: read master, grad, moments; write them back (the gradient divided in place)
+
+
+@dataclass(frozen=True)
+class HostLink:
+    """What the offloaded optimizer's time depends on (``cluster.pcie_gb_s``, ``cluster.host_memory_gb_s``)."""
+
+    pcie_gbps: float = 25.0
+    host_gbps: float = 200.0
 
 
 def gather_s(nbytes: float, n: int, gbps: float, latency_us: float) -> float:
@@ -77,6 +91,7 @@ class StepTime:
         pp_comm     hand-overs between stages on the critical path
         dp_comm     data-parallel communication not hidden behind backward
         optimizer   AdamW over the owned elements, zeroing and clipping the gradients
+        offload     the offloaded optimizer's host step and the transfers not hidden behind backward
         node_bound  shared cores: the node's work over its throughput, when that exceeds
                     the critical path (0 where every rank has its own device)
         host        the engine's host time per step outside the blocks (data, loss and
@@ -89,6 +104,7 @@ class StepTime:
     pp_comm: float = 0.0
     dp_comm: float = 0.0
     optimizer: float = 0.0
+    offload: float = 0.0
     node_bound: float = 0.0
     host: float = 0.0
     compute_terms: Dict[str, float] = field(default_factory=dict)
@@ -98,7 +114,7 @@ class StepTime:
     def terms(self) -> Dict[str, float]:
         """Every term by name, ``compute``'s parts as ``compute.<part>`` after it (``tp_comm``
         is one of them); the step is compute + bubble + pp_comm (or node_bound) + dp_comm +
-        optimizer + host."""
+        optimizer + offload + host."""
         out: Dict[str, float] = {}
         for f in fields(self):
             if f.name in ("tp_comm", "compute_terms"):
@@ -115,7 +131,7 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return max(self.critical_path, self.node_bound) + self.dp_comm + self.optimizer + self.host
+        return max(self.critical_path, self.node_bound) + self.dp_comm + self.optimizer + self.offload + self.host
 
 
 def _cp_exposed(cfg: Config, z: Sizes, device: Device, ranks_per_node: int) -> Tuple[float, float]:
@@ -221,11 +237,31 @@ def _dp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: Ran
     return exposed
 
 
+def offload_s(cfg: Config, states: ModelStateBytes, backward: float, node_ranks: int, link: HostLink) -> float:
+    """One rank's offloaded-optimizer time per step not hidden (parallel/zero/offload.py): each
+    bucket's owned fp32 gradients leave as its reduction is launched, during the last
+    micro-batch's backward but for the last bucket; the host AdamW over the owned elements at
+    this rank's share of the host bandwidth; the updated ``train.dtype`` slice back before
+    the all-gather."""
+    owned = states.offloaded
+    if not owned:
+        return 0.0
+    b = BYTES[cfg.train.dtype]
+    pcie = link.pcie_gbps * 1e9
+    to_host = FP32 * owned / pcie
+    share = min(1.0, cfg.parallel.bucket_mb * 2 ** 20 / max(1, states.grads))
+    exposed = to_host * share + max(0.0, to_host * (1 - share) - backward)
+    cast = (FP32 + b) if b != FP32 else 0  # the bf16/fp16 copy for the way back, made on the host
+    host_step = (HOST_ADAMW_BYTES + cast) * owned / (link.host_gbps * 1e9 / node_ranks)
+    return exposed + host_step + b * owned / pcie
+
+
 def step_time(cfg: Config, device: Device, states: Dict[int, ModelStateBytes], ranks_per_node: int,
-              backend: str = "nccl", attention: str = "flash") -> StepTime:
+              backend: str = "nccl", attention: str = "flash", link: Optional[HostLink] = None) -> StepTime:
     """``states``: model states of the pipeline ranks to time (at least the first and the
     last: the others differ only by the layers they hold, balanced by the stage split);
-    ``attention``: the attention kernel (``cluster.attention``, kernels.py)."""
+    ``attention``: the attention kernel (``cluster.attention``, kernels.py); ``link``: the host's
+    figures for an offloaded optimizer."""
     p, t = cfg.parallel, cfg.train
     m, v = t.grad_accum_steps, p.pp_virtual_stages
     node_ranks = min(ranks_per_node, p.tp * p.cp * p.pp * p.dp)
@@ -241,11 +277,12 @@ def step_time(cfg: Config, device: Device, states: Dict[int, ModelStateBytes], r
     fill = (p.pp - 1) / v
     optimizer = max(_optimizer_s(cfg, device, s) for s in states.values())
     dp = max(_dp_exposed(cfg, device, s, times[r], ranks_per_node, backend) for r, s in states.items())
+    offload = max(offload_s(cfg, s, times[r].backward, node_ranks, link or HostLink()) for r, s in states.items())
     # > 1 where the node's ranks share cores: their work, at one rank's speed alone, over the node's rate
     share = node_ranks * device.rank_speed(node_ranks) / device.node_rate(node_ranks)
     mean_compute = sum(m * (x.forward + x.backward) for x in times.values()) / len(times)
     return StepTime(compute=m * busy, tp_comm=m * times[slowest].tp_comm, bubble=fill * slot,
-                    pp_comm=m * 2 * v * hop, dp_comm=share * dp, optimizer=share * optimizer,
+                    pp_comm=m * 2 * v * hop, dp_comm=share * dp, optimizer=share * optimizer, offload=offload,
                     node_bound=share * mean_compute if share > 1 else 0.0, host=device.step_overhead_us * 1e-6,
                     compute_terms={name: m * value for name, value in times[slowest].terms.items()})
 

@@ -30,7 +30,7 @@ reduction of the head's bucket runs while backward is still in the lower layers.
 
 import functools
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -142,6 +142,8 @@ class GradReducer:
         self.launch_order: List[int] = []
         """Bucket indices in launch order this step, and how many launched inside backward."""
         self.launched_in_backward = 0
+        self.on_launch: Optional[Callable[[Bucket], None]] = None
+        """Called with each bucket right after its reduction is launched (parallel/zero/offload.py)."""
         for i, p in enumerate(buffers.params):
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
         self.zero_grad()
@@ -179,13 +181,14 @@ class GradReducer:
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
         self.launch_order.append(bucket.index)
-        if self.dp == 1:
-            return
-        flat = self.buffers.grad_buffer[bucket.start:bucket.end]
-        if self.mode == "all_reduce":
-            bucket.work = comm.all_reduce_avg(flat, self.group)
-        else:
-            bucket.work = comm.reduce_scatter_avg(self.shard_of(bucket, self.buffers.grad_buffer), flat, self.group)
+        if self.dp > 1:
+            flat = self.buffers.grad_buffer[bucket.start:bucket.end]
+            if self.mode == "all_reduce":
+                bucket.work = comm.all_reduce_avg(flat, self.group)
+            else:
+                bucket.work = comm.reduce_scatter_avg(self.shard_of(bucket, self.buffers.grad_buffer), flat, self.group)
+        if self.on_launch is not None:
+            self.on_launch(bucket)
 
     def shard_of(self, bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
         """This dp rank's equal slice of ``bucket`` in ``flat`` (a buffer with the same layout)."""

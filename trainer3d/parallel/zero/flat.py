@@ -31,7 +31,7 @@ from torch import nn
 from trainer3d.config.schema import Config
 from trainer3d.model.init import canonical_name, tp_shard_of
 from trainer3d.parallel import comm
-from trainer3d.optim.adamw import FlatAdamW, segments_of
+from trainer3d.optim.adamw import FlatAdamW, Segment, segments_of
 from trainer3d.parallel.zero.buckets import FlatBuffers, GradReducer
 from trainer3d.optim.clip import clip_by_global_norm_, counted_once_over_tp, sum_of_squares
 from trainer3d.parallel.zero.optimizer import StateView, ZeroOptimizer
@@ -82,7 +82,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
         ranges = {p: self.buffers.range_of(p) for p in self.buffers.params}
         segments = segments_of(self.names, ranges, self.pieces)
         owned_numel = sum(hi - lo for lo, hi in self.pieces)
-        self.adam = FlatAdamW(segments, owned_numel, self.buffers.param_buffer, self.buffers.grad_buffer, cfg.optim)
+        self.adam = self._make_adam(segments, owned_numel)
         self.step_count = self.adam.step_count
         self.scaler = make_loss_scaler(dtype, dims.device, cfg.train.loss_scale_init)
         self._owned_grads = [self.buffers.grad_buffer[lo:hi] for lo, hi in self.pieces]
@@ -94,6 +94,10 @@ class FlatZeroOptimizer(ZeroOptimizer):
         self.deferred = None
         if sharded and dims.dp_cp > 1 and overlap_gather:
             self.deferred = DeferredGather(chunks, {p: b.index for b in self.buffers.buckets for p in b.params})
+
+    def _make_adam(self, segments: List[Segment], owned_numel: int) -> FlatAdamW:
+        """The AdamW state of the owned pieces, on the device (parallel/zero/offload.py: on the host)."""
+        return FlatAdamW(segments, owned_numel, self.buffers.param_buffer, self.buffers.grad_buffer, self.cfg.optim)
 
     def _owned_pieces(self) -> List[Tuple[int, int]]:
         if not self.sharded:

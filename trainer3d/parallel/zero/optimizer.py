@@ -11,7 +11,8 @@ One step, as trainer3d/trainer.py runs it::
     (opt.scale_loss(loss) / grad_accum).backward()   # every micro-batch
     opt.reduce_gradients()                           # dp reduction done (fp16: unscaled), and then
                                                      # the tp and tied-embedding sums of opt.grad(p):
-                                                     # both in GradFinalizer (parallel/finalize.py)
+                                                     # both in GradFinalizer (parallel/finalize.py),
+                                                     # which names the changed ones (grads_changed)
     norm = opt.clip_grad_norm(max_norm)              # global norm, each element counted once
     opt.step(lr)                                     # ZeRO-1: parameters gathered during the next forward
     opt.step_metrics()                               # device tensors for metrics.jsonl
@@ -85,6 +86,10 @@ class ZeroOptimizer(ABC):
     def grad(self, param: torch.Tensor) -> Optional[torch.Tensor]:
         """This rank's part of ``param``'s reduced gradient, a plain tensor the step reads:
         an in-place change to it (the sequence-parallel sync) is what the step uses."""
+
+    def grads_changed(self, params: List[torch.nn.Parameter]) -> None:  # noqa: B027  (no-op unless offloaded)
+        """After ``reduce_gradients``: these parameters' ``grad`` views were changed in place (the
+        tp and tied-embedding sums); an optimizer holding a copy of them (offload) takes it again."""
 
     shards_state: bool = False
     """Each dp rank owns (updates) only part of every gradient: ZeRO 1-3."""

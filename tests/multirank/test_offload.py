@@ -1,0 +1,112 @@
+"""ZeRO-Offload (parallel.offload_optimizer: parallel/zero/offload.py) trains the model one process
+trains, and its checkpoints are the ones training without it writes.
+
+fp32: pp2 x dp2, tp2 x dp2 (sequence parallel, whose norms' gradients change after they
+left for the host) and one rank (ZeRO-0) with offload match the 1-rank reference per step (relative 1e-5, 20
+steps, tests/support/runs.py: PARITY). bf16 and fp16 with offload follow the same run without
+it (the step's arithmetic is the same, so well inside bf16's tolerance); fp16 skips the same
+overflowing steps. A checkpoint saved with offload resumes without it and the reverse.
+"""
+
+import numpy as np
+import pytest
+
+from tests.support.harness import dims_for, run_ranks
+from tests.support.runs import PARITY, assert_parity, losses_in_ranks, read_metrics, reference_losses
+from trainer3d.checkpoint import store
+from trainer3d.config.schema import Config
+from trainer3d.config.validate import validate
+from trainer3d.parallel.zero.offload import OffloadedOptimizer
+from trainer3d.trainer import Trainer
+
+OFFLOAD = "parallel.offload_optimizer=true"
+SMALL_BUCKETS = "parallel.bucket_mb=0.05"  # dozens of buckets: most copies leave during backward
+
+LAYOUTS = [
+    pytest.param(("parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1", SMALL_BUCKETS), id="pp2-dp2-z1"),
+    pytest.param(("parallel.tp=2", "parallel.dp=2", "parallel.zero_stage=1", "parallel.sequence_parallel=true"),
+                 id="tp2-dp2-z1-sp"),
+    # stage 0 on one rank: the whole state offloaded, every bucket's copy all of it
+    pytest.param(("parallel.zero_stage=0", SMALL_BUCKETS), id="single-z0"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_offload_matches_single_process(tmp_path, session_tmp, layout):
+    ref = reference_losses(session_tmp, PARITY)
+    got = losses_in_ranks(tmp_path, [*PARITY, "parallel=single", *layout, OFFLOAD], timeout=900)
+    print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
+
+
+MIXED = ("parallel=single", "parallel.dp=2", "parallel.zero_stage=1", "train.max_steps=12", SMALL_BUCKETS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_mixed_precision_offload_follows_the_device_step(tmp_path, dtype):
+    """The same run with and without offload: per-step losses within bf16's rounding of one
+    another (they differ only in dividing vs multiplying by the clip coefficient), and fp16's
+    loss scale and skipped steps identical (2^20 to start: the first steps overflow)."""
+    base = [*PARITY, *MIXED, f"train.dtype={dtype}", "train.loss_scale_init=1048576"]
+    plain = losses_in_ranks(tmp_path / "plain", base)
+    offloaded = losses_in_ranks(tmp_path / "offload", [*base, OFFLOAD])
+    np.testing.assert_allclose(offloaded, plain, rtol=1e-3)
+    assert offloaded[-1] < offloaded[0] - 1.0
+    if dtype == "fp16":
+        rows_plain, rows_off = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "offload")
+        assert any(r["skipped"] for r in rows_off) and not all(r["skipped"] for r in rows_off)
+        for key in ("skipped", "loss_scale"):
+            assert [r[key] for r in rows_off] == [r[key] for r in rows_plain], key
+
+
+STEPS, SAVE_AT = 8, 4
+
+
+def _config(run_dir: str, dtype: str, offload: bool, resume: str, steps: int) -> Config:
+    cfg = Config(run_dir=run_dir)
+    cfg.parallel.dp, cfg.parallel.zero_stage, cfg.parallel.timeout_s = 2, 1, 60
+    cfg.parallel.offload_optimizer = offload
+    t = cfg.train
+    t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, t.seq_len = 2, 8, None, 32
+    t.max_steps, t.log_every, t.dtype, t.resume = steps, 1, dtype, resume
+    cfg.checkpoint.every, cfg.checkpoint.keep = SAVE_AT, 4
+    return validate(cfg)
+
+
+def _state(opt):
+    return {f"{kind} {v.name} {v.start}": t.float().numpy().copy()
+            for v in opt.checkpoint_views() for kind, t in v.tensors.items()}
+
+
+def _train(rank, world, run_dir, dtype, offload, resume, steps):
+    """Train to ``steps``; this rank's state by checkpoint key as built (or loaded) and at the end."""
+    trainer = Trainer(_config(run_dir, dtype, offload, resume, steps), dims_for(dp=world))
+    assert isinstance(trainer.optimizer, OffloadedOptimizer) == offload
+    loaded = _state(trainer.optimizer)
+    trainer.train()
+    return loaded, _state(trainer.optimizer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,saved_with", [("bf16", True), ("bf16", False), ("fp32", False)],
+                         ids=["bf16-offload-to-device", "bf16-device-to-offload", "fp32-device-to-offload"])
+def test_checkpoint_resumes_across_offload(tmp_path, dtype, saved_with):
+    """ZeRO-1 on dp2 saved after 4 steps by one mode and resumed by the other: the loaded
+    parameters, fp32 masters (bf16) and moments are bit for bit what the saver held, under the
+    same keys, and the resumed steps follow the saver's uninterrupted run (fp32: the host
+    masters are taken from the loaded parameters)."""
+    saver, full_dir, resumed_dir = tmp_path / "saver", tmp_path / "full", tmp_path / "resumed"
+    saved = run_ranks(_train, 2, str(saver), dtype, saved_with, "never", SAVE_AT, timeout=600)
+    run_ranks(_train, 2, str(full_dir), dtype, saved_with, "never", STEPS, timeout=600)
+    resumed = run_ranks(_train, 2, str(resumed_dir), dtype, not saved_with,
+                        str(store.step_dir(saver / "checkpoints", SAVE_AT)), STEPS, timeout=600)
+    for rank, ((_, at_save), (loaded, _)) in enumerate(zip(saved, resumed)):
+        assert at_save.keys() == loaded.keys(), rank
+        assert any(k.startswith("master ") for k in loaded) == (dtype == "bf16"), rank
+        for key, value in at_save.items():
+            np.testing.assert_array_equal(loaded[key], value, err_msg=f"rank {rank} {key}")
+    rows_full, rows_resumed = read_metrics(full_dir), read_metrics(resumed_dir)
+    assert [r["step"] for r in rows_resumed] == list(range(SAVE_AT, STEPS))
+    np.testing.assert_allclose([r["loss"] for r in rows_resumed], [r["loss"] for r in rows_full[SAVE_AT:]],
+                               rtol=1e-3 if dtype == "bf16" else 1e-5)
