@@ -41,12 +41,14 @@ import socket
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # tools.bench.revision; a child puts its revision's tree before it
+
+from tools.bench.revision import extract_revision  # noqa: E402
 DIM, LAYERS, HEADS, SWIGLU, VOCAB = 128, 4, 4, 344, 257
 GPT_MLP = 3 * SWIGLU // 2  # 516: the GELU MLP's two matrices hold as many weights as SwiGLU's three
 DP, MICRO, SEQ, LR, CLIP = 2, 8, 64, 3e-3, 1.0
@@ -218,7 +220,7 @@ def main(argv=None) -> int:
         if args.only:
             sides = {args.only: sides[args.only]}
         if args.against:
-            old = _extract(args.against, Path(tmp))
+            old = extract_revision(args.against, Path(tmp))
             sides[args.against] = lambda: run_trainer3d(args.steps, args.warmup, old)
         ratios = {name: [] for name in sides if name != "deepspeed"}
         for pair in range(args.pairs):
@@ -235,16 +237,6 @@ def main(argv=None) -> int:
         print(f"trainer3d / deepspeed tokens/s, median of {len(ratios['trainer3d'])} pairs: "
               f"{statistics.median(ratios['trainer3d']):.3f}")
     return 0
-
-
-def _extract(rev: str, into: Path) -> Path:
-    """trainer3d/ and conf/ as they are at git revision ``rev``, under ``into``."""
-    archive = into / "src.tar"
-    subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", "-o", str(archive), rev, "trainer3d", "conf"],
-                   check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(into, filter="data")
-    return into
 
 
 if __name__ == "__main__":

@@ -54,12 +54,14 @@ import socket
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # tools.bench.revision; a child puts its revision's tree before it
+
+from tools.bench.revision import extract_revision  # noqa: E402
 
 TINY = ("model=tiny", "model.dim=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
         "model.ffn_dim=64", "train.seq_len=32", "train.micro_batch_size=1", "train.global_batch_size=null",
@@ -174,15 +176,6 @@ def child(args) -> dict:
 
 # ---------------------------------------------------------------------------- the parent: compare
 
-def _extract(rev: str, into: Path) -> Path:
-    archive = into / "src.tar"
-    subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", "-o", str(archive), rev, "trainer3d", "conf"],
-                   check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(into, filter="data")
-    return into
-
-
 def _run(root: Path, accum: int, args) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         cmd = [sys.executable, __file__, "--child", "--root", str(root), "--run-dir", run_dir,
@@ -217,7 +210,7 @@ LABELS = (("engine_step_ms", "engine ms / step"), ("engine_micro_ms", "engine ms
 def profile(args) -> int:
     """The engine's functions with the most cumulative CPU time per step (cProfile), this tree and REV."""
     with tempfile.TemporaryDirectory() as tmp:
-        roots = {"this tree": ROOT, **({args.against: _extract(args.against, Path(tmp))} if args.against else {})}
+        roots = {"this tree": ROOT, **({args.against: extract_revision(args.against, Path(tmp))} if args.against else {})}
         runs = {name: _run(root, args.accum, args) for name, root in roots.items()}
     per_step = {name: {k: (n / r["steps"], t / r["steps"] * 1e6) for k, (n, t) in r["calls"].items()}
                 for name, r in runs.items()}
@@ -255,7 +248,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         roots = {"this tree": ROOT}
         if args.against:
-            roots[args.against] = _extract(args.against, Path(tmp))
+            roots[args.against] = extract_revision(args.against, Path(tmp))
         runs = {name: [] for name in roots}
         for _ in range(args.rounds):
             for name, root in roots.items():

@@ -29,12 +29,14 @@ import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # tools.bench.revision; a child puts its revision's tree before it
+
+from tools.bench.revision import extract_revision  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- in a child: measure
@@ -137,15 +139,6 @@ def child(args) -> dict:
 
 # ---------------------------------------------------------------------------- the parent: compare
 
-def _extract(rev: str, into: Path) -> Path:
-    archive = into / "src.tar"
-    subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", "-o", str(archive), rev, "trainer3d"],
-                   check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(into, filter="data")
-    return into
-
-
 def _run(argv, root: Path) -> dict:
     cmd = [sys.executable, __file__, *argv, "--child", "--root", str(root)]
     # Started in ``root`` with it on PYTHONPATH, not only on sys.path: the ranks fork from a
@@ -199,7 +192,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         roots = {"this tree": ROOT}
         if args.against:
-            roots[args.against] = _extract(args.against, Path(tmp))
+            roots[args.against] = extract_revision(args.against, Path(tmp))
         runs = {name: [] for name in roots}
         for _ in range(args.rounds if args.against else 1):
             for name, root in roots.items():

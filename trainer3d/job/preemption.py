@@ -16,7 +16,7 @@ and the ranks agree at step boundaries:
 
 The check costs no synchronisation on the hot path, on CPU or GPU: the flag is a CPU tensor
 on a gloo group separate from the training's (NCCL on GPUs), and its round trip overlaps a
-whole step (tools/bench_stop_check.py measures it). After the stop the trainer saves a
+whole step (tools/bench/host_overhead.py --profile counts its host time). After the stop the trainer saves a
 checkpoint and ``leave`` ends the ranks: on SIGUSR2 in a submitit job rank 0 runs
 submitit's handler (``TrainTask.checkpoint`` -> dump -> ``scontrol requeue``) and every
 rank exits without a result, so the requeued attempt starts clean.
