@@ -1,15 +1,13 @@
 #!/usr/bin/env python
-"""Export a checkpoint's model (Hugging Face Llama by default): see trainer3d/checkpoint/export.py.
-
-    python tools/export_model.py outputs/.../checkpoints/step_00000300 exported/ [--dtype bf16]
-"""
+"""A checkpoint's model as a Hugging Face directory (docs/huggingface.md): trainer3d/tools/export_model.py, also installed as ``trainer3d-export-model``
+(and ``python -m trainer3d.tools.export_model``). This script runs it from a checkout."""
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer3d.checkpoint.export import main  # noqa: E402
+from trainer3d.tools.export_model import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,136 +1,13 @@
 #!/usr/bin/env python
-"""Build a token file from text files, directories and JSON Lines, for ``data=tokens data.path=<out.bin>``.
+"""Text files, directories and JSON Lines -> a token file (docs/data.md): trainer3d/tools/prepare_data.py, also installed as ``trainer3d-prepare-data``
+(and ``python -m trainer3d.tools.prepare_data``). This script runs it from a checkout."""
 
-    python tools/prepare_data.py --out data/corpus.bin my_texts/ notes.md          # byte level (vocab 257)
-    python tools/prepare_data.py --out data/web.bin --tokenizer path/to/hf_model_dir web.jsonl.zst --workers 8
-    python tools/prepare_data.py --out data/code.bin --train-tokenizer 8192 src/     # train a BPE first
-    python -m trainer3d.train data=tokens data.path=data/web.bin model.vocab_size=<its vocab_size>
-
-Inputs: files and directories (walked recursively for --suffixes), plain or compressed
-(.gz, .zst); a text file is one document, a line of a .jsonl file one document (its text
-under --text-key). The tokenizer's end-of-document id follows every document. Without
---tokenizer the tokens are byte-level, as the built-in corpus (``model=tiny`` trains on it
-as is); --tokenizer takes a tokenizer.json or a directory holding one (a Hugging Face
-model directory); --train-tokenizer VOCAB trains a byte-level BPE on the inputs first and
-saves it beside the token file (<out>.tokenizer.json). Input files are read in sorted
-order, so the output is reproducible. The input streams through --workers processes:
-memory stays bounded whatever the input size.
-"""
-
-import argparse
 import sys
-import time
 from pathlib import Path
-from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer3d.data import prepare  # noqa: E402
-from trainer3d.data.documents import InputError, Progress, collect, documents, JSONL_SUFFIXES  # noqa: E402
-from trainer3d.data.tokens import TokenFileError, bin_path  # noqa: E402
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-
-
-class ProgressBar:
-    """One line on stderr: rewritten in place in a terminal, a new line every 10% otherwise."""
-
-    def __init__(self, progress: Progress, label: str, stream=sys.stderr):
-        self.progress, self.label, self.stream = progress, label, stream
-        self.live = stream.isatty()
-        self.started = self._shown = time.perf_counter()
-        self._tenth = -1
-
-    def __call__(self, n_tokens: Optional[int] = None) -> None:
-        now, done, total = time.perf_counter(), self.progress.read, max(1, self.progress.total)
-        tenth = int(10 * done / total)
-        if (self.live and now - self._shown < 0.5) or (not self.live and tenth == self._tenth):
-            return
-        self._shown, self._tenth = now, tenth
-        rate = done / max(now - self.started, 1e-9)
-        eta = (total - done) / rate if rate > 0 else 0
-        filled = int(30 * done / total)
-        line = (f"{self.label} [{'#' * filled}{'.' * (30 - filled)}] {100 * done / total:3.0f}% "
-                f"{format_bytes(done)}/{format_bytes(total)}" + ("" if n_tokens is None else f" | {n_tokens:,} tokens")
-                + f" | eta {eta:.0f}s")
-        self.stream.write(("\r\x1b[2K" + line) if self.live else line + "\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.live:
-            self.stream.write("\n")
-
-
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("inputs", nargs="+", help="text or .jsonl files (maybe .gz/.zst) or directories")
-    parser.add_argument("--out", required=True, help="output token file (.bin; a .json header is written beside it)")
-    parser.add_argument("--tokenizer", help="tokenizer.json, or a directory holding one (default: byte level)")
-    parser.add_argument("--train-tokenizer", type=int, metavar="VOCAB",
-                        help="train a byte-level BPE with VOCAB ids on the inputs first (saved as <out>.tokenizer.json)")
-    parser.add_argument("--eos-token", help="end-of-document token (default: the tokenizer's eos_token, "
-                                            "or one of <|endoftext|>, </s>, <|end_of_text|>, <eos>)")
-    parser.add_argument("--vocab-size", type=int, help="vocabulary recorded in the header (default: the "
-                                                       "tokenizer's); ids at or above it are refused")
-    parser.add_argument("--text-key", default="text", help="key of the text in JSON Lines records (default: text)")
-    parser.add_argument("--workers", type=int, default=1, help="encoding processes (default: 1)")
-    parser.add_argument("--suffixes", default=".txt,.md,.py,.rst,.json," + ",".join(JSONL_SUFFIXES),
-                        help="file suffixes taken from directories, before any .gz/.zst (default: %(default)s)")
-    args = parser.parse_args(argv)
-    if args.tokenizer and args.train_tokenizer:
-        parser.error("give --tokenizer or --train-tokenizer, not both")
-    if args.workers < 1:
-        parser.error("--workers must be >= 1")
-    return args
-
-
-def build_encoder(args, files):
-    if args.train_tokenizer:
-        out = bin_path(args.out).with_suffix(".tokenizer.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        progress = Progress(files)
-        bar = ProgressBar(progress, "training tokenizer")
-        texts = prepare.texts_of(documents(files, args.text_key, progress))
-        prepare.train_tokenizer((bar() or t for t in texts), args.train_tokenizer, out)
-        bar.close()
-        print(f"prepare_data: trained a byte-level BPE of {args.train_tokenizer} ids -> {out}")
-        return prepare.load_tokenizer(str(out), args.eos_token or prepare.TRAINED_EOS)
-    if args.tokenizer:
-        return prepare.load_tokenizer(args.tokenizer, args.eos_token)
-    return prepare.BYTE_ENCODER
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        files = collect(args.inputs, set(args.suffixes.split(",")))
-        if not files:
-            raise InputError("no input files found (check the paths and --suffixes)")
-        encoder = build_encoder(args, files)
-        progress = Progress(files)
-        bar = ProgressBar(progress, "encoding")
-        started = time.perf_counter()
-        header = prepare.prepare(documents(files, args.text_key, progress), Path(args.out), encoder,
-                                 args.workers, args.vocab_size, on_tokens=bar)
-        bar.close()
-    except (InputError, TokenFileError, ValueError) as err:
-        print(f"prepare_data: {err}", file=sys.stderr)
-        return 1
-    except OSError as err:  # e.g. an unreadable input or a full disk: the file and the reason, no traceback
-        print(f"prepare_data: {err.filename or args.out}: {err.strerror or err}", file=sys.stderr)
-        return 1
-    seconds = time.perf_counter() - started
-    print(f"prepare_data: {len(files)} files, {format_bytes(progress.total)} -> {header.n_tokens:,} tokens "
-          f"(vocab {header.vocab_size}, {header.dtype}, max id {header.max_id}, tokenizer {header.tokenizer.name}) "
-          f"in {bin_path(args.out)}; {seconds:.1f} s with {args.workers} worker(s): "
-          f"{header.n_tokens / seconds:,.0f} tokens/s")
-    return 0
-
+from trainer3d.tools.prepare_data import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

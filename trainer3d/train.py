@@ -10,7 +10,7 @@ to the launcher.
 import os
 import sys
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Set
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -21,9 +21,11 @@ from trainer3d.checkpoint.choose import choose
 from trainer3d.checkpoint.store import checkpoint_root
 from trainer3d.checkpoint.store import CheckpointError
 from trainer3d.config.conf_dir import CONF_DIR
+from trainer3d.config.defaults_used import defaults_block, given_keys, recipe_keys
 from trainer3d.config.help import print_help, wants_help
 from trainer3d.config.schema import Config  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.data.checks import check_data
+from trainer3d.config.extras import EXTRAS, missing
 from trainer3d.job.device_check import machine_problems
 from trainer3d.job.memory_check import memory_problems
 from trainer3d.job.rundir import write_problem
@@ -71,9 +73,21 @@ def allocation_world_size(cfg: Config):
     return None
 
 
-def run(cfg: Config, explicit_model: Sequence[str] = ()) -> int:
+def given_knobs() -> Optional[Set[str]]:
+    """The keys and groups the command line and its recipe set (trainer3d/config/defaults_used.py),
+    or None where that is unknown (no Hydra run, a recipe from outside conf/)."""
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    recipe = hydra_cfg.runtime.choices.get("experiment")
+    keys = recipe_keys(CONF_DIR, recipe) if recipe else []
+    return None if keys is None else given_keys(hydra_cfg.overrides.task, keys)
+
+
+def run(cfg: Config, explicit_model: Sequence[str] = (), given: Optional[Set[str]] = None) -> int:
     """Validate, prepare and launch; return the exit status. ``explicit_model``: the model
-    fields given on the command line (checked against ``model.init_from``'s config.json)."""
+    fields given on the command line (checked against ``model.init_from``'s config.json);
+    ``given``: the knobs the user set (a dry run names the sizing knobs left at defaults)."""
     try:
         if cfg.model.init_from:
             cfg = apply_init_from(cfg, explicit_model)
@@ -87,8 +101,12 @@ def run(cfg: Config, explicit_model: Sequence[str] = ()) -> int:
     if not check_resume(cfg):
         return 2
     if cfg.dry_run:
-        print_plan(cfg)
+        print_plan(cfg, defaults_block(cfg, given))
         return 0
+    problem = missing(cfg.logger.name, f"logger={cfg.logger.name}") if cfg.logger.name in EXTRAS else None
+    if problem:  # before any rank imports it
+        print(f"trainer3d: config error: {problem}", file=sys.stderr)
+        return 2
     problems = machine_problems(cfg, world_size_of(cfg))
     for problem in problems:
         print(f"trainer3d: device error: {problem}", file=sys.stderr)
@@ -161,7 +179,7 @@ def _main(dcfg: DictConfig) -> int:
     unknown = unknown_keys(dcfg)  # what a +key=value added: to_object would drop it silently
     for problem in unknown:
         print(f"trainer3d: config error: {problem}", file=sys.stderr)
-    status = 2 if unknown else run(resolve(dcfg), explicit_model_fields())
+    status = 2 if unknown else run(resolve(dcfg), explicit_model_fields(), given_knobs())
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         return status  # one failed point must not end the sweep: trainer3d.job.sweep reports them all
     if status:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.unit.test_validate import make
-from tools import export_model
+from trainer3d.tools import export_model
 from trainer3d import train
 from trainer3d.checkpoint import metadata as checked
 from trainer3d.checkpoint import store

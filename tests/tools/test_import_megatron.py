@@ -1,11 +1,9 @@
 """tools/import_megatron.py: a Megatron-LM indexed dataset (.bin + .idx) becomes a token file with
 its documents kept apart; a malformed or foreign one is refused in one line and nothing is written.
 
-The datasets here are written by the test itself from the format Megatron-LM documents
-(megatron/core/datasets/indexed_dataset.py, ``_IndexWriter``): magic, version 1, dtype code,
-sequence and document-entry counts, int32 sizes, int64 byte pointers, int64 document indices."""
+The datasets are written by tests/support/megatron_files.py from the format Megatron-LM
+documents, not by the code under test."""
 
-import struct
 import subprocess
 import sys
 
@@ -13,26 +11,10 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT
+from tests.support.megatron_files import write_megatron
 from trainer3d.data import TokenFile
 
-CODES = {np.uint16: 8, np.int32: 4}
 EOS = 9
-
-
-def write_megatron(prefix, documents, dtype=np.uint16, code=None, pointers=None, magic=b"MMIDIDX\x00\x00"):
-    """``documents``: a list of documents, each a list of sequences (lists of ids)."""
-    sequences = [np.asarray(s, dtype=dtype) for doc in documents for s in doc]
-    sizes = np.array([len(s) for s in sequences], dtype="<i4")
-    item = np.dtype(dtype).itemsize
-    if pointers is None:
-        pointers = np.concatenate([[0], np.cumsum(sizes[:-1].astype(np.int64) * item)]).astype("<i8")
-    doc_index = np.concatenate([[0], np.cumsum([len(d) for d in documents])]).astype("<i8")
-    with open(f"{prefix}.idx", "wb") as f:
-        f.write(magic + struct.pack("<QBQQ", 1, code or CODES[dtype], len(sizes), len(doc_index)))
-        f.write(sizes.tobytes() + np.asarray(pointers, dtype="<i8").tobytes() + doc_index.tobytes())
-    with open(f"{prefix}.bin", "wb") as f:
-        for s in sequences:
-            f.write(s.astype(np.dtype(dtype).newbyteorder("<")).tobytes())
 
 
 def run(*args):

@@ -57,7 +57,7 @@ def test_sweep_dir_and_missing_input(tmp_path):
 
 
 def test_validation_loss_is_drawn_and_labels_say_what_differs(tmp_path):
-    from tools.plot_metrics import find_runs, labels_of
+    from trainer3d.tools.plot_metrics import find_runs, labels_of
 
     shared = ["model=tiny", "train.max_steps=30", "hydra.run.dir=x"]
     _fake_run(tmp_path / "a", 1.0, [*shared, "parallel.dp=2"], val_every=10)
@@ -79,4 +79,4 @@ def test_without_matplotlib_it_names_the_extra(tmp_path):
             f"runpy.run_path({str(ROOT / 'tools' / 'plot_metrics.py')!r}, run_name='__main__')")
     proc = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
-        "plot_metrics: needs matplotlib, which the plot extra installs: pip install 'trainer3d[plot]'"]
+        "plot_metrics needs matplotlib, which the plot extra installs: pip install 'trainer3d[plot]'"]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from tools import prepare_data
+from trainer3d.tools import prepare_data
 from trainer3d.data import TokenFile
 from trainer3d.data import documents as docs
 from trainer3d.data import prepare
@@ -146,3 +146,18 @@ def test_a_token_header_that_is_a_directory_is_refused_when_read(tmp_path):
     (tmp_path / "c.json").mkdir()
     with pytest.raises(TokenFileError, match=rf"{tmp_path / 'c.json'} is a directory, not a JSON file"):
         read_header(tmp_path / "c.bin")
+
+
+def test_an_empty_suffix_entry_takes_files_without_a_suffix(tmp_path, capsys):
+    """As --help and docs/data.md say: ``--suffixes .txt,`` reads README beside a.txt; without
+    the empty entry README is not an input."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text(TEXT)
+    (tmp_path / "in" / "README").write_text(TEXT)
+    counts = {}
+    for suffixes in (".txt", ".txt,"):
+        out = tmp_path / f"out{len(counts)}.bin"
+        code, err = _tool(capsys, tmp_path, "--out", out, "--suffixes", suffixes, tmp_path / "in")
+        assert code == 0, err
+        counts[suffixes] = TokenFile.open(out).header.n_tokens
+    assert counts[".txt,"] == 2 * counts[".txt"]

@@ -1,12 +1,31 @@
-"""Every training command README.md and docs/*.md print runs as printed, as far as a test can
-run it: each ``python -m trainer3d.train ...`` of a fenced bash block is composed from conf/
-with its overrides and validated exactly as the entry point validates it before launch (a
-sweep's every point; ``model.init_from`` left out, its directory being the user's). A batch
-refusal proposes one consistent micro x accum x dp set, and that set is accepted."""
+"""Every command README.md and docs/*.md print runs as printed, as far as a test can run it.
+
+Commands are the lines of fenced bash blocks, ``$ `` lines of other fences and inline code
+spans that start with ``python`` (a usage synopsis with ``[...]`` or ``|`` is not a command).
+Each kind is run the furthest a test can:
+
+- ``python -m trainer3d.train ...``: composed from conf/ with its overrides and validated
+  exactly as the entry point validates it before launch (a sweep's every point;
+  ``model.init_from`` left out, its directory being the user's); ``--help`` is run.
+- ``python -m trainer3d.plan ...``: run for real in this process (the search, or
+  ``plan.evaluate=true``'s evaluation: seconds, no devices); ``--help`` is run.
+- ``python tools/*.py``, ``python tools/bench/*.py``, ``python -m trainer3d.plan --calibrate``:
+  parsed by the tool's own argument parser and stopped there (tests/support/tool_args.py):
+  a real run needs the user's data, a checkpoint, GPUs or minutes; the tools' own tests in
+  tests/tools run them at tiny size.
+- ``sbatch ... slurm/train.sbatch OVERRIDES``: the overrides validated as a training run
+  with ``launcher=inplace`` on nodes x ntasks-per-node ranks, as every rank checks them.
+- Set-up and other programs' commands (venv, pip, pytest, tensorboard, ``python -c``) are
+  named in ``NOT_RUN`` with the test that covers them.
+
+A batch refusal proposes one consistent micro x accum x dp set, and that set is accepted."""
 
 import itertools
+import json
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -16,20 +35,72 @@ from tests.conftest import ROOT
 from trainer3d.config.conf_dir import CONF_DIR
 from trainer3d.config.validate import ConfigError, validate
 
-FENCE = re.compile(r"```bash\n(.*?)```", re.S)
-TRAIN = re.compile(r"^(?:\.venv/bin/)?python3? -m trainer3d\.train\b")
+FENCE = re.compile(r"```(\w*)\n(.*?)```", re.S)
+INLINE = re.compile(r"`((?:\.venv/bin/)?python3? [^`]+)`")
+PYTHON = r"^(?:\.venv/bin/)?python3? "
+TRAIN = re.compile(PYTHON + r"-m trainer3d\.train\b")
+PLAN = re.compile(PYTHON + r"-m trainer3d\.plan\b")
+TOOL = re.compile(PYTHON + r"tools/(?:bench/)?\w+\.py\b")
+SBATCH = re.compile(r"^sbatch .*slurm/train\.sbatch\b")
+NOT_RUN = {  # command prefix: the test that covers it
+    "python3 -m venv": "set-up (tests/unit/test_help_install.py installs the package)",
+    ".venv/bin/pip install": "set-up (tests/unit/test_help_install.py installs the package)",
+    ".venv/bin/python -m pytest": "the suite itself",
+    "tensorboard --logdir": "TensorBoard's own command (tests/integration/test_profile_dashboards.py reads the events)",
+    "python -c": "tests/integration/test_export_standard.py loads an export with transformers",
+}
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+REFUSAL = re.compile(r"^\$ (python -m trainer3d\.train .*)\n((?:trainer3d: config error: .*\n)+)", re.M)
 
 
-def documented_commands():
-    """(page, command) of every training command in a fenced bash block."""
+def documented_refusals():
+    """(page, command, the problems printed under it) of each refusal a page shows. One that needs
+    the user's model directory (``model.init_from``) is tests/integration/test_hf.py's."""
+    return [(str(page.relative_to(ROOT)), command, [line.split(": ", 2)[2] for line in out.splitlines()])
+            for page in PAGES for command, out in REFUSAL.findall(page.read_text())
+            if "model.init_from=" not in command]
+
+
+REFUSALS = {command for page in PAGES for command, _ in REFUSAL.findall(page.read_text())}
+
+
+def _commands_of(text: str):
+    for lang, block in FENCE.findall(text):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.strip()
+            if lang != "bash":
+                if not line.startswith("$ ") or line[2:] in REFUSALS:
+                    continue
+                line = line[2:]
+            for part in line.split(" #")[0].split("&&"):
+                if part.strip() and not part.strip().startswith("#"):
+                    yield " ".join(part.split())
+    for span in INLINE.findall(FENCE.sub("", text)):
+        if "[" not in span and " | " not in span:
+            yield " ".join(span.split())
+
+
+def documented_commands(kind=None):
+    """(page, command) of every command the pages print; ``kind``: only TRAIN, PLAN, TOOL or SBATCH's."""
     found = []
-    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        for block in FENCE.findall(page.read_text()):
-            for line in block.replace("\\\n", " ").splitlines():
-                for part in line.split(" #")[0].split("&&"):
-                    if TRAIN.match(part.strip()):
-                        found.append((str(page.relative_to(ROOT)), part.strip()))
+    for page in PAGES:
+        for command in _commands_of(page.read_text()):
+            if kind is None or kind.match(command):
+                found.append((str(page.relative_to(ROOT)), command))
     return found
+
+
+def _ids(value):
+    return value if isinstance(value, str) and value.endswith(".md") else ""
+
+
+def test_every_documented_command_is_of_a_kind_this_test_runs():
+    unknown = [(page, c) for page, c in documented_commands()
+               if not any(k.match(c) for k in (TRAIN, PLAN, TOOL, SBATCH)) and not c.startswith(tuple(NOT_RUN))]
+    assert not unknown, f"commands no test runs (add their kind here): {unknown}"
+    for kind in (TRAIN, PLAN, TOOL, SBATCH):
+        assert documented_commands(kind), kind.pattern
+    assert "README.md" in {page for page, _ in documented_commands(TRAIN)} and len(documented_commands(TRAIN)) >= 15
 
 
 def points(command: str):
@@ -49,13 +120,11 @@ def configure(overrides):
     return OmegaConf.to_object(dcfg)
 
 
-def test_the_docs_print_training_commands():
-    pages = {page for page, _ in documented_commands()}
-    assert "README.md" in pages and len(documented_commands()) >= 15
-
-
-@pytest.mark.parametrize("page, command", documented_commands(), ids=lambda v: v if v.endswith(".md") else "")
+@pytest.mark.parametrize("page, command", documented_commands(TRAIN), ids=_ids)
 def test_every_documented_training_command_validates(page, command):
+    if "--help" in command.split():
+        _run_help(command)
+        return
     for overrides in points(command):
         try:
             validate(configure(overrides))
@@ -82,3 +151,97 @@ def test_a_batch_refusal_proposes_one_set_that_is_accepted(overrides):
     assert proposals, err.value.problems
     for proposal in proposals:
         validate(configure([*overrides, *proposal]))
+
+
+def _run_help(command: str) -> None:
+    args = shlex.split(command)
+    proc = subprocess.run([sys.executable, *args[1:]], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0 and " = " in proc.stdout, f"`{command}`: {proc.stderr[-2000:]}"
+
+
+@pytest.mark.parametrize("page, command", [pc for pc in documented_commands(PLAN) if "--calibrate" not in pc[1]],
+                         ids=_ids)
+def test_every_documented_plan_command_runs(page, command, tmp_path):
+    """The planner for real, in this process: its search (or plan.evaluate=true's evaluation)."""
+    from trainer3d.plan.devices import device_for
+    from trainer3d.plan.evaluate import evaluate_report
+    from trainer3d.plan.report import report
+    from trainer3d.plan.search import search
+
+    args = shlex.split(command)[3:]
+    if "--help" in args:
+        _run_help(command)
+        return
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = OmegaConf.to_object(compose(config_name="plan", overrides=args))
+    device = device_for(cfg.cluster.gpu, str(tmp_path / "no-calibration.json"))
+    try:
+        text = evaluate_report(cfg, device)[0] if cfg.plan.evaluate else report(cfg, device, search(cfg, device), args)
+    except ConfigError as err:
+        pytest.fail(f"{page}: `{command}` is refused as printed:\n" + "\n".join(err.problems))
+    assert "python -m trainer3d.train" in text or cfg.plan.evaluate, text
+
+
+TOOL_COMMANDS = [pc for pc in documented_commands(TOOL)] + [pc for pc in documented_commands(PLAN)
+                                                             if "--calibrate" in pc[1]]
+
+
+@pytest.fixture(scope="module")
+def parsed_tool_commands():
+    """Every documented tool command parsed by its tool's own argparse, in one process."""
+    entries = []
+    for _, command in TOOL_COMMANDS:
+        args = shlex.split(command)[1:]
+        entries.append(["-m " + args[1], args[2:]] if args[0] == "-m" else [args[0], args[1:]])
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "tool_args.py"), json.dumps(entries)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(results) == len(entries), proc.stdout
+    return {command: result for (_, command), result in zip(TOOL_COMMANDS, results)}
+
+
+@pytest.mark.parametrize("page, command", TOOL_COMMANDS, ids=_ids)
+def test_every_documented_tool_command_parses(page, command, parsed_tool_commands):
+    result = parsed_tool_commands[command]
+    assert result["ok"], f"{page}: `{command}` is refused as printed: {result['error']}"
+
+
+def test_the_tool_check_catches_a_drifted_flag():
+    entries = [["tools/sample.py", ["ckpt/", "--prompt", "a", "--greedy"]],
+               ["tools/sample.py", ["ckpt/", "--prompt", "a", "--max-tokens", "9"]],  # it is --max-new-tokens
+               ["tools/export_model.py", ["ckpt/"]]]
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "tool_args.py"), json.dumps(entries)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    ok, drifted, missing = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert ok["ok"] and not drifted["ok"] and not missing["ok"]
+    assert "unrecognized arguments: --max-tokens 9" in drifted["error"]
+    assert "required: out" in missing["error"]
+
+
+@pytest.mark.parametrize("page, command, printed", documented_refusals(), ids=_ids)
+def test_every_documented_refusal_is_refused_as_printed(page, command, printed):
+    with pytest.raises(ConfigError) as err:
+        validate(configure(points(command)[0]))
+    assert err.value.problems == printed, f"{page}: `{command}` prints other problems than the page shows"
+
+
+def sbatch_commands():
+    """The pages' sbatch commands, and the examples in slurm/train.sbatch's header."""
+    header = re.findall(r"^#\s+(sbatch .*)$", (ROOT / "slurm" / "train.sbatch").read_text(), re.M)
+    return documented_commands(SBATCH) + [("slurm/train.sbatch", command) for command in header]
+
+
+@pytest.mark.parametrize("page, command", sbatch_commands(), ids=_ids)
+def test_every_documented_sbatch_command_validates(page, command):
+    args = shlex.split(command)
+    at = next(i for i, a in enumerate(args) if a.endswith("slurm/train.sbatch"))
+    flags = dict(a[2:].split("=", 1) for a in args[1:at] if a.startswith("--") and "=" in a)
+    sbatch = (ROOT / "slurm" / "train.sbatch").read_text()
+    default = {k: v for k, v in re.findall(r"^#SBATCH --([\w-]+)=(\S+)", sbatch, re.M)}
+    world = int(flags.get("nodes", default["nodes"])) * int(flags.get("ntasks-per-node", default["ntasks-per-node"]))
+    try:
+        cfg = validate(configure(["launcher=inplace", *args[at + 1:]]), world)
+    except ConfigError as err:
+        pytest.fail(f"{page}: `{command}` is refused as printed:\n" + "\n".join(err.problems))
+    assert cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp * cfg.parallel.cp == world

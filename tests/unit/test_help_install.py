@@ -1,6 +1,7 @@
 """One install, every documented path: ``--help`` of train and plan lists every knob with its
 value, valid values and docstring; the installed ``trainer3d`` command runs from any
-directory, also from a non-editable install that carries conf/ inside the package."""
+directory, also from a non-editable install that carries conf/ inside the package, and so do
+the user tools' commands (``trainer3d-prepare-data`` ...)."""
 
 import os
 import shutil
@@ -51,6 +52,14 @@ def test_field_docs_are_the_schemas_docstrings():
     assert set(field_docs(ModelConfig)) <= set(hints)
 
 
+def test_pyproject_lists_every_package_and_ships_conf():
+    tomllib = pytest.importorskip("tomllib", reason="reads pyproject.toml with Python 3.11's tomllib")
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    tree = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "trainer3d").rglob("__init__.py")}
+    assert set(tool["packages"]) == tree | {"trainer3d.conf"}, "a package missing from pyproject.toml is not installed"
+    assert tool["package-dir"] == {"trainer3d.conf": "conf"}
+
+
 def test_the_console_command_runs_from_any_directory(tmp_path):
     assert CONSOLE.is_file(), f"{CONSOLE}: the `trainer3d` console script of pyproject.toml is not installed"
     proc = subprocess.run([str(CONSOLE), "dry_run=true", "parallel=single", f"hydra.run.dir={tmp_path / 'run'}"],
@@ -65,7 +74,7 @@ def test_a_non_editable_install_carries_conf(tmp_path):
     source, target = tmp_path / "src", tmp_path / "site"  # a copy: the build writes build/ beside the sources
     for name in ("trainer3d", "conf"):
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "setup.py", "README.md"):
+    for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
     pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                           "--target", str(target), str(source)], capture_output=True, text=True, timeout=600,
@@ -80,3 +89,12 @@ def test_a_non_editable_install_carries_conf(tmp_path):
                           env=dict(os.environ, PYTHONPATH=str(target)))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0] == str(target / "trainer3d" / "conf")
+    env = dict(os.environ, PYTHONPATH=str(target))
+    for command in (["trainer3d", "--help"], ["trainer3d-prepare-data", "--help"], ["trainer3d-plot-metrics", "--help"],
+                    ["trainer3d-plan", "--help"]):  # the console scripts pip wrote, run from elsewhere
+        proc = subprocess.run([sys.executable, str(target / "bin" / command[0]), *command[1:]], capture_output=True,
+                              text=True, timeout=120, cwd=tmp_path, env=env)
+        assert proc.returncode == 0 and "usage:" in proc.stdout, (command, proc.stderr)
+    proc = subprocess.run([sys.executable, "-m", "trainer3d.tools.sample", "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env=env)
+    assert proc.returncode == 0 and "--prompt" in proc.stdout, proc.stderr

@@ -11,11 +11,13 @@ from tests.conftest import ROOT
 DEFERRED = {
     ("trainer3d.observe.loggers", "wandb"): "optional sink, slow to import: only runs with logger=wandb pay for it",
     ("trainer3d.observe.loggers", "torch.utils.tensorboard"): "optional sink: only runs with logger=tensorboard need it",
-    ("tools.plot_metrics", "matplotlib"): "an extra: --help and the one-line refusal work without it",
-    ("tools.bench.offload", "deepspeed.ops.adam"): "not a dependency: the DeepSpeed row only where it is installed",
+    ("tools.bench.offload", "deepspeed.ops.adam"): "the optional peer (the peers extra), measured only where installed",
 }
 DEFERRED_MODULES = {  # every import of the module may sit in a function, for the reason given
     "tools.bench.hotpath": "imports trainer3d from the revision it measures, put on sys.path at run time",
+    "tools.bench.host_overhead": "imports trainer3d from the revision it measures (--against), put on sys.path at run time",
+    "tools.bench.deepspeed_pair": "imports trainer3d from the revision it measures (--against) and the optional deepspeed "
+                                  "in the ranks it starts",
 }
 
 

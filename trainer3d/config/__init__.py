@@ -5,6 +5,8 @@
 ``validate`` the rules of a layout as a pure function, run in the submitting process and
 naming the knob to change; ``jsonfile`` the size-bounded reader of JSON objects the run did
 not write (token headers, Hugging Face config and index files); ``secrets`` the redaction of
-credentials, by key and by value, from every record of a config (.hydra/, markers, wandb). Imports nothing of
+credentials, by key and by value, from every record of a config (.hydra/, markers, wandb);
+``defaults_used`` the knobs sizing memory and time a command left at their defaults (the dry
+run names them); ``help`` and ``conf_dir`` the ``--help`` page and where conf/ is. Imports nothing of
 trainer3d but ``job.device_check`` (the device rules validate() applies).
 """

@@ -1,5 +1,5 @@
 """Where Hydra's config groups live: ``conf/`` beside the package in a checkout (or an editable
-install), else the copy an installed package carries as ``trainer3d/conf`` (setup.py).
+install), else the copy an installed package carries as ``trainer3d/conf`` (pyproject.toml ``[tool.setuptools]``).
 
 An absolute directory, given to ``hydra.main``: a relative ``config_path`` is read by Hydra as
 a Python package when the entry point is imported rather than run as ``__main__`` (the

@@ -57,7 +57,7 @@ RANGES: Dict[str, Range] = {
     "optim.lr": POSITIVE, "optim.min_lr": AT_LEAST_0, "optim.warmup_steps": AT_LEAST_0,
     "optim.decay_steps": AT_LEAST_1, "optim.weight_decay": AT_LEAST_0, "optim.beta1": UNIT, "optim.beta2": UNIT,
     "optim.eps": POSITIVE, "optim.grad_clip": AT_LEAST_0,
-    "data.val_fraction": UNIT,
+    "data.val_fraction": UNIT, "data.eos_id": AT_LEAST_0,
     "launcher.timeout_min": AT_LEAST_1, "launcher.nodes": AT_LEAST_1, "launcher.tasks_per_node": AT_LEAST_1,
     "launcher.gpus_per_node": AT_LEAST_0, "launcher.cpus_per_task": AT_LEAST_1, "launcher.mem_gb": POSITIVE,
     "launcher.signal_delay_s": AT_LEAST_0, "launcher.max_requeues": AT_LEAST_0,

@@ -211,7 +211,8 @@ class DataConfig:
     name: str = "stdlib"
     """stdlib (this Python's standard-library source, byte-level, no download) | tokens."""
     path: Optional[str] = None
-    """Token file (.bin, with its .json header) when name=tokens."""
+    """Token file (.bin, with its .json header) when name=tokens, or a Megatron-LM dataset's
+    prefix (PREFIX.bin + PREFIX.idx; set data.eos_id)."""
     blend: List[BlendSource] = field(default_factory=list)
     """Several token files mixed by weight, instead of data.path (name=tokens), e.g.
     '[{path: a.bin, weight: 0.7}, {path: b.bin, weight: 0.3}]'; they must share a tokenizer."""
@@ -219,6 +220,10 @@ class DataConfig:
     """Hold out the last fraction of every training file's tokens for validation (0: none)."""
     val_path: Optional[str] = None
     """A token file to validate on, instead of val_fraction (same tokenizer as the training data)."""
+    eos_id: Optional[int] = None
+    """The end-of-document id of Megatron-LM datasets (PREFIX.bin + PREFIX.idx, read in place as
+    data.path, a blend's path or data.val_path: their files do not record it), put between their
+    documents as token files have it; unused for token files, which record their own."""
     cache_dir: str = "~/.cache/trainer3d"
     """Where the built-in corpus is tokenised once and kept, with the record of verified token files."""
 

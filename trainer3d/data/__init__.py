@@ -1,7 +1,8 @@
 """Training and validation tokens.
 
     tokens.py     token files: the header (``read_header``, ``TokenHeader``), the streaming
-                  writer (``TokenWriter``), ``TokenFile.open`` (memory-mapped, checked)
+                  writer (``TokenWriter``)
+    tokenfile.py  ``TokenFile.open`` (memory-mapped, checked; a Megatron dataset in place)
     verify.py     the full scan (checksum, max id), once per version of a file
     corpus.py     the built-in corpus (this Python's standard library, byte-level)
     shuffle.py    a seeded bijection of range(n), one element at a time
@@ -11,7 +12,8 @@
     loader.py     this rank's batches (only what it feeds), read ahead of the step
     documents.py  the inputs of tools/prepare_data.py, streamed as documents
     prepare.py    tools/prepare_data.py's engine: documents -> tokenizer -> token file
-    megatron.py   a Megatron-LM indexed dataset (.bin + .idx), checked, as a token file
+    megatron.py   a Megatron-LM indexed dataset (.bin + .idx), checked: read in place as a token
+                  file's ids (``DocumentStream``), or written as one (tools/import_megatron.py)
 
 Other code reads a token file's facts through ``read_header(path)``: ``vocab_size``,
 ``max_id``, ``eos_id``, ``tokenizer.path`` (the tokenizer.json to copy beside an exported

@@ -24,7 +24,8 @@ def _open_headers(cfg: Config, problems: List[str]) -> Dict[Path, TokenHeader]:
     headers: Dict[Path, TokenHeader] = {}
     for path in dict.fromkeys(paths):
         try:
-            headers[path] = TokenFile.open(path, cache_dir=cfg.data.cache_dir).header
+            headers[path] = TokenFile.open(path, cache_dir=cfg.data.cache_dir, eos_id=cfg.data.eos_id,
+                                           vocab_size=cfg.model.vocab_size).header
         except TokenFileError as err:
             problems.append(str(err))
     return headers

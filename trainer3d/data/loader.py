@@ -117,7 +117,8 @@ def build_readers(cfg: Config, dp: int, dp_rank: int, inputs: bool = True, targe
 
     def n_tokens(path):  # each file opened once; re-verified only if changed since the launch checks
         if path not in files:
-            files[path] = TokenFile.open(path, cache_dir=cfg.data.cache_dir)
+            files[path] = TokenFile.open(path, cache_dir=cfg.data.cache_dir, eos_id=cfg.data.eos_id,
+                                           vocab_size=cfg.model.vocab_size)
         return files[path].header.n_tokens
 
     train, val = plan(cfg, n_tokens)

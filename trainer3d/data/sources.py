@@ -3,6 +3,7 @@
     data=stdlib                        the built-in corpus (made once in data.cache_dir)
     data=tokens data.path=a.bin        one token file
     data=tokens data.blend='[{path: a.bin, weight: 0.7}, {path: b.bin, weight: 0.3}]'
+    data=tokens data.path=web_text_document data.eos_id=50256   a Megatron-LM dataset, in place
 
 Validation: ``data.val_fraction`` holds out the last fraction of every training file (the
 validation blend uses the training weights; with ``train.eval_steps=null`` an evaluation
@@ -18,6 +19,7 @@ from typing import Callable, List, Optional, Tuple
 from trainer3d.config.schema import Config, DataConfig
 from trainer3d.data.corpus import stdlib_corpus
 from trainer3d.data.sampler import Span, split
+from trainer3d.data import megatron
 from trainer3d.data.tokens import bin_path
 
 
@@ -30,17 +32,23 @@ class Part:
     span: Span
 
 
+def data_path(path) -> Path:
+    """The .bin of a token file, or of a Megatron-LM dataset named by its prefix (or its .bin or
+    .idx): trainer3d/data/megatron.py, read in place."""
+    return megatron.paths(path)[0] if megatron.is_megatron(path) else bin_path(path)
+
+
 def train_files(data: DataConfig) -> List[Tuple[Path, float]]:
     """(token file, weight) of every training source; makes the built-in corpus if needed."""
     if data.name == "stdlib":
         return [(stdlib_corpus(data.cache_dir), 1.0)]
     if data.blend:
-        return [(bin_path(s.path), float(s.weight)) for s in data.blend]
-    return [(bin_path(data.path), 1.0)]
+        return [(data_path(s.path), float(s.weight)) for s in data.blend]
+    return [(data_path(data.path), 1.0)]
 
 
 def val_file(data: DataConfig) -> Optional[Path]:
-    return bin_path(data.val_path) if data.val_path else None
+    return data_path(data.val_path) if data.val_path else None
 
 
 def plan(cfg: Config, n_tokens_of: Callable[[Path], int]) -> Tuple[List[Part], List[Part]]:

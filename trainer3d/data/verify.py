@@ -44,12 +44,12 @@ def scan(path: Path, dtype: str) -> Tuple[str, int, int]:
     return digest.hexdigest(), max_id, n
 
 
-def _record_path(cache_dir: Path, path: Path) -> Path:
+def record_path(cache_dir: Path, path: Path) -> Path:
     return cache_dir / "verified" / (hashlib.sha256(str(path).encode()).hexdigest()[:32] + ".json")
 
 
 @contextmanager
-def _locked(record: Path):
+def locked_record(record: Path):
     """Hold an exclusive lock on ``record``; raises OSError where the cache cannot be written."""
     record.parent.mkdir(parents=True, exist_ok=True)
     with open(record.with_suffix(".lock"), "a") as lock:
@@ -83,10 +83,10 @@ def verify_token_file(path: Path, header: TokenHeader, cache_dir: Optional[str])
     if cache_dir is None:
         _check(path, header)
         return
-    record = _record_path(Path(cache_dir).expanduser(), path)
+    record = record_path(Path(cache_dir).expanduser(), path)
     with ExitStack() as stack:
         try:
-            stack.enter_context(_locked(record))
+            stack.enter_context(locked_record(record))
         except OSError:  # a cache this process cannot write: verify every time rather than never
             _check(path, header)
             return

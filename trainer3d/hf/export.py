@@ -56,8 +56,8 @@ def data_tokenizer(run_config: dict) -> DataTokens:
     first = data.get("path") or next((b.get("path") for b in data.get("blend") or [] if isinstance(b, dict)), None)
     try:
         header = json.loads(Path(first or "").expanduser().with_suffix(".json").read_text())
-    except (OSError, ValueError):
-        return DataTokens()
+    except (OSError, ValueError):  # no token-file header: a Megatron dataset read in place names its eos
+        return DataTokens(eos_id=data.get("eos_id") if type(data.get("eos_id")) is int else None)
     eos = header.get("eos_id") if type(header.get("eos_id")) is int else None
     recorded = header.get("tokenizer")
     if isinstance(recorded, dict):

@@ -9,7 +9,7 @@ model built on the meta device (no memory) and cut by the same stage split and
 tensor-parallel layers the ranks use, so the figures hold for any world size (e.g. 512).
 """
 
-from typing import List
+from typing import List, Sequence
 
 import torch
 
@@ -99,7 +99,9 @@ def _groups(topo: Topology, dim: str, shown: int = 6) -> str:
     return f"{len(groups)} {dim} groups of {len(groups[0])}: {text}" + (" ..." if len(groups) > shown else "")
 
 
-def describe_plan(cfg: Config) -> str:
+def describe_plan(cfg: Config, defaults: Sequence[str] = ()) -> str:
+    """The dry run's text; ``defaults``: the lines naming the sizing knobs left at their defaults
+    (trainer3d/config/defaults_used.py), printed under the batch line."""
     p, t = cfg.parallel, cfg.train
     topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
     cp = f" x cp={p.cp}" if p.cp > 1 else ""
@@ -111,6 +113,7 @@ def describe_plan(cfg: Config) -> str:
         f"model: {cfg.model.name}, {count_parameters(cfg.model):,} parameters",
         f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x grad_accum {t.grad_accum_steps} "
         f"x dp {p.dp} sequences of {t.seq_len} tokens",
+        *defaults,
         *(_groups(topo, dim) for dim in ("tp", *(("cp",) if p.cp > 1 else ()), "dp", "pp")),
     ]
     if p.pp > 1:
@@ -126,5 +129,5 @@ def describe_plan(cfg: Config) -> str:
     return "\n".join(lines)
 
 
-def print_plan(cfg: Config) -> None:
-    print(describe_plan(cfg))
+def print_plan(cfg: Config, defaults: Sequence[str] = ()) -> None:
+    print(describe_plan(cfg, defaults))

@@ -15,6 +15,7 @@ from typing import Iterable, Optional
 from trainer3d.config.schema import Config, flatten
 from trainer3d.config.secrets import scrub
 from trainer3d.config.validate import layout_of
+from trainer3d.config.extras import require
 
 
 def wandb_mode(logger_mode: str, environ=os.environ) -> str:
@@ -72,6 +73,7 @@ class TensorBoardLogger:
     run appends a new event file to the same directory; TensorBoard reads them as one run."""
 
     def __init__(self, cfg: Config):
+        require("tensorboard", "logger=tensorboard")  # checked before launch too (trainer3d/train.py)
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
         self.dir = Path(cfg.run_dir) / "tensorboard"

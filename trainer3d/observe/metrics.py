@@ -88,6 +88,7 @@ class MetricsLogger:
         self._ckpt: Dict[int, Dict[str, float]] = {}
         self._interval_start = time.perf_counter()
         self._owns_loss = dims.is_last_stage and dims.tp_rank == 0
+        self._zero: Optional[torch.Tensor] = None
         self.comm = CommTimer()
         """``with metrics.comm(): <a communication call>`` inside a step (trainer3d/observe/telemetry.py)."""
         self._columns: Dict[str, Callable[[], List[float]]] = {"comm_s": self.comm.pop}
@@ -143,8 +144,9 @@ class MetricsLogger:
                extra: Optional[Dict[str, torch.Tensor]] = None) -> None:
         """Keep this step's device tensors (``extra``: more per-step columns); no sync."""
         self._steps.append(step)
-        zero = torch.zeros((), device=grad_norm.device)
-        self._losses.append(loss.detach().float() if (loss is not None and self._owns_loss) else zero)
+        if self._zero is None or self._zero.device != grad_norm.device:
+            self._zero = torch.zeros((), device=grad_norm.device)  # read, never written: one for every step
+        self._losses.append(loss.detach().float() if (loss is not None and self._owns_loss) else self._zero)
         self._norms.append(grad_norm.detach().float())
         self._lrs.append(lr)
         self._extras.append(extra or {})

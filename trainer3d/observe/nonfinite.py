@@ -1,8 +1,9 @@
 """Stop a run whose loss or gradients stop being finite, instead of training on NaN.
 
-Each step adds, on the device, whether its loss (on the ranks that compute it) or its
-global gradient norm (the same on every rank: it comes from one all-reduce) is inf/NaN,
-and the first such step. Nothing is read then: the flag is all-reduced and read where the
+Each step keeps its loss (on the ranks that compute it) and its global gradient norm (the
+same on every rank: it comes from one all-reduce), device scalars the metrics keep too; no
+operator runs then. At a check the steps kept since the last one are tested in one pass
+(stacked, ``isfinite``), the first non-finite step is all-reduced and read where the
 loop syncs anyway — at the logging interval, and before a checkpoint is written, so a
 checkpoint never holds weights after a non-finite step. fp16 steps whose gradients
 overflow are the loss scaler's business (skipped, the scale halved): there only a
@@ -13,6 +14,8 @@ the message below and a non-zero exit, no checkpoint is saved) | continue (rank 
 warning line per check that finds a new non-finite step, and the run goes on).
 """
 
+from typing import List
+
 import torch
 import torch.distributed as dist
 
@@ -21,34 +24,49 @@ class NonFiniteLoss(RuntimeError):
     """Raised on every rank, at the same step, when train.on_nonfinite=stop."""
 
 
+NEVER = torch.iinfo(torch.int64).max
+
+
 class NonFiniteWatch:
     def __init__(self, device: torch.device, norm_counts: bool, action: str):
-        self.first_bad = torch.full((), -1, dtype=torch.int64, device=device)
+        self.device = device
         self.norm_counts = norm_counts
         """False for fp16: a non-finite gradient norm is a loss-scale overflow, skipped on the device."""
         self.action = action
+        self._steps: List[int] = []
+        self._values: List[List[torch.Tensor]] = []
 
     def record(self, step: int, loss, grad_norm: torch.Tensor) -> None:
-        """No sync: the first step whose loss (or, outside fp16, gradient norm) is not finite."""
-        bad = torch.zeros((), dtype=torch.bool, device=self.first_bad.device)
-        if loss is not None:
-            bad = bad | ~torch.isfinite(loss.detach()).all()
+        """No sync, no device work: keep this step's loss (on the ranks that compute it) and, outside
+        fp16, its gradient norm; ``check`` tests the steps kept since the last one in one pass."""
+        values = [loss.detach()] if loss is not None else []
         if self.norm_counts:
-            bad = bad | ~torch.isfinite(grad_norm).all()
-        fresh = bad & (self.first_bad < 0)
-        self.first_bad.copy_(torch.where(fresh, torch.full_like(self.first_bad, step), self.first_bad))
+            values.append(grad_norm.detach())
+        self._steps.append(step)
+        self._values.append(values)
+
+    def first_bad(self) -> torch.Tensor:
+        """On the device: the first step kept since the last check whose loss or norm is not finite
+        (NEVER if none), the kept steps then forgotten."""
+        steps, values = self._steps, self._values
+        self._steps, self._values = [], []
+        kept = [(s, v) for s, v in zip(steps, values) if v]
+        if not kept:
+            return torch.full((), NEVER, dtype=torch.int64, device=self.device)
+        scalars = [t if t.dim() == 0 else t.float().sum() for _, v in kept for t in v]  # a sum keeps inf/nan
+        bad = ~torch.isfinite(torch.stack(scalars))
+        at = torch.tensor([s for s, v in kept for _ in v], dtype=torch.int64, device=self.device)
+        return torch.where(bad, at, torch.full_like(at, NEVER)).min()
 
     def check(self) -> None:
         """Every rank at the same steps: raise NonFiniteLoss if any rank saw a non-finite step
         (with ``continue``: warn on rank 0 and watch for the next one)."""
-        first = self.first_bad.clone()
-        first[first < 0] = torch.iinfo(torch.int64).max
+        first = self.first_bad()
         dist.all_reduce(first, op=dist.ReduceOp.MIN)
         step = int(first.item())
-        if step == torch.iinfo(torch.int64).max:
+        if step == NEVER:
             return
         if self.action == "continue":
-            self.first_bad.fill_(-1)
             if dist.get_rank() == 0:
                 print(f"trainer3d: warning: the loss or gradient norm is not finite (inf/nan) from step {step + 1}; "
                       "training goes on (train.on_nonfinite=continue)", flush=True)

@@ -66,6 +66,39 @@ def segments_of(names: Dict[nn.Parameter, str], ranges: Dict[nn.Parameter, Tuple
     return out
 
 
+Group = Tuple[float, List[torch.Tensor], List[torch.Tensor], List[torch.Tensor], List[torch.Tensor],
+              List[torch.Tensor]]
+"""One fused call's arguments: weight decay, then params, grads, exp_avgs, exp_avg_sqs, step counters."""
+
+
+def adamw_groups(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs: List[torch.Tensor],
+                 exp_avg_sqs: List[torch.Tensor], decay: List[bool], step_count: torch.Tensor,
+                 cfg: OptimConfig) -> List[Group]:
+    """The tensors of each fused call, weight-decayed first (empty tensors and groups left out)."""
+    groups = []
+    for want, wd in ((True, cfg.weight_decay), (False, 0.0)):
+        idx = [i for i, d in enumerate(decay) if d == want and params[i].numel()]
+        if idx:
+            groups.append((wd, [params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
+                           [exp_avg_sqs[i] for i in idx], [step_count] * len(idx)))
+    return groups
+
+
+@torch.no_grad()
+def fused_adamw_(groups: List[Group], step_count: torch.Tensor, lr: float, cfg: OptimConfig,
+                 found_inf: Optional[torch.Tensor] = None, grad_scale: Optional[torch.Tensor] = None) -> None:
+    """AdamW on ``groups`` in place; the one step counter they share (the kernel only reads it)
+    advanced unless ``found_inf`` (as torch's fused path does); ``grad_scale`` divides the
+    gradients first (in place)."""
+    step_count += 1
+    for wd, params, grads, exp_avgs, exp_avg_sqs, steps in groups:
+        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
+                            weight_decay=wd, eps=cfg.eps, amsgrad=False, maximize=False, grad_scale=grad_scale,
+                            found_inf=found_inf)
+    if found_inf is not None:
+        step_count -= found_inf.squeeze()
+
+
 @torch.no_grad()
 def adamw_update_(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs: List[torch.Tensor],
                   exp_avg_sqs: List[torch.Tensor], decay: List[bool], step_count: torch.Tensor, lr: float,
@@ -74,16 +107,8 @@ def adamw_update_(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avg
     """AdamW on lists of fp32 tensors in place, weight decay where ``decay``; one shared step
     counter (the kernel only reads it), advanced unless ``found_inf`` (as torch's fused path does).
     ``grad_scale``: the kernel divides the gradients by it first (in place)."""
-    step_count += 1
-    for want, wd in ((True, cfg.weight_decay), (False, 0.0)):
-        idx = [i for i, d in enumerate(decay) if d == want and params[i].numel()]
-        if idx:
-            torch._fused_adamw_([params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
-                                [exp_avg_sqs[i] for i in idx], [], [step_count] * len(idx), lr=lr,
-                                beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=wd, eps=cfg.eps, amsgrad=False,
-                                maximize=False, grad_scale=grad_scale, found_inf=found_inf)
-    if found_inf is not None:
-        step_count -= found_inf.squeeze()
+    fused_adamw_(adamw_groups(params, grads, exp_avgs, exp_avg_sqs, decay, step_count, cfg), step_count, lr, cfg,
+                 found_inf, grad_scale)
 
 
 class FlatAdamW:
@@ -109,6 +134,9 @@ class FlatAdamW:
             with torch.no_grad():
                 torch._foreach_copy_(self.master_views, self.param_views)  # the model's values, as built
         self.decay = [decays(s.name, s.param) for s in segments]
+        # The fused calls' lists, made once: the views and the counter are the same tensors every step.
+        self.groups = adamw_groups(self.master_views, self.grad_views, self.exp_avg_views, self.exp_avg_sq_views,
+                                   self.decay, self.step_count, cfg)
 
     @staticmethod
     def _state_view(buffer: torch.Tensor, s: Segment) -> torch.Tensor:
@@ -117,8 +145,7 @@ class FlatAdamW:
     @torch.no_grad()
     def step(self, lr: float, found_inf: Optional[torch.Tensor] = None) -> None:
         """One AdamW update of the owned master weights (skipped on the device if found_inf)."""
-        adamw_update_(self.master_views, self.grad_views, self.exp_avg_views, self.exp_avg_sq_views,
-                      self.decay, self.step_count, lr, self.cfg, found_inf)
+        fused_adamw_(self.groups, self.step_count, lr, self.cfg, found_inf)
         self.copy_master_to_params()
 
     @torch.no_grad()

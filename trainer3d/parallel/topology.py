@@ -38,6 +38,7 @@ gradients are reduced (and ZeRO shards its state) over dp x cp, the ``dp_cp`` gr
     dp_cp groups (2): [0,2,4,6] [1,3,5,7]
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional
 
@@ -73,6 +74,7 @@ class Topology:
     def world_size(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
 
+    @functools.lru_cache(maxsize=None)  # noqa: B019 - a few frozen layouts per process; read per micro-batch
     def coords(self, rank: int) -> Coords:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of {self.world_size}")

@@ -28,6 +28,7 @@ reduction of the head's bucket runs while backward is still in the lower layers.
 ``finish`` launches any bucket a hook did not (a parameter unused in forward) and waits.
 """
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -132,40 +133,46 @@ class GradReducer:
             raise ValueError(f"mode={mode}")
         self.buffers, self.group, self.dp, self.dp_rank = buffers, group, dp, dp_rank
         self.micro_batches, self.mode = micro_batches, mode
-        self.count: Dict[nn.Parameter, int] = {}
         self.in_place = buffers.param_dtype == torch.float32
+        # Decided once: each parameter's gradient view and bucket, looked up by its index in the
+        # hook (a Tensor hashes in Python: a dict keyed by parameters costs a call per lookup).
+        self.views = [buffers.grad_view(p) for p in buffers.params]
+        self._bucket_of = [buffers.bucket_of[p] for p in buffers.params]
+        self.counts: List[int] = [0] * len(buffers.params)
         self.launch_order: List[int] = []
         """Bucket indices in launch order this step, and how many launched inside backward."""
         self.launched_in_backward = 0
         self.on_launch: Optional[Callable[[Bucket], None]] = None
         """Called with each bucket right after its reduction is launched (parallel/zero/offload.py)."""
-        for p in buffers.params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+        for i, p in enumerate(buffers.params):
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
         self.zero_grad()
 
     def zero_grad(self) -> None:
         """Start a step: zero the fp32 buffer, reset the counts, point fp32 ``.grad`` at it."""
         self.buffers.grad_buffer.zero_()
-        self.count = {p: 0 for p in self.buffers.params}
+        self.counts = [0] * len(self.views)
         for b in self.buckets:
             b.pending, b.work, b.launched = len(b.params), None, False
         self.launch_order, self.launched_in_backward = [], 0
-        for p in self.buffers.params:
-            p.grad = self.buffers.grad_view(p) if self.in_place else None
+        for p, view in zip(self.buffers.params, self.views):
+            want = view if self.in_place else None
+            if p.grad is not want:  # assigning .grad checks shapes and devices: only where it changed
+                p.grad = want
 
     @property
     def buckets(self) -> List[Bucket]:
         return self.buffers.buckets
 
-    def _on_grad(self, p: nn.Parameter) -> None:
-        view = self.buffers.grad_view(p)
-        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+    def _on_grad(self, i: int, p: nn.Parameter) -> None:
+        view, grad = self.views[i], p.grad
+        if grad is not None and grad is not view and grad.data_ptr() != view.data_ptr():
             # Low precision (or a .grad someone replaced): move it into the fp32 buffer.
-            view.add_(p.grad)
+            view.add_(grad)
             p.grad = view if self.in_place else None
-        self.count[p] += 1
-        if self.count[p] == self.micro_batches:
-            bucket = self.buffers.bucket_of[p]
+        self.counts[i] += 1
+        if self.counts[i] == self.micro_batches:
+            bucket = self._bucket_of[i]
             bucket.pending -= 1
             if bucket.pending == 0:
                 self._launch(bucket)

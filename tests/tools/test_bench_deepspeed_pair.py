@@ -1,0 +1,34 @@
+"""tools/bench/deepspeed_pair.py: both halves train through their own entry points and print tokens/s."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+BENCH = str(ROOT / "tools" / "bench" / "deepspeed_pair.py")
+
+
+def _run(*args: str) -> str:
+    proc = subprocess.run([sys.executable, BENCH, "--pairs", "1", "--steps", "12", "--warmup", "10", *args],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_trainer3d_half_trains_through_its_entry_point():
+    out = _run("--only", "trainer3d")
+    rate = re.search(r"^pair 1: trainer3d ([\d,]+) tok/s \(loss ([\d.]+)\)", out, re.M)
+    assert rate and float(rate.group(1).replace(",", "")) > 0, out
+    assert float(rate.group(2)) < 5.55  # below uniform guessing over 257 ids (ln 257): it trained
+
+
+@pytest.mark.slow
+def test_the_pair_prints_its_ratio_last():
+    pytest.importorskip("deepspeed")
+    out = _run()
+    assert re.search(r"both models multiply [\d,]+ weights per token", out), out
+    assert re.search(r"trainer3d / deepspeed tokens/s, median of 1 pairs: \d+\.\d{3}$", out.strip()), out

@@ -1,0 +1,22 @@
+"""tools/bench/native3d.py trains the same model with torch's own 3D stack and this engine."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+@pytest.mark.slow
+def test_native3d_trains_the_same_model_and_prints_a_ratio():
+    cmd = [sys.executable, str(ROOT / "tools" / "bench" / "native3d.py"), "--dim", "64", "--layers", "4",
+           "--seq-len", "32", "--micro-batch", "2", "--steps", "2", "--warmup", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(trainer3d|torch-native)\s+[\d.]+\s+([\d.]+)$",
+                                                               proc.stdout, re.M)}
+    assert rows.keys() == {"trainer3d", "torch-native"}, proc.stdout
+    assert rows["trainer3d"] == pytest.approx(rows["torch-native"], rel=1e-4), proc.stdout  # the same model
+    assert re.search(r"torch-native / trainer3d: \d+\.\d\d x step time$", proc.stdout.strip()), proc.stdout

@@ -1,0 +1,12 @@
+"""The user tools, installed as commands (pyproject.toml ``[project.scripts]``) and runnable as
+``python -m trainer3d.tools.<name>`` or, from a checkout, ``python tools/<name>.py``:
+
+    prepare_data     trainer3d-prepare-data      text -> a token file (docs/data.md)
+    import_megatron  trainer3d-import-megatron   a Megatron-LM indexed dataset -> a token file
+    sample           trainer3d-sample            text from a checkpoint or an export
+    export_model     trainer3d-export-model      a checkpoint -> a Hugging Face directory
+    plot_metrics     trainer3d-plot-metrics      curves of runs (the ``plot`` extra)
+    parity           trainer3d-parity            two layouts' per-step losses compared
+
+Each is a ``main(argv=None) -> int`` over argparse; the developer's benchmarks stay in tools/bench/.
+"""
