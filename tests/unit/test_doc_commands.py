@@ -42,9 +42,11 @@ TRAIN = re.compile(PYTHON + r"-m trainer3d\.train\b")
 PLAN = re.compile(PYTHON + r"-m trainer3d\.plan\b")
 TOOL = re.compile(PYTHON + r"tools/(?:bench/)?\w+\.py\b")
 SBATCH = re.compile(r"^sbatch .*slurm/train\.sbatch\b")
+PREFIX = re.compile(r"^(?:[A-Z_]+=\S* |nice -n \d+ )+")  # environment assignments and nice: the command follows
 NOT_RUN = {  # command prefix: the test that covers it
     "python3 -m venv": "set-up (tests/unit/test_help_install.py installs the package)",
-    ".venv/bin/pip install": "set-up (tests/unit/test_help_install.py installs the package)",
+    ".venv/bin/pip install": "set-up (tests/unit/test_help_install.py installs the package; extras: below)",
+    "pip install": "set-up of an extra (test_every_documented_extra_exists)",
     ".venv/bin/python -m pytest": "the suite itself",
     "tensorboard --logdir": "TensorBoard's own command (tests/integration/test_profile_dashboards.py reads the events)",
     "python -c": "tests/integration/test_export_standard.py loads an export with transformers",
@@ -74,7 +76,7 @@ def _commands_of(text: str):
                 line = line[2:]
             for part in line.split(" #")[0].split("&&"):
                 if part.strip() and not part.strip().startswith("#"):
-                    yield " ".join(part.split())
+                    yield PREFIX.sub("", " ".join(part.split()))
     for span in INLINE.findall(FENCE.sub("", text)):
         if "[" not in span and " | " not in span:
             yield " ".join(span.split())
@@ -88,6 +90,15 @@ def documented_commands(kind=None):
             if kind is None or kind.match(command):
                 found.append((str(page.relative_to(ROOT)), command))
     return found
+
+
+def test_every_documented_extra_exists():
+    """``pip install … '.[x]'`` and ``'trainer3d[x]'`` on the pages name extras pyproject.toml has."""
+    tomllib = pytest.importorskip("tomllib", reason="reads pyproject.toml with Python 3.11's tomllib")
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    named = {(page, x) for page in PAGES + [ROOT / "tools" / "README.md"]
+             for group in re.findall(r"(?:\.|trainer3d)\[([\w,-]+)\]", page.read_text()) for x in group.split(",")}
+    assert named and not [(str(page), x) for page, x in named if x not in extras]
 
 
 def _ids(value):

@@ -21,7 +21,9 @@ own entry point:
   trainer3d's (4 d^2 + 2 x 128 x 516 = 3 x 128 x 344 + 4 d^2, biases aside), the head and the
   attention scores the same: the same model FLOPs per token (printed, counted from each
   model's own linear layers). Tokens/s: rank 0's wall time from the end of the warm-up
-  step to the end of the last step.
+  step to the end of the last step. Its ranks draw random tokens, made before the clock
+  starts (its loss stays near ln 257: the values do not change the work). Its first run on
+  a machine compiles DeepSpeed's shared-memory communication op once (cached after).
 
 Each pair runs both, alternating which goes first; each pair's ratio is trainer3d's tokens/s
 over DeepSpeed's, and the last line is the median ratio. ``--against REV`` adds trainer3d as
