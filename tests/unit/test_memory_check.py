@@ -44,6 +44,8 @@ def test_a_million_layers_are_refused_before_launch_in_bounded_memory(monkeypatc
     ["parallel=dp2", "parallel.zero_stage=1", "train.dtype=bf16"],
     ["parallel=dp2", "parallel.zero_stage=2", "train.dtype=bf16"],
     ["parallel=dp2", "parallel.zero_stage=3"],
+    ["parallel=dp2", "parallel.zero_stage=1", "train.dtype=bf16", "parallel.offload_optimizer=true"],
+    ["parallel=tp2-pp2-dp2", "parallel.offload_optimizer=true"],
     ["parallel=tp2-pp2-dp2", "parallel.pp_virtual_stages=2", "parallel.pp_schedule=interleaved_1f1b",
      "model.n_layers=8", "model.tie_embeddings=true"],
 ])
@@ -81,3 +83,20 @@ def test_the_entry_point_refuses_a_million_layers_before_launch(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("trainer3d: memory error: "), lines
     assert not (tmp_path / "submitit").exists(), "nothing launched"
+
+
+def test_offloaded_state_is_held_to_the_hosts_memory():
+    """CUDA ranks: the device holds the parameters and gradients only; the offloaded state of
+    all the ranks is summed against this host's memory. CPU ranks: it counts in their sum."""
+    cfg = _cfg(["parallel=tp2-pp2-dp2", "train.device=cuda", "train.dtype=bf16", "parallel.offload_optimizer=true"])
+    mems = [rank_memory(cfg, r) for r in range(cfg.parallel.pp)]
+    worst, host = max(m.total for m in mems), sum(m.host for m in mems) * 4  # tp2 x dp2 ranks per pp rank
+    assert host > 0 and all(m.states.master == 0 for m in mems)
+    assert memory_problems(cfg, 8, device_bytes=worst, host_bytes=host) == []
+    (line,) = memory_problems(cfg, 8, device_bytes=worst, host_bytes=host - 1)
+    assert "offloaded optimizer state of the 8 rank(s)" in line and "parallel.offload_optimizer=false" in line, line
+    cpu = _cfg(["parallel=tp2-pp2-dp2", "train.device=cpu", "train.dtype=bf16", "parallel.offload_optimizer=true"])
+    need = sum(rank_memory(cpu, r).total + rank_memory(cpu, r).host for r in range(cpu.parallel.pp)) * 4
+    assert memory_problems(cpu, 8, host_bytes=need) == []
+    (line,) = memory_problems(cpu, 8, host_bytes=need - 1)
+    assert "offloaded optimizer state" in line, line

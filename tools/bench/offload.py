@@ -17,7 +17,7 @@ that comes and goes falls on all alike) as Mparam/s, per variant:
 - ``foreach``: ``torch.optim.AdamW(foreach=True)`` (separate vectorised passes per op);
 - ``DeepSpeedCPUAdam``: DeepSpeed's C++/OpenMP CPU Adam in AdamW mode, when deepspeed is
   importable (its op is built with the machine's compiler on first use; not a dependency:
-  ``DS_BUILD_OPS=0 pip install deepspeed==0.19.8``).
+  the ``peers`` extra, ``DS_BUILD_OPS=0 pip install -e '.[peers]'``).
 
 The last line is ours: ``host AdamW step: <x> Mparam/s``. Figures measured on the
 development machines are in docs/offload.md.

@@ -5,7 +5,9 @@ The estimate is the dry run's own accounting (``dry_run=true``; trainer3d/memory
 model states, saved activations at the schedule's peak, pipeline buffers, the largest
 transient) of every pipeline rank. The limit: for CUDA ranks the smallest total memory of
 the GPUs they get, per rank; for CPU ranks this host's physical memory (MemTotal), shared by
-all of them, so the ranks' estimates are summed. It runs for the local launcher, where the
+all of them, so the ranks' estimates are summed. With ``parallel.offload_optimizer`` the
+offloaded state is host memory: CUDA ranks are also held, summed, to this host's memory for
+it; CPU ranks count it in their sum (host and device are the same memory). It runs for the local launcher, where the
 ranks start on this machine; ``launcher.check_memory=false`` launches anyway (the estimate
 leaves out the framework's own memory — CUDA context, NCCL, the allocator's slack — so a
 refused run does not fit; a run that passes may still not).
@@ -64,6 +66,8 @@ def states_lower_bound(cfg: Config, pp_rank: int) -> int:
     psi, b, n = rank_parameters(cfg, pp_rank), BYTES[cfg.train.dtype], cfg.parallel.dp
     master = 4 if b != 4 else 0
     stage = cfg.parallel.zero_stage
+    if cfg.parallel.offload_optimizer and stage < 2:  # masters and moments on the host
+        return (b + 4) * psi
     if stage == 0:
         return (b + 4 + master + 8) * psi
     if stage == 1:
@@ -71,18 +75,45 @@ def states_lower_bound(cfg: Config, pp_rank: int) -> int:
     return 16 * psi // n + (b * psi if stage == 2 else 0)
 
 
+def host_lower_bound(cfg: Config, pp_rank: int) -> int:
+    """Host bytes of the offloaded optimizer state the rank holds at least (0 without offload):
+    16 per owned parameter, + the bf16/fp16 cast."""
+    p, b = cfg.parallel, BYTES[cfg.train.dtype]
+    if not p.offload_optimizer or p.zero_stage >= 2:
+        return 0
+    owned = rank_parameters(cfg, pp_rank) // (p.dp * p.cp if p.zero_stage == 1 else 1)
+    return (16 + (b if b != 4 else 0)) * owned
+
+
 def estimate(cfg: Config, limit: int, ranks_summed: bool) -> Estimate:
-    """The pipeline ranks' peaks: the lower bound where it alone exceeds ``limit``, else exact."""
+    """The pipeline ranks' peaks: the lower bound where it alone exceeds ``limit``, else exact.
+    ``ranks_summed`` (CPU ranks): the offloaded host state counted in, the same memory."""
     p = cfg.parallel
-    bound = [states_lower_bound(cfg, r) for r in range(p.pp)]
+    host = [host_lower_bound(cfg, r) if ranks_summed else 0 for r in range(p.pp)]
+    bound = [states_lower_bound(cfg, r) + h for r, h in zip(range(p.pp), host)]
     if (sum(bound) * p.tp * p.cp * p.dp if ranks_summed else max(bound)) > limit:
         return Estimate(bound, exact=False)
     mems = [rank_memory(cfg, r) for r in range(p.pp)]
     worst = max(mems, key=lambda m: m.total)
     detail = (f"pp rank {worst.pp_rank}: model states {format_bytes(worst.states.total)}, activations "
               f"{format_bytes(worst.activation_bytes)}, pipeline buffers {format_bytes(worst.buffer_bytes)}, "
-              f"transient {format_bytes(worst.transient_bytes)}")
-    return Estimate([m.total for m in mems], exact=True, detail=detail)
+              f"transient {format_bytes(worst.transient_bytes)}"
+              + (f", offloaded optimizer state {format_bytes(worst.host)}" if ranks_summed and worst.host else ""))
+    return Estimate([m.total + (m.host if ranks_summed else 0) for m in mems], exact=True, detail=detail)
+
+
+def offload_host_problems(cfg: Config, host_bytes: Optional[int]) -> List[str]:
+    """CUDA ranks with the optimizer offloaded: one line if their host state does not fit this host."""
+    p = cfg.parallel
+    if not p.offload_optimizer or p.zero_stage >= 2:
+        return []
+    limit = host_memory() if host_bytes is None else host_bytes
+    total = sum(rank_memory(cfg, r).host for r in range(p.pp)) * p.tp * p.cp * p.dp
+    if total <= limit:
+        return []
+    return [f"the offloaded optimizer state of the {p.tp * p.cp * p.pp * p.dp} rank(s) is {format_bytes(total)} "
+            f"of host memory, more than this host's {format_bytes(limit)}; set parallel.offload_optimizer=false, "
+            f"{FIXES}; or set {KNOB} to launch anyway"]
 
 
 def host_memory() -> int:
@@ -105,7 +136,7 @@ def memory_problems(cfg: Config, world_size: int, device_bytes: Optional[int] = 
         found = estimate(cfg, device_bytes, ranks_summed=False)
         worst = max(found.per_rank)
         if worst <= device_bytes:
-            return []
+            return offload_host_problems(cfg, host_bytes)
         said = f"{format_bytes(worst)} per rank" + (f" ({found.detail})" if found.exact else
                                                      " at least (model states alone)")
         return [f"the dry run's estimate is {said}, more than the {format_bytes(device_bytes)} of each GPU; "

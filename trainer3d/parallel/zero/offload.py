@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from trainer3d.config.schema import Config, OptimConfig
-from trainer3d.optim.adamw import Segment, adamw_update_
+from trainer3d.optim.adamw import Segment, adamw_groups, fused_adamw_
 from trainer3d.optim.clip import clip_by_global_norm_, sum_of_squares
 from trainer3d.optim.schedule import decays
 from trainer3d.parallel.topology import ParallelDims
@@ -108,6 +108,9 @@ class HostAdamW:
         """The device's gradients of the segments (the norm is taken from them)."""
         self.decay = [decays(s.name, s.param) for s in segments]
         self.runs = contiguous_runs(segments, self.decay)
+        # The fused calls' lists, made once (the views and the counter are the same every step).
+        views = [[t[lo:hi] for lo, hi, _ in self.runs] for t in (self.master, self.grad, self.exp_avg, self.exp_avg_sq)]
+        self.groups = adamw_groups(*views, [d for _, _, d in self.runs], self.step_count, cfg)
         self.master_from_params()
 
     @torch.no_grad()
@@ -121,12 +124,7 @@ class HostAdamW:
     def step(self, lr: float, grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor]) -> None:
         """One AdamW update of the host masters from the host gradients divided by ``grad_scale``
         (skipped if ``found_inf``), then the cast for the device."""
-        views = [(self.master[lo:hi], self.grad[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi])
-                 for lo, hi, _ in self.runs]
-        if views:
-            p, g, m, v = (list(t) for t in zip(*views))
-            adamw_update_(p, g, m, v, [d for _, _, d in self.runs], self.step_count, lr, self.cfg, found_inf,
-                          grad_scale)
+        fused_adamw_(self.groups, self.step_count, lr, self.cfg, found_inf, grad_scale)
         if self.separate_master:
             self.outgoing.copy_(self.master)
 
