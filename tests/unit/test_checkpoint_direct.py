@@ -88,3 +88,27 @@ def test_an_error_leaves_the_tail_unwritten_and_the_descriptor_closed(tmp_path):
     assert path.stat().st_size == 0
     with pytest.raises(OSError):
         os.fstat(fd)
+
+
+def test_a_refusal_at_open_writes_through_the_page_cache(tmp_path, monkeypatch):
+    if not direct._DIRECT:
+        pytest.skip("no O_DIRECT on this platform")
+    real_open = os.open
+
+    def refusing(path, flags, *args):  # a file system without O_DIRECT (EINVAL at open)
+        if flags & direct._DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(direct.os, "open", refusing)
+    path = tmp_path / "f"
+    f = direct.DirectFile.open(path)
+    assert not isinstance(f, direct.DirectFile)
+    chunks = _payload()
+    hashing = HashingStream(f)
+    for chunk in chunks:
+        hashing.write(chunk)
+    hashing.flush()
+    f.close()
+    assert path.read_bytes() == b"".join(chunks)
+    assert (hashing.digest, hashing.bytes) == (file_digest(path)[FILE_HASH], path.stat().st_size)

@@ -47,13 +47,13 @@ class DirectFile(io.RawIOBase):
 
     @classmethod
     def open(cls, path: Path) -> io.RawIOBase:
-        """A DirectFile, or a plain unbuffered file where the file system refuses O_DIRECT."""
+        """A DirectFile, or a plain buffered file where the file system refuses O_DIRECT."""
         try:
             return cls(path)
         except OSError as err:
             if err.errno != errno.EINVAL or not _DIRECT:
                 raise
-            return open(path, "wb", buffering=0)
+            return open(path, "wb")
 
     def writable(self) -> bool:
         return True
