@@ -32,3 +32,5 @@ def test_the_pair_prints_its_ratio_last():
     out = _run()
     assert re.search(r"both models multiply [\d,]+ weights per token", out), out
     assert re.search(r"trainer3d / deepspeed tokens/s, median of 1 pairs: \d+\.\d{3}$", out.strip()), out
+    losses = re.search(r"deepspeed [\d,]+ tok/s \(loss ([\d.]+)\)", out)
+    assert losses and float(losses.group(1)) < 5.55, out  # DeepSpeed's side trains too (below ln 257)

@@ -21,9 +21,19 @@ own entry point:
   trainer3d's (4 d^2 + 2 x 128 x 516 = 3 x 128 x 344 + 4 d^2, biases aside), the head and the
   attention scores the same: the same model FLOPs per token (printed, counted from each
   model's own linear layers). Tokens/s: rank 0's wall time from the end of the warm-up
-  step to the end of the last step. Its ranks draw random tokens, made before the clock
-  starts (its loss stays near ln 257: the values do not change the work). Its first run on
-  a machine compiles DeepSpeed's shared-memory communication op once (cached after).
+  step to the end of the last step. Its first run on a machine compiles DeepSpeed's
+  shared-memory communication op once (cached after).
+
+Both sides train, on the same data and schedule, so the losses printed are comparable (a
+peer that cannot learn is no peer): the DeepSpeed ranks read windows of 64 + 1 tokens of
+the corpus trainer3d trains on (``data=stdlib``: this Python's standard library, byte-level;
+``trainer3d.data.stdlib_corpus``), drawn at seeded random offsets, each rank its own, before
+the clock starts; their learning rate follows trainer3d's own ``lr_at`` (linear warm-up over
+20 steps to 3e-3, cosine decay to 3e-4 at the last step) through a ``LambdaLR`` handed to
+``deepspeed.initialize``, which steps it after each optimizer step; AdamW's weight decay
+(0.1) applies to matrices and embeddings only, as trainer3d's ``param_groups`` applies it
+(1-D biases and LayerNorm weights undecayed). Random tokens would leave DeepSpeed's loss at
+ln 257 = 5.55 whatever the optimizer did, and a constant learning rate is not trainer3d's.
 
 Each pair runs both, alternating which goes first; each pair's ratio is trainer3d's tokens/s
 over DeepSpeed's, and the last line is the median ratio. ``--against REV`` adds trainer3d as
@@ -134,24 +144,41 @@ def gpt2_model():
     return GPT2()
 
 
+def corpus_windows(count: int, seed: int):
+    """``count`` windows of SEQ + 1 tokens of trainer3d's built-in corpus at seeded random offsets."""
+    import numpy as np
+    import torch
+
+    from trainer3d.config.schema import DataConfig
+    from trainer3d.data import TokenFile, stdlib_corpus
+
+    tokens = TokenFile.open(stdlib_corpus(DataConfig().cache_dir), verify=False).tokens
+    starts = np.random.default_rng(seed).integers(0, len(tokens) - SEQ - 1, size=count)
+    return torch.from_numpy(np.stack([np.asarray(tokens[a:a + SEQ + 1], dtype=np.int64) for a in starts]))
+
+
 def deepspeed_rank(args) -> None:
     """One torchrun rank: a GPT-2 through deepspeed.initialize, ZeRO-1, timed on rank 0."""
     import deepspeed
     import torch
 
+    from trainer3d.config.schema import OptimConfig
+    from trainer3d.optim.schedule import lr_at, param_groups
+
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     deepspeed.init_distributed(dist_backend="gloo")
     model = gpt2_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                                  fused=True)
+    cfg = OptimConfig(lr=LR, grad_clip=CLIP)  # trainer3d's defaults: betas, eps, decay, warm-up, min_lr
+    optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), cfg.weight_decay), lr=cfg.lr,
+                                  betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg, args.steps) / cfg.lr)
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": 1}, "gradient_clipping": CLIP, "steps_per_print": 10 ** 9,
               "fp16": {"enabled": False}, "bf16": {"enabled": False}}
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=config)
     rank = torch.distributed.get_rank()
-    g = torch.Generator().manual_seed(rank)
-    data = torch.randint(0, VOCAB, (args.steps, MICRO, SEQ + 1), generator=g)
+    data = corpus_windows(args.steps * MICRO, seed=rank).view(args.steps, MICRO, SEQ + 1)
     inputs, targets = data[..., :-1].contiguous(), data[..., 1:].contiguous()  # made before the clock starts
     started = None
     for step in range(args.steps):
