@@ -3,6 +3,7 @@
 
     python tools/bench/deepspeed_pair.py [--pairs 4] [--steps 100] [--warmup 20] [--only trainer3d]
                                          [--against REV]
+    python tools/bench/deepspeed_pair.py --blocks 10
 
 Both train data-parallel over 2 CPU ranks (gloo), ZeRO stage 1, fp32, AdamW, gradient
 clipping at 1.0, micro-batches of 8 x 64 tokens, one micro-batch per step, each through its
@@ -34,6 +35,11 @@ the clock starts; their learning rate follows trainer3d's own ``lr_at`` (linear 
 (0.1) applies to matrices and embeddings only, as trainer3d's ``param_groups`` applies it
 (1-D biases and LayerNorm weights undecayed). Random tokens would leave DeepSpeed's loss at
 ln 257 = 5.55 whatever the optimizer did, and a constant learning rate is not trainer3d's.
+
+``--blocks ROUNDS`` prints instead what one block of each model costs one thread, forward
+and backward at the bench's shape: the best ``time.thread_time`` (CPU time of the thread,
+which other processes on the core do not add to) of ROUNDS x 50, the two alternating by
+round: a figure a loaded machine moves far less than tokens/s.
 
 Each pair runs both, alternating which goes first; each pair's ratio is trainer3d's tokens/s
 over DeepSpeed's, and the last line is the median ratio. ``--against REV`` adds trainer3d as
@@ -205,6 +211,33 @@ def run_deepspeed(steps: int, warmup: int, threads: int) -> dict:
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
 
 
+# ---------------------------------------------------------------------------- one block each
+
+def block_thread_ms(rounds: int, reps: int = 50) -> dict:
+    """One thread's CPU time (``time.thread_time``: what other processes take from the core
+    does not count) for the forward and backward of one block of each model at the bench's
+    shape, best of ``rounds`` x ``reps``, the two measured in alternating rounds."""
+    import torch
+
+    from trainer3d.config.schema import ModelConfig
+    from trainer3d.model.transformer import Block
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=HEADS, ffn_dim=SWIGLU, vocab_size=VOCAB,
+                      max_seq_len=SEQ)
+    blocks = {"trainer3d": (Block(cfg), torch.randn(SEQ, MICRO, DIM, requires_grad=True)),  # sequence-first
+              "gpt2": (gpt2_model().h[0], torch.randn(MICRO, SEQ, DIM, requires_grad=True))}
+    best = {name: float("inf") for name in blocks}
+    for _ in range(rounds):
+        for name, (block, x) in blocks.items():
+            for _ in range(reps):
+                started = time.thread_time()
+                block(x).sum().backward()
+                best[name] = min(best[name], time.thread_time() - started)
+    return {name: seconds * 1e3 for name, seconds in best.items()}
+
+
 # ---------------------------------------------------------------------------- the pairs
 
 def flops_line() -> str:
@@ -232,10 +265,18 @@ def main(argv=None) -> int:
     parser.add_argument("--only", choices=("trainer3d", "deepspeed"), help="run one side (no ratio)")
     parser.add_argument("--against", metavar="REV",
                         help="also run trainer3d as it is at git revision REV (its trainer3d/ and conf/) in each pair")
+    parser.add_argument("--blocks", type=int, metavar="ROUNDS",
+                        help="instead: one thread's best CPU time per block forward+backward, each model's")
     parser.add_argument("--deepspeed-rank", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.deepspeed_rank:
         deepspeed_rank(args)
+        return 0
+    if args.blocks:
+        ms = block_thread_ms(args.blocks)
+        print(f"one block's forward+backward, one thread, best thread time of {args.blocks} x 50: trainer3d Llama "
+              f"{ms['trainer3d']:.3f} ms, GPT-2 {ms['gpt2']:.3f} ms, ratio {ms['trainer3d'] / ms['gpt2']:.3f} "
+              f"(load average {os.getloadavg()[0]:.1f})")
         return 0
     print(f"dp={DP} ZeRO-1 fp32, dim {DIM} x {LAYERS} blocks, micro-batch {MICRO} x {SEQ}, {args.steps} steps "
           f"({args.warmup} warm-up); load average {os.getloadavg()[0]:.1f}", flush=True)
