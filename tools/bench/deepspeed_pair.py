@@ -199,6 +199,10 @@ def deepspeed_rank(args) -> None:
 
 
 def run_deepspeed(steps: int, warmup: int, threads: int) -> dict:
+    from trainer3d.config.schema import DataConfig
+    from trainer3d.data import stdlib_corpus
+
+    stdlib_corpus(DataConfig().cache_dir)  # made here, once, so the two ranks only read it
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
