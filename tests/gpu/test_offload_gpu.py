@@ -1,6 +1,8 @@
 """Optimizer offload on a CUDA device (parallel.offload_optimizer, parallel/zero/offload.py): the
 fp32 masters and AdamW moments leave the device's memory, the gradients go to pinned host
 memory on a side stream while backward runs, and training follows the run without offload.
+ZeRO-3 offload (parallel/zero/fsdp_offload.py, FSDP2's CPUOffloadPolicy): the fp32 parameter
+shards, their gradients and the moments leave the device, and training follows the run without it.
 
 Marked ``gpu``; skips without a CUDA device (run ``pytest -m gpu tests/gpu`` on a GPU machine).
 """
@@ -17,6 +19,7 @@ from tests.support.runs import PARITY, losses, run_train
 from trainer3d.config.schema import Config
 from trainer3d.config.validate import validate
 from trainer3d.parallel.topology import ParallelDims, Topology
+from trainer3d.parallel.zero.fsdp_offload import OffloadedFSDPOptimizer
 from trainer3d.parallel.zero.offload import OffloadedOptimizer
 from trainer3d.trainer import Trainer
 
@@ -27,8 +30,9 @@ pytestmark = [pytest.mark.gpu,
 CUDA = ("parallel=single", "train.device=cuda")
 
 
-def _config(run_dir, offload: bool) -> Config:
+def _config(run_dir, offload: bool, stage: int = 0) -> Config:
     cfg = Config(run_dir=str(run_dir))
+    cfg.parallel.zero_stage = stage
     cfg.train.device, cfg.train.dtype, cfg.train.max_steps, cfg.train.log_every = "cuda", "bf16", 4, 1
     cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.grad_accum_steps = 2, 8, None
     cfg.train.seq_len, cfg.train.eval_every, cfg.checkpoint.every = 64, 0, 0
@@ -102,3 +106,47 @@ def test_gradient_copies_run_on_a_side_stream_during_backward(tmp_path):
     def overlaps(a, b):
         return a["ts"] < b["ts"] + b["dur"] and b["ts"] < a["ts"] + a["dur"]
     assert any(overlaps(c, k) for c in side for k in kernels), "no gradient copy overlapped a kernel"
+
+
+def _fsdp_device_bytes(run_dir, offload: bool):
+    """As ``_device_bytes`` for ZeRO-3 on one GPU (FSDP2 over a mesh of one: the shard is the
+    whole model): (built, peak, parameters, optimizer type, host shards' devices)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    dims = ParallelDims.build(Topology(tp=1, pp=1, dp=1), torch.device("cuda"))
+    trainer = Trainer(_config(run_dir, offload, stage=3), dims)
+    built = torch.cuda.memory_allocated() - before
+    torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    peak = torch.cuda.max_memory_allocated() - before
+    opt = trainer.optimizer
+    numel, kind = sum(p.numel() for p in opt.params), type(opt)
+    where = {t.device.type for t in (*opt.local, *opt.exp_avg, opt.step_count)}
+    pinned = all(t.is_pinned() for t in opt.local) and all(p.grad is None or p.grad.to_local().is_pinned()
+                                                           for p in opt.params)
+    del trainer, opt
+    return built, peak, numel, kind, where, pinned
+
+
+def test_zero3_shards_leave_the_device(tmp_path, one_nccl_rank):
+    """bf16 ZeRO-3 on one GPU: with offload the fp32 parameter shard (4 bytes per parameter) and
+    the moments (8) are not on the device once built, and at the training peak the device
+    holds at least those 12 and at most the 16 with the gradient shard less (what is in flight,
+    a block's shard copied up and its gradient before the copy down, stays); the shards are
+    pinned host memory."""
+    plain_built, plain_peak, numel, plain_kind, plain_where, _ = _fsdp_device_bytes(tmp_path / "plain", False)
+    off_built, off_peak, off_numel, off_kind, off_where, pinned = _fsdp_device_bytes(tmp_path / "offload", True)
+    assert off_kind is OffloadedFSDPOptimizer and plain_kind is not OffloadedFSDPOptimizer and numel == off_numel
+    assert plain_where == {"cuda"} and off_where == {"cpu"} and pinned
+    assert plain_built - off_built == pytest.approx(12 * numel, rel=0.01), (plain_built, off_built)
+    assert 12 * numel <= plain_peak - off_peak <= 16.5 * numel, (plain_peak, off_peak, numel)
+
+
+def test_zero3_offloaded_losses_follow_the_device_step(tmp_path):
+    """The real entry point on CUDA, ZeRO-3 on one GPU: 20 bf16 steps with the shards on the
+    host within bf16's rounding of the same run without offload."""
+    base = [*PARITY, *CUDA, "train.dtype=bf16", "parallel.zero_stage=3"]
+    plain = losses(tmp_path / "plain", base)
+    offloaded = losses(tmp_path / "offload", [*base, "parallel.offload_optimizer=true"])
+    np.testing.assert_allclose(offloaded, plain, rtol=1e-3)

@@ -1,12 +1,15 @@
-"""ZeRO-Offload (parallel.offload_optimizer: parallel/zero/offload.py) trains the model one process
-trains, and its checkpoints are the ones training without it writes.
+"""ZeRO-Offload (parallel.offload_optimizer: parallel/zero/offload.py for ZeRO 0/1,
+parallel/zero/fsdp_offload.py for ZeRO 2/3) trains the model one process trains, and its
+checkpoints are the ones training without it writes.
 
 fp32: pp2 x dp2 (also with tied embeddings, whose two copies' gradients are summed after
 they left for the host), tp2 x dp2 (sequence parallel, whose norms' gradients change so too)
 and one rank (ZeRO-0) with offload match the 1-rank reference per step (relative 1e-5, 20
-steps, tests/support/runs.py: PARITY). bf16 and fp16 with offload follow the same run without
-it (the step's arithmetic is the same, so well inside bf16's tolerance); fp16 skips the same
-overflowing steps. A checkpoint saved with offload resumes without it and the reverse.
+steps, tests/support/runs.py: PARITY); so do ZeRO-3 on dp2 and ZeRO-2 on tp2 x dp2 (FSDP2 over
+the tp slices, sequence parallel) with their shards on the host. bf16 and fp16 with offload
+follow the same run without it (the step's arithmetic is the same, so well inside bf16's
+tolerance); fp16 skips the same overflowing steps. A checkpoint saved with offload resumes
+without it and the reverse, ZeRO-1 and ZeRO-3 alike.
 """
 
 import numpy as np
@@ -17,6 +20,7 @@ from tests.support.runs import PARITY, assert_parity, losses_in_ranks, read_metr
 from trainer3d.checkpoint import store
 from trainer3d.config.schema import Config
 from trainer3d.config.validate import validate
+from trainer3d.parallel.zero.fsdp_offload import OffloadedFSDPOptimizer
 from trainer3d.parallel.zero.offload import OffloadedOptimizer
 from trainer3d.trainer import Trainer
 
@@ -32,6 +36,10 @@ LAYOUTS = [
     pytest.param(TIED, ("parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1"), id="pp2-dp2-z1-tied"),
     # stage 0 on one rank: the whole state offloaded, every bucket's copy all of it
     pytest.param((), ("parallel.zero_stage=0", SMALL_BUCKETS), id="single-z0"),
+    # FSDP2's CPUOffloadPolicy: parameter, gradient and optimizer shards on the host
+    pytest.param((), ("parallel.dp=2", "parallel.zero_stage=3"), id="dp2-z3"),
+    pytest.param((), ("parallel.tp=2", "parallel.dp=2", "parallel.zero_stage=2", "parallel.sequence_parallel=true"),
+                 id="tp2-dp2-z2-sp"),
 ]
 
 
@@ -43,16 +51,17 @@ def test_offload_matches_single_process(tmp_path, session_tmp, model, layout):
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
 
 
-MIXED = ("parallel=single", "parallel.dp=2", "parallel.zero_stage=1", "train.max_steps=12", SMALL_BUCKETS)
+MIXED = ("parallel=single", "parallel.dp=2", "train.max_steps=12", SMALL_BUCKETS)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_mixed_precision_offload_follows_the_device_step(tmp_path, dtype):
+def test_mixed_precision_offload_follows_the_device_step(tmp_path, dtype, stage):
     """The same run with and without offload: per-step losses within bf16's rounding of one
     another (they differ only in dividing vs multiplying by the clip coefficient), and fp16's
     loss scale and skipped steps identical (2^20 to start: the first steps overflow)."""
-    base = [*PARITY, *MIXED, f"train.dtype={dtype}", "train.loss_scale_init=1048576"]
+    base = [*PARITY, *MIXED, f"parallel.zero_stage={stage}", f"train.dtype={dtype}", "train.loss_scale_init=1048576"]
     plain = losses_in_ranks(tmp_path / "plain", base)
     offloaded = losses_in_ranks(tmp_path / "offload", [*base, OFFLOAD])
     np.testing.assert_allclose(offloaded, plain, rtol=1e-3)
@@ -67,9 +76,9 @@ def test_mixed_precision_offload_follows_the_device_step(tmp_path, dtype):
 STEPS, SAVE_AT = 8, 4
 
 
-def _config(run_dir: str, dtype: str, offload: bool, resume: str, steps: int) -> Config:
+def _config(run_dir: str, dtype: str, offload: bool, resume: str, steps: int, stage: int) -> Config:
     cfg = Config(run_dir=run_dir)
-    cfg.parallel.dp, cfg.parallel.zero_stage, cfg.parallel.timeout_s = 2, 1, 60
+    cfg.parallel.dp, cfg.parallel.zero_stage, cfg.parallel.timeout_s = 2, stage, 60
     cfg.parallel.offload_optimizer = offload
     t = cfg.train
     t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, t.seq_len = 2, 8, None, 32
@@ -83,31 +92,35 @@ def _state(opt):
             for v in opt.checkpoint_views() for kind, t in v.tensors.items()}
 
 
-def _train(rank, world, run_dir, dtype, offload, resume, steps):
+def _train(rank, world, run_dir, dtype, offload, resume, steps, stage):
     """Train to ``steps``; this rank's state by checkpoint key as built (or loaded) and at the end."""
-    trainer = Trainer(_config(run_dir, dtype, offload, resume, steps), dims_for(dp=world))
-    assert isinstance(trainer.optimizer, OffloadedOptimizer) == offload
+    trainer = Trainer(_config(run_dir, dtype, offload, resume, steps, stage), dims_for(dp=world))
+    kind = OffloadedOptimizer if stage < 2 else OffloadedFSDPOptimizer
+    assert isinstance(trainer.optimizer, kind) == offload
     loaded = _state(trainer.optimizer)
     trainer.train()
     return loaded, _state(trainer.optimizer)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype,saved_with", [("bf16", True), ("bf16", False), ("fp32", False)],
-                         ids=["bf16-offload-to-device", "bf16-device-to-offload", "fp32-device-to-offload"])
-def test_checkpoint_resumes_across_offload(tmp_path, dtype, saved_with):
-    """ZeRO-1 on dp2 saved after 4 steps by one mode and resumed by the other: the loaded
-    parameters, fp32 masters (bf16) and moments are bit for bit what the saver held, under the
-    same keys, and the resumed steps follow the saver's uninterrupted run (fp32: the host
-    masters are taken from the loaded parameters)."""
+@pytest.mark.parametrize("stage,dtype,saved_with", [(1, "bf16", True), (1, "bf16", False), (1, "fp32", False),
+                                                    (3, "fp32", True), (3, "fp32", False), (3, "bf16", True)],
+                         ids=["z1-bf16-offload-to-device", "z1-bf16-device-to-offload", "z1-fp32-device-to-offload",
+                              "z3-fp32-offload-to-device", "z3-fp32-device-to-offload", "z3-bf16-offload-to-device"])
+def test_checkpoint_resumes_across_offload(tmp_path, stage, dtype, saved_with):
+    """dp2 saved after 4 steps by one mode and resumed by the other: the loaded parameters,
+    fp32 masters (ZeRO-1 bf16; under FSDP the fp32 parameter shards are the masters) and
+    moments are bit for bit what the saver held, under the same keys, and the resumed steps
+    follow the saver's uninterrupted run (fp32 ZeRO-1: the host masters are taken from the
+    loaded parameters; ZeRO-3: the shards are loaded where they live, host or device)."""
     saver, full_dir, resumed_dir = tmp_path / "saver", tmp_path / "full", tmp_path / "resumed"
-    saved = run_ranks(_train, 2, str(saver), dtype, saved_with, "never", SAVE_AT, timeout=600)
-    run_ranks(_train, 2, str(full_dir), dtype, saved_with, "never", STEPS, timeout=600)
+    saved = run_ranks(_train, 2, str(saver), dtype, saved_with, "never", SAVE_AT, stage, timeout=600)
+    run_ranks(_train, 2, str(full_dir), dtype, saved_with, "never", STEPS, stage, timeout=600)
     resumed = run_ranks(_train, 2, str(resumed_dir), dtype, not saved_with,
-                        str(store.step_dir(saver / "checkpoints", SAVE_AT)), STEPS, timeout=600)
+                        str(store.step_dir(saver / "checkpoints", SAVE_AT)), STEPS, stage, timeout=600)
     for rank, ((_, at_save), (loaded, _)) in enumerate(zip(saved, resumed)):
         assert at_save.keys() == loaded.keys(), rank
-        assert any(k.startswith("master ") for k in loaded) == (dtype == "bf16"), rank
+        assert any(k.startswith("master ") for k in loaded) == (dtype == "bf16" and stage == 1), rank
         for key, value in at_save.items():
             np.testing.assert_array_equal(loaded[key], value, err_msg=f"rank {rank} {key}")
     rows_full, rows_resumed = read_metrics(full_dir), read_metrics(resumed_dir)

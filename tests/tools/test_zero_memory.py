@@ -123,33 +123,50 @@ def test_zero_memory_tool_reports_the_dry_runs_rank_shapes():
     assert f"largest stage {stage}: {counts[stage]:,} parameters per rank" in proc.stdout
 
 
+def _split(model, opt):
+    """(device bytes, host bytes) of the model states: the optimizer names its host tensors;
+    the rest of the model's parameters and the optimizer's tensors are the device's."""
+    host = opt.adam.host_tensors() if hasattr(opt, "adam") else opt.host_tensors()
+    held = {t.untyped_storage().data_ptr() for t in host}
+    everything = [*model.parameters(), *(t for ts in opt.state_tensors().values() for t in ts)]
+    device = [t for t in everything if getattr(t, "_local_tensor", t).untyped_storage().data_ptr() not in held]
+    return storage_bytes(device), storage_bytes(host)
+
+
 def _measure_offload(rank, world):
-    """Stages 0/1 with the optimizer offloaded, after two steps: (device bytes measured, host
-    bytes measured, the accounting's ModelStateBytes)."""
+    """Every stage with the optimizer offloaded, after two steps: (stage, dtype, when, device
+    bytes measured, host bytes measured, the accounting's ModelStateBytes); stage 2 also after
+    the last micro-batch's forward, with FSDP2's gathered parameters on the device."""
     with torch.device("meta"):
         shapes = [tuple(p.shape) for p in Transformer(make_cfg(1, 0).model).parameters()]
     out = []
-    for stage in (0, 1):
+    for stage in (0, 1, 2, 3):
         for dtype in ("fp32", "bf16", "fp16"):
             cfg = make_cfg(world, stage, dtype=dtype, bucket_mb=0.01)
             cfg.parallel.offload_optimizer = True
             dims, model, opt = build(cfg)
             for step in range(2):
                 train_step(model, opt, cfg, dims.dp_rank, step)
-            host = opt.adam.host_tensors()
-            held = {t.untyped_storage().data_ptr() for t in host}
-            device = [t for ts in opt.state_tensors().values() for t in ts if t.untyped_storage().data_ptr() not in held]
-            want = engine_model_state_bytes(shapes, world, stage, dtype, bucket_numel(cfg), offload=True)
-            out.append((stage, dtype, storage_bytes(device), storage_bytes(host), want))
+            want = engine_model_state_bytes(shapes, world, stage, dtype, bucket_numel(cfg), dims.dp_rank, offload=True)
+            out.append((stage, dtype, "at the step", *_split(model, opt), want))
+            if stage == 2:
+                x, y = global_batch(cfg, 2)
+                loss = loss_of(model, x[dims.dp_rank], y[dims.dp_rank])
+                out.append((stage, dtype, "after forward", *_split(model, opt), want))
+                loss.backward()
     return out
 
 
 def test_offloaded_state_is_host_memory_as_accounted():
     """parallel.offload_optimizer: the host holds exactly the bytes trainer3d.memory.states says
-    (16 per owned element, + 2 for the bf16/fp16 cast, + the step counter), the device the
-    parameters, the fp32 gradient buckets and fp16's scaler, and no master or moment."""
+    — stages 0/1: 16 per owned element, + 2 for the bf16/fp16 cast, + the step counter; stages
+    2/3: the padded fp32 parameter shard, the gradient shard and moments of the real rows, the
+    step counter — and the device the rest: stages 0/1 the parameters, the fp32 gradient
+    buckets and fp16's scaler; stages 2/3 fp16's scaler, and ZeRO-2's gathered parameters
+    between forward and the end of backward; never a master or a moment."""
     for rank, rows in enumerate(run_ranks(_measure_offload, 2, timeout=300)):
-        for stage, dtype, device, host, want in rows:
-            assert host == want.host, (rank, stage, dtype)
-            assert device == want.total, (rank, stage, dtype)
+        for stage, dtype, when, device, host, want in rows:
+            assert host == want.host, (rank, stage, dtype, when, host, want)
+            gathered = want.gathered if when == "after forward" else 0
+            assert device == want.total - want.gathered + gathered, (rank, stage, dtype, when, device, want)
             assert want.master == 0 and want.optimizer == (16 if dtype == "fp16" else 0)

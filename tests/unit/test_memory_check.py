@@ -13,7 +13,7 @@ from tests.conftest import ROOT
 from tests.unit.test_validate import make
 from trainer3d import train
 from trainer3d.config.validate import validate, world_size_of
-from trainer3d.job.memory_check import memory_problems, states_lower_bound
+from trainer3d.job.memory_check import host_lower_bound, memory_problems, states_lower_bound
 from trainer3d.memory.peak import rank_memory
 
 MILLION = ["parallel=single", "model.n_layers=1000000", "train.device=cpu"]
@@ -46,6 +46,7 @@ def test_a_million_layers_are_refused_before_launch_in_bounded_memory(monkeypatc
     ["parallel=dp2", "parallel.zero_stage=3"],
     ["parallel=dp2", "parallel.zero_stage=1", "train.dtype=bf16", "parallel.offload_optimizer=true"],
     ["parallel=tp2-pp2-dp2", "parallel.offload_optimizer=true"],
+    ["parallel=dp2", "parallel.zero_stage=2", "train.dtype=bf16", "parallel.offload_optimizer=true"],
     ["parallel=tp2-pp2-dp2", "parallel.pp_virtual_stages=2", "parallel.pp_schedule=interleaved_1f1b",
      "model.n_layers=8", "model.tie_embeddings=true"],
 ])
@@ -100,3 +101,19 @@ def test_offloaded_state_is_held_to_the_hosts_memory():
     assert memory_problems(cpu, 8, host_bytes=need) == []
     (line,) = memory_problems(cpu, 8, host_bytes=need - 1)
     assert "offloaded optimizer state" in line, line
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offloaded_fsdp_shards_are_held_to_the_hosts_memory(stage):
+    """ZeRO-2/3 offloaded on CUDA ranks: the device keeps no shard (ZeRO-2 its gathered
+    parameters), the host all of them, summed over the ranks against this host's memory; the
+    quick bound of the host state stays under the dry run's."""
+    cfg = _cfg(["parallel=dp2", "parallel.tp=2", "train.device=cuda", "train.dtype=bf16",
+                f"parallel.zero_stage={stage}", "parallel.offload_optimizer=true"])
+    (mem,) = [rank_memory(cfg, 0)]
+    assert mem.states.params == mem.states.grads == mem.states.master == 0 and mem.host > 0
+    assert 0.9 * mem.host < host_lower_bound(cfg, 0) <= mem.host
+    host = mem.host * 4
+    assert memory_problems(cfg, 4, device_bytes=mem.total, host_bytes=host) == []
+    (line,) = memory_problems(cfg, 4, device_bytes=mem.total, host_bytes=host - 1)
+    assert "offloaded optimizer state of the 4 rank(s)" in line, line

@@ -14,7 +14,7 @@ from trainer3d.config.schema import Config
 from trainer3d.memory.states import ModelStateBytes, engine_model_state_bytes
 from trainer3d.plan.devices import device_for
 from trainer3d.plan.search import command, evaluate, host_link, search
-from trainer3d.plan.step_time import HostLink, offload_s
+from trainer3d.plan.step_time import HostLink, RankTimes, fsdp_offload_s, offload_s
 from trainer3d.config.validate import validate
 
 SHAPES, DP = [(64, 32), (32,), (128, 32)], 4  # 6,176 elements: no padding at dp 4, one bucket
@@ -33,6 +33,44 @@ def test_offloaded_state_is_host_memory(stage, dtype, b):
     assert got.offloaded == owned
     plain = engine_model_state_bytes(SHAPES, DP, stage, dtype, bucket_numel=10 ** 6)
     assert plain.host == 0 and plain.total - got.total == plain.master + plain.optimizer - got.optimizer
+
+
+@pytest.mark.parametrize("dtype,b", [("bf16", 2), ("fp16", 2), ("fp32", 4)])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offloaded_fsdp_shards_are_host_memory(stage, dtype, b):
+    """ZeRO-2/3 (FSDP2's CPUOffloadPolicy): the host holds this rank's fp32 parameter shard, its
+    gradient shard and both moments (16 bytes per element of the shard) and the step counter;
+    the device only ZeRO-2's gathered compute-dtype parameters and fp16's scaler."""
+    psi = 6176
+    shard = psi // DP
+    got = engine_model_state_bytes(SHAPES, DP, stage, dtype, bucket_numel=10 ** 6, offload=True)
+    assert (got.params, got.grads, got.master, got.optimizer) == (0, 0, 0, 16 if dtype == "fp16" else 0)
+    assert got.gathered == (b * psi if stage == 2 else 0)
+    assert got.host == (4 + 4 + 4 + 4) * shard + 4
+    assert got.offloaded == got.sharded == shard
+    plain = engine_model_state_bytes(SHAPES, DP, stage, dtype, bucket_numel=10 ** 6)
+    assert plain.total - got.total == plain.params + plain.grads + plain.optimizer - got.optimizer == got.host
+
+
+def test_fsdp_offload_time_by_hand():
+    """ZeRO-3, 10^9 elements of shard, 4 micro-batches of 1 s forward and 2 s backward, 8 ranks
+    sharing 200 GB/s of host memory, 25 GB/s PCIe: the shard's copies up (4 GB twice a
+    micro-batch, 0.32 s) hide behind the compute; the first micro-batch's gradient copy down
+    (0.16 s) behind its backward; the other three copies down and the host sums (12 GB over
+    25 GB/s each) do not; then the host AdamW, 32 bytes an element."""
+    cfg = Config()
+    cfg.parallel.zero_stage, cfg.train.grad_accum_steps = 3, 4
+    states = ModelStateBytes(params=0, grads=0, master=0, optimizer=0, offloaded=10 ** 9, sharded=10 ** 9)
+    link = HostLink(pcie_gbps=25.0, host_gbps=200.0)
+    times = RankTimes(forward=1.0, backward=2.0, tp_comm=0.0)
+    host = 200e9 / 8
+    want = 3 * (4e9 / 25e9 + 12e9 / host) + 32e9 / host
+    assert fsdp_offload_s(cfg, states, times, 8, link) == pytest.approx(want)
+    # compute shorter than the copies: the rest is exposed, every micro-batch
+    quick = RankTimes(forward=0.1, backward=0.1, tp_comm=0.0)
+    exposed = 4 * (8e9 / 25e9 - 0.2) + (4e9 / 25e9 - 0.1)
+    assert fsdp_offload_s(cfg, states, quick, 8, link) == pytest.approx(exposed + want)
+    assert fsdp_offload_s(cfg, dataclasses.replace(states, offloaded=0), times, 8, link) == 0.0
 
 
 def test_offload_time_by_hand():
@@ -89,3 +127,23 @@ def test_offload_that_does_not_fit_the_hosts_memory_is_not_proposed():
     cfg, device = _plan("cluster.host_memory_gb=100"), device_for("a100-40g")
     # the 13B model's host state, 18 bytes per parameter over the node: ~218 GiB > 90 GiB
     assert not any(p.cfg.parallel.offload_optimizer for p in search(cfg, device).plans)
+
+
+def test_search_proposes_fsdp_offload_where_only_it_fits():
+    """13B on one node of 2 x 40 GB: no layout fits the device without offload (ZeRO-3 alone
+    keeps 8 bytes per parameter of fp32 shard and gradient, 52 GB a rank; a pipeline or tp
+    keeps 6.5B parameters' 6 bytes of bf16 weights and fp32 gradients even offloaded), and
+    ZeRO-2/3 with their shards on the host (16 bytes per parameter: 208 GB of the node's
+    900 GiB) fit, each plan's command saying so."""
+    cfg = _plan("cluster.gpus_per_node=2", "search.zero_stages=[0,1,2,3]", "search.recompute=[true]",
+                "search.micro_batch_sizes=[4]")
+    device = device_for("a100-40g")
+    plans = search(cfg, device).plans
+    assert plans and all(p.cfg.parallel.offload_optimizer and p.cfg.parallel.zero_stage >= 2 for p in plans)
+    assert {p.cfg.parallel.zero_stage for p in plans} == {2, 3}
+    for plan in plans:
+        assert "parallel.offload_optimizer=true" in command(plan.cfg) and plan.step.offload > 0
+        assert 16 * 13e9 / 2 < plan.host_per_node(2) / 2 < 16.1 * 13e9 / 2
+        validate(plan.cfg)
+    assert search(_plan("cluster.gpus_per_node=2", "search.zero_stages=[0,1,2,3]", "search.recompute=[true]",
+                        "search.micro_batch_sizes=[4]", "search.offload=false"), device).plans == []

@@ -30,7 +30,9 @@ BAD = [
     (["train.micro_batch_size=null", "train.grad_accum_steps=null"], "give two of train.micro_batch_size"),
     (["parallel.pp=2", "parallel.zero_stage=2", "train.global_batch_size=64"], "parallel.zero_stage=2 with parallel.pp=2"),
     (["parallel.pp=2", "parallel.zero_stage=3", "train.global_batch_size=64"], "parallel.zero_stage=3 with parallel.pp=2"),
-    (["parallel.zero_stage=2", "parallel.offload_optimizer=true"], "use parallel.zero_stage=1 (or parallel.offload_optimizer=false)"),
+    # offloaded ZeRO-2/3 is FSDP2's CPUOffloadPolicy: no pipelines either, and the same message says so
+    (["parallel.pp=2", "parallel.zero_stage=3", "parallel.offload_optimizer=true", "train.global_batch_size=64"],
+     "use parallel.zero_stage=1 (or 0) with pipelining"),
     (["parallel.pp=4", "parallel.dp=1", "train.micro_batch_size=8", "train.global_batch_size=16"], "train.grad_accum_steps=2 < parallel.pp=4"),
     (["parallel.tp=3", "parallel.dp=1"], "model.n_heads=4 is not divisible by parallel.tp=3"),
     (["parallel.tp=4", "parallel.dp=1"], "model.n_kv_heads=2 is not divisible by parallel.tp=4"),
@@ -91,6 +93,12 @@ def test_bad_config_names_the_knob(overrides, fragment):
 @pytest.mark.parametrize("overrides", GOOD_PIPELINES, ids=[" ".join(o) for o in GOOD_PIPELINES])
 def test_pipelines_torch_runs_are_accepted(overrides):
     validate(make(overrides))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_offload_is_accepted_on_every_stage_without_pipelining(stage):
+    cfg = validate(make([f"parallel.zero_stage={stage}", "parallel.offload_optimizer=true"]))
+    assert cfg.parallel.offload_optimizer and cfg.parallel.zero_stage == stage
 
 
 def test_the_embedded_default_is_a_valid_3d_layout():

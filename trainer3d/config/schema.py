@@ -92,10 +92,12 @@ class ParallelConfig:
     zero_stage: int = 0
     """0: replicated optimizer; 1: optimizer state sharded over dp; 2/3 (pp == 1 only): FSDP2."""
     offload_optimizer: bool = False
-    """ZeRO-Offload (stages 0 and 1): this rank's fp32 master weights and AdamW moments live in
-    host memory (pinned on CUDA) and the AdamW step runs on the host's cores; the device keeps
+    """ZeRO-Offload: this rank's fp32 master weights and AdamW moments live in host memory
+    (pinned on CUDA) and the AdamW step runs on the host's cores. Stages 0/1: the device keeps
     the train.dtype parameters and the fp32 gradient buckets, whose owned slices go to the host
-    as backward finishes each (parallel/zero/offload.py, docs/offload.md)."""
+    as backward finishes each (parallel/zero/offload.py); stages 2/3 (pp == 1): FSDP2's
+    CPUOffloadPolicy, the parameter and gradient shards on the host too
+    (parallel/zero/fsdp_offload.py). docs/offload.md."""
     sequence_parallel: bool = False
     """Shard norm regions along the sequence across tp (needs tp > 1)."""
     pp_schedule: str = "1f1b"

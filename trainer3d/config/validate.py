@@ -281,10 +281,6 @@ def _check_zero_and_precision(cfg: Config, problems: List[str]) -> None:
             f"parallel.zero_stage={p.zero_stage} with parallel.pp={p.pp}: pipelining accumulates full "
             "gradients over a step's micro-batches, so partitioned gradients/parameters buy nothing and "
             "break the schedule; use parallel.zero_stage=1 (or 0) with pipelining")
-    if p.offload_optimizer and p.zero_stage >= 2:
-        problems.append(
-            f"parallel.offload_optimizer=true with parallel.zero_stage={p.zero_stage}: the optimizer offload "
-            "runs on ZeRO stages 0 and 1 only; use parallel.zero_stage=1 (or parallel.offload_optimizer=false)")
 
 
 def _check_data(cfg: Config, problems: List[str]) -> None:

@@ -66,8 +66,8 @@ def states_lower_bound(cfg: Config, pp_rank: int) -> int:
     psi, b, n = rank_parameters(cfg, pp_rank), BYTES[cfg.train.dtype], cfg.parallel.dp
     master = 4 if b != 4 else 0
     stage = cfg.parallel.zero_stage
-    if cfg.parallel.offload_optimizer and stage < 2:  # masters and moments on the host
-        return (b + 4) * psi
+    if cfg.parallel.offload_optimizer:  # masters and moments on the host; stages 2/3 all their shards too
+        return (b + 4) * psi if stage < 2 else (b * psi if stage == 2 else 0)
     if stage == 0:
         return (b + 4 + master + 8) * psi
     if stage == 1:
@@ -77,12 +77,13 @@ def states_lower_bound(cfg: Config, pp_rank: int) -> int:
 
 def host_lower_bound(cfg: Config, pp_rank: int) -> int:
     """Host bytes of the offloaded optimizer state the rank holds at least (0 without offload):
-    16 per owned parameter, + the bf16/fp16 cast."""
+    16 per owned parameter, + the bf16/fp16 cast for stages 0/1 (stages 2/3: the parameter,
+    gradient and moment shards, 16 bytes per parameter of the shard)."""
     p, b = cfg.parallel, BYTES[cfg.train.dtype]
-    if not p.offload_optimizer or p.zero_stage >= 2:
+    if not p.offload_optimizer:
         return 0
-    owned = rank_parameters(cfg, pp_rank) // (p.dp * p.cp if p.zero_stage == 1 else 1)
-    return (16 + (b if b != 4 else 0)) * owned
+    owned = rank_parameters(cfg, pp_rank) // (p.dp * p.cp if p.zero_stage >= 1 else 1)
+    return (16 + (b if b != 4 and p.zero_stage < 2 else 0)) * owned
 
 
 def estimate(cfg: Config, limit: int, ranks_summed: bool) -> Estimate:
@@ -105,7 +106,7 @@ def estimate(cfg: Config, limit: int, ranks_summed: bool) -> Estimate:
 def offload_host_problems(cfg: Config, host_bytes: Optional[int]) -> List[str]:
     """CUDA ranks with the optimizer offloaded: one line if their host state does not fit this host."""
     p = cfg.parallel
-    if not p.offload_optimizer or p.zero_stage >= 2:
+    if not p.offload_optimizer:
         return []
     limit = host_memory() if host_bytes is None else host_bytes
     total = sum(rank_memory(cfg, r).host for r in range(p.pp)) * p.tp * p.cp * p.dp

@@ -43,8 +43,9 @@ def memory_lines(cfg: Config) -> List[str]:
         lines.append(f"  {pp_rank:>7}  {psi:>14,}  {format_bytes(engine.total):>12}  {format_bytes(paper):>12}  {terms}"
                      + (f"  + host {format_bytes(engine.host)}" if engine.host else ""))
     if p.offload_optimizer:
-        lines.append("  host: the offloaded fp32 masters, moments and gradient copy of each rank "
-                     "(parallel.offload_optimizer), in host memory")
+        held = ("fp32 masters, moments and gradient copy" if p.zero_stage < 2
+                else "fp32 parameter shard (the masters), gradient shard and moments")
+        lines.append(f"  host: the offloaded {held} of each rank (parallel.offload_optimizer), in host memory")
     lines.append("  * the paper's mixed-precision accounting (2+2+12 bytes per parameter); activations not included")
     return lines
 

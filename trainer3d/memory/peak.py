@@ -4,7 +4,8 @@
     peak = model states        parameters, fp32 gradients, master weights, Adam moments
                                (trainer3d/memory/states.py, exact: tests/tools/test_zero_memory.py;
                                with parallel.offload_optimizer the masters and moments are
-                               host memory, ``RankMemory.host``, outside the device's peak)
+                               host memory, ``RankMemory.host``, outside the device's peak;
+                               ZeRO-2/3 the parameter and gradient shards as well)
          + saved activations   what autograd keeps for backward, at the schedule's peak:
                                per micro-batch (trainer3d/memory/activations.py) x the micro-batches
                                in flight (tests/multirank/test_activation_memory.py measures both)
@@ -172,13 +173,17 @@ def _transients(cfg: Config, z: Sizes, stages: List[int], last: int) -> Dict[str
 def _fsdp_unit_bytes(cfg: Config, b: int) -> int:
     """FSDP2 shards every block and the root (embedding, final norm, head) as units: one
     unit's gradients unsharded (compute dtype, then fp32 for the reduce-scatter) and, for
-    stage 3, its parameters gathered with the next unit's prefetched."""
-    shapes = model_shapes(cfg.model, cfg.parallel.tp)
+    stage 3, its parameters gathered with the next unit's prefetched. Offloaded
+    (parallel/zero/fsdp_offload.py): also the fp32 shards of those two units copied up for
+    their all-gathers and the unit's scattered fp32 gradient shard before its copy down."""
+    p = cfg.parallel
+    shapes = model_shapes(cfg.model, p.tp)
     block = sum(_numel(s) for s in shapes.block)
     root = sum(_numel(s) for s in (*shapes.before, *shapes.after))
     unit = max(block, root)
-    gathered = 2 * b * unit if cfg.parallel.zero_stage == 3 else 0
-    return gathered + (b + FP32) * unit
+    gathered = 2 * b * unit if p.zero_stage == 3 else 0
+    copies = 3 * FP32 * -(-unit // (p.dp * p.cp)) if p.offload_optimizer else 0
+    return gathered + (b + FP32) * unit + copies
 
 
 def _numel(shape) -> int:

@@ -21,7 +21,7 @@ S' = N x the rank's unpadded shard length):
     stage   parameters   gradients   fp32 master      Adam moments
     0       bΨ | 4Ψ      4Ψ          4Ψ | none        8Ψ
     1       bL | 4L      4L          4L/N | none      8L/N
-    2       4S/N + bΨ    4S/N        (the 4S/N)       8S'/N
+    2       4S/N + bS    4S/N        (the 4S/N)       8S'/N
     3       4S/N         4S/N        (the 4S/N)       8S'/N
 
 (first of a pair: bf16/fp16 training; second: fp32) plus 4 bytes of step counter and, for
@@ -40,6 +40,13 @@ fp16, 16 bytes of loss-scaler state. Why each term differs from the paper's:
 - padding: stage 1 pads each gradient bucket to a multiple of N so every rank owns an equal
   slice (L - Ψ < N per bucket); FSDP2 gives every rank ceil(rows/N) rows of each parameter.
 - no bucket buffers: buckets are slices of the flat buffers, reduced and gathered in place.
+
+With ``parallel.offload_optimizer`` (docs/offload.md) state moves to host memory (``host``):
+stages 0/1 the owned masters and moments, with an fp32 gradient copy (16 bytes per owned
+element, + b for the cast back); stages 2/3 everything but ZeRO-2's gathered bS — the
+parameter shard 4S/N, the gradient shard 4S/N and the moments 8S'/N. (The gradient shard is
+a view of the padded reduce-scatter output where host and device are one memory; a CUDA
+rank copies down only its real rows, up to N - 1 rows per parameter less.)
 """
 
 import copy
@@ -91,6 +98,9 @@ class ModelStateBytes:
     the cast parameters on their way back, the step counter); not part of ``total``."""
     offloaded: int = 0
     """Optimizer offload: the owned elements whose state and step are on the host."""
+    sharded: int = 0
+    """Stages 2/3: the elements of this rank's padded parameter shard (FSDP2), wherever they
+    live (what the all-gathers and reduce-scatters move, times the dp degree)."""
 
     @property
     def total(self) -> int:
@@ -111,14 +121,16 @@ def engine_model_state_bytes(shapes: Shapes, dp: int, stage: int, dtype: str,
     ``bucket_numel`` is ``parallel.bucket_mb`` in fp32 elements (it sets stage 1's padding).
     ``dp_rank`` matters for stages 2/3 only: FSDP2 keeps parameter and gradient shards padded
     to ceil(rows/N) rows, but the moments cover the rank's real rows (rank 0 has the most).
-    ``offload`` (stages 0/1, parallel/zero/offload.py): the device keeps the parameters, the
+    ``offload``, stages 0/1 (parallel/zero/offload.py): the device keeps the parameters, the
     fp32 gradient buckets and fp16's scaler; the host the owned elements' fp32 masters, moments
     and gradient copy (16 bytes each), their cast for the way back (bf16/fp16: b more) and the
-    step counter.
+    step counter. Stages 2/3 (parallel/zero/fsdp_offload.py, FSDP2's CPUOffloadPolicy): the
+    host the padded fp32 parameter and gradient shards (4S/N each), the moments (8S'/N) and
+    the step counter; the device ZeRO-2's gathered
+    parameters and fp16's scaler (what is in flight is a transient: memory/peak.py).
     """
     shapes, b = _shapes(shapes), BYTES[dtype]
     scalars = STEP_BYTES + (FP16_SCALER_BYTES if dtype == "fp16" else 0)
-    psi = sum(prod(s) for s in shapes)
     if stage in (0, 1):
         numels = [prod(s) for s in reversed(shapes)]  # the flat buffer's (backward) order
         _, _, flat = plan_buckets(numels, bucket_numel, dp if stage == 1 else 1)
@@ -133,9 +145,12 @@ def engine_model_state_bytes(shapes: Shapes, dp: int, stage: int, dtype: str,
         rows = [-(-s[0] // dp) for s in shapes]
         shard = sum(r * prod(s[1:]) for r, s in zip(rows, shapes))
         real = sum(min(r, max(0, s[0] - dp_rank * r)) * prod(s[1:]) for r, s in zip(rows, shapes))
-        gathered = b * psi if stage == 2 else 0
+        gathered = b * dp * shard if stage == 2 else 0  # the all-gather's output, padded rows included
+        if offload:
+            return ModelStateBytes(params=0, grads=0, master=0, optimizer=scalars - STEP_BYTES, gathered=gathered,
+                                   host=8 * shard + 8 * real + STEP_BYTES, offloaded=real, sharded=shard)
         return ModelStateBytes(params=4 * shard, grads=4 * shard, master=0, optimizer=8 * real + scalars,
-                               gathered=gathered)
+                               gathered=gathered, sharded=shard)
     raise ValueError(f"zero stage {stage}")
 
 

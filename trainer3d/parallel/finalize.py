@@ -55,7 +55,9 @@ class GradFinalizer:
         grads = [g for g in (self.optimizer.grad(p) for p in self.replicated) if g is not None]
         if not grads:
             return
-        flat = torch._utils._flatten_dense_tensors(grads)
+        # ZeRO-2/3 offloaded (parallel/zero/fsdp_offload.py): the shards are host tensors, and the
+        # collective runs on the device (NCCL takes device tensors only); a no-op otherwise
+        flat = torch._utils._flatten_dense_tensors(grads).to(self.dims.device)
         dist.all_reduce(flat, group=self.dims.tp_group)
         for g, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             g.copy_(summed)

@@ -6,7 +6,9 @@
 3. tensor parallel: swap Linear/Embedding layers for sharded ones (parallel/tensor/layers.py);
 4. cast to the dtype the parameters are stored in (still on meta, so nothing is held in a
    wider dtype first: ``train.dtype``, or fp32 under FSDP, whose parameters are the master
-   weights — optim/mixed_precision.py), materialise on this rank's device and fill from the
+   weights — optim/mixed_precision.py), materialise on this rank's device (on the host for
+   FSDP with ``parallel.offload_optimizer``: FSDP2 takes each unit to the device only to
+   shard it, and keeps the shards on the host) and fill from the
    parameter source: the layout-independent random init, or ``model.init_from``'s Hugging
    Face weights, each producing only this rank's slices (nothing at all when resuming);
 5. context parallelism: each block's attention core reads the other cp ranks' keys and
@@ -16,7 +18,8 @@
    backward accumulates weight gradients into the optimizer's fp32 buffer;
 8. torch.compile of each transformer block, if asked (parallel/compile.py).
 ``build_optimizer`` then wraps the chunks in the data-parallel optimizer (ZeRO stages 0/1:
-parallel/zero/flat.py, 2/3: parallel/zero/fsdp.py).
+parallel/zero/flat.py, 2/3: parallel/zero/fsdp.py; offloaded: parallel/zero/offload.py,
+parallel/zero/fsdp_offload.py).
 """
 
 from typing import Callable, List, Optional
@@ -39,6 +42,7 @@ from trainer3d.parallel.tensor.layers import apply_tensor_parallel
 from trainer3d.parallel.tensor.loss import chunked_loss_fn, vocab_parallel_loss_fn
 from trainer3d.parallel.wgrad import route_linear_layers
 from trainer3d.parallel.zero.flat import ReplicatedOptimizer, ShardedOptimizer
+from trainer3d.parallel.zero.fsdp_offload import OffloadedFSDPOptimizer
 from trainer3d.parallel.zero.offload import OffloadedOptimizer
 from trainer3d.parallel.topology import ParallelDims
 
@@ -62,6 +66,15 @@ def parameter_source(cfg: Config) -> ParameterSource:
     return RandomInit(cfg.model, cfg.train.seed)
 
 
+def materialise_device(cfg: Config, dims: ParallelDims) -> torch.device:
+    """Where the parameters are first allocated: the rank's device, but the host under FSDP
+    with the optimizer offloaded (``CPUOffloadPolicy`` wants the parameters it shards there,
+    so the whole fp32 model never has to fit the device)."""
+    if cfg.parallel.zero_stage >= 2 and cfg.parallel.offload_optimizer:
+        return torch.device("cpu")
+    return dims.device
+
+
 def build_model_chunks(cfg: Config, dims: ParallelDims, initialise: bool = True) -> List[nn.Module]:
     """This rank's model chunks (one per pipeline stage it runs; one when pp == 1).
 
@@ -72,7 +85,7 @@ def build_model_chunks(cfg: Config, dims: ParallelDims, initialise: bool = True)
     source = parameter_source(cfg) if initialise else None
     for chunk in chunks:
         chunk.to(dtype=param_dtype(cfg))
-        chunk.to_empty(device=dims.device)
+        chunk.to_empty(device=materialise_device(cfg, dims))
         if source is None:
             for param in chunk.parameters():
                 param.detach().zero_()
@@ -97,6 +110,8 @@ def build_optimizer(chunks: List[nn.Module], cfg: Config, dims: ParallelDims) ->
         return ReplicatedOptimizer(chunks, cfg, dims)
     if stage == 1:
         return ShardedOptimizer(chunks, cfg, dims)
+    if cfg.parallel.offload_optimizer:
+        return OffloadedFSDPOptimizer(chunks, cfg, dims)
     return FSDPOptimizer(chunks, cfg, dims)
 
 

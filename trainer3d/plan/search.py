@@ -7,8 +7,9 @@ cp over the powers of two that divide what is left, pp over the divisors of what
 then (at most one layer per stage), dp the rest; then micro-batch size, ZeRO stage, sequence parallelism (tp > 1),
 recomputation and the schedule (1F1B, or interleaved 1F1B with v chunks per rank when
 pp > 1). Two of validate()'s rules shape the space instead of filtering it (ZeRO 2/3 only
-without a pipeline; at least one layer per stage), a ZeRO 0/1 layout over the device's
-memory is tried once more with its optimizer offloaded to the host (``search.offload``), and without data parallelism only ZeRO
+without a pipeline; at least one layer per stage), a layout over the device's memory is
+tried once more with its optimizer offloaded to the host (``search.offload``; ZeRO-2/3: FSDP2's
+shards too), and without data parallelism only ZeRO
 stage 0 is tried (the others shard over dp = 1: the same layout). Every candidate goes through the engine's own ``validate()`` (its refusals are
 counted by the knob they name), then through the peak-memory accounting of the ranks that
 bound it (trainer3d/memory/peak.py), then through the step-time model (step_time.py).
@@ -147,9 +148,9 @@ def _offloaded(cfg: Config) -> Config:
 
 
 def search(cfg: PlanConfig, device: Device) -> SearchResult:
-    """Every candidate that fits, fastest first; a ZeRO 0/1 candidate over the device's memory
-    is tried again with its optimizer offloaded (``search.offload``), and kept if that fits
-    the device and the node's host memory."""
+    """Every candidate that fits, fastest first; a candidate over the device's memory is tried
+    again with its optimizer offloaded (``search.offload``), and kept if that fits the device
+    and the node's host memory."""
     c = cfg.cluster
     backend = backend_of(cfg, device)
     usable = device.usable_bytes(c.gpus_per_node)
@@ -166,8 +167,8 @@ def search(cfg: PlanConfig, device: Device) -> SearchResult:
             continue
         plan = evaluate(valid, device, c.gpus_per_node, backend, c.attention, link)
         # a CPU node's ranks share one memory: moving state to the host frees nothing there
-        if (plan.memory.total > usable and cfg.search.offload and valid.parallel.zero_stage < 2
-                and not valid.parallel.offload_optimizer and not device.shared_memory):
+        if (plan.memory.total > usable and cfg.search.offload and not valid.parallel.offload_optimizer
+                and not device.shared_memory):
             offloaded = evaluate(_offloaded(valid), device, c.gpus_per_node, backend, c.attention, link)
             if offloaded.memory.total <= usable and offloaded.host_per_node(c.gpus_per_node) <= host_usable:
                 plan = offloaded

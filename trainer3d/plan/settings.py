@@ -58,8 +58,8 @@ class SearchConfig:
     sequence_parallel: List[bool] = field(default_factory=lambda: [False, True])
     recompute: List[bool] = field(default_factory=lambda: [False, True])
     offload: bool = True
-    """Try ``parallel.offload_optimizer`` (ZeRO 0/1) for a layout that does not fit the device
-    without it; proposed only where it makes the layout fit."""
+    """Try ``parallel.offload_optimizer`` (every ZeRO stage) for a layout that does not fit the
+    device without it; proposed only where it makes the layout fit."""
     context_parallel_from: int = 16384
     """train.seq_len from which context parallelism is tried (cp over the powers of two up to
     ``context_parallel_max``, within what tp leaves); shorter sequences search cp = 1 only."""

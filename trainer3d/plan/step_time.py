@@ -26,7 +26,11 @@ trainer3d/parallel/context/).
                                               the host (overlapped with the last micro-batch's
                                               backward except the last bucket), the host AdamW
                                               (memory-bound, the node's host bandwidth shared by
-                                              its ranks) and the parameters' copy back
+                                              its ranks) and the parameters' copy back; ZeRO-2/3
+                                              (FSDP2's CPUOffloadPolicy): every micro-batch's
+                                              shard copies up and gradient copies down, the
+                                              later micro-batches' down copies and host sums
+                                              not overlapped, then the host AdamW
          + host                               the engine's own time per step outside the blocks
                                               (CPUs: measured by --calibrate; 0 on GPUs)
 
@@ -217,7 +221,7 @@ def _dp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: Ran
     lat = device.latency(min(ranks_per_node, p.tp * p.pp * n))
     m = t.grad_accum_steps
     if p.zero_stage in (2, 3):
-        params = states.params // FP32 * n  # the unsharded fp32 parameters FSDP2 gathers from
+        params = states.sharded * n  # the unsharded parameters FSDP2 gathers (padded rows included)
         b = BYTES[t.dtype]
         units = cfg.model.n_layers + 1  # FSDP2 units: every block and the root (parallel/zero/fsdp.py)
         gather = unit_gathers_s(b * params, units, n, gbps, lat)
@@ -256,6 +260,28 @@ def offload_s(cfg: Config, states: ModelStateBytes, backward: float, node_ranks:
     return exposed + host_step + b * owned / pcie
 
 
+def fsdp_offload_s(cfg: Config, states: ModelStateBytes, times: RankTimes, node_ranks: int,
+                   link: HostLink) -> float:
+    """One rank's ZeRO-2/3 offload time per step not hidden (parallel/zero/fsdp_offload.py):
+    each micro-batch copies every unit's fp32 shard up before its all-gather (stage 3: again
+    for backward), overlapped with the micro-batch's compute, and every reduce-scattered fp32
+    gradient shard down. The first micro-batch's copies down overlap its backward (pinned,
+    non-blocking); a later one's block the host, which adds it into the gradient it holds
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, ``foreach_reduce``): that copy
+    and the sum (12 bytes of host traffic an element) are exposed. Then the host AdamW over the
+    real rows at this rank's share of the host bandwidth."""
+    if not states.offloaded:
+        return 0.0
+    m, pcie = cfg.train.grad_accum_steps, link.pcie_gbps * 1e9
+    host = link.host_gbps * 1e9 / node_ranks
+    shard = FP32 * states.sharded
+    up = (2 if cfg.parallel.zero_stage == 3 else 1) * shard / pcie
+    down = shard / pcie
+    per_micro = max(0.0, up - times.forward - times.backward)
+    accumulate = (m - 1) * (down + 3 * shard / host)
+    return m * per_micro + max(0.0, down - times.backward) + accumulate + HOST_ADAMW_BYTES * states.offloaded / host
+
+
 def step_time(cfg: Config, device: Device, states: Dict[int, ModelStateBytes], ranks_per_node: int,
               backend: str = "nccl", attention: str = "flash", link: Optional[HostLink] = None) -> StepTime:
     """``states``: model states of the pipeline ranks to time (at least the first and the
@@ -277,7 +303,10 @@ def step_time(cfg: Config, device: Device, states: Dict[int, ModelStateBytes], r
     fill = (p.pp - 1) / v
     optimizer = max(_optimizer_s(cfg, device, s) for s in states.values())
     dp = max(_dp_exposed(cfg, device, s, times[r], ranks_per_node, backend) for r, s in states.items())
-    offload = max(offload_s(cfg, s, times[r].backward, node_ranks, link or HostLink()) for r, s in states.items())
+    if p.zero_stage >= 2:
+        offload = max(fsdp_offload_s(cfg, s, times[r], node_ranks, link or HostLink()) for r, s in states.items())
+    else:
+        offload = max(offload_s(cfg, s, times[r].backward, node_ranks, link or HostLink()) for r, s in states.items())
     # > 1 where the node's ranks share cores: their work, at one rank's speed alone, over the node's rate
     share = node_ranks * device.rank_speed(node_ranks) / device.node_rate(node_ranks)
     mean_compute = sum(m * (x.forward + x.backward) for x in times.values()) / len(times)

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from trainer3d.config.schema import Config
 from trainer3d.model.init import canonical_name, mark_tp_shard, tp_shard_of
@@ -43,6 +43,16 @@ from trainer3d.optim.mixed_precision import DTYPES, make_loss_scaler
 from trainer3d.parallel.topology import ParallelDims
 
 
+def offload_policy(cfg: Config, dims: ParallelDims) -> OffloadPolicy:
+    """``parallel.offload_optimizer``: FSDP2 keeps the sharded parameters, their gradients (and
+    so the optimizer, which allocates its state like them) in host memory, pinned on CUDA
+    (parallel/zero/fsdp_offload.py). On CPU ranks host and device are one memory and the policy
+    moves nothing; the same code path runs."""
+    if cfg.parallel.offload_optimizer:
+        return CPUOffloadPolicy(pin_memory=dims.device.type == "cuda")
+    return OffloadPolicy()
+
+
 def shard_model(model: nn.Module, cfg: Config, dims: ParallelDims) -> None:
     """fp32 master parameters sharded over dp; compute in ``train.dtype``; tp marks kept."""
     marks = {name: tp_shard_of(p) for name, p in model.named_parameters()}
@@ -51,14 +61,15 @@ def shard_model(model: nn.Module, cfg: Config, dims: ParallelDims) -> None:
                                   reduce_dtype=torch.float32)
     reshard = cfg.parallel.zero_stage == 3
     mesh = dims.dp_cp_mesh()
+    offload = offload_policy(cfg, dims)
     for block in model.layers.values():
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
     # The root (embedding, final norm, head) stays gathered from forward to backward when the
     # loss applies the head after the model's forward (``train.loss_chunk_tokens``: it reads
     # the head's weight then, and saves gradients computed from it); backward starts with the
     # root anyway, so the gathered root is what stage 3 all-gathers again at once otherwise.
     root_reshard = reshard and cfg.train.loss_chunk_tokens == 0
-    fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=policy, offload_policy=offload)
     for name, p in model.named_parameters():
         shard = marks[name]
         if shard is not None:
@@ -84,7 +95,8 @@ class FSDPOptimizer(ZeroOptimizer):
             self.local = [p.to_local() for p in self.params]  # views of the sharded fp32 storage
         self.exp_avg = [torch.zeros_like(t) for t in self.local]
         self.exp_avg_sq = [torch.zeros_like(t) for t in self.local]
-        self.step_count = torch.zeros((), dtype=torch.float32, device=dims.device)
+        # beside the shards, where the kernel wants it: the device, or the host when offloaded
+        self.step_count = torch.zeros((), dtype=torch.float32, device=self.local[0].device)
         self.decay = [decays(n, p) for n, p in self.named]
         self.counted = [counted_once_over_tp(p, dims) for p in self.params]
         self.scaler = make_loss_scaler(DTYPES[cfg.train.dtype], dims.device, cfg.train.loss_scale_init)
