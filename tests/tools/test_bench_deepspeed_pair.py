@@ -32,3 +32,14 @@ def test_the_pair_prints_its_ratio_last():
     out = _run()
     assert re.search(r"both models multiply [\d,]+ weights per token", out), out
     assert re.search(r"trainer3d / deepspeed tokens/s, median of 1 pairs: \d+\.\d{3}$", out.strip()), out
+    losses = re.search(r"deepspeed [\d,]+ tok/s \(loss ([\d.]+)\)", out)
+    assert losses and float(losses.group(1)) < 5.55, out  # DeepSpeed's side trains too (below ln 257)
+
+
+def test_blocks_prints_each_models_block_time_and_their_ratio():
+    proc = subprocess.run([sys.executable, BENCH, "--blocks", "1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = re.search(r"trainer3d Llama ([\d.]+) ms, GPT-2 ([\d.]+) ms, ratio ([\d.]+)", proc.stdout)
+    assert got, proc.stdout
+    llama, gpt2, ratio = map(float, got.groups())
+    assert llama > 0 and gpt2 > 0 and ratio == pytest.approx(llama / gpt2, abs=2e-3)

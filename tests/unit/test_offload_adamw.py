@@ -5,12 +5,17 @@ gradients divided by a host divisor (clip coefficient x loss scale), an fp16 ove
 bf16 parameters come back as the masters' cast.
 """
 
+import os
+import platform
+import shutil
+
 import pytest
 import torch
 from torch import nn
 
 from trainer3d.config.schema import OptimConfig
 from trainer3d.optim.adamw import segments_of
+from trainer3d.parallel.zero.host_kernel import host_kernel, run_table
 from trainer3d.parallel.zero.offload import HostAdamW, contiguous_runs
 
 CFG = OptimConfig(lr=1e-2, weight_decay=0.1)
@@ -72,3 +77,77 @@ def test_host_state_is_not_the_device_buffers():
     grads.fill_(1.0)
     adam.step(CFG.lr, None, None)
     assert torch.equal(flat[0:30], w.detach().view(-1))  # nothing sent back yet
+
+
+def _kernel():
+    """The compiled host kernel; skipped only where it cannot be built here (no C++ compiler, not
+    x86-64), a build that fails where it can is a failure."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip(f"the host AdamW kernel is x86-64 only, this CPU is {platform.machine()}")
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler (c++ or $CXX) on PATH to build the host AdamW kernel")
+    kernel = host_kernel()
+    assert kernel is not None, "the host AdamW kernel did not build: the log line above says why"
+    return kernel
+
+
+# Runs with every tail length of torch's vector code (0-17 elements past a multiple of 8 or 16),
+# both weight-decay kinds, a gap between runs (padding the kernel must not touch) and a run long
+# enough to be split over two threads (kGrain: 4096 units of 16).
+RUNS = [(0, 3, True), (3, 20, False), (24, 41, True), (41, 64, False), (70, 70 + 16 * 4096 * 2 + 13, True)]
+RUNS += [(RUNS[-1][1] + 5 + 31 * i, RUNS[-1][1] + 5 + 31 * i + 16 + i, i % 2 == 0) for i in range(18)]
+
+
+@pytest.mark.parametrize("beta1", [0.9, 0.3])  # torch's lerp has two forms: 1 - beta1 below 0.5 and not
+def test_compiled_kernel_is_torch_fused_adamw_bit_for_bit(beta1):
+    """Each vector path this CPU has (scalar, AVX2, AVX-512) against ``torch._fused_adamw_`` on
+    the same runs as a list of tensors: equal bits in the parameters, moments and (divided)
+    gradients, through a gradient divisor, a skipped step and steps without decay."""
+    kernel = _kernel()
+    paths = {"scalar": 0, "avx2": 1, "avx512": 2}
+    torch.manual_seed(0)
+    n = RUNS[-1][1] + 3
+    init = [torch.randn(n) * 0.02, torch.zeros(n), torch.zeros(n), torch.zeros(n)]
+    for isa in range(paths[kernel.isa()] + 1):
+        ours, ref = [t.clone() for t in init], [t.clone() for t in init]
+        step_ours, step_ref = torch.zeros(()), torch.zeros(())
+        for step, (divisor, skip) in enumerate([(None, 0.0), (4.0, 0.0), (2.0, 1.0), (None, 0.0), (0.5, 0.0)]):
+            g = torch.randn(n) * 1e-3
+            ours[1].copy_(g)
+            ref[1].copy_(g)
+            scale = torch.tensor([divisor]) if divisor else None
+            found_inf = torch.tensor([skip])
+            step_ours += 1
+            step_ref += 1
+            for want, wd in ((True, CFG.weight_decay), (False, 0.0)):
+                views = [[t[lo:hi] for lo, hi, d in RUNS if d == want] for t in ref]
+                torch._fused_adamw_(*views, [], [step_ref] * len(views[0]), lr=CFG.lr, beta1=beta1, beta2=CFG.beta2,
+                                    weight_decay=wd, eps=CFG.eps, amsgrad=False, maximize=False, grad_scale=scale,
+                                    found_inf=found_inf)
+            kernel.adamw_step(*ours, run_table(RUNS), step_ours, CFG.lr, beta1, CFG.beta2, CFG.weight_decay, CFG.eps,
+                              scale, found_inf, isa)
+            step_ours -= skip
+            step_ref -= skip
+            for name, a, b in zip(("param", "grad", "exp_avg", "exp_avg_sq"), ours, ref):
+                assert torch.equal(a, b), f"isa {isa} step {step}: {name} differs at {(a != b).nonzero()[:5].tolist()}"
+
+
+def test_host_step_with_the_kernel_is_the_host_step_with_torchs():
+    """HostAdamW through the compiled kernel and through torch's kernel (the fallback): the same
+    bits in the masters, moments and the cast parameters, and the same step counter, through a
+    divisor and a skipped fp16 step."""
+    _kernel()
+    _, _, flat, _, adam = _layout(torch.bfloat16)
+    _, _, flat_ref, _, ref = _layout(torch.bfloat16)
+    assert adam.kernel is not None
+    ref.kernel = None
+    for divisor, skip in [(None, 0.0), (8.0, 0.0), (8.0, 1.0), (None, 0.0)]:
+        g = torch.randn(40)
+        for a in (adam, ref):
+            a.grad.copy_(g)
+            a.step(CFG.lr, torch.tensor([divisor]) if divisor else None, torch.tensor([skip]))
+            a.params_to_device()
+        for a, b in zip(adam.host_tensors(), ref.host_tensors()):
+            assert torch.equal(a, b)
+        assert torch.equal(flat, flat_ref)
+    assert adam.step_count.item() == 3

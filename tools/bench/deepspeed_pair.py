@@ -3,6 +3,7 @@
 
     python tools/bench/deepspeed_pair.py [--pairs 4] [--steps 100] [--warmup 20] [--only trainer3d]
                                          [--against REV]
+    python tools/bench/deepspeed_pair.py --blocks 10
 
 Both train data-parallel over 2 CPU ranks (gloo), ZeRO stage 1, fp32, AdamW, gradient
 clipping at 1.0, micro-batches of 8 x 64 tokens, one micro-batch per step, each through its
@@ -21,9 +22,24 @@ own entry point:
   trainer3d's (4 d^2 + 2 x 128 x 516 = 3 x 128 x 344 + 4 d^2, biases aside), the head and the
   attention scores the same: the same model FLOPs per token (printed, counted from each
   model's own linear layers). Tokens/s: rank 0's wall time from the end of the warm-up
-  step to the end of the last step. Its ranks draw random tokens, made before the clock
-  starts (its loss stays near ln 257: the values do not change the work). Its first run on
-  a machine compiles DeepSpeed's shared-memory communication op once (cached after).
+  step to the end of the last step. Its first run on a machine compiles DeepSpeed's
+  shared-memory communication op once (cached after).
+
+Both sides train, on the same data and schedule, so the losses printed are comparable (a
+peer that cannot learn is no peer): the DeepSpeed ranks read windows of 64 + 1 tokens of
+the corpus trainer3d trains on (``data=stdlib``: this Python's standard library, byte-level;
+``trainer3d.data.stdlib_corpus``), drawn at seeded random offsets, each rank its own, before
+the clock starts; their learning rate follows trainer3d's own ``lr_at`` (linear warm-up over
+20 steps to 3e-3, cosine decay to 3e-4 at the last step) through a ``LambdaLR`` handed to
+``deepspeed.initialize``, which steps it after each optimizer step; AdamW's weight decay
+(0.1) applies to matrices and embeddings only, as trainer3d's ``param_groups`` applies it
+(1-D biases and LayerNorm weights undecayed). Random tokens would leave DeepSpeed's loss at
+ln 257 = 5.55 whatever the optimizer did, and a constant learning rate is not trainer3d's.
+
+``--blocks ROUNDS`` prints instead what one block of each model costs one thread, forward
+and backward at the bench's shape: the best ``time.thread_time`` (CPU time of the thread,
+which other processes on the core do not add to) of ROUNDS x 50, the two alternating by
+round: a figure a loaded machine moves far less than tokens/s.
 
 Each pair runs both, alternating which goes first; each pair's ratio is trainer3d's tokens/s
 over DeepSpeed's, and the last line is the median ratio. ``--against REV`` adds trainer3d as
@@ -134,24 +150,41 @@ def gpt2_model():
     return GPT2()
 
 
+def corpus_windows(count: int, seed: int):
+    """``count`` windows of SEQ + 1 tokens of trainer3d's built-in corpus at seeded random offsets."""
+    import numpy as np
+    import torch
+
+    from trainer3d.config.schema import DataConfig
+    from trainer3d.data import TokenFile, stdlib_corpus
+
+    tokens = TokenFile.open(stdlib_corpus(DataConfig().cache_dir), verify=False).tokens
+    starts = np.random.default_rng(seed).integers(0, len(tokens) - SEQ - 1, size=count)
+    return torch.from_numpy(np.stack([np.asarray(tokens[a:a + SEQ + 1], dtype=np.int64) for a in starts]))
+
+
 def deepspeed_rank(args) -> None:
     """One torchrun rank: a GPT-2 through deepspeed.initialize, ZeRO-1, timed on rank 0."""
     import deepspeed
     import torch
 
+    from trainer3d.config.schema import OptimConfig
+    from trainer3d.optim.schedule import lr_at, param_groups
+
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     deepspeed.init_distributed(dist_backend="gloo")
     model = gpt2_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                                  fused=True)
+    cfg = OptimConfig(lr=LR, grad_clip=CLIP)  # trainer3d's defaults: betas, eps, decay, warm-up, min_lr
+    optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), cfg.weight_decay), lr=cfg.lr,
+                                  betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg, args.steps) / cfg.lr)
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": 1}, "gradient_clipping": CLIP, "steps_per_print": 10 ** 9,
               "fp16": {"enabled": False}, "bf16": {"enabled": False}}
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=config)
     rank = torch.distributed.get_rank()
-    g = torch.Generator().manual_seed(rank)
-    data = torch.randint(0, VOCAB, (args.steps, MICRO, SEQ + 1), generator=g)
+    data = corpus_windows(args.steps * MICRO, seed=rank).view(args.steps, MICRO, SEQ + 1)
     inputs, targets = data[..., :-1].contiguous(), data[..., 1:].contiguous()  # made before the clock starts
     started = None
     for step in range(args.steps):
@@ -176,6 +209,33 @@ def run_deepspeed(steps: int, warmup: int, threads: int) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+
+
+# ---------------------------------------------------------------------------- one block each
+
+def block_thread_ms(rounds: int, reps: int = 50) -> dict:
+    """One thread's CPU time (``time.thread_time``: what other processes take from the core
+    does not count) for the forward and backward of one block of each model at the bench's
+    shape, best of ``rounds`` x ``reps``, the two measured in alternating rounds."""
+    import torch
+
+    from trainer3d.config.schema import ModelConfig
+    from trainer3d.model.transformer import Block
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=HEADS, ffn_dim=SWIGLU, vocab_size=VOCAB,
+                      max_seq_len=SEQ)
+    blocks = {"trainer3d": (Block(cfg), torch.randn(SEQ, MICRO, DIM, requires_grad=True)),  # sequence-first
+              "gpt2": (gpt2_model().h[0], torch.randn(MICRO, SEQ, DIM, requires_grad=True))}
+    best = {name: float("inf") for name in blocks}
+    for _ in range(rounds):
+        for name, (block, x) in blocks.items():
+            for _ in range(reps):
+                started = time.thread_time()
+                block(x).sum().backward()
+                best[name] = min(best[name], time.thread_time() - started)
+    return {name: seconds * 1e3 for name, seconds in best.items()}
 
 
 # ---------------------------------------------------------------------------- the pairs
@@ -205,10 +265,18 @@ def main(argv=None) -> int:
     parser.add_argument("--only", choices=("trainer3d", "deepspeed"), help="run one side (no ratio)")
     parser.add_argument("--against", metavar="REV",
                         help="also run trainer3d as it is at git revision REV (its trainer3d/ and conf/) in each pair")
+    parser.add_argument("--blocks", type=int, metavar="ROUNDS",
+                        help="instead: one thread's best CPU time per block forward+backward, each model's")
     parser.add_argument("--deepspeed-rank", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.deepspeed_rank:
         deepspeed_rank(args)
+        return 0
+    if args.blocks:
+        ms = block_thread_ms(args.blocks)
+        print(f"one block's forward+backward, one thread, best thread time of {args.blocks} x 50: trainer3d Llama "
+              f"{ms['trainer3d']:.3f} ms, GPT-2 {ms['gpt2']:.3f} ms, ratio {ms['trainer3d'] / ms['gpt2']:.3f} "
+              f"(load average {os.getloadavg()[0]:.1f})")
         return 0
     print(f"dp={DP} ZeRO-1 fp32, dim {DIM} x {LAYERS} blocks, micro-batch {MICRO} x {SEQ}, {args.steps} steps "
           f"({args.warmup} warm-up); load average {os.getloadavg()[0]:.1f}", flush=True)

@@ -1,35 +1,36 @@
-"""The host AdamW step of ZeRO-Offload (trainer3d/parallel/zero/offload.py: ``HostAdamW``), its
-candidates, and DeepSpeed's CPU Adam, on the same fp32 state in one run.
+"""The host AdamW step of ZeRO-Offload (trainer3d/parallel/zero/offload.py: ``HostAdamW``) beside
+DeepSpeed's CPU Adam and torch's fused kernel, on the same fp32 state sizes, in one run.
 
-    python tools/bench/offload.py --params 20000000 [--steps 10] [--threads N]
+    python tools/bench/offload.py --params 20000000 [--steps 20] [--threads N]
 
 Every variant updates ``--params`` fp32 parameters from fp32 gradients with AdamW (weight
-decay on), all the machine's cores unless ``--threads``; printed: the best of ``--steps``
-timed rounds (after 2 untimed; one step of every variant per round, so a load
-that comes and goes falls on all alike) as Mparam/s, per variant:
+decay on), on all the machine's cores unless ``--threads`` (torch's intra-op threads, which
+DeepSpeed's OpenMP loop shares: the same count for all). Rounds of one step of each, in
+turn, after 2 untimed rounds, so a load that comes and goes on a shared machine falls on
+neighbours alike:
 
-- ``ours``: ``HostAdamW.step`` as the engine runs it (torch's fused CPU kernel
-  ``torch._fused_adamw_`` on the owned state, one long tensor per weight-decay run, split
-  over the cores by the kernel's own ``at::parallel_for``);
-- ``fused, 1 thread``: the same kernel on one core (what the cores add);
-- ``fused, N Python threads``: the state cut into N slices, one kernel call per slice from N
-  Python threads with torch's pool at one thread (the kernel releases the GIL);
-- ``foreach``: ``torch.optim.AdamW(foreach=True)`` (separate vectorised passes per op);
+- ``ours``: ``HostAdamW.step`` as the engine runs it (the compiled kernel of
+  trainer3d/parallel/zero/host_kernel.py, bit for bit torch's fused CPU AdamW);
 - ``DeepSpeedCPUAdam``: DeepSpeed's C++/OpenMP CPU Adam in AdamW mode, when deepspeed is
   importable (its op is built with the machine's compiler on first use; not a dependency:
-  the ``peers`` extra, ``DS_BUILD_OPS=0 pip install -e '.[peers]'``).
+  the ``peers`` extra, ``DS_BUILD_OPS=0 pip install -e '.[peers]'``);
+- ``torch fused``: ``HostAdamW.step`` on torch's kernel (``torch._fused_adamw_``), the path
+  the engine takes where the compiled kernel cannot be built;
+- ``foreach`` (``--foreach``): ``torch.optim.AdamW(foreach=True)``, a pass over memory per op.
 
-The last line is ours: ``host AdamW step: <x> Mparam/s``. Figures measured on the
+Printed: each round's Mparam/s and, with DeepSpeed, the round's ratio ours / DeepSpeed; then
+per variant the median and the best round, the median of the per-round ratios; the last line
+is ours, the best round: ``host AdamW step: <x> Mparam/s``. Figures measured on the
 development machines are in docs/offload.md.
 """
 
 import argparse
 import os
+import statistics
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -44,59 +45,31 @@ LR = 1e-3
 DS = "DeepSpeedCPUAdam (AdamW)"
 
 
-def best_seconds(steps: Dict[str, Callable[[], None]], threads: Dict[str, int], rounds: int,
-                 warmup: int = 2) -> Dict[str, float]:
-    """Each variant's best step time over ``rounds`` rounds, one step of every variant per round:
-    interleaved, so a load that comes and goes on a shared machine falls on all of them alike."""
-    best = {label: float("inf") for label in steps}
+def timed_rounds(steps: Dict[str, Callable[[], None]], threads: Dict[str, int], rounds: int,
+                 warmup: int = 2) -> Dict[str, List[float]]:
+    """Each variant's step times, one step of every variant per round, in turn."""
+    times: Dict[str, List[float]] = {label: [] for label in steps}
     for r in range(warmup + rounds):
         for label, step in steps.items():
             torch.set_num_threads(threads[label])
             started = time.perf_counter()
             step()
             if r >= warmup:
-                best[label] = min(best[label], time.perf_counter() - started)
-    return best
+                times[label].append(time.perf_counter() - started)
+    return times
 
 
-def ours(n: int, cfg: OptimConfig) -> Callable[[], None]:
-    """The engine's host step over one owned piece of ``n`` elements of a matrix (weight decay on)."""
+def ours(n: int, cfg: OptimConfig, compiled: bool = True) -> Callable[[], None]:
+    """The engine's host step over one owned piece of ``n`` elements of a matrix (weight decay on);
+    ``compiled=False``: on torch's kernel, as where the compiled one cannot be built."""
     param = nn.Parameter(torch.randn(n) * 0.02)
     grads = torch.randn(n) * 1e-3
     segment = Segment("layers.0.mlp.w1.weight", param.view(1, n), 0, n, 0, 0)
     adam = HostAdamW([segment], [(0, n)], param.detach(), grads, cfg)
+    if not compiled:
+        adam.kernel = None
     adam.grad.copy_(grads)
     return lambda: adam.step(LR, None, None)
-
-
-def state(n: int):
-    return torch.randn(n) * 0.02, torch.randn(n) * 1e-3, torch.zeros(n), torch.zeros(n), torch.zeros(())
-
-
-def fused_slices(n: int, cfg: OptimConfig, slices: int) -> Callable[[], None]:
-    """The fused kernel on ``slices`` slices of the state, each from its own Python thread."""
-    p, g, m, v, step = state(n)
-    bounds = [(n * i // slices, n * (i + 1) // slices) for i in range(slices)]
-    steps = [step.clone() for _ in bounds]
-
-    def one(i: int) -> None:
-        lo, hi = bounds[i]
-        torch._fused_adamw_([p[lo:hi]], [g[lo:hi]], [m[lo:hi]], [v[lo:hi]], [], [steps[i]], lr=LR, beta1=cfg.beta1,
-                            beta2=cfg.beta2, weight_decay=cfg.weight_decay, eps=cfg.eps, amsgrad=False,
-                            maximize=False)
-
-    def run() -> None:
-        for s in steps:
-            s += 1
-        if slices == 1:
-            one(0)
-            return
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(slices)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    return run
 
 
 def torch_adamw(n: int, cfg: OptimConfig) -> Callable[[], None]:
@@ -122,35 +95,45 @@ def deepspeed_adam(n: int, cfg: OptimConfig) -> Optional[Callable[[], None]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=int, default=20_000_000, help="fp32 parameters updated per step")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps (the best is printed)")
+    parser.add_argument("--steps", type=int, default=20, help="timed rounds (one step of each variant per round)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="cores to use (default: all)")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam even if importable")
+    parser.add_argument("--foreach", action="store_true", help="also time torch.optim.AdamW(foreach=True)")
     args = parser.parse_args()
     cfg, n, cores = OptimConfig(), args.params, args.threads
-    os.environ.setdefault("OMP_NUM_THREADS", str(cores))  # DeepSpeed's OpenMP loop
-    variants = {"fused, 1 thread": (lambda: fused_slices(n, cfg, 1), 1)}
-    if cores > 1:
-        variants[f"fused, {cores} Python threads"] = (lambda: fused_slices(n, cfg, cores), 1)
-    variants["foreach"] = (lambda: torch_adamw(n, cfg), cores)
+    # DeepSpeed's OpenMP loop shares torch's OpenMP runtime: each timed step sets the thread count
+    # (torch.set_num_threads) for both; the variable covers a runtime that starts later.
+    os.environ["OMP_NUM_THREADS"] = str(cores)
+    variants = {"ours": lambda: ours(n, cfg)}
     if not args.no_deepspeed:
-        variants[DS] = (lambda: deepspeed_adam(n, cfg), cores)
-    variants["ours"] = (lambda: ours(n, cfg), cores)
-    steps, threads = {}, {}
-    for label, (make, used) in variants.items():
-        torch.set_num_threads(used)
+        variants[DS] = lambda: deepspeed_adam(n, cfg)
+    variants["torch fused"] = lambda: ours(n, cfg, compiled=False)
+    if args.foreach:
+        variants["foreach"] = lambda: torch_adamw(n, cfg)
+    steps = {}
+    for label, make in variants.items():
+        torch.set_num_threads(cores)
         step = make()
         if step is None:
             print(f"{label}: deepspeed is not importable, not measured")
             continue
-        steps[label], threads[label] = step, used
-    best = best_seconds(steps, threads, args.steps)
-    rate = {label: n / seconds / 1e6 for label, seconds in best.items()}
-    print(f"AdamW on {n:,} fp32 parameters, {cores} core(s), best of {args.steps} interleaved rounds; Mparam/s:")
-    for label, value in rate.items():
-        print(f"{label:<32} {value:10.1f}")
-    if DS in rate:
-        print(f"ours / DeepSpeedCPUAdam: {rate['ours'] / rate[DS]:.2f}x")
-    print(f"host AdamW step: {rate['ours']:.1f} Mparam/s")
+        steps[label] = step
+    times = timed_rounds(steps, {label: cores for label in steps}, args.steps)
+    rates = {label: [n / t / 1e6 for t in ts] for label, ts in times.items()}
+    labels = list(rates)
+    print(f"AdamW on {n:,} fp32 parameters, {cores} core(s), {args.steps} rounds in turn; Mparam/s per round:")
+    print("round " + " ".join(f"{label:>16.16}" for label in labels) + ("   ours/DS" if DS in rates else ""))
+    for r in range(args.steps):
+        row = " ".join(f"{rates[label][r]:16.1f}" for label in labels)
+        print(f"{r + 1:5d} {row}" + (f" {rates['ours'][r] / rates[DS][r]:8.2f}x" if DS in rates else ""))
+    print(f"{'variant':<28} {'median':>10} {'best':>10}")
+    for label in labels:
+        print(f"{label:<28} {statistics.median(rates[label]):10.1f} {max(rates[label]):10.1f}")
+    if DS in rates:
+        ratios = [a / b for a, b in zip(rates["ours"], rates[DS])]
+        print(f"ours / DeepSpeedCPUAdam: median of rounds {statistics.median(ratios):.2f}x, "
+              f"best vs best {max(rates['ours']) / max(rates[DS]):.2f}x")
+    print(f"host AdamW step: {max(rates['ours']):.1f} Mparam/s")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from trainer3d.optim.schedule import decays
 from trainer3d.parallel.topology import ParallelDims
 from trainer3d.parallel.zero.buckets import Bucket, GradReducer
 from trainer3d.parallel.zero.flat import FlatZeroOptimizer
+from trainer3d.parallel.zero.host_kernel import host_kernel, run_table
 from trainer3d.parallel.zero.host_scalars import HostScalars, clip_divisor
 
 
@@ -71,14 +72,12 @@ def contiguous_runs(segments: Sequence[Segment], decay: Sequence[bool]) -> List[
 class HostAdamW:
     """AdamW state of the owned pieces in host memory, and its step there.
 
-    The step is torch's fused CPU AdamW kernel (``torch._fused_adamw_``, vectorised with
-    at::vec, split over the cores by its own at::parallel_for) on a few long contiguous runs.
-    Measured against the alternatives on the same state (tools/bench/offload.py, figures in
-    docs/offload.md): the foreach path is 5-10x slower (one pass over memory per operation),
-    cutting the state into one slice per Python thread came out within the noise of the
-    kernel's own split, and DeepSpeed's CPUAdam (AdamW mode, OpenMP) within 0.8-1.2x of it
-    either way, so the kernel runs as it is: no thread pool of our own to size against
-    ``torch.get_num_threads``.
+    The step is the compiled kernel of host_kernel.py (bit for bit torch's fused CPU AdamW,
+    ``torch._fused_adamw_``; all the runs in one call split over torch's intra-op threads,
+    prefetching its streams), or torch's kernel itself on those runs where that one cannot be
+    built. Measured on the same state (tools/bench/offload.py, figures in docs/offload.md):
+    torch's kernel ran at 0.93x DeepSpeed's CPUAdam (AdamW mode, OpenMP), the compiled one
+    above it; the foreach path is 5-10x slower (one pass over memory per operation).
 
     Same layout as trainer3d/optim/adamw.py's ``FlatAdamW`` (the owned pieces one after the
     other), so a segment's state offset is the same; the fp32 masters always exist on the host
@@ -112,6 +111,8 @@ class HostAdamW:
         # The fused calls' lists, made once (the views and the counter are the same every step).
         views = [[t[lo:hi] for lo, hi, _ in self.runs] for t in (self.master, self.grad, self.exp_avg, self.exp_avg_sq)]
         self.groups = adamw_groups(*views, [d for _, _, d in self.runs], self.step_count, cfg)
+        self.kernel = host_kernel()
+        self.run_rows = run_table(self.runs)
         self.master_from_params()
 
     @torch.no_grad()
@@ -125,7 +126,16 @@ class HostAdamW:
     def step(self, lr: float, grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor]) -> None:
         """One AdamW update of the host masters from the host gradients divided by ``grad_scale``
         (skipped if ``found_inf``), then the cast for the device."""
-        fused_adamw_(self.groups, self.step_count, lr, self.cfg, found_inf, grad_scale)
+        if self.kernel is None:
+            fused_adamw_(self.groups, self.step_count, lr, self.cfg, found_inf, grad_scale)
+        else:  # the same counter protocol as fused_adamw_: advanced, and back where skipped
+            self.step_count += 1
+            c = self.cfg
+            self.kernel.adamw_step(self.master, self.grad, self.exp_avg, self.exp_avg_sq, self.run_rows,
+                                   self.step_count, lr, c.beta1, c.beta2, c.weight_decay, c.eps, grad_scale,
+                                   found_inf, -1)
+            if found_inf is not None:
+                self.step_count -= found_inf.squeeze()
         if self.separate_master:
             self.outgoing.copy_(self.master)
 
