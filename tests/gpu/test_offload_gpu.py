@@ -150,3 +150,22 @@ def test_zero3_offloaded_losses_follow_the_device_step(tmp_path):
     plain = losses(tmp_path / "plain", base)
     offloaded = losses(tmp_path / "offload", [*base, "parallel.offload_optimizer=true"])
     np.testing.assert_allclose(offloaded, plain, rtol=1e-3)
+
+
+def test_a_large_pinned_buffer_takes_the_bytes_it_asks_for():
+    """In a fresh process: after ``exact_pinned_sizes`` (what every CUDA rank runs first,
+    trainer3d/job/launch.py) torch's host allocator gives a 65 MiB + 4 KiB pinned buffer that many
+    bytes, not the next power of two (128 MiB) it gives without."""
+    import subprocess
+    import sys
+    size = 65 * 2 ** 20 + 4096
+    code = ("import sys, torch; from trainer3d.job.device_check import exact_pinned_sizes; "
+            "sys.argv[1] == 'exact' and exact_pinned_sizes(); torch.cuda.init(); "
+            f"t = torch.empty({size}, dtype=torch.uint8, pin_memory=True); "
+            "print(torch.cuda.host_memory_stats()['allocated_bytes.current'])")
+    got = {}
+    for mode in ("exact", "rounded"):
+        out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        got[mode] = int(out.stdout.split()[-1])
+    assert got == {"exact": size, "rounded": 128 * 2 ** 20}, got
