@@ -80,10 +80,13 @@ def test_fp32_states_leave_the_device(tmp_path, one_nccl_rank):
     assert off_built >= (2 + 4) * numel  # the parameters and the gradient buffer are still there
 
 
-def test_offloaded_losses_follow_the_device_step(tmp_path):
-    """The real entry point on CUDA (pinned buffers, the side stream): 20 bf16 steps with
-    offload within bf16's rounding of the same run without it."""
-    base = [*PARITY, *CUDA, "train.dtype=bf16", "parallel.bucket_mb=0.05"]
+@pytest.mark.parametrize("layout", [["parallel.bucket_mb=0.05"], ["parallel.zero_stage=3"]],
+                         ids=["zero1-pinned-side-stream", "zero3-fsdp2-shards"])
+def test_offloaded_losses_follow_the_device_step(tmp_path, layout):
+    """The real entry point on CUDA, one GPU: 20 bf16 steps with offload (ZeRO-0/1: pinned
+    buffers, the side stream; ZeRO-3: FSDP2's shards on the host) within bf16's rounding of the
+    same run without it."""
+    base = [*PARITY, *CUDA, "train.dtype=bf16", *layout]
     plain = losses(tmp_path / "plain", base)
     offloaded = losses(tmp_path / "offload", [*base, "parallel.offload_optimizer=true"])
     np.testing.assert_allclose(offloaded, plain, rtol=1e-3)
@@ -143,10 +146,20 @@ def test_zero3_shards_leave_the_device(tmp_path, one_nccl_rank):
     assert 12 * numel <= plain_peak - off_peak <= 16.5 * numel, (plain_peak, off_peak, numel)
 
 
-def test_zero3_offloaded_losses_follow_the_device_step(tmp_path):
-    """The real entry point on CUDA, ZeRO-3 on one GPU: 20 bf16 steps with the shards on the
-    host within bf16's rounding of the same run without offload."""
-    base = [*PARITY, *CUDA, "train.dtype=bf16", "parallel.zero_stage=3"]
-    plain = losses(tmp_path / "plain", base)
-    offloaded = losses(tmp_path / "offload", [*base, "parallel.offload_optimizer=true"])
-    np.testing.assert_allclose(offloaded, plain, rtol=1e-3)
+def test_a_large_pinned_buffer_takes_the_bytes_it_asks_for():
+    """In a fresh process: after ``exact_pinned_sizes`` (what every CUDA rank runs first,
+    trainer3d/job/launch.py) torch's host allocator gives a 65 MiB + 4 KiB pinned buffer that many
+    bytes, not the next power of two (128 MiB) it gives without."""
+    import subprocess
+    import sys
+    size = 65 * 2 ** 20 + 4096
+    code = ("import sys, torch; from trainer3d.job.device_check import exact_pinned_sizes; "
+            "sys.argv[1] == 'exact' and exact_pinned_sizes(); torch.cuda.init(); "
+            f"t = torch.empty({size}, dtype=torch.uint8, pin_memory=True); "
+            "print(torch.cuda.host_memory_stats()['allocated_bytes.current'])")
+    got = {}
+    for mode in ("exact", "rounded"):
+        out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        got[mode] = int(out.stdout.split()[-1])
+    assert got == {"exact": size, "rounded": 128 * 2 ** 20}, got

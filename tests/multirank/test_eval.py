@@ -57,3 +57,9 @@ def test_val_loss_tp2_pp2_dp2(tmp_path, reference):
 @pytest.mark.slow
 def test_val_loss_pp4(tmp_path, reference):
     check_layout(tmp_path, reference, ["parallel.pp=4"])
+
+
+@pytest.mark.slow
+def test_val_loss_dp2_zero3_offloaded(tmp_path, reference):
+    """FSDP2 with its shards on the host (parallel/zero/fsdp_offload.py) evaluates the model it trains."""
+    check_layout(tmp_path, reference, ["parallel.dp=2", "parallel.zero_stage=3", "parallel.offload_optimizer=true"])

@@ -2,6 +2,7 @@
 through validate(), the local machine's GPU count before launch, and the rank's own check.
 No GPU needed: the machine's GPU count is a parameter, the rank check is fed a CPU-only torch."""
 
+import os
 import subprocess
 import sys
 
@@ -82,3 +83,22 @@ def test_entry_point_refuses_cuda_without_gpu_before_any_rank(tmp_path):
     assert out.returncode == 2, out.stderr
     assert "trainer3d: device error: train.device=cuda but no CUDA device is visible here" in out.stderr
     assert not (tmp_path / "submitit").exists()  # nothing launched
+
+
+@pytest.mark.parametrize("env, changed, settings", [
+    ({}, True, "pinned_max_round_threshold_mb:64"),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True,
+     "expandable_segments:True,pinned_max_round_threshold_mb:64"),  # the user's settings given again
+    ({"PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:8"}, False,
+     "pinned_max_round_threshold_mb:8"),  # the user's threshold stays
+])
+def test_pinned_buffers_are_not_rounded_to_a_power_of_two(env, changed, settings):
+    """In a fresh process (the allocator setting is process-wide): what ``exact_pinned_sizes``
+    hands torch's allocator, read back from it."""
+    code = ("import torch; from trainer3d.job.device_check import exact_pinned_sizes; "
+            "print(exact_pinned_sizes(), repr(torch._C._accelerator_getAllocatorSettings()))")
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**clean, **env})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(changed), repr(settings)]

@@ -147,3 +147,20 @@ def test_search_proposes_fsdp_offload_where_only_it_fits():
         validate(plan.cfg)
     assert search(_plan("cluster.gpus_per_node=2", "search.zero_stages=[0,1,2,3]", "search.recompute=[true]",
                         "search.micro_batch_sizes=[4]", "search.offload=false"), device).plans == []
+
+
+def test_one_gpu_trains_13b_only_with_zero3_offload():
+    """13B on one 40 GB GPU: ZeRO-0 does not fit even offloaded (6 bytes per parameter of bf16
+    weights and fp32 gradients stay: 78 GB), and ZeRO-3 over a dp of one, offloaded, does —
+    the planner tries it where ZeRO-0 does not fit (``_offload_tries``), never otherwise."""
+    cfg = _plan("cluster.gpus_per_node=1", "search.zero_stages=[0,1,2,3]", "search.recompute=[true]",
+                "search.micro_batch_sizes=[8]")
+    plans = search(cfg, device_for("a100-40g")).plans
+    assert [(p.cfg.parallel.dp, p.cfg.parallel.zero_stage, p.cfg.parallel.offload_optimizer) for p in plans] == [
+        (1, 3, True)]
+    assert "parallel.zero_stage=3 parallel.offload_optimizer=true" in command(plans[0].cfg)
+    validate(plans[0].cfg)
+    roomy = search(_plan("cluster.gpus_per_node=1", "cluster.gpu=a100-80g", "search.zero_stages=[0,1,2,3]",
+                         "search.recompute=[true]", "search.micro_batch_sizes=[1]", "model=7b"),
+                   device_for("a100-80g")).plans
+    assert roomy and all(p.cfg.parallel.zero_stage == 0 for p in roomy)  # ZeRO-0 fits offloaded: no ZeRO-3

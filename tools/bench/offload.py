@@ -3,11 +3,11 @@ DeepSpeed's CPU Adam and torch's fused kernel, on the same fp32 state sizes, in 
 
     python tools/bench/offload.py --params 20000000 [--steps 20] [--threads N]
 
-Every variant updates ``--params`` fp32 parameters from fp32 gradients with AdamW (weight
-decay on), on all the machine's cores unless ``--threads`` (torch's intra-op threads, which
+Every variant updates the same ``--params`` fp32 parameters (one set of buffers: masters,
+gradients, both moments) with AdamW (weight decay on), on all the machine's cores unless ``--threads`` (torch's intra-op threads, which
 DeepSpeed's OpenMP loop shares: the same count for all). Rounds of one step of each, in
-turn, after 2 untimed rounds, so a load that comes and goes on a shared machine falls on
-neighbours alike:
+turn (each round starting one variant further along), after 2 untimed rounds, so a load that
+comes and goes on a shared machine falls on them alike:
 
 - ``ours``: ``HostAdamW.step`` as the engine runs it (the compiled kernel of
   trainer3d/parallel/zero/host_kernel.py, bit for bit torch's fused CPU AdamW);
@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Callable, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -47,10 +48,14 @@ DS = "DeepSpeedCPUAdam (AdamW)"
 
 def timed_rounds(steps: Dict[str, Callable[[], None]], threads: Dict[str, int], rounds: int,
                  warmup: int = 2) -> Dict[str, List[float]]:
-    """Each variant's step times, one step of every variant per round, in turn."""
+    """Each variant's step times, one step of every variant per round, in turn; each round starts
+    one variant further along (no variant always runs first, or always after the same one)."""
     times: Dict[str, List[float]] = {label: [] for label in steps}
+    labels = list(steps)
     for r in range(warmup + rounds):
-        for label, step in steps.items():
+        for i in range(len(labels)):
+            label = labels[(r + i) % len(labels)]
+            step = steps[label]
             torch.set_num_threads(threads[label])
             started = time.perf_counter()
             step()
@@ -59,17 +64,39 @@ def timed_rounds(steps: Dict[str, Callable[[], None]], threads: Dict[str, int], 
     return times
 
 
-def ours(n: int, cfg: OptimConfig, compiled: bool = True) -> Callable[[], None]:
-    """The engine's host step over one owned piece of ``n`` elements of a matrix (weight decay on);
-    ``compiled=False``: on torch's kernel, as where the compiled one cannot be built."""
+def shared_state(n: int, cfg: OptimConfig) -> HostAdamW:
+    """The engine's host optimizer over one owned piece of ``n`` elements of a matrix (weight decay
+    on): its four fp32 buffers (masters, gradients, moments) are the state every variant updates,
+    so no variant gets memory placed better or worse than another's."""
     param = nn.Parameter(torch.randn(n) * 0.02)
-    grads = torch.randn(n) * 1e-3
     segment = Segment("layers.0.mlp.w1.weight", param.view(1, n), 0, n, 0, 0)
-    adam = HostAdamW([segment], [(0, n)], param.detach(), grads, cfg)
-    if not compiled:
-        adam.kernel = None
-    adam.grad.copy_(grads)
-    return lambda: adam.step(LR, None, None)
+    adam = HostAdamW([segment], [(0, n)], param.detach(), torch.zeros(n), cfg)
+    adam.grad.copy_(torch.randn(n) * 1e-3)
+    return adam
+
+
+def ours(adam: HostAdamW, kernel: Optional[ModuleType]) -> Callable[[], None]:
+    """``HostAdamW.step`` as the engine runs it; ``kernel=None``: on torch's kernel, as where the
+    compiled one cannot be built."""
+    def step() -> None:
+        adam.kernel = kernel
+        adam.step(LR, None, None)
+    return step
+
+
+def deepspeed_adam(adam: HostAdamW, cfg: OptimConfig) -> Optional[Callable[[], None]]:
+    """DeepSpeedCPUAdam (AdamW mode) on ``adam``'s buffers: the masters as its parameter, the host
+    gradients as its gradient, the moments as its state."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except ImportError:
+        return None
+    param = nn.Parameter(adam.master)
+    param.grad = adam.grad
+    opt = DeepSpeedCPUAdam([param], lr=LR, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                           weight_decay=cfg.weight_decay, adamw_mode=True)
+    opt.state[param] = {"step": 0, "exp_avg": adam.exp_avg, "exp_avg_sq": adam.exp_avg_sq}
+    return opt.step
 
 
 def torch_adamw(n: int, cfg: OptimConfig) -> Callable[[], None]:
@@ -77,18 +104,6 @@ def torch_adamw(n: int, cfg: OptimConfig) -> Callable[[], None]:
     param.grad = torch.randn(n) * 1e-3
     opt = torch.optim.AdamW([param], lr=LR, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                             weight_decay=cfg.weight_decay, foreach=True)
-    return opt.step
-
-
-def deepspeed_adam(n: int, cfg: OptimConfig) -> Optional[Callable[[], None]]:
-    try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-    except ImportError:
-        return None
-    param = nn.Parameter(torch.randn(n) * 0.02)
-    param.grad = torch.randn(n) * 1e-3
-    opt = DeepSpeedCPUAdam([param], lr=LR, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                           weight_decay=cfg.weight_decay, adamw_mode=True)
     return opt.step
 
 
@@ -104,10 +119,12 @@ def main() -> None:
     # DeepSpeed's OpenMP loop shares torch's OpenMP runtime: each timed step sets the thread count
     # (torch.set_num_threads) for both; the variable covers a runtime that starts later.
     os.environ["OMP_NUM_THREADS"] = str(cores)
-    variants = {"ours": lambda: ours(n, cfg)}
+    torch.set_num_threads(cores)
+    adam = shared_state(n, cfg)
+    variants = {"ours": lambda: ours(adam, adam.kernel)}
     if not args.no_deepspeed:
-        variants[DS] = lambda: deepspeed_adam(n, cfg)
-    variants["torch fused"] = lambda: ours(n, cfg, compiled=False)
+        variants[DS] = lambda: deepspeed_adam(adam, cfg)
+    variants["torch fused"] = lambda: ours(adam, None)
     if args.foreach:
         variants["foreach"] = lambda: torch_adamw(n, cfg)
     steps = {}

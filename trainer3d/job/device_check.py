@@ -92,3 +92,28 @@ def rank_device(cfg: Config) -> torch.device:
         raise DeviceError(f"LOCAL_RANK={local_rank} but this node shows {count} GPU(s): one rank per GPU; "
                           f"start at most {count} rank(s) per node (launcher.tasks_per_node)")
     return torch.device("cuda", local_rank)
+
+
+PINNED_ROUNDING_MB = 64
+"""Pinned host allocations above this size are made at the size asked for (``exact_pinned_sizes``)."""
+
+
+def exact_pinned_sizes() -> bool:
+    """Make pinned host buffers above ``PINNED_ROUNDING_MB`` take the bytes they ask for; True
+    where this process's setting was changed.
+
+    torch's caching host allocator rounds every pinned allocation up to a power of two ("to
+    improve reuse", aten/src/ATen/core/CachingHostAllocator.h) unless the allocator setting
+    ``pinned_max_round_threshold_mb`` bounds it. The large pinned buffers of a run are made once
+    and kept: the offloaded optimizer state (trainer3d/parallel/zero/offload.py, FSDP2's
+    CPUOffloadPolicy) and a checkpoint's staging buffers (trainer3d/checkpoint/staging.py).
+    Rounded, a 17 GiB state would pin 32 GiB, past what the memory check and the planner count
+    as host memory. A threshold given in ``PYTORCH_ALLOC_CONF`` or ``PYTORCH_CUDA_ALLOC_CONF``
+    is the user's and stays, and the user's other settings are given again with it (the
+    setter parses a whole setting string); a torch without the setter keeps its rounding."""
+    given = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if "pinned_max_round_threshold_mb" in given or setter is None:
+        return False
+    setter(",".join(filter(None, [given, f"pinned_max_round_threshold_mb:{PINNED_ROUNDING_MB}"])))
+    return True

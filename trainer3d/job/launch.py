@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from trainer3d.config.schema import Config
 from trainer3d.config.validate import world_size_of
-from trainer3d.job.device_check import rank_device
+from trainer3d.job.device_check import exact_pinned_sizes, rank_device
 from trainer3d.job.failure import rank_failures
 from trainer3d.job.follow import follow
 from trainer3d.job.heartbeat import Heartbeat, heartbeat_dir
@@ -63,6 +63,7 @@ def init_distributed(cfg: Config) -> torch.device:
     inductor_config.compile_threads = share
     if use_cuda:
         torch.cuda.set_device(device)
+        exact_pinned_sizes()  # before the first pinned buffer
     else:
         torch.set_num_threads(share)
     backend = cfg.parallel.backend

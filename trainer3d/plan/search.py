@@ -9,7 +9,7 @@ recomputation and the schedule (1F1B, or interleaved 1F1B with v chunks per rank
 pp > 1). Two of validate()'s rules shape the space instead of filtering it (ZeRO 2/3 only
 without a pipeline; at least one layer per stage), a layout over the device's memory is
 tried once more with its optimizer offloaded to the host (``search.offload``; ZeRO-2/3: FSDP2's
-shards too), and without data parallelism only ZeRO
+shards too; with one rank per tp slice, ZeRO-3 offloaded as well), and without data parallelism only ZeRO
 stage 0 is tried (the others shard over dp = 1: the same layout). Every candidate goes through the engine's own ``validate()`` (its refusals are
 counted by the knob they name), then through the peak-memory accounting of the ranks that
 bound it (trainer3d/memory/peak.py), then through the step-time model (step_time.py).
@@ -147,6 +147,18 @@ def _offloaded(cfg: Config) -> Config:
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, offload_optimizer=True))
 
 
+def _offload_tries(cfg: Config) -> List[Config]:
+    """The offloaded layouts to try for a validated layout over the device's memory: its own
+    with the optimizer offloaded, and without data parallelism or a pipeline (where ZeRO-3
+    alone would shard over one rank: ``candidates`` tries stage 0 only) ZeRO-3 offloaded too,
+    which keeps only the units in flight on the device (parallel/zero/fsdp_offload.py)."""
+    p = cfg.parallel
+    tries = [_offloaded(cfg)]
+    if p.dp * p.cp == 1 and p.pp == 1 and p.zero_stage == 0:
+        tries.append(_offloaded(dataclasses.replace(cfg, parallel=dataclasses.replace(p, zero_stage=3))))
+    return tries
+
+
 def search(cfg: PlanConfig, device: Device) -> SearchResult:
     """Every candidate that fits, fastest first; a candidate over the device's memory is tried
     again with its optimizer offloaded (``search.offload``), and kept if that fits the device
@@ -169,9 +181,11 @@ def search(cfg: PlanConfig, device: Device) -> SearchResult:
         # a CPU node's ranks share one memory: moving state to the host frees nothing there
         if (plan.memory.total > usable and cfg.search.offload and not valid.parallel.offload_optimizer
                 and not device.shared_memory):
-            offloaded = evaluate(_offloaded(valid), device, c.gpus_per_node, backend, c.attention, link)
-            if offloaded.memory.total <= usable and offloaded.host_per_node(c.gpus_per_node) <= host_usable:
-                plan = offloaded
+            for tried in _offload_tries(valid):
+                offloaded = evaluate(tried, device, c.gpus_per_node, backend, c.attention, link)
+                if offloaded.memory.total <= usable and offloaded.host_per_node(c.gpus_per_node) <= host_usable:
+                    plan = offloaded
+                    break
         if plan.memory.total > usable or plan.host_per_node(c.gpus_per_node) > host_usable:
             result.over_memory += 1
             over = plan.memory.total - usable

@@ -40,12 +40,13 @@ from torch import nn
 
 from trainer3d.config.schema import Config, OptimConfig
 from trainer3d.optim.adamw import Segment, adamw_groups, fused_adamw_
-from trainer3d.optim.clip import clip_by_global_norm_, sum_of_squares
+from trainer3d.optim.clip import sum_of_squares
 from trainer3d.optim.schedule import decays
 from trainer3d.parallel.topology import ParallelDims
 from trainer3d.parallel.zero.buckets import Bucket, GradReducer
 from trainer3d.parallel.zero.flat import FlatZeroOptimizer
 from trainer3d.parallel.zero.host_kernel import host_kernel, run_table
+from trainer3d.parallel.zero.host_scalars import HostScalars, clip_divisor
 
 
 def host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -241,7 +242,7 @@ class OffloadedOptimizer(FlatZeroOptimizer):
         self.to_host = GradsToHost(self.reducer, self.adam)
         self._grad_scale: Optional[torch.Tensor] = None
         """This step's divisor of the gradients (device): 1 / (clip coefficient x inverse loss scale)."""
-        self._host_scalars = host_empty(2, torch.float32, dims.device)  # grad_scale, found_inf
+        self._host_scalars = HostScalars(dims.device)
 
     def _make_adam(self, segments: List[Segment], owned_numel: int):
         return HostAdamW(segments, self.pieces, self.buffers.param_buffer, self.buffers.grad_buffer, self.cfg.optim)
@@ -257,34 +258,12 @@ class OffloadedOptimizer(FlatZeroOptimizer):
         self.to_host.again([s for s in self.adam.segments if s.param in changed])
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        local_sq = sum_of_squares(self._counted, self.dims.device)
-        inv_scale = self.scaler.inv_scale() if self.scaler is not None else None
-        if inv_scale is not None:
-            local_sq = local_sq * inv_scale * inv_scale
-        norm = clip_by_global_norm_(local_sq, [], max_norm)
-        factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else None
-        if inv_scale is not None:
-            factor = inv_scale if factor is None else factor * inv_scale
-            self.scaler.check(norm)
-        self._grad_scale = factor.reciprocal() if factor is not None else None
+        norm, self._grad_scale = clip_divisor(sum_of_squares(self._counted, self.dims.device), max_norm, self.scaler)
         return norm
 
     def _scalars_on_host(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """This step's gradient divisor and fp16 skip flag, read by the host (after the gradients)."""
-        if self._grad_scale is None and self.scaler is None:
-            return None, None
-        one = torch.ones((), device=self.dims.device)
-        pair = torch.stack([self._grad_scale if self._grad_scale is not None else one,
-                            self.scaler.found_inf.squeeze(0) if self.scaler is not None else one * 0])
-        self._host_scalars.copy_(pair, non_blocking=self._host_scalars.is_pinned())
-        if self._host_scalars.is_pinned():
-            torch.cuda.current_stream(self.dims.device).synchronize()
-        # A divisor of exactly 1 (no clipping this step, no loss scale) is left out: the kernel
-        # would otherwise write every gradient back after dividing it, one more pass over memory.
-        divides = self._grad_scale is not None and bool(self._host_scalars[0] != 1)
-        grad_scale = self._host_scalars[0:1] if divides else None
-        found_inf = self._host_scalars[1:2] if self.scaler is not None else None
-        return grad_scale, found_inf
+        return self._host_scalars.fetch(self._grad_scale, self.scaler)
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
