@@ -151,3 +151,17 @@ def test_host_step_with_the_kernel_is_the_host_step_with_torchs():
             assert torch.equal(a, b)
         assert torch.equal(flat, flat_ref)
     assert adam.step_count.item() == 3
+
+
+def test_compiled_kernel_runs_on_torchs_threads():
+    """The kernel's at::parallel_for is an OpenMP region compiled into the extension: serial
+    unless built with -fopenmp, and on torch's thread count (``torch.set_num_threads``), which
+    the extension's own OpenMP runtime does not see by itself."""
+    kernel = _kernel()
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 1, 3):
+            torch.set_num_threads(threads)
+            assert kernel.parallel_threads() == threads
+    finally:
+        torch.set_num_threads(before)

@@ -18,6 +18,7 @@
 // threads split the runs' total length, the loop body is unrolled twice so that two independent
 // sqrt/div chains are in flight, and it prefetches its four streams ahead of the hardware.
 
+#include <atomic>
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -205,7 +206,24 @@ constexpr int64_t kUnit = 16;
 // Units (of kUnit elements) per thread at least: a small state is not worth waking the pool.
 constexpr int64_t kGrain = 4096;
 
+// at::parallel_for's region runs on the OpenMP runtime this extension links (built with
+// -fopenmp: without it the region is serial), whose thread count torch.set_num_threads does not
+// reach: give it torch's, so ranks sharing a node's cores keep their share.
+void use_torchs_thread_count() {
+#ifdef _OPENMP
+  omp_set_num_threads(static_cast<int>(at::get_num_threads()));
+#endif
+}
+
 }  // namespace
+
+// How many threads one at::parallel_for of this extension runs on (tests hold it to torch's).
+int64_t parallel_threads() {
+  use_torchs_thread_count();
+  std::atomic<int64_t> tasks{0};
+  at::parallel_for(0, int64_t{1} << 20, 1, [&](int64_t, int64_t) { tasks.fetch_add(1); });
+  return tasks.load();
+}
 
 // AdamW on the runs [start, end) of the flat fp32 buffers, in place. ``runs``: int64 [k, 3] of
 // (start, end, decays); ``step``: the step counter torch's kernel reads (already advanced);
@@ -237,6 +255,7 @@ void adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, 
                 "host AdamW: a run lies outside the state");
     first_unit[i + 1] = first_unit[i] + (r[3 * i + 1] - r[3 * i] + kUnit - 1) / kUnit;
   }
+  use_torchs_thread_count();
   float* p = param.data_ptr<float>();
   float* g = grad.data_ptr<float>();
   float* m = exp_avg.data_ptr<float>();
@@ -267,4 +286,5 @@ std::string isa_name() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("adamw_step", &adamw_step, "AdamW on runs of flat fp32 host buffers, bit for bit torch's fused CPU kernel");
   module.def("isa", &isa_name, "The widest vector path this CPU runs");
+  module.def("parallel_threads", &parallel_threads, "Threads of one at::parallel_for here");
 }

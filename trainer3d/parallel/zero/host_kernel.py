@@ -26,9 +26,11 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_adamw.cpp")
 NAME = "trainer3d_host_adamw"
-FLAGS = ["-O3", "-ffp-contract=off"]
+FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 """No -march: the AVX-512 and AVX2 paths carry their own target attributes. No contraction of
-a multiply and an add into an FMA the source does not spell out: the bits must be torch's."""
+a multiply and an add into an FMA the source does not spell out: the bits must be torch's.
+-fopenmp: at::parallel_for is an OpenMP region compiled into the extension
+(ATen/ParallelOpenMP.h), serial without it (tests/unit/test_offload_adamw.py counts its threads)."""
 
 _loaded: Optional[ModuleType] = None
 _tried = False
@@ -44,7 +46,7 @@ def _build() -> ModuleType:
     if shutil.which("ninja") is None and scripts:
         os.environ["PATH"] = scripts + os.pathsep + path
     try:
-        return cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=FLAGS, verbose=False)
+        return cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     finally:
         os.environ["PATH"] = path
 
