@@ -18,12 +18,12 @@
 // threads split the runs' total length, the loop body is unrolled twice so that two independent
 // sqrt/div chains are in flight, and it prefetches its four streams ahead of the hardware.
 
-#include <atomic>
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <optional>
