@@ -13,6 +13,15 @@ CONF_DIR = ROOT / "conf"
 # Tests never talk to wandb's servers.
 os.environ.setdefault("WANDB_MODE", "offline")
 
+# Each xdist worker's share of the cores, for its own torch and every run it starts (read by
+# torch at import and by the engine's CPU ranks: trainer3d/job/launch.py cpu_threads). A run
+# taking every core beside the other worker's stalls at each OpenMP region while a thread of
+# it waits for a core (a 20-step tiny run: 5 s on 1 thread, minutes on 2, beside one busy
+# process).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
 
 @pytest.fixture(scope="session")
 def session_tmp(tmp_path_factory) -> Path:

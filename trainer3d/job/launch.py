@@ -50,6 +50,17 @@ def in_distributed_env() -> bool:
     return "SLURM_STEP_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1 and not submitit_task
 
 
+def cpu_threads(share: int) -> int:
+    """Torch's intra-op threads on a CPU rank: ``OMP_NUM_THREADS`` where it is set (the cores
+    the user, torchrun or a test session gives each process), else ``share``, this rank's part
+    of the host's cores. OpenMP's threads wait for one another at the end of every parallel
+    region, so a rank with more threads than the cores free to it stalls whenever another
+    process holds one (a 20-step tiny run beside one busy process: 5 s on 1 thread, minutes
+    on 2)."""
+    given = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(given) if given.isdigit() and int(given) > 0 else share
+
+
 def init_distributed(cfg: Config) -> torch.device:
     """Initialise the default process group from the environment; return this rank's device.
 
@@ -65,7 +76,7 @@ def init_distributed(cfg: Config) -> torch.device:
         torch.cuda.set_device(device)
         exact_pinned_sizes()  # before the first pinned buffer
     else:
-        torch.set_num_threads(share)
+        torch.set_num_threads(cpu_threads(share))
     backend = cfg.parallel.backend
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"
