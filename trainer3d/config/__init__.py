@@ -1,7 +1,9 @@
 """Compose and validate: what a run is, before anything starts.
 
 ``schema`` holds the typed dataclasses Hydra's ConfigStore registers (every field documented;
-``conf/`` only selects and overrides them); ``knobs`` every field's range or choices;
+``conf/`` only selects and overrides them) and re-exports the two sections kept in their
+own modules, ``schema_model`` (``model.*``, rotary scaling) and ``schema_parallel``
+(``parallel.*``); ``knobs`` every field's range or choices;
 ``validate`` the rules of a layout as a pure function, run in the submitting process and
 naming the knob to change; ``jsonfile`` the size-bounded reader of JSON objects the run did
 not write (token headers, Hugging Face config and index files); ``secrets`` the redaction of

@@ -4,7 +4,7 @@ its valid values (trainer3d/config/knobs.py) and its docstring from the schema, 
 option of each config group (conf/<group>/*.yaml).
 
 The docstrings are the string literals under each field of the schema's dataclasses (the
-convention of trainer3d/config/schema.py), read from the source with ``ast``: Python keeps
+convention of trainer3d/config/schema*.py), read from the source with ``ast``: Python keeps
 no runtime trace of them.
 """
 

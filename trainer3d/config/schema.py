@@ -4,6 +4,8 @@ Every knob lives in one of these dataclasses, registered in Hydra's ConfigStore 
 schema; the YAML files in ``conf/`` only select a group member and override values, so a
 typo or a wrong type is refused by Hydra before anything runs. Cross-field rules (batch
 arithmetic, divisibility, ZeRO with pipelining) are checked by ``trainer3d.config.validate``.
+The model section lives in ``schema_model`` and the layout in ``schema_parallel``; this module
+re-exports them, so ``trainer3d.config.schema`` names every class of the schema.
 """
 
 import re
@@ -13,111 +15,14 @@ from typing import List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from trainer3d.config.schema_model import ModelConfig, RopeScalingConfig
+from trainer3d.config.schema_parallel import ParallelConfig
 
-@dataclass
-class RopeScalingConfig:
-    """Rotary frequency scaling for contexts longer than pre-training's (Llama 3.1's "llama3"
-    scheme: long wavelengths divided by ``factor``, short ones kept, a smooth ramp between)."""
-
-    type: str = "none"
-    """none | llama3."""
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_seq_len: int = 8192
-    """The context length the model was pre-trained with before scaling."""
-
-
-@dataclass
-class ModelConfig:
-    """A Llama-style decoder: RMSNorm, rotary positions, SwiGLU MLP, no biases."""
-
-    name: str = "tiny"
-    """The conf/model member this came from (for the record)."""
-    dim: int = 128
-    """Hidden size."""
-    n_layers: int = 4
-    """Transformer blocks."""
-    n_heads: int = 4
-    """Query heads; head_dim = dim / n_heads."""
-    n_kv_heads: int = 2
-    """Key/value heads (grouped-query attention); equal to n_heads for plain multi-head."""
-    head_dim: Optional[int] = None
-    """Width of one attention head; default dim // n_heads."""
-    ffn_dim: int = 384
-    """Width of the SwiGLU hidden layer."""
-    vocab_size: int = 257
-    """Logical vocabulary; tensor parallelism pads it to a multiple of tp, padding masked out of the loss."""
-    max_seq_len: int = 256
-    """Longest sequence the rotary tables cover (train.seq_len must not exceed it)."""
-    rope_theta: float = 10000.0
-    """Base of the rotary position frequencies."""
-    norm_eps: float = 1e-5
-    """RMSNorm's epsilon."""
-    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
-    tie_embeddings: bool = False
-    """The output head reuses the input embedding matrix (with pipelining, the first and last
-    stage hold copies whose gradients are summed)."""
-    init_std: float = 0.02
-    """Std of the normal init; output projections are scaled by 1/sqrt(2 * n_layers)."""
-    init_from: Optional[str] = None
-    """A Hugging Face Llama directory (config.json + safetensors) to start from: the rest of
-    this section is derived from its config.json before launch, and every rank reads its own
-    slices of the weights. Explicit model.* overrides must agree with config.json."""
-    bos_token_id: Optional[int] = None
-    """Beginning-of-sequence token id, when known (from init_from's config.json); written into
-    exported Hugging Face configs."""
-    eos_token_ids: List[int] = field(default_factory=list)
-    """End-of-sequence token id(s), when known (Llama 3 chat models have several)."""
-
-
-@dataclass
-class ParallelConfig:
-    """The layout. World size = tp * cp * pp * dp; rank order is TP fastest, then CP, then DP, then PP."""
-
-    tp: int = 1
-    """Tensor-parallel degree (Megatron-style column/row split inside each layer)."""
-    pp: int = 1
-    """Pipeline-parallel degree (stages)."""
-    dp: int = 1
-    """Data-parallel degree (model replicas, each taking a slice of the global batch)."""
-    cp: int = 1
-    """Context-parallel degree: each sequence split over cp ranks (load-balanced chunks, exact
-    causal attention across them; trainer3d/parallel/context/). Does not multiply the batch;
-    needs train.seq_len divisible by 2 * cp."""
-    cp_attention: str = "ring"
-    """How attention reaches the other cp ranks' keys and values: ring (blocks passed around a
-    ring with send/recv, overlapped with compute) | all_gather (all at once; faster for short
-    sequences, docs/context_parallel.md)."""
-    zero_stage: int = 0
-    """0: replicated optimizer; 1: optimizer state sharded over dp; 2/3 (pp == 1 only): FSDP2."""
-    offload_optimizer: bool = False
-    """ZeRO-Offload: this rank's fp32 master weights and AdamW moments live in host memory
-    (pinned on CUDA) and the AdamW step runs on the host's cores. Stages 0/1: the device keeps
-    the train.dtype parameters and the fp32 gradient buckets, whose owned slices go to the host
-    as backward finishes each (parallel/zero/offload.py); stages 2/3 (pp == 1): FSDP2's
-    CPUOffloadPolicy, the parameter and gradient shards on the host too
-    (parallel/zero/fsdp_offload.py). docs/offload.md."""
-    sequence_parallel: bool = False
-    """Shard norm regions along the sequence across tp (needs tp > 1)."""
-    pp_schedule: str = "1f1b"
-    """1f1b | gpipe | interleaved_1f1b."""
-    pp_virtual_stages: int = 1
-    """Model chunks per pipeline rank (interleaved_1f1b only)."""
-    pp_layers: Optional[List[int]] = None
-    """Layers per stage, e.g. [3, 5]; default: as even as possible."""
-    bucket_mb: float = 25.0
-    """Size of the gradient-reduction buckets over dp, in MiB."""
-    zero_reduce: str = "auto"
-    """How ZeRO-1 reduces gradients: all_reduce | reduce_scatter | auto (all_reduce on gloo, reduce_scatter on NCCL)."""
-    backend: str = "auto"
-    """torch.distributed backend: auto (nccl with GPUs, else gloo) | gloo | nccl."""
-    timeout_s: float = 120.0
-    """The training step's collective timeout: a dead or stuck rank ends the job after this long
-    instead of hanging."""
-    init_timeout_s: float = 1200.0
-    """The timeout of start-up (rendezvous, building the model, the first step with its
-    compilation) and of checkpoint saves and loads, which may wait on a slow shared filesystem."""
+__all__ = [
+    "BlendSource", "CheckpointConfig", "Config", "DataConfig", "LauncherConfig", "LoggerConfig",
+    "ModelConfig", "OptimConfig", "ParallelConfig", "RUN_NAME", "RopeScalingConfig", "TrainConfig",
+    "flatten", "named_run_dir", "register_configs",
+]
 
 
 @dataclass
