@@ -63,13 +63,29 @@ def test_matches_gloo(world, numel, chunk):
     assert _segments() == before  # unlinked as soon as every rank had mapped it
 
 
+def _deferred(rank, world):
+    """A handle runs its collective when waited for, once; ranks waiting in the same order meet."""
+    shm = host_collectives(dist.new_group([0, 1]), 64)
+    a, b = torch.full((64,), float(rank)), torch.full((64,), 10.0 * rank)
+    first, second = comm.all_reduce_avg(a, shm), comm.all_reduce_avg(b, shm)
+    untouched = a[0].item() == rank and not first.is_completed()
+    second.wait()
+    first.wait()
+    first.wait()  # a second wait does nothing
+    return untouched, first.is_completed(), a[0].item(), b[0].item()
+
+
+def test_a_handle_runs_its_collective_when_waited_for():
+    assert run_ranks(_deferred, 2, timeout=60) == [(True, True, 0.5, 5.0)] * 2
+
+
 def _subgroups(rank, world):
     """dp groups of a pp x dp layout: {0, 2} and {1, 3}, each its own segment."""
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     group = groups[rank % 2]
     shm = host_collectives(group, 64)
     x = torch.full((64,), float(rank))
-    comm.all_reduce_avg(x, shm)
+    comm.all_reduce_avg(x, shm).wait()
     return x[0].item()
 
 
@@ -89,12 +105,12 @@ def test_switched_off_stays_on_gloo():
 def _peer_dies(rank, world):
     shm = host_collectives(dist.new_group([0, 1]), 1024)
     x = torch.ones(1024)
-    comm.all_reduce_avg(x, shm)
+    comm.all_reduce_avg(x, shm).wait()
     if rank == 1:
         os._exit(0)  # gone without a word
     started = time.monotonic()
     try:
-        comm.all_reduce_avg(x, shm)
+        comm.all_reduce_avg(x, shm).wait()
     except Exception as e:  # gloo's barrier raises after the group's timeout
         return ("raised", time.monotonic() - started, type(e).__name__)
     return ("returned", time.monotonic() - started, "")

@@ -13,7 +13,7 @@ reduce-scatter/all-gather when the chunk is the rank's own slice), so no bucket-
 is allocated by us.
 
 The ZeRO wrappers take either a process group or, for CPU ranks of one host, the group's
-shared-memory collectives (parallel/host_shm.py), which finish before they return.
+shared-memory collectives (parallel/host_shm.py), whose handles run them when waited for.
 """
 
 import torch
@@ -28,21 +28,21 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 def all_reduce_avg(tensor: torch.Tensor, group) -> dist.Work:
     """Average ``tensor`` over ``group`` in place."""
     if isinstance(group, HostCollectives):
-        return group.all_reduce_avg(tensor)
+        return group.later(group.all_reduce_avg, tensor)
     return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group, async_op=True)
 
 
 def reduce_scatter_avg(output: torch.Tensor, input: torch.Tensor, group) -> dist.Work:
     """Average ``input`` over ``group``; this rank's equal slice lands in ``output``."""
     if isinstance(group, HostCollectives):
-        return group.reduce_scatter_avg(output, input)
+        return group.later(group.reduce_scatter_avg, output, input)
     return reduce_scatter_single(output, input, op=dist.ReduceOp.AVG, group=group, async_op=True)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group) -> dist.Work:
     """Concatenate every rank's ``input`` (equal sizes, in rank order) into ``output``."""
     if isinstance(group, HostCollectives):
-        return group.all_gather(output, input)
+        return group.later(group.all_gather, output, input)
     return all_gather_single(output, input, group=group, async_op=True)
 
 

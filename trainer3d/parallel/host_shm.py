@@ -24,7 +24,7 @@ import logging
 import mmap
 import os
 import secrets
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,14 +37,23 @@ MAX_CHUNK_BYTES = 8 * 2 ** 20
 """Bytes per slot at most: (world + 1) slots, so 2 ranks map 24 MiB, 8 ranks 72 MiB."""
 
 
-class _Done:
-    """The handle of a collective that finished when it returned (callers wait on handles)."""
+class Deferred:
+    """The handle of a collective that runs when it is waited for (the callers' contract is an
+    asynchronous one: launch, then wait). Every rank waits for its handles in the same program
+    order, so the collectives' barriers meet; the time lands where the wait is, as a gloo
+    collective's exposed part would: a step's bucket reductions in its ``metrics.comm()``."""
+
+    def __init__(self, run: Callable[[], None]):
+        self._run: Optional[Callable[[], None]] = run
 
     def wait(self, timeout=None) -> bool:
+        if self._run is not None:
+            run, self._run = self._run, None
+            run()
         return True
 
     def is_completed(self) -> bool:
-        return True
+        return self._run is None
 
 
 class HostCollectives:
@@ -65,7 +74,11 @@ class HostCollectives:
     def _barrier(self) -> None:
         dist.barrier(group=self.group)
 
-    def all_reduce_avg(self, tensor: torch.Tensor) -> _Done:
+    def later(self, collective: Callable, *args: torch.Tensor) -> Deferred:
+        """``collective(*args)`` as a handle that runs it when waited for."""
+        return Deferred(lambda: collective(*args))
+
+    def all_reduce_avg(self, tensor: torch.Tensor) -> None:
         """Average ``tensor`` (flat, contiguous, floating) over the group in place."""
         slots = self._slots(tensor.dtype)
         *inputs, result = slots
@@ -85,17 +98,15 @@ class HostCollectives:
                 mine.div_(self.world)
             self._barrier()  # every share reduced
             part.copy_(result[:m])
-        return _Done()
 
-    def reduce_scatter_avg(self, output: torch.Tensor, input: torch.Tensor) -> _Done:
+    def reduce_scatter_avg(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Average ``input`` over the group; this rank's equal slice lands in ``output``."""
         averaged = input.clone()
         self.all_reduce_avg(averaged)
         size = input.numel() // self.world
         output.copy_(averaged[self.rank * size:(self.rank + 1) * size])
-        return _Done()
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> _Done:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Every rank's ``input`` (equal sizes) into ``output`` in rank order; ``input`` may be
         this rank's slice of ``output``."""
         *slots, _ = self._slots(input.dtype)
@@ -110,7 +121,6 @@ class HostCollectives:
             self._barrier()  # every slot read before the next chunk overwrites it
             if output.data_ptr() + self.rank * size * output.element_size() != input.data_ptr():
                 output[self.rank * size + off:self.rank * size + off + m].copy_(input[off:off + m])
-        return _Done()
 
 
 def _enabled() -> bool:
@@ -161,7 +171,7 @@ def host_collectives(group, numel: int, element_size: int = 4) -> Optional[HostC
     if rank == 0:
         try:
             offer = [_create(size)]
-        except OSError as e:
+        except (OSError, AttributeError) as e:  # AttributeError: no posix_fallocate (macOS)
             offer = [f"rank 0 could not make a {size >> 20} MiB segment in /dev/shm ({e})"]
     dist.broadcast_object_list(offer, src=dist.get_global_rank(group, 0), group=group)
     segment, why = None, offer[0] if isinstance(offer[0], str) else None
@@ -169,7 +179,7 @@ def host_collectives(group, numel: int, element_size: int = 4) -> Optional[HostC
         name, token = offer[0]
         try:
             segment = _open(name, token, size)
-        except OSError as e:
+        except (OSError, ValueError) as e:
             why = f"rank {rank}: {e}"
     verdicts: List[object] = [None] * world
     dist.all_gather_object(verdicts, why, group=group)
