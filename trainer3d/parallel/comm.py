@@ -13,7 +13,9 @@ reduce-scatter/all-gather when the chunk is the rank's own slice), so no bucket-
 is allocated by us.
 
 The ZeRO wrappers take either a process group or, for CPU ranks of one host, the group's
-shared-memory collectives (parallel/host_shm.py), whose handles run them when waited for.
+shared-memory collectives (parallel/host_shm.py): the reductions run when their handle is
+waited for (a step's in its ``finish``), the gather at once (every reader of the parameters
+then finds them gathered, whatever waits it does).
 """
 
 import torch
@@ -42,7 +44,8 @@ def reduce_scatter_avg(output: torch.Tensor, input: torch.Tensor, group) -> dist
 def all_gather(output: torch.Tensor, input: torch.Tensor, group) -> dist.Work:
     """Concatenate every rank's ``input`` (equal sizes, in rank order) into ``output``."""
     if isinstance(group, HostCollectives):
-        return group.later(group.all_gather, output, input)
+        group.all_gather(output, input)
+        return group.later(lambda: None)
     return all_gather_single(output, input, group=group, async_op=True)
 
 
