@@ -6,9 +6,12 @@ see last step's values everywhere but this rank's own slice, deterministically.
 """
 
 import copy
+import dataclasses
 
 import numpy as np
+import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.support.harness import dims_for, run_ranks
 from tests.support.zero_ranks import make_cfg, train_step
@@ -36,9 +39,10 @@ class LateWrite:
         self.log.append(self.index)
 
 
-def test_forward_waits_for_each_bucket_once_in_forward_order_recomputation_included():
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_forward_waits_for_each_bucket_once_in_forward_order_recomputation_included(tied):
     torch.manual_seed(0)
-    model = Transformer(MODEL)
+    model = Transformer(dataclasses.replace(MODEL, tie_embeddings=tied))
     reference = copy.deepcopy(model)
     checkpoint_layers([model])  # the backward's recomputed forward fires the hooks again
     buffers = FlatBuffers(list(model.parameters()), 300, 1, torch.float32)
@@ -53,8 +57,10 @@ def test_forward_waits_for_each_bucket_once_in_forward_order_recomputation_inclu
     assert not torch.equal(buffers.param_buffer, new), "the late gathers must not have landed yet"
 
     tokens = torch.randint(0, MODEL.vocab_size, (2, 8))
-    out = model(tokens)
+    model.head_in_loss = True  # as a chunked loss runs it: the head applied outside its forward
+    out = F.linear(model(tokens), model.output.weight).transpose(0, 1)
     out.sum().backward()
+    model.head_in_loss = False
     assert torch.equal(out, reference(tokens)), "a module ran on parameters its gather had not written"
     assert log == list(range(len(buffers.buckets)))[::-1], "one wait per bucket, the embedding's first"
     model(tokens)

@@ -1,5 +1,9 @@
 """model/functional.py's autograd Functions against the plain torch composition they replace
-(values and gradients, fp32 and bf16), and what they save, counted by ``saved_tensors_hooks``."""
+(values and gradients, fp32 and bf16), and what they save, counted by ``saved_tensors_hooks``.
+
+Here the Functions run their own torch composition (``cpu_kernels.enabled(False)``, as on a GPU);
+their fused CPU kernels are held to it in tests/unit/test_cpu_kernels.py. What they save is
+counted both ways."""
 
 import pytest
 import torch
@@ -9,6 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from trainer3d.config.schema import ModelConfig
 from trainer3d.memory.activations import Sizes, layer_terms
 from trainer3d.memory.meter import SavedActivationMeter
+from trainer3d.model import cpu_kernels
 from trainer3d.model.functional import apply_rotary, rms_norm, swiglu_linear
 from trainer3d.model.transformer import Block, rotary_cos_sin
 
@@ -37,15 +42,18 @@ def _leaves(*shapes, dtype, seed=0):
 
 
 def _compare(fn, ref, tensors, extra=(), dtype=torch.float32):
-    """Values and gradients of ``fn`` and ``ref`` on copies of the same leaves, under the same
-    upstream gradient."""
+    """Values and gradients of ``fn`` (its torch composition) and ``ref`` on copies of the same
+    leaves, under the same upstream gradient."""
     ours = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
     theirs = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
-    y, y_ref = fn(*ours, *extra), ref(*theirs, *extra)
+    with cpu_kernels.enabled(False):
+        y = fn(*ours, *extra)
+    y_ref = ref(*theirs, *extra)
     assert y.dtype == y_ref.dtype
     torch.testing.assert_close(y, y_ref, rtol=0, atol=0)  # forward: the same operators
     grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.dtype)
-    y.backward(grad)
+    with cpu_kernels.enabled(False):
+        y.backward(grad)
     y_ref.backward(grad)
     # bf16: the composition rounds its intermediate gradients to 8 bits where the Functions keep fp32
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
@@ -82,9 +90,16 @@ def test_swiglu_linear_matches_the_composition(dtype):
     _compare(swiglu_linear, _plain_swiglu_linear, [a, b, w], (), dtype)
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "composition"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_functions_save_only_what_backward_needs(dtype):
-    """Each storage counted once: the norm keeps x and 1/rms, RoPE its tables, SwiGLU a and b."""
+def test_functions_save_only_what_backward_needs(dtype, kernels):
+    """Each storage counted once: the norm keeps x and 1/rms, RoPE its tables, SwiGLU a and b
+    (the same with the CPU kernels, which run for fp32)."""
+    with cpu_kernels.enabled(kernels):
+        _saved_bytes_of_each(dtype)
+
+
+def _saved_bytes_of_each(dtype):
     n, h, f, p = 12, 32, 48, torch.finfo(dtype).bits // 8
     x = torch.randn(n, 1, h, dtype=dtype, requires_grad=True)
     w = torch.nn.Parameter(torch.ones(h, dtype=dtype))

@@ -23,6 +23,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from trainer3d.model import cpu_kernels
+
 SINK = "main_grad_sink"
 """The attribute of a parameter that holds its fp32 gradient sink (parallel/wgrad.py's
 ``MainGradSink``: ``views[weight]`` and ``accumulate(main_grad, grad_out, x)``)."""
@@ -40,6 +42,10 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if cpu_kernels.usable(x, weight) and weight.shape == x.shape[-1:]:
+            y, rstd = cpu_kernels.rms_norm_forward(x, weight, eps)
+            ctx.save_for_backward(x, weight, rstd)
+            return y
         xf = _cast(x, torch.float32)
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
@@ -48,6 +54,8 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
+        if cpu_kernels.usable(grad_y, x, weight):
+            return (*cpu_kernels.rms_norm_backward(grad_y, x, weight, rstd, *ctx.needs_input_grad[:2]), None)
         xhat = _cast(x, torch.float32) * rstd
         grad_weight = None
         if ctx.needs_input_grad[1]:
@@ -86,14 +94,17 @@ class _Rotary(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        cos, sin = cos[:, None, None, :], sin[:, None, None, :]
         ctx.save_for_backward(cos, sin)
-        return _cast(_rotate(x, cos, sin, 1.0), x.dtype)
+        if cpu_kernels.rotary_usable(x, cos, sin):
+            return cpu_kernels.rotary(x, cos, sin, 1)
+        return _cast(_rotate(x, cos[:, None, None, :], sin[:, None, None, :], 1.0), x.dtype)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        return _cast(_rotate(grad_y, cos, sin, -1.0), grad_y.dtype), None, None
+        if cpu_kernels.rotary_usable(grad_y, cos, sin):
+            return cpu_kernels.rotary(grad_y, cos, sin, -1), None, None
+        return _cast(_rotate(grad_y, cos[:, None, None, :], sin[:, None, None, :], -1.0), grad_y.dtype), None, None
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -112,13 +123,17 @@ class _SwiGLULinear(torch.autograd.Function):
         ctx.save_for_backward(a, b, weight)
         ctx.sink = sink
         ctx.main_grad = sink.views[weight] if sink is not None else None
+        if cpu_kernels.usable(a, b) and a.shape == b.shape:
+            return F.linear(cpu_kernels.swiglu_forward(a, b), weight)
         return F.linear(F.silu(a) * b, weight)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         a, b, weight = ctx.saved_tensors
-        silu = F.silu(a)
         grad_2d = grad_y.reshape(-1, grad_y.shape[-1])
+        if cpu_kernels.usable(a, b, grad_2d, weight) and a.shape == b.shape:
+            return _SwiGLULinear.fused_backward(ctx, grad_2d, a, b, weight)
+        silu = F.silu(a)
         grad_weight = None
         if ctx.needs_input_grad[2]:
             prod_2d = (silu * b).reshape(-1, b.shape[-1])
@@ -131,6 +146,23 @@ class _SwiGLULinear(torch.autograd.Function):
             grad_prod = grad_2d.mm(weight).view(*grad_y.shape[:-1], weight.shape[1])
             grad_b = grad_prod * silu
             grad_a = torch.ops.aten.silu_backward(grad_prod.mul_(b), a)  # F.silu's own derivative
+        return grad_a, grad_b, grad_weight, None
+
+    @staticmethod
+    def fused_backward(ctx, grad_2d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor):
+        """``backward`` with the elementwise work in one pass of cpu_kernels.py's SwiGLU kernel."""
+        need_inputs = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_prod = grad_2d.mm(weight).view(a.shape) if need_inputs else a  # a: unread where not asked
+        need_weight = ctx.needs_input_grad[2] and (
+            ctx.sink is None or torch._C._will_engine_execute_node(ctx.next_functions[2][0]))
+        prod, grad_a, grad_b = cpu_kernels.swiglu_backward(grad_prod, a, b, need_weight, need_inputs)
+        grad_weight = None
+        if need_weight:
+            prod_2d = prod.view(-1, b.shape[-1])
+            if ctx.sink is None:
+                grad_weight = grad_2d.t().mm(prod_2d)
+            else:
+                ctx.sink.accumulate(ctx.main_grad, grad_2d, prod_2d)
         return grad_a, grad_b, grad_weight, None
 
 

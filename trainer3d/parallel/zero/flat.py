@@ -37,6 +37,7 @@ from trainer3d.optim.clip import clip_by_global_norm_, counted_once_over_tp, sum
 from trainer3d.parallel.zero.optimizer import StateView, ZeroOptimizer
 from trainer3d.parallel.zero.param_gather import DeferredGather
 from trainer3d.optim.mixed_precision import DTYPES, make_loss_scaler
+from trainer3d.parallel.host_shm import host_collectives
 from trainer3d.parallel.tied import is_tied_copy
 from trainer3d.parallel.wgrad import low_precision_sink
 from trainer3d.parallel.topology import ParallelDims
@@ -74,7 +75,11 @@ class FlatZeroOptimizer(ZeroOptimizer):
         dtype = DTYPES[cfg.train.dtype]
         self.buffers = FlatBuffers([p for _, p in named], bucket_numel(cfg), dims.dp_cp if sharded else 1, dtype)
         mode = reduce_mode(cfg, dims) if sharded else "all_reduce"
-        self.reducer = GradReducer(self.buffers, dims.dp_cp_group, dims.dp_cp, dims.dp_cp_rank,
+        # CPU ranks of one host: the buckets' collectives through shared memory (host_shm.py)
+        largest = max(b.numel for b in self.buffers.buckets)
+        self.dp_group = (host_collectives(dims.dp_cp_group, largest) if dims.device.type == "cpu" and dims.dp_cp > 1
+                         else None) or dims.dp_cp_group
+        self.reducer = GradReducer(self.buffers, self.dp_group, dims.dp_cp, dims.dp_cp_rank,
                                    cfg.train.grad_accum_steps, mode)
         # bf16/fp16: the linear layers' backward accumulates into the fp32 buffer (wgrad.py)
         self.wgrad_sink = low_precision_sink(self.buffers.params, self.buffers.grad_view, dtype)
@@ -160,7 +165,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
             return
         flat, works = self.buffers.param_buffer, {}
         for b, (lo, hi) in reversed(list(zip(self.buffers.buckets, self.pieces))):
-            works[b.index] = comm.all_gather(flat[b.start:b.end], flat[lo:hi], self.dims.dp_cp_group)
+            works[b.index] = comm.all_gather(flat[b.start:b.end], flat[lo:hi], self.dp_group)
         if defer and self.deferred is not None:
             self.deferred.hand_over(works)
             return

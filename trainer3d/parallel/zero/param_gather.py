@@ -6,7 +6,8 @@ the end of ``step()``, the optimizer launches one asynchronous all-gather per bu
 forward order: the embedding's bucket first) and hands the work handles here. Each is waited
 for just before the first module that reads the bucket's parameters runs: a forward
 pre-hook on every transformer block and on every other module that holds parameters itself
-(the embedding, the final norm, the head). The first micro-batch's forward - inside the
+(the embedding, the final norm, the head; the final norm's also waits for the head's, which a
+chunked loss reads without calling the head). The first micro-batch's forward - inside the
 pipeline schedule too, where each stage only ever waits for its own buckets - therefore
 computes while the later buckets are still arriving (Megatron-LM's distributed optimizer
 overlaps its parameter all-gather with the forward the same way, ``overlap_param_gather``).
@@ -46,8 +47,13 @@ def hook_units(chunk: nn.Module) -> List[Tuple[nn.Module, List[nn.Parameter]]]:
     blocks = list(chunk.layers.values()) if hasattr(chunk, "layers") else []
     inside = {id(m) for block in blocks for m in block.modules()}
     units = [(block, list(block.parameters())) for block in blocks]
+    head, norm = getattr(chunk, "output", None), getattr(chunk, "norm", None)
     for module in chunk.modules():
         direct = list(module.parameters(recurse=False))
+        if head is not None and module is norm:
+            # The loss may apply the head itself, never calling its forward (Transformer.head_in_loss,
+            # parallel/tensor/loss.py): the final norm, which runs just before, waits for it too.
+            direct += [p for p in head.parameters() if all(p is not q for q in direct)]
         if direct and id(module) not in inside:
             units.append((module, direct))
     return units

@@ -1,0 +1,209 @@
+"""Fused CPU kernels for RMSNorm, the rotary embedding and SwiGLU (cpu_kernels.cpp beside this file).
+
+model/functional.py's Functions call them for fp32 tensors on the CPU, where the operator
+composition pays a pass over memory and a dispatch per operator (docs/performance.md, "The
+model's CPU kernels", has the figures); elsewhere (CUDA, bf16/fp16, inside torch.compile, a
+tensor subclass such as DTensor, a non-contiguous input) they run the composition. The
+Functions save the same tensors either way, so saved-activation accounting does not depend
+on which runs.
+
+Built on first use with the machine's C++ compiler into a plain shared library (no torch
+headers: a second or two), cached under torch's extension directory (``TORCH_EXTENSIONS_DIR``,
+default ``~/.cache/torch_extensions``) in a file named by the hash of the source, the flags and
+the compiler, written to a temporary name and renamed, so ranks that build at once do not
+collide and a changed source never loads a stale build; loaded with ``ctypes``. Where it
+cannot be built (no compiler, a failed build) one logged line and the composition runs.
+``TRAINER3D_CPU_KERNELS=0`` turns the kernels off (``enabled(False)`` inside a process).
+"""
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
+         "-fno-trapping-math"]
+"""-ffp-contract=off: no fused multiply-add the source does not spell out, so every clone (AVX-512,
+AVX2, baseline) rounds alike; -fno-math-errno and -fno-trapping-math (no errno, no floating-point
+traps: results unchanged) let the loops with exp and selects vectorise; -fopenmp: the row loops split over ``torch.get_num_threads()``
+threads, in the OpenMP runtime torch itself loaded (its wheel's libgomp.so.1)."""
+ABI = 2
+BUILD_TIMEOUT_S = 300
+
+_lib: Optional[ctypes.CDLL] = None
+_tried = False
+_on = os.environ.get("TRAINER3D_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_SIGNATURES = {
+    "t3d_rms_norm_forward": [_P, _P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int],
+    "t3d_rms_norm_backward": [_P, _P, _P, _P, _P, _P, _P, _I, _I, ctypes.c_int],
+    "t3d_rotary": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int],
+    "t3d_swiglu_forward": [_P, _P, _P, _I, ctypes.c_int],
+    "t3d_swiglu_backward": [_P, _P, _P, _P, _P, _P, _I, ctypes.c_int],
+}
+NORM_BLOCK = 64
+"""Rows per partial sum of RMSNorm's weight gradient (kNormBlock in cpu_kernels.cpp)."""
+
+
+def _compiler() -> Optional[str]:
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def library_path(cxx: str) -> Path:
+    """Where the build for this source, these flags and this compiler lives."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    return root / "trainer3d_cpu_kernels" / f"cpu_kernels_{digest}.so"
+
+
+def _build(cxx: str) -> Path:
+    target = library_path(cxx)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp.so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise RuntimeError((proc.stderr.strip().splitlines() or ["no output"])[-1])
+        os.replace(tmp, target)  # atomic: a rank building at the same moment replaces it with equal bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> Optional[ctypes.CDLL]:
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (c++ or $CXX) on PATH")
+    lib = ctypes.CDLL(str(_build(cxx)))
+    if lib.t3d_abi_version() != ABI:
+        raise RuntimeError(f"the built library speaks ABI {lib.t3d_abi_version()}, this module {ABI}")
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    return lib
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The loaded kernels, built once per machine; None where they cannot be, after one
+    logged line saying why."""
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        try:
+            _lib = _load()
+        except Exception as e:  # any build or load failure leaves the composition in place
+            log.warning("model CPU kernels: %s; running torch's operators (same model, slower on CPU)",
+                        f"{type(e).__name__}: {e}")
+            _lib = None
+    return _lib
+
+
+@contextlib.contextmanager
+def enabled(on: bool) -> Iterator[None]:
+    """Use the kernels (True) or the composition (False) inside the block."""
+    global _on
+    before, _on = _on, on
+    try:
+        yield
+    finally:
+        _on = before
+
+
+def _plain_fp32_cpu(t) -> bool:
+    return (isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, torch.nn.Parameter)
+            and t.device.type == "cpu" and t.dtype == torch.float32)
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: plain (not a subclass) contiguous fp32 CPU
+    tensors, outside torch.compile's tracing, with the kernels on and built."""
+    if not _on or torch.compiler.is_compiling():
+        return False
+    if not all(_plain_fp32_cpu(t) and t.is_contiguous() for t in tensors):
+        return False
+    return library() is not None
+
+
+def rotary_usable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """``usable`` for the rotary kernel, which reads x (seq, batch, heads, head_dim) with its first
+    three dimensions in any memory order (the last one dense) and (seq, head_dim) tables."""
+    if x.dim() != 4 or x.stride(-1) != 1 or x.shape[-1] % 2 or not _plain_fp32_cpu(x):
+        return False
+    if cos.shape != (x.shape[0], x.shape[-1]) or sin.shape != cos.shape:
+        return False
+    return usable(cos, sin)
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(x / rms(x)) * weight and 1/rms, shaped (..., 1) as the composition's."""
+    dim = x.shape[-1]
+    y = torch.empty_like(x)
+    rstd = torch.empty(*x.shape[:-1], 1, dtype=torch.float32)
+    _lib.t3d_rms_norm_forward(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rstd.data_ptr(), x.numel() // dim, dim,
+                              eps, torch.get_num_threads())
+    return y, rstd
+
+
+def rms_norm_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                      need_x: bool, need_weight: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    dim = x.shape[-1]
+    rows = x.numel() // dim
+    gx = torch.empty_like(x) if need_x else None
+    gw = torch.empty_like(weight) if need_weight else None
+    scratch = torch.empty(-(-rows // NORM_BLOCK), dim) if need_weight else None
+    _lib.t3d_rms_norm_backward(grad_y.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), _ptr(gx), _ptr(gw),
+                               _ptr(scratch), rows, dim, torch.get_num_threads())
+    return gx, gw
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -> torch.Tensor:
+    """x (seq, batch, heads, head_dim) rotated by the (seq, head_dim) tables, forward (sign 1) or
+    back (-1); x may be any permutation of the first three dimensions' memory (the gradient
+    reaching RoPE is attention's, in (batch, heads, seq) order), the result is contiguous."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    seq, batch, heads, hd = x.shape
+    s_seq, s_batch, s_head, _ = x.stride()
+    _lib.t3d_rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), seq, batch, heads, hd,
+                    s_seq, s_batch, s_head, sign, torch.get_num_threads())
+    return out
+
+
+def swiglu_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """silu(a) * b."""
+    prod = torch.empty_like(a)
+    _lib.t3d_swiglu_forward(a.data_ptr(), b.data_ptr(), prod.data_ptr(), a.numel(), torch.get_num_threads())
+    return prod
+
+
+def swiglu_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor, need_prod: bool, need_inputs: bool):
+    """silu(a) * b (for the weight's gradient), and the gradients of a and b for ``grad``, the
+    gradient of that product; each None where not asked for."""
+    prod = torch.empty_like(a) if need_prod else None
+    ga = torch.empty_like(a) if need_inputs else None
+    gb = torch.empty_like(b) if need_inputs else None
+    _lib.t3d_swiglu_backward(grad.data_ptr(), a.data_ptr(), b.data_ptr(), _ptr(prod), _ptr(ga), _ptr(gb), a.numel(),
+                             torch.get_num_threads())
+    return prod, ga, gb

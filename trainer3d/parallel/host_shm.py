@@ -1,0 +1,198 @@
+"""ZeRO's gradient all-reduce and parameter all-gather among the CPU ranks of one host, through
+shared memory instead of gloo's TCP loopback.
+
+gloo moves every byte through the kernel's socket buffers, on a thread of its own that
+competes with the ranks' compute for the same cores: an all-reduce of 3.4 MB between two
+ranks of a 2-core host takes ~4 ms there, most of it copying, which a rank waits for after its
+backward (tools/bench/deepspeed_pair.py's configuration, docs/performance.md). Through one
+shared segment it is four memory passes: each rank writes its tensor into its slot, reduces
+its 1/world of the elements over all slots in rank order, and reads everyone's reduced part
+back. Every element is summed by one rank in one order, so all ranks hold the same bits.
+Ordering between the phases is gloo's own barrier on the group, so a peer that died still
+ends the step in the group's timeout (parallel/timeouts.py), as a gloo collective would.
+
+Set up collectively per group: rank 0 creates the segment in /dev/shm (O_EXCL, mode 0600,
+space reserved with posix_fallocate, so a full /dev/shm is an error here and not a SIGBUS
+later) and writes a random token into it; every rank maps it by name and checks the token;
+only if all ranks succeeded is it used (ranks on different hosts, or a private /dev/shm, fall
+back to gloo together), and rank 0 unlinks the name at once, so nothing is left behind
+whatever happens to the job. Larger tensors go through in chunks of the segment's size.
+``TRAINER3D_SHM_COLLECTIVES=0`` keeps gloo.
+"""
+
+import logging
+import mmap
+import os
+import secrets
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+HEADER = 64
+"""Bytes before the slots: the token (16 bytes), and 64-byte alignment for the slots."""
+MAX_CHUNK_BYTES = 8 * 2 ** 20
+"""Bytes per slot at most: (world + 1) slots, so 2 ranks map 24 MiB, 8 ranks 72 MiB."""
+
+
+class Deferred:
+    """The handle of a collective that runs when it is waited for (the callers' contract is an
+    asynchronous one: launch, then wait). Every rank waits for its handles in the same program
+    order, so the collectives' barriers meet; the time lands where the wait is, as a gloo
+    collective's exposed part would: a step's bucket reductions in its ``metrics.comm()``."""
+
+    def __init__(self, run: Callable[[], None]):
+        self._run: Optional[Callable[[], None]] = run
+
+    def wait(self, timeout=None) -> bool:
+        if self._run is not None:
+            run, self._run = self._run, None
+            run()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._run is None
+
+
+class HostCollectives:
+    """All-reduce (average) and all-gather of flat CPU tensors among the ranks of ``group``,
+    all on this host, through a shared segment of ``world + 1`` slots of ``chunk_bytes``."""
+
+    def __init__(self, group, segment: mmap.mmap, chunk_bytes: int):
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.segment, self.chunk_bytes = segment, chunk_bytes
+        self._bytes = torch.frombuffer(segment, dtype=torch.uint8, offset=HEADER,
+                                       count=(self.world + 1) * chunk_bytes)
+
+    def _slots(self, dtype: torch.dtype) -> List[torch.Tensor]:
+        """The world input slots and the result slot, as ``dtype`` elements."""
+        return list(self._bytes.view(self.world + 1, self.chunk_bytes).view(dtype).unbind(0))
+
+    def _barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def later(self, collective: Callable, *args: torch.Tensor) -> Deferred:
+        """``collective(*args)`` as a handle that runs it when waited for."""
+        return Deferred(lambda: collective(*args))
+
+    def all_reduce_avg(self, tensor: torch.Tensor) -> None:
+        """Average ``tensor`` (flat, contiguous, floating) over the group in place."""
+        slots = self._slots(tensor.dtype)
+        *inputs, result = slots
+        step = result.numel()
+        for off in range(0, tensor.numel(), step):
+            part = tensor[off:off + step]
+            m = part.numel()
+            inputs[self.rank][:m].copy_(part)
+            self._barrier()  # every slot written (and every rank done reading the last result)
+            share = -(-m // self.world)
+            lo, hi = min(m, self.rank * share), min(m, (self.rank + 1) * share)
+            if lo < hi:
+                mine = result[lo:hi]
+                torch.add(inputs[0][lo:hi], inputs[1][lo:hi], out=mine)
+                for r in range(2, self.world):
+                    mine.add_(inputs[r][lo:hi])
+                mine.div_(self.world)
+            self._barrier()  # every share reduced
+            part.copy_(result[:m])
+
+    def reduce_scatter_avg(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Average ``input`` over the group; this rank's equal slice lands in ``output``."""
+        averaged = input.clone()
+        self.all_reduce_avg(averaged)
+        size = input.numel() // self.world
+        output.copy_(averaged[self.rank * size:(self.rank + 1) * size])
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Every rank's ``input`` (equal sizes) into ``output`` in rank order; ``input`` may be
+        this rank's slice of ``output``."""
+        *slots, _ = self._slots(input.dtype)
+        size, step = input.numel(), slots[0].numel()
+        for off in range(0, size, step):
+            m = min(step, size - off)
+            slots[self.rank][:m].copy_(input[off:off + m])
+            self._barrier()  # every slot written
+            for r in range(self.world):
+                if r != self.rank:
+                    output[r * size + off:r * size + off + m].copy_(slots[r][:m])
+            self._barrier()  # every slot read before the next chunk overwrites it
+            if output.data_ptr() + self.rank * size * output.element_size() != input.data_ptr():
+                output[self.rank * size + off:self.rank * size + off + m].copy_(input[off:off + m])
+
+
+def _enabled() -> bool:
+    return os.environ.get("TRAINER3D_SHM_COLLECTIVES", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _create(size: int):
+    """Rank 0's side: (name, token) of a new segment of ``size`` bytes, or None with why."""
+    name = f"trainer3d-{os.getpid()}-{secrets.token_hex(8)}"
+    token = secrets.token_bytes(16)
+    path = os.path.join("/dev/shm", name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        os.pwrite(fd, token, 0)
+    except OSError:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+    return name, token
+
+
+def _open(name: str, token: bytes, size: int) -> mmap.mmap:
+    fd = os.open(os.path.join("/dev/shm", name), os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size != size:
+            raise OSError(f"/dev/shm/{name} has {os.fstat(fd).st_size} bytes, not {size}")
+        segment = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    if segment[:16] != token:
+        segment.close()
+        raise OSError(f"/dev/shm/{name} is not the segment rank 0 made (another host's /dev/shm)")
+    return segment
+
+
+def host_collectives(group, numel: int, element_size: int = 4) -> Optional[HostCollectives]:
+    """Collective over ``group``: shared-memory collectives for tensors of up to ``numel``
+    elements in one chunk, or None (every rank alike) where gloo stays: another backend, one
+    rank, switched off, ranks on different hosts, no room in /dev/shm."""
+    if not _enabled() or group is None or dist.get_backend(group) != "gloo" or dist.get_world_size(group) < 2:
+        return None
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunk = min(MAX_CHUNK_BYTES, max(64, -(-numel * element_size // 64) * 64))
+    size = HEADER + (world + 1) * chunk
+    offer: List[object] = [None]
+    if rank == 0:
+        try:
+            offer = [_create(size)]
+        except (OSError, AttributeError) as e:  # AttributeError: no posix_fallocate (macOS)
+            offer = [f"rank 0 could not make a {size >> 20} MiB segment in /dev/shm ({e})"]
+    dist.broadcast_object_list(offer, src=dist.get_global_rank(group, 0), group=group)
+    segment, why = None, offer[0] if isinstance(offer[0], str) else None
+    if why is None:
+        name, token = offer[0]
+        try:
+            segment = _open(name, token, size)
+        except (OSError, ValueError) as e:
+            why = f"rank {rank}: {e}"
+    verdicts: List[object] = [None] * world
+    dist.all_gather_object(verdicts, why, group=group)
+    if rank == 0 and isinstance(offer[0], tuple):
+        os.unlink(os.path.join("/dev/shm", offer[0][0]))  # every rank has mapped it, or given up
+    failed = [v for v in verdicts if v is not None]
+    if failed:
+        if segment is not None:
+            segment.close()
+        if rank == 0:
+            log.info("dp collectives stay on gloo: %s", failed[0])
+        return None
+    if rank == 0:
+        log.info("dp all-reduce and all-gather through shared memory among %d ranks of this host "
+                 "(%.1f MiB segment)", world, size / 2 ** 20)
+    return HostCollectives(group, segment, chunk)
