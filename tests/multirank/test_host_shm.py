@@ -46,6 +46,9 @@ def _against_gloo(rank, world, numel, chunk_elems):
     dist.all_reduce(full, op=dist.ReduceOp.AVG, group=group)
     ref.copy_(full[rank * numel:(rank + 1) * numel])
     out["scatter_err"] = (part - ref).abs().max().item()
+    inplace = y.clone()  # ZeRO-1's: the output is this rank's shard of the input itself
+    comm.reduce_scatter_avg(inplace[rank * numel:(rank + 1) * numel], inplace, shm).wait()
+    out["scatter_in_place_err"] = (inplace[rank * numel:(rank + 1) * numel] - ref).abs().max().item()
     return out
 
 
@@ -57,7 +60,7 @@ def test_matches_gloo(world, numel, chunk):
     for r in results:
         assert r["reduce_err"] <= 1e-6 * max(1.0, r["reduced"].abs().max().item())
         assert r["gather_torch.float32"] and r["gather_torch.bfloat16"]
-        assert r["scatter_err"] <= 1e-6
+        assert r["scatter_err"] <= 1e-6 and r["scatter_in_place_err"] <= 1e-6
     # every rank holds the same bits: each element was summed by one rank
     assert all(torch.equal(r["reduced"], results[0]["reduced"]) for r in results)
     assert _segments() == before  # unlinked as soon as every rank had mapped it

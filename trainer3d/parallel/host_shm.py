@@ -100,11 +100,26 @@ class HostCollectives:
             part.copy_(result[:m])
 
     def reduce_scatter_avg(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        """Average ``input`` over the group; this rank's equal slice lands in ``output``."""
-        averaged = input.clone()
-        self.all_reduce_avg(averaged)
-        size = input.numel() // self.world
-        output.copy_(averaged[self.rank * size:(self.rank + 1) * size])
+        """Average ``input`` (world equal shards) over the group; this rank's shard of the
+        average lands in ``output`` (which may be that shard of ``input``). Each rank writes
+        its whole input once and reads back only its shard: ZeRO-1's reduction, which needs
+        no more (the rest of ``input`` keeps this rank's own sum)."""
+        *inputs, _ = self._slots(input.dtype)
+        shard = input.numel() // self.world
+        step = max(1, inputs[0].numel() // self.world)
+        for off in range(0, shard, step):
+            m = min(step, shard - off)
+            mine = inputs[self.rank]
+            for d in range(self.world):  # destination d's piece, at d * m in this rank's slot
+                mine[d * m:(d + 1) * m].copy_(input[d * shard + off:d * shard + off + m])
+            self._barrier()  # every slot written
+            lo, hi = self.rank * m, (self.rank + 1) * m
+            out = output[off:off + m]
+            torch.add(inputs[0][lo:hi], inputs[1][lo:hi], out=out)
+            for r in range(2, self.world):
+                out.add_(inputs[r][lo:hi])
+            out.div_(self.world)
+            self._barrier()  # every share read before the next chunk overwrites the slots
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Every rank's ``input`` (equal sizes) into ``output`` in rank order; ``input`` may be
