@@ -20,9 +20,6 @@
 // aten/src/ATen/native/cpu/Activation.cpp with an exp of ~1 ulp, Cephes' expf polynomial,
 // where ATen calls SLEEF's).
 
-#include <sched.h>
-#include <time.h>
-
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -186,35 +183,7 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 extern "C" {
 
-int t3d_abi_version() { return 3; }
-
-// A barrier of the processes that share ``counter`` (8 aligned bytes of a shared segment,
-// zero at first; parallel/host_shm.py): each arrival adds one, and a process's k-th barrier
-// returns once the counter reaches k * world (``target``), so it never needs resetting. Spins
-// briefly, then yields, then sleeps 20 us between looks; returns 0, or -1 after timeout_s
-// (a peer that died or hangs).
-int t3d_shm_barrier(int64_t* counter, int64_t target, double timeout_s) {
-  __atomic_fetch_add(counter, 1, __ATOMIC_ACQ_REL);
-  timespec start{}, now{};
-  clock_gettime(CLOCK_MONOTONIC, &start);
-  for (int64_t i = 0;; ++i) {
-    if (__atomic_load_n(counter, __ATOMIC_ACQUIRE) >= target) return 0;
-    if (i < 4096) {
-#if defined(__x86_64__)
-      __builtin_ia32_pause();
-#endif
-      continue;
-    }
-    if (i < 8192) {
-      sched_yield();
-      continue;
-    }
-    const timespec pause{0, 20000};
-    nanosleep(&pause, nullptr);
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    if ((now.tv_sec - start.tv_sec) + 1e-9 * (now.tv_nsec - start.tv_nsec) > timeout_s) return -1;
-  }
-}
+int t3d_abi_version() { return 2; }
 
 void t3d_rms_norm_forward(const float* x, const float* w, float* y, float* rstd, int64_t rows, int64_t dim, float eps,
                           int threads) {

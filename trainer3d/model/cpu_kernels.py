@@ -1,5 +1,4 @@
-"""Fused CPU kernels for RMSNorm, the rotary embedding and SwiGLU (cpu_kernels.cpp beside this file),
-and the shared-memory barrier of parallel/host_shm.py.
+"""Fused CPU kernels for RMSNorm, the rotary embedding and SwiGLU (cpu_kernels.cpp beside this file).
 
 model/functional.py's Functions call them for fp32 tensors on the CPU, where the operator
 composition pays a pass over memory and a dispatch per operator (docs/performance.md, "The
@@ -39,7 +38,7 @@ FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off
 AVX2, baseline) rounds alike; -fno-math-errno and -fno-trapping-math (no errno, no floating-point
 traps: results unchanged) let the loops with exp and selects vectorise; -fopenmp: the row loops split over ``torch.get_num_threads()``
 threads, in the OpenMP runtime torch itself loaded (its wheel's libgomp.so.1)."""
-ABI = 3
+ABI = 2
 BUILD_TIMEOUT_S = 300
 
 _lib: Optional[ctypes.CDLL] = None
@@ -100,7 +99,6 @@ def _load() -> Optional[ctypes.CDLL]:
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
-    lib.t3d_shm_barrier.argtypes, lib.t3d_shm_barrier.restype = [_P, _I, ctypes.c_double], ctypes.c_int
     return lib
 
 

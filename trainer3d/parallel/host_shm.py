@@ -8,12 +8,8 @@ backward (tools/bench/deepspeed_pair.py's configuration, docs/performance.md). T
 shared segment it is four memory passes: each rank writes its tensor into its slot, reduces
 its 1/world of the elements over all slots in rank order, and reads everyone's reduced part
 back. Every element is summed by one rank in one order, so all ranks hold the same bits.
-Ordering between the phases is a barrier on a counter in the segment itself
-(model/cpu_kernels.cpp ``t3d_shm_barrier``: microseconds where gloo's barrier, a message
-round trip through its worker threads, took ~1 ms on a busy 2-core host, four times a step),
-bounded by the group's timeout (parallel/timeouts.py), so a peer that died still ends the
-step as a gloo collective would; where that library could not be built on every rank, gloo's
-barrier.
+Ordering between the phases is gloo's own barrier on the group, so a peer that died still
+ends the step in the group's timeout (parallel/timeouts.py), as a gloo collective would.
 
 Set up collectively per group: rank 0 creates the segment in /dev/shm (O_EXCL, mode 0600,
 space reserved with posix_fallocate, so a full /dev/shm is an error here and not a SIGBUS
@@ -24,7 +20,6 @@ whatever happens to the job. Larger tensors go through in chunks of the segment'
 ``TRAINER3D_SHM_COLLECTIVES=0`` keeps gloo.
 """
 
-import ctypes
 import logging
 import mmap
 import os
@@ -34,15 +29,10 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from trainer3d.model import cpu_kernels
-from trainer3d.parallel.timeouts import group_timeout_s
-
 log = logging.getLogger(__name__)
 
 HEADER = 64
-"""Bytes before the slots: the token (16 bytes), the barrier's counter (8 bytes at COUNTER),
-and 64-byte alignment for the slots."""
-COUNTER = 32
+"""Bytes before the slots: the token (16 bytes), and 64-byte alignment for the slots."""
 MAX_CHUNK_BYTES = 8 * 2 ** 20
 """Bytes per slot at most: (world + 1) slots, so 2 ranks map 24 MiB, 8 ranks 72 MiB."""
 
@@ -70,13 +60,10 @@ class HostCollectives:
     """All-reduce (average) and all-gather of flat CPU tensors among the ranks of ``group``,
     all on this host, through a shared segment of ``world + 1`` slots of ``chunk_bytes``."""
 
-    def __init__(self, group, segment: mmap.mmap, chunk_bytes: int, device: torch.device, spin: bool):
-        self.group, self.device = group, device
+    def __init__(self, group, segment: mmap.mmap, chunk_bytes: int):
+        self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.segment, self.chunk_bytes = segment, chunk_bytes
-        self._spin = cpu_kernels.library() if spin else None
-        self._counter = ctypes.addressof(ctypes.c_int64.from_buffer(segment, COUNTER))
-        self._passed = 0
         self._bytes = torch.frombuffer(segment, dtype=torch.uint8, offset=HEADER,
                                        count=(self.world + 1) * chunk_bytes)
 
@@ -85,14 +72,7 @@ class HostCollectives:
         return list(self._bytes.view(self.world + 1, self.chunk_bytes).view(dtype).unbind(0))
 
     def _barrier(self) -> None:
-        if self._spin is None:
-            dist.barrier(group=self.group)
-            return
-        self._passed += 1
-        timeout_s = group_timeout_s(self.group, self.device)
-        if self._spin.t3d_shm_barrier(self._counter, self._passed * self.world, timeout_s) != 0:
-            raise RuntimeError(f"dp rank {self.rank}: a peer of this host did not reach the shared-memory "
-                               f"barrier within the group's timeout ({timeout_s:.0f} s): it died or hangs")
+        dist.barrier(group=self.group)
 
     def later(self, collective: Callable, *args: torch.Tensor) -> Deferred:
         """``collective(*args)`` as a handle that runs it when waited for."""
@@ -217,9 +197,7 @@ def host_collectives(group, numel: int, element_size: int = 4) -> Optional[HostC
         except (OSError, ValueError) as e:
             why = f"rank {rank}: {e}"
     verdicts: List[object] = [None] * world
-    dist.all_gather_object(verdicts, (why, cpu_kernels.library() is not None), group=group)
-    spin = all(has for _, has in verdicts)
-    verdicts = [v for v, _ in verdicts]
+    dist.all_gather_object(verdicts, why, group=group)
     if rank == 0 and isinstance(offer[0], tuple):
         os.unlink(os.path.join("/dev/shm", offer[0][0]))  # every rank has mapped it, or given up
     failed = [v for v in verdicts if v is not None]
@@ -232,4 +210,4 @@ def host_collectives(group, numel: int, element_size: int = 4) -> Optional[HostC
     if rank == 0:
         log.info("dp all-reduce and all-gather through shared memory among %d ranks of this host "
                  "(%.1f MiB segment)", world, size / 2 ** 20)
-    return HostCollectives(group, segment, chunk, torch.device("cpu"), spin)
+    return HostCollectives(group, segment, chunk)
