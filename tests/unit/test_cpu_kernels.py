@@ -66,18 +66,25 @@ CASES = {
     # name: (Function, float64 reference, leaf shapes, extra arguments); rows > 64 and elements
     # > 16384 so that threads split the work
     "rms_norm": (rms_norm, _reference_rms_norm, [(40, 4, 96), (96,)], (1e-5,)),
-    "rotary": (apply_rotary, _reference_rotary, [(40, 4, 3, 32)], rotary_cos_sin(40, 32, 10000.0, torch.device("cpu"))),
+    "rotary": (apply_rotary, _reference_rotary, [(160, 4, 3, 32)],
+               rotary_cos_sin(160, 32, 10000.0, torch.device("cpu"))),
     "swiglu": (swiglu_linear, _reference_swiglu, [(40, 4, 120), (40, 4, 120), (24, 120)], ()),
 }
+
+
+def _case(name):
+    """The case's Function, reference, leaves, extra arguments and an upstream gradient."""
+    fn, ref, shapes, extra = CASES[name]
+    leaves = _leaves(*shapes)
+    with torch.no_grad():
+        grad = torch.randn(fn(*leaves, *extra).shape, generator=torch.Generator().manual_seed(1))
+    return fn, ref, leaves, extra, grad
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_kernels_match_float64(name):
     """Values and gradients within fp32 rounding of float64 (and as close as the composition)."""
-    fn, ref, shapes, extra = CASES[name]
-    leaves = _leaves(*shapes)
-    with torch.no_grad():
-        grad = torch.randn(fn(*leaves, *extra).shape, generator=torch.Generator().manual_seed(1))
+    fn, ref, leaves, extra, grad = _case(name)
     fused = _run(fn, leaves, extra, grad, kernels=True)
     composed = _run(fn, leaves, extra, grad, kernels=False)
     exact = _run(ref, leaves, extra, grad, kernels=False, dtype=torch.float64)
@@ -88,19 +95,14 @@ def test_kernels_match_float64(name):
 
 
 def test_rotation_is_bit_for_bit_the_composition():
-    fn, _, shapes, extra = CASES["rotary"]
-    leaves = _leaves(*shapes)
-    grad = torch.randn(shapes[0], generator=torch.Generator().manual_seed(1))
+    fn, _, leaves, extra, grad = _case("rotary")
     for got, want in zip(_run(fn, leaves, extra, grad, True), _run(fn, leaves, extra, grad, False)):
         assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_any_number_of_threads_gives_the_same_bits(name):
-    fn, _, shapes, extra = CASES[name]
-    leaves = _leaves(*shapes)
-    with torch.no_grad():
-        grad = torch.randn(fn(*leaves, *extra).shape, generator=torch.Generator().manual_seed(1))
+    fn, _, leaves, extra, grad = _case(name)
     before = torch.get_num_threads()
     try:
         results = []

@@ -74,6 +74,13 @@ class HostCollectives:
     def _barrier(self) -> None:
         dist.barrier(group=self.group)
 
+    def _average(self, inputs: List[torch.Tensor], lo: int, hi: int, out: torch.Tensor) -> None:
+        """out = the mean of every rank's slot over [lo, hi), summed in rank order."""
+        torch.add(inputs[0][lo:hi], inputs[1][lo:hi], out=out)
+        for r in range(2, self.world):
+            out.add_(inputs[r][lo:hi])
+        out.div_(self.world)
+
     def later(self, collective: Callable, *args: torch.Tensor) -> Deferred:
         """``collective(*args)`` as a handle that runs it when waited for."""
         return Deferred(lambda: collective(*args))
@@ -91,11 +98,7 @@ class HostCollectives:
             share = -(-m // self.world)
             lo, hi = min(m, self.rank * share), min(m, (self.rank + 1) * share)
             if lo < hi:
-                mine = result[lo:hi]
-                torch.add(inputs[0][lo:hi], inputs[1][lo:hi], out=mine)
-                for r in range(2, self.world):
-                    mine.add_(inputs[r][lo:hi])
-                mine.div_(self.world)
+                self._average(inputs, lo, hi, result[lo:hi])
             self._barrier()  # every share reduced
             part.copy_(result[:m])
 
@@ -114,11 +117,7 @@ class HostCollectives:
                 mine[d * m:(d + 1) * m].copy_(input[d * shard + off:d * shard + off + m])
             self._barrier()  # every slot written
             lo, hi = self.rank * m, (self.rank + 1) * m
-            out = output[off:off + m]
-            torch.add(inputs[0][lo:hi], inputs[1][lo:hi], out=out)
-            for r in range(2, self.world):
-                out.add_(inputs[r][lo:hi])
-            out.div_(self.world)
+            self._average(inputs, lo, hi, output[off:off + m])
             self._barrier()  # every share read before the next chunk overwrites the slots
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
