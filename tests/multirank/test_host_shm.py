@@ -1,6 +1,10 @@
 """parallel/host_shm.py: ZeRO's all-reduce and all-gather through shared memory among the CPU
 ranks of one host, against gloo's own collectives on the same real groups; chunking, in-place
-gathers, low-precision gathers, subgroups, the fall-back, a dead peer, nothing left in /dev/shm."""
+gathers, low-precision gathers, subgroups, the fall-back, nothing left in /dev/shm; the
+barrier between the phases (parallel/host_barrier.py): a waiting rank sleeps, a dead peer is
+found at once, a hung one at the group's timeout, gloo's barrier where the library is missing."""
+
+import datetime
 
 import os
 import tempfile
@@ -13,6 +17,7 @@ import torch.distributed as dist
 from tests.support.harness import run_ranks
 from trainer3d.job.local_ranks import _context, _rank_main
 from trainer3d.parallel import comm
+from trainer3d.parallel.host_barrier import HostBarrier
 from trainer3d.parallel.host_shm import HostCollectives, host_collectives
 
 
@@ -105,28 +110,67 @@ def test_switched_off_stays_on_gloo():
     assert run_ranks(_switched_off, 2, timeout=60) == [True, True]
 
 
-def _peer_dies(rank, world):
+def _sleeping_wait(rank, world):
+    """Rank 1 arrives a second late: rank 0 waits for it in the kernel, not on a core."""
     shm = host_collectives(dist.new_group([0, 1]), 1024)
+    x = torch.full((1024,), float(rank))
+    comm.all_reduce_avg(x, shm).wait()
+    if rank == 1:
+        time.sleep(1.0)
+    wall, cpu = time.monotonic(), time.process_time()
+    comm.all_reduce_avg(x, shm).wait()
+    return isinstance(shm._barrier, HostBarrier), time.monotonic() - wall, time.process_time() - cpu, x[0].item()
+
+
+def test_a_waiting_rank_sleeps():
+    """The property that keeps an oversubscribed host at pace: over a wait of about a second,
+    rank 0 uses a few milliseconds of CPU (a spinning or yielding wait would use the second)."""
+    (own0, wall0, cpu0, x0), (own1, _, _, x1) = run_ranks(_sleeping_wait, 2, timeout=60)
+    assert own0 and own1 and x0 == x1 == 0.5
+    assert wall0 > 0.5 and cpu0 < 0.25 * wall0, (wall0, cpu0)
+
+
+def _no_library_on_rank_1(rank, world, tmp):
+    if rank == 1:  # before the barrier's library is first asked for in this process
+        os.environ.update(CXX=os.path.join(tmp, "no-such-c++"), TORCH_EXTENSIONS_DIR=os.path.join(tmp, "ext"))
+    shm = host_collectives(dist.new_group([0, 1]), 64)
+    x = torch.full((64,), float(rank))
+    comm.all_reduce_avg(x, shm).wait()
+    return isinstance(shm, HostCollectives), isinstance(shm._barrier, HostBarrier), x[0].item()
+
+
+def test_gloo_barrier_where_a_rank_cannot_build_the_library(tmp_path):
+    """One rank without a compiler: both ranks keep the shared segment with gloo's barrier."""
+    assert run_ranks(_no_library_on_rank_1, 2, str(tmp_path), timeout=120) == [(True, False, 0.5)] * 2
+
+
+def _peer_dies(rank, world, hang):
+    # a group's own timeout, as trainer3d's groups have (parallel/timeouts.py)
+    shm = host_collectives(dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3)), 1024)
     x = torch.ones(1024)
     comm.all_reduce_avg(x, shm).wait()
     if rank == 1:
+        if hang:
+            time.sleep(20)  # alive, never arrives
         os._exit(0)  # gone without a word
     started = time.monotonic()
     try:
         comm.all_reduce_avg(x, shm).wait()
-    except Exception as e:  # gloo's barrier raises after the group's timeout
-        return ("raised", time.monotonic() - started, type(e).__name__)
+    except Exception as e:
+        return ("raised", time.monotonic() - started, str(e))
     return ("returned", time.monotonic() - started, "")
 
 
-def test_a_dead_peer_ends_the_collective_within_the_group_timeout():
-    """Rank 1 exits between two all-reduces: rank 0's barrier raises after the 5 s group timeout
-    (run_ranks would stop at the missing rank; rank 0's own report is read here)."""
+@pytest.mark.parametrize("hang", [False, True], ids=["dead", "hung"])
+def test_a_lost_peer_ends_the_collective(hang):
+    """Rank 1 exits between two all-reduces: rank 0 raises within a fraction of a second, naming
+    it (its lock on the segment is gone); rank 1 stays alive but never arrives: rank 0 raises at
+    the group's 3 s timeout (run_ranks would stop at the missing rank; rank 0's report is read)."""
     ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(_peer_dies, r, 2, os.path.join(tmp, "store"), results, 1, 5, ()))
+                             args=(_peer_dies, r, 2, os.path.join(tmp, "store"), results, 1, 60, (hang,)))
                  for r in range(2)]
         for p in procs:
             p.start()
@@ -134,8 +178,13 @@ def test_a_dead_peer_ends_the_collective_within_the_group_timeout():
             rank, status, value = results.get(timeout=90)
         finally:
             for p in procs:
-                p.join(timeout=10)
+                p.join(timeout=1)
                 if p.is_alive():
                     p.kill()
     assert (rank, status) == (0, "ok"), value
-    assert value[0] == "raised" and value[1] < 60, value
+    what, took, message = value
+    assert what == "raised", value
+    if hang:
+        assert 3 <= took < 15 and "timeout" in message, value
+    else:
+        assert took < 2.5 and "dp rank 1" in message and "exited" in message, value

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trainer3d import native
 from trainer3d.model import cpu_kernels
 from trainer3d.model.functional import apply_rotary, rms_norm, swiglu_linear
 from trainer3d.model.transformer import rotary_cos_sin
@@ -186,8 +187,8 @@ def test_off_and_unbuildable_run_the_composition(tmp_path):
 
 def test_a_build_is_named_by_its_source_flags_and_compiler(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    cxx = cpu_kernels._compiler()
-    path = cpu_kernels.library_path(cxx)
+    cxx = native.compiler()
+    path = cpu_kernels.LIBRARY.path(cxx)
     assert path.parent == tmp_path / "trainer3d_cpu_kernels"
-    monkeypatch.setattr(cpu_kernels, "FLAGS", cpu_kernels.FLAGS + ["-DT3D_OTHER"])
-    assert cpu_kernels.library_path(cxx) != path
+    monkeypatch.setattr(cpu_kernels.LIBRARY, "flags", cpu_kernels.FLAGS + ["-DT3D_OTHER"])
+    assert cpu_kernels.LIBRARY.path(cxx) != path

@@ -183,7 +183,7 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 extern "C" {
 
-int t3d_abi_version() { return 2; }
+int cpu_kernels_abi() { return 2; }
 
 void t3d_rms_norm_forward(const float* x, const float* w, float* y, float* rstd, int64_t rows, int64_t dim, float eps,
                           int threads) {

@@ -8,28 +8,20 @@ Functions save the same tensors either way, so saved-activation accounting does 
 on which runs.
 
 Built on first use with the machine's C++ compiler into a plain shared library (no torch
-headers: a second or two), cached under torch's extension directory (``TORCH_EXTENSIONS_DIR``,
-default ``~/.cache/torch_extensions``) in a file named by the hash of the source, the flags and
-the compiler, written to a temporary name and renamed, so ranks that build at once do not
-collide and a changed source never loads a stale build; loaded with ``ctypes``. Where it
-cannot be built (no compiler, a failed build) one logged line and the composition runs.
-``TRAINER3D_CPU_KERNELS=0`` turns the kernels off (``enabled(False)`` inside a process).
+headers: a second or two) and loaded with ``ctypes`` (trainer3d/native.py: the cache, the
+build's name); where it cannot be built (no compiler, a failed build) one logged line and the
+composition runs. ``TRAINER3D_CPU_KERNELS=0`` turns the kernels off (``enabled(False)`` inside a process).
 """
 
 import contextlib
 import ctypes
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Iterator, Optional, Tuple
 
 import torch
 
-log = logging.getLogger(__name__)
+from trainer3d.native import NativeLibrary
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
@@ -39,81 +31,32 @@ AVX2, baseline) rounds alike; -fno-math-errno and -fno-trapping-math (no errno, 
 traps: results unchanged) let the loops with exp and selects vectorise; -fopenmp: the row loops split over ``torch.get_num_threads()``
 threads, in the OpenMP runtime torch itself loaded (its wheel's libgomp.so.1)."""
 ABI = 2
-BUILD_TIMEOUT_S = 300
 
 _lib: Optional[ctypes.CDLL] = None
-_tried = False
 _on = os.environ.get("TRAINER3D_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _SIGNATURES = {
-    "t3d_rms_norm_forward": [_P, _P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int],
-    "t3d_rms_norm_backward": [_P, _P, _P, _P, _P, _P, _P, _I, _I, ctypes.c_int],
-    "t3d_rotary": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int],
-    "t3d_swiglu_forward": [_P, _P, _P, _I, ctypes.c_int],
-    "t3d_swiglu_backward": [_P, _P, _P, _P, _P, _P, _I, ctypes.c_int],
+    "t3d_rms_norm_forward": ([_P, _P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int], None),
+    "t3d_rms_norm_backward": ([_P, _P, _P, _P, _P, _P, _P, _I, _I, ctypes.c_int], None),
+    "t3d_rotary": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int], None),
+    "t3d_swiglu_forward": ([_P, _P, _P, _I, ctypes.c_int], None),
+    "t3d_swiglu_backward": ([_P, _P, _P, _P, _P, _P, _I, ctypes.c_int], None),
 }
 NORM_BLOCK = 64
 """Rows per partial sum of RMSNorm's weight gradient (kNormBlock in cpu_kernels.cpp)."""
 
 
-def _compiler() -> Optional[str]:
-    return shutil.which(os.environ.get("CXX", "c++"))
-
-
-def library_path(cxx: str) -> Path:
-    """Where the build for this source, these flags and this compiler lives."""
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    return root / "trainer3d_cpu_kernels" / f"cpu_kernels_{digest}.so"
-
-
-def _build(cxx: str) -> Path:
-    target = library_path(cxx)
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp.so", dir=target.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S)
-        if proc.returncode != 0:
-            raise RuntimeError((proc.stderr.strip().splitlines() or ["no output"])[-1])
-        os.replace(tmp, target)  # atomic: a rank building at the same moment replaces it with equal bytes
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-def _load() -> Optional[ctypes.CDLL]:
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (c++ or $CXX) on PATH")
-    lib = ctypes.CDLL(str(_build(cxx)))
-    if lib.t3d_abi_version() != ABI:
-        raise RuntimeError(f"the built library speaks ABI {lib.t3d_abi_version()}, this module {ABI}")
-    for name, args in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, None
-    return lib
+LIBRARY = NativeLibrary(SOURCE, FLAGS, ABI, _SIGNATURES, "model CPU kernels",
+                        "running torch's operators (same model, slower on CPU)")
 
 
 def library() -> Optional[ctypes.CDLL]:
     """The loaded kernels, built once per machine; None where they cannot be, after one
     logged line saying why."""
-    global _lib, _tried
-    if not _tried:
-        _tried = True
-        try:
-            _lib = _load()
-        except Exception as e:  # any build or load failure leaves the composition in place
-            log.warning("model CPU kernels: %s; running torch's operators (same model, slower on CPU)",
-                        f"{type(e).__name__}: {e}")
-            _lib = None
+    global _lib
+    _lib = LIBRARY.get()
     return _lib
 
 

@@ -8,8 +8,10 @@ backward (tools/bench/deepspeed_pair.py's configuration, docs/performance.md). T
 shared segment it is four memory passes: each rank writes its tensor into its slot, reduces
 its 1/world of the elements over all slots in rank order, and reads everyone's reduced part
 back. Every element is summed by one rank in one order, so all ranks hold the same bits.
-Ordering between the phases is gloo's own barrier on the group, so a peer that died still
-ends the step in the group's timeout (parallel/timeouts.py), as a gloo collective would.
+Ordering between the phases is a barrier on a count in the segment, where a waiting rank
+sleeps in the kernel (parallel/host_barrier.py: a dead peer raises within 50 ms, a hung one
+after the group's timeout, parallel/timeouts.py); where that barrier's small library cannot be
+built on every rank, gloo's own barrier on the group.
 
 Set up collectively per group: rank 0 creates the segment in /dev/shm (O_EXCL, mode 0600,
 space reserved with posix_fallocate, so a full /dev/shm is an error here and not a SIGBUS
@@ -20,19 +22,27 @@ whatever happens to the job. Larger tensors go through in chunks of the segment'
 ``TRAINER3D_SHM_COLLECTIVES=0`` keeps gloo.
 """
 
+import ctypes
 import logging
 import mmap
 import os
 import secrets
-from typing import Callable, List, Optional
+import weakref
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from trainer3d.parallel import host_barrier
+from trainer3d.parallel.host_barrier import HostBarrier
+
 log = logging.getLogger(__name__)
 
 HEADER = 64
-"""Bytes before the slots: the token (16 bytes), and 64-byte alignment for the slots."""
+"""Bytes before the slots: the token (16 bytes), the barrier's count (4 bytes at COUNT), and
+64-byte alignment for the slots. Each rank's liveness lock covers byte ``rank`` of the file
+(a record lock: it does not touch the bytes)."""
+COUNT = 32
 MAX_CHUNK_BYTES = 8 * 2 ** 20
 """Bytes per slot at most: (world + 1) slots, so 2 ranks map 24 MiB, 8 ranks 72 MiB."""
 
@@ -60,10 +70,13 @@ class HostCollectives:
     """All-reduce (average) and all-gather of flat CPU tensors among the ranks of ``group``,
     all on this host, through a shared segment of ``world + 1`` slots of ``chunk_bytes``."""
 
-    def __init__(self, group, segment: mmap.mmap, chunk_bytes: int):
+    def __init__(self, group, segment: mmap.mmap, fd: int, chunk_bytes: int, own_barrier: bool):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.segment, self.chunk_bytes = segment, chunk_bytes
+        weakref.finalize(self, os.close, fd)  # closing it drops this rank's liveness lock
+        count = ctypes.addressof(ctypes.c_uint32.from_buffer(segment, COUNT))
+        self._barrier = HostBarrier(group, count, fd) if own_barrier else self._gloo_barrier
         self._bytes = torch.frombuffer(segment, dtype=torch.uint8, offset=HEADER,
                                        count=(self.world + 1) * chunk_bytes)
 
@@ -71,7 +84,7 @@ class HostCollectives:
         """The world input slots and the result slot, as ``dtype`` elements."""
         return list(self._bytes.view(self.world + 1, self.chunk_bytes).view(dtype).unbind(0))
 
-    def _barrier(self) -> None:
+    def _gloo_barrier(self) -> None:
         dist.barrier(group=self.group)
 
     def _average(self, inputs: List[torch.Tensor], lo: int, hi: int, out: torch.Tensor) -> None:
@@ -158,18 +171,21 @@ def _create(size: int):
     return name, token
 
 
-def _open(name: str, token: bytes, size: int) -> mmap.mmap:
+def _open(name: str, token: bytes, size: int) -> Tuple[mmap.mmap, int]:
+    """The mapped segment and its file, left open (the liveness lock lives on it)."""
     fd = os.open(os.path.join("/dev/shm", name), os.O_RDWR)
     try:
         if os.fstat(fd).st_size != size:
             raise OSError(f"/dev/shm/{name} has {os.fstat(fd).st_size} bytes, not {size}")
         segment = mmap.mmap(fd, size)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
     if segment[:16] != token:
         segment.close()
+        os.close(fd)
         raise OSError(f"/dev/shm/{name} is not the segment rank 0 made (another host's /dev/shm)")
-    return segment
+    return segment, fd
 
 
 def host_collectives(group, numel: int, element_size: int = 4) -> Optional[HostCollectives]:
@@ -188,25 +204,37 @@ def host_collectives(group, numel: int, element_size: int = 4) -> Optional[HostC
         except (OSError, AttributeError) as e:  # AttributeError: no posix_fallocate (macOS)
             offer = [f"rank 0 could not make a {size >> 20} MiB segment in /dev/shm ({e})"]
     dist.broadcast_object_list(offer, src=dist.get_global_rank(group, 0), group=group)
-    segment, why = None, offer[0] if isinstance(offer[0], str) else None
+    segment, fd, why = None, -1, offer[0] if isinstance(offer[0], str) else None
+    own_barrier = False
     if why is None:
         name, token = offer[0]
         try:
-            segment = _open(name, token, size)
+            segment, fd = _open(name, token, size)
         except (OSError, ValueError) as e:
             why = f"rank {rank}: {e}"
+        else:
+            try:  # the liveness lock is taken before the verdicts: every peer holds it before any barrier
+                own_barrier = host_barrier.library() is not None
+                if own_barrier:
+                    HostBarrier.take_lock(fd, rank)
+            except OSError as e:
+                log.warning("rank %d: %s; the dp collectives use gloo's barrier", rank, e)
+                own_barrier = False
     verdicts: List[object] = [None] * world
-    dist.all_gather_object(verdicts, why, group=group)
+    dist.all_gather_object(verdicts, (why, own_barrier), group=group)
+    own_barrier = all(has for _, has in verdicts)
+    verdicts = [v for v, _ in verdicts]
     if rank == 0 and isinstance(offer[0], tuple):
         os.unlink(os.path.join("/dev/shm", offer[0][0]))  # every rank has mapped it, or given up
     failed = [v for v in verdicts if v is not None]
     if failed:
         if segment is not None:
             segment.close()
+            os.close(fd)
         if rank == 0:
             log.info("dp collectives stay on gloo: %s", failed[0])
         return None
     if rank == 0:
         log.info("dp all-reduce and all-gather through shared memory among %d ranks of this host "
-                 "(%.1f MiB segment)", world, size / 2 ** 20)
-    return HostCollectives(group, segment, chunk)
+                 "(%.1f MiB segment, %s barrier)", world, size / 2 ** 20, "its own" if own_barrier else "gloo's")
+    return HostCollectives(group, segment, fd, chunk, own_barrier)

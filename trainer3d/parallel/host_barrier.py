@@ -1,0 +1,86 @@
+"""The barrier between the phases of the shared-memory collectives (parallel/host_shm.py): a
+count in the shared segment, a kernel sleep while the others are missing, and a check that the
+peers still live (host_barrier.cpp beside this file has the mechanism).
+
+Why not gloo's barrier: it is a message round trip through gloo's worker threads, ~1.1 ms on a
+busy 2-core host, and the collectives pass four of them per step (docs/performance.md, "The
+dp collectives of one host"). Why not a spin: a spinning or yielding rank takes the core from
+the ranks still computing, which slows an oversubscribed host (8 ranks on 2 cores in the
+test suite) to a fraction of its pace.
+
+Failure behaves as a gloo collective's: a peer that died (its lock on the segment's file is
+gone) raises within ``SLICE_S``, and a peer that hangs raises after the group's timeout
+(parallel/timeouts.py).
+"""
+
+import ctypes
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from trainer3d.native import NativeLibrary
+from trainer3d.parallel.timeouts import group_timeout_s
+
+_U32P = ctypes.POINTER(ctypes.c_uint32)
+LIBRARY = NativeLibrary(
+    Path(__file__).with_name("host_barrier.cpp"), ["-O2", "-std=c++17", "-shared", "-fPIC"], 1,
+    {"t3d_barrier_arrive": ([ctypes.c_void_p, ctypes.c_uint32], None),
+     "t3d_barrier_wait": ([ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int64, ctypes.c_int64], ctypes.c_int),
+     "t3d_byte_lock": ([ctypes.c_int, ctypes.c_int64, ctypes.c_int], ctypes.c_int)},
+    "shared-memory barrier", "the dp collectives stay on gloo")
+
+SPIN_S = 20e-6
+"""How long a rank spins before it sleeps: about a futex wake-up's latency, so a barrier whose
+peers arrive within it costs no system call, and a long wait costs at most this much CPU."""
+SLICE_S = 0.05
+"""How often a sleeping rank looks whether its peers still live, and at its deadline."""
+
+
+def library() -> Optional[ctypes.CDLL]:
+    return LIBRARY.get()
+
+
+class HostBarrier:
+    """A barrier of the ``world`` ranks of ``group`` that share the segment ``count_address``
+    points into (4 aligned bytes, zero at first) and hold locks on bytes [0, world) of ``fd``'s
+    file. Every rank must hold its own lock (``take_lock``) before any rank first waits."""
+
+    def __init__(self, group, count_address: int, fd: int):
+        self.group, self.fd = group, fd
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self._lib = library()
+        self._count = count_address
+        self._target = 0
+
+    @staticmethod
+    def take_lock(fd: int, rank: int) -> None:
+        """This rank's liveness lock: held until the process exits or closes ``fd``."""
+        rc = library().t3d_byte_lock(fd, rank, 1)
+        if rc != 0:
+            raise OSError(-rc, f"could not lock byte {rank} of the shared segment")
+
+    def _dead_peer(self) -> Optional[int]:
+        for r in range(self.world):
+            if r != self.rank and self._lib.t3d_byte_lock(self.fd, r, 0) == 0:
+                return r
+        return None
+
+    def __call__(self) -> None:
+        self._target = (self._target + self.world) & 0xFFFFFFFF
+        self._lib.t3d_barrier_arrive(self._count, self._target)
+        if self._lib.t3d_barrier_wait(self._count, self._target, int(SPIN_S * 1e6), int(SLICE_S * 1e6)) == 0:
+            return
+        timeout_s = group_timeout_s(self.group, torch.device("cpu"))
+        deadline = time.monotonic() + timeout_s
+        while self._lib.t3d_barrier_wait(self._count, self._target, 0, int(SLICE_S * 1e6)) != 0:
+            dead = self._dead_peer()
+            # a peer that passed this barrier and then exited is no failure: look once more
+            if dead is not None and self._lib.t3d_barrier_wait(self._count, self._target, 0, 0) != 0:
+                raise RuntimeError(f"dp rank {self.rank}: dp rank {dead} of this host exited during a shared-memory "
+                                   f"collective (its lock on the segment is gone)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"dp rank {self.rank}: a peer of this host did not reach the shared-memory "
+                                   f"barrier within the group's timeout ({timeout_s:.0f} s; parallel.timeout_s)")
