@@ -21,8 +21,10 @@ from trainer3d.parallel.host_barrier import HostBarrier
 from trainer3d.parallel.host_shm import HostCollectives, host_collectives
 
 
-def _segments() -> set:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("trainer3d-")}
+def _segments(pid: int) -> set:
+    """The segments rank 0 of process ``pid`` made that are still there (other tests' runs
+    may hold theirs meanwhile)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"trainer3d-{pid}-")}
 
 
 def _against_gloo(rank, world, numel, chunk_elems):
@@ -35,7 +37,7 @@ def _against_gloo(rank, world, numel, chunk_elems):
     mine, theirs = x.clone(), x.clone()
     comm.all_reduce_avg(mine, shm).wait()
     comm.all_reduce_avg(theirs, group).wait()
-    out = {"reduce_err": (mine - theirs).abs().max().item(), "reduced": mine}
+    out = {"reduce_err": (mine - theirs).abs().max().item(), "reduced": mine, "pid": os.getpid()}
     # ZeRO-1's gather: this rank's slice of the flat buffer, in place, fp32 and bf16
     for dtype in (torch.float32, torch.bfloat16):
         flat = torch.zeros(numel * world, dtype=dtype)
@@ -60,7 +62,6 @@ def _against_gloo(rank, world, numel, chunk_elems):
 @pytest.mark.parametrize("world,numel,chunk", [(2, 1000, 1000), (3, 100_003, 4096), (4, 77, 1024)],
                          ids=["one-chunk", "many-chunks-uneven", "short"])
 def test_matches_gloo(world, numel, chunk):
-    before = _segments()
     results = run_ranks(_against_gloo, world, numel, chunk, timeout=120)
     for r in results:
         assert r["reduce_err"] <= 1e-6 * max(1.0, r["reduced"].abs().max().item())
@@ -68,7 +69,7 @@ def test_matches_gloo(world, numel, chunk):
         assert r["scatter_err"] <= 1e-6 and r["scatter_in_place_err"] <= 1e-6
     # every rank holds the same bits: each element was summed by one rank
     assert all(torch.equal(r["reduced"], results[0]["reduced"]) for r in results)
-    assert _segments() == before  # unlinked as soon as every rank had mapped it
+    assert _segments(results[0]["pid"]) == set()  # unlinked as soon as every rank had mapped it
 
 
 def _deferred(rank, world):

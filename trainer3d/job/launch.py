@@ -27,6 +27,7 @@ from trainer3d.job.device_check import exact_pinned_sizes, rank_device
 from trainer3d.job.failure import rank_failures
 from trainer3d.job.follow import follow
 from trainer3d.job.heartbeat import Heartbeat, heartbeat_dir
+from trainer3d.job.host_malloc import keep_freed_memory
 from trainer3d.job.interrupt import (TOKEN_VAR, Interrupted, JobSignals, end_processes, new_token, processes_with_token,
                                      terminal_signals_blocked)
 from trainer3d.job.preemption import leave
@@ -77,6 +78,7 @@ def init_distributed(cfg: Config) -> torch.device:
         exact_pinned_sizes()  # before the first pinned buffer
     else:
         torch.set_num_threads(cpu_threads(share))
+        keep_freed_memory()
     backend = cfg.parallel.backend
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from trainer3d.model.init import tp_shard_of
+from trainer3d.parallel import comm
 from trainer3d.parallel.topology import ParallelDims
 
 
@@ -28,12 +29,15 @@ def sum_of_squares(tensors: List[torch.Tensor], device: torch.device) -> torch.T
     return torch.stack(norms).pow(2).sum()
 
 
-def clip_by_global_norm_(local_sq: torch.Tensor, grads: List[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_by_global_norm_(local_sq: torch.Tensor, grads: List[torch.Tensor], max_norm: float,
+                         world=None) -> torch.Tensor:
     """Reduce this rank's share of the squared norm over the world, scale ``grads`` in place
-    so the global norm is at most ``max_norm`` (0: no clipping); return the global norm."""
+    so the global norm is at most ``max_norm`` (0: no clipping); return the global norm.
+    ``world``: the world's shared-memory collectives (CPU ranks of one host,
+    parallel/host_shm.py), else None for the default group."""
     total = local_sq.detach().clone()
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)
+        comm.all_reduce_sum(total, world)
     norm = total.sqrt()
     if max_norm > 0 and grads:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

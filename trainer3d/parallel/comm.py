@@ -34,6 +34,14 @@ def all_reduce_avg(tensor: torch.Tensor, group) -> dist.Work:
     return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group, async_op=True)
 
 
+def all_reduce_sum(tensor: torch.Tensor, group=None) -> None:
+    """Sum ``tensor`` over ``group`` (None: the default group) in place, blocking."""
+    if isinstance(group, HostCollectives):
+        group.all_reduce_sum(tensor)
+    else:
+        dist.all_reduce(tensor, group=group)
+
+
 def reduce_scatter_avg(output: torch.Tensor, input: torch.Tensor, group) -> dist.Work:
     """Average ``input`` over ``group``; this rank's equal slice lands in ``output``."""
     if isinstance(group, HostCollectives):

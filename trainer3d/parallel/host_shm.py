@@ -115,6 +115,21 @@ class HostCollectives:
             self._barrier()  # every share reduced
             part.copy_(result[:m])
 
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` (a few elements: a norm, a count) over the group in place, at once:
+        each rank adds every rank's slot in rank order, so all hold the same bits."""
+        flat = tensor.view(-1)
+        *inputs, _ = self._slots(tensor.dtype)
+        if flat.numel() > inputs[0].numel():
+            raise ValueError(f"{flat.numel()} elements do not fit the segment's {inputs[0].numel()}")
+        m = flat.numel()
+        inputs[self.rank][:m].copy_(flat)
+        self._barrier()  # every slot written
+        flat.copy_(inputs[0][:m])
+        for r in range(1, self.world):
+            flat.add_(inputs[r][:m])
+        self._barrier()  # every slot read before the next collective writes them
+
     def reduce_scatter_avg(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Average ``input`` (world equal shards) over the group; this rank's shard of the
         average lands in ``output`` (which may be that shard of ``input``). Each rank writes

@@ -26,6 +26,7 @@ checkpoints and metrics reach them.
 from typing import Dict, List, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from trainer3d.config.schema import Config
@@ -80,6 +81,9 @@ class FlatZeroOptimizer(ZeroOptimizer):
         largest = max(b.numel for b in self.buffers.buckets)
         host = host_collectives(dims.dp_cp_group, largest) if dims.device.type == "cpu" and dims.dp_cp > 1 else None
         self.dp_group = host or dims.dp_cp_group
+        # ... and the gradient norm's sum over the world (the dp group's where that is the world)
+        self.world_host = host if dims.dp_cp == dims.topo.world_size else (
+            host_collectives(dist.group.WORLD, 64) if dims.device.type == "cpu" and dims.topo.world_size > 1 else None)
         mode = reduce_mode(cfg, dims, shared_memory=host is not None) if sharded else "all_reduce"
         self.reducer = GradReducer(self.buffers, self.dp_group, dims.dp_cp, dims.dp_cp_rank,
                                    cfg.train.grad_accum_steps, mode)
@@ -145,7 +149,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         local_sq = sum_of_squares(self._counted, self.dims.device)
-        norm = clip_by_global_norm_(local_sq, self._owned_grads, max_norm)
+        norm = clip_by_global_norm_(local_sq, self._owned_grads, max_norm, self.world_host)
         if self.scaler is not None:
             self.scaler.check(norm)  # an inf/nan anywhere makes the global norm non-finite
         return norm
