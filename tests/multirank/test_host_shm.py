@@ -38,6 +38,11 @@ def _against_gloo(rank, world, numel, chunk_elems):
     comm.all_reduce_avg(mine, shm).wait()
     comm.all_reduce_avg(theirs, group).wait()
     out = {"reduce_err": (mine - theirs).abs().max().item(), "reduced": mine, "pid": os.getpid()}
+    # the gradient norm's sum: a few elements, each rank adding all slots in rank order
+    sq, want = torch.tensor([0.1 * (rank + 1), 3.0]), torch.tensor([0.1 * (rank + 1), 3.0])
+    comm.all_reduce_sum(sq, shm)
+    dist.all_reduce(want, group=group)
+    out["sum_err"], out["sum"] = (sq - want).abs().max().item(), sq
     # ZeRO-1's gather: this rank's slice of the flat buffer, in place, fp32 and bf16
     for dtype in (torch.float32, torch.bfloat16):
         flat = torch.zeros(numel * world, dtype=dtype)
@@ -67,6 +72,7 @@ def test_matches_gloo(world, numel, chunk):
         assert r["reduce_err"] <= 1e-6 * max(1.0, r["reduced"].abs().max().item())
         assert r["gather_torch.float32"] and r["gather_torch.bfloat16"]
         assert r["scatter_err"] <= 1e-6 and r["scatter_in_place_err"] <= 1e-6
+        assert r["sum_err"] <= 1e-6 and torch.equal(r["sum"], results[0]["sum"])
     # every rank holds the same bits: each element was summed by one rank
     assert all(torch.equal(r["reduced"], results[0]["reduced"]) for r in results)
     assert _segments(results[0]["pid"]) == set()  # unlinked as soon as every rank had mapped it
