@@ -175,7 +175,8 @@ def test_a_lost_peer_ends_the_collective(hang):
     the group's 3 s timeout (run_ranks would stop at the missing rank; rank 0's report is read)."""
     ctx = _context()
     results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
+    # ignore_cleanup_errors: the ranks' file store deletes its own file as the last one leaves
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         procs = [ctx.Process(target=_rank_main, daemon=True,
                              args=(_peer_dies, r, 2, os.path.join(tmp, "store"), results, 1, 60, (hang,)))
                  for r in range(2)]
@@ -184,14 +185,15 @@ def test_a_lost_peer_ends_the_collective(hang):
         try:
             rank, status, value = results.get(timeout=90)
         finally:
+            procs[1].kill()  # the hung one; the dead one is gone already
             for p in procs:
-                p.join(timeout=1)
+                p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
     assert (rank, status) == (0, "ok"), value
     what, took, message = value
     assert what == "raised", value
     if hang:
-        assert 3 <= took < 15 and "timeout" in message, value
+        assert 3 <= took < 15 and "timed out" in message, value
     else:
-        assert took < 2.5 and "dp rank 1" in message and "exited" in message, value
+        assert took < 2.5 and "rank 1 of this host exited" in message, value

@@ -51,6 +51,7 @@ class HostBarrier:
     def __init__(self, group, count_address: int, fd: int):
         self.group, self.fd = group, fd
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.ranks = dist.get_process_group_ranks(group)  # the global ranks, for messages
         self._lib = library()
         self._count = count_address
         self._target = 0
@@ -79,8 +80,9 @@ class HostBarrier:
             dead = self._dead_peer()
             # a peer that passed this barrier and then exited is no failure: look once more
             if dead is not None and self._lib.t3d_barrier_wait(self._count, self._target, 0, 0) != 0:
-                raise RuntimeError(f"dp rank {self.rank}: dp rank {dead} of this host exited during a shared-memory "
-                                   f"collective (its lock on the segment is gone)")
+                raise RuntimeError(f"rank {self.ranks[self.rank]}: rank {self.ranks[dead]} of this host exited during "
+                                   f"a shared-memory collective (its lock on the segment is gone)")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"dp rank {self.rank}: a peer of this host did not reach the shared-memory "
-                                   f"barrier within the group's timeout ({timeout_s:.0f} s; parallel.timeout_s)")
+                raise RuntimeError(f"rank {self.ranks[self.rank]}: timed out after {timeout_s:.0f} s (the group's "
+                                   f"timeout, parallel.timeout_s) at a shared-memory barrier: one of ranks "
+                                   f"{self.ranks} of this host never arrived")
