@@ -17,10 +17,7 @@ allocator preloaded in ``LD_PRELOAD``; a no-op where the C library is not glibc.
 """
 
 import ctypes
-import logging
 import os
-
-log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
