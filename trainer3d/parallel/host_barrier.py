@@ -24,7 +24,6 @@ import torch.distributed as dist
 from trainer3d.native import NativeLibrary
 from trainer3d.parallel.timeouts import group_timeout_s
 
-_U32P = ctypes.POINTER(ctypes.c_uint32)
 LIBRARY = NativeLibrary(
     Path(__file__).with_name("host_barrier.cpp"), ["-O2", "-std=c++17", "-shared", "-fPIC"], 1,
     {"t3d_barrier_arrive": ([ctypes.c_void_p, ctypes.c_uint32], None),
