@@ -9,12 +9,22 @@ import submitit
 import torch.distributed as dist
 
 from trainer3d.job.follow import follow
+from trainer3d.job.interrupt import new_token
+from trainer3d.job.launch import export_rank_env, submit_with_token
+from trainer3d.job.master_port import ephemeral_range
 
 
 def _init():
-    submitit.helpers.TorchDistributedEnvironment().export(overwrite=True)
+    export_rank_env()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
     return dist.get_rank()
+
+
+def report_port():
+    rank = _init()
+    port = int(os.environ["MASTER_PORT"])
+    dist.barrier()
+    return rank, port
 
 
 def raise_on_rank_1():
@@ -40,9 +50,32 @@ def hang_on_rank_1():
 
 
 def _submit(tmp_path, fn, tasks=2):
+    """As the local launcher submits: the store's port chosen here (trainer3d/job/master_port.py)."""
     executor = submitit.AutoExecutor(folder=tmp_path, cluster="local")
     executor.update_parameters(tasks_per_node=tasks, timeout_min=5)
-    return executor.submit(fn)
+    return submit_with_token(executor, fn, new_token(), owned=True)
+
+
+@pytest.mark.timeout(120)
+def test_the_ranks_meet_on_a_free_port_outside_the_ephemeral_range(tmp_path, monkeypatch):
+    """submitit draws the port anywhere in 20000-60000, mostly inside the range the kernel gives
+    to every connection (gloo's among them): on a busy host rank 0 then found it taken."""
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    job = _submit(tmp_path, report_port)
+    results = job.results()
+    ports = {port for _, port in results}
+    assert sorted(rank for rank, _ in results) == [0, 1] and len(ports) == 1
+    low, high = ephemeral_range()
+    (port,) = ports
+    assert not low <= port <= high, (port, low, high)
+
+
+@pytest.mark.timeout(120)
+def test_a_master_port_the_user_set_is_kept(tmp_path, monkeypatch):
+    from trainer3d.job.master_port import local_port
+    chosen = local_port()
+    monkeypatch.setenv("MASTER_PORT", str(chosen))
+    assert {port for _, port in _submit(tmp_path, report_port).results()} == {chosen}
 
 
 @pytest.mark.timeout(300)  # a job left hanging would wait out gloo's 30-minute default instead

@@ -53,7 +53,6 @@ figures are noise-dominated: measure on an idle one.
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -203,9 +202,8 @@ def run_deepspeed(steps: int, warmup: int, threads: int) -> dict:
     from trainer3d.data import stdlib_corpus
 
     stdlib_corpus(DataConfig().cache_dir)  # made here, once, so the two ranks only read it
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from trainer3d.job.master_port import local_port
+    port = local_port()  # outside the ephemeral range: no connection takes it before torchrun binds it
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={DP}", f"--master_port={port}",
            __file__, "--deepspeed-rank", f"--steps={steps}", f"--warmup={warmup}", f"--threads={threads}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800,

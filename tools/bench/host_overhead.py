@@ -146,9 +146,13 @@ def child(args) -> dict:
     import torch
     torch.set_num_threads(1)
     torch.set_num_threads = lambda n: None  # the launcher's share of the cores: one thread here (see the docstring)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    try:  # outside the ephemeral range: no connection takes it before rank 0 binds it
+        from trainer3d.job.master_port import local_port
+        port = local_port()
+    except ImportError:  # a revision older than trainer3d/job/master_port.py
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), WANDB_MODE="disabled")
     run_dir = Path(args.run_dir)

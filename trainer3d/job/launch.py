@@ -5,8 +5,8 @@ The submitting process validates the config, prepares the data, takes the run di
 it echoes rank 0's progress lines; if a rank fails or stops beating it ends the job and
 names the cause; if it is itself told to stop (SIGTERM, SIGINT, SIGHUP) it ends the job
 first (trainer3d/job/interrupt.py). Inside each task, submitit's ``TorchDistributedEnvironment``
-exports MASTER_ADDR/PORT, RANK and WORLD_SIZE, the rank starts its heartbeat
-(trainer3d/job/heartbeat.py), and the process group starts with an explicit timeout, so a dead
+exports MASTER_ADDR/PORT (the port: trainer3d/job/master_port.py), RANK and WORLD_SIZE, the
+rank starts its heartbeat (trainer3d/job/heartbeat.py), and the process group starts with an explicit timeout, so a dead
 peer ends the job instead of hanging it for gloo's default 30 minutes.
 """
 
@@ -30,6 +30,7 @@ from trainer3d.job.heartbeat import Heartbeat, heartbeat_dir
 from trainer3d.job.host_malloc import keep_freed_memory
 from trainer3d.job.interrupt import (TOKEN_VAR, Interrupted, JobSignals, end_processes, new_token, processes_with_token,
                                      terminal_signals_blocked)
+from trainer3d.job.master_port import job_port, local_port
 from trainer3d.job.preemption import leave
 from trainer3d.job.owner import OWNER_VAR, owner_id, watch_owner
 from trainer3d.job.resume import stop_line
@@ -144,6 +145,8 @@ def export_rank_env() -> None:
             raise RuntimeError("launcher=inplace needs to run inside an srun step or under torchrun "
                                "(RANK, WORLD_SIZE, MASTER_ADDR unset); use launcher=local to start the ranks here")
         os.environ["SUBMITIT_EXECUTOR"] = "slurm"
+    if os.environ["SUBMITIT_EXECUTOR"] == "slurm" and "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(job_port(submitit.JobEnvironment().job_id))  # trainer3d/job/master_port.py
     submitit.helpers.TorchDistributedEnvironment().export(overwrite=True)
 
 
@@ -213,8 +216,12 @@ def launch_local(cfg: Config) -> int:
 def submit_with_token(executor: submitit.Executor, task, token: str, owned: bool = False) -> submitit.Job:
     """Submit with ``TRAINER3D_JOB=token`` (what ``end_processes`` finds) in the job's environment;
     ``owned`` (local jobs, whose ranks run on this machine): this process as the job's owner too
-    (``TRAINER3D_OWNER``, what the ranks watch; trainer3d/job/owner.py)."""
-    values = {TOKEN_VAR: token, **({OWNER_VAR: owner_id()} if owned else {})}
+    (``TRAINER3D_OWNER``, what the ranks watch; trainer3d/job/owner.py), and a free store port
+    chosen here unless the user set one (``MASTER_PORT``; trainer3d/job/master_port.py)."""
+    values = {TOKEN_VAR: token}
+    if owned:
+        values[OWNER_VAR] = owner_id()
+        values["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(local_port())
     before = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
     try:

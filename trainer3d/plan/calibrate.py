@@ -118,10 +118,10 @@ def _rank_matmul(rank: int, world: int, threads: int, rounds: int, barrier, out)
     out.put(best)
 
 
-def _rank_all_reduce(rank: int, world: int, port: int, out, repeats: int = 20) -> None:
+def _rank_all_reduce(rank: int, world: int, store: str, out, repeats: int = 20) -> None:
     """The fastest of ``repeats`` all-reduces per size (a fixed count: every rank must join each)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     times = {}
     for numel in (256, 4 * 2 ** 20):
@@ -163,12 +163,6 @@ def node_gflops(ranks: int, cores: int, rounds: int = 12) -> float:
     if threads > 1:
         return sum(rates)
     return min(ranks, cores) * sum(rates) / ranks
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # The engine at a negligible size: what is left of a step is host time and fixed costs.
@@ -228,7 +222,9 @@ def engine_figures(figures: dict, steps: int = 12, warmup: int = 3) -> dict:
 
 
 def all_reduce_figures() -> Dict[str, float]:
-    (times,) = _run(_rank_all_reduce, 2, _free_port())
+    # A file store: a port probed free here could be taken again before rank 0 binds it.
+    with tempfile.TemporaryDirectory() as tmp:
+        (times,) = _run(_rank_all_reduce, 2, os.path.join(tmp, "store"))
     small, large = times[256], times[4 * 2 ** 20]
     # ring all-reduce over n = 2: 2 (n-1)/n B / bw + 2 (n-1) hops of latency
     return {"latency_us": small / 2 * 1e6, "gbps": 4 * 4 * 2 ** 20 / max(large - small, 1e-9) / 1e9}
