@@ -11,7 +11,7 @@ import torch.distributed as dist
 from trainer3d.job.follow import follow
 from trainer3d.job.interrupt import new_token
 from trainer3d.job.launch import export_rank_env, submit_with_token
-from trainer3d.job.master_port import ephemeral_range
+from trainer3d.job.master_port import ephemeral_range, local_port
 
 
 def _init():
@@ -72,7 +72,6 @@ def test_the_ranks_meet_on_a_free_port_outside_the_ephemeral_range(tmp_path, mon
 
 @pytest.mark.timeout(120)
 def test_a_master_port_the_user_set_is_kept(tmp_path, monkeypatch):
-    from trainer3d.job.master_port import local_port
     chosen = local_port()
     monkeypatch.setenv("MASTER_PORT", str(chosen))
     assert {port for _, port in _submit(tmp_path, report_port).results()} == {chosen}

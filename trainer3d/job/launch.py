@@ -6,8 +6,8 @@ it echoes rank 0's progress lines; if a rank fails or stops beating it ends the 
 names the cause; if it is itself told to stop (SIGTERM, SIGINT, SIGHUP) it ends the job
 first (trainer3d/job/interrupt.py). Inside each task, submitit's ``TorchDistributedEnvironment``
 exports MASTER_ADDR/PORT (the port: trainer3d/job/master_port.py), RANK and WORLD_SIZE, the
-rank starts its heartbeat (trainer3d/job/heartbeat.py), and the process group starts with an explicit timeout, so a dead
-peer ends the job instead of hanging it for gloo's default 30 minutes.
+rank starts its heartbeat (trainer3d/job/heartbeat.py), and the process group starts with an
+explicit timeout, so a dead peer ends the job instead of hanging it for gloo's default 30 minutes.
 """
 
 import dataclasses
