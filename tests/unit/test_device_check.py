@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.unit.test_validate import make
-from trainer3d.job.device_check import DeviceError, machine_problems, rank_device, uses_cuda
+from trainer3d.job.device_check import DeviceError, cuda_index, machine_problems, rank_device, uses_cuda
 from trainer3d.job.slurm import slurm_parameters
 from trainer3d.config.validate import ConfigError, validate
 
@@ -69,11 +69,47 @@ def test_rank_refuses_cuda_it_cannot_see(monkeypatch):
 def test_rank_refuses_a_local_rank_beyond_the_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for key in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_TASK"):
+        monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("LOCAL_RANK", "2")
-    with pytest.raises(DeviceError, match="LOCAL_RANK=2 but this node shows 2 GPU"):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(DeviceError, match="LOCAL_RANK=2 of LOCAL_WORLD_SIZE=3 but this task sees 2 GPU"):
         rank_device(validate(make(["train.device=cuda"])))
     monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert rank_device(validate(make(["train.device=cuda"]))) == torch.device("cuda", 1)
+
+
+# What a task of an 8-GPU node sees under each way Slurm hands out GPUs (srun(1), "--gpus-per-task",
+# "--gpu-bind"; SLURM_GPUS_ON_NODE and SLURM_GPUS_PER_TASK are set in the job's environment).
+ALL_VISIBLE = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "SLURM_GPUS_ON_NODE": "8", "LOCAL_WORLD_SIZE": "8"}
+PER_TASK = {"SLURM_GPUS_ON_NODE": "8", "SLURM_GPUS_PER_TASK": "1", "LOCAL_WORLD_SIZE": "8"}
+BOUND = {"SLURM_GPUS_ON_NODE": "8", "SLURM_GPU_BIND": "single:1", "LOCAL_WORLD_SIZE": "8"}  # --gpu-bind only
+
+
+@pytest.mark.parametrize("visible, env, expected", [
+    (8, {**ALL_VISIBLE, "LOCAL_RANK": "5"}, 5),
+    (8, {**ALL_VISIBLE, "LOCAL_RANK": "0"}, 0),
+    (1, {**PER_TASK, "LOCAL_RANK": "5", "CUDA_VISIBLE_DEVICES": "5"}, 0),
+    (1, {**PER_TASK, "LOCAL_RANK": "7", "CUDA_VISIBLE_DEVICES": "0"}, 0),  # cgroup-constrained: its own GPU is 0
+    (1, {**BOUND, "LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "3"}, 0),
+    (1, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}, 0),  # one rank, one GPU, no Slurm
+    (4, {"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}, 3),  # torchrun on a 4-GPU machine
+])
+def test_each_rank_takes_its_own_gpu_whether_tasks_see_all_or_one(visible, env, expected):
+    assert cuda_index(visible, env) == expected
+
+
+@pytest.mark.parametrize("visible, env", [
+    (1, {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}),  # two ranks on a one-GPU machine: NCCL would refuse
+    (1, {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "8", "SLURM_GPUS_ON_NODE": "4"}),  # 8 tasks, 4 GPUs on the node
+    (2, {"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4", "SLURM_GPUS_ON_NODE": "8", "SLURM_GPUS_PER_TASK": "2"}),
+    (4, {"LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "8", "SLURM_GPUS_ON_NODE": "4"}),
+])
+def test_a_rank_without_a_gpu_of_its_own_is_refused_naming_the_knob(visible, env):
+    with pytest.raises(DeviceError, match="launcher.tasks_per_node") as err:
+        cuda_index(visible, env)
+    assert f"this task sees {visible} GPU(s)" in str(err.value) and "--gpus-per-task=1" in str(err.value)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
@@ -102,3 +138,12 @@ def test_pinned_buffers_are_not_rounded_to_a_power_of_two(env, changed, settings
                          env={**clean, **env})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(changed), repr(settings)]
+
+
+def test_rank_bound_to_one_gpu_by_slurm_takes_cuda_0(monkeypatch):
+    """--gpus-per-task=1: each task sees one GPU (device_count() == 1) and local ranks 1..7 run on it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for key, value in {**PER_TASK, "LOCAL_RANK": "5", "CUDA_VISIBLE_DEVICES": "5"}.items():
+        monkeypatch.setenv(key, value)
+    assert rank_device(validate(make(["train.device=cuda"]))) == torch.device("cuda", 0)

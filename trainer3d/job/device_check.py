@@ -11,11 +11,12 @@ back to the CPU would run a GPU job orders of magnitude slower). The decision:
 Three places check it, each as early as what it needs is known:
 ``config_problems`` (pure rules, from ``validate``), ``machine_problems`` (the submitting
 machine's GPUs, for the local launcher, before any rank starts) and ``rank_device`` (inside
-each rank: CUDA visible, ``LOCAL_RANK`` below the GPU count).
+each rank: CUDA visible, and a GPU of its own, ``cuda_index``: all of the node's GPUs visible to
+every task, or one bound to each task by Slurm).
 """
 
 import os
-from typing import List, Optional
+from typing import List, Mapping, Optional
 
 import torch
 
@@ -79,7 +80,6 @@ def machine_problems(cfg: Config, world_size: int, device_count: Optional[int] =
 
 def rank_device(cfg: Config) -> torch.device:
     """This rank's device; raises DeviceError where a CUDA rank cannot have its own GPU."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not uses_cuda(cfg, torch.cuda.is_available()):
         return torch.device("cpu")
     count = torch.cuda.device_count()
@@ -88,10 +88,37 @@ def rank_device(cfg: Config) -> torch.device:
                           f"{cfg.train.device}, launcher.gpus_per_node={cfg.launcher.gpus_per_node}) but sees "
                           f"no GPU (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
                           "request GPUs for the job or set train.device=cpu")
-    if local_rank >= count:
-        raise DeviceError(f"LOCAL_RANK={local_rank} but this node shows {count} GPU(s): one rank per GPU; "
-                          f"start at most {count} rank(s) per node (launcher.tasks_per_node)")
-    return torch.device("cuda", local_rank)
+    return torch.device("cuda", cuda_index(count, os.environ))
+
+
+def cuda_index(visible: int, env: Mapping[str, str]) -> int:
+    """The index of this rank's GPU among the ``visible`` ones, from the launcher's environment
+    ``env`` (LOCAL_RANK, LOCAL_WORLD_SIZE, and Slurm's variables); raises DeviceError otherwise.
+
+    Two ways of giving a node's ranks their GPUs are in use, and both are right:
+    - every task sees all of the node's GPUs (``--gpus-per-node``, torchrun, the local launcher):
+      ``visible >= LOCAL_WORLD_SIZE``, and local rank r takes ``cuda:r``;
+    - Slurm binds one GPU to each task (``--gpus-per-task=1``, ``--gpu-bind=single:1`` or
+      ``map_gpu``, ``SBATCH_GPU_BIND``; with cgroup device constraints, every task's only GPU
+      is its ``cuda:0``): ``visible == 1`` while the node holds at least one GPU per local
+      rank (``SLURM_GPUS_ON_NODE``) or the step asked for one per task
+      (``SLURM_GPUS_PER_TASK=1``), and every rank takes ``cuda:0``.
+    Anything else would put two ranks on one GPU (NCCL refuses) or leave a rank without one."""
+    local_rank = int(env.get("LOCAL_RANK", "0"))
+    local_world = int(env.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
+    if visible >= local_world and local_rank < visible:
+        return local_rank
+    node_gpus = env.get("SLURM_GPUS_ON_NODE", "").strip()
+    one_per_task = (env.get("SLURM_GPUS_PER_TASK", "").strip() == "1"
+                    or (node_gpus.isdigit() and int(node_gpus) >= local_world))
+    if visible == 1 and one_per_task:
+        return 0
+    raise DeviceError(
+        f"LOCAL_RANK={local_rank} of LOCAL_WORLD_SIZE={local_world} but this task sees {visible} GPU(s) "
+        f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}, SLURM_GPUS_ON_NODE="
+        f"{node_gpus or 'unset'}): one rank per GPU, and each task must see either all of the node's GPUs "
+        "or exactly one of its own; set launcher.tasks_per_node to the GPUs per node (launcher.gpus_per_node), "
+        "or bind one GPU per task (srun --gpus-per-task=1)")
 
 
 PINNED_ROUNDING_MB = 64
