@@ -41,6 +41,19 @@ def test_gpu_slurm_job_asks_for_one_gpu_per_task():
     assert not uses_cuda(validate(make(SLURM)), cuda_visible=True)  # no GPUs requested: CPU ranks
 
 
+def test_cpus_per_task_reaches_the_job_and_its_srun_step(tmp_path):
+    """Slurm 22.05-23.02's srun does not inherit the job's --cpus-per-task: it is given to srun too."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    params = slurm_parameters(validate(make(SLURM + ["launcher.gpus_per_node=2", "launcher.cpus_per_task=12"])), 2)
+    assert params["cpus_per_task"] == 12 and params["slurm_srun_args"] == ["--cpus-per-task=12"]
+    text = _make_sbatch_string(command="python -m x", folder=str(tmp_path), cpus_per_task=12,
+                               srun_args=params["slurm_srun_args"])
+    srun = [line for line in text.splitlines() if line.startswith("srun ")]
+    assert "#SBATCH --cpus-per-task=12" in text and len(srun) == 1 and "--cpus-per-task=12" in srun[0]
+    assert "slurm_srun_args" not in slurm_parameters(validate(make(SLURM)), 2)
+
+
 @pytest.mark.parametrize("overrides, gpus, fragment", [
     (["train.device=cuda"], 0, "train.device=cuda but no CUDA device is visible here"),
     (["launcher.gpus_per_node=2"], 0, "launcher.gpus_per_node=2 but no CUDA device is visible"),

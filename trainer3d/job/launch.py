@@ -18,7 +18,6 @@ from typing import Optional
 
 import submitit
 import torch
-import torch._inductor.config as inductor_config
 import torch.distributed as dist
 
 from trainer3d.config.schema import Config
@@ -36,6 +35,7 @@ from trainer3d.job.owner import OWNER_VAR, owner_id, watch_owner
 from trainer3d.job.resume import stop_line
 from trainer3d.job.runlock import RunDirBusy, RunDirLock
 from trainer3d.job.runlock import join as join_run_dir
+from trainer3d.job.threads import set_host_threads
 from trainer3d.parallel.timeouts import seconds
 from trainer3d.parallel.topology import ParallelDims, Topology
 from trainer3d.trainer import Trainer
@@ -52,17 +52,6 @@ def in_distributed_env() -> bool:
     return "SLURM_STEP_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1 and not submitit_task
 
 
-def cpu_threads(share: int) -> int:
-    """Torch's intra-op threads on a CPU rank: ``OMP_NUM_THREADS`` where it is set (the cores
-    the user, torchrun or a test session gives each process), else ``share``, this rank's part
-    of the host's cores. OpenMP's threads wait for one another at the end of every parallel
-    region, so a rank with more threads than the cores free to it stalls whenever another
-    process holds one (a 20-step tiny run beside one busy process: 5 s on 1 thread, minutes
-    on 2)."""
-    given = os.environ.get("OMP_NUM_THREADS", "").strip()
-    return int(given) if given.isdigit() and int(given) > 0 else share
-
-
 def init_distributed(cfg: Config) -> torch.device:
     """Initialise the default process group from the environment; return this rank's device.
 
@@ -70,15 +59,11 @@ def init_distributed(cfg: Config) -> torch.device:
     switches to the step's after the first step (trainer3d/parallel/timeouts.py)."""
     device = rank_device(cfg)
     use_cuda = device.type == "cuda"
-    # Ranks share the host's cores: without this each one starts a thread pool, and with
-    # train.compile a pool of inductor compile workers, the size of the whole host.
-    share = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    inductor_config.compile_threads = share
+    set_host_threads()  # the node's ranks share its cores (trainer3d/job/threads.py)
     if use_cuda:
         torch.cuda.set_device(device)
         exact_pinned_sizes()  # before the first pinned buffer
     else:
-        torch.set_num_threads(cpu_threads(share))
         keep_freed_memory()
     backend = cfg.parallel.backend
     if backend == "auto":

@@ -88,6 +88,10 @@ def slurm_parameters(cfg: Config, world_size: int) -> dict:
                 "slurm_account": launcher.account, "slurm_qos": launcher.qos,
                 "slurm_constraint": launcher.constraint, "slurm_setup": list(launcher.setup) or None}
     params.update({k: v for k, v in optional.items() if v is not None})
+    if launcher.cpus_per_task:
+        # srun does not take --cpus-per-task from the job in Slurm 22.05 to 23.02 (their release
+        # notes; SchedMD restored it in 23.11): without it each task runs on one CPU.
+        params["slurm_srun_args"] = [f"--cpus-per-task={launcher.cpus_per_task}"]
     extra = sbatch_extra_parameters(list(launcher.sbatch_extra))
     if extra:
         params["slurm_additional_parameters"] = extra
