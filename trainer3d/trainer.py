@@ -112,6 +112,8 @@ class Trainer:
         self.stopped: Optional[Stop] = None
         self.heartbeat = None
         """Set by the launcher (trainer3d/job/heartbeat.py): told the steps completed at each step boundary."""
+        self.warm_step: Optional[int] = None
+        """The step after the first evaluation (None before it): it waits up to the start-up timeout."""
         t = cfg.train
         # The stop signal's own group too: its check is waited for at every step boundary, and
         # torch gives a group made without a timeout 30 minutes.
@@ -212,7 +214,8 @@ class Trainer:
         started = time.perf_counter()
         for step in range(self.start_step, t.max_steps):
             self.profiler.before(step)
-            loss, grad_norm, lr = self.train_step(step)
+            with self.timeouts.warming_up(step == self.warm_step):  # the step after the first evaluation
+                loss, grad_norm, lr = self.train_step(step)
             self.timeouts.to_step()  # start-up (the first step: compilation, warm-up) is over
             self.metrics.record(step, loss, grad_norm, lr, self.optimizer.step_metrics())
             self.nonfinite.record(step, loss, grad_norm)
@@ -220,7 +223,7 @@ class Trainer:
             if self.heartbeat is not None:
                 self.heartbeat.step = step + 1
             if self.evaluator is not None and self.evaluator.due(step + 1):
-                self.metrics.record_eval(step, *self.evaluator.run(self.forward_only))
+                self.evaluate(step)
             if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
                 self.metrics.flush()
                 self.nonfinite.check()
@@ -255,6 +258,16 @@ class Trainer:
         return {"final_loss": last["loss"] if last else None, "steps": done - self.start_step,
                 "wall_s": time.perf_counter() - started, "metrics": str(self.metrics.path),
                 "stopped_at": self.stopped.step if self.stopped else None}
+
+    def evaluate(self, step: int) -> None:
+        """The validation loss after ``step``. The first evaluation, and the training step after
+        it, run under the start-up timeout (trainer3d/parallel/timeouts.py: compilation without
+        a gradient, the pipeline's shapes inferred again)."""
+        first = self.warm_step is None
+        with self.timeouts.warming_up(first):
+            self.metrics.record_eval(step, *self.evaluator.run(self.forward_only))
+        if first:
+            self.warm_step = step + 1
 
     def save_checkpoint(self, step: int, background: Optional[bool] = None) -> None:
         """Save everything a resumed run needs to start at ``step`` (steps done); every rank calls

@@ -100,3 +100,49 @@ def test_the_trainers_groups_take_the_step_timeout_the_stop_signals_too(tmp_path
     for seen in run_ranks(_trainer_group_timeouts, 2, str(tmp_path), timeout=120):
         assert seen == {"stop_signal": 17, "layout": [17]}
 
+
+
+EVAL_STEP_S, SLOW_EVAL_S = 4.0, 10.0
+
+
+def _slow_first_evaluation(rank, world, run_dir):
+    """tp=2, so the evaluation's forward has collectives between the ranks; rank 1 takes longer
+    than the step timeout before its first evaluation's forward, as a rank still compiling the
+    blocks without a gradient does (train.compile) while its peer waits in a tp all-reduce."""
+    cfg = Config(run_dir=run_dir)
+    cfg.parallel.tp, cfg.parallel.timeout_s, cfg.parallel.init_timeout_s = world, EVAL_STEP_S, 120
+    cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.grad_accum_steps = 2, 2, None
+    cfg.train.seq_len, cfg.train.resume, cfg.train.max_steps, cfg.model.n_layers = 32, "never", 4, 1
+    cfg.train.eval_every, cfg.train.eval_steps, cfg.data.val_fraction = 2, 1, 0.01
+    cfg.checkpoint.every, cfg.checkpoint.save_final = 0, False
+    trainer = Trainer(validate(cfg), dims_for(tp=world))
+    seen = {"steps": [], "evals": []}
+
+    def timeout_now():
+        return sorted({group_timeout_s(g, CPU) for g in trainer.dims.groups()})
+
+    train_step, forward_only = trainer.train_step, trainer.forward_only
+
+    def timed_step(step):
+        seen["steps"].append(timeout_now())
+        return train_step(step)
+
+    def timed_forward(inputs, targets):
+        if not seen["evals"] and rank == 1:
+            time.sleep(SLOW_EVAL_S)
+        seen["evals"].append(timeout_now())
+        return forward_only(inputs, targets)
+
+    trainer.train_step, trainer.forward_only = timed_step, timed_forward
+    trainer.train()
+    return seen
+
+
+def test_the_first_evaluation_and_the_step_after_it_keep_the_startup_timeout(tmp_path):
+    """A rank 10 s late into the first evaluation (step timeout 4 s) does not end the run: the
+    first evaluation and the training step after it wait up to parallel.init_timeout_s; the
+    other steps and the second evaluation have parallel.timeout_s."""
+    for seen in run_ranks(_slow_first_evaluation, 2, str(tmp_path), timeout=240):
+        # the first step has the groups' build-time timeout (the harness's); start-up ends after it
+        assert seen["steps"][1:] == [[EVAL_STEP_S], [120], [EVAL_STEP_S]]
+        assert seen["evals"] == [[120], [EVAL_STEP_S]]

@@ -54,4 +54,5 @@ class ParallelConfig:
     instead of hanging."""
     init_timeout_s: float = 1200.0
     """The timeout of start-up (rendezvous, building the model, the first step with its
-    compilation) and of checkpoint saves and loads, which may wait on a slow shared filesystem."""
+    compilation, the first evaluation and the step after it, which compile and infer shapes
+    again) and of checkpoint saves and loads, which may wait on a slow shared filesystem."""

@@ -6,7 +6,13 @@ the process. Start-up (rendezvous, building the model, the first step with its c
 and cold caches) and a checkpoint save or load on a shared filesystem can legitimately take
 minutes; a step's collectives cannot, and a dead peer should end the job quickly. So every
 group starts with ``parallel.init_timeout_s``; after the first step all of them switch to
-``parallel.timeout_s``; and the default group — the one DCP saves and loads through and the
+``parallel.timeout_s``, except for the first evaluation and the training step after it, which
+wait up to the start-up timeout again (``warming_up``): the first evaluation runs the model
+without a gradient, so under ``train.compile`` every block compiles again, with tensor
+parallelism's collectives between the compiled pieces (a rank still compiling leaves its peers
+waiting in them), and with pp > 1 torch's schedule re-infers the stages' shapes, over the
+pipeline's sends, on the way into evaluation and back (trainer3d/parallel/pipeline/schedule.py,
+``Pipeline.forward``); and the default group — the one DCP saves and loads through and the
 checkpoint barriers use — goes back to ``init_timeout_s`` for the length of each save or
 load (the same scheme as torchtitan's ``set_pg_timeouts`` in torchtitan/distributed/utils.py,
 through torch's ``_set_pg_timeout``).
@@ -56,6 +62,20 @@ class GroupTimeouts:
         if not self.stepping:
             set_timeout(self.groups, self.step_timeout_s)
             self.stepping = True
+
+    @contextlib.contextmanager
+    def warming_up(self, warm: bool = True) -> Iterator[None]:
+        """Every group waits up to the start-up timeout inside where ``warm`` (a phase that
+        compiles or re-infers shapes once: the first evaluation and the step after it); after
+        start-up, the step timeout again on the way out."""
+        warm = warm and self.stepping
+        if warm:
+            set_timeout(self.groups, self.init_timeout_s)
+        try:
+            yield
+        finally:
+            if warm:
+                set_timeout(self.groups, self.step_timeout_s)
 
     @contextlib.contextmanager
     def io(self) -> Iterator[None]:
