@@ -94,7 +94,7 @@ def estimate(cfg: Config, limit: int, ranks_summed: bool) -> Estimate:
     bound = [states_lower_bound(cfg, r) + h for r, h in zip(range(p.pp), host)]
     if (sum(bound) * p.tp * p.cp * p.dp if ranks_summed else max(bound)) > limit:
         return Estimate(bound, exact=False)
-    mems = [rank_memory(cfg, r) for r in range(p.pp)]
+    mems = [rank_memory(cfg, r, cuda=not ranks_summed) for r in range(p.pp)]  # summed: CPU ranks
     worst = max(mems, key=lambda m: m.total)
     detail = (f"pp rank {worst.pp_rank}: model states {format_bytes(worst.states.total)}, activations "
               f"{format_bytes(worst.activation_bytes)}, pipeline buffers {format_bytes(worst.buffer_bytes)}, "

@@ -18,6 +18,10 @@ Per layer, with the flash kernel:
     inputs        2 x p sbh                  what wq/wk/wv and w1/w3 read (/t with SP: the shard,
                                              gathered again in backward: parallel/tensor/sequence.py)
     attention     p sb (2h + 2h_kv)/t + 4asb/t   q, k, v after RoPE, output, log-sum-exp
+                                             (fp32 grouped-query attention on CUDA: k and v
+                                             repeated to every head, 2h for 2h_kv, and the
+                                             memory-efficient kernel's log-sum-exp rows padded
+                                             to a multiple of 32: model/transformer.py kv_expanded)
     SwiGLU        2 p sbf/t                  w1 x and w3 x (silu and the product are recomputed)
     RoPE tables   8 s head_dim               cos and sin, fp32
 
@@ -30,14 +34,23 @@ p as^2b/t) and 4 p sbh/t of copies of q, k, v and the output; activation checkpo
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
 
 from trainer3d.config.schema import Config, ModelConfig
-from trainer3d.model.transformer import head_dim_of
+from trainer3d.model.transformer import head_dim_of, kv_expanded
 
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ATTENTION_KERNELS = ("flash", "math")
 INT64, FP32 = 8, 4
+
+
+def config_on_cuda(cfg: Config) -> bool:
+    """Whether the config itself puts the ranks on CUDA (launcher.gpus_per_node, train.device=cuda,
+    parallel.backend=nccl); ``train.device=auto`` is CUDA only where a GPU is visible, which the
+    caller knows (trainer3d/job/memory_check.py passes it)."""
+    return cfg.launcher.gpus_per_node > 0 or cfg.train.device == "cuda" or cfg.parallel.backend == "nccl"
 
 
 def head_dim(model: ModelConfig) -> int:
@@ -69,14 +82,34 @@ class Sizes:
     loss_chunk: int = 0
     """Tokens per chunk of the loss that applies the head itself (train.loss_chunk_tokens);
     0: the model's whole logits go to the loss."""
+    cuda: bool = False
+    """The ranks run on CUDA: fp32 attention runs torch's memory-efficient kernel there, and
+    grouped K/V are repeated to every head for it (model/transformer.py ``kv_expanded``)."""
 
     @classmethod
-    def of(cls, cfg: Config, kernel: str = "flash") -> "Sizes":
+    def of(cls, cfg: Config, kernel: str = "flash", cuda: Optional[bool] = None) -> "Sizes":
+        """``cuda``: whether the ranks run on CUDA (None: as the config says, ``config_on_cuda``)."""
         m, p = cfg.model, cfg.parallel
         return cls(b=cfg.train.micro_batch_size, s=cfg.train.seq_len // p.cp, h=m.dim, heads=m.n_heads,
                    kv_heads=m.n_kv_heads, head_dim=head_dim(m), ffn=m.ffn_dim, vocab=m.vocab_size, t=p.tp,
                    sp=p.sequence_parallel, p=ACT_BYTES[cfg.train.dtype], kernel="flash" if p.cp > 1 else kernel,
-                   cp=p.cp, loss_chunk=cfg.train.loss_chunk_tokens)
+                   cp=p.cp, loss_chunk=cfg.train.loss_chunk_tokens,
+                   cuda=config_on_cuda(cfg) if cuda is None else cuda)
+
+    @property
+    def expand_kv(self) -> bool:
+        """Grouped K/V repeated to every query head before SDPA (the model's own rule)."""
+        dtype = torch.float32 if self.p == 4 else torch.bfloat16
+        return kv_expanded("cuda" if self.cuda else "cpu", dtype, self.heads, self.kv_heads)
+
+    @property
+    def lse_rows(self) -> int:
+        """Log-sum-exp entries per head of a micro-batch: one per query, padded to a multiple of 32
+        per sequence in CUDA's memory-efficient kernel (fp32; its ``kAlignLSE``,
+        aten/src/ATen/native/transformers/cuda/mem_eff_attention/kernel_forward.h)."""
+        if self.cuda and self.p == 4:
+            return self.b * -(-self.s // 32) * 32
+        return self.n
 
     @property
     def n(self) -> int:
@@ -107,11 +140,11 @@ def _norm(z: Sizes) -> int:
 def _attention(z: Sizes) -> Dict[str, int]:
     local_heads, local_kv = z.heads // z.t, z.kv_heads // z.t
     q = z.p * z.n * local_heads * z.head_dim       # one tensor shaped like q (or like SDPA's output)
-    kv = z.p * z.n * local_kv * z.head_dim
+    kv = q if z.expand_kv else z.p * z.n * local_kv * z.head_dim
     if z.kernel == "flash":
-        # SDPA's inputs (q and k after RoPE, v), its output (which wo reads through a view)
-        # and the log-sum-exp per query and head
-        terms = {"q_k_v": q + 2 * kv, "attention": q + FP32 * z.n * local_heads}
+        # SDPA's inputs (q and k after RoPE, v: repeated to every head where kv_expanded), its
+        # output (which wo reads through a view) and the log-sum-exp per query and head
+        terms = {"q_k_v": q + 2 * kv, "attention": q + FP32 * z.lse_rows * local_heads}
     elif z.kernel == "math":
         # the composite keeps its own contiguous copies instead of the inputs: scaled q,
         # k^T and v (expanded to every query head), the probabilities, and the output copy wo reads

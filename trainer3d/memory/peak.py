@@ -30,7 +30,7 @@ slices of the flat buffers, reduced and gathered in place).
 
 import functools
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from trainer3d.memory.activations import (FP32, Sizes, chunk_terms, layer_terms, loss_transient_bytes,
                                           peak_in_flight, schedule_ops, shared_terms)
@@ -106,13 +106,14 @@ def _states_of(cfg: Config, stages: List[int]) -> ModelStateBytes:
     return _STATES[key]
 
 
-def rank_memory(cfg: Config, pp_rank: int, kernel: str = "flash") -> RankMemory:
-    """The peak of a validated config's pipeline rank ``pp_rank``, term by term."""
+def rank_memory(cfg: Config, pp_rank: int, kernel: str = "flash", cuda: Optional[bool] = None) -> RankMemory:
+    """The peak of a validated config's pipeline rank ``pp_rank``, term by term; ``cuda``: the
+    ranks run on CUDA (None: as the config says; trainer3d/memory/activations.py ``Sizes.of``)."""
     p, t = cfg.parallel, cfg.train
     last, m = n_stages(cfg) - 1, t.grad_accum_steps
     stages = stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages)
     ranges = stage_layer_ranges(cfg.model.n_layers, last + 1, p.pp_layers)
-    z = Sizes.of(cfg, kernel)
+    z = Sizes.of(cfg, kernel, cuda)
     recompute = t.activation_checkpointing
     chunks = [chunk_terms(z, len(ranges[s]), s == 0, s == last, recompute) for s in stages]
     shared = [shared_terms(z, m, s == 0, s == last, p.pp) for s in stages]

@@ -81,6 +81,39 @@ def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.devi
     return angles.cos(), angles.sin()
 
 
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def kv_expanded(device_type: str, dtype: torch.dtype, heads: int, kv_heads: int) -> bool:
+    """Whether grouped-query attention repeats K and V to every query head before SDPA.
+
+    On CUDA, SDPA's grouped-query mode (``enable_gqa``) runs in its flash kernel and in the math
+    composite only (torch 2.13's own ``scaled_dot_product_attention`` docstring, "Constraints for
+    GQA"; the backend choice, aten/src/ATen/native/transformers/cuda/sdp_utils.cpp
+    ``select_sdp_backend``), and flash takes fp16/bf16 alone: fp32 with fewer kv heads than
+    query heads falls to the math composite, which holds the seq x seq scores in fp32 per head
+    (8 GiB a layer for 32 heads at 8k tokens, one sequence). With K and V repeated, the
+    memory-efficient kernel takes it (fp32 on every GPU it supports) at the cost of K and V at
+    the query heads' width, linear in seq. On CPU torch's flash kernel takes grouped K/V in
+    every dtype."""
+    return device_type == "cuda" and heads != kv_heads and dtype not in LOW_PRECISION
+
+
+def repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(batch, kv_heads, seq, head_dim) -> (batch, heads, seq, head_dim): query head i reads kv
+    head i // (heads / kv_heads), the grouping ``enable_gqa`` applies (Ainslie et al. 2023)."""
+    b, kv, s, d = t.shape
+    return t[:, :, None].expand(b, kv, heads // kv, s, d).reshape(b, heads, s, d)
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, expand_kv: bool) -> torch.Tensor:
+    """Causal SDPA with grouped K/V taken as they are, or repeated to every head (``kv_expanded``)."""
+    heads = q.shape[1]
+    if expand_kv:
+        k, v = repeat_kv(k, heads), repeat_kv(v, heads)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != heads)
+
+
 class CausalAttention(nn.Module):
     """Causal attention over a sequence held whole: positions 0..seq-1, torch's fused kernel.
 
@@ -93,7 +126,7 @@ class CausalAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (batch, heads, seq, head_dim), k and v (batch, kv_heads, seq, head_dim)."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return causal_sdpa(q, k, v, kv_expanded(q.device.type, q.dtype, q.shape[1], k.shape[1]))
 
 
 class Attention(nn.Module):
