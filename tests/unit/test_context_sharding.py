@@ -75,3 +75,39 @@ def test_blocks_merged_equal_causal_attention(impl):
         dv[:, :, cols] += g[2]
     for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@pytest.mark.parametrize("device, dtype, head_dim, capability, expected", [
+    ("cpu", FP32, 64, None, "cpu_flash"),
+    ("cpu", BF16, 64, None, "cpu_flash"),
+    ("cuda", BF16, 128, (9, 0), "cuda_flash"),      # H100
+    ("cuda", FP16, 64, (8, 0), "cuda_flash"),       # A100
+    ("cuda", FP32, 128, (9, 0), "cuda_efficient"),  # flash refuses fp32
+    ("cuda", BF16, 512, (9, 0), "cuda_efficient"),  # flash stops at 256
+    ("cuda", FP16, 64, (7, 0), "cuda_efficient"),   # V100: no flash
+    ("cuda", BF16, 64, (7, 5), "math"),             # bf16 before sm80: no fused kernel
+    ("cuda", BF16, 12, (9, 0), "math"),             # 16-bit head width not a multiple of 8
+    ("cuda", FP32, 12, (9, 0), "cuda_efficient"),   # fp32: a multiple of 4 suffices
+    ("mps", FP32, 64, None, "math"),
+])
+def test_the_block_kernel_for_each_device_and_dtype(device, dtype, head_dim, capability, expected):
+    assert kernels.block_kernel(device, dtype, head_dim, capability) == expected
+
+
+@pytest.mark.parametrize("kernel", ["flash", "efficient"])
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_the_fused_cuda_calls_take_their_arguments(kernel, dtype):
+    """torch's CUDA ops on the meta device (their registered shapes, no GPU): the calls the ring
+    makes are accepted; grouped K/V keep their heads in the gradients; the efficient kernel's
+    log-sum-exp comes back unpadded (40 queries: its own rows are ceil(40 / 32) * 32 = 64)."""
+    from trainer3d.parallel.context import fused
+
+    q = torch.empty(2, 8, 40, 64, device="meta", dtype=dtype)
+    k, v = (torch.empty(2, 2, 40, 64, device="meta", dtype=dtype) for _ in range(2))
+    out, lse = getattr(fused, f"{kernel}_forward")(q, k, v, True, 0.125)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, dtype, (2, 8, 40), FP32)
+    dq, dk, dv = getattr(fused, f"{kernel}_backward")(torch.empty_like(out), q, k, v, out, lse, True, 0.125)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)

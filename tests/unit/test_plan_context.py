@@ -59,3 +59,28 @@ def test_long_context_plan_for_llama3_8b_on_64_gpus_uses_cp():
     assert p.cp > 1 and p.cp * p.tp <= 8
     assert all(plan.cfg.parallel.cp == 1 for plan in without.plans)
     assert not without.plans or best.tokens_per_s > without.plans[0].tokens_per_s
+
+
+def test_the_ring_hides_its_hops_behind_the_fused_kernels_time_on_gpus():
+    """On a GPU preset a hop is exposed where it outlasts one block of torch's fused attention:
+    a causal half-square of the local queries on local keys, 2 matmuls x 2 FLOPs x b s^2 heads d / 2,
+    at the flash kernel's achieved rate (flash_fraction x the data-sheet peak), not the GEMM rate.
+    Links made slow enough that every hop is exposed; the hop's time by hand."""
+    import dataclasses
+
+    from trainer3d.memory.activations import Sizes
+    from trainer3d.plan.step_time import _cp_exposed
+
+    slow = dataclasses.replace(device_for("h100-sxm"), intra_gbps=1.0, inter_gbps=1.0)
+    cfg = Config()
+    cfg.model.n_layers, cfg.model.max_seq_len, cfg.parallel.cp, cfg.train.dtype = 2, 4096, 4, "bf16"
+    cfg.train.seq_len = 4096
+    cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.grad_accum_steps = 1, 1, None
+    cfg = validate(cfg)
+    z, m = Sizes.of(cfg), cfg.model
+    s, d = 4096 // 4, m.dim // m.n_heads
+    k = slow.kernels
+    block = 2 * 2 * 1 * s * s * m.n_heads * d / 2 / (k.flash_fraction * k.peak_tflops * 1e12)
+    hop = 2 * (2 * s * m.n_kv_heads * d) / 1e9 + slow.latency(8) * 1e-6
+    fwd, _ = _cp_exposed(cfg, z, slow, 8)
+    assert fwd == pytest.approx(3 * (hop - block), rel=1e-9)

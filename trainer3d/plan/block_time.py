@@ -88,9 +88,11 @@ def block_time(cfg: Config, device: Device, ranks_per_node: int, attention: str 
     for n_in, n_out in linears:
         f, b = k.linear_s(z.n, n_in, n_out, z.p)
         gemm_f, gemm_b = gemm_f + f, gemm_b + b
-    attn_f, attn_b = k.attention_s(attention, z.b, z.s, z.heads // t, z.head_dim, z.p)
     # context parallelism: the local queries attend over the whole sequence (cp x the local
-    # keys, load-balanced: trainer3d/parallel/context/sharding.py)
+    # keys, load-balanced: trainer3d/parallel/context/sharding.py), block by block through
+    # torch's fused kernels on CUDA whatever SDPA would pick (parallel/context/kernels.py)
+    kernel = "flash" if z.cp > 1 else attention
+    attn_f, attn_b = k.attention_s(kernel, z.b, z.s, z.heads // t, z.head_dim, z.p)
     attn_f, attn_b = attn_f * z.cp, attn_b * z.cp
     saved = elementwise_bytes(z)
     bw = k.hbm_gbps * 1e9

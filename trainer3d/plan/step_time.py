@@ -141,7 +141,9 @@ class StepTime:
 def _cp_exposed(cfg: Config, z: Sizes, device: Device, ranks_per_node: int) -> Tuple[float, float]:
     """(forward, backward) seconds per block of the ring's hops not hidden behind attention:
     a hop carries this rank's keys and values (backward: and their fp32 gradients) while one
-    block of attention computes (a causal half-square of the local queries on local keys)."""
+    block of attention computes (a causal half-square of the local queries on local keys): on
+    GPU presets at the fused kernel's rate, as the ring runs torch's flash/memory-efficient
+    kernels on CUDA (trainer3d/parallel/context/kernels.py ``block_kernel``)."""
     p = cfg.parallel
     if p.cp == 1:
         return 0.0, 0.0
@@ -151,7 +153,10 @@ def _cp_exposed(cfg: Config, z: Sizes, device: Device, ranks_per_node: int) -> T
     kv = 2 * z.n * z.kv_heads // p.tp * z.head_dim
     hop = z.p * kv / (gbps * 1e9) + lat * 1e-6
     grad_hop = (z.p + FP32) * kv / (gbps * 1e9) + lat * 1e-6
-    block_attention = 2 * z.n * z.s * z.heads // p.tp * z.head_dim / rate  # QK^T and PV, half of them masked
+    if device.kernels is not None:  # GPU presets: the ring's blocks run torch's fused kernels (flash)
+        block_attention = device.kernels.attention_s("flash", z.b, z.s, z.heads // p.tp, z.head_dim, z.p)[0]
+    else:
+        block_attention = 2 * z.n * z.s * z.heads // p.tp * z.head_dim / rate  # QK^T and PV, half masked
     fwd = (p.cp - 1) * max(0.0, hop - block_attention)
     bwd = (p.cp - 1) * max(0.0, grad_hop - 2 * block_attention) + FP32 * kv / (gbps * 1e9) + lat * 1e-6
     return fwd, bwd

@@ -14,35 +14,58 @@ gradients are computed on their own and summed.
 Tensors are (batch, heads, seq, head_dim); keys and values may have fewer heads than the
 queries (grouped-query attention: query head h uses key/value head h // (heads / kv_heads)).
 ``causal`` is the top-left-aligned mask of a square diagonal block (a rank's own keys,
-whose positions are those of its queries). On CPU, torch's flash-attention kernel
-(``_scaled_dot_product_flash_attention_for_cpu`` and its backward, both GQA-aware) does the
-work; elsewhere the same maths in plain torch ops, scores in fp32 (or the inputs' dtype
-when wider), a tile of query rows at a time so the scores never span the whole block
-(a fused GPU kernel with its log-sum-exp is not wired in: docs/context_parallel.md).
+whose positions are those of its queries). Which kernel does the work (``block_kernel``): on
+CPU, torch's flash-attention kernel (``_scaled_dot_product_flash_attention_for_cpu`` and its
+backward, both GQA-aware); on CUDA, torch's fused flash or memory-efficient kernels (fused.py);
+elsewhere, or where neither takes the dtype and head width, the same maths in plain torch ops,
+scores in fp32 (or the inputs' dtype when wider), a tile of query rows at a time so the scores
+never span the whole block.
 """
 
-from typing import Tuple
+import functools
+from typing import Optional, Tuple
 
 import torch
 
+from trainer3d.parallel.context import fused
+from trainer3d.parallel.context.fused import expand_kv as _expand_kv
+from trainer3d.parallel.context.fused import fold_kv as _fold_kv
+
 _CPU_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+KERNELS = ("cpu_flash", "cuda_flash", "cuda_efficient", "math")
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """(b, kv_heads, s, d) -> (b, heads, s, d), each kv head repeated for its query heads."""
-    b, kv, s, d = t.shape
-    if kv == heads:
-        return t
-    return t[:, :, None].expand(b, kv, heads // kv, s, d).reshape(b, heads, s, d)
+def block_kernel(device_type: str, dtype: torch.dtype, head_dim: int,
+                 capability: Optional[Tuple[int, int]] = None) -> str:
+    """Which kernel computes a block (one of ``KERNELS``), by torch's own admission rules
+    (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp): flash takes fp16/bf16 with a head
+    width a multiple of 8 up to 256 on sm80 or newer (``capability``); the memory-efficient
+    kernel fp32 and fp16 anywhere, bf16 from sm80, a head width a multiple of 8 (fp16/bf16) or
+    4 (fp32); the plain-torch maths takes anything."""
+    if device_type == "cpu":
+        return "cpu_flash"
+    if device_type != "cuda":
+        return "math"
+    sm80 = capability is not None and capability >= (8, 0)
+    if dtype in LOW_PRECISION and sm80 and head_dim <= 256 and head_dim % 8 == 0:
+        return "cuda_flash"
+    admitted = dtype in (torch.float32, torch.float16) or (dtype == torch.bfloat16 and sm80)
+    if admitted and head_dim % (8 if dtype in LOW_PRECISION else 4) == 0:
+        return "cuda_efficient"
+    return "math"
 
 
-def _fold_kv(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """The reverse of ``_expand_kv`` for gradients: sum over each kv head's query heads."""
-    b, heads, s, d = t.shape
-    if kv_heads == heads:
-        return t
-    return t.view(b, kv_heads, heads // kv_heads, s, d).sum(2)
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def kernel_for(q: torch.Tensor) -> str:
+    """``block_kernel`` for a block whose queries are ``q``."""
+    cuda = q.device.type == "cuda"
+    return block_kernel(q.device.type, q.dtype, q.shape[-1], _capability(q.device.index or 0) if cuda else None)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -67,9 +90,14 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, row0: 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out in q's dtype, lse in fp32 of shape (batch, heads, seq_q))."""
-    if q.device.type == "cpu":
+    kernel = kernel_for(q)
+    if kernel == "cpu_flash":
         out, lse = _CPU_FORWARD(q, k, v, 0.0, causal, scale=scale)
         return out, lse
+    if kernel == "cuda_flash":
+        return fused.flash_forward(q, k, v, causal, scale)
+    if kernel == "cuda_efficient":
+        return fused.efficient_forward(q, k, v, causal, scale)
     return math_forward(q, k, v, causal, scale)
 
 
@@ -90,8 +118,13 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    lse: torch.Tensor, causal: bool, scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of this block's part of the attention whose final output is ``out`` with
     log-sum-exp ``lse`` (the merged ones, not this block's own)."""
-    if q.device.type == "cpu":
+    kernel = kernel_for(q)
+    if kernel == "cpu_flash":
         return _CPU_BACKWARD(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    if kernel == "cuda_flash":
+        return fused.flash_backward(dout, q, k, v, out, lse, causal, scale)
+    if kernel == "cuda_efficient":
+        return fused.efficient_backward(dout, q, k, v, out, lse, causal, scale)
     return math_backward(dout, q, k, v, out, lse, causal, scale)
 
 
