@@ -82,3 +82,11 @@ def test_the_efficient_kernels_log_sum_exp_is_counted_padded_to_32_rows():
     common = dict(b=3, s=40, h=64, heads=4, kv_heads=4, head_dim=16, ffn=64, vocab=64, t=1, sp=False)
     assert Sizes(**common, p=4, cuda=True).lse_rows == 3 * 64
     assert Sizes(**common, p=2, cuda=True).lse_rows == Sizes(**common, p=4, cuda=False).lse_rows == 3 * 40
+
+
+def test_context_parallel_attention_is_counted_as_it_saves_grouped_and_unpadded():
+    """The cp attention (parallel/context/attention.py) saves its shard's K/V as they are and its
+    merged log-sum-exp, one row per query, whatever kernel ran its blocks."""
+    z = Sizes(b=1, s=40, h=128, heads=8, kv_heads=2, head_dim=16, ffn=64, vocab=64, t=1, sp=False, p=4,
+              cuda=True, cp=2)
+    assert not z.expand_kv and z.lse_rows == 40

@@ -98,16 +98,17 @@ class Sizes:
 
     @property
     def expand_kv(self) -> bool:
-        """Grouped K/V repeated to every query head before SDPA (the model's own rule)."""
+        """Grouped K/V repeated to every query head before SDPA (the model's own rule); the
+        cp attention saves its shard's K/V as they are (parallel/context/attention.py)."""
         dtype = torch.float32 if self.p == 4 else torch.bfloat16
-        return kv_expanded("cuda" if self.cuda else "cpu", dtype, self.heads, self.kv_heads)
+        return self.cp == 1 and kv_expanded("cuda" if self.cuda else "cpu", dtype, self.heads, self.kv_heads)
 
     @property
     def lse_rows(self) -> int:
         """Log-sum-exp entries per head of a micro-batch: one per query, padded to a multiple of 32
         per sequence in CUDA's memory-efficient kernel (fp32; its ``kAlignLSE``,
         aten/src/ATen/native/transformers/cuda/mem_eff_attention/kernel_forward.h)."""
-        if self.cuda and self.p == 4:
+        if self.cuda and self.p == 4 and self.cp == 1:  # the cp attention saves its merged, unpadded one
             return self.b * -(-self.s // 32) * 32
         return self.n
 
