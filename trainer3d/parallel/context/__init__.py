@@ -9,7 +9,9 @@ the keys and values of the earlier positions, held by other cp ranks.
   2·cp−1−i (Megatron-Core's layout), so every rank does the same attention work — and the
   positions (RoPE) of a rank's tokens.
 - ``kernels``: attention of one query block on one key/value block, returning its
-  log-sum-exp, its backward, and the merge of partial results through their log-sum-exp.
+  log-sum-exp, its backward, and the merge of partial results through their log-sum-exp;
+  which kernel does it for a device and dtype (``block_kernel``).
+- ``fused``: the block on CUDA through torch's flash and memory-efficient kernels.
 - ``comm``: the exchange of key/value blocks over the cp group: passed around a ring with
   send/recv (overlapped with the current block's compute), or all-gathered at once.
 - ``attention``: the exact causal attention across shards as one autograd Function (it
