@@ -25,6 +25,6 @@ def test_fp32_grouped_attention_runs_the_memory_efficient_kernel():
     with sdpa_kernel([SDPBackend.MATH]):
         want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
-    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, want, rtol=1e-3, atol=1e-4)
     for g, w in zip(grads, want_grads):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3)

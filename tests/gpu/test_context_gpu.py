@@ -47,10 +47,19 @@ def _ring_on_one_device(q, k, v, dout, cp):
     return unshard_sequence(outs, dim=2), unshard_sequence(dqs, dim=2), dk, dv
 
 
-@pytest.mark.parametrize("dtype, kernel, tol", [(torch.bfloat16, "cuda_flash", 3e-2),
-                                                (torch.float32, "cuda_efficient", 2e-4)])
+def _torch_own(q, k, v, dout):
+    """torch's SDPA on the whole sequence in the inputs' dtype (its fused kernel) and its gradients."""
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, enable_gqa=True)
+    out.backward(dout)
+    return out.detach(), qr.grad, kr.grad, vr.grad
+
+
+@pytest.mark.parametrize("dtype, kernel", [(torch.bfloat16, "cuda_flash"), (torch.float32, "cuda_efficient")])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_cuda_ring_attention_equals_full_sdpa(dtype, kernel, tol, cp):
+def test_cuda_ring_attention_equals_full_sdpa(dtype, kernel, cp):
+    """Output and q/k/v gradients no further from the fp64 result than torch's own attention in
+    the same dtype over the whole sequence (twice its error, the ring's merges rounding too)."""
     torch.manual_seed(0)
     b, heads, kv_heads, seq, d = 2, 8, 2, 1024, 64
     q = torch.randn(b, heads, seq, d, device="cuda", dtype=dtype)
@@ -61,6 +70,9 @@ def test_cuda_ring_attention_equals_full_sdpa(dtype, kernel, tol, cp):
     with sdpa_kernel([SDPBackend.MATH]):
         want = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, enable_gqa=True)
     want.backward(dout.double())
+    exact = (want.detach(), qr.grad, kr.grad, vr.grad)
+    own = _torch_own(q, k, v, dout)
     got = _ring_on_one_device(q, k, v, dout, cp)
-    for g, w in zip(got, (want, qr.grad, kr.grad, vr.grad)):
-        torch.testing.assert_close(g.double(), w.detach(), rtol=tol, atol=tol)
+    for name, g, o, w in zip(("out", "dq", "dk", "dv"), got, own, exact):
+        ring_err, torch_err = (g.double() - w).abs().max().item(), (o.double() - w).abs().max().item()
+        assert ring_err <= 2 * torch_err + 1e-6, (name, ring_err, torch_err)
