@@ -5,6 +5,7 @@ which is fastest.
     settings.py    cluster.* and search.* on top of the training schema
     devices.py     device presets (with their sources) and calibration files
     calibrate.py   --calibrate: this machine's matmul rate, memory bandwidth, collectives
+    calibrate_gpu.py  --calibrate on CUDA: the GPU's preset with its matmul rate and bandwidth measured
     step_time.py   the step-time model
     block_time.py  one block's forward and backward by term
     kernels.py     GPU kernels by shape: GEMMs, attention, launches (with their sources)

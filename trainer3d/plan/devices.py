@@ -162,6 +162,8 @@ def load_calibration(path: str) -> Device:
     data = json.loads(file.read_text())
     for key in ("node_scaling", "latency_by_ranks", "action_by_ranks"):
         data[key] = {int(k): v for k, v in data.get(key, {}).items()}
+    if data.get("kernels"):  # a calibrated GPU preset (trainer3d/plan/calibrate_gpu.py)
+        data["kernels"] = Kernels(**{**data["kernels"], "mamf_shape": tuple(data["kernels"]["mamf_shape"])})
     return Device(**data)
 
 
