@@ -206,18 +206,47 @@ def _head_s(cfg: Config, device: Device, z: Sizes, ranks_per_node: int) -> Tuple
     return head + 2 * logits / bw, 2 * head + 3 * logits / bw
 
 
-def _link_gbps(device: Device, span: int, ranks_per_node: int) -> float:
-    """A group whose members lie ``span`` ranks apart end to end crosses nodes when wider than one."""
-    return device.intra_gbps if span <= ranks_per_node else device.inter_gbps
+def _link_gbps(device: Device, span: int, ranks_per_node: int, members_per_node: int = 1) -> float:
+    """A group whose members lie ``span`` ranks apart end to end crosses nodes when wider than one.
+
+    Across nodes, a group with several members on each node runs that many rings at once, one
+    through each member's own NIC (NCCL's channels over the node's rails, every GPU of a DGX-like
+    node with its NIC: Hu et al. 2025, "Demystifying NCCL", arXiv:2507.04786, sec. 3): the
+    network's share grows with the members per node, up to what the links inside the node carry.
+    A data-parallel group beside tp = 8 has one member per node (``inter_gbps``); FSDP over all
+    of a node's 8 GPUs has eight."""
+    if span <= ranks_per_node:
+        return device.intra_gbps
+    return min(device.intra_gbps, device.inter_gbps * max(1, members_per_node))
+
+
+NCCL_CHANNELS = 32
+"""Thread blocks a collective occupies, one SM each, while it runs: NCCL runs one block per
+channel and opens up to 32 channels on NVLink nodes (``NCCL_DEBUG=INFO`` prints "32 coll
+channels" at start-up on a DGX H100 or A100; NCCL_MAX_CTAS / NCCL_MIN_CTAS in NCCL's environment
+variables page, docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html, set it). An
+assumption where a node's log says otherwise."""
+
+
+def overlap_cost(device: Device, hidden_s: float) -> float:
+    """What a collective overlapped with compute costs the compute: its thread blocks hold
+    ``NCCL_CHANNELS`` of the GPU's SMs for ``hidden_s``, so the kernels beside it run on the
+    rest (Hu et al. 2025, "Demystifying NCCL", arXiv:2507.04786, sec. 3: a channel is one CUDA
+    block on one SM). GPU presets only: CPU ranks' collectives run on threads of their own."""
+    if device.kernels is None or hidden_s <= 0:
+        return 0.0
+    return hidden_s * min(1.0, NCCL_CHANNELS / device.kernels.sms)
 
 
 def _dp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: RankTimes,
                 ranks_per_node: int, backend: str) -> float:
+    """The data-parallel communication one step waits for, plus what the part it overlaps
+    with compute costs that compute (``overlap_cost``)."""
     p, t = cfg.parallel, cfg.train
     n = p.dp * p.cp  # gradients are reduced, and ZeRO shards, over dp x cp
     if n == 1:
         return 0.0
-    gbps = _link_gbps(device, p.tp * n, ranks_per_node)
+    gbps = _link_gbps(device, p.tp * n, ranks_per_node, min(n, ranks_per_node // p.tp))
     lat = device.latency(min(ranks_per_node, p.tp * p.pp * n))
     m = t.grad_accum_steps
     if p.zero_stage in (2, 3):
@@ -227,18 +256,22 @@ def _dp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: Ran
         gather = unit_gathers_s(b * params, units, n, gbps, lat)
         scatter = unit_gathers_s(FP32 * params, units, n, gbps, lat)
         bwd_gather = gather if p.zero_stage == 3 else 0.0
-        per_micro = max(0.0, gather - times.forward) + max(0.0, bwd_gather + scatter - times.backward)
-        return m * per_micro + gather / (cfg.model.n_layers + 1)
+        fwd_exposed, bwd_exposed = max(0.0, gather - times.forward), max(0.0, bwd_gather + scatter - times.backward)
+        hidden = m * (gather + bwd_gather + scatter - fwd_exposed - bwd_exposed)
+        return m * (fwd_exposed + bwd_exposed) + gather / (cfg.model.n_layers + 1) + overlap_cost(device, hidden)
     grads = states.grads
     scatter = p.zero_stage == 1 and backend == "nccl"
     reduce = gather_s(grads, n, gbps, lat) if scatter else all_reduce_s(grads, n, gbps, lat)
     bucket_share = min(1.0, p.bucket_mb * 2 ** 20 / max(1, grads))
     last_bucket = reduce * bucket_share
     exposed = last_bucket + max(0.0, reduce - last_bucket - times.backward)
+    hidden = reduce - exposed
     if p.zero_stage == 1:  # waited for bucket by bucket in the next first forward (parallel/zero/param_gather.py)
         gather = gather_s(states.params, n, gbps, lat)
-        exposed += gather * bucket_share + max(0.0, gather * (1 - bucket_share) - times.forward)
-    return exposed
+        gather_exposed = gather * bucket_share + max(0.0, gather * (1 - bucket_share) - times.forward)
+        exposed += gather_exposed
+        hidden += gather - gather_exposed
+    return exposed + overlap_cost(device, hidden)
 
 
 def offload_s(cfg: Config, states: ModelStateBytes, backward: float, node_ranks: int, link: HostLink) -> float:
