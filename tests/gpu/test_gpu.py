@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from tests.support.runs import PARITY, assert_parity, losses, read_metrics, run_train
 from trainer3d.config.schema import ModelConfig
@@ -54,7 +55,6 @@ def counted_flops_per_token(cfg: ModelConfig, seq: int) -> float:
     """FLOPs of one token's forward and backward as torch's FlopCounterMode counts the model's
     aten ops on this GPU (its own formulas for mm and the CUDA attention kernels): a count
     independent of trainer3d/model/flops.py's formula."""
-    from torch.utils.flop_counter import FlopCounterMode
     model = Transformer(cfg).cuda()
     ids = torch.randint(0, cfg.vocab_size, (1, seq + 1), device="cuda")
     with FlopCounterMode(display=False) as counter:

@@ -13,6 +13,8 @@ import torch
 from tests.conftest import ROOT
 from trainer3d.plan.calibrate_gpu import calibrated_device, device_record, preset_for
 from trainer3d.plan.devices import PRESETS, load_calibration
+from trainer3d.plan.evaluate import evaluate_layout, summary
+from trainer3d.plan.probe import training_config
 from trainer3d.tools import gpu_check
 from trainer3d.tools.gpu_check import CHECKS, Result, planner_errors, summarise
 
@@ -74,8 +76,6 @@ def test_planner_errors_are_relative_to_the_measurement():
 def test_the_planner_evaluates_the_mfu_run_on_a_preset():
     """What the planner check evaluates on the GPU node, here on the H100 preset: the mfu run's
     own model and batch (1.3B, 2,048 tokens) on one GPU."""
-    from trainer3d.plan.evaluate import evaluate_layout, summary
-    from trainer3d.plan.probe import training_config
     cfg = gpu_check.plan_of(training_config([o for o in gpu_check.MFU_RUN if not o.startswith(
         ("train.device", "train.compile"))]), "h100-sxm")
     fields = summary(cfg, PRESETS["h100-sxm"], evaluate_layout(cfg, PRESETS["h100-sxm"]))

@@ -35,7 +35,15 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 from xml.etree import ElementTree
 
+import torch
+
 from trainer3d.checkpoint import store
+from trainer3d.config.schema import Config
+from trainer3d.plan.calibrate_gpu import calibrated_device, measure, preset_for
+from trainer3d.plan.devices import PRESETS
+from trainer3d.plan.evaluate import evaluate_layout, summary
+from trainer3d.plan.probe import training_config
+from trainer3d.plan.settings import PlanConfig
 from trainer3d.tools.parity import PACKAGE_PARENT, read_losses, train_command
 
 CHECKS = {
@@ -154,8 +162,6 @@ def planner_errors(measured: float, predicted: Dict[str, float]) -> Dict[str, fl
 
 def plan_of(cfg, gpu: str):
     """The planner's config of a training config run on one GPU of preset ``gpu``."""
-    from trainer3d.config.schema import Config
-    from trainer3d.plan.settings import PlanConfig
     plan = PlanConfig(**{f.name: getattr(cfg, f.name) for f in fields(Config)})
     plan.cluster.gpu, plan.cluster.nodes, plan.cluster.gpus_per_node, plan.cluster.attention = gpu, 1, 1, "flash"
     plan.plan.evaluate = True
@@ -165,12 +171,6 @@ def plan_of(cfg, gpu: str):
 def check_planner(work: Path, measured: Optional[float]) -> Result:
     if measured is None:
         return Result("planner", "skip", "needs the mfu check's measurement")
-    import torch
-
-    from trainer3d.plan.calibrate_gpu import calibrated_device, measure, preset_for
-    from trainer3d.plan.devices import PRESETS
-    from trainer3d.plan.evaluate import evaluate_layout, summary
-    from trainer3d.plan.probe import training_config
     props = torch.cuda.get_device_properties(0)
     key = preset_for(props.name, props.total_memory / 2 ** 30)
     if key is None:
@@ -224,7 +224,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     unknown = [n for n in names if n not in CHECKS]
     if unknown:
         parser.error(f"--only {','.join(unknown)}: not a check; the checks: {', '.join(CHECKS)}")
-    import torch
     if not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)
         return 2
