@@ -5,12 +5,13 @@
     trainer3d-gpu-check --only resume,mfu --out report.json
 
 On whatever GPUs are visible, in at most about 8 minutes on one GPU (each check has a time
-limit; ``--tier-timeout`` sets the longest):
+limit; ``--tier-timeout`` sets the longest, the tier's: 300 s on one GPU, 1800 s with more):
 
     tier     the GPU tier, ``pytest -m gpu tests/gpu`` in a subprocess: one GPU's tests, and the
              multi-GPU parity matrix's cases that fit the node (a checkout's tests/ is needed)
     resume   a bf16 run of 20 steps saving at step 10 in the background, resumed from that save
-             in a new run: the resumed steps' losses equal the uninterrupted run's, bit for bit
+             in a new run: the resumed steps' losses equal the uninterrupted run's (to 1e-3:
+             CUDA's atomic sums in attention's backward; bit for bit where none run)
     mfu      a short bf16 + torch.compile run of the 1.3B model (one GPU, 2,048 tokens a
              sequence): tokens/s and MFU of its last steps
     planner  the planner's prediction of that run, from the GPU's preset and from the preset
@@ -48,7 +49,7 @@ from trainer3d.tools.parity import PACKAGE_PARENT, read_losses, train_command
 
 CHECKS = {
     "tier": "the GPU tier: pytest -m gpu tests/gpu (multi-GPU cases as the node's GPUs allow)",
-    "resume": "bf16 20 steps with a background save at step 10, resumed: losses bit-identical",
+    "resume": "bf16 20 steps with a background save at step 10, resumed: the same losses (1e-3)",
     "mfu": "bf16 + compile, 1.3B model, one GPU: tokens/s and MFU",
     "planner": "the planner's tokens/s for the mfu run (preset and calibrated) against the measured",
 }
@@ -59,6 +60,11 @@ MFU_RUN = ("model=1.3b", "train.seq_len=2048", "train.micro_batch_size=2", "trai
            "train.grad_accum_steps=null", "train.dtype=bf16", "train.compile=true", "train.max_steps=12",
            "train.log_every=1", "train.eval_every=0", "checkpoint.save_final=false", "parallel=single",
            "train.device=cuda")
+RESUME_REL_TOL = 1e-3
+"""The resumed steps against the uninterrupted run's. The same arithmetic gives the same bits,
+except where a CUDA kernel sums in a varying order (the memory-efficient and flash attention
+backward accumulate with atomics: torch's reproducibility notes); a state restored wrongly (a
+moment reset, a master weight lost) moves bf16 losses by far more."""
 MFU_STEPS_READ = 5
 """The last steps the mfu check reads (the first ones compile)."""
 
@@ -139,11 +145,15 @@ def check_resume(work: Path, timeout: float) -> Result:
         return Result("resume", "fail", f"no step-10 checkpoint: {step_10}")
     _train(work / "resumed", [*base, f"train.resume={step_10}"], timeout / 2)
     whole, resumed = read_losses(work / "whole"), read_losses(work / "resumed")
-    same = resumed == whole[10:]
-    return Result("resume", "pass" if same else "fail",
-                  "steps 10-19 bit-identical after the resume" if same else
-                  f"resumed losses differ: {resumed[:3]} vs {whole[10:13]} ...",
-                  figures={"steps_compared": len(resumed)})
+    if len(resumed) != 10:
+        return Result("resume", "fail", f"the resumed run logged {len(resumed)} steps, not steps 10-19")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(resumed, whole[10:]))
+    ok = worst <= RESUME_REL_TOL
+    return Result("resume", "pass" if ok else "fail",
+                  ("steps 10-19 bit-identical after the resume" if worst == 0 else
+                   f"steps 10-19 within {worst:.1e} of the uninterrupted run") if ok else
+                  f"resumed losses differ by up to {worst:.1e}: {resumed[:3]} vs {whole[10:13]} ...",
+                  figures={"steps_compared": len(resumed), "worst_relative_difference": worst})
 
 
 def check_mfu(work: Path, timeout: float) -> Result:
@@ -215,7 +225,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--list", action="store_true", help="print the checks, one a line, and exit")
     parser.add_argument("--only", default=",".join(CHECKS), help="checks to run, comma-separated")
     parser.add_argument("--out", type=Path, default=Path("gpu-check.json"), help="the JSON report")
-    parser.add_argument("--tier-timeout", type=float, default=300, help="seconds for the tier's pytest")
+    parser.add_argument("--tier-timeout", type=float, default=0,
+                        help="seconds for the tier's pytest (default: 300 on one GPU, 1800 with more)")
     args = parser.parse_args(argv)
     if args.list:
         print("\n".join(f"{name:8s} {what}" for name, what in CHECKS.items()))
@@ -227,10 +238,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)
         return 2
-    gpu = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    gpus = torch.cuda.device_count()
+    gpu = f"{gpus} x {torch.cuda.get_device_name(0)}"
+    tier_timeout = args.tier_timeout or (300 if gpus == 1 else 1800)  # the multi-GPU matrix starts 8-rank runs
     work = args.out.parent / f"{args.out.stem}-runs"  # kept: the runs and the tier's log, for a failure's reader
     work.mkdir(parents=True, exist_ok=True)
-    results = run_checks(names, work, args.tier_timeout)
+    results = run_checks(names, work, tier_timeout)
     text, report = summarise(results, gpu)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"{text}\nreport: {args.out}")
