@@ -92,13 +92,14 @@ def test_layout_on_nccl_matches_one_gpu(tmp_path, reference_root, gpus, model, l
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
 @pytest.mark.skipif(GPUS < 4, reason=f"needs 4 GPUs, {GPUS} visible")
 def test_resume_on_nccl_into_another_layout(tmp_path, reference_root):
-    """tp2 x dp2 ZeRO-1 saves at step 10 (its shards staged from the GPUs); dp2 ZeRO-3 (FSDP2)
-    and then pp2 resume it: the steps after each resume are the one-GPU run's."""
+    """dp2 ZeRO-3 (FSDP2's shards, staged from the GPUs) saves at step 10; tp2 x dp2 ZeRO-1 and
+    pp2 resume it (the directions tests/integration/test_checkpoint_resume.py proves on gloo):
+    the steps after each resume are the one-GPU run's."""
     ref = one_gpu_losses(reference_root, KV4)
-    first = tmp_path / "tp2-dp2"
-    run_train(first, [*PARITY, *CUDA, *KV4, *layout(tp=2, dp=2, zero=1), "checkpoint.every=10", "checkpoint.keep=5"],
+    first = tmp_path / "dp2-z3"
+    run_train(first, [*PARITY, *CUDA, *KV4, *layout(dp=2, zero=3), "checkpoint.every=10", "checkpoint.keep=5"],
               timeout=RUN_TIMEOUT)
-    for name, lay in (("dp2-z3", layout(dp=2, zero=3)), ("pp2", layout(pp=2))):
+    for name, lay in (("tp2-dp2-z1", layout(tp=2, dp=2, zero=1)), ("pp2", layout(pp=2))):
         run = tmp_path / name
         proc = run_train(run, [*PARITY, *CUDA, *KV4, *lay, f"train.resume={store.step_dir(first / 'checkpoints', 10)}"],
                          timeout=RUN_TIMEOUT)
@@ -107,7 +108,7 @@ def test_resume_on_nccl_into_another_layout(tmp_path, reference_root):
         assert [r["step"] for r in rows] == list(range(10, 20)), [r["step"] for r in rows]
         got = [r["loss"] for r in rows]
         worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref[10:]))
-        assert worst <= 1e-5, f"{name} resumed from tp2 x dp2: worst relative difference {worst:.2e}"
+        assert worst <= 1e-5, f"{name} resumed from dp2 ZeRO-3: worst relative difference {worst:.2e}"
 
 
 BF16_REL_TOL = 2e-2

@@ -190,8 +190,10 @@ def check_planner(work: Path, measured: Optional[float]) -> Result:
     predicted = {name: summary(cfg, device, evaluate_layout(cfg, device))["tokens_per_s_per_gpu"]
                  for name, device in ((key, PRESETS[key]), ("calibrated", calibrated))}
     errors = planner_errors(measured, predicted)
-    (work / "calibration.json").write_text(json.dumps(asdict(calibrated), indent=1) + "\n")
-    return Result("planner", "pass", ", ".join(f"{n}: {predicted[n]:,.0f} tokens/s ({e:+.1%})" for n, e in errors.items()),
+    calibration = work / "calibration.json"  # what cluster.gpu=calibrated cluster.calibration=<it> reads
+    calibration.write_text(json.dumps(asdict(calibrated), indent=1) + "\n")
+    return Result("planner", "pass", ", ".join(f"{n}: {predicted[n]:,.0f} tokens/s ({e:+.1%})" for n, e in errors.items())
+                  + f"; preset calibrated: {calibration}",
                   figures={**{f"predicted_{n}": v for n, v in predicted.items()},
                            **{f"error_{n}": e for n, e in errors.items()}})
 
