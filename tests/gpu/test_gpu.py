@@ -101,6 +101,7 @@ def test_compiled_matches_eager_on_gpu(tmp_path, fp32_cuda):
     print(f"compiled vs eager on CUDA: worst relative loss difference {worst:.1e}")
 
 
+@pytest.mark.slow  # two compilations: trainer3d-gpu-check runs it on one GPU with --full-tier only
 @pytest.mark.parametrize("extra", [("parallel.zero_stage=3",), ("train.activation_checkpointing=true",)],
                          ids=["zero3-fsdp2", "recompute"])
 def test_compiled_with_zero3_or_recomputation_matches_eager(tmp_path, fp32_cuda, extra):

@@ -52,7 +52,7 @@ def one_nccl_rank(tmp_path_factory):
 
 
 @pytest.mark.parametrize("model,micro,recompute", [("125m", 1, False), ("125m", 4, False), ("125m", 4, True),
-                                                   ("350m", 2, False)])
+                                                   pytest.param("350m", 2, False, marks=pytest.mark.slow)])
 def test_the_memory_check_is_within_10_percent_of_the_allocators_peak(one_nccl_rank, model, micro, recompute):
     tool = _tool()
     cfg = tool.point_config(model, micro, SEQ, "bf16", recompute, "cuda")
@@ -75,6 +75,7 @@ def dry_run_peak(stdout: str) -> float:
     return float(found.group(1)) * UNITS[found.group(2)]
 
 
+@pytest.mark.slow  # six entry-point runs of a 125M model: trainer3d-gpu-check runs it on one GPU with --full-tier
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("extra", [(), ("train.activation_checkpointing=true",), ("parallel.zero_stage=3",)],
                          ids=["zero0", "recompute", "zero3-fsdp2"])

@@ -27,7 +27,7 @@ from trainer3d.checkpoint import store
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,  # runs of 2-8 ranks; skipped on one GPU anyway
               pytest.mark.skipif(GPUS == 0, reason="no CUDA device visible (the gpu tier needs one; run "
                                  "`pytest -m gpu` on a GPU machine)")]
 

@@ -7,8 +7,9 @@
 On whatever GPUs are visible, in at most about 8 minutes on one GPU (each check has a time
 limit; ``--tier-timeout`` sets the longest, the tier's: 300 s on one GPU, 1800 s with more):
 
-    tier     the GPU tier, ``pytest -m gpu tests/gpu`` in a subprocess: one GPU's tests, and the
-             multi-GPU parity matrix's cases that fit the node (a checkout's tests/ is needed)
+    tier     the GPU tier, ``pytest -m gpu tests/gpu`` in a subprocess: on a node of several GPUs
+             all of it (the multi-GPU parity matrix's cases that fit the node), on one GPU the
+             tests not marked ``slow`` (``--full-tier``: all); a checkout's tests/ is needed
     resume   a bf16 run of 20 steps saving at step 10 in the background, resumed from that save
              in a new run: the resumed steps' losses equal the uninterrupted run's (to 1e-3:
              CUDA's atomic sums in attention's backward; bit for bit where none run)
@@ -112,12 +113,12 @@ def _rows(run_dir: Path) -> List[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def check_tier(work: Path, timeout: float) -> Result:
+def check_tier(work: Path, timeout: float, marks: str) -> Result:
     tests = Path(PACKAGE_PARENT) / "tests" / "gpu"
     if not tests.is_dir():
         return Result("tier", "skip", f"no {tests}: the tier is in a checkout of the repository, not the install")
     junit = work / "tier.xml"
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-n", "0", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "-m", marks, "-q", "-n", "0", "-p", "no:cacheprovider",
            f"--junitxml={junit}", str(tests)]
     with open(work / "tier.log", "w") as log:
         try:
@@ -198,7 +199,7 @@ def check_planner(work: Path, measured: Optional[float]) -> Result:
                            **{f"error_{n}": e for n, e in errors.items()}})
 
 
-def run_checks(names: Sequence[str], work: Path, tier_timeout: float) -> List[Result]:
+def run_checks(names: Sequence[str], work: Path, tier_timeout: float, tier_marks: str) -> List[Result]:
     results: List[Result] = []
     measured: List[Optional[float]] = [None]
 
@@ -207,7 +208,7 @@ def run_checks(names: Sequence[str], work: Path, tier_timeout: float) -> List[Re
         measured[0] = result.figures["tokens_per_s_per_gpu"]
         return result
     runs: Dict[str, Callable[[Path], Result]] = {
-        "tier": lambda w: check_tier(w, tier_timeout), "resume": lambda w: check_resume(w, 120),
+        "tier": lambda w: check_tier(w, tier_timeout, tier_marks), "resume": lambda w: check_resume(w, 120),
         "mfu": mfu, "planner": lambda w: check_planner(w, measured[0])}
     for name in names:
         started = time.perf_counter()
@@ -229,6 +230,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("gpu-check.json"), help="the JSON report")
     parser.add_argument("--tier-timeout", type=float, default=0,
                         help="seconds for the tier's pytest (default: 300 on one GPU, 1800 with more)")
+    parser.add_argument("--full-tier", action="store_true",
+                        help="the whole tier on one GPU too (default there: its tests not marked slow)")
     args = parser.parse_args(argv)
     if args.list:
         print("\n".join(f"{name:8s} {what}" for name, what in CHECKS.items()))
@@ -242,10 +245,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     gpus = torch.cuda.device_count()
     gpu = f"{gpus} x {torch.cuda.get_device_name(0)}"
-    tier_timeout = args.tier_timeout or (300 if gpus == 1 else 1800)  # the multi-GPU matrix starts 8-rank runs
+    full = args.full_tier or gpus > 1  # one GPU: the quick part fits the 8 minutes; a node of several runs it all
+    tier_timeout = args.tier_timeout or (300 if not full else 1800)  # the multi-GPU matrix starts 8-rank runs
     work = args.out.parent / f"{args.out.stem}-runs"  # kept: the runs and the tier's log, for a failure's reader
     work.mkdir(parents=True, exist_ok=True)
-    results = run_checks(names, work, tier_timeout)
+    results = run_checks(names, work, tier_timeout, "gpu" if full else "gpu and not slow")
     text, report = summarise(results, gpu)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"{text}\nreport: {args.out}")
