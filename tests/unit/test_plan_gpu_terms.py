@@ -1,4 +1,4 @@
-"""The planner's GPU terms (trainer3d/plan/step_time.py, kernels.py) against their sources, and
+"""The planner's GPU terms (trainer3d/plan/links.py, kernels.py) against their sources, and
 the held-out H100 runs of trainer3d/plan/published.py: every error printed, and the FSDP runs
 across nodes predicted like the ones on one node (docs/planning.md, "Held out: H100 FSDP runs")."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from trainer3d.plan.devices import PRESETS
 from trainer3d.plan.published import H100_RUNS, MOSAIC_H100, check
-from trainer3d.plan.step_time import _link_gbps, overlap_cost
+from trainer3d.plan.links import _link_gbps, overlap_cost
 
 H100 = PRESETS["h100-sxm"]
 

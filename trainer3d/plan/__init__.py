@@ -7,6 +7,7 @@ which is fastest.
     calibrate.py   --calibrate: this machine's matmul rate, memory bandwidth, collectives
     calibrate_gpu.py  --calibrate on CUDA: the GPU's preset with its matmul rate and bandwidth measured
     step_time.py   the step-time model
+    links.py       which link a group's collectives cross; what overlapping them costs the compute
     block_time.py  one block's forward and backward by term
     kernels.py     GPU kernels by shape: GEMMs, attention, launches (with their sources)
     probe.py       the engine at a negligible size, for --calibrate's fixed costs

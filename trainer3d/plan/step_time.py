@@ -50,6 +50,7 @@ from trainer3d.memory.states import BYTES, ModelStateBytes
 from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
 from trainer3d.plan.block_time import all_reduce_s, block_time, tp_region_s
 from trainer3d.plan.devices import Device
+from trainer3d.plan.links import _link_gbps, overlap_cost
 
 ADAMW_BYTES = 36  # per owned element: read grad, moments, master/param; write moments, master/param (+16-bit copy)
 HOST_ADAMW_BYTES = 32  # the host kernel: read master, grad, moments; write them back (the gradient divided in place)
@@ -204,38 +205,6 @@ def _head_s(cfg: Config, device: Device, z: Sizes, ranks_per_node: int) -> Tuple
     bw = (device.elementwise_gbps or device.memory_gbps) * 1e9 * speed
     head = 2 * z.n * z.h * z.vocab_local / rate
     return head + 2 * logits / bw, 2 * head + 3 * logits / bw
-
-
-def _link_gbps(device: Device, span: int, ranks_per_node: int, members_per_node: int = 1) -> float:
-    """A group whose members lie ``span`` ranks apart end to end crosses nodes when wider than one.
-
-    Across nodes, a group with several members on each node runs that many rings at once, one
-    through each member's own NIC (NCCL's channels over the node's rails, every GPU of a DGX-like
-    node with its NIC: Hu et al. 2025, "Demystifying NCCL", arXiv:2507.04786, sec. 3): the
-    network's share grows with the members per node, up to what the links inside the node carry.
-    A data-parallel group beside tp = 8 has one member per node (``inter_gbps``); FSDP over all
-    of a node's 8 GPUs has eight."""
-    if span <= ranks_per_node:
-        return device.intra_gbps
-    return min(device.intra_gbps, device.inter_gbps * max(1, members_per_node))
-
-
-NCCL_CHANNELS = 32
-"""Thread blocks a collective occupies, one SM each, while it runs: NCCL runs one block per
-channel and opens up to 32 channels on NVLink nodes (``NCCL_DEBUG=INFO`` prints "32 coll
-channels" at start-up on a DGX H100 or A100; NCCL_MAX_CTAS / NCCL_MIN_CTAS in NCCL's environment
-variables page, docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html, set it). An
-assumption where a node's log says otherwise."""
-
-
-def overlap_cost(device: Device, hidden_s: float) -> float:
-    """What a collective overlapped with compute costs the compute: its thread blocks hold
-    ``NCCL_CHANNELS`` of the GPU's SMs for ``hidden_s``, so the kernels beside it run on the
-    rest (Hu et al. 2025, "Demystifying NCCL", arXiv:2507.04786, sec. 3: a channel is one CUDA
-    block on one SM). GPU presets only: CPU ranks' collectives run on threads of their own."""
-    if device.kernels is None or hidden_s <= 0:
-        return 0.0
-    return hidden_s * min(1.0, NCCL_CHANNELS / device.kernels.sms)
 
 
 def _dp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: RankTimes,
