@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The planner against published large training runs: for each run of
 trainer3d/plan/published.py (Megatron-LM 2021 Table 1, Korthikanti et al. 2022, MT-NLG 530B,
-BLOOM 176B, Llama 3 405B), its published layout evaluated as ``plan.evaluate=true`` would,
+BLOOM 176B, Llama 3 405B; held out: H100 runs of MosaicML and torchtitan), its published layout evaluated as ``plan.evaluate=true`` would,
 the published throughput against the predicted one, and whether the layout fits.
 
     python tools/bench/published_runs.py              # the markdown table of docs/planning.md
@@ -23,11 +23,13 @@ def layout(c: Check) -> str:
     r = c.run
     parts = [f"tp{r.tp}" + (f" cp{r.cp}" if r.cp > 1 else "") + f" pp{r.pp} dp{r.gpus // (r.tp * r.cp * r.pp)}", f"micro {r.micro}", f"batch {r.global_batch}"]
     parts += (["SP"] if r.sp else []) + (["recompute"] if r.recompute else []) + [r.attention]
+    parts += [f"ZeRO-{r.zero_stage} (FSDP)"] if r.zero_stage >= 2 else []
     return ", ".join(parts)
 
 
 def published(c: Check) -> str:
-    unit = {"tflops_recompute": "TFLOP/s", "iteration_s": "s/iteration", "model_tflops": "model TFLOP/s"}[c.run.unit]
+    unit = {"tflops_recompute": "TFLOP/s", "iteration_s": "s/iteration", "model_tflops": "model TFLOP/s",
+            "tokens_per_s": "tokens/s/GPU"}[c.run.unit]
     return f"{c.run.published:g} {unit}"
 
 

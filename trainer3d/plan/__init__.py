@@ -5,7 +5,9 @@ which is fastest.
     settings.py    cluster.* and search.* on top of the training schema
     devices.py     device presets (with their sources) and calibration files
     calibrate.py   --calibrate: this machine's matmul rate, memory bandwidth, collectives
+    calibrate_gpu.py  --calibrate on CUDA: the GPU's preset with its matmul rate and bandwidth measured
     step_time.py   the step-time model
+    links.py       which link a group's collectives cross; what overlapping them costs the compute
     block_time.py  one block's forward and backward by term
     kernels.py     GPU kernels by shape: GEMMs, attention, launches (with their sources)
     probe.py       the engine at a negligible size, for --calibrate's fixed costs

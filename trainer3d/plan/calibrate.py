@@ -45,6 +45,7 @@ from torch import nn
 from trainer3d.memory.activations import Sizes
 from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.model.transformer import Block
+from trainer3d.plan.calibrate_gpu import calibrate_cuda
 from trainer3d.plan.devices import DEFAULT_CALIBRATION, Device
 from trainer3d.plan.probe import measured_step_s, training_config
 from trainer3d.plan.search import evaluate
@@ -256,7 +257,8 @@ def main(argv: List[str]) -> None:
     parser.add_argument("--calibrate", action="store_true")
     parser.add_argument("--out", default=DEFAULT_CALIBRATION, help="where to write (cluster.calibration reads it)")
     args = parser.parse_args(argv)
-    figures = calibrate()
+    # A CUDA node calibrates its GPU preset (calibrate_gpu.py); a CPU node measures everything.
+    figures = calibrate_cuda() if torch.cuda.is_available() else calibrate()
     out = Path(os.path.expanduser(args.out))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(figures, indent=1) + "\n")

@@ -162,6 +162,10 @@ def load_calibration(path: str) -> Device:
     data = json.loads(file.read_text())
     for key in ("node_scaling", "latency_by_ranks", "action_by_ranks"):
         data[key] = {int(k): v for k, v in data.get(key, {}).items()}
+    if data.get("kernels"):  # a calibrated GPU preset (trainer3d/plan/calibrate_gpu.py)
+        k = data["kernels"]
+        data["kernels"] = Kernels(**{**k, "mamf_shape": tuple(k["mamf_shape"]),
+                                     "flash_tflops": tuple(tuple(row) for row in k.get("flash_tflops", ()))})
     return Device(**data)
 
 

@@ -27,7 +27,11 @@ Attention, per micro-batch on one tensor-parallel rank:
            ``flash_fraction`` of the data-sheet peak: FlashAttention-2 reaches 50-73% of the
            A100's peak forward (Dao 2023, arXiv:2307.08691, abstract), its backward less, so
            0.55 for both; on H100 the FlashAttention-2 kernel torch runs reaches 35% (Shah et
-           al. 2024, "FlashAttention-3", arXiv:2407.08608, abstract)
+           al. 2024, "FlashAttention-3", arXiv:2407.08608, abstract) at long sequences and less
+           at short ones: the H100 presets take FlashAttention-2's measured rate by sequence
+           length (``flash_tflops``, head dim 128, H100 80GB SXM5: the paper's Figure 5, causal
+           forward, and Figure 6, backward; the backward is plotted without the mask, and the
+           causal one is assumed to run at that rate), interpolated in log2(seq)
     math   unfused (torch's math SDPA; Megatron-LM 2021's baddbmm + fused softmax + bmm): every
            score computed (s^2, the mask applied after), QK^T (s x s, head dim deep) and PV
            (s x head dim, s deep) as batched GEMMs by shape, plus the s^2 scores through
@@ -78,6 +82,22 @@ class Kernels:
     """FlashAttention forward + backward, of the data-sheet peak."""
     launch_us: float = 10.0
     """Host time to dispatch one eager operator."""
+    flash_tflops: Tuple[Tuple[int, float, float], ...] = ()
+    """Measured FlashAttention rates by sequence length: (seq, forward, backward TFLOP/s of the
+    causal half); empty: ``flash_fraction`` of the peak at every length."""
+
+    def flash_rates(self, s: int) -> Tuple[float, float]:
+        """FLOP/s of the flash kernel's forward and backward at sequence length ``s``."""
+        if not self.flash_tflops:
+            rate = self.flash_fraction * self.peak_tflops * 1e12
+            return rate, rate
+        table = sorted(self.flash_tflops)
+        x = math.log2(min(max(s, table[0][0]), table[-1][0]))
+        for (s0, f0, b0), (s1, f1, b1) in zip(table, table[1:]):
+            if x <= math.log2(s1):
+                w = (x - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
+                return (f0 + w * (f1 - f0)) * 1e12, (b0 + w * (b1 - b0)) * 1e12
+        return table[-1][1] * 1e12, table[-1][2] * 1e12
 
     @property
     def rate(self) -> float:
@@ -105,8 +125,9 @@ class Kernels:
         """Forward and backward seconds of the attention core (scores to output) of ``heads``
         local heads over a micro-batch of ``b`` sequences of ``s`` tokens."""
         if kernel == "flash":
-            fwd = 4.0 * b * s * s * heads * head_dim / 2 / (self.flash_fraction * self.peak_tflops * 1e12)
-            return fwd, 2.5 * fwd
+            flops = 4.0 * b * s * s * heads * head_dim / 2
+            fwd_rate, bwd_rate = self.flash_rates(s)
+            return flops / fwd_rate, 2.5 * flops / bwd_rate
         if kernel != "math":
             raise ValueError(f"attention kernel {kernel!r}: flash or math")
         n = b * heads
@@ -153,6 +174,13 @@ def block_ops() -> Tuple[int, int]:
     return fwd, Count.calls
 
 
+# FlashAttention-2 on an H100 80GB SXM5, head dim 128 (Shah et al. 2024, arXiv:2407.08608, Figures 5 and 6):
+# (seq, causal forward, backward) TFLOP/s. FlashAttention is compute-bound: the H200 (same SMs and clocks) runs
+# it at the same rates; the PCIe card at its peak's share (756 / 989).
+H100_FLASH2 = ((512, 191.0, 214.0), (1024, 260.0, 260.0), (2048, 298.0, 291.0), (4096, 319.0, 310.0),
+               (8192, 333.0, 318.0), (16384, 335.0, 322.0))
+H100_PCIE_FLASH2 = tuple((s, f * 756 / 989, b * 756 / 989) for s, f, b in H100_FLASH2)
+
 # Per preset; sources in the module docstring. Achievable bandwidth: 0.8 of the data sheet (devices.py).
 KERNELS = {
     "a100": Kernels(sms=108, peak_tflops=312, mamf_tflops=267.9, mamf_shape=(6912, 16384, 2048), hbm_gbps=1600,
@@ -160,10 +188,10 @@ KERNELS = {
     "a100-40g": Kernels(sms=108, peak_tflops=312, mamf_tflops=267.9, mamf_shape=(6912, 16384, 2048),
                         hbm_gbps=1244, flash_fraction=0.55),
     "h100": Kernels(sms=132, peak_tflops=989, mamf_tflops=792.1, mamf_shape=(6144, 17920, 2816), hbm_gbps=2680,
-                    flash_fraction=0.35),
+                    flash_fraction=0.35, flash_tflops=H100_FLASH2),
     # no published MAMF for the PCIe card: the SXM's, scaled by the data sheets' peaks
     "h100-pcie": Kernels(sms=114, peak_tflops=756, mamf_tflops=792.1 * 756 / 989, mamf_shape=(6144, 17920, 2816),
-                         hbm_gbps=1600, flash_fraction=0.35),
+                         hbm_gbps=1600, flash_fraction=0.35, flash_tflops=H100_PCIE_FLASH2),
     "h200": Kernels(sms=132, peak_tflops=989, mamf_tflops=792.1, mamf_shape=(6144, 17920, 2816), hbm_gbps=3840,
-                    flash_fraction=0.35),
+                    flash_fraction=0.35, flash_tflops=H100_FLASH2),
 }

@@ -50,6 +50,7 @@ from trainer3d.memory.states import BYTES, ModelStateBytes
 from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
 from trainer3d.plan.block_time import all_reduce_s, block_time, tp_region_s
 from trainer3d.plan.devices import Device
+from trainer3d.plan.links import _link_gbps, overlap_cost
 
 ADAMW_BYTES = 36  # per owned element: read grad, moments, master/param; write moments, master/param (+16-bit copy)
 HOST_ADAMW_BYTES = 32  # the host kernel: read master, grad, moments; write them back (the gradient divided in place)
@@ -211,18 +212,15 @@ def _head_s(cfg: Config, device: Device, z: Sizes, ranks_per_node: int) -> Tuple
     return head + 2 * logits / bw, 2 * head + 3 * logits / bw
 
 
-def _link_gbps(device: Device, span: int, ranks_per_node: int) -> float:
-    """A group whose members lie ``span`` ranks apart end to end crosses nodes when wider than one."""
-    return device.intra_gbps if span <= ranks_per_node else device.inter_gbps
-
-
 def _dp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: RankTimes,
                 ranks_per_node: int, backend: str) -> float:
+    """The data-parallel communication one step waits for, plus what the part it overlaps
+    with compute costs that compute (``overlap_cost``)."""
     p, t = cfg.parallel, cfg.train
     n = p.dp * p.cp  # gradients are reduced, and ZeRO shards, over dp x cp
     if n == 1:
         return 0.0
-    gbps = _link_gbps(device, p.tp * n, ranks_per_node)
+    gbps = _link_gbps(device, p.tp * n, ranks_per_node, min(n, ranks_per_node // p.tp))
     lat = device.latency(min(ranks_per_node, p.tp * p.pp * n))
     m = t.grad_accum_steps
     if p.zero_stage in (2, 3):
@@ -232,18 +230,22 @@ def _dp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: Ran
         gather = unit_gathers_s(b * params, units, n, gbps, lat)
         scatter = unit_gathers_s(FP32 * params, units, n, gbps, lat)
         bwd_gather = gather if p.zero_stage == 3 else 0.0
-        per_micro = max(0.0, gather - times.forward) + max(0.0, bwd_gather + scatter - times.backward)
-        return m * per_micro + gather / (cfg.model.n_layers + 1)
+        fwd_exposed, bwd_exposed = max(0.0, gather - times.forward), max(0.0, bwd_gather + scatter - times.backward)
+        hidden = m * (gather + bwd_gather + scatter - fwd_exposed - bwd_exposed)
+        return m * (fwd_exposed + bwd_exposed) + gather / (cfg.model.n_layers + 1) + overlap_cost(device, hidden)
     grads = states.grads
     scatter = p.zero_stage == 1 and backend == "nccl"
     reduce = gather_s(grads, n, gbps, lat) if scatter else all_reduce_s(grads, n, gbps, lat)
     bucket_share = min(1.0, p.bucket_mb * 2 ** 20 / max(1, grads))
     last_bucket = reduce * bucket_share
     exposed = last_bucket + max(0.0, reduce - last_bucket - times.backward)
+    hidden = reduce - exposed
     if p.zero_stage == 1:  # waited for bucket by bucket in the next first forward (parallel/zero/param_gather.py)
         gather = gather_s(states.params, n, gbps, lat)
-        exposed += gather * bucket_share + max(0.0, gather * (1 - bucket_share) - times.forward)
-    return exposed
+        gather_exposed = gather * bucket_share + max(0.0, gather * (1 - bucket_share) - times.forward)
+        exposed += gather_exposed
+        hidden += gather - gather_exposed
+    return exposed + overlap_cost(device, hidden)
 
 
 def offload_s(cfg: Config, states: ModelStateBytes, backward: float, node_ranks: int, link: HostLink) -> float:
