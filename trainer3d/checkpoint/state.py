@@ -22,11 +22,11 @@ device its tensor is on: the live state of an offloaded run is partly in host me
 (parallel/zero/offload.py, fsdp_offload.py), and ``DTensor.from_local`` copies a local
 tensor to its mesh's device (torch/distributed/tensor/_api.py, ``from_local``) — a save
 would then copy the host state onto the GPU, and a load would fill that copy and leave the
-host tensors as they were. So pieces are made by the maker of their tensor's device. DCP then writes each piece
-once (replicas over dp and tp write the same pieces; DCP keeps one) and, on load, reads
-into every rank's views exactly the regions it holds now — which is what makes a
-checkpoint load into any other (tp, pp, dp, zero_stage): the stored tensors never depend
-on the layout. Pipeline stages simply hold different names.
+host tensors as they were. So pieces are made by the maker of their tensor's device.
+DCP then writes each piece once (replicas over dp and tp write the same pieces; DCP keeps
+one) and, on load, reads into every rank's views exactly the regions it holds now — which
+is what makes a checkpoint load into any other (tp, pp, dp, zero_stage): the stored tensors
+never depend on the layout. Pipeline stages simply hold different names.
 
 Only tensors go into the checkpoint (no pickled Python objects), so loading one never
 unpickles anything; the step, the layout and the config go into the JSON marker.
