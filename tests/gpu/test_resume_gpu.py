@@ -1,4 +1,4 @@
-"""Resuming on CUDA (bf16): the loaded state is bit for bit what the saver held, wherever it
+"""Resuming on CUDA (bf16, and fp32 with offload): the loaded state is bit for bit what the saver held, wherever it
 lives — the device, or host memory for an offloaded optimizer (parallel/zero/offload.py,
 fsdp_offload.py) — and the resumed steps follow the uninterrupted run. A save in the loop
 copies no host state onto the device, and a background save opens no CUDA context on
@@ -30,20 +30,22 @@ pytestmark = [pytest.mark.gpu,
                                  "needs one; run `pytest -m gpu` on a GPU machine)")]
 
 STEPS, SAVE_AT = 8, 4
-LAYOUTS = {"zero1": (1, False), "zero1-offload": (1, True), "zero3": (3, False), "zero3-offload": (3, True)}
-"""name -> (parallel.zero_stage, parallel.offload_optimizer)."""
-BF16_RESUME_RTOL = 1e-3
+LAYOUTS = {"zero1": (1, False, "bf16"), "zero1-offload": (1, True, "bf16"), "zero3": (3, False, "bf16"),
+           "zero3-offload": (3, True, "bf16"), "zero1-offload-fp32": (1, True, "fp32"),
+           "zero3-offload-fp32": (3, True, "fp32")}
+"""name -> (parallel.zero_stage, parallel.offload_optimizer, train.dtype)."""
+RESUME_RTOL = {"bf16": 1e-3, "fp32": 1e-5}
 """The resumed steps against the uninterrupted run, as tests/multirank/test_offload.py holds
-bf16 resumes: the state is checked bit for bit at the load; a lost master (zero weights) or
+resumes: the state is checked bit for bit at the load; a lost master (zero weights) or
 reset moments move the next losses by far more."""
 
 
 def _config(run_dir, stage: int, offload: bool, steps: int, resume: str = "never", async_save: bool = False,
-            every: int = SAVE_AT, dp: int = 1) -> Config:
+            every: int = SAVE_AT, dp: int = 1, dtype: str = "bf16") -> Config:
     cfg = Config(run_dir=str(run_dir))
     cfg.parallel.dp, cfg.parallel.zero_stage, cfg.parallel.offload_optimizer = dp, stage, offload
     t = cfg.train
-    t.device, t.dtype, t.max_steps, t.log_every, t.resume, t.eval_every = "cuda", "bf16", steps, 1, resume, 0
+    t.device, t.dtype, t.max_steps, t.log_every, t.resume, t.eval_every = "cuda", dtype, steps, 1, resume, 0
     t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, t.seq_len = 2, 8 * dp, None, 64
     cfg.checkpoint.every, cfg.checkpoint.keep, cfg.checkpoint.async_save = every, 4, async_save
     return validate(cfg)
@@ -70,19 +72,19 @@ def one_nccl_rank(tmp_path, monkeypatch):
     dist.destroy_process_group()
 
 
-def _train(run_dir, stage, offload, steps, resume="never", async_save=False):
+def _train(run_dir, stage, offload, steps, resume="never", async_save=False, dtype="bf16"):
     """(state as built or loaded, the trainer after training, its losses by step)."""
     dims = ParallelDims.build(Topology(tp=1, pp=1, dp=1), torch.device("cuda", 0))
-    trainer = Trainer(_config(run_dir, stage, offload, steps, resume, async_save), dims)
+    trainer = Trainer(_config(run_dir, stage, offload, steps, resume, async_save, dtype=dtype), dims)
     loaded = _state(trainer.optimizer)
     trainer.train()
     return loaded, trainer, {r["step"]: r["loss"] for r in read_metrics(run_dir)}
 
 
-def _resumed_steps(resumed: dict, full: dict) -> None:
+def _resumed_steps(resumed: dict, full: dict, dtype: str = "bf16") -> None:
     assert sorted(resumed) == list(range(SAVE_AT, STEPS))
     np.testing.assert_allclose([resumed[s] for s in range(SAVE_AT, STEPS)],
-                               [full[s] for s in range(SAVE_AT, STEPS)], rtol=BF16_RESUME_RTOL)
+                               [full[s] for s in range(SAVE_AT, STEPS)], rtol=RESUME_RTOL[dtype])
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -90,23 +92,24 @@ def test_resume_restores_every_state_where_it_lives(tmp_path, one_nccl_rank, lay
     """Saved at step 4 (the final save, written in the loop) and resumed to 8: parameters,
     fp32 masters (ZeRO-1; ZeRO-3's fp32 shards are the masters) and both moments load bit
     for bit, host or device, and the resumed losses follow the uninterrupted run's."""
-    stage, offload = LAYOUTS[layout]
-    _, saver, _ = _train(tmp_path / "saver", stage, offload, SAVE_AT)
+    stage, offload, dtype = LAYOUTS[layout]
+    _, saver, _ = _train(tmp_path / "saver", stage, offload, SAVE_AT, dtype=dtype)
     at_save = _state(saver.optimizer)
     if offload:
         assert _host_bytes(saver.optimizer) > 0  # the layout really keeps state on the host
     del saver
     gc.collect()
-    _, full, full_losses = _train(tmp_path / "full", stage, offload, STEPS)
+    _, full, full_losses = _train(tmp_path / "full", stage, offload, STEPS, dtype=dtype)
     del full
-    loaded, resumed, resumed_losses = _train(tmp_path / "resumed", stage, offload, STEPS,
-                                             resume=str(store.step_dir(tmp_path / "saver" / "checkpoints", SAVE_AT)))
+    saved = store.step_dir(tmp_path / "saver" / "checkpoints", SAVE_AT)
+    loaded, resumed, resumed_losses = _train(tmp_path / "resumed", stage, offload, STEPS, resume=str(saved),
+                                             dtype=dtype)
     del resumed
     assert loaded.keys() == at_save.keys()
-    assert any(k.startswith("master ") for k in loaded) == (stage == 1)
+    assert any(k.startswith("master ") for k in loaded) == (stage == 1 and dtype == "bf16")
     for key, value in at_save.items():
         np.testing.assert_array_equal(loaded[key], value, err_msg=key)
-    _resumed_steps(resumed_losses, full_losses)
+    _resumed_steps(resumed_losses, full_losses, dtype)
 
 
 def test_resume_from_a_save_written_in_the_background(tmp_path, one_nccl_rank):
@@ -127,9 +130,10 @@ def test_a_save_in_the_loop_copies_no_host_state_to_the_device(tmp_path, one_ncc
     """The final and stop saves are written from the live tensors: the host masters and moments
     are written from host memory, so the device's peak during the save grows by far less than
     them (a piece wrapped on the device mesh would put a copy of all of them there at once)."""
-    stage, offload = LAYOUTS[layout]
-    _, trainer, _ = _train(tmp_path / "run", stage, offload, 2)
+    stage, offload, dtype = LAYOUTS[layout]
+    _, trainer, _ = _train(tmp_path / "run", stage, offload, 2, dtype=dtype)
     host = _host_bytes(trainer.optimizer)
+    assert host > 0
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -159,7 +163,8 @@ def _contexts_after_background_saves(rank: int, world: int, run_dir: str) -> lis
 def test_a_background_save_opens_no_context_on_another_gpu(tmp_path):
     """Two NCCL ranks, each on its own GPU, save in the background (DCP's writer takes the
     current device's stream in the save thread): each process holds a CUDA context on its own
-    GPU and on no other (the primary context's state, cuDevicePrimaryCtxGetState)."""
+    GPU and on no other (the driver's primary context state, read without creating one by
+    ``torch._C._cuda_hasPrimaryContext``, as torch's own test/test_cuda_primary_ctx.py does)."""
     for rank, (published, contexts) in enumerate(run_ranks(_contexts_after_background_saves, 2, str(tmp_path),
                                                            timeout=600)):
         assert {2, 4} <= set(published), published
