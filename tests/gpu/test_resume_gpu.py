@@ -1,6 +1,7 @@
-"""Resuming on CUDA (bf16, and fp32 with offload): the loaded state is bit for bit what the saver held, wherever it
-lives — the device, or host memory for an offloaded optimizer (parallel/zero/offload.py,
-fsdp_offload.py) — and the resumed steps follow the uninterrupted run. A save in the loop
+"""Resuming on CUDA (bf16, and fp32 with offload): the loaded state is bit for bit what the
+saver held, wherever it lives — the device, or host memory for an offloaded optimizer
+(parallel/zero/offload.py, fsdp_offload.py) — and the resumed steps follow the uninterrupted
+run. A save in the loop
 copies no host state onto the device, and a background save opens no CUDA context on
 another rank's GPU (trainer3d/checkpoint/state.py and saver.py say why either could).
 
