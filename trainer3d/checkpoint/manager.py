@@ -95,7 +95,7 @@ class Checkpointer:
         """Its state (the model's included) is what is saved and loaded."""
         self.root = checkpoint_root(cfg)
         self.groups = SaveGroups.build(seconds(cfg.parallel.init_timeout_s), seconds(cfg.parallel.timeout_s))
-        self.background = Background(self.groups, dims.rank, self._say)
+        self.background = Background(self.groups, dims.rank, self._say, dims.device)
         self.staging = Staging(dims.device)
         self._makers: Dict[str, PieceMaker] = {}
         self.last_saved: Optional[int] = None
@@ -109,8 +109,9 @@ class Checkpointer:
         _say(self.dims, text)
 
     def maker(self, device_type: str) -> PieceMaker:
-        """Pieces over a 1-D mesh of the world on ``device_type``: the device for loads and
-        saves from the live tensors, the CPU (the save group's gloo) for staged host copies."""
+        """Pieces over a 1-D mesh of the world on ``device_type``, for the tensors on it: the
+        device's for device tensors, the CPU's (over the save group's gloo) for host tensors —
+        an offloaded optimizer's live state and the staged copies of a background save."""
         if device_type not in self._makers:
             if device_type == "cpu" and self.dims.device.type != "cpu" and self.groups.write is not None:
                 mesh = DeviceMesh.from_group(self.groups.write, "cpu")
@@ -124,6 +125,10 @@ class Checkpointer:
         if "staged" not in self._makers:
             self._makers["staged"] = PieceMaker(self.maker("cpu").mesh, reuse=True)
         return self._makers["staged"]
+
+    def _staged_maker_for(self, device_type: str) -> PieceMaker:
+        """Staged copies are host tensors whatever the live tensor's device (the maker refuses any other)."""
+        return self.staged_maker()
 
     # ------------------------------------------------------------------ save
 
@@ -156,10 +161,10 @@ class Checkpointer:
 
     def _job(self, steps_done: int, staged: bool) -> SaveJob:
         if staged:
-            state = rank_state(self.optimizer, self.dims, self.staged_maker(), stage=self._stage)
+            state = rank_state(self.optimizer, self.dims, self._staged_maker_for, stage=self._stage)
             self.staging.done()
         else:
-            state = rank_state(self.optimizer, self.dims, self.maker(self.dims.device.type))
+            state = rank_state(self.optimizer, self.dims, self.maker)
         info = {"step": steps_done, "layout": layout_of(self.cfg), "dtype": self.cfg.train.dtype,
                 "config": scrub(dataclasses.asdict(self.cfg)), "saved_at": time.time()}
         return SaveJob(steps_done, drop_tied_copies(state, self.dims), self.root, info, self.cfg.checkpoint.keep,
@@ -203,7 +208,7 @@ class Checkpointer:
         with _io(self.timeouts):
             while choice is not None:
                 same_world = choice.info.get("layout") == layout_of(self.cfg)
-                state = rank_state(self.optimizer, self.dims, self.maker(self.dims.device.type), with_rng=same_world)
+                state = rank_state(self.optimizer, self.dims, self.maker, with_rng=same_world)
                 metadata = store.read_metadata(choice.path)
                 passes, notes = load_passes(state, metadata.state_dict_metadata)
                 problem = shared_problem(choice.path, choice.info["files"], passes, metadata, self.dims.rank,

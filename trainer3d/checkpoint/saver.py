@@ -24,6 +24,12 @@ shared memory and a process group of its own per save for nothing (measured in
 docs/checkpoints.md). Daemon, so that a rank whose peers died does not hang at exit on a
 save that can never finish.
 
+The thread first makes the rank's GPU its current device: CUDA's current device belongs to
+the thread and starts at device 0 in a new one, and DCP's file writer takes
+``torch.cuda.current_stream()`` there whenever CUDA is available
+(torch/distributed/checkpoint/filesystem.py, ``_OverlappingCpuLoader``), so without it every
+rank would open a context on GPU 0 at its first background save.
+
 The ranks learn that a background save finished at the same step boundary: each starts a
 non-blocking all-reduce (MIN) of "mine is done" over a second gloo group at every boundary
 while a save is in flight and reads the result at the next one, as trainer3d/preemption.py
@@ -141,6 +147,13 @@ def _gather(digests: dict, group: Optional[dist.ProcessGroup], rank: int) -> Lis
     return files or []
 
 
+def use_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device (nothing for other devices):
+    the current device is per thread, so a new thread starts on device 0."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def _yield_the_cpu() -> None:
     """Lower the calling thread's CPU priority to nice 19: where the training saturates the
     host's cores (CPU training, data workers), the background save takes the time the loop
@@ -156,8 +169,10 @@ class Background:
     """At most one save in flight: ``start`` it, ``poll`` at every step boundary (every rank,
     the same boundaries), ``wait`` where the loop must not go on without it."""
 
-    def __init__(self, groups: SaveGroups, rank: int, say: Callable[[str], None]):
+    def __init__(self, groups: SaveGroups, rank: int, say: Callable[[str], None], device: torch.device):
         self.groups, self.rank, self.say = groups, rank, say
+        self.device = device
+        """This rank's device, made the save thread's current one before DCP runs there."""
         self.inflight: Optional[SaveReport] = None
         self._future: Optional[Future] = None
         self._check: Optional[dist.Work] = None
@@ -171,6 +186,7 @@ class Background:
 
         def run() -> None:
             try:
+                use_device(self.device)
                 _yield_the_cpu()
                 path = write(job, self.groups.write, self.rank)
                 report.write_s = time.perf_counter() - started

@@ -17,11 +17,16 @@ A rank describes what it holds as pieces of those full tensors — the optimizer
 of its tp-local tensor and the tensors holding it; trainer3d/checkpoint/chunks.py turns a
 TP shard, or a ZeRO flat range of one, into at most three rectangles — and
 hands them to DCP as a DTensor whose local part is a ``LocalShardsWrapper`` of views into
-its own storage, with each piece's offsets in the full tensor. DCP then writes each piece
-once (replicas over dp and tp write the same pieces; DCP keeps one) and, on load, reads
-into every rank's views exactly the regions it holds now — which is what makes a
-checkpoint load into any other (tp, pp, dp, zero_stage): the stored tensors never depend
-on the layout. Pipeline stages simply hold different names.
+its own storage, with each piece's offsets in the full tensor. A piece's mesh is on the
+device its tensor is on: the live state of an offloaded run is partly in host memory
+(parallel/zero/offload.py, fsdp_offload.py), and ``DTensor.from_local`` copies a local
+tensor to its mesh's device (torch/distributed/tensor/_api.py, ``from_local``) — a save
+would then copy the host state onto the GPU, and a load would fill that copy and leave the
+host tensors as they were. So pieces are made by the maker of their tensor's device.
+DCP then writes each piece once (replicas over dp and tp write the same pieces; DCP keeps
+one) and, on load, reads into every rank's views exactly the regions it holds now — which
+is what makes a checkpoint load into any other (tp, pp, dp, zero_stage): the stored tensors
+never depend on the layout. Pipeline stages simply hold different names.
 
 Only tensors go into the checkpoint (no pickled Python objects), so loading one never
 unpickles anything; the step, the layout and the config go into the JSON marker.
@@ -53,7 +58,8 @@ Stage = Callable[[str, torch.Tensor], torch.Tensor]
 
 class PieceMaker:
     """Wraps views of this rank's storage (or of its host copy) as DTensors over ``mesh``, a
-    1-D mesh of the whole world on the device the tensors are on."""
+    1-D mesh of the whole world on the device the tensors are on; refuses a tensor on
+    another device type (``check_device``)."""
 
     def __init__(self, mesh: DeviceMesh, reuse: bool = False):
         self.mesh = mesh
@@ -67,6 +73,7 @@ class PieceMaker:
     def __call__(self, flat: torch.Tensor, local_shape: Sequence[int], shard, start: int, end: int):
         """``flat`` holds elements [start, end) of the flattened local tensor of ``local_shape``;
         None when they are all padding."""
+        check_device(flat, self.mesh)
         if not self.reuse:
             return self._make(flat, local_shape, shard, start, end)
         key = (flat.data_ptr(), flat.numel(), flat.dtype, tuple(local_shape), repr(shard), start, end)
@@ -85,21 +92,38 @@ class PieceMaker:
                                   stride=_contiguous_stride(shape))
 
 
+def check_device(tensor: torch.Tensor, mesh: DeviceMesh) -> None:
+    """A piece must be on its mesh's device type: ``DTensor.from_local`` would otherwise wrap a
+    copy of it on the mesh's device (torch/distributed/tensor/_api.py), which a save copies
+    there for nothing and a load fills in place of the tensor itself."""
+    if tensor.device.type != mesh.device_type:
+        raise ValueError(f"a checkpoint piece on {tensor.device} was handed to a mesh on {mesh.device_type!r}: "
+                         f"DTensor.from_local would wrap a copy of it on {mesh.device_type!r}, so a load would "
+                         f"not reach the tensor; make it with the maker of its own device "
+                         f"(Checkpointer.maker({tensor.device.type!r}))")
+
+
 def state_key(kind: str, name: str) -> str:
     """The checkpoint key of one kind of state of parameter ``name``."""
     return f"model.{name}" if kind == "param" else f"optim.{kind}.{name}"
 
 
-def rank_state(optimizer: ZeroOptimizer, dims: ParallelDims, make: PieceMaker,
+MakerFor = Callable[[str], PieceMaker]
+"""device type -> the PieceMaker whose mesh is on it (``Checkpointer.maker``)."""
+
+
+def rank_state(optimizer: ZeroOptimizer, dims: ParallelDims, maker_for: MakerFor,
                with_rng: bool = True, stage: Optional[Stage] = None) -> Dict[str, object]:
     """The DCP state dict of this rank: views of its storage (saving reads them, loading
-    writes into them), or, with ``stage``, of host copies taken now (a save in the background)."""
+    writes into them), or, with ``stage``, of host copies taken now (a save in the background).
+    Each piece is made by ``maker_for`` the device its tensor (or host copy) is on."""
     copy: Stage = stage or (lambda key, tensor: tensor)
     state: Dict[str, object] = {}
     for view in optimizer.checkpoint_views():
         for kind, tensor in view.tensors.items():
             key = state_key(kind, view.name)
-            piece = make(copy(key, tensor), view.local_shape, view.tp_shard, view.start, view.end)
+            held = copy(key, tensor)
+            piece = maker_for(held.device.type)(held, view.local_shape, view.tp_shard, view.start, view.end)
             if piece is not None:
                 state[key] = piece
     state["optim.step"] = copy("optim.step", optimizer.step_count)
