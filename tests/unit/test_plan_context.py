@@ -64,7 +64,8 @@ def test_long_context_plan_for_llama3_8b_on_64_gpus_uses_cp():
 def test_the_ring_hides_its_hops_behind_the_fused_kernels_time_on_gpus():
     """On a GPU preset a hop is exposed where it outlasts one block of torch's fused attention:
     a causal half-square of the local queries on local keys, 2 matmuls x 2 FLOPs x b s^2 heads d / 2,
-    at the flash kernel's achieved rate (flash_fraction x the data-sheet peak), not the GEMM rate.
+    at the flash kernel's achieved forward rate at the local length (``flash_rates``: the preset's
+    measured table where it has one, else flash_fraction x the data-sheet peak), not the GEMM rate.
     Links made slow enough that every hop is exposed; the hop's time by hand."""
     import dataclasses
 
@@ -80,7 +81,7 @@ def test_the_ring_hides_its_hops_behind_the_fused_kernels_time_on_gpus():
     z, m = Sizes.of(cfg), cfg.model
     s, d = 4096 // 4, m.dim // m.n_heads
     k = slow.kernels
-    block = 2 * 2 * 1 * s * s * m.n_heads * d / 2 / (k.flash_fraction * k.peak_tflops * 1e12)
+    block = 2 * 2 * 1 * s * s * m.n_heads * d / 2 / k.flash_rates(s)[0]
     hop = 2 * (2 * s * m.n_kv_heads * d) / 1e9 + slow.latency(8) * 1e-6
     fwd, _ = _cp_exposed(cfg, z, slow, 8)
     assert fwd == pytest.approx(3 * (hop - block), rel=1e-9)
