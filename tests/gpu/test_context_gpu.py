@@ -31,7 +31,9 @@ def _ring_on_one_device(q, k, v, dout, cp):
     for rank in range(cp):
         group = CPGroup(group=None, size=cp, rank=rank, mode="all_gather")
         b, h, s, d = qs[rank].shape
-        acc_out = torch.empty((b, h, s, d), dtype=wide, device=q.device)
+        # (seq, batch, heads, d) memory as ContextAttentionFunction lays its output out: with batch 2
+        # the rows of the output the backward kernels read are batch*heads*d apart
+        acc_out = torch.empty((s, b, h, d), dtype=wide, device=q.device).permute(1, 2, 0, 3)
         acc_lse = torch.empty((b, h, s), dtype=wide, device=q.device)
         order = [(rank - step) % cp for step in range(cp)]  # its own block first, as the ring does
         for src in order:

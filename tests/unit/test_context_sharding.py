@@ -111,3 +111,41 @@ def test_the_fused_cuda_calls_take_their_arguments(kernel, dtype):
     assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, dtype, (2, 8, 40), FP32)
     dq, dk, dv = getattr(fused, f"{kernel}_backward")(torch.empty_like(out), q, k, v, out, lse, True, 0.125)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def _as_the_efficient_kernel_reads(out: torch.Tensor) -> torch.Tensor:
+    """``out`` (b, heads, s, d) read as torch's efficient backward kernel reads it: the op passes on
+    the batch and head strides of its (b, s, heads, d) view and steps rows by heads * d
+    (aten/src/ATen/native/transformers/cuda/attention_backward.cu: p.o_strideB, p.o_strideH;
+    mem_eff_attention/kernel_backward.h: ``o_strideM()`` = head_dim_value * num_heads, used by
+    computeDelta for rowsum(dO * O))."""
+    t = out.transpose(1, 2)
+    b, s, h, d = t.shape
+    return torch.as_strided(t, (b, s, h, d), (t.stride(0), h * d, t.stride(2), 1),
+                            t.storage_offset()).transpose(1, 2)
+
+
+@pytest.mark.parametrize("rows", [slice(None), slice(4, None)])
+def test_the_efficient_backward_gets_the_output_in_the_layout_its_kernel_reads(monkeypatch, rows):
+    """The ring's merged output lives as (seq, batch, heads, d) (attention.py, so the caller's
+    (seq, batch, heads*d) is a view); with batch 2 its rows are batch*heads*d apart, and the
+    efficient kernel, which steps rows by heads*d, would read the other sequence's rows. What
+    the op is handed must read back, the kernel's way, as the output itself (a recorded call:
+    the CUDA op does not run on CPU)."""
+    from trainer3d.parallel.context import fused
+
+    b, h, s, d = 2, 4, 8, 16
+    out = torch.randn(s, b, h, d, dtype=FP32).permute(1, 2, 0, 3)[:, :, rows]
+    q = torch.randn(out.shape, dtype=FP32)
+    k, v = (torch.randn(b, 2, out.shape[2], d, dtype=FP32) for _ in range(2))
+    handed = []
+
+    def recorded(dout, q_, k_, v_, bias, out_, lse, *rest, **kw):
+        handed.append(out_)
+        return torch.zeros_like(q_), torch.zeros_like(k_), torch.zeros_like(v_), None
+
+    monkeypatch.setattr(fused, "_EFFICIENT_BACKWARD", recorded)
+    lse = torch.zeros(out.shape[:3], dtype=FP32)
+    fused.efficient_backward(torch.randn(out.shape), q, k, v, out, lse, False, d ** -0.5)
+    assert torch.equal(handed[0], out)
+    assert torch.equal(_as_the_efficient_kernel_reads(handed[0]), out)

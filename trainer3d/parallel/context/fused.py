@@ -68,11 +68,21 @@ def efficient_forward(q, k, v, causal: bool, scale: float) -> Tuple[torch.Tensor
     return out, lse[:, :, :q.shape[2]]
 
 
+def kernel_layout(out: torch.Tensor) -> torch.Tensor:
+    """``out`` (b, heads, s, d) with the memory the efficient backward kernel reads it in: (b, s, heads, d)
+    rows, heads * d apart. The op takes only out's batch and head strides and steps between query
+    rows by heads * head_dim (kernel_backward.h ``o_strideM()``, attention_backward.cu sets no
+    o_strideM and does not make ``out`` contiguous), which is the layout its own forward returns;
+    the ring's merged output is (s, b, heads, d) in memory, its rows b * heads * d apart, and the
+    kernel would read another batch's rows into rowsum(dO * O). A copy only where the layout differs."""
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def efficient_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     b, heads, s, _ = q.shape
     padded = torch.zeros((b, heads, -(-s // LSE_ALIGN) * LSE_ALIGN), dtype=torch.float32, device=q.device)
     padded[:, :, :s] = lse
-    dq, dk, dv, _ = _EFFICIENT_BACKWARD(dout, q, expand_kv(k, heads), expand_kv(v, heads), None, out, padded,
-                                        _no_rng(q), _no_rng(q), 0.0, [True, True, True, False], causal,
+    dq, dk, dv, _ = _EFFICIENT_BACKWARD(dout, q, expand_kv(k, heads), expand_kv(v, heads), None, kernel_layout(out),
+                                        padded, _no_rng(q), _no_rng(q), 0.0, [True, True, True, False], causal,
                                         scale=scale)
     return dq, fold_kv(dk, k.shape[1]), fold_kv(dv, v.shape[1])
