@@ -41,3 +41,11 @@ def test_the_save_thread_sets_the_rank_cuda_device_before_dcp_writes(tmp_path, m
 
 def test_a_cpu_rank_sets_no_cuda_device(tmp_path, monkeypatch):
     assert _save_in_background(tmp_path, torch.device("cpu"), monkeypatch) == []
+
+
+def test_a_cuda_device_without_an_index_is_the_creating_thread_s_current_one(tmp_path, monkeypatch):
+    """``torch.device("cuda")`` names no GPU and ``torch.cuda.set_device`` refuses it: the save
+    thread takes the device current where the saver was made (here reported as 2)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    calls = _save_in_background(tmp_path, torch.device("cuda"), monkeypatch)
+    assert calls == [("trainer3d-checkpoint-3", torch.device("cuda", 2), False)]

@@ -171,6 +171,8 @@ class Background:
 
     def __init__(self, groups: SaveGroups, rank: int, say: Callable[[str], None], device: torch.device):
         self.groups, self.rank, self.say = groups, rank, say
+        if device.type == "cuda" and device.index is None:  # set_device refuses "cuda" without an index
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         """This rank's device, made the save thread's current one before DCP runs there."""
         self.inflight: Optional[SaveReport] = None
