@@ -8,7 +8,8 @@ initialises only its own shards (trainer3d/parallel/parallelize.py, parallel/zer
   backward) plus one block's fp32 parameters and the init stream's 4 MiB buffer
   (trainer3d/model/normal_stream.py, ``CHUNK``). A rank that builds the whole fp32 model
   first holds 4 bytes per parameter at once, more than 12/dp + 1 for dp = 4.
-- The same bound-free figure is held to the dry run's own start-up term (trainer3d/memory/peak.py).
+- The measured peak is held to the dry run's and the memory check's start-up term
+  (trainer3d/memory/startup.py, ``RankMemory.startup_same_memory``: CPU ranks, one memory).
 - The initial values are the 1-rank model's, bit for bit, over dp and tp x dp, offloaded too.
 
 Resident memory is read from /proc/self/status (VmHWM, reset through /proc/self/clear_refs
@@ -59,10 +60,18 @@ def _startup_peak(rank, world, stage, offload):
     return peak, sum(p.numel() for p in optimizer.parameters())
 
 
+SLACK = 4 << 20
+"""What a build holds besides tensors: Python objects, FSDP2's per-parameter records (~1 MiB here)."""
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
 def test_zero3_startup_peak_is_the_shards(offload):
+    from trainer3d.memory.peak import rank_memory
     results = run_ranks(_startup_peak, 4, 3, offload, timeout=240)
+    cfg = make_cfg(4, 3)
+    cfg.parallel.offload_optimizer, cfg.model = offload, copy.deepcopy(MODEL)
+    estimate = rank_memory(cfg, 0).startup_same_memory
     formula = 16 * PARAMS // 4 + 4 * BLOCK
     held = 12 * PARAMS // 4 + 4 * BLOCK + STREAM
     for rank, (peak, params) in enumerate(results):
@@ -70,6 +79,7 @@ def test_zero3_startup_peak_is_the_shards(offload):
         said = f"rank {rank}: start-up peak {peak / 2**20:.1f} MiB"
         assert peak < formula, f"{said}, bound {formula / 2**20:.1f} MiB (16 B x {PARAMS} / 4 + one block's fp32)"
         assert peak < held, f"{said}, bound {held / 2**20:.1f} MiB (12 B x {PARAMS} / 4 + one block + the stream)"
+        assert estimate - SLACK < peak < estimate + SLACK, f"{said}, the dry run's {estimate / 2**20:.1f} MiB"
 
 
 def _initial_values(rank, world, tp, stage, offload, tied):
