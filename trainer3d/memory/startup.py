@@ -6,9 +6,9 @@ The model is sharded on the meta device before anything is allocated
 1. the rank's fp32 parameter shards (FSDP2 pads each to ceil(rows / n) rows: 4 bytes per
    element of the padded shard, ``ModelStateBytes.sharded``);
 2. while each parameter is filled, that parameter's rows drawn on the host (4 bytes per
-   element of its shard) and the init stream's buffer of ``CHUNK`` fp32 values
-   (trainer3d/model/normal_stream.py); on a device of its own, a copy of the rows there;
-   all freed before the next parameter;
+   element of its shard) and the init stream's buffer of at most ``CHUNK`` fp32 values, no
+   more than the tensor's (trainer3d/model/normal_stream.py), freed before the next parameter; a device of its own
+   takes the rows straight into the shard (``copy_`` from host memory), holding nothing more;
 3. Adam's two moments over the rank's real rows and the step counter (allocated by the
    optimizer after the fill, in the memory the fill freed).
 
@@ -27,7 +27,7 @@ from trainer3d.model.normal_stream import CHUNK
 
 FP32 = 4
 STREAM_BYTES = FP32 * CHUNK
-"""The init stream's buffer (trainer3d/model/normal_stream.py)."""
+"""The init stream's largest buffer (trainer3d/model/normal_stream.py)."""
 
 
 def startup_bytes(cfg: Config, shapes: List[Tuple[int, ...]], states: ModelStateBytes,
@@ -40,12 +40,13 @@ def startup_bytes(cfg: Config, shapes: List[Tuple[int, ...]], states: ModelState
         return 0, 0
     n = p.dp * p.cp
     largest = max(-(-s[0] // n) * prod(s[1:]) for s in shapes)
-    drawn = FP32 * largest + STREAM_BYTES  # on the host
+    stream = min(STREAM_BYTES, FP32 * p.tp * max(prod(s) for s in shapes))  # a tp slice streams the full tensor
+    drawn = FP32 * largest + stream  # on the host
     if p.offload_optimizer:  # shards, their fill and the moments all on the host
         moments = states.host - 2 * FP32 * states.sharded  # 8 bytes a real element and the step counter
         host = FP32 * states.sharded + max(drawn, moments)
         return (states.optimizer + host, 0) if same_memory else (states.optimizer, host)
     if same_memory:
         return states.params + max(drawn, states.optimizer), 0
-    return states.params + max(FP32 * largest, states.optimizer), drawn
+    return states.params + states.optimizer, drawn
 
