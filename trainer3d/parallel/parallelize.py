@@ -101,9 +101,7 @@ def build_model_chunks(cfg: Config, dims: ParallelDims, initialise: bool = True)
         route_linear_layers(chunks)
     if cfg.train.compile:
         compile_blocks(chunks)
-    if sharded:
-        if len(chunks) != 1:
-            raise ValueError(f"parallel.zero_stage={cfg.parallel.zero_stage} needs parallel.pp=1")
+    if sharded:  # refuses pp > 1, as validate() does before launch
         shard_and_materialise(chunks[0], cfg, dims, source, materialise_device(cfg, dims))
     return chunks
 
