@@ -3,8 +3,8 @@
 ``HFSource`` is a parameter source (trainer3d/model/init.py): asked for a parameter's
 slice, it opens the shard that holds the tensor with ``safe_open`` and reads only that
 slice with ``get_slice`` (rows for a column-parallel or vocabulary-parallel shard, columns
-for a row-parallel one), so a rank never reads what it does not hold and host memory peaks
-at its own parameters. Rows past the vocabulary (tensor-parallel padding) are zeros.
+for a row-parallel one, and only the rows of its data-parallel shard under ZeRO-2/3), so a
+rank never reads what it does not hold and host memory peaks at its own parameters. Rows past the vocabulary (tensor-parallel padding) are zeros.
 
 The directory was checked before launch (trainer3d/hf/check.py); here each tensor's
 shape is checked again as it is read, in case the files changed since.
@@ -19,7 +19,7 @@ from safetensors import safe_open
 from trainer3d.config.schema import ModelConfig
 from trainer3d.hf.files import tensor_infos
 from trainer3d.hf.mapping import to_hf
-from trainer3d.model.init import TPShard, pad_slice
+from trainer3d.model.init import Rows, TPShard, pad_slice, slice_bounds
 
 
 class HFSource:
@@ -34,7 +34,8 @@ class HFSource:
             self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
         return self._handles[file]
 
-    def __call__(self, name: str, shape: Tuple[int, ...], shard: Optional[TPShard]) -> torch.Tensor:
+    def __call__(self, name: str, shape: Tuple[int, ...], shard: Optional[TPShard],
+                 rows: Rows = None) -> torch.Tensor:
         hf = to_hf(name)
         info = self.infos.get(hf)
         if info is None or info.shape != tuple(shape):
@@ -42,11 +43,10 @@ class HFSource:
             raise ValueError(f"model.init_from={self.directory}: {hf} is {found}, the model needs {list(shape)} "
                              "(the directory changed since the run was checked?)")
         view = self._handle(info.file).get_slice(hf)
-        if shard is None:
+        if shard is None and rows is None:
             return view[:]
-        start, stop, _ = shard.bounds()
-        rows = view[start:stop] if shard.dim == 0 else view[:, start:stop]
-        return pad_slice(rows, shard)
+        bounds, padding = slice_bounds(shape, shard, rows)
+        return pad_slice(view[tuple(slice(start, stop) for start, stop in bounds)], shard, padding)
 
     def close(self) -> None:
         self._handles.clear()

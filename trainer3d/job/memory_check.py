@@ -100,7 +100,10 @@ def estimate(cfg: Config, limit: int, ranks_summed: bool) -> Estimate:
               f"{format_bytes(worst.activation_bytes)}, pipeline buffers {format_bytes(worst.buffer_bytes)}, "
               f"transient {format_bytes(worst.transient_bytes)}"
               + (f", offloaded optimizer state {format_bytes(worst.host)}" if ranks_summed and worst.host else ""))
-    return Estimate([m.total + (m.host if ranks_summed else 0) for m in mems], exact=True, detail=detail)
+    if not ranks_summed:
+        return Estimate([m.total for m in mems], exact=True, detail=detail)
+    # CPU ranks: host and device one memory, ZeRO-2/3's start-up peak counted there (memory/startup.py)
+    return Estimate([max(m.step_total + m.host, m.startup_same_memory) for m in mems], exact=True, detail=detail)
 
 
 def offload_host_problems(cfg: Config, host_bytes: Optional[int]) -> List[str]:

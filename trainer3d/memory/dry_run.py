@@ -66,7 +66,9 @@ def peak_lines(cfg: Config) -> List[str]:
     rows += [("activations (saved)", lambda mem: mem.activation_bytes)]
     names = dict.fromkeys(k for mem in shown for k in (*mem.buffers, *mem.transients))
     rows += [(f"{k}", lambda mem, k=k: mem.buffers.get(k, mem.transients.get(k, 0))) for k in names]
-    rows += [("peak (largest transient only)", lambda mem: mem.total)]
+    rows += [("step peak (largest transient only)", lambda mem: mem.step_total)]
+    if p.zero_stage >= 2:  # trainer3d/memory/startup.py: the shards, then one parameter's fill or the moments
+        rows += [("start-up peak (build, ZeRO-2/3)", lambda mem: mem.startup)]
     head = "".join(f"{'pp ' + str(mem.pp_rank):>12}" for mem in shown)
     tokens = f"{t.seq_len} tokens" + (f" (/ cp {p.cp} = {t.seq_len // p.cp} per rank)" if p.cp > 1 else "")
     lines = [f"peak memory per rank in a step (trainer3d/memory/peak.py; micro-batch {t.micro_batch_size} x "

@@ -23,6 +23,10 @@
                                added into the fp32 buffer, FSDP2's unsharded parameters and
                                gradients of one unit (an estimate: no CPU counterpart measures it)
 
+ZeRO-2/3 also have a start-up peak, while the model and optimizer are built: the shards and
+the fill of one parameter, then the moments (trainer3d/memory/startup.py); ``total`` is the
+larger of it and the step's.
+
 Not counted: the framework's own buffers (CUDA context, NCCL, allocator fragmentation); the
 planner keeps a per-device reserve for them. ZeRO 0/1 need no bucket buffers (buckets are
 slices of the flat buffers, reduced and gathered in place).
@@ -35,6 +39,7 @@ from typing import Dict, List, Optional, Tuple
 from trainer3d.memory.activations import (FP32, Sizes, chunk_terms, layer_terms, loss_transient_bytes,
                                           peak_in_flight, schedule_ops, shared_terms)
 from trainer3d.config.schema import Config
+from trainer3d.memory.startup import startup_bytes
 from trainer3d.memory.states import BYTES, ModelStateBytes, engine_model_state_bytes, model_shapes, stage_parameter_shapes
 from trainer3d.parallel.pipeline.buffers import receive_buffers_held
 from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
@@ -51,6 +56,12 @@ class RankMemory:
     transients: Dict[str, int] = field(default_factory=dict)
     in_flight: List[int] = field(default_factory=list)
     """Micro-batches in flight on each of the rank's chunks at the peak."""
+    startup: int = 0
+    """ZeRO-2/3: device bytes at the start-up peak (trainer3d/memory/startup.py); 0 otherwise."""
+    startup_host: int = 0
+    """ZeRO-2/3: host bytes at the start-up peak (the offloaded shards, or one parameter's fill)."""
+    startup_same_memory: int = 0
+    """ZeRO-2/3 on CPU ranks, where host and device are one memory: the start-up peak."""
 
     @property
     def activation_bytes(self) -> int:
@@ -65,14 +76,19 @@ class RankMemory:
         return max(self.transients.values(), default=0)
 
     @property
-    def total(self) -> int:
-        """Device bytes at the peak."""
+    def step_total(self) -> int:
+        """Device bytes at the step's peak."""
         return self.states.total + self.activation_bytes + self.buffer_bytes + self.transient_bytes
 
     @property
+    def total(self) -> int:
+        """Device bytes at the peak: the step's, or start-up's where that is higher."""
+        return max(self.step_total, self.startup)
+
+    @property
     def host(self) -> int:
-        """Host bytes of the offloaded optimizer state (0 without offload)."""
-        return self.states.host
+        """Host bytes of the offloaded optimizer state (0 without offload), at its peak."""
+        return max(self.states.host, self.startup_host) if self.states.host else 0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -128,6 +144,10 @@ def rank_memory(cfg: Config, pp_rank: int, kernel: str = "flash", cuda: Optional
     if p.pp > 1:
         mem.buffers = _pipeline_buffers(cfg, z, pp_rank, stages, counts)
     mem.transients = _transients(cfg, z, stages, last)
+    if p.zero_stage >= 2:
+        shapes = [s for stage in stages for s in stage_parameter_shapes(cfg, stage)]
+        mem.startup, mem.startup_host = startup_bytes(cfg, shapes, mem.states, same_memory=False)
+        mem.startup_same_memory = startup_bytes(cfg, shapes, mem.states, same_memory=True)[0]
     return mem
 
 

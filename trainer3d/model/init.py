@@ -4,7 +4,9 @@
 model and asks ``source`` for exactly this rank's slice of each: a source is called with
 the parameter's name in the 1-rank model (``layers.3.attention.wq.weight``), its full
 logical shape and its ``TPShard`` (None for a whole tensor) and returns the local tensor,
-padding rows zero. Two sources exist:
+padding rows zero. Given ``rows`` as well, it returns only those dim-0 rows of the local
+tensor: the data-parallel shard ZeRO-2/3 keeps (parallel/zero/fsdp.py, ``fill_shards``),
+so no rank draws or reads the rest. Two sources exist:
 
 - ``RandomInit``: the layout-independent initialisation. A parameter's values depend only
   on the seed, its name and its full shape, so a TP shard or a pipeline stage starts
@@ -78,11 +80,16 @@ def canonical_name(name: str) -> str:
     return name
 
 
-def pad_slice(values: torch.Tensor, shard: Optional[TPShard]) -> torch.Tensor:
-    """``values`` (this rank's [start, stop) rows) followed by the shard's zero padding rows."""
+Rows = Optional[Tuple[int, int]]
+"""[start, stop) along dim 0 of a rank's local tensor (padding rows included); None: all of it."""
+
+
+def pad_slice(values: torch.Tensor, shard: Optional[TPShard], padding: Optional[int] = None) -> torch.Tensor:
+    """``values`` (this rank's [start, stop) rows) followed by ``padding`` zero rows along the
+    shard's dim (default: the shard's own padding)."""
     if shard is None:
         return values
-    padding = shard.bounds()[2]
+    padding = shard.bounds()[2] if padding is None else padding
     if padding == 0:
         return values
     pad_shape = list(values.shape)
@@ -90,10 +97,29 @@ def pad_slice(values: torch.Tensor, shard: Optional[TPShard]) -> torch.Tensor:
     return torch.cat([values, values.new_zeros(pad_shape)], dim=shard.dim)
 
 
+def slice_bounds(shape: Sequence[int], shard: Optional[TPShard], rows: Rows = None) -> Tuple[list, int]:
+    """([start, stop) of the full tensor per dim, zero padding rows along the shard's dim) of
+    the block a rank holds: its tp slice, narrowed to ``rows`` of that slice."""
+    bounds = [(0, size) for size in shape]
+    padding = 0
+    if shard is not None:
+        start, stop, padding = shard.bounds()
+        bounds[shard.dim] = (start, stop)
+    if rows is not None:
+        lo, hi = rows
+        start, stop = bounds[0]
+        real = stop - start
+        bounds[0] = (start + min(lo, real), start + min(hi, real))
+        if shard is not None and shard.dim == 0:  # the rows of [lo, hi) past the real ones are padding
+            padding = max(0, hi - max(lo, real))
+    return bounds, padding
+
+
 class ParameterSource(Protocol):
-    def __call__(self, name: str, shape: Tuple[int, ...], shard: Optional[TPShard]) -> torch.Tensor:
+    def __call__(self, name: str, shape: Tuple[int, ...], shard: Optional[TPShard],
+                 rows: Rows = None) -> torch.Tensor:
         """This rank's slice of the 1-rank tensor ``name`` of full ``shape`` (host memory;
-        padding rows zero); any dtype, ``fill_parameters`` casts."""
+        padding rows zero), only ``rows`` of it when given; any dtype, ``fill_parameters`` casts."""
 
 
 def _seed_for(seed: int, name: str) -> int:
@@ -120,17 +146,16 @@ class RandomInit:
     def __init__(self, cfg: ModelConfig, seed: int):
         self.cfg, self.seed = cfg, seed
 
-    def __call__(self, name: str, shape: Tuple[int, ...], shard: Optional[TPShard]) -> torch.Tensor:
-        bounds = [(0, size) for size in shape]
-        if shard is not None:
-            bounds[shard.dim] = shard.bounds()[:2]
+    def __call__(self, name: str, shape: Tuple[int, ...], shard: Optional[TPShard],
+                 rows: Rows = None) -> torch.Tensor:
+        bounds, padding = slice_bounds(shape, shard, rows)
         if name.endswith("norm.weight"):
             values = torch.ones([stop - start for start, stop in bounds])
         else:
             projection = name.endswith(("wo.weight", "w2.weight"))
             std = output_projection_std(self.cfg) if projection else self.cfg.init_std
             values = normal_region(self.seed, name, shape, bounds).mul_(std)
-        return pad_slice(values, shard)
+        return pad_slice(values, shard, padding)
 
 
 def full_init(name: str, shape, cfg: ModelConfig, seed: int) -> torch.Tensor:

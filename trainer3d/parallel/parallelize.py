@@ -6,11 +6,13 @@
 3. tensor parallel: swap Linear/Embedding layers for sharded ones (parallel/tensor/layers.py);
 4. cast to the dtype the parameters are stored in (still on meta, so nothing is held in a
    wider dtype first: ``train.dtype``, or fp32 under FSDP, whose parameters are the master
-   weights — optim/mixed_precision.py), materialise on this rank's device (on the host for
-   FSDP with ``parallel.offload_optimizer``: FSDP2 takes each unit to the device only to
-   shard it, and keeps the shards on the host) and fill from the
+   weights — optim/mixed_precision.py), materialise on this rank's device and fill from the
    parameter source: the layout-independent random init, or ``model.init_from``'s Hugging
-   Face weights, each producing only this rank's slices (nothing at all when resuming);
+   Face weights, each producing only this rank's slices (nothing at all when resuming).
+   ZeRO-2/3 (FSDP2) does this last instead, after step 8: the meta-device model is sharded
+   over dp, then only this rank's shards are allocated and filled (parallel/zero/fsdp.py,
+   ``shard_and_materialise``; on the host with ``parallel.offload_optimizer``, where FSDP2
+   keeps them), so no rank holds the whole model at any time;
 5. context parallelism: each block's attention core reads the other cp ranks' keys and
    values (parallel/context/apply.py), when cp > 1;
 6. per-layer activation checkpointing, if asked;
@@ -33,7 +35,7 @@ from trainer3d.model.init import ParameterSource, RandomInit, fill_parameters
 from trainer3d.model.transformer import Transformer
 from trainer3d.parallel.compile import compile_blocks
 from trainer3d.parallel.context.apply import apply_context_parallel
-from trainer3d.parallel.zero.fsdp import FSDPOptimizer
+from trainer3d.parallel.zero.fsdp import FSDPOptimizer, shard_and_materialise
 from trainer3d.parallel.zero.optimizer import ZeroOptimizer
 from trainer3d.optim.mixed_precision import param_dtype
 from trainer3d.parallel.recompute import checkpoint_layers
@@ -67,9 +69,8 @@ def parameter_source(cfg: Config) -> ParameterSource:
 
 
 def materialise_device(cfg: Config, dims: ParallelDims) -> torch.device:
-    """Where the parameters are first allocated: the rank's device, but the host under FSDP
-    with the optimizer offloaded (``CPUOffloadPolicy`` wants the parameters it shards there,
-    so the whole fp32 model never has to fit the device)."""
+    """Where the parameters are allocated: the rank's device, but the host under FSDP with the
+    optimizer offloaded (``CPUOffloadPolicy`` keeps the shards there)."""
     if cfg.parallel.zero_stage >= 2 and cfg.parallel.offload_optimizer:
         return torch.device("cpu")
     return dims.device
@@ -83,14 +84,16 @@ def build_model_chunks(cfg: Config, dims: ParallelDims, initialise: bool = True)
     checkpoint and must stay zero."""
     chunks = build_meta_chunks(cfg, dims)
     source = parameter_source(cfg) if initialise else None
+    sharded = cfg.parallel.zero_stage >= 2
     for chunk in chunks:
         chunk.to(dtype=param_dtype(cfg))
-        chunk.to_empty(device=materialise_device(cfg, dims))
-        if source is None:
-            for param in chunk.parameters():
-                param.detach().zero_()
-        else:
-            fill_parameters(chunk, source)
+        if not sharded:
+            chunk.to_empty(device=materialise_device(cfg, dims))
+            if source is None:
+                for param in chunk.parameters():
+                    param.detach().zero_()
+            else:
+                fill_parameters(chunk, source)
     apply_context_parallel(chunks, dims, cfg.parallel.cp_attention)
     if cfg.train.activation_checkpointing:
         checkpoint_layers(chunks)
@@ -98,6 +101,8 @@ def build_model_chunks(cfg: Config, dims: ParallelDims, initialise: bool = True)
         route_linear_layers(chunks)
     if cfg.train.compile:
         compile_blocks(chunks)
+    if sharded:  # refuses pp > 1, as validate() does before launch
+        shard_and_materialise(chunks[0], cfg, dims, source, materialise_device(cfg, dims))
     return chunks
 
 

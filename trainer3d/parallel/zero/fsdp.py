@@ -9,6 +9,14 @@ Every transformer block and then the root module are sharded over the dp sub-mes
 - Stage 2 (P_os+g): ``reshard_after_forward=False`` — the full (compute-dtype) parameters
   stay from forward until the end of backward, as ZeRO-2 keeps parameters replicated.
 
+The model is sharded while still on the meta device and only then materialised
+(``shard_and_materialise``, called by trainer3d/parallel/parallelize.py's
+``build_model_chunks``): each rank allocates its own shards and asks the parameter source
+for their rows alone, so no rank ever holds the whole fp32 model, and the values are the
+1-rank model's (the layout-independent init, trainer3d/model/init.py) — torchtitan does the
+same: meta-device ``fully_shard``, ``to_empty``, then ``init_weights`` on the shards
+(torchtitan/train.py).
+
 Gradients are reduce-scattered in fp32 after every micro-batch's backward and summed into
 the sharded gradient, so no rank ever holds the full gradient (FSDP's default; skipping the
 sync on early micro-batches would keep an unsharded one). bf16/fp16 compute through
@@ -27,14 +35,14 @@ same rows of a replicated parameter, so summing their gradient shards over tp
 """
 
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from trainer3d.config.schema import Config
-from trainer3d.model.init import canonical_name, mark_tp_shard, tp_shard_of
+from trainer3d.model.init import ParameterSource, canonical_name, full_shape, mark_tp_shard, tp_shard_of
 from trainer3d.optim.schedule import decays
 from trainer3d.optim.adamw import adamw_update_
 from trainer3d.optim.clip import clip_by_global_norm_, counted_once_over_tp, sum_of_squares
@@ -76,6 +84,46 @@ def shard_model(model: nn.Module, cfg: Config, dims: ParallelDims) -> None:
             mark_tp_shard(p, shard.dim, shard.rank, shard.size, shard.full)
 
 
+def dp_rows(rows: int, dims: ParallelDims) -> Tuple[int, int]:
+    """[start, stop) of the dim-0 rows this rank's FSDP2 shard holds: ``torch.chunk`` over
+    dp x cp, ceil(rows / n) rows a rank, the last ranks fewer or none."""
+    per = -(-rows // dims.dp_cp)
+    start = min(dims.dp_cp_rank * per, rows)
+    return start, min(start + per, rows)
+
+
+@torch.no_grad()
+def fill_shards(model: nn.Module, source: Optional[ParameterSource], dims: ParallelDims) -> None:
+    """Fill this rank's shard of every parameter from ``source`` (its rows alone), or zero
+    it (``source`` None: a resumed run, the checkpoint fills them; the padded vocabulary's
+    tail rows are in no checkpoint and stay zero)."""
+    for name, param in model.named_parameters():
+        local = param.to_local()  # a view of the shard's storage, which FSDP all-gathers
+        if source is None:
+            local.zero_()
+            continue
+        shard = tp_shard_of(param)
+        rows = dp_rows(param.shape[0], dims)
+        values = source(canonical_name(name), full_shape(param.shape, shard), shard, rows)
+        if tuple(values.shape) != tuple(local.shape):
+            raise ValueError(f"{canonical_name(name)}: the source gave shape {tuple(values.shape)} for rows {rows}, "
+                             f"this rank's shard is {tuple(local.shape)}")
+        local.copy_(values.to(dtype=local.dtype))  # host to device where the shard is on the device
+
+
+def shard_and_materialise(model: nn.Module, cfg: Config, dims: ParallelDims,
+                          source: Optional[ParameterSource], device: torch.device) -> None:
+    """Shard the meta-device ``model`` (fp32), allocate this rank's shards on ``device`` and
+    fill them: the rank's memory grows by its shards alone (tests/multirank/test_zero3_init.py)."""
+    if dims.pp != 1:
+        raise ValueError(f"parallel.zero_stage={cfg.parallel.zero_stage} needs parallel.pp=1")
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        raise ValueError("FSDP keeps the fp32 master weights as its parameters: build the model in fp32")
+    shard_model(model, cfg, dims)
+    model.to_empty(device=device)  # FSDPModule._apply re-pads each local shard (torch/distributed/fsdp)
+    fill_shards(model, source, dims)
+
+
 class FSDPOptimizer(ZeroOptimizer):
     """ZeRO-2/3: the optimizer contract over an FSDP2-sharded model."""
 
@@ -84,11 +132,11 @@ class FSDPOptimizer(ZeroOptimizer):
     def __init__(self, chunks: List[nn.Module], cfg: Config, dims: ParallelDims):
         if len(chunks) != 1 or dims.pp != 1:
             raise ValueError(f"parallel.zero_stage={cfg.parallel.zero_stage} needs parallel.pp=1")
-        if any(p.dtype != torch.float32 for p in chunks[0].parameters()):
-            raise ValueError("FSDP keeps the fp32 master weights as its parameters: build the model in fp32")
+        if not isinstance(chunks[0], FSDPModule):
+            raise ValueError("ZeRO-2/3 shards the model as it is built: build it with "
+                             "trainer3d.parallel.parallelize.build_model_chunks")
         self.cfg, self.dims = cfg, dims
         model = chunks[0]
-        shard_model(model, cfg, dims)
         self.named = [(canonical_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named]
         with torch.no_grad():
