@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from trainer3d.config.schema import ModelConfig
 from trainer3d.memory.activations import Sizes, layer_terms
 from trainer3d.memory.meter import SavedActivationMeter
-from trainer3d.model import cpu_kernels
+from trainer3d.cpu import kernels as cpu_kernels
 from trainer3d.model.functional import apply_rotary, rms_norm, swiglu_linear
 from trainer3d.model.transformer import Block, rotary_cos_sin
 

@@ -12,8 +12,8 @@ DEFERRED = {
     ("trainer3d.observe.loggers", "wandb"): "optional sink, slow to import: only runs with logger=wandb pay for it",
     ("trainer3d.observe.loggers", "torch.utils.tensorboard"): "optional sink: only runs with logger=tensorboard need it",
     ("tools.bench.offload", "deepspeed.ops.adam"): "the optional peer (the peers extra), measured only where installed",
-    ("trainer3d.parallel.zero.host_kernel", "torch.utils"): "the compiler driver, needed only where an "
-    "offloaded optimizer is built (the host AdamW kernel's build)",
+    ("trainer3d.cpu.build", "torch.utils"): "the compiler driver, needed only where a C++ source is first "
+    "built (the CPU kernels, the shared-memory barrier, the host AdamW kernel)",
 }
 DEFERRED_MODULES = {  # every import of the module may sit in a function, for the reason given
     "tools.bench.hotpath": "imports trainer3d from the revision it measures, put on sys.path at run time",
