@@ -2,9 +2,8 @@
 shared memory instead of gloo's TCP loopback.
 
 gloo moves every byte through the kernel's socket buffers, on a thread of its own that
-competes with the ranks' compute for the same cores: an all-reduce of 3.4 MB between two
-ranks of a 2-core host takes ~4 ms there, most of it copying, which a rank waits for after its
-backward (tools/bench/deepspeed_pair.py's configuration, docs/performance.md). Through one
+competes with the ranks' compute for the same cores, and a rank waits for it after its
+backward (docs/performance.md has the figures). Through one
 shared segment it is four memory passes: each rank writes its tensor into its slot, reduces
 its 1/world of the elements over all slots in rank order, and reads everyone's reduced part
 back. Every element is summed by one rank in one order, so all ranks hold the same bits.

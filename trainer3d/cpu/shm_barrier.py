@@ -2,11 +2,10 @@
 shared segment, a kernel sleep while the others are missing, and a check that the peers still
 live (shm_barrier.cpp beside this file has the mechanism).
 
-Why not gloo's barrier: it is a message round trip through gloo's worker threads, ~1.1 ms on a
-busy 2-core host, and the collectives pass four of them per step (docs/performance.md has the
-figures). Why not a spin: a spinning or yielding rank takes the core from
-the ranks still computing, which slows an oversubscribed host (8 ranks on 2 cores in the
-test suite) to a fraction of its pace.
+Why not gloo's barrier: it is a message round trip through gloo's worker threads, and the
+collectives pass four of them per step (docs/performance.md has the figures). Why not a spin:
+a spinning or yielding rank takes the core from the ranks still computing, which slows a host
+with more ranks than cores (the test suite's) to a fraction of its pace.
 
 Failure behaves as a gloo collective's: a peer that died (its lock on the segment's file is
 gone) raises within ``SLICE_S``, and a peer that hangs raises after the group's timeout
