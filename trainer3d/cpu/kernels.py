@@ -23,7 +23,7 @@ import torch
 from trainer3d.cpu.build import Build, c_library
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
-FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
+FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
          "-fno-trapping-math"]
 """-ffp-contract=off: no fused multiply-add the source does not spell out, so every clone (AVX-512,
 AVX2, baseline) rounds alike; -fno-math-errno and -fno-trapping-math (no errno, no floating-point

@@ -11,6 +11,7 @@ ranks' ``heartbeat`` files; ``interrupt`` ends a job's processes on the submitte
 before launch; ``device_check`` and ``requirements`` the
 machine's devices and torch, checked before launch and in each rank; ``local_ranks`` a
 function on N gloo ranks of this machine (benchmarks, tests). May import ``config``, ``cpu``
-(``malloc``: CPU ranks keep their freed memory), ``parallel.topology`` and, for ``memory_check``, the dry run's accounting (``memory``,
-``parallel.pipeline.stages``); the engine only through ``trainer``.
+(``malloc``: CPU ranks keep their freed memory), ``parallel.topology`` and, for
+``memory_check``, the dry run's accounting (``memory``, ``parallel.pipeline.stages``); the
+engine only through ``trainer``.
 """

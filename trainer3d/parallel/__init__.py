@@ -13,6 +13,6 @@ all-gather attention across them). Beside them: ``finalize`` (the gradients afte
 and tied-embedding sums), ``comm`` (collective shims and the ``Collectives`` ZeRO and clipping
 talk to, a process group's or shared memory's, trainer3d/cpu/shm.py), ``wgrad`` (low-precision weight
 gradients into fp32 buffers), ``recompute``, ``compile``, ``tied`` (the tied embedding's
-two copies). May import ``config``, ``model``, ``optim``, ``cpu`` and ``hf.source``; nothing above it
-(``job``, ``observe``, ``memory``, the trainer).
+two copies). May import ``config``, ``model``, ``optim``, ``cpu`` and ``hf.source``; nothing
+above it (``job``, ``observe``, ``memory``, the trainer).
 """

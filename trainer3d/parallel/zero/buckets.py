@@ -128,7 +128,8 @@ class GradReducer:
     leaves each rank's slice of every bucket averaged (the rest stays this rank's local sum).
     """
 
-    def __init__(self, buffers: FlatBuffers, group: comm.Collectives, dp: int, dp_rank: int, micro_batches: int, mode: str):
+    def __init__(self, buffers: FlatBuffers, group: comm.Collectives, dp: int, dp_rank: int, micro_batches: int,
+                 mode: str):
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"mode={mode}")
         self.buffers, self.group, self.dp, self.dp_rank = buffers, group, dp, dp_rank
