@@ -45,7 +45,8 @@ LIBRARY = torch.library.Library("trainer3d", "DEF")
 COMPOSITIONS: Dict[str, Callable] = {}
 """Each operator's composition of torch operators, by name: its implementation on every device
 that has no kernel of its own for it."""
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter, float, int, bool))
+"""The argument types the operators take as they are (any other, such as DTensor, runs the composition)."""
 
 
 def _operator(schema: str, composition: Callable) -> Callable:
@@ -60,7 +61,10 @@ def _operator(schema: str, composition: Callable) -> Callable:
     op = getattr(torch.ops.trainer3d, name).default
 
     def call(*args):
-        if torch.compiler.is_compiling() or any(isinstance(t, torch.Tensor) and type(t) not in _PLAIN for t in args):
+        for t in args:
+            if type(t) not in _PLAIN:
+                return composition(*args)
+        if torch.compiler.is_compiling():
             return composition(*args)
         return op(*args)
 
