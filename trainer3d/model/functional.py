@@ -61,11 +61,11 @@ def _operator(schema: str, composition: Callable) -> Callable:
     op = getattr(torch.ops.trainer3d, name).default
 
     def call(*args):
+        if torch.compiler.is_compiling():
+            return composition(*args)
         for t in args:
             if type(t) not in _PLAIN:
                 return composition(*args)
-        if torch.compiler.is_compiling():
-            return composition(*args)
         return op(*args)
 
     return call
