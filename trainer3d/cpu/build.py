@@ -20,10 +20,17 @@ import logging
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 log = logging.getLogger(__name__)
+
+
+STALE_LOCK_S = 1200
+"""A build lock older than this was left by a build that was killed before it finished: torch's
+builder would wait for it to go away for ever (torch/utils/file_baton.py, ``FileBaton.wait``).
+A build of these sources takes seconds, with torch's headers a few minutes on a loaded host."""
 
 
 def compiler() -> Optional[str]:
@@ -45,11 +52,22 @@ def cpp_extension_load(name: str, source: Path, flags: List[str], python_module:
     if shutil.which("ninja") is None and scripts:
         os.environ["PATH"] = scripts + os.pathsep + path
     ldflags = ["-fopenmp"] if "-fopenmp" in flags else []
+    _clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock")
     try:
         return cpp_extension.load(name, [str(source)], extra_cflags=flags, extra_ldflags=ldflags,
                                   is_python_module=python_module, verbose=False)
     finally:
         os.environ["PATH"] = path
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("%s is %.0f s old, left by a build that did not finish; removing it", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 class Build:
