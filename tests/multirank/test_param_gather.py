@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from tests.support.harness import dims_for, run_ranks
 from tests.support.zero_ranks import make_cfg, train_step
 from trainer3d.config.schema import ModelConfig
+from trainer3d.cpu.shm import ShmCollectives
 from trainer3d.model.transformer import Transformer
 from trainer3d.parallel import comm
 from trainer3d.parallel.parallelize import build_model_chunks
@@ -69,8 +70,8 @@ def test_forward_waits_for_each_bucket_once_in_forward_order_recomputation_inclu
 
 def _late_gathers(rank, world):
     """Three ZeRO-1 steps with late gathers and overlap, against the same steps waited at once."""
-    launch = comm.all_gather
-    comm.all_gather = lambda output, input, group: _Deferred(lambda: launch(output, input, group).wait())
+    for kind in (comm.GroupCollectives, ShmCollectives):  # whichever the dp group's collectives are
+        _defer_gathers(kind)
     cfg = make_cfg(world, 1, bucket_mb=0.002, zero_reduce="reduce_scatter")
     out = {}
     for overlap in (True, False):
@@ -82,6 +83,12 @@ def _late_gathers(rank, world):
         views = {v.name: v.tensors["param"].numpy().copy() for v in opt.checkpoint_views() if "param" in v.tensors}
         out[overlap] = (norms, raw, views, len(opt.buffers.buckets))
     return out
+
+
+def _defer_gathers(kind) -> None:
+    """``kind``'s all-gather runs only when its handle is waited for."""
+    launch = kind.all_gather
+    kind.all_gather = lambda self, output, input: _Deferred(lambda: launch(self, output, input).wait())
 
 
 class _Deferred:

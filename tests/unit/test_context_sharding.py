@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer3d.parallel.context import kernels
-from trainer3d.parallel.context.sharding import (chunks_of, local_positions, shard_positions, shard_sequence,
-                                                 unshard_sequence)
+from trainer3d.parallel.context.sharding import chunks_of, local_positions, shard_positions, shard_sequence
 
 
 def test_cp2_positions_by_hand():
@@ -17,6 +16,15 @@ def test_cp2_positions_by_hand():
     assert shard_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
     assert shard_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
     assert chunks_of(4, 1) == (1, 6)
+
+
+def unshard_sequence(shards, dim: int = -1) -> torch.Tensor:
+    """The full sequence from every cp rank's shard (in cp rank order): the inverse of
+    ``shard_sequence``, written from the load-balanced layout (rank r holds chunks r and 2cp-1-r)."""
+    cp = len(shards)
+    halves = [s.chunk(2, dim=dim) for s in shards]
+    ordered = [halves[c][0] for c in range(cp)] + [halves[c][1] for c in reversed(range(cp))]
+    return torch.cat(ordered, dim=dim)
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])

@@ -1,5 +1,5 @@
-"""The fused CPU kernels of model/cpu_kernels.cpp, which model/functional.py's Functions run for
-fp32 CPU tensors: held to a float64 evaluation of the same formulas (an independent reference),
+"""The fused CPU kernels of trainer3d/cpu/kernels.cpp, the CPU implementation of the model's
+operators (model/functional.py; registered by trainer3d/cpu/ops.py) for fp32 CPU tensors: held to a float64 evaluation of the same formulas (an independent reference),
 to the Functions' own torch composition (the rotation bit for bit), to themselves on any
 number of threads, on strided input, at the limits of exp, and shown to run at all (no torch
 operator does the arithmetic) and to give way to the composition where they are off or
@@ -8,14 +8,16 @@ cannot be built."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer3d import native
-from trainer3d.model import cpu_kernels
+from trainer3d.cpu import kernels as cpu_kernels
+from trainer3d.cpu import shm_barrier
+from trainer3d.cpu.build import STALE_LOCK_S, Build, c_library
 from trainer3d.model.functional import apply_rotary, rms_norm, swiglu_linear
 from trainer3d.model.transformer import rotary_cos_sin
 
@@ -168,7 +170,7 @@ def test_off_and_unbuildable_run_the_composition(tmp_path):
     """TRAINER3D_CPU_KERNELS=0 and a machine without a compiler both run torch's operators: the
     same bits as the composition, with one logged line where the build is impossible."""
     code = ("import torch, logging; logging.basicConfig(level=logging.WARNING)\n"
-            "from trainer3d.model import cpu_kernels\n"
+            "from trainer3d.cpu import kernels as cpu_kernels\n"
             "from trainer3d.model.functional import rms_norm\n"
             "x = torch.randn(8, 64); w = torch.randn(64)\n"
             "y = rms_norm(x, w, 1e-5)\n"
@@ -185,10 +187,30 @@ def test_off_and_unbuildable_run_the_composition(tmp_path):
             assert "built False" in proc.stdout and "no C++ compiler" in proc.stderr
 
 
-def test_a_build_is_named_by_its_source_flags_and_compiler(tmp_path, monkeypatch):
+def test_a_build_lives_in_torchs_extension_directory_and_follows_its_flags(tmp_path, monkeypatch):
+    """trainer3d/cpu/build.py builds through torch.utils.cpp_extension: under
+    TORCH_EXTENSIONS_DIR, by name; a changed flag makes a new build, not a stale load."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    cxx = native.compiler()
-    path = cpu_kernels.LIBRARY.path(cxx)
-    assert path.parent == tmp_path / "trainer3d_cpu_kernels"
-    monkeypatch.setattr(cpu_kernels.LIBRARY, "flags", cpu_kernels.FLAGS + ["-DT3D_OTHER"])
-    assert cpu_kernels.LIBRARY.path(cxx) != path
+    source = shm_barrier.LIBRARY.source
+
+    def build(flags):  # the path of the library built
+        return Build("t3d_test_build", source, flags, "test build", "none", str).get() or pytest.fail("no build")
+
+    first = build(["-O2"])
+    assert first.startswith(str(tmp_path)) and first.endswith(".so"), first
+    second = build(["-O2", "-DT3D_OTHER"])
+    assert second != first
+    assert c_library("t3d_shm_barrier_abi", 1, {})(second)._name == second  # an extern "C" library, ABI checked
+
+
+@pytest.mark.timeout(300)
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path, monkeypatch):
+    """torch's builder waits for its lock file to go; one a killed build left long ago is removed."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "t3d_test_stale" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    old = time.time() - 2 * STALE_LOCK_S
+    os.utime(lock, (old, old))
+    path = Build("t3d_test_stale", shm_barrier.LIBRARY.source, ["-O2"], "test build", "none", str).get()
+    assert path is not None and path.startswith(str(tmp_path)) and not lock.exists()

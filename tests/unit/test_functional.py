@@ -13,8 +13,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from trainer3d.config.schema import ModelConfig
 from trainer3d.memory.activations import Sizes, layer_terms
 from trainer3d.memory.meter import SavedActivationMeter
-from trainer3d.model import cpu_kernels
-from trainer3d.model.functional import apply_rotary, rms_norm, swiglu_linear
+from trainer3d.cpu import kernels as cpu_kernels  # the package's import registers the CPU kernels
+from trainer3d.model.functional import COMPOSITIONS, apply_rotary, rms_norm, swiglu_linear
 from trainer3d.model.transformer import Block, rotary_cos_sin
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -141,3 +141,19 @@ def test_a_block_saves_at_most_28_sbh(shape, heads, kv_heads, ffn_ratio):
     print(f"{shape}: {measured:.2f} sbh per layer (bf16, flash)")
     assert measured == predicted
     assert measured <= 28.0
+
+
+def test_the_operators_are_the_composition_elsewhere_and_the_kernels_on_cpu():
+    """The model's operators (torch.ops.trainer3d) run their composition on any device without a
+    kernel of its own (here the meta device, as a dry run or another accelerator meets it), and
+    trainer3d/cpu/, once imported, gives CPU its own implementation."""
+    for name in COMPOSITIONS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"trainer3d::{name}", "CPU"), name
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"trainer3d::{name}", "CUDA"), name
+    x, w = torch.empty(5, 3, 8, device="meta", dtype=torch.bfloat16), torch.empty(8, device="meta")
+    y, rstd = torch.ops.trainer3d.rms_norm_forward(x, w, 1e-5)
+    assert (y.device.type, y.dtype, tuple(rstd.shape), rstd.dtype) == ("meta", torch.float32, (5, 3, 1), torch.float32)
+    a = torch.empty(4, 2, 16, device="meta")
+    assert torch.ops.trainer3d.swiglu_forward(a, a).shape == a.shape
+    prod, ga, gb = torch.ops.trainer3d.swiglu_backward(a, a, a, False, True)
+    assert prod is None and ga.shape == gb.shape == a.shape and ga.device.type == "meta"

@@ -69,8 +69,10 @@ def test_the_console_command_runs_from_any_directory(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_non_editable_install_carries_conf(tmp_path):
-    """``pip install .`` (no checkout beside it): conf/ travels as trainer3d/conf."""
+def test_a_non_editable_install_carries_conf_and_every_cpp_source(tmp_path):
+    """``pip install .`` (no checkout beside it): conf/ travels as trainer3d/conf, and every C++
+    source of the tree (built on first use, trainer3d/cpu/build.py) travels beside its module,
+    byte for byte: a source left out of the package data makes its user fall back in silence."""
     source, target = tmp_path / "src", tmp_path / "site"  # a copy: the build writes build/ beside the sources
     for name in ("trainer3d", "conf"):
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -82,6 +84,10 @@ def test_a_non_editable_install_carries_conf(tmp_path):
     assert pip.returncode == 0, pip.stderr[-2000:]
     assert (target / "trainer3d" / "conf" / "config.yaml").is_file()
     assert (target / "trainer3d" / "conf" / "model" / "tiny.yaml").is_file()
+    tree = {p.relative_to(ROOT): p.read_bytes() for p in (ROOT / "trainer3d").rglob("*.cpp")}
+    shipped = {p.relative_to(target): p.read_bytes() for p in (target / "trainer3d").rglob("*.cpp")}
+    assert len(tree) >= 3 and shipped.keys() == tree.keys(), sorted(map(str, tree.keys() ^ shipped.keys()))
+    assert shipped == tree
     run = ("import sys; sys.argv = ['trainer3d', 'dry_run=true', 'parallel=single', 'hydra.run.dir=run']; "
            "from trainer3d.config.conf_dir import CONF_DIR; print(CONF_DIR); "
            "from trainer3d.train import main; main()")  # what the console script does

@@ -12,8 +12,8 @@ DEFERRED = {
     ("trainer3d.observe.loggers", "wandb"): "optional sink, slow to import: only runs with logger=wandb pay for it",
     ("trainer3d.observe.loggers", "torch.utils.tensorboard"): "optional sink: only runs with logger=tensorboard need it",
     ("tools.bench.offload", "deepspeed.ops.adam"): "the optional peer (the peers extra), measured only where installed",
-    ("trainer3d.parallel.zero.host_kernel", "torch.utils"): "the compiler driver, needed only where an "
-    "offloaded optimizer is built (the host AdamW kernel's build)",
+    ("trainer3d.cpu.build", "torch.utils"): "the compiler driver, needed only where a C++ source is first "
+    "built (the CPU kernels, the shared-memory barrier, the host AdamW kernel)",
 }
 DEFERRED_MODULES = {  # every import of the module may sit in a function, for the reason given
     "tools.bench.hotpath": "imports trainer3d from the revision it measures, put on sys.path at run time",
@@ -105,3 +105,17 @@ def test_the_scan_finds_a_cycle_and_a_deferred_import():
     top = {id(n) for n in tree.body}
     hidden = [t for node, targets in _imports(tree, _modules()) if id(node) not in top for t in targets]
     assert hidden == ["trainer3d.job.launch"]
+
+
+def test_the_cpu_speed_work_is_walled_off():
+    """The model's math names no kernel library (model/functional.py imports torch alone; the
+    CPU kernels register themselves from trainer3d/cpu/), and trainer3d/cpu/ reaches down to
+    the model only, never up into the engine that uses it."""
+    edges, _ = _graph()
+    assert {t for t in edges["trainer3d.model.functional"] if t.startswith("trainer3d")} == set()
+    assert not [(m, t) for m in edges if m.startswith("trainer3d.model") for t in edges[m]
+                if t.startswith("trainer3d.cpu")]
+    cpu = {m for m in edges if m == "trainer3d.cpu" or m.startswith("trainer3d.cpu.")}
+    assert cpu >= {"trainer3d.cpu.ops", "trainer3d.cpu.shm", "trainer3d.cpu.build"}
+    up = {(m, t) for m in cpu for t in edges[m] if not t.startswith(("trainer3d.cpu", "trainer3d.model"))}
+    assert up == set(), sorted(up)

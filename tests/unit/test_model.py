@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer3d.config.schema import ModelConfig
-from trainer3d.model.init import full_init, init_parameters, local_init, mark_tp_shard
+from trainer3d.model.init import RandomInit, full_init, full_shape, init_parameters, mark_tp_shard, tp_shard_of
 from trainer3d.model.transformer import Transformer, count_parameters, cross_entropy_loss, token_rows
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=101, max_seq_len=32)
@@ -91,6 +91,12 @@ def test_initialisation_does_not_depend_on_other_parameters():
     full_params = dict(full.named_parameters())
     for name, p in stage.named_parameters():
         assert torch.equal(p, full_params[name]), name
+
+
+def local_init(name: str, param: torch.Tensor, cfg, seed: int) -> torch.Tensor:
+    """A rank's slice of ``full_init`` for ``param``, drawn as a rank draws it (RandomInit with its shard)."""
+    shard = tp_shard_of(param)
+    return RandomInit(cfg, seed)(name, full_shape(param.shape, shard), shard)
 
 
 def test_tp_shard_init_is_a_slice_of_the_full_tensor_with_zero_padding():

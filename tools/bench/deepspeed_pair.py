@@ -221,6 +221,7 @@ def block_thread_ms(rounds: int, reps: int = 50) -> dict:
     shape, best of ``rounds`` x ``reps``, the two measured in alternating rounds."""
     import torch
 
+    import trainer3d.cpu  # noqa: F401 - the CPU kernels of the model's operators, as a CPU rank has them
     from trainer3d.config.schema import ModelConfig
     from trainer3d.model.transformer import Block
 

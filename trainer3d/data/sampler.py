@@ -54,9 +54,6 @@ class Span:
     def n_windows(self) -> int:
         return max(0, (self.n_tokens - 1) // self.seq_len)
 
-    def token_starts(self, windows: np.ndarray) -> np.ndarray:
-        return self.start + windows * self.seq_len
-
 
 def split(n_tokens: int, val_fraction: float) -> Tuple[int, int]:
     """(training tokens, validation tokens): the validation part is the last ``val_fraction``."""

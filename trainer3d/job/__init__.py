@@ -7,11 +7,11 @@ ranks' ``heartbeat`` files; ``interrupt`` ends a job's processes on the submitte
 ``preemption`` is the agreed stop at a step boundary; ``runlock`` one run per run dir;
 ``rundir`` an unwritable or full run dir refused before Hydra writes to it;
 ``failure`` a rank's real cause in one line; ``master_port`` the port of rank 0's store;
-``host_malloc`` CPU ranks keeping their freed memory; ``threads`` each rank's CPU threads from
-its affinity mask; ``memory_check`` a run that does not fit refused
+``threads`` each rank's CPU threads from its affinity mask; ``memory_check`` a run that does not fit refused
 before launch; ``device_check`` and ``requirements`` the
 machine's devices and torch, checked before launch and in each rank; ``local_ranks`` a
-function on N gloo ranks of this machine (benchmarks, tests). May import ``config``,
-``parallel.topology`` and, for ``memory_check``, the dry run's accounting (``memory``,
-``parallel.pipeline.stages``); the engine only through ``trainer``.
+function on N gloo ranks of this machine (benchmarks, tests). May import ``config``, ``cpu``
+(``malloc``: CPU ranks keep their freed memory), ``parallel.topology`` and, for
+``memory_check``, the dry run's accounting (``memory``, ``parallel.pipeline.stages``); the
+engine only through ``trainer``.
 """

@@ -22,11 +22,11 @@ import torch.distributed as dist
 
 from trainer3d.config.schema import Config
 from trainer3d.config.validate import world_size_of
+from trainer3d.cpu.malloc import keep_freed_memory
 from trainer3d.job.device_check import exact_pinned_sizes, rank_device
 from trainer3d.job.failure import rank_failures
 from trainer3d.job.follow import follow
 from trainer3d.job.heartbeat import Heartbeat, heartbeat_dir
-from trainer3d.job.host_malloc import keep_freed_memory
 from trainer3d.job.interrupt import (TOKEN_VAR, Interrupted, JobSignals, end_processes, new_token, processes_with_token,
                                      terminal_signals_blocked)
 from trainer3d.job.master_port import job_port, local_port

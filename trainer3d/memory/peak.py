@@ -212,9 +212,3 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def worst_rank(cfg: Config, pp_ranks=None, kernel: str = "flash") -> RankMemory:
-    """The pipeline rank with the highest peak (all of them, or those given)."""
-    ranks = range(cfg.parallel.pp) if pp_ranks is None else pp_ranks
-    return max((rank_memory(cfg, r, kernel) for r in ranks), key=lambda mem: mem.total)

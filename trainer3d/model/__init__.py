@@ -1,7 +1,7 @@
 """The model: one parallelism-agnostic Llama-style definition (``transformer``: RMSNorm,
 RoPE, grouped-query attention, SwiGLU; ``functional``: the norm, RoPE and SwiGLU as autograd
-Functions that save only what backward needs; ``cpu_kernels``: their fused fp32 CPU kernels,
-plain C++ built on first use), how its parameters are filled (``init``: a source of
+Functions that save only what backward needs, their elementwise work as ``torch.ops.trainer3d``
+operators defined by their composition), how its parameters are filled (``init``: a source of
 values, random or Hugging Face, each rank filling only its slices; ``normal_stream``: any
 rectangle of torch.randn's draw), and what a step costs (``flops``: PaLM's count). Imports
 only ``config``: parallelism is applied from outside (``parallel/parallelize.py``).

@@ -16,14 +16,18 @@ Forward values are those of the plain composition, operator for operator (the no
 the rotation in fp32, silu and the product in the activation dtype); backward computes the
 same derivatives, with fp32 inside where the composition upcasts. tests/unit/test_functional.py
 holds each Function to the composition, in values, gradients and saved bytes.
+
+The elementwise work of each Function is an operator of the ``trainer3d`` library defined
+here by its composition of torch operators, for every device (``CompositeExplicitAutograd``).
+A device may bring a kernel of its own for an operator without the model knowing it
+(trainer3d/cpu/ops.py registers fused CPU kernels); the Functions reach the operators through
+one seam, ``_operator``.
 """
 
-from typing import Any, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
-
-from trainer3d.model import cpu_kernels
 
 SINK = "main_grad_sink"
 """The attribute of a parameter that holds its fp32 gradient sink (parallel/wgrad.py's
@@ -37,37 +41,79 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+LIBRARY = torch.library.Library("trainer3d", "DEF")
+COMPOSITIONS: Dict[str, Callable] = {}
+"""Each operator's composition of torch operators, by name: its implementation on every device
+that has no kernel of its own for it."""
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter, float, int, bool))
+"""The argument types the operators take as they are (any other, such as DTensor, runs the composition)."""
+
+
+def _operator(schema: str, composition: Callable) -> Callable:
+    """Define ``torch.ops.trainer3d.<name>`` by ``schema`` and ``composition``; return the seam
+    the Functions call it through. The seam runs the composition itself inside torch.compile
+    (which fuses it; the operator would be opaque to it) and for a tensor subclass such as
+    DTensor (which has no sharding rule for the operator)."""
+    name = schema.split("(", 1)[0]
+    LIBRARY.define(schema)
+    LIBRARY.impl(name, composition, "CompositeExplicitAutograd")
+    COMPOSITIONS[name] = composition
+    op = getattr(torch.ops.trainer3d, name).default
+
+    def call(*args):
+        if torch.compiler.is_compiling():
+            return composition(*args)
+        for t in args:
+            if type(t) not in _PLAIN:
+                return composition(*args)
+        return op(*args)
+
+    return call
+
+
+def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x / rms(x)) * weight, normalised in fp32 (bf16 would lose the mean square), and 1/rms
+    shaped (..., 1)."""
+    xf = _cast(x, torch.float32)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return _cast(xf * rstd, x.dtype) * weight, rstd
+
+
+def _rms_norm_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                       need_x: bool, need_weight: bool):
+    xhat = _cast(x, torch.float32) * rstd
+    grad_weight = None
+    if need_weight:
+        # as autograd reduces a broadcast product: in the product's dtype, over every token
+        grad_weight = _cast((grad_y * _cast(xhat, x.dtype)).sum_to_size(weight.shape), weight.dtype)
+    grad_x = None
+    if need_x:
+        g = _cast(grad_y * weight, torch.float32)
+        # d/dx of x * rsqrt(mean(x^2) + eps): rstd * (g - xhat * mean(g * xhat)), in place
+        dot = (g * xhat).mean(-1, keepdim=True)
+        grad_x = _cast(g.sub_(xhat.mul_(dot)).mul_(rstd), x.dtype)
+    return grad_x, grad_weight
+
+
+rms_norm_forward = _operator("rms_norm_forward(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)",
+                             _rms_norm_forward)
+rms_norm_backward = _operator("rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor rstd, bool need_x, "
+                              "bool need_weight) -> (Tensor?, Tensor?)", _rms_norm_backward)
+
+
 class _RMSNorm(torch.autograd.Function):
-    """y = (x / rms(x)) * weight, normalised in fp32 (bf16 would lose the mean square)."""
+    """y = (x / rms(x)) * weight, normalised in fp32."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if cpu_kernels.usable(x, weight) and weight.shape == x.shape[-1:]:
-            y, rstd = cpu_kernels.rms_norm_forward(x, weight, eps)
-            ctx.save_for_backward(x, weight, rstd)
-            return y
-        xf = _cast(x, torch.float32)
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        y, rstd = rms_norm_forward(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return _cast(xf * rstd, x.dtype) * weight
+        return y
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        if cpu_kernels.usable(grad_y, x, weight):
-            return (*cpu_kernels.rms_norm_backward(grad_y, x, weight, rstd, *ctx.needs_input_grad[:2]), None)
-        xhat = _cast(x, torch.float32) * rstd
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            # as autograd reduces a broadcast product: in the product's dtype, over every token
-            grad_weight = _cast((grad_y * _cast(xhat, x.dtype)).sum_to_size(weight.shape), weight.dtype)
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            g = _cast(grad_y * weight, torch.float32)
-            # d/dx of x * rsqrt(mean(x^2) + eps): rstd * (g - xhat * mean(g * xhat)), in place
-            dot = (g * xhat).mean(-1, keepdim=True)
-            grad_x = _cast(g.sub_(xhat.mul_(dot)).mul_(rstd), x.dtype)
-        return grad_x, grad_weight, None
+        return (*rms_norm_backward(grad_y, x, weight, rstd, *ctx.needs_input_grad[:2]), None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -89,27 +135,54 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
     return out
 
 
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -> torch.Tensor:
+    """x: (seq, batch, heads, head_dim) rotated by the (seq, head_dim) tables, forward (``sign``
+    1) or back (-1), in x's dtype."""
+    return _cast(_rotate(x, cos[:, None, None, :], sin[:, None, None, :], float(sign)), x.dtype)
+
+
+rotary = _operator("rotary(Tensor x, Tensor cos, Tensor sin, int sign) -> Tensor", _rotary)
+
+
 class _Rotary(torch.autograd.Function):
     """x cos + rotate_half(x) sin in fp32, x: (seq, batch, heads, head_dim), tables (seq, head_dim)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
-        if cpu_kernels.rotary_usable(x, cos, sin):
-            return cpu_kernels.rotary(x, cos, sin, 1)
-        return _cast(_rotate(x, cos[:, None, None, :], sin[:, None, None, :], 1.0), x.dtype)
+        return rotary(x, cos, sin, 1)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        if cpu_kernels.rotary_usable(grad_y, cos, sin):
-            return cpu_kernels.rotary(grad_y, cos, sin, -1), None, None
-        return _cast(_rotate(grad_y, cos[:, None, None, :], sin[:, None, None, :], -1.0), grad_y.dtype), None, None
+        return rotary(grad_y, cos, sin, -1), None, None
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (i, i + head_dim/2) of x: (seq, batch, heads, head_dim) by the fp32 tables."""
     return _Rotary.apply(x, cos, sin)
+
+
+def _swiglu_backward(grad_prod: torch.Tensor, a: torch.Tensor, b: torch.Tensor, need_prod: bool,
+                     need_inputs: bool):
+    """silu(a) * b (for w2's gradient) where ``need_prod``, and where ``need_inputs`` the
+    gradients of a and b for ``grad_prod``, the gradient of that product."""
+    silu = F.silu(a)
+    prod = silu * b if need_prod else None
+    grad_a = grad_b = None
+    if need_inputs:
+        grad_a = torch.ops.aten.silu_backward(grad_prod * b, a)  # F.silu's own derivative
+        grad_b = grad_prod * silu
+    return prod, grad_a, grad_b
+
+
+def _swiglu_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return F.silu(a) * b
+
+
+swiglu_forward = _operator("swiglu_forward(Tensor a, Tensor b) -> Tensor", _swiglu_forward)
+swiglu_backward = _operator("swiglu_backward(Tensor grad_prod, Tensor a, Tensor b, bool need_prod, bool need_inputs) "
+                            "-> (Tensor?, Tensor?, Tensor?)", _swiglu_backward)
 
 
 class _SwiGLULinear(torch.autograd.Function):
@@ -123,39 +196,17 @@ class _SwiGLULinear(torch.autograd.Function):
         ctx.save_for_backward(a, b, weight)
         ctx.sink = sink
         ctx.main_grad = sink.views[weight] if sink is not None else None
-        if cpu_kernels.usable(a, b) and a.shape == b.shape:
-            return F.linear(cpu_kernels.swiglu_forward(a, b), weight)
-        return F.linear(F.silu(a) * b, weight)
+        return F.linear(swiglu_forward(a, b), weight)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         a, b, weight = ctx.saved_tensors
         grad_2d = grad_y.reshape(-1, grad_y.shape[-1])
-        if cpu_kernels.usable(a, b, grad_2d, weight) and a.shape == b.shape:
-            return _SwiGLULinear.fused_backward(ctx, grad_2d, a, b, weight)
-        silu = F.silu(a)
-        grad_weight = None
-        if ctx.needs_input_grad[2]:
-            prod_2d = (silu * b).reshape(-1, b.shape[-1])
-            if ctx.sink is None:
-                grad_weight = grad_2d.t().mm(prod_2d)
-            elif torch._C._will_engine_execute_node(ctx.next_functions[2][0]):  # see wgrad.linear
-                ctx.sink.accumulate(ctx.main_grad, grad_2d, prod_2d)
-        grad_a = grad_b = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            grad_prod = grad_2d.mm(weight).view(*grad_y.shape[:-1], weight.shape[1])
-            grad_b = grad_prod * silu
-            grad_a = torch.ops.aten.silu_backward(grad_prod.mul_(b), a)  # F.silu's own derivative
-        return grad_a, grad_b, grad_weight, None
-
-    @staticmethod
-    def fused_backward(ctx, grad_2d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor):
-        """``backward`` with the elementwise work in one pass of cpu_kernels.py's SwiGLU kernel."""
         need_inputs = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        grad_prod = grad_2d.mm(weight).view(a.shape) if need_inputs else a  # a: unread where not asked
         need_weight = ctx.needs_input_grad[2] and (
-            ctx.sink is None or torch._C._will_engine_execute_node(ctx.next_functions[2][0]))
-        prod, grad_a, grad_b = cpu_kernels.swiglu_backward(grad_prod, a, b, need_weight, need_inputs)
+            ctx.sink is None or torch._C._will_engine_execute_node(ctx.next_functions[2][0]))  # see wgrad.linear
+        grad_prod = grad_2d.mm(weight).view(a.shape) if need_inputs else a  # a: unread where not asked
+        prod, grad_a, grad_b = swiglu_backward(grad_prod, a, b, need_weight, need_inputs)
         grad_weight = None
         if need_weight:
             prod_2d = prod.view(-1, b.shape[-1])

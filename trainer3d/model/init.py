@@ -163,12 +163,6 @@ def full_init(name: str, shape, cfg: ModelConfig, seed: int) -> torch.Tensor:
     return RandomInit(cfg, seed)(name, tuple(shape), None)
 
 
-def local_init(name: str, param: torch.Tensor, cfg: ModelConfig, seed: int) -> torch.Tensor:
-    """This rank's slice of ``full_init`` for ``param`` (padding rows are zero)."""
-    shard = tp_shard_of(param)
-    return RandomInit(cfg, seed)(name, full_shape(param.shape, shard), shard)
-
-
 @torch.no_grad()
 def fill_parameters(model: nn.Module, source: ParameterSource) -> None:
     """Fill every parameter of ``model`` (any stage / TP shard of it) in place from ``source``."""

@@ -7,7 +7,7 @@ its owning ZeRO shard). The sum of squares is reduced once over the default grou
 clip coefficient stays a device tensor, so there is no host sync in the step.
 """
 
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,14 +30,13 @@ def sum_of_squares(tensors: List[torch.Tensor], device: torch.device) -> torch.T
 
 
 def clip_by_global_norm_(local_sq: torch.Tensor, grads: List[torch.Tensor], max_norm: float,
-                         world=None) -> torch.Tensor:
+                         world: Optional[comm.Collectives] = None) -> torch.Tensor:
     """Reduce this rank's share of the squared norm over the world, scale ``grads`` in place
     so the global norm is at most ``max_norm`` (0: no clipping); return the global norm.
-    ``world``: the world's shared-memory collectives (CPU ranks of one host,
-    parallel/host_shm.py), else None for the default group."""
+    ``world``: the world's collectives (parallel/comm.py), else the default group's."""
     total = local_sq.detach().clone()
     if dist.is_initialized() and dist.get_world_size() > 1:
-        comm.all_reduce_sum(total, world)
+        (world or comm.GroupCollectives()).all_reduce_sum(total)
     norm = total.sqrt()
     if max_norm > 0 and grads:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

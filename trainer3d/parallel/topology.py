@@ -104,11 +104,6 @@ class Topology:
             seen.setdefault(g[0], g)
         return [seen[k] for k in sorted(seen)]
 
-    def dp_cp_groups(self) -> List[List[int]]:
-        """The ranks that reduce gradients together: one per (pp, tp), every dp and cp rank."""
-        return [[self.rank(s, d, c, t) for d in range(self.dp) for c in range(self.cp)]
-                for s in range(self.pp) for t in range(self.tp)]
-
     def embedding_groups(self) -> List[List[int]]:
         """(first stage, last stage) of each (dp, cp, tp) column; none without a pipeline."""
         if self.pp == 1:

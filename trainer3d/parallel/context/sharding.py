@@ -53,11 +53,3 @@ def shard_sequence(x: torch.Tensor, cp: int, cp_rank: int, dim: int = -1) -> tor
     check_divisible(seq_len, cp)
     pieces = x.chunk(2 * cp, dim=dim)
     return torch.cat([pieces[c] for c in chunks_of(cp, cp_rank)], dim=dim)
-
-
-def unshard_sequence(shards, dim: int = -1) -> torch.Tensor:
-    """The full sequence from every cp rank's shard (in cp rank order): inverse of ``shard_sequence``."""
-    cp = len(shards)
-    halves = [s.chunk(2, dim=dim) for s in shards]
-    ordered = [halves[c][0] for c in range(cp)] + [halves[c][1] for c in reversed(range(cp))]
-    return torch.cat(ordered, dim=dim)

@@ -128,7 +128,8 @@ class GradReducer:
     leaves each rank's slice of every bucket averaged (the rest stays this rank's local sum).
     """
 
-    def __init__(self, buffers: FlatBuffers, group, dp: int, dp_rank: int, micro_batches: int, mode: str):
+    def __init__(self, buffers: FlatBuffers, group: comm.Collectives, dp: int, dp_rank: int, micro_batches: int,
+                 mode: str):
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"mode={mode}")
         self.buffers, self.group, self.dp, self.dp_rank = buffers, group, dp, dp_rank
@@ -184,9 +185,9 @@ class GradReducer:
         if self.dp > 1:
             flat = self.buffers.grad_buffer[bucket.start:bucket.end]
             if self.mode == "all_reduce":
-                bucket.work = comm.all_reduce_avg(flat, self.group)
+                bucket.work = self.group.all_reduce_avg(flat)
             else:
-                bucket.work = comm.reduce_scatter_avg(self.shard_of(bucket, self.buffers.grad_buffer), flat, self.group)
+                bucket.work = self.group.reduce_scatter_avg(self.shard_of(bucket, self.buffers.grad_buffer), flat)
         if self.on_launch is not None:
             self.on_launch(bucket)
 

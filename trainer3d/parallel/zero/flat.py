@@ -26,7 +26,6 @@ checkpoints and metrics reach them.
 from typing import Dict, List, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from trainer3d.config.schema import Config
@@ -38,7 +37,6 @@ from trainer3d.optim.clip import clip_by_global_norm_, counted_once_over_tp, sum
 from trainer3d.parallel.zero.optimizer import StateView, ZeroOptimizer
 from trainer3d.parallel.zero.param_gather import DeferredGather
 from trainer3d.optim.mixed_precision import DTYPES, make_loss_scaler
-from trainer3d.parallel.host_shm import host_collectives
 from trainer3d.parallel.tied import is_tied_copy
 from trainer3d.parallel.wgrad import low_precision_sink
 from trainer3d.parallel.topology import ParallelDims
@@ -49,15 +47,12 @@ def bucket_numel(cfg: Config) -> int:
     return max(1, int(cfg.parallel.bucket_mb * 2 ** 20) // 4)
 
 
-def reduce_mode(cfg: Config, dims: ParallelDims, shared_memory: bool = False) -> str:
-    """ZeRO-1's reduction: on gloo all-reduce is faster than reduce-scatter, on NCCL and
-    through one host's shared memory (host_shm.py: each rank reads back only its shard) the
-    reverse (gloo on a 2-core CPU host, 32 MiB fp32 at dp=2: all_reduce 18.8 ms,
-    reduce_scatter 32.7 ms)."""
+def reduce_mode(cfg: Config, dp: comm.Collectives) -> str:
+    """ZeRO-1's reduction: ``parallel.zero_reduce``, or for ``auto`` whichever ``dp`` does
+    faster (on gloo all-reduce, on NCCL and through one host's shared memory reduce-scatter)."""
     mode = cfg.parallel.zero_reduce
     if mode == "auto":
-        fast = shared_memory or comm.backend_of(dims.dp_cp_group) == "nccl"
-        mode = "reduce_scatter" if fast else "all_reduce"
+        mode = "reduce_scatter" if dp.reduce_scatter_is_fast else "all_reduce"
     return mode
 
 
@@ -77,15 +72,15 @@ class FlatZeroOptimizer(ZeroOptimizer):
         self.names: Dict[nn.Parameter, str] = {p: n for n, p in named}
         dtype = DTYPES[cfg.train.dtype]
         self.buffers = FlatBuffers([p for _, p in named], bucket_numel(cfg), dims.dp_cp if sharded else 1, dtype)
-        # CPU ranks of one host: the buckets' collectives through shared memory (host_shm.py)
+        # the buckets' collectives over dp, and the gradient norm's sum over the world (the dp
+        # group's where that is the world), each built once (comm.collectives)
         largest = max(b.numel for b in self.buffers.buckets)
-        host = host_collectives(dims.dp_cp_group, largest) if dims.device.type == "cpu" and dims.dp_cp > 1 else None
-        self.dp_group = host or dims.dp_cp_group
-        # ... and the gradient norm's sum over the world (the dp group's where that is the world)
-        self.world_host = host if dims.dp_cp == dims.topo.world_size else (
-            host_collectives(dist.group.WORLD, 64) if dims.device.type == "cpu" and dims.topo.world_size > 1 else None)
-        mode = reduce_mode(cfg, dims, shared_memory=host is not None) if sharded else "all_reduce"
-        self.reducer = GradReducer(self.buffers, self.dp_group, dims.dp_cp, dims.dp_cp_rank,
+        self.dp = (comm.collectives(dims.dp_cp_group, dims.device, largest) if dims.dp_cp > 1
+                   else comm.GroupCollectives(dims.dp_cp_group))
+        self.world = (self.dp if dims.dp_cp == dims.topo.world_size else
+                      comm.collectives(None, dims.device, 64) if dims.topo.world_size > 1 else comm.GroupCollectives())
+        mode = reduce_mode(cfg, self.dp) if sharded else "all_reduce"
+        self.reducer = GradReducer(self.buffers, self.dp, dims.dp_cp, dims.dp_cp_rank,
                                    cfg.train.grad_accum_steps, mode)
         # bf16/fp16: the linear layers' backward accumulates into the fp32 buffer (wgrad.py)
         self.wgrad_sink = low_precision_sink(self.buffers.params, self.buffers.grad_view, dtype)
@@ -149,7 +144,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         local_sq = sum_of_squares(self._counted, self.dims.device)
-        norm = clip_by_global_norm_(local_sq, self._owned_grads, max_norm, self.world_host)
+        norm = clip_by_global_norm_(local_sq, self._owned_grads, max_norm, self.world)
         if self.scaler is not None:
             self.scaler.check(norm)  # an inf/nan anywhere makes the global norm non-finite
         return norm
@@ -171,7 +166,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
             return
         flat, works = self.buffers.param_buffer, {}
         for b, (lo, hi) in reversed(list(zip(self.buffers.buckets, self.pieces))):
-            works[b.index] = comm.all_gather(flat[b.start:b.end], flat[lo:hi], self.dp_group)
+            works[b.index] = self.dp.all_gather(flat[b.start:b.end], flat[lo:hi])
         if defer and self.deferred is not None:
             self.deferred.hand_over(works)
             return

@@ -1,9 +1,13 @@
 """The optimizer contract: everything the trainer, checkpoints and metrics may ask of the
 data-parallel optimizer, whichever ZeRO stage implements it.
 
-Stages 0/1 (``FlatZeroOptimizer``, parallel/zero/flat.py: flat buffers, bucketed reduction) and
-stages 2/3 (``FSDPOptimizer``, parallel/zero/fsdp.py: FSDP2) both implement ``ZeroOptimizer``;
-code outside those two modules reaches an optimizer through these methods only.
+Four implementations, which ``parallel/parallelize.py`` chooses from ``parallel.zero_stage`` and
+``parallel.offload_optimizer``: stages 0/1 (``FlatZeroOptimizer``, parallel/zero/flat.py: flat
+buffers, bucketed reduction; ``ReplicatedOptimizer`` and ``ShardedOptimizer``), their offloaded
+form (``OffloadedOptimizer``, parallel/zero/offload.py: fp32 state and the AdamW step on the
+host), stages 2/3 (``FSDPOptimizer``, parallel/zero/fsdp.py: FSDP2) and theirs
+(``OffloadedFSDPOptimizer``, parallel/zero/fsdp_offload.py: FSDP2's CPU offload). Code outside
+those modules reaches an optimizer through these methods only.
 
 One step, as trainer3d/trainer.py runs it::
 

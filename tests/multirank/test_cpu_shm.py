@@ -1,7 +1,7 @@
-"""parallel/host_shm.py: ZeRO's all-reduce and all-gather through shared memory among the CPU
+"""trainer3d/cpu/shm.py: ZeRO's all-reduce and all-gather through shared memory among the CPU
 ranks of one host, against gloo's own collectives on the same real groups; chunking, in-place
 gathers, low-precision gathers, subgroups, the fall-back, nothing left in /dev/shm; the
-barrier between the phases (parallel/host_barrier.py): a waiting rank sleeps, a dead peer is
+barrier between the phases (trainer3d/cpu/shm_barrier.py): a waiting rank sleeps, a dead peer is
 found at once, a hung one at the group's timeout, gloo's barrier where the library is missing."""
 
 import datetime
@@ -17,8 +17,8 @@ import torch.distributed as dist
 from tests.support.harness import run_ranks
 from trainer3d.job.local_ranks import _context, _rank_main
 from trainer3d.parallel import comm
-from trainer3d.parallel.host_barrier import HostBarrier
-from trainer3d.parallel.host_shm import HostCollectives, host_collectives
+from trainer3d.cpu.shm import ShmCollectives, shm_collectives
+from trainer3d.cpu.shm_barrier import ShmBarrier
 
 
 def _segments(pid: int) -> set:
@@ -29,37 +29,37 @@ def _segments(pid: int) -> set:
 
 def _against_gloo(rank, world, numel, chunk_elems):
     group = dist.new_group(list(range(world)))
-    shm = host_collectives(group, chunk_elems)
-    assert isinstance(shm, HostCollectives)
+    shm = shm_collectives(group, chunk_elems)
+    assert isinstance(shm, ShmCollectives)
     assert shm.chunk_bytes >= 4 * chunk_elems
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(numel, generator=g) * (rank + 1)
     mine, theirs = x.clone(), x.clone()
-    comm.all_reduce_avg(mine, shm).wait()
-    comm.all_reduce_avg(theirs, group).wait()
+    shm.all_reduce_avg(mine).wait()
+    comm.GroupCollectives(group).all_reduce_avg(theirs).wait()
     out = {"reduce_err": (mine - theirs).abs().max().item(), "reduced": mine, "pid": os.getpid()}
     # the gradient norm's sum: a few elements, each rank adding all slots in rank order
     sq, want = torch.tensor([0.1 * (rank + 1), 3.0]), torch.tensor([0.1 * (rank + 1), 3.0])
-    comm.all_reduce_sum(sq, shm)
+    shm.all_reduce_sum(sq)
     dist.all_reduce(want, group=group)
     out["sum_err"], out["sum"] = (sq - want).abs().max().item(), sq
     # ZeRO-1's gather: this rank's slice of the flat buffer, in place, fp32 and bf16
     for dtype in (torch.float32, torch.bfloat16):
         flat = torch.zeros(numel * world, dtype=dtype)
         flat[rank * numel:(rank + 1) * numel] = torch.arange(numel, dtype=torch.float32).to(dtype) + 1000 * rank
-        comm.all_gather(flat, flat[rank * numel:(rank + 1) * numel], shm).wait()
+        shm.all_gather(flat, flat[rank * numel:(rank + 1) * numel]).wait()
         want = torch.cat([torch.arange(numel, dtype=torch.float32).to(dtype) + 1000 * r for r in range(world)])
         out[f"gather_{dtype}"] = torch.equal(flat, want)
     # reduce-scatter: this rank's slice of the average
     y = torch.randn(numel * world, generator=g)
     part, ref = torch.empty(numel), torch.empty(numel)
-    comm.reduce_scatter_avg(part, y.clone(), shm).wait()
+    shm.reduce_scatter_avg(part, y.clone()).wait()
     full = y.clone()
     dist.all_reduce(full, op=dist.ReduceOp.AVG, group=group)
     ref.copy_(full[rank * numel:(rank + 1) * numel])
     out["scatter_err"] = (part - ref).abs().max().item()
     inplace = y.clone()  # ZeRO-1's: the output is this rank's shard of the input itself
-    comm.reduce_scatter_avg(inplace[rank * numel:(rank + 1) * numel], inplace, shm).wait()
+    shm.reduce_scatter_avg(inplace[rank * numel:(rank + 1) * numel], inplace).wait()
     out["scatter_in_place_err"] = (inplace[rank * numel:(rank + 1) * numel] - ref).abs().max().item()
     return out
 
@@ -80,9 +80,9 @@ def test_matches_gloo(world, numel, chunk):
 
 def _deferred(rank, world):
     """A handle runs its collective when waited for, once; ranks waiting in the same order meet."""
-    shm = host_collectives(dist.new_group([0, 1]), 64)
+    shm = shm_collectives(dist.new_group([0, 1]), 64)
     a, b = torch.full((64,), float(rank)), torch.full((64,), 10.0 * rank)
-    first, second = comm.all_reduce_avg(a, shm), comm.all_reduce_avg(b, shm)
+    first, second = shm.all_reduce_avg(a), shm.all_reduce_avg(b)
     untouched = a[0].item() == rank and not first.is_completed()
     second.wait()
     first.wait()
@@ -98,9 +98,9 @@ def _subgroups(rank, world):
     """dp groups of a pp x dp layout: {0, 2} and {1, 3}, each its own segment."""
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     group = groups[rank % 2]
-    shm = host_collectives(group, 64)
+    shm = shm_collectives(group, 64)
     x = torch.full((64,), float(rank))
-    comm.all_reduce_avg(x, shm).wait()
+    shm.all_reduce_avg(x).wait()
     return x[0].item()
 
 
@@ -110,7 +110,7 @@ def test_each_subgroup_reduces_among_its_own_ranks():
 
 def _switched_off(rank, world):
     os.environ["TRAINER3D_SHM_COLLECTIVES"] = "0"
-    return host_collectives(dist.new_group([0, 1]), 64) is None
+    return shm_collectives(dist.new_group([0, 1]), 64) is None
 
 
 def test_switched_off_stays_on_gloo():
@@ -119,14 +119,14 @@ def test_switched_off_stays_on_gloo():
 
 def _sleeping_wait(rank, world):
     """Rank 1 arrives a second late: rank 0 waits for it in the kernel, not on a core."""
-    shm = host_collectives(dist.new_group([0, 1]), 1024)
+    shm = shm_collectives(dist.new_group([0, 1]), 1024)
     x = torch.full((1024,), float(rank))
-    comm.all_reduce_avg(x, shm).wait()
+    shm.all_reduce_avg(x).wait()
     if rank == 1:
         time.sleep(1.0)
     wall, cpu = time.monotonic(), time.process_time()
-    comm.all_reduce_avg(x, shm).wait()
-    return isinstance(shm._barrier, HostBarrier), time.monotonic() - wall, time.process_time() - cpu, x[0].item()
+    shm.all_reduce_avg(x).wait()
+    return isinstance(shm._barrier, ShmBarrier), time.monotonic() - wall, time.process_time() - cpu, x[0].item()
 
 
 def test_a_waiting_rank_sleeps():
@@ -140,10 +140,10 @@ def test_a_waiting_rank_sleeps():
 def _no_library_on_rank_1(rank, world, tmp):
     if rank == 1:  # before the barrier's library is first asked for in this process
         os.environ.update(CXX=os.path.join(tmp, "no-such-c++"), TORCH_EXTENSIONS_DIR=os.path.join(tmp, "ext"))
-    shm = host_collectives(dist.new_group([0, 1]), 64)
+    shm = shm_collectives(dist.new_group([0, 1]), 64)
     x = torch.full((64,), float(rank))
-    comm.all_reduce_avg(x, shm).wait()
-    return isinstance(shm, HostCollectives), isinstance(shm._barrier, HostBarrier), x[0].item()
+    shm.all_reduce_avg(x).wait()
+    return isinstance(shm, ShmCollectives), isinstance(shm._barrier, ShmBarrier), x[0].item()
 
 
 def test_gloo_barrier_where_a_rank_cannot_build_the_library(tmp_path):
@@ -153,16 +153,16 @@ def test_gloo_barrier_where_a_rank_cannot_build_the_library(tmp_path):
 
 def _peer_dies(rank, world, hang):
     # a group's own timeout, as trainer3d's groups have (parallel/timeouts.py)
-    shm = host_collectives(dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3)), 1024)
+    shm = shm_collectives(dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3)), 1024)
     x = torch.ones(1024)
-    comm.all_reduce_avg(x, shm).wait()
+    shm.all_reduce_avg(x).wait()
     if rank == 1:
         if hang:
             time.sleep(20)  # alive, never arrives
         os._exit(0)  # gone without a word
     started = time.monotonic()
     try:
-        comm.all_reduce_avg(x, shm).wait()
+        shm.all_reduce_avg(x).wait()
     except Exception as e:
         return ("raised", time.monotonic() - started, str(e))
     return ("returned", time.monotonic() - started, "")

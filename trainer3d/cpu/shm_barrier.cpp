@@ -1,5 +1,5 @@
-// The barrier of the shared-memory collectives (trainer3d/parallel/host_barrier.py builds and
-// loads this file; parallel/host_shm.py uses it between the phases of a collective).
+// The barrier of the shared-memory collectives (trainer3d/cpu/shm_barrier.py builds and loads this
+// file; trainer3d/cpu/shm.py uses it between the phases of a collective).
 //
 // The ranks of one host share a 32-bit count in their segment. Every arrival adds one; a
 // rank's k-th barrier is passed once the count reaches k * world, so the count never needs
@@ -47,7 +47,7 @@ inline void cpu_relax() {
 
 extern "C" {
 
-int host_barrier_abi() { return 1; }
+int t3d_shm_barrier_abi() { return 1; }
 
 // Add this rank's arrival; the arrival that brings the count to ``target`` wakes the sleepers.
 // The add is a release (and acquire) operation: this rank's writes to the segment before it

@@ -1,5 +1,6 @@
 // Fused CPU kernels for the model's RMSNorm, rotary embedding and SwiGLU, forward and backward
-// (trainer3d/model/cpu_kernels.py builds this file and loads it; model/functional.py calls it).
+// (trainer3d/cpu/kernels.py builds this file and loads it; trainer3d/cpu/ops.py registers it as the CPU
+// implementation of the model's operators, model/functional.py).
 //
 // Each kernel makes one pass over its rows where the operator composition makes one per
 // operator: an fp32 Llama block of the DeepSpeed pair (tools/bench/deepspeed_pair.py) runs 29
@@ -183,7 +184,7 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 extern "C" {
 
-int cpu_kernels_abi() { return 2; }
+int t3d_kernels_abi() { return 2; }
 
 void t3d_rms_norm_forward(const float* x, const float* w, float* y, float* rstd, int64_t rows, int64_t dim, float eps,
                           int threads) {

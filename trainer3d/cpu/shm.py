@@ -2,16 +2,15 @@
 shared memory instead of gloo's TCP loopback.
 
 gloo moves every byte through the kernel's socket buffers, on a thread of its own that
-competes with the ranks' compute for the same cores: an all-reduce of 3.4 MB between two
-ranks of a 2-core host takes ~4 ms there, most of it copying, which a rank waits for after its
-backward (tools/bench/deepspeed_pair.py's configuration, docs/performance.md). Through one
+competes with the ranks' compute for the same cores, and a rank waits for it after its
+backward (docs/performance.md has the figures). Through one
 shared segment it is four memory passes: each rank writes its tensor into its slot, reduces
 its 1/world of the elements over all slots in rank order, and reads everyone's reduced part
 back. Every element is summed by one rank in one order, so all ranks hold the same bits.
 Ordering between the phases is a barrier on a count in the segment, where a waiting rank
-sleeps in the kernel (parallel/host_barrier.py: a dead peer raises within 50 ms, a hung one
-after the group's timeout, parallel/timeouts.py); where that barrier's small library cannot be
-built on every rank, gloo's own barrier on the group.
+sleeps in the kernel (shm_barrier.py: a dead peer raises within 50 ms, a hung one after the
+group's timeout, parallel.timeout_s); where that barrier's small library cannot be built on
+every rank, gloo's own barrier on the group.
 
 Set up collectively per group: rank 0 creates the segment in /dev/shm (O_EXCL, mode 0600,
 space reserved with posix_fallocate, so a full /dev/shm is an error here and not a SIGBUS
@@ -33,8 +32,8 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from trainer3d.parallel import host_barrier
-from trainer3d.parallel.host_barrier import HostBarrier
+from trainer3d.cpu import shm_barrier
+from trainer3d.cpu.shm_barrier import ShmBarrier
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +65,11 @@ class Deferred:
         return self._run is None
 
 
-class HostCollectives:
-    """All-reduce (average) and all-gather of flat CPU tensors among the ranks of ``group``,
-    all on this host, through a shared segment of ``world + 1`` slots of ``chunk_bytes``."""
+class ShmCollectives:
+    """ZeRO's collectives (parallel/comm.py's ``Collectives``) on flat CPU tensors among the
+    ranks of ``group``, all on this host, through a shared segment of ``world + 1`` slots of
+    ``chunk_bytes``: the averages run when their handle is waited for (``Deferred``), the
+    gather and the sum at once."""
 
     def __init__(self, group, segment: mmap.mmap, fd: int, chunk_bytes: int, own_barrier: bool):
         self.group = group
@@ -76,7 +77,7 @@ class HostCollectives:
         self.segment, self.chunk_bytes = segment, chunk_bytes
         weakref.finalize(self, os.close, fd)  # closing it drops this rank's liveness lock
         count = ctypes.addressof(ctypes.c_uint32.from_buffer(segment, COUNT))
-        self._barrier = HostBarrier(group, count, fd) if own_barrier else self._gloo_barrier
+        self._barrier = ShmBarrier(group, count, fd) if own_barrier else self._gloo_barrier
         self._bytes = torch.frombuffer(segment, dtype=torch.uint8, offset=HEADER,
                                        count=(self.world + 1) * chunk_bytes)
 
@@ -94,11 +95,25 @@ class HostCollectives:
             out.add_(inputs[r][lo:hi])
         out.div_(self.world)
 
-    def later(self, collective: Callable, *args: torch.Tensor) -> Deferred:
-        """``collective(*args)`` as a handle that runs it when waited for."""
-        return Deferred(lambda: collective(*args))
+    # ------------------------------------------------ the Collectives protocol (parallel/comm.py)
 
-    def all_reduce_avg(self, tensor: torch.Tensor) -> None:
+    reduce_scatter_is_fast = True
+    """Each rank reads back only its shard, where the all-reduce reads back everything."""
+
+    def all_reduce_avg(self, tensor: torch.Tensor) -> Deferred:
+        return Deferred(lambda: self._all_reduce_avg(tensor))
+
+    def reduce_scatter_avg(self, output: torch.Tensor, input: torch.Tensor) -> Deferred:
+        return Deferred(lambda: self._reduce_scatter_avg(output, input))
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Deferred:
+        """At once: every reader of the parameters then finds them gathered, whatever it waits for."""
+        self._all_gather(output, input)
+        return Deferred(lambda: None)
+
+    # ------------------------------------------------ the collectives themselves, run at once
+
+    def _all_reduce_avg(self, tensor: torch.Tensor) -> None:
         """Average ``tensor`` (flat, contiguous, floating) over the group in place."""
         slots = self._slots(tensor.dtype)
         *inputs, result = slots
@@ -130,7 +145,7 @@ class HostCollectives:
             flat.add_(inputs[r][:m])
         self._barrier()  # every slot read before the next collective writes them
 
-    def reduce_scatter_avg(self, output: torch.Tensor, input: torch.Tensor) -> None:
+    def _reduce_scatter_avg(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Average ``input`` (world equal shards) over the group; this rank's shard of the
         average lands in ``output`` (which may be that shard of ``input``). Each rank writes
         its whole input once and reads back only its shard: ZeRO-1's reduction, which needs
@@ -148,7 +163,7 @@ class HostCollectives:
             self._average(inputs, lo, hi, output[off:off + m])
             self._barrier()  # every share read before the next chunk overwrites the slots
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Every rank's ``input`` (equal sizes) into ``output`` in rank order; ``input`` may be
         this rank's slice of ``output``."""
         *slots, _ = self._slots(input.dtype)
@@ -203,7 +218,7 @@ def _open(name: str, token: bytes, size: int) -> Tuple[mmap.mmap, int]:
     return segment, fd
 
 
-def host_collectives(group, numel: int, element_size: int = 4) -> Optional[HostCollectives]:
+def shm_collectives(group, numel: int, element_size: int = 4) -> Optional[ShmCollectives]:
     """Collective over ``group``: shared-memory collectives for tensors of up to ``numel``
     elements in one chunk, or None (every rank alike) where gloo stays: another backend, one
     rank, switched off, ranks on different hosts, no room in /dev/shm."""
@@ -229,9 +244,9 @@ def host_collectives(group, numel: int, element_size: int = 4) -> Optional[HostC
             why = f"rank {rank}: {e}"
         else:
             try:  # the liveness lock is taken before the verdicts: every peer holds it before any barrier
-                own_barrier = host_barrier.library() is not None
+                own_barrier = shm_barrier.library() is not None
                 if own_barrier:
-                    HostBarrier.take_lock(fd, rank)
+                    ShmBarrier.take_lock(fd, rank)
             except OSError as e:
                 log.warning("rank %d: %s; the dp collectives use gloo's barrier", rank, e)
                 own_barrier = False
@@ -252,4 +267,4 @@ def host_collectives(group, numel: int, element_size: int = 4) -> Optional[HostC
     if rank == 0:
         log.info("dp all-reduce and all-gather through shared memory among %d ranks of this host "
                  "(%.1f MiB segment, %s barrier)", world, size / 2 ** 20, "its own" if own_barrier else "gloo's")
-    return HostCollectives(group, segment, fd, chunk, own_barrier)
+    return ShmCollectives(group, segment, fd, chunk, own_barrier)

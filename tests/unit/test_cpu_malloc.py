@@ -1,4 +1,4 @@
-"""job/host_malloc.py: a CPU rank keeps freed host memory, so a step's tensors do not arrive as
+"""trainer3d/cpu/malloc.py: a CPU rank keeps freed host memory, so a step's tensors do not arrive as
 fresh page faults; left alone where the user set malloc's behaviour. Each case runs in its own
 process (the setting is process-wide)."""
 
@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from trainer3d.job import host_malloc
+from trainer3d.cpu import malloc as host_malloc
 
 GLIBC = sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION") is not None
 
 CODE = """
 import resource, sys, torch
-from trainer3d.job.host_malloc import keep_freed_memory
+from trainer3d.cpu.malloc import keep_freed_memory
 raised = keep_freed_memory() if sys.argv[1] == "1" else False
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

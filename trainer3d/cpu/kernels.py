@@ -1,16 +1,15 @@
-"""Fused CPU kernels for RMSNorm, the rotary embedding and SwiGLU (cpu_kernels.cpp beside this file).
+"""Fused CPU kernels for RMSNorm, the rotary embedding and SwiGLU (kernels.cpp beside this file).
 
-model/functional.py's Functions call them for fp32 tensors on the CPU, where the operator
-composition pays a pass over memory and a dispatch per operator (docs/performance.md, "The
-model's CPU kernels", has the figures); elsewhere (CUDA, bf16/fp16, inside torch.compile, a
-tensor subclass such as DTensor, a non-contiguous input) they run the composition. The
-Functions save the same tensors either way, so saved-activation accounting does not depend
-on which runs.
+trainer3d/cpu/ops.py registers them as the CPU implementation of the model's operators
+(model/functional.py) for plain contiguous fp32 tensors, where the operator composition pays
+a pass over memory and a dispatch per operator (docs/performance.md has the figures); any
+other input runs the composition. The model's Functions save the same tensors either way, so
+saved-activation accounting does not depend on which runs.
 
 Built on first use with the machine's C++ compiler into a plain shared library (no torch
-headers: a second or two) and loaded with ``ctypes`` (trainer3d/native.py: the cache, the
-build's name); where it cannot be built (no compiler, a failed build) one logged line and the
-composition runs. ``TRAINER3D_CPU_KERNELS=0`` turns the kernels off (``enabled(False)`` inside a process).
+headers: a second or two) and loaded with ``ctypes`` (trainer3d/cpu/build.py); where it cannot
+be built (no compiler, a failed build) one logged line and the composition runs.
+``TRAINER3D_CPU_KERNELS=0`` turns the kernels off (``enabled(False)`` inside a process).
 """
 
 import contextlib
@@ -21,10 +20,10 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from trainer3d.native import NativeLibrary
+from trainer3d.cpu.build import Build, c_library
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
+SOURCE = Path(__file__).with_name("kernels.cpp")
+FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
          "-fno-trapping-math"]
 """-ffp-contract=off: no fused multiply-add the source does not spell out, so every clone (AVX-512,
 AVX2, baseline) rounds alike; -fno-math-errno and -fno-trapping-math (no errno, no floating-point
@@ -45,11 +44,11 @@ _SIGNATURES = {
     "t3d_swiglu_backward": ([_P, _P, _P, _P, _P, _P, _I, ctypes.c_int], None),
 }
 NORM_BLOCK = 64
-"""Rows per partial sum of RMSNorm's weight gradient (kNormBlock in cpu_kernels.cpp)."""
+"""Rows per partial sum of RMSNorm's weight gradient (kNormBlock in kernels.cpp)."""
 
 
-LIBRARY = NativeLibrary(SOURCE, FLAGS, ABI, _SIGNATURES, "model CPU kernels",
-                        "running torch's operators (same model, slower on CPU)")
+LIBRARY = Build("trainer3d_cpu_kernels", SOURCE, FLAGS, "model CPU kernels",
+                "running torch's operators (same model, slower on CPU)", c_library("t3d_kernels_abi", ABI, _SIGNATURES))
 
 
 def library() -> Optional[ctypes.CDLL]:

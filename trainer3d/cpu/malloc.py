@@ -5,9 +5,8 @@ glibc's malloc serves an allocation of more than its mmap threshold (128 KiB at 
 to at most 32 MiB as such blocks are freed) with a fresh mmap and gives it back at free, and
 trims the top of its heap whenever more than twice that is free there. A CPU step allocates
 and frees tensors of hundreds of KiB to tens of MiB hundreds of times, so each one arrives as
-zeroed pages through a page fault per 4 KiB: ~200 minor faults per step of the DeepSpeed
-pair's model in one process (tools/bench/deepspeed_pair.py), and about a tenth of its step
-time (docs/performance.md, "Host memory on CPU ranks"). Raising both thresholds makes freed
+zeroed pages through a page fault per 4 KiB (docs/performance.md has what that costs a step of
+the DeepSpeed pair's model, tools/bench/deepspeed_pair.py). Raising both thresholds makes freed
 blocks reusable; the process holds its peak heap between steps, which every step reaches again.
 This is the glibc side of what CPU-training launchers do with jemalloc or tcmalloc
 (torch.backends.xeon.run_cpu ``--enable-jemalloc``/``--enable-tcmalloc``).

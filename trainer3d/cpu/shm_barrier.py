@@ -1,16 +1,15 @@
-"""The barrier between the phases of the shared-memory collectives (parallel/host_shm.py): a
-count in the shared segment, a kernel sleep while the others are missing, and a check that the
-peers still live (host_barrier.cpp beside this file has the mechanism).
+"""The barrier between the phases of the shared-memory collectives (shm.py): a count in the
+shared segment, a kernel sleep while the others are missing, and a check that the peers still
+live (shm_barrier.cpp beside this file has the mechanism).
 
-Why not gloo's barrier: it is a message round trip through gloo's worker threads, ~1.1 ms on a
-busy 2-core host, and the collectives pass four of them per step (docs/performance.md, "The
-dp collectives of one host"). Why not a spin: a spinning or yielding rank takes the core from
-the ranks still computing, which slows an oversubscribed host (8 ranks on 2 cores in the
-test suite) to a fraction of its pace.
+Why not gloo's barrier: it is a message round trip through gloo's worker threads, and the
+collectives pass four of them per step (docs/performance.md has the figures). Why not a spin:
+a spinning or yielding rank takes the core from the ranks still computing, which slows a host
+with more ranks than cores (the test suite's) to a fraction of its pace.
 
 Failure behaves as a gloo collective's: a peer that died (its lock on the segment's file is
 gone) raises within ``SLICE_S``, and a peer that hangs raises after the group's timeout
-(parallel/timeouts.py).
+(parallel.timeout_s, trainer3d/parallel/timeouts.py).
 """
 
 import ctypes
@@ -21,15 +20,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from trainer3d.native import NativeLibrary
-from trainer3d.parallel.timeouts import group_timeout_s
+from trainer3d.cpu.build import Build, c_library
 
-LIBRARY = NativeLibrary(
-    Path(__file__).with_name("host_barrier.cpp"), ["-O2", "-std=c++17", "-shared", "-fPIC"], 1,
-    {"t3d_barrier_arrive": ([ctypes.c_void_p, ctypes.c_uint32], None),
-     "t3d_barrier_wait": ([ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int64, ctypes.c_int64], ctypes.c_int),
-     "t3d_byte_lock": ([ctypes.c_int, ctypes.c_int64, ctypes.c_int], ctypes.c_int)},
-    "shared-memory barrier", "the dp collectives stay on gloo")
+LIBRARY = Build(
+    "trainer3d_shm_barrier", Path(__file__).with_name("shm_barrier.cpp"), ["-O2"], "shared-memory barrier",
+    "the dp collectives use gloo's barrier",
+    c_library("t3d_shm_barrier_abi", 1, {
+        "t3d_barrier_arrive": ([ctypes.c_void_p, ctypes.c_uint32], None),
+        "t3d_barrier_wait": ([ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int64, ctypes.c_int64], ctypes.c_int),
+        "t3d_byte_lock": ([ctypes.c_int, ctypes.c_int64, ctypes.c_int], ctypes.c_int)}))
 
 SPIN_S = 20e-6
 """How long a rank spins before it sleeps: about a futex wake-up's latency, so a barrier whose
@@ -42,7 +41,13 @@ def library() -> Optional[ctypes.CDLL]:
     return LIBRARY.get()
 
 
-class HostBarrier:
+def _group_timeout_s(group) -> float:
+    """The timeout ``group``'s gloo backend applies now (the run switches it between start-up
+    and steps: parallel/timeouts.py, ``group_timeout_s``, reads it the same way)."""
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+class ShmBarrier:
     """A barrier of the ``world`` ranks of ``group`` that share the segment ``count_address``
     points into (4 aligned bytes, zero at first) and hold locks on bytes [0, world) of ``fd``'s
     file. Every rank must hold its own lock (``take_lock``) before any rank first waits."""
@@ -73,7 +78,7 @@ class HostBarrier:
         self._lib.t3d_barrier_arrive(self._count, self._target)
         if self._lib.t3d_barrier_wait(self._count, self._target, int(SPIN_S * 1e6), int(SLICE_S * 1e6)) == 0:
             return
-        timeout_s = group_timeout_s(self.group, torch.device("cpu"))
+        timeout_s = _group_timeout_s(self.group)
         deadline = time.monotonic() + timeout_s
         while self._lib.t3d_barrier_wait(self._count, self._target, 0, int(SLICE_S * 1e6)) != 0:
             dead = self._dead_peer()
