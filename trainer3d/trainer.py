@@ -27,6 +27,7 @@ from trainer3d.observe.goodput import Prediction
 from trainer3d.observe.loggers import build_sinks
 from trainer3d.observe.metrics import MetricsLogger
 from trainer3d.model.flops import flops_per_token
+from trainer3d.model.moe import set_aux_grad_scale
 from trainer3d.observe.nonfinite import NonFiniteWatch
 from trainer3d.observe.profile import StepProfiler
 from trainer3d.optim.schedule import lr_at
@@ -124,6 +125,7 @@ class Trainer:
         self.grads = GradFinalizer(self.chunks, self.optimizer, dims, cfg.parallel.sequence_parallel)
         self.checkpointer = Checkpointer(cfg, dims, self.optimizer, self.timeouts)
         self.micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims, self.chunks), t.grad_accum_steps, self.optimizer)
+        set_aux_grad_scale(self.chunks, 1.0 / t.grad_accum_steps)  # MoE losses scaled as MicroBatchLoss scales
         self.pipeline = Pipeline(self.chunks, self.micro_loss, cfg, dims) if dims.pp > 1 else None
         self.data, self.evaluator = self._build_data()
         self.start_step = self.checkpointer.load(resume_from)
