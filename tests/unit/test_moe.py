@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.unit.test_validate import make
+from trainer3d.checkpoint.chunks import pieces
 from trainer3d.config.schema import ModelConfig, MoEConfig
 from trainer3d.config.validate import ConfigError, validate
 from trainer3d.memory.meter import SavedActivationMeter
@@ -188,8 +189,8 @@ def test_counts_add_up_over_forwards_and_skip_evaluation():
     moe(torch.randn(3, 2, DIM))
     with torch.no_grad():
         moe(torch.randn(3, 2, DIM))
-    counts = moe.take_counts()
-    assert counts.sum() == 2 * 6 * 2 and moe.take_counts() is None
+    counts, aux = moe.take_counts()
+    assert counts.sum() == 2 * 6 * 2 and moe.take_counts() == (None, None) and aux is None  # aux_loss_coef 0
 
 
 def test_layer_choice_parameters_and_active_flops():
@@ -223,7 +224,7 @@ def test_expert_init_is_a_row_range_of_one_draw():
     (["model.moe.num_experts=4", "model.moe.router=top1"], "model.moe.router"),
     (["model.moe.num_experts=4", "model.moe.balance=aux_free"], "model.moe.balance=aux_free is not wired"),
     (["model.moe.num_experts=-1"], "model.moe.num_experts"),
-    (["model.moe.num_experts=4", "parallel=tp2-pp2-dp2"], "does not run with parallel.tp=2 yet"),
+    (["model.moe.num_experts=4", "parallel=tp2-pp2-dp2"], "does not run with parallel.pp=2 yet"),
     (["model.moe.num_experts=4", "train.dtype=fp16"], "train.dtype=fp16"),
 ])
 def test_bad_moe_config_names_the_knob(overrides, fragment):
@@ -234,3 +235,16 @@ def test_bad_moe_config_names_the_knob(overrides, fragment):
 
 def test_moe_on_data_parallel_is_accepted():
     validate(make(["model.moe.num_experts=4", "model.moe.num_shared_experts=1", "parallel.zero_stage=1"]))
+
+
+@pytest.mark.parametrize("start,end", [(0, 60), (7, 53), (20, 40), (3, 9), (21, 22), (25, 60)])
+def test_checkpoint_pieces_of_a_3d_expert_weight_cover_a_flat_range(start, end):
+    """A ZeRO-1 flat range of an (experts, rows, cols) weight, cut into boxes of the full
+    tensor: each box holds exactly its flat elements, and together they hold the range."""
+    full = torch.arange(60).view(3, 4, 5)
+    covered = 0
+    for piece in pieces((3, 4, 5), None, start, end):
+        box = full[tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.sizes))].reshape(-1)
+        assert box.tolist() == list(range(piece.flat_start, piece.flat_start + piece.numel))
+        covered += piece.numel
+    assert covered == end - start

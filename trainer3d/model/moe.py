@@ -35,7 +35,7 @@ megatron/core/transformer/moe/moe_utils.py). So the block is the same in every p
 schedule and the trainer's loss stays the language-model loss.
 
 Parallelism is applied from outside, as for the dense block: a layout whose ranks each hold
-part of a micro-batch's tokens (sequence or context parallelism) sets ``token_group`` (the
+part of a micro-batch's tokens (sequence or context parallelism) sets ``token_groups`` (the
 counts are summed over it, so f is the micro-batch's) and ``token_ranks`` (the tokens are
 ``token_ranks`` times the local ones; P and the z-loss are local sums over all of them).
 """
@@ -138,12 +138,16 @@ class MoE(nn.Module):
         self.aux_grad_scale = 1.0
         """The gradient the aux and z losses start backward from: the trainer's scale of a
         micro-batch's loss (1 / grad_accum, times fp16's loss scale)."""
-        self.token_group: Optional[dist.ProcessGroup] = None
+        self.token_groups: List[dist.ProcessGroup] = []
+        """The groups a micro-batch's tokens are split over (parallel/expert/tokens.py)."""
         self.token_ranks = 1
+        """How many ranks share a micro-batch's tokens: its tokens are that many times this rank's."""
         self.step_counts: Optional[torch.Tensor] = None
         """Tokens routed to each expert (int64, (E,)) by this rank's forwards since ``take_counts``."""
         self.last_aux_loss: Optional[torch.Tensor] = None
         """The balance loss (coefficient not applied) of the last forward with a gradient."""
+        self.step_aux: Optional[torch.Tensor] = None
+        """The sum of those losses over this rank's forwards since ``take_counts``."""
 
     def route(self, x: torch.Tensor):
         """Router logits (fp32), the chosen experts (T, k) and their gate weights (fp32)."""
@@ -186,10 +190,11 @@ class MoE(nn.Module):
     def _count(self, counts: torch.Tensor) -> None:
         self.step_counts = counts if self.step_counts is None else self.step_counts + counts
 
-    def take_counts(self) -> Optional[torch.Tensor]:
-        """The routed counts since the last call, and a fresh start."""
-        counts, self.step_counts = self.step_counts, None
-        return counts
+    def take_counts(self):
+        """The routed counts and the summed balance losses since the last call (None where
+        none), and a fresh start."""
+        counts, aux, self.step_counts, self.step_aux = self.step_counts, self.step_aux, None, None
+        return counts, aux
 
     def _aux_losses(self, logits, scores, slots, local_tokens: int) -> Optional[torch.Tensor]:
         """coef * balance loss + z_coef * z-loss of the micro-batch, as this rank's share: a sum
@@ -199,12 +204,14 @@ class MoE(nn.Module):
         if self.balance == "aux_loss" and self.aux_loss_coef > 0:
             with torch.no_grad():
                 counts = torch.bincount(slots, minlength=self.num_experts).to(torch.float32)
-                if self.token_group is not None:
-                    dist.all_reduce(counts, group=self.token_group)
+                for group in self.token_groups:
+                    dist.all_reduce(counts, group=group)
                 f = counts / (tokens * self.top_k)
             probs = scores if self.router_kind == "softmax_topk" else scores / scores.sum(-1, keepdim=True)
             balance = self.num_experts * (f * probs.sum(0)).sum() / tokens
             self.last_aux_loss = balance.detach()
+            if torch._C._current_graph_task_id() == -1:  # not a recompute in backward
+                self.step_aux = self.last_aux_loss if self.step_aux is None else self.step_aux + self.last_aux_loss
             terms.append(self.aux_loss_coef * balance)
         if self.z_loss_coef > 0:
             terms.append(self.z_loss_coef * logits.logsumexp(-1).square().sum() / tokens)
@@ -222,8 +229,3 @@ def moe_blocks(chunks) -> List[MoE]:
     """The MoE feed-forwards of this rank's model chunks, in layer order."""
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoE)]
 
-
-def set_aux_grad_scale(chunks, scale: float) -> None:
-    """Give every MoE block of ``chunks`` the scale a micro-batch's loss gets before backward."""
-    for moe in moe_blocks(chunks):
-        moe.aux_grad_scale = scale
