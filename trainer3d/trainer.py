@@ -26,10 +26,12 @@ from trainer3d.observe.evaluate import Evaluator
 from trainer3d.observe.goodput import Prediction
 from trainer3d.observe.loggers import build_sinks
 from trainer3d.observe.metrics import MetricsLogger
+from trainer3d.observe.moe import MoEStats
 from trainer3d.model.flops import flops_per_token
 from trainer3d.observe.nonfinite import NonFiniteWatch
 from trainer3d.observe.profile import StepProfiler
 from trainer3d.optim.schedule import lr_at
+from trainer3d.parallel.expert.tokens import apply_moe_layout
 from trainer3d.parallel.finalize import GradFinalizer
 from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer
 from trainer3d.parallel.zero.optimizer import ZeroOptimizer
@@ -126,6 +128,7 @@ class Trainer:
         self.grads = GradFinalizer(self.chunks, self.optimizer, dims, cfg.parallel.sequence_parallel)
         self.checkpointer = Checkpointer(cfg, dims, self.optimizer, self.timeouts)
         self.micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims, self.chunks), t.grad_accum_steps, self.optimizer)
+        apply_moe_layout(self.chunks, cfg, dims)  # MoE losses' gradients scaled as MicroBatchLoss scales
         self.pipeline = Pipeline(self.chunks, self.micro_loss, cfg, dims) if dims.pp > 1 else None
         self.data, self.evaluator = self._build_data()
         self.start_step = self.checkpointer.load(resume_from)
@@ -155,6 +158,9 @@ class Trainer:
                                 state_bytes=lambda: model_state_bytes(self.chunks, self.optimizer))
         if self.pipeline is not None:
             self.pipeline.report_to(metrics)
+        self.moe_stats = MoEStats(self.chunks, cfg, dims) if cfg.model.moe.num_experts else None
+        if self.moe_stats is not None:
+            metrics.add_reduced(self.moe_stats.read)
         return metrics
 
     # ------------------------------------------------------------------ one step
@@ -218,6 +224,8 @@ class Trainer:
                 loss, grad_norm, lr = self.train_step(step)
             self.timeouts.to_step()  # start-up (the first step: compilation, warm-up) is over
             self.metrics.record(step, loss, grad_norm, lr, self.optimizer.step_metrics())
+            if self.moe_stats is not None:
+                self.moe_stats.record_step()
             self.nonfinite.record(step, loss, grad_norm)
             self.profiler.after(step)
             if self.heartbeat is not None:

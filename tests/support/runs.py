@@ -128,6 +128,11 @@ def once_per_session(tmp_root: Path, name: str) -> Iterator[bool]:
             done.touch()
 
 
+def reference_dir(tmp_root: Path, overrides: Sequence[str]) -> Path:
+    """The run directory of ``reference_losses``'s 1-rank run (its metrics.jsonl, once it ran)."""
+    return Path(tmp_root) / f"reference-{hashlib.sha256(chr(0).join(overrides).encode()).hexdigest()[:16]}"
+
+
 def reference_losses(tmp_root: Path, overrides: Sequence[str]) -> List[float]:
     """Losses of the 1-rank run of ``overrides`` (on an in-process rank), run once per session
     (``tmp_root`` is the session directory every worker shares)."""
@@ -135,7 +140,7 @@ def reference_losses(tmp_root: Path, overrides: Sequence[str]) -> List[float]:
     saved = Path(tmp_root) / f"reference-{key}.json"
     with once_per_session(tmp_root, f"reference-{key}") as todo:
         if todo:
-            run = Path(tmp_root) / f"reference-{key}"
+            run = reference_dir(tmp_root, overrides)
             saved.write_text(json.dumps(losses_in_ranks(run, [*overrides, "parallel=single"])))
     return json.loads(saved.read_text())
 

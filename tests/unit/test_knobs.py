@@ -82,7 +82,10 @@ def test_every_choice_knob_refuses_other_values(knob):
     cfg = _default()
     section, _, name = knob.rpartition(".")
     bad = 9 if isinstance(CHOICES[knob][0], int) else "bogus"
-    setattr(getattr(cfg, section) if "." not in section else cfg.model.rope_scaling, name, bad)
+    target = cfg
+    for part in section.split("."):
+        target = getattr(target, part)
+    setattr(target, name, bad)
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     shown = knob[:-len(".name")] if knob.endswith(".name") else knob

@@ -5,7 +5,8 @@ unpadded), so any layout can read what any other wrote. A rank holds either a wh
 (replicated), a tensor-parallel shard (a block along one dim, possibly with padding rows at
 the end), or — for ZeRO-1 optimizer state — a flat range of such a shard. A flat range of
 a 2-D block is at most three rectangles (a partial first row, whole rows, a partial last
-row), each contiguous in the flat buffer, so every piece can be named by (offsets, sizes)
+row), each contiguous in the flat buffer (a 3-D one, such as an MoE block's experts, the
+same along its first dimension, its partial slices cut as 2-D ones), so every piece can be named by (offsets, sizes)
 in the full tensor and read or written in place.
 """
 
@@ -38,8 +39,8 @@ def _local_rectangles(shape: Sequence[int], start: int, end: int) -> List[Tuple[
         return []
     if len(shape) == 1:
         return [((start,), (end - start,), start)]
-    if len(shape) != 2:
-        raise ValueError(f"checkpoint pieces support 1-D and 2-D tensors, got shape {tuple(shape)}")
+    if len(shape) > 2:
+        return _sliced_rectangles(shape, start, end)
     cols = shape[1]
     r0, c0 = divmod(start, cols)
     r1, c1 = divmod(end, cols)
@@ -53,6 +54,31 @@ def _local_rectangles(shape: Sequence[int], start: int, end: int) -> List[Tuple[
         out.append(((r0, 0), (r1 - r0, cols), r0 * cols))
     if c1:
         out.append(((r1, 0), (1, c1), r1 * cols))
+    return out
+
+
+def _sliced_rectangles(shape: Sequence[int], start: int, end: int):
+    """As for 2-D, one dimension up (an MoE block's (experts, rows, cols) weights): a partial
+    first slice along dim 0, the whole slices, a partial last slice, the partial ones cut as
+    the lower-dimensional slice is."""
+    inner = 1
+    for size in shape[1:]:
+        inner *= size
+    (i0, o0), (i1, o1) = divmod(start, inner), divmod(end, inner)
+
+    def within(i: int, lo: int, hi: int):
+        return [((i, *off), (1, *sizes), i * inner + flat) for off, sizes, flat in _local_rectangles(shape[1:], lo, hi)]
+
+    if i0 == i1:
+        return within(i0, o0, o1)
+    out = []
+    if o0:
+        out += within(i0, o0, inner)
+        i0 += 1
+    if i1 > i0:
+        out.append(((i0, *[0] * (len(shape) - 1)), (i1 - i0, *shape[1:]), i0 * inner))
+    if o1:
+        out += within(i1, 0, o1)
     return out
 
 

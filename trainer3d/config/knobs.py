@@ -46,6 +46,9 @@ RANGES: Dict[str, Range] = {
                                          "vocab_size", "max_seq_len")},
     "model.rope_theta": POSITIVE, "model.norm_eps": POSITIVE, "model.init_std": POSITIVE,
     "model.bos_token_id": AT_LEAST_0,
+    **{f"model.moe.{k}": AT_LEAST_0 for k in ("num_experts", "num_shared_experts", "first_dense_layers",
+                                             "capacity_factor", "aux_loss_coef", "bias_update_rate", "z_loss_coef")},
+    **{f"model.moe.{k}": AT_LEAST_1 for k in ("top_k", "expert_ffn_dim", "every")},
     "model.rope_scaling.factor": POSITIVE, "model.rope_scaling.low_freq_factor": POSITIVE,
     "model.rope_scaling.high_freq_factor": POSITIVE, "model.rope_scaling.original_max_seq_len": AT_LEAST_1,
     **{f"parallel.{k}": AT_LEAST_1 for k in ("tp", "pp", "dp", "cp", "pp_virtual_stages")},
@@ -68,6 +71,8 @@ RANGES: Dict[str, Range] = {
 CHOICES: Dict[str, Tuple[object, ...]] = {
     "parallel.zero_stage": (0, 1, 2, 3),
     "model.rope_scaling.type": ("none", "llama3"),
+    "model.moe.router": ("softmax_topk", "sigmoid_topk"),
+    "model.moe.balance": ("aux_loss", "aux_free", "none"),
     "parallel.pp_schedule": ("1f1b", "gpipe", "interleaved_1f1b"),
     "parallel.cp_attention": ("ring", "all_gather"),
     "parallel.zero_reduce": ("auto", "all_reduce", "reduce_scatter"),

@@ -15,12 +15,12 @@ from typing import List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from trainer3d.config.schema_model import ModelConfig, RopeScalingConfig
+from trainer3d.config.schema_model import ModelConfig, MoEConfig, RopeScalingConfig
 from trainer3d.config.schema_parallel import ParallelConfig
 
 __all__ = [
     "BlendSource", "CheckpointConfig", "Config", "DataConfig", "LauncherConfig", "LoggerConfig",
-    "ModelConfig", "OptimConfig", "ParallelConfig", "RUN_NAME", "RopeScalingConfig", "TrainConfig",
+    "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "RUN_NAME", "RopeScalingConfig", "TrainConfig",
     "flatten", "named_run_dir", "register_configs",
 ]
 

@@ -8,27 +8,31 @@ counted, so MFU compares layouts and settings fairly. Per token, per layer, forw
 - attention scores Q K^T and the weighted sum A V each cost 2 * seq * (n_heads * head_dim)
   (full seq x seq, as PaLM counts it, though the causal mask could skip half);
 
-plus the output head, 2 * dim * vocab. The embedding lookup and norms are not matmuls and
+plus the output head, 2 * dim * vocab. A mixture-of-experts block counts the weights a token
+uses: the router, its top_k experts and the shared ones (model/moe.py ``ffn_params``), as
+Megatron-LM's ``num_floating_point_operations`` does for MoE. The embedding lookup and norms are not matmuls and
 are left out (under 0.1% at any real size). Training = 3 x forward.
 """
 
 from typing import Optional
 
 from trainer3d.config.schema import ModelConfig
+from trainer3d.model.moe import ffn_params
 from trainer3d.model.transformer import head_dim_of
 
 
-def layer_matmul_params(cfg: ModelConfig) -> int:
-    """Weights of one block that take part in a matrix multiply (all but its norms)."""
+def layer_matmul_params(cfg: ModelConfig, index: int = 0) -> int:
+    """Weights of block ``index`` that take part in a token's matrix multiplies (all but its
+    norms; of an MoE block, the active ones)."""
     head_dim = head_dim_of(cfg)
     attention = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)  # wq, wo + wk, wv
-    return attention + 3 * cfg.dim * cfg.ffn_dim
+    return attention + ffn_params(cfg, index, active=True)
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Weights that take part in a matrix multiply (all but the embedding and norms; a tied
-    head is the embedding matrix, but it still multiplies)."""
-    return cfg.n_layers * layer_matmul_params(cfg) + cfg.dim * cfg.vocab_size
+    """Weights that take part in a token's matrix multiplies (all but the embedding and norms;
+    a tied head is the embedding matrix, but it still multiplies; MoE blocks' active ones)."""
+    return sum(layer_matmul_params(cfg, i) for i in range(cfg.n_layers)) + cfg.dim * cfg.vocab_size
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:

@@ -129,10 +129,16 @@ def _seed_for(seed: int, name: str) -> int:
 
 def normal_region(seed: int, name: str, shape: Sequence[int], bounds: Sequence[Tuple[int, int]]) -> torch.Tensor:
     """The rectangle ``bounds`` ([start, stop) per dim) of the standard normal tensor of
-    parameter ``name`` and full ``shape`` (1-D or 2-D): ``torch.randn(shape)`` from a
-    generator seeded by (seed, name), drawn only as far as the rectangle reaches."""
+    parameter ``name`` and full ``shape`` (1-D, 2-D, or 3-D whole along its last two dims, as
+    an MoE block's experts: drawn as the 2-D (E * rows, cols), so a range of experts is a
+    range of rows): ``torch.randn(shape)`` from a generator seeded by (seed, name), drawn only
+    as far as the rectangle reaches."""
     if len(shape) == 1:
         return normal_region(seed, name, (1, shape[0]), ((0, 1), bounds[0])).view(-1)
+    if len(shape) == 3 and tuple(bounds[1:]) == ((0, shape[1]), (0, shape[2])):
+        (first, last), rows = bounds[0], shape[1]
+        flat = normal_region(seed, name, (shape[0] * rows, shape[2]), ((first * rows, last * rows), bounds[2]))
+        return flat.view(last - first, rows, shape[2])
     if len(shape) != 2:
         raise ValueError(f"{name}: random init is defined for 1-D and 2-D parameters, not shape {tuple(shape)}")
     return normal_rectangle(torch.Generator().manual_seed(_seed_for(seed, name)), shape, bounds)
@@ -140,8 +146,9 @@ def normal_region(seed: int, name: str, shape: Sequence[int], bounds: Sequence[T
 
 class RandomInit:
     """The layout-independent random initialisation, as a ``ParameterSource``: norm weights
-    one, output projections of the residual branches ``output_projection_std``, the rest
-    ``init_std``; only this rank's slice is drawn."""
+    one, output projections of the residual branches (experts' w2 among them)
+    ``output_projection_std``, the rest ``init_std`` (routers too, as Megatron-LM's
+    ``init_method`` draws them); only this rank's slice is drawn."""
 
     def __init__(self, cfg: ModelConfig, seed: int):
         self.cfg, self.seed = cfg, seed
@@ -152,7 +159,7 @@ class RandomInit:
         if name.endswith("norm.weight"):
             values = torch.ones([stop - start for start, stop in bounds])
         else:
-            projection = name.endswith(("wo.weight", "w2.weight"))
+            projection = name.endswith(("wo.weight", "w2.weight", "experts.w2"))
             std = output_projection_std(self.cfg) if projection else self.cfg.init_std
             values = normal_region(self.seed, name, shape, bounds).mul_(std)
         return pad_slice(values, shard, padding)

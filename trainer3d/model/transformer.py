@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer3d.config.schema import ModelConfig, RopeScalingConfig
 from trainer3d.model.functional import apply_rotary, rms_norm, swiglu_linear
+from trainer3d.model.moe import MoE, ffn_params, moe_layer
 
 
 class RMSNorm(nn.Module):
@@ -178,12 +179,15 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Attention and a feed-forward, each behind its norm; the feed-forward is the dense
+    SwiGLU or, for the blocks ``model.moe`` picks (model/moe.py ``moe_layer``), a mixture of experts."""
+
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = MoE(cfg) if moe_layer(cfg, index) else FeedForward(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x))
@@ -211,7 +215,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embeds_tokens = True
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.head_in_loss = False
@@ -260,12 +264,11 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 def count_parameters(cfg: ModelConfig) -> int:
     """Parameters of the full (1-rank, unpadded) model, from its shapes alone (a tied
-    embedding counted once)."""
+    embedding counted once; every expert of an MoE block)."""
     attn = cfg.dim * head_dim_of(cfg) * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-    ffn = 3 * cfg.dim * cfg.ffn_dim
-    per_layer = attn + ffn + 2 * cfg.dim
+    layers = sum(attn + ffn_params(cfg, i) + 2 * cfg.dim for i in range(cfg.n_layers))
     embeddings = (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * cfg.dim
-    return cfg.n_layers * per_layer + embeddings + cfg.dim
+    return layers + embeddings + cfg.dim
 
 
 def output_projection_std(cfg: ModelConfig) -> float:

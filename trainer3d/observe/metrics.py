@@ -92,6 +92,7 @@ class MetricsLogger:
         self.comm = CommTimer()
         """``with metrics.comm(): <a communication call>`` inside a step (trainer3d/observe/telemetry.py)."""
         self._columns: Dict[str, Callable[[], List[float]]] = {"comm_s": self.comm.pop}
+        self._reduced: List[Callable[[], Dict[str, List[float]]]] = []
         self.constants: Dict[str, float] = {"bubble": 0.0, "bubble_theory": 0.0,
                                             **(prediction.columns() if prediction else {})}
         """Values written unchanged into every row (``set_constant``: e.g. the pipeline's bubble_theory)."""
@@ -135,6 +136,11 @@ class MetricsLogger:
         rank's values for the steps recorded since the last flush (it may read the device)."""
         self._columns[name] = read
         self.constants.pop(name, None)
+
+    def add_reduced(self, read: Callable[[], Dict[str, List[float]]]) -> None:
+        """Per-step metrics their owner reduces: at each flush every rank calls ``read()`` (it may
+        communicate; trainer3d/observe/moe.py), and rank 0's columns are written as they are."""
+        self._reduced.append(read)
 
     def set_constant(self, name: str, value: float) -> None:
         """A value written unchanged into every row."""
@@ -185,6 +191,7 @@ class MetricsLogger:
         extra = [torch.tensor(read(), dtype=packed.dtype, device=device) for read in self._columns.values()]
         packed = torch.stack([packed, val, *extra], dim=1)
         dist.reduce(packed, dst=0)
+        reduced = {name: values for read in self._reduced for name, values in read().items()}
         per_rank = self._per_rank()
         peaks = torch.tensor(list(per_rank.values()), dtype=torch.float64, device=device)
         dist.reduce(peaks, dst=0, op=dist.ReduceOp.MAX)
@@ -196,6 +203,7 @@ class MetricsLogger:
             norms = torch.stack(self._norms).tolist()
             columns = {name: (packed[:, i + 2] / self.world_size).tolist() for i, name in enumerate(self._columns)}
             val = {s: v for s, v in zip(self._steps, (packed[:, 1] / self.dims.dp_cp).tolist()) if s in self._val}
+            columns.update(reduced)
             if self._extras[0]:
                 columns.update({k: torch.stack([e[k] for e in self._extras]).tolist() for k in self._extras[0]})
             memory = dict(zip(per_rank, [int(v) for v in peaks.tolist()]))
@@ -250,6 +258,8 @@ class MetricsLogger:
                 f"{row['tokens_per_s']:,.0f} tok/s | MFU {mfu} | {row['step_time_s']:.3f} s/step | eta {eta}"
                 + (f" | val_loss {row['val_loss']:.4f} (ppl {row['val_ppl']:.2f})" if "val_loss" in row else "")
                 + (f" | loss_scale {row['loss_scale']:.0f}, {skipped} step(s) skipped" if "loss_scale" in row else "")
+                + (f" | moe aux {row['moe_aux_loss']:.3f} max/mean load {row['moe_max_load']:.2f}"
+                   if "moe_aux_loss" in row else "")
                 + (f" | ckpt stall {row['ckpt_stall_s']:.2f} s" if "ckpt_stall_s" in row else "")
                 + (f" | ckpt write {row['ckpt_write_s']:.2f} s" if "ckpt_write_s" in row else ""))
 

@@ -37,6 +37,7 @@ from torch import nn
 
 from trainer3d.config.schema import Config
 from trainer3d.model.init import mark_tp_shard
+from trainer3d.model.moe import MoE
 from trainer3d.parallel.tensor.comm import ENTER, LEAVE
 from trainer3d.parallel.tensor.sequence import SequenceParallelEntry, gathered_linears
 from trainer3d.parallel.wgrad import linear
@@ -247,7 +248,8 @@ def apply_tensor_parallel(model: nn.Module, cfg: Config, dims: ParallelDims) -> 
     layers = getattr(model, "layers", None)
     for name, block in (layers.items() if layers is not None else ()):
         parallelize_attention(block.attention, dims, sp, f"layers.{name}.attention")
-        parallelize_feed_forward(block.feed_forward, dims, sp, f"layers.{name}.feed_forward")
+        if not isinstance(block.feed_forward, MoE):  # experts stay whole: parallel/expert/tokens.py
+            parallelize_feed_forward(block.feed_forward, dims, sp, f"layers.{name}.feed_forward")
     emb = getattr(model, "tok_embeddings", None)
     if emb is not None:
         model.tok_embeddings = VocabParallelEmbedding(emb.num_embeddings, emb.embedding_dim, dims, _comms(sp)[1],

@@ -1,0 +1,43 @@
+"""The rules of ``model.moe`` (docs/moe.md), part of ``validate`` (trainer3d/config/validate.py).
+
+Each problem names the knob and the fix. What the mixture-of-experts blocks do not yet run
+under is refused here, before launch, rather than trained wrongly.
+"""
+
+from typing import List
+
+from trainer3d.config.schema import Config
+
+
+def moe_problems(cfg: Config) -> List[str]:
+    m, moe, p, t = cfg.model, cfg.model.moe, cfg.parallel, cfg.train
+    if moe.num_experts == 0:
+        return []
+    problems = []
+    if moe.top_k > moe.num_experts:
+        problems.append(f"model.moe.top_k={moe.top_k} exceeds model.moe.num_experts={moe.num_experts}; "
+                        "lower top_k or add experts")
+    if moe.first_dense_layers >= m.n_layers:
+        problems.append(f"model.moe.first_dense_layers={moe.first_dense_layers} leaves no MoE block in "
+                        f"model.n_layers={m.n_layers}; lower it, or set model.moe.num_experts=0 for a dense model")
+    if moe.balance == "aux_free":
+        problems.append("model.moe.balance=aux_free is not wired into training yet (its routing bias is "
+                        "neither updated from the global batch nor checkpointed); use aux_loss or none")
+    if m.init_from:
+        problems.append("model.init_from reads Hugging Face Llama weights, which have no experts; "
+                        "leave model.moe.num_experts=0 with it")
+    if t.dtype == "fp16":
+        problems.append("model.moe with train.dtype=fp16 is not supported (the aux loss's gradient does not "
+                        "follow the dynamic loss scale); use train.dtype=bf16 or fp32")
+    unsupported = [(p.pp > 1, f"parallel.pp={p.pp}", "parallel.pp=1"),
+                   (p.cp > 1, f"parallel.cp={p.cp}", "parallel.cp=1"),
+                   (p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage=0 or 1"),
+                   (p.offload_optimizer, "parallel.offload_optimizer=true", "parallel.offload_optimizer=false"),
+                   (t.activation_checkpointing, "train.activation_checkpointing=true",
+                    "train.activation_checkpointing=false"),
+                   (t.compile, "train.compile=true", "train.compile=false")]
+    for refused, knob, fix in unsupported:
+        if refused:
+            problems.append(f"model.moe (num_experts={moe.num_experts}) does not run with {knob} yet "
+                            f"(docs/moe.md); set {fix}")
+    return problems
