@@ -23,9 +23,8 @@ def moe_problems(cfg: Config) -> List[str]:
     if moe.balance == "aux_free":
         problems.append("model.moe.balance=aux_free is not wired into training yet (its routing bias is "
                         "neither updated from the global batch nor checkpointed); use aux_loss or none")
-    if m.init_from:
-        problems.append("model.init_from reads Hugging Face Llama weights, which have no experts; "
-                        "leave model.moe.num_experts=0 with it")
+    # model.init_from: the experts come from a MixtralForCausalLM directory, whose config.json sets
+    # model.moe (trainer3d/hf/check.py apply_init_from; a Llama's sets num_experts=0).
     if t.dtype == "fp16":
         problems.append("model.moe with train.dtype=fp16 is not supported (the aux loss's gradient does not "
                         "follow the dynamic loss scale); use train.dtype=bf16 or fp32")

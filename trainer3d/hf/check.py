@@ -19,10 +19,15 @@ from typing import Collection, Dict, List
 
 from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.hf.files import DTYPES, DirError, TensorInfo, first_nonfinite, read_json, tensor_infos
-from trainer3d.hf.mapping import CONFIG, IGNORED, from_hf, hf_shapes, model_fields
+from trainer3d.hf.mapping import CONFIG, IGNORED, from_hf, hf_shapes, model_fields, with_fields
+from trainer3d.hf.mixtral import sliding_window_problem
 from trainer3d.config.validate import ConfigError
+from trainer3d.model.moe import moe_layer
 
-_HF_KEY = {field: key for field, key, _ in CONFIG}
+_HF_KEY = {**{field: key for field, key, _ in CONFIG}, "moe.num_experts": "num_local_experts",
+           "moe.top_k": "num_experts_per_tok"}
+TRAINING_KNOBS = ("aux_loss_coef",)
+"""model.moe fields config.json suggests (router_aux_loss_coef) that an explicit override replaces."""
 
 
 def _get(cfg: ModelConfig, dotted: str):
@@ -80,8 +85,11 @@ def weight_problems(directory: Path, cfg: ModelConfig) -> List[str]:
 
 
 def expected_count(cfg: ModelConfig) -> int:
-    """Tensors a Llama of ``cfg`` has: 9 per layer, the embedding, the final norm, the head."""
-    return 9 * cfg.n_layers + 2 + (0 if cfg.tie_embeddings else 1)
+    """Tensors a Llama or Mixtral of ``cfg`` has: 9 per dense layer, 7 + 3 per expert per MoE
+    layer (attention, norms, router, each expert's w1, w2, w3), the embedding, the final norm, the head."""
+    moe_layers = sum(moe_layer(cfg, i) for i in range(cfg.n_layers))
+    per_moe = 7 + 3 * cfg.moe.num_experts
+    return 9 * (cfg.n_layers - moe_layers) + per_moe * moe_layers + 2 + (0 if cfg.tie_embeddings else 1)
 
 
 def _nonfinite(infos: Dict[str, TensorInfo], need: Dict[str, tuple]) -> List[str]:
@@ -97,8 +105,9 @@ def _unexpected(infos: Dict[str, TensorInfo], cfg: ModelConfig) -> List[str]:
     extra = [n for n in infos if from_hf(n) is None and not IGNORED.match(n)]
     if not extra:
         return []
-    return [f"{infos[extra[0]].file} holds {len(extra)} tensor(s) a plain Llama does not have, first "
-            f"{extra[0]}; not a LlamaForCausalLM checkpoint"]
+    kind = "MixtralForCausalLM" if cfg.moe.num_experts else "LlamaForCausalLM"
+    return [f"{infos[extra[0]].file} holds {len(extra)} tensor(s) a {kind} of config.json does not have, first "
+            f"{extra[0]}; not a {kind} checkpoint"]
 
 
 def apply_init_from(cfg: Config, explicit: Collection[str] = ()) -> Config:
@@ -115,10 +124,15 @@ def apply_init_from(cfg: Config, explicit: Collection[str] = ()) -> Config:
     except DirError as err:
         raise ConfigError([f"{knob}: {err}"]) from None
     fields, problems = model_fields(config)
+    window = sliding_window_problem(config, cfg.train.seq_len)
+    problems += [window] if window else []
     if problems:
         raise ConfigError([f"{knob}: {p}" for p in problems])
+    for key in TRAINING_KNOBS:
+        if f"moe.{key}" in explicit:
+            fields["moe"].pop(key, None)
     name = cfg.model.name if "name" in explicit else directory.resolve().name
-    derived = dataclasses.replace(cfg.model, **fields, name=name, init_from=str(directory))
+    derived = with_fields(cfg.model, fields, name=name, init_from=str(directory))
     compared = [field for field in explicit if field not in ("init_from", "name")]
     problems = conflicts(cfg.model, derived, compared, directory / "config.json")
     problems += [f"{knob}: {p}" for p in weight_problems(directory, derived)]

@@ -1,4 +1,4 @@
-"""A trained model as a Hugging Face Llama directory (``tools/export_model.py --format hf``).
+"""A trained model as a Hugging Face Llama (or, with experts, Mixtral) directory (``tools/export_model.py --format hf``).
 
 Writes what ``transformers``' ``AutoModelForCausalLM`` and ``AutoTokenizer`` read: the weights
 under transformers' names (trainer3d/hf/mapping.py; a tied model has no ``lm_head.weight``)
@@ -27,7 +27,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from trainer3d.config.schema import ModelConfig
 from trainer3d.data import BYTE_VOCAB, EOF_TOKEN
 from trainer3d.hf.files import umask_mode, write_safetensors_dir
-from trainer3d.hf.mapping import hf_config, to_hf
+from trainer3d.hf.mapping import hf_config, hf_tensors
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json")
@@ -140,7 +140,7 @@ def write_hf(tensors: Dict[str, torch.Tensor], cfg: ModelConfig, out: Path, dtyp
     for name, t in tensors.items():
         if cfg.tie_embeddings and name == "output.weight":
             continue  # the head is the embedding matrix; transformers ties it on load
-        hf[to_hf(name)] = t.to(dtype)
+        hf.update({key: value.to(dtype) for key, value in hf_tensors(name, t).items()})
     files = write_safetensors_dir(hf, out, max_shard_bytes, {"format": "pt", **(metadata or {})})
     ids = special_ids(cfg)
     config = hf_config(cfg, DTYPE_NAMES[dtype])

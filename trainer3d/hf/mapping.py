@@ -1,4 +1,5 @@
-"""The one table between trainer3d's model and Hugging Face's Llama, read in both directions.
+"""The one table between trainer3d's model and Hugging Face's Llama, read in both directions
+(Mixtral's mixture-of-experts blocks: trainer3d/hf/mixtral.py).
 
 Parameter names: the layouts are the same tensors (transformers' Llama rotates the pairs
 (i, i + head_dim/2) as model/transformer.py does, so q/k need no permutation; SwiGLU's silu
@@ -19,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from trainer3d.config.schema import ModelConfig, RopeScalingConfig
+from trainer3d.hf import mixtral
 from trainer3d.model.transformer import Transformer, head_dim_of
 
 # (trainer3d name, Hugging Face name); {i} is the layer index.
@@ -33,6 +35,7 @@ NAMES = (
     ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
     ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
     ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    mixtral.ROUTER,
     ("norm.weight", "model.norm.weight"),
     ("output.weight", "lm_head.weight"),
 )
@@ -64,9 +67,10 @@ ROPE_SCALING = (  # (RopeScalingConfig field, key in rope_scaling / rope_paramet
 )
 FIXED = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
          "attention_bias": False, "mlp_bias": False}
+ARCHITECTURES = {"llama": FIXED, "mixtral": mixtral.FIXED}
 DEFAULT_ROPE_THETA = 10000.0
 _TYPES = {"tie_embeddings": bool, "norm_eps": float, "rope_theta": float, "factor": float,
-          "low_freq_factor": float, "high_freq_factor": float}
+          "low_freq_factor": float, "high_freq_factor": float, "aux_loss_coef": float}
 
 
 def _pattern(template: str) -> re.Pattern:
@@ -86,6 +90,8 @@ def _rename(name: str, table) -> Optional[str]:
 
 
 def to_hf(name: str) -> str:
+    """The Hugging Face name of a 2-D or 1-D trainer3d weight (a 3-D expert weight is one per
+    expert: ``hf_tensors``)."""
     hf = _rename(name, _TO_HF)
     if hf is None:
         raise KeyError(f"{name} has no Hugging Face Llama name")
@@ -93,8 +99,18 @@ def to_hf(name: str) -> str:
 
 
 def from_hf(name: str) -> Optional[str]:
-    """trainer3d's name for a Hugging Face tensor name, or None for an unknown one."""
-    return _rename(name, _FROM_HF)
+    """trainer3d's name for a Hugging Face tensor name (the 3-D weight a Mixtral expert's
+    belongs to), or None for an unknown one."""
+    expert = mixtral.from_hf_expert(name)
+    return expert[0] if expert else _rename(name, _FROM_HF)
+
+
+def hf_tensors(name: str, tensor: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """A full trainer3d weight as the Hugging Face tensor(s) that store it."""
+    experts = mixtral.expert_names(name, tensor.shape[0])
+    if experts is None:
+        return {to_hf(name): tensor}
+    return dict(zip(experts, mixtral.split_experts(tensor)))
 
 
 def hf_shapes(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
@@ -102,7 +118,7 @@ def hf_shapes(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
     model built on the meta device: the shapes come from the model code itself)."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    return {to_hf(n): tuple(p.shape) for n, p in model.named_parameters()}
+    return {hf: tuple(t.shape) for n, p in model.named_parameters() for hf, t in hf_tensors(n, p).items()}
 
 
 # ----------------------------------------------------------------------------- config.json -> ModelConfig
@@ -153,13 +169,15 @@ def _rope_fields(config: dict, problems: List[str]) -> Dict[str, Any]:
 def unsupported(config: dict) -> List[str]:
     """config.json settings this model does not implement, one line each."""
     problems = []
+    fixed = ARCHITECTURES["mixtral" if mixtral.is_mixtral(config) else "llama"]
     architecture = {k: config.get(k) for k in ("architectures", "model_type") if config.get(k) is not None}
-    if any(value != FIXED[k] for k, value in architecture.items()):
+    if any(value != fixed[k] for k, value in architecture.items()):
         said = ", ".join(f"{k}={v!r}" for k, v in architecture.items())
-        return [f"config.json: {said} is not a LlamaForCausalLM (model_type 'llama') checkpoint"]
-    for key, want in FIXED.items():
+        return [f"config.json: {said} is not a LlamaForCausalLM (model_type 'llama') or MixtralForCausalLM "
+                "(model_type 'mixtral') checkpoint"]
+    for key, want in fixed.items():
         if key not in architecture and config.get(key) is not None and config[key] != want:
-            problems.append(f"config.json: {key}={config[key]!r} is not supported (a plain Llama has {want!r})")
+            problems.append(f"config.json: {key}={config[key]!r} is not supported ({fixed['model_type']} has {want!r})")
     factor = config.get("partial_rotary_factor", 1.0)
     if factor != 1.0:
         problems.append(f"config.json: partial_rotary_factor={factor!r} is not supported (rotary on the whole head)")
@@ -189,7 +207,16 @@ def model_fields(config: dict) -> Tuple[Dict[str, Any], List[str]]:
     if fields.get("head_dim") is None and not problems:
         fields["head_dim"] = fields["dim"] // fields["n_heads"] if fields["n_heads"] else None
     fields.update(_rope_fields(config, problems))
+    # model.moe's fields, as a dict: with_fields keeps the knobs config.json does not set
+    fields["moe"] = mixtral.moe_fields(config, _typed, problems) if mixtral.is_mixtral(config) else {"num_experts": 0}
     return fields, problems
+
+
+def with_fields(base: ModelConfig, fields: Dict[str, Any], **extra) -> ModelConfig:
+    """``base`` with ``model_fields``' fields (model.moe's merged into base's model.moe)."""
+    fields = dict(fields)
+    moe = dataclasses.replace(base.moe, **fields.pop("moe", {}))
+    return dataclasses.replace(base, **fields, moe=moe, **extra)
 
 
 def model_config(config: dict, base: Optional[ModelConfig] = None, **extra) -> ModelConfig:
@@ -198,14 +225,21 @@ def model_config(config: dict, base: Optional[ModelConfig] = None, **extra) -> M
     fields, problems = model_fields(config)
     if problems:
         raise ValueError("\n".join(problems))
-    return dataclasses.replace(base or ModelConfig(), **fields, **extra)
+    return with_fields(base or ModelConfig(), fields, **extra)
 
 
 # ----------------------------------------------------------------------------- ModelConfig -> config.json
 
 def hf_config(cfg: ModelConfig, dtype: str) -> Dict[str, Any]:
-    """config.json for ``cfg`` (``dtype``: "float32" | "bfloat16" | "float16")."""
+    """config.json for ``cfg`` (``dtype``: "float32" | "bfloat16" | "float16"): a Llama's, or a
+    Mixtral's for a mixture of experts (which must be one Mixtral can say: ValueError)."""
     out: Dict[str, Any] = dict(FIXED)
+    if cfg.moe.num_experts:
+        problems = mixtral.mixtral_problems(cfg)
+        if problems:
+            raise ValueError("a Hugging Face Mixtral cannot hold " + "; ".join(problems))
+        del out["attention_bias"], out["mlp_bias"]
+        out.update(mixtral.hf_moe_config(cfg.moe))
     for field, key, _ in CONFIG:
         out[key] = head_dim_of(cfg) if field == "head_dim" else getattr(cfg, field)
     ids = list(cfg.eos_token_ids)
