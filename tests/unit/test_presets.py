@@ -62,6 +62,14 @@ PUBLISHED = {
     "mistral-7b-v0.3": ("mistralai/Mistral-7B-v0.3",
                         _config_json(4096, 32, 32, 8, 14336, 32768, 32768, 1, 2, rope_theta=1000000.0),
                         7_248_023_552),
+    # MixtralForCausalLM: the Llama block with 8 experts, top-2 (tests/unit/test_presets_moe.py
+    # checks its 46.7B total and 12.9B active parameters by a hand count)
+    "mixtral-8x7b": ("mistralai/Mixtral-8x7B-v0.1",
+                     _config_json(4096, 32, 32, 8, 14336, 32000, 32768, 1, 2, rope_theta=1000000.0,
+                                  architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=8,
+                                  num_experts_per_tok=2, router_aux_loss_coef=0.02, output_router_logits=False,
+                                  sliding_window=None),
+                     46_702_792_704),
     "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M",
                      _config_json(576, 30, 9, 3, 1536, 49152, 8192, 0, 0, rope_theta=100000,
                                   tie_word_embeddings=True),
@@ -75,9 +83,6 @@ PUBLISHED = {
                                   tie_word_embeddings=True),
                      1_711_376_384),
 }
-
-# mixture-of-experts presets, tested in tests/unit/test_presets_moe.py
-MOE_PUBLISHED = {"mixtral-8x7b"}
 
 # recipe: the cluster it is planned for (plan.yaml's cluster.*) and the overrides it needs to compose
 RECIPES = {
@@ -106,7 +111,7 @@ def _plan(recipe):
 
 def test_every_preset_and_recipe_is_tested():
     cited = {p.stem for p in (CONF_DIR / "model").glob("*.yaml") if "huggingface.co" in p.read_text()}
-    assert cited == set(PUBLISHED) | MOE_PUBLISHED
+    assert cited == set(PUBLISHED)
     assert {p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")} == set(RECIPES)
 
 
@@ -116,7 +121,9 @@ def test_preset_is_its_published_config_json(preset):
     cfg = validate(_training([f"model={preset}", "parallel=single"]))
     fields, problems = model_fields(config_json)
     assert problems == []
+    moe = fields.pop("moe")  # the model.moe fields config.json sets
     differ = {k: (getattr(cfg.model, k), v) for k, v in fields.items() if getattr(cfg.model, k) != v}
+    differ.update({f"moe.{k}": (getattr(cfg.model.moe, k), v) for k, v in moe.items() if getattr(cfg.model.moe, k) != v})
     assert differ == {}, f"conf/model/{preset}.yaml (yaml, config.json) differ from {HUB.format(repository)}"
     assert cfg.model.name == preset
     assert HUB.format(repository) in (CONF_DIR / "model" / f"{preset}.yaml").read_text()  # the source is cited
