@@ -11,6 +11,8 @@ than the sequence, naming the field.
 
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,10 @@ import torch
 import transformers  # a dev dependency: missing, these tests fail rather than skip
 from safetensors import safe_open
 
+from tests.support.runs import REL_TOL, assert_parity, read_metrics, train_in_ranks
 from tests.unit.test_presets import _training
+from trainer3d.checkpoint import store
+from trainer3d.checkpoint.export import load_full_model
 from trainer3d.config.validate import ConfigError, validate
 from trainer3d.hf.check import apply_init_from
 from trainer3d.hf.export import write_hf
@@ -28,6 +33,7 @@ from trainer3d.hf.source import HFSource
 from trainer3d.model.init import TPShard, fill_parameters
 from trainer3d.model.transformer import Transformer
 
+ROOT = Path(__file__).resolve().parents[2]
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=301, max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2,
             router_aux_loss_coef=0.02)
@@ -130,3 +136,63 @@ def test_an_experts_override_that_disagrees_with_config_json_is_refused(tmp_path
     base = _training([f"model.init_from={directory}", "parallel=single", "model.moe.num_experts=8"])
     with pytest.raises(ConfigError, match="num_local_experts=4"):
         apply_init_from(base, ["moe.num_experts"])
+
+
+# ----------------------------------------------------------------------------- through the entry point
+
+COMMON = ("train.max_steps=20", "train.log_every=1", "train.seq_len=64", "train.micro_batch_size=2",
+          "train.global_batch_size=16", "train.grad_accum_steps=null", "optim.warmup_steps=5",
+          "parallel.timeout_s=120", "checkpoint.every=20")
+LAYOUTS = {"1x1x1": ("parallel=single",),
+           "tp2-dp2-z1": ("parallel.tp=2", "parallel.pp=1", "parallel.dp=2", "parallel.zero_stage=1")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A tiny Mixtral (a vocabulary tp=2 pads, 301) trained 20 steps from model.init_from in one
+    process and in tp2 x dp2 with ZeRO-1 (in-process gloo ranks: tests/support/runs.py)."""
+    root = tmp_path_factory.mktemp("hf-mixtral-runs")
+    out = {"hf": make_hf(root / "hf")}
+    for name, layout in LAYOUTS.items():
+        out[name] = root / name
+        train_in_ranks(out[name], [*COMMON, f"model.init_from={out['hf']}", *layout], timeout=900)
+    return out
+
+
+@pytest.mark.slow
+def test_first_step_loss_equals_transformers_and_layouts_train_the_same_model(runs):
+    from tests.unit.test_validate import make
+    from trainer3d.data.loader import build_readers
+
+    data, _ = build_readers(validate(make([*COMMON, "parallel=single"])), dp=1, dp_rank=0)
+    inputs, targets = (t.flatten(0, 1) for t in data.batch(0))  # the first step's global batch
+    model = transformers.MixtralForCausalLM.from_pretrained(runs["hf"], dtype=torch.float32).eval()
+    with torch.no_grad():  # the logged loss is the cross-entropy alone (the aux loss is not logged)
+        expected = torch.nn.functional.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten()).item()
+    single = [r["loss"] for r in read_metrics(runs["1x1x1"])]
+    grid = [r["loss"] for r in read_metrics(runs["tp2-dp2-z1"])]
+    print(f"first step: {single[0]:.8f} vs transformers' {expected:.8f}")
+    assert abs(single[0] - expected) / expected <= REL_TOL
+    print(f"tp2 x dp2 ZeRO-1 vs one process: worst relative loss difference {assert_parity(grid, single):.1e}")
+
+
+@pytest.mark.slow
+def test_trained_export_loads_in_transformers_and_reimports_bit_identical(runs, tmp_path, caplog):
+    checkpoint = store.step_dir(runs["tp2-dp2-z1"] / "checkpoints", 20)
+    out = tmp_path / "export"
+    proc = subprocess.run([sys.executable, "tools/export_model.py", str(checkpoint), str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    with caplog.at_level(logging.WARNING, logger="transformers"):
+        theirs, info = transformers.MixtralForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert all(not v for v in info.values()), info
+    assert not [r for r in caplog.records if r.name.startswith("transformers")], caplog.text
+    trained = load_full_model(checkpoint)
+    again = trainer3d_model(out)
+    for name, p in again.named_parameters():
+        assert torch.equal(p, trained[name]), name
+    tokens = torch.randint(0, 257, (2, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        diff = (again(tokens) - theirs.eval()(tokens).logits).abs().max().item()
+    print(f"exported model: max |logits - transformers'| = {diff:.1e}")
+    assert diff <= 1e-5

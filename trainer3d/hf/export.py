@@ -136,6 +136,7 @@ def write_hf(tensors: Dict[str, torch.Tensor], cfg: ModelConfig, out: Path, dtyp
              byte_level: bool = False) -> List[Path]:
     """Write ``tensors`` (trainer3d names, full shapes) as a Hugging Face Llama directory, with
     ``tokenizer`` (a directory or one tokenizer.json), or the byte-level one for ``byte_level`` data."""
+    config = hf_config(cfg, DTYPE_NAMES[dtype])  # first: a model Hugging Face cannot hold writes nothing
     hf = {}
     for name, t in tensors.items():
         if cfg.tie_embeddings and name == "output.weight":
@@ -143,7 +144,6 @@ def write_hf(tensors: Dict[str, torch.Tensor], cfg: ModelConfig, out: Path, dtyp
         hf.update({key: value.to(dtype) for key, value in hf_tensors(name, t).items()})
     files = write_safetensors_dir(hf, out, max_shard_bytes, {"format": "pt", **(metadata or {})})
     ids = special_ids(cfg)
-    config = hf_config(cfg, DTYPE_NAMES[dtype])
     config["pad_token_id"] = ids.pad
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"_from_model_config": True, "bos_token_id": ids.bos,
