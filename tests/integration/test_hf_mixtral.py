@@ -196,3 +196,12 @@ def test_trained_export_loads_in_transformers_and_reimports_bit_identical(runs, 
         diff = (again(tokens) - theirs.eval()(tokens).logits).abs().max().item()
     print(f"exported model: max |logits - transformers'| = {diff:.1e}")
     assert diff <= 1e-5
+
+
+def test_a_model_mixtral_cannot_hold_is_refused_before_anything_is_written(tmp_path):
+    cfg = _training(["model=tiny-moe", "model.moe.num_shared_experts=1", "model.moe.router=sigmoid_topk"]).model
+    with torch.device("meta"):
+        tensors = {n: p for n, p in Transformer(cfg).named_parameters()}
+    with pytest.raises(ValueError, match="model.moe.router=sigmoid_topk.*shared experts"):
+        write_hf(tensors, cfg, tmp_path / "out", torch.float32, 1 << 30)
+    assert not (tmp_path / "out").exists()
