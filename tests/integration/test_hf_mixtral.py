@@ -205,3 +205,14 @@ def test_a_model_mixtral_cannot_hold_is_refused_before_anything_is_written(tmp_p
     with pytest.raises(ValueError, match="model.moe.router=sigmoid_topk.*shared experts"):
         write_hf(tensors, cfg, tmp_path / "out", torch.float32, 1 << 30)
     assert not (tmp_path / "out").exists()
+
+
+def test_an_expert_past_num_local_experts_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    directory = make_hf(tmp_path / "hf")
+    tensors = _tensors(directory)
+    tensors["model.layers.0.block_sparse_moe.experts.4.w1.weight"] = torch.zeros(96, 64)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="experts.4.w1.weight; not a MixtralForCausalLM checkpoint"):
+        apply_init_from(_training([f"model.init_from={directory}", "parallel=single"]))

@@ -19,10 +19,9 @@ from typing import Collection, Dict, List
 
 from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.hf.files import DTYPES, DirError, TensorInfo, first_nonfinite, read_json, tensor_infos
-from trainer3d.hf.mapping import CONFIG, IGNORED, from_hf, hf_shapes, model_fields, with_fields
+from trainer3d.hf.mapping import CONFIG, IGNORED, hf_shapes, model_fields, with_fields
 from trainer3d.hf.mixtral import sliding_window_problem
 from trainer3d.config.validate import ConfigError
-from trainer3d.model.moe import moe_layer
 
 _HF_KEY = {**{field: key for field, key, _ in CONFIG}, "moe.num_experts": "num_local_experts",
            "moe.top_k": "num_experts_per_tok"}
@@ -80,14 +79,16 @@ def weight_problems(directory: Path, cfg: ModelConfig) -> List[str]:
     if bad_dtype:
         name, info = bad_dtype[0]
         problems.append(f"{info.file}: {name} is {info.dtype}; only {', '.join(DTYPES)} weights can be loaded")
-    problems += _unexpected(infos, cfg)
+    problems += _unexpected(infos, need, cfg)
     return problems or _nonfinite(infos, need)
 
 
 def expected_count(cfg: ModelConfig) -> int:
     """Tensors a Llama or Mixtral of ``cfg`` has: 9 per dense layer, 7 + 3 per expert per MoE
     layer (attention, norms, router, each expert's w1, w2, w3), the embedding, the final norm, the head."""
-    moe_layers = sum(moe_layer(cfg, i) for i in range(cfg.n_layers))
+    moe = cfg.moe  # model/moe.py moe_layer, counted without a loop over a config.json's layer count
+    dense_lead = min(moe.first_dense_layers, cfg.n_layers)
+    moe_layers = -(-(cfg.n_layers - dense_lead) // moe.every) if moe.num_experts else 0
     per_moe = 7 + 3 * cfg.moe.num_experts
     return 9 * (cfg.n_layers - moe_layers) + per_moe * moe_layers + 2 + (0 if cfg.tie_embeddings else 1)
 
@@ -101,8 +102,8 @@ def _nonfinite(infos: Dict[str, TensorInfo], need: Dict[str, tuple]) -> List[str
     return []
 
 
-def _unexpected(infos: Dict[str, TensorInfo], cfg: ModelConfig) -> List[str]:
-    extra = [n for n in infos if from_hf(n) is None and not IGNORED.match(n)]
+def _unexpected(infos: Dict[str, TensorInfo], need: Dict[str, tuple], cfg: ModelConfig) -> List[str]:
+    extra = [n for n in infos if n not in need and not IGNORED.match(n)]
     if not extra:
         return []
     kind = "MixtralForCausalLM" if cfg.moe.num_experts else "LlamaForCausalLM"
