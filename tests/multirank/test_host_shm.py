@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tests.support.harness import run_ranks
-from trainer3d.job.local_ranks import _context, _rank_main
+from trainer3d.launch.local_ranks import _context, _rank_main
 from trainer3d.parallel import comm
 from trainer3d.parallel.host_barrier import HostBarrier
 from trainer3d.parallel.host_shm import HostCollectives, host_collectives

@@ -1,9 +1,9 @@
-"""A CPU rank's torch threads (trainer3d/job/launch.py ``cpu_threads``): ``OMP_NUM_THREADS``
+"""A CPU rank's torch threads (trainer3d/rank/task.py ``cpu_threads``): ``OMP_NUM_THREADS``
 where it is set to a positive count, else the rank's share of the host's cores."""
 
 import pytest
 
-from trainer3d.job.launch import cpu_threads
+from trainer3d.rank.task import cpu_threads
 
 
 @pytest.mark.parametrize("given, share, expected", [(None, 2, 2), ("1", 2, 1), ("4", 1, 4), (" 3 ", 8, 3),

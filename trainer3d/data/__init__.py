@@ -25,6 +25,6 @@ from trainer3d.data.tokenfile import TokenFile
 from trainer3d.data.tokens import TokenFileError, TokenHeader, TokenizerInfo, TokenWriter, read_header, write_token_file
 
 # Only numpy-level modules are imported here, so tools/prepare_data.py starts without torch;
-# the trainer imports trainer3d.data.loader and trainer3d.data.checks itself.
+# the trainer imports trainer3d.data.loader itself.
 __all__ = ["BYTE_LEVEL", "BYTE_VOCAB", "EOF_TOKEN", "TokenFile", "TokenFileError", "TokenHeader", "TokenWriter",
            "TokenizerInfo", "byte_tokens", "read_header", "stdlib_corpus", "write_token_file"]

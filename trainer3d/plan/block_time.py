@@ -90,7 +90,7 @@ def block_time(cfg: Config, device: Device, ranks_per_node: int, attention: str 
         gemm_f, gemm_b = gemm_f + f, gemm_b + b
     attn_f, attn_b = k.attention_s(attention, z.b, z.s, z.heads // t, z.head_dim, z.p)
     # context parallelism: the local queries attend over the whole sequence (cp x the local
-    # keys, load-balanced: trainer3d/parallel/context/sharding.py)
+    # keys, load-balanced: trainer3d/data/cp_sharding.py)
     attn_f, attn_b = attn_f * z.cp, attn_b * z.cp
     saved = elementwise_bytes(z)
     bw = k.hbm_gbps * 1e9

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from trainer3d.parallel.context.attention import CPGroup, context_attention
-from trainer3d.parallel.context.sharding import local_positions
+from trainer3d.data.cp_sharding import local_positions
 from trainer3d.parallel.topology import ParallelDims
 
 

@@ -1,0 +1,1 @@
+"""TBD. May import nothing of trainer3d."""
