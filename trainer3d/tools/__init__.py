@@ -9,4 +9,5 @@
     parity           trainer3d-parity            two layouts' per-step losses compared
 
 Each is a ``main(argv=None) -> int`` over argparse; the developer's benchmarks stay in tools/bench/.
+May import ``config``, ``model``, ``data``, ``hf`` and ``checkpoint``.
 """
