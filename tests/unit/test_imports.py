@@ -205,6 +205,20 @@ def test_each_package_says_what_it_may_import_as_the_table_does():
         assert said == MAY_IMPORT[unit], f"trainer3d/{unit}/__init__.py says {sorted(said)}, the table {sorted(MAY_IMPORT[unit])}"
 
 
+def test_the_loop_imports_no_planner():
+    """trainer3d/trainer.py reaches no module of trainer3d/plan/, directly or through another:
+    the rank's body hands it the planner's prediction (trainer3d/rank/task.py)."""
+    edges, _ = _graph()
+    seen, todo = set(), ["trainer3d.trainer"]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(edges.get(module, ()))
+    assert len(seen) > 50, "the scan must follow the loop's imports"
+    assert sorted(m for m in seen if m.startswith("trainer3d.plan")) == []
+
+
 def test_the_package_root_holds_only_the_entry_point_and_the_loop():
     root = {path.stem for path in (ROOT / "trainer3d").glob("*.py")}
     assert root <= ROOT_MODULES | LEAVING_ROOT, sorted(root - ROOT_MODULES - LEAVING_ROOT)

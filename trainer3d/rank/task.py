@@ -34,7 +34,6 @@ from trainer3d.rank.runlock import join as join_run_dir
 from trainer3d.trainer import Trainer
 
 
-
 def in_distributed_env() -> bool:
     """True when this process is already one rank of an allocation (torchrun, or an srun step)."""
     if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
