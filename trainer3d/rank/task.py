@@ -167,7 +167,7 @@ class TrainTask:
 
     def checkpoint(self, *args, **kwargs) -> Optional[submitit.helpers.DelayedSubmission]:
         """submitit's requeue hook, run on rank 0 once every rank has stopped at the same step and
-        saved (trainer3d/checkpoint/stop.py): the same task again (it resumes from the newest
+        saved (trainer3d/rank/preemption.py): the same task again (it resumes from the newest
         checkpoint, train.resume=auto), or None past launcher.max_requeues, which ends the job."""
         cap = self.cfg.launcher.max_requeues
         if self.requeues >= cap:
