@@ -1,4 +1,4 @@
-"""DCP's file writer, with checksums and a full disk reported as such (trainer3d/job/failure.py).
+"""DCP's file writer, with checksums and a full disk reported as such (trainer3d/observe/failure.py).
 
 Each data file is written past the page cache where the file system allows it
 (trainer3d/checkpoint/direct.py), hashed on its way to disk and, once DCP has synced and
@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from trainer3d.checkpoint.digest import FILE_HASH, HashingStream, file_digest
 from trainer3d.checkpoint.direct import DirectFile
-from trainer3d.job.failure import naming_a_full_disk
+from trainer3d.observe.failure import naming_a_full_disk
 
 
 class _HashingFileSystem(FileSystem):
