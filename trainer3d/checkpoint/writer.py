@@ -14,9 +14,8 @@ rank whose write failed checks its file system then, while the partial files sti
 DCP writes each tensor with ``torch.save``, whose zip records carry a CRC-32 of their bytes
 by default; torch's own reader never checks it (a flipped byte loads silently), and the
 XXH3-128 of each whole file is checked at write, read-back and load here. So the writer
-turns the CRC off for its files (``torch.serialization.set_crc32_options``): 0.1 s less per
-150 MB on this project's 2-core machine, a fifth of a background save's CPU time
-(tools/bench/checkpoint.py).
+turns the CRC off for its files (``torch.serialization.set_crc32_options``): a fifth of a
+background save's CPU time (docs/checkpoints.md, measured by tools/bench/checkpoint.py).
 """
 
 from contextlib import contextmanager
