@@ -14,7 +14,7 @@ CONF_DIR = ROOT / "conf"
 os.environ.setdefault("WANDB_MODE", "offline")
 
 # Each xdist worker's share of the cores, for its own torch and every run it starts (read by
-# torch at import and by the engine's ranks: trainer3d/job/threads.py cpu_threads). A run
+# torch at import and by the engine's ranks: trainer3d/rank/threads.py cpu_threads). A run
 # taking every core beside the other worker's stalls at each OpenMP region while a thread of
 # it waits for a core (a 20-step tiny run: 5 s on 1 thread, minutes on 2, beside one busy
 # process).

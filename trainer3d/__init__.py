@@ -2,6 +2,6 @@
 
 import torch
 
-from trainer3d.job.requirements import check_torch
+from trainer3d.preflight.requirements import check_torch
 
 check_torch(torch.__version__)

@@ -3,13 +3,13 @@
 Hydra composes the config (``--cfg job`` prints it, ``-m`` sweeps); this module resolves
 it (``model.init_from``: the model section from a Hugging Face config.json), validates it
 in this process — a refused config exits with status 2 and one line per problem, before
-any rank starts — checks the data the same way (trainer3d/data/checks.py), and hands it
-to the launcher.
+any rank starts — checks the machine, the memory, the data and the run dirs the same way
+(trainer3d/preflight/), and hands it to the launcher (trainer3d/launch/; in place, the rank's
+body: trainer3d/rank/task.py).
 """
 
 import os
 import sys
-from pathlib import Path
 from typing import List, Optional, Sequence, Set
 
 import hydra
@@ -18,25 +18,20 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from trainer3d.checkpoint.choose import choose
-from trainer3d.checkpoint.store import checkpoint_root
-from trainer3d.checkpoint.store import CheckpointError
+from trainer3d.checkpoint.store import CheckpointError, checkpoint_root
 from trainer3d.config.conf_dir import CONF_DIR
 from trainer3d.config.defaults_used import defaults_block, given_keys, recipe_keys
 from trainer3d.config.help import print_help, wants_help
-from trainer3d.config.schema import Config  # noqa: F401  (registers the schema in the ConfigStore)
-from trainer3d.data.checks import check_data
-from trainer3d.config.extras import EXTRAS, missing
-from trainer3d.job.device_check import machine_problems
-from trainer3d.job.memory_check import memory_problems
-from trainer3d.job.rundir import write_problem
-from trainer3d.memory.dry_run import print_plan
-from trainer3d.hf.check import apply_init_from
 from trainer3d.config.knobs import path_problems, unknown_keys
-from trainer3d.job.launch import TrainTask, in_distributed_env, launch_local
-from trainer3d.job.resume import remember_command
-from trainer3d.job.slurm import launch_slurm
-from trainer3d.config.validate import ConfigError, validate, world_size_of
-
+from trainer3d.config.schema import Config  # noqa: F401  (registers the schema in the ConfigStore)
+from trainer3d.config.validate import ConfigError, validate
+from trainer3d.hf.check import apply_init_from
+from trainer3d.launch.local import launch_local
+from trainer3d.launch.slurm import launch_slurm
+from trainer3d.memory.dry_run import print_plan
+from trainer3d.preflight.refusal import refused_before_launch, report
+from trainer3d.rank.resume import remember_command
+from trainer3d.rank.task import TrainTask, in_distributed_env
 
 def resolve(dcfg: DictConfig) -> Config:
     """The composed config as plain dataclasses, interpolations resolved (picklable).
@@ -95,53 +90,17 @@ def run(cfg: Config, explicit_model: Sequence[str] = (), given: Optional[Set[str
         if path_problems(cfg):
             raise ConfigError(path_problems(cfg))
     except ConfigError as err:
-        for problem in err.problems:
-            print(f"trainer3d: config error: {problem}", file=sys.stderr)
+        report("config", err.problems)
         return 2
     if not check_resume(cfg):
         return 2
     if cfg.dry_run:
         print_plan(cfg, defaults_block(cfg, given))
         return 0
-    problem = missing(cfg.logger.name, f"logger={cfg.logger.name}") if cfg.logger.name in EXTRAS else None
-    if problem:  # before any rank imports it
-        print(f"trainer3d: config error: {problem}", file=sys.stderr)
+    if refused_before_launch(cfg):  # extras, devices, memory, data, run dirs (trainer3d/preflight/)
         return 2
-    problems = machine_problems(cfg, world_size_of(cfg))
-    for problem in problems:
-        print(f"trainer3d: device error: {problem}", file=sys.stderr)
-    if problems:
-        return 2
-    problems = memory_problems(cfg, world_size_of(cfg))
-    for problem in problems:
-        print(f"trainer3d: memory error: {problem}", file=sys.stderr)
-    if problems:
-        return 2
-    problems = check_data(cfg)  # also a data vocabulary or id the model (init_from's included) cannot embed
-    for problem in problems:
-        print(f"trainer3d: data error: {problem}", file=sys.stderr)
-    if problems:
-        return 2
-    problems = directory_problems(cfg)
-    for problem in problems:
-        print(f"trainer3d: run dir error: {problem}", file=sys.stderr)
-    if problems:
-        return 2
-    remember_command(cfg)  # the ranks' stop line prints it (trainer3d/job/resume.py)
+    remember_command(cfg)  # the ranks' stop line prints it (trainer3d/rank/resume.py)
     return launch(cfg)
-
-
-def directory_problems(cfg: Config) -> List[str]:
-    """The directories the ranks write (run dir, checkpoints, launcher logs), each created and
-    probed with a synced write (trainer3d/job/rundir.py): a full or unwritable one is one line
-    here, not a traceback in a rank."""
-    knobs = {"run_dir": cfg.run_dir, "checkpoint.dir": cfg.checkpoint.dir, "launcher.folder": cfg.launcher.folder}
-    problems = []
-    for knob, value in knobs.items():
-        problem = write_problem(Path(value).expanduser()) if value else None
-        if problem:
-            problems.append(f"{knob}: {problem}; free space or fix its permissions, or point {knob} elsewhere")
-    return problems
 
 
 def check_resume(cfg: Config) -> bool:
@@ -153,7 +112,7 @@ def check_resume(cfg: Config) -> bool:
     try:
         choice = choose(cfg, checkpoint_root(cfg))
     except CheckpointError as err:
-        print(f"trainer3d: config error: {err}", file=sys.stderr)
+        report("config", [str(err)])
         return False
     for path, why in choice.skipped if choice else ():
         print(f"trainer3d: train.resume=auto: skipping checkpoint {path}: {why}", file=sys.stderr, flush=True)
@@ -176,12 +135,10 @@ def launch(cfg: Config) -> int:
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def _main(dcfg: DictConfig) -> int:
-    unknown = unknown_keys(dcfg)  # what a +key=value added: to_object would drop it silently
-    for problem in unknown:
-        print(f"trainer3d: config error: {problem}", file=sys.stderr)
+    unknown = report("config", unknown_keys(dcfg))  # what a +key=value added: to_object would drop it silently
     status = 2 if unknown else run(resolve(dcfg), explicit_model_fields(), given_knobs())
     if HydraConfig.get().mode == RunMode.MULTIRUN:
-        return status  # one failed point must not end the sweep: trainer3d.job.sweep reports them all
+        return status  # one failed point must not end the sweep: trainer3d/launch/sweep.py reports them all
     if status:
         sys.exit(status)
     return status

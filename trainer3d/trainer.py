@@ -10,9 +10,7 @@ interval.
 """
 
 import contextlib
-import os
 import time
-from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -37,47 +35,10 @@ from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, bu
 from trainer3d.parallel.zero.optimizer import ZeroOptimizer
 from trainer3d.parallel.pipeline.losses import StepLosses
 from trainer3d.parallel.pipeline.schedule import Pipeline
-from trainer3d.job.preemption import Stop, StopSignal
+from trainer3d.checkpoint.stop import Stop, StopSignal
 from trainer3d.observe.telemetry import model_state_bytes, resolve_peak_tflops
 from trainer3d.parallel.timeouts import GroupTimeouts
 from trainer3d.parallel.topology import ParallelDims
-from trainer3d.plan.devices import DEFAULT_CALIBRATION, PRESETS, device_for
-from trainer3d.plan.search import evaluate
-
-
-def device_preset(device: torch.device) -> Optional[str]:
-    """The planner's device (trainer3d/plan/devices.py) this rank runs on: a GPU preset by its
-    name, on CPUs ``calibrated`` where ``python -m trainer3d.plan --calibrate`` measured the
-    machine, else the ``cpu`` placeholder; None for a GPU without a preset."""
-    if device.type != "cuda":
-        return "calibrated" if Path(os.path.expanduser(DEFAULT_CALIBRATION)).is_file() else "cpu"
-    name = torch.cuda.get_device_name(device).upper()
-    for marker, preset in (("H100 PCIE", "h100-pcie"), ("H100", "h100-sxm"), ("H200", "h200"),
-                           ("A100-SXM4-80GB", "a100-80g"), ("A100 80GB", "a100-80g"), ("A100", "a100-40g")):
-        if marker in name:
-            return preset
-    return None
-
-
-def predict_step(cfg: Config, dims: ParallelDims) -> Optional[Prediction]:
-    """The planner's step for this run's own layout (trainer3d/plan/search.py ``evaluate``;
-    every rank computes it, so none waits in the first step for another's), in goodput's parts: its pipeline bubble with the stage hand-overs (what a rank waits on
-    its neighbours), its exposed data-parallel communication, and the rest as compute."""
-    preset = device_preset(dims.device)
-    if preset is None:
-        return None
-    device = device_for(preset)
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dims.topo.world_size))
-    try:
-        plan = evaluate(cfg, device, per_node, "gloo" if dims.device.type == "cpu" else "nccl")
-    except (ValueError, NotImplementedError) as err:  # a layout the planner cannot time: train without
-        print(f"goodput: no prediction for this layout ({err})", flush=True)
-        return None
-    step = plan.step
-    waiting = step.bubble + step.pp_comm
-    source = device.name if preset in PRESETS else f"{device.name} (calibrated)"
-    return Prediction(step_s=step.total, compute_s=step.total - waiting - step.dp_comm, bubble_s=waiting,
-                      comm_s=step.dp_comm, tokens_per_s=plan.tokens_per_s, device=source)
 
 
 class MicroBatchLoss:
@@ -106,14 +67,18 @@ class MicroBatchLoss:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, dims: ParallelDims):
+    def __init__(self, cfg: Config, dims: ParallelDims, prediction: Optional[Prediction] = None):
+        """``prediction``: the planner's step for this layout, which the progress line and the
+        summary split goodput by (trainer3d/plan/predict.py; the rank's body computes it, so the
+        loop imports no planner); None: no split."""
         self.cfg = cfg
         self.dims = dims
+        self.prediction = prediction
         # First, so a SIGUSR2/SIGTERM during set-up is held for the first step boundary.
         self.stop_signal = StopSignal()
         self.stopped: Optional[Stop] = None
         self.heartbeat = None
-        """Set by the launcher (trainer3d/job/heartbeat.py): told the steps completed at each step boundary."""
+        """Set by the rank's body (trainer3d/rank/task.py, trainer3d/rank/heartbeat.py): told the steps completed at each step boundary."""
         self.warm_step: Optional[int] = None
         """The step after the first evaluation (None before it): it waits up to the start-up timeout."""
         t = cfg.train
@@ -154,7 +119,7 @@ class Trainer:
         metrics = MetricsLogger(dims, cfg.run_dir, t.max_steps, tokens_per_step=t.global_batch_size * t.seq_len,
                                 start_step=self.start_step, flops_per_token=flops_per_token(cfg.model, t.seq_len),
                                 peak_tflops=resolve_peak_tflops(t.peak_tflops, dims.device, t.dtype) if rank0 else None,
-                                sinks=build_sinks(cfg) if rank0 else (), prediction=predict_step(cfg, dims),
+                                sinks=build_sinks(cfg) if rank0 else (), prediction=self.prediction,
                                 state_bytes=lambda: model_state_bytes(self.chunks, self.optimizer))
         if self.pipeline is not None:
             self.pipeline.report_to(metrics)
@@ -242,7 +207,7 @@ class Trainer:
                 self.checkpointer.poll()  # a save in the background that finished: noticed on every rank alike
             for report in self.checkpointer.take_news():
                 self.metrics.record_checkpoint(report.stall_s, report.write_s)
-            # The same on every rank (trainer3d/job/preemption.py); after the last step there is nothing to stop.
+            # The same on every rank (trainer3d/checkpoint/stop.py); after the last step there is nothing to stop.
             flag = self.stop_signal.agreed() if step + 1 < t.max_steps else 0
             if flag:
                 self.stopped = Stop(step=step + 1, flag=flag)

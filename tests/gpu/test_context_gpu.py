@@ -13,7 +13,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from trainer3d.parallel.context.attention import CPGroup, _backward_block, _forward_block
 from trainer3d.parallel.context.kernels import acc_dtype, kernel_for
-from trainer3d.parallel.context.sharding import shard_sequence, unshard_sequence
+from tests.unit.test_context_sharding import unshard_sequence
+from trainer3d.data.cp_sharding import shard_sequence
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the gpu tier "

@@ -148,12 +148,12 @@ def test_zero3_shards_leave_the_device(tmp_path, one_nccl_rank):
 
 def test_a_large_pinned_buffer_takes_the_bytes_it_asks_for():
     """In a fresh process: after ``exact_pinned_sizes`` (what every CUDA rank runs first,
-    trainer3d/job/launch.py) torch's host allocator gives a 65 MiB + 4 KiB pinned buffer that many
+    trainer3d/rank/task.py) torch's host allocator gives a 65 MiB + 4 KiB pinned buffer that many
     bytes, not the next power of two (128 MiB) it gives without."""
     import subprocess
     import sys
     size = 65 * 2 ** 20 + 4096
-    code = ("import sys, torch; from trainer3d.job.device_check import exact_pinned_sizes; "
+    code = ("import sys, torch; from trainer3d.config.device import exact_pinned_sizes; "
             "sys.argv[1] == 'exact' and exact_pinned_sizes(); torch.cuda.init(); "
             f"t = torch.empty({size}, dtype=torch.uint8, pin_memory=True); "
             "print(torch.cuda.host_memory_stats()['allocated_bytes.current'])")

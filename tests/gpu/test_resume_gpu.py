@@ -22,7 +22,7 @@ from tests.support.runs import read_metrics
 from trainer3d.checkpoint import store
 from trainer3d.config.schema import Config
 from trainer3d.config.validate import validate
-from trainer3d.job.local_ranks import run_ranks
+from trainer3d.launch.local_ranks import run_ranks
 from trainer3d.parallel.topology import ParallelDims, Topology
 from trainer3d.trainer import Trainer
 

@@ -13,7 +13,7 @@ import pytest
 from tests.support.background import Run
 from tests.support.runs import read_metrics, run_train
 from trainer3d.checkpoint import store
-from trainer3d.job.failure import RankFailed, headline, rank_failures
+from trainer3d.observe.failure import RankFailed, headline, rank_failures
 
 SMALL = ("parallel=dp2", "train.max_steps=20", "train.log_every=1", "train.seq_len=64", "train.micro_batch_size=2",
          "train.global_batch_size=16", "train.grad_accum_steps=null", "parallel.timeout_s=60", "checkpoint.every=2")

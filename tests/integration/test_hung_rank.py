@@ -1,6 +1,6 @@
 """Class: a rank stops making progress (SIGSTOP, a frozen process, a lost node). The job ends
 about one parallel.timeout_s after the rank stopped, not two, and the report names that
-rank, not the ranks that timed out waiting for it (per-rank heartbeats, trainer3d/job/heartbeat.py)."""
+rank, not the ranks that timed out waiting for it (per-rank heartbeats, trainer3d/rank/heartbeat.py)."""
 
 import os
 import signal
@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.support.background import Run, marked
-from trainer3d.job.heartbeat import Heartbeat, HeartbeatReader
+from trainer3d.rank.heartbeat import Heartbeat, HeartbeatReader
 
 TIMEOUT_S = 20
 SMALL = ("parallel=dp2", "train.max_steps=100000", "train.log_every=1", "train.seq_len=64",

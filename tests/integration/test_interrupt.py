@@ -8,7 +8,8 @@ import time
 import pytest
 
 from tests.support.background import Run, marked
-from trainer3d.job.interrupt import JobSignals, end_processes, new_token, processes_with_token
+from trainer3d.launch.interrupt import JobSignals, end_processes
+from trainer3d.rank.job_token import new_token, processes_with_token
 
 SMALL = ("parallel=dp2", "train.max_steps=100000", "train.log_every=1", "train.seq_len=64",
          "train.micro_batch_size=2", "train.global_batch_size=16", "train.grad_accum_steps=null",

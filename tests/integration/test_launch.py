@@ -8,10 +8,11 @@ import pytest
 import submitit
 import torch.distributed as dist
 
-from trainer3d.job.follow import follow
-from trainer3d.job.interrupt import new_token
-from trainer3d.job.launch import export_rank_env, submit_with_token
-from trainer3d.job.master_port import ephemeral_range, local_port
+from trainer3d.launch.follow import follow
+from trainer3d.rank.job_token import new_token
+from trainer3d.launch.local import submit_with_token
+from trainer3d.rank.task import export_rank_env
+from trainer3d.rank.master_port import ephemeral_range, local_port
 
 
 def _init():
@@ -50,7 +51,7 @@ def hang_on_rank_1():
 
 
 def _submit(tmp_path, fn, tasks=2):
-    """As the local launcher submits: the store's port chosen here (trainer3d/job/master_port.py)."""
+    """As the local launcher submits: the store's port chosen here (trainer3d/rank/master_port.py)."""
     executor = submitit.AutoExecutor(folder=tmp_path, cluster="local")
     executor.update_parameters(tasks_per_node=tasks, timeout_min=5)
     return submit_with_token(executor, fn, new_token(), owned=True)

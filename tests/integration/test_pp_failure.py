@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 
 from tests.conftest import CONF_DIR
 from tests.support.runs import PARITY
-from trainer3d.job.follow import follow
-from trainer3d.job.launch import run_rank
+from trainer3d.launch.follow import follow
+from trainer3d.rank.task import run_rank
 from trainer3d.parallel.pipeline.schedule import Pipeline
 from trainer3d.config.validate import validate
 

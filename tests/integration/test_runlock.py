@@ -13,14 +13,14 @@ import pytest
 
 from tests.support.background import Run, marked
 from trainer3d.checkpoint import store
-from trainer3d.job.runlock import RunDirBusy, RunDirLock
+from trainer3d.rank.runlock import RunDirBusy, RunDirLock
 
 SMALL = ("parallel=single", "train.max_steps=100000", "train.log_every=1", "train.seq_len=64",
          "train.micro_batch_size=2", "train.global_batch_size=16", "train.grad_accum_steps=null")
 
 
 def test_the_lock_names_its_holder_and_dies_with_it(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from trainer3d.job.runlock import RunDirLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from trainer3d.rank.runlock import RunDirLock; "
                                f"RunDirLock({str(tmp_path)!r}).acquire(job_id='4242'); print('held', flush=True); "
                                "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
     try:
@@ -57,7 +57,7 @@ def test_a_rank_holding_the_run_dir_keeps_it_busy_after_its_submitter_died(tmp_p
     lock = RunDirLock(str(tmp_path)).acquire()
     lock.record("77", token="no-such-token")
     lock.share()
-    rank = subprocess.Popen([sys.executable, "-c", "import time; from trainer3d.job.runlock import join; "
+    rank = subprocess.Popen([sys.executable, "-c", "import time; from trainer3d.rank.runlock import join; "
                              f"join({str(tmp_path)!r}); print('joined', flush=True); time.sleep(600)"],
                             stdout=subprocess.PIPE, text=True)
     try:

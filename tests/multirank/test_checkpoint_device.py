@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 from trainer3d.checkpoint.state import PieceMaker
-from trainer3d.job.local_ranks import run_ranks
+from trainer3d.launch.local_ranks import run_ranks
 
 
 def _pieces_on_meshes(rank, world):

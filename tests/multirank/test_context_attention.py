@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from tests.support.harness import dims_for, run_ranks
 from trainer3d.parallel.context.attention import CPGroup, context_attention
-from trainer3d.parallel.context.sharding import shard_sequence
+from trainer3d.data.cp_sharding import shard_sequence
 
 
 def _attend_whole(q, k, v, dout):

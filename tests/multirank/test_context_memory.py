@@ -11,7 +11,7 @@ from tests.support.activation_ranks import layout_config
 from tests.support.harness import dims_for, run_ranks
 from trainer3d.config.validate import validate
 from trainer3d.memory.peak import rank_memory
-from trainer3d.parallel.context.sharding import shard_sequence
+from trainer3d.data.cp_sharding import shard_sequence
 
 
 def _config(cp: int, **layout):

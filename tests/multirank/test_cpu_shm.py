@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tests.support.harness import run_ranks
-from trainer3d.job.local_ranks import _context, _rank_main
+from trainer3d.launch.local_ranks import _context, _rank_main
 from trainer3d.parallel import comm
 from trainer3d.cpu.shm import ShmCollectives, shm_collectives
 from trainer3d.cpu.shm_barrier import ShmBarrier

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from tests.support.runs import PARITY, _train_rank, configure, train_losses
-from trainer3d.job.local_ranks import run_ranks
+from trainer3d.launch.local_ranks import run_ranks
 from trainer3d.parallel.wgrad import MainGradSink, route_linear_layers
 
 

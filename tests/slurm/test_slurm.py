@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.support.runs import read_metrics, train_in_ranks
-from trainer3d.job.preemption import REQUEUE_ASKED
+from trainer3d.rank.preemption import REQUEUE_ASKED
 
 # One worker runs every Slurm test, one at a time (tests/conftest.py: xdist_scope): they share
 # the session's cluster (tests/support/slurm_cluster.py).

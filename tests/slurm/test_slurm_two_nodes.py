@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.runs import read_metrics, train_in_ranks
-from trainer3d.job.preemption import REQUEUE_ASKED
+from trainer3d.rank.preemption import REQUEUE_ASKED
 from tests.support.slurm_cluster import SCRIPT
 from tests.slurm.test_slurm import SMALL, losses, train
 

@@ -1,4 +1,4 @@
-"""The multi-rank test harness: ``run_ranks`` (trainer3d/job/local_ranks.py: a function on N gloo
+"""The multi-rank test harness: ``run_ranks`` (trainer3d/launch/local_ranks.py: a function on N gloo
 ranks on loopback, results or the first rank's traceback, bounded by a timeout) and the
 layout of the rank it runs in.
 
@@ -7,7 +7,7 @@ layout of the rank it runs in.
 
 import torch
 
-from trainer3d.job.local_ranks import run_ranks  # noqa: F401  (the tests' entry point)
+from trainer3d.launch.local_ranks import run_ranks  # noqa: F401  (the tests' entry point)
 from trainer3d.parallel.topology import ParallelDims, Topology
 
 

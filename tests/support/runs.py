@@ -30,10 +30,10 @@ from omegaconf import OmegaConf
 
 from tests.conftest import CONF_DIR
 from trainer3d.config.schema import Config
-from trainer3d.data.checks import check_data
+from trainer3d.preflight.data_checks import check_data
 from trainer3d.hf.check import apply_init_from
-from trainer3d.job.launch import TrainTask
-from trainer3d.job.local_ranks import run_ranks
+from trainer3d.rank.task import TrainTask
+from trainer3d.launch.local_ranks import run_ranks
 from trainer3d.config.validate import validate, world_size_of
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer3d.parallel.context import kernels
-from trainer3d.parallel.context.sharding import chunks_of, local_positions, shard_positions, shard_sequence
+from trainer3d.data.cp_sharding import chunks_of, local_positions, shard_positions, shard_sequence
 
 
 def test_cp2_positions_by_hand():

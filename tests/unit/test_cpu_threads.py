@@ -1,4 +1,4 @@
-"""A rank's CPU threads (trainer3d/job/threads.py): its part of the cores of its affinity mask,
+"""A rank's CPU threads (trainer3d/rank/threads.py): its part of the cores of its affinity mask,
 shared with the node's other ranks unless Slurm gave each task its own; ``OMP_NUM_THREADS`` where
 the user set it. The pure rule against a hand count, then real processes whose mask is set before
 they start (as taskset and Slurm's binding set it), on CPU and CUDA ranks alike (the function
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
-from trainer3d.job.threads import cpu_threads, rank_share
+from trainer3d.rank.threads import cpu_threads, rank_share
 
 
 @pytest.mark.parametrize("given, share, expected", [(None, 2, 2), ("1", 2, 1), ("4", 1, 4), (" 3 ", 8, 3),
@@ -36,7 +36,7 @@ def test_the_share_is_the_rank_s_part_of_its_mask(cores, local_world, cpus_per_t
 
 _PROBE = """
 import json, os, torch, torch._inductor.config as inductor_config
-from trainer3d.job.threads import set_host_threads
+from trainer3d.rank.threads import set_host_threads
 threads = set_host_threads()
 print(json.dumps({"threads": threads, "torch": torch.get_num_threads(), "compile": inductor_config.compile_threads,
                   "omp": os.environ.get("OMP_NUM_THREADS"), "cpu_count": os.cpu_count()}))

@@ -1,6 +1,6 @@
 """Bad data is refused before launch, one line naming the file and the fix (exit status 2).
 
-Most cases call the checks the entry point runs (``trainer3d.data.checks.check_data`` on the
+Most cases call the checks the entry point runs (``trainer3d.preflight.data_checks.check_data`` on the
 composed, validated config); two go through ``python -m trainer3d.train`` itself, where
 nothing launches, so they are quick too.
 """
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from trainer3d.data import BYTE_LEVEL, TokenizerInfo, write_token_file
-from trainer3d.data.checks import check_data
+from trainer3d.preflight.data_checks import check_data
 from trainer3d.data.tokens import header_path
 from trainer3d.config.validate import ConfigError, validate
 from tests.unit.test_validate import make

@@ -1,4 +1,4 @@
-"""Devices are decided and checked, never guessed (trainer3d/job/device_check.py): the pure rules
+"""Devices are decided and checked, never guessed (trainer3d/config/device.py): the pure rules
 through validate(), the local machine's GPU count before launch, and the rank's own check.
 No GPU needed: the machine's GPU count is a parameter, the rank check is fed a CPU-only torch."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.unit.test_validate import make
-from trainer3d.job.device_check import DeviceError, cuda_index, machine_problems, rank_device, uses_cuda
-from trainer3d.job.slurm import slurm_parameters
+from trainer3d.config.device import DeviceError, cuda_index, machine_problems, rank_device, uses_cuda
+from trainer3d.launch.slurm import slurm_parameters
 from trainer3d.config.validate import ConfigError, validate
 
 SLURM = ["launcher=slurm", "launcher.nodes=1"]
@@ -144,7 +144,7 @@ def test_entry_point_refuses_cuda_without_gpu_before_any_rank(tmp_path):
 def test_pinned_buffers_are_not_rounded_to_a_power_of_two(env, changed, settings):
     """In a fresh process (the allocator setting is process-wide): what ``exact_pinned_sizes``
     hands torch's allocator, read back from it."""
-    code = ("import torch; from trainer3d.job.device_check import exact_pinned_sizes; "
+    code = ("import torch; from trainer3d.config.device import exact_pinned_sizes; "
             "print(exact_pinned_sizes(), repr(torch._C._accelerator_getAllocatorSettings()))")
     clean = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -1,9 +1,13 @@
 """The import graph of trainer3d/ and tools/, read from the source (no imports run): no
-cycles, and no imports hidden inside functions except the few listed with their reason."""
+cycles between modules, the packages stacked one way (``MAY_IMPORT``, what each top-level unit
+of trainer3d may import, as import-linter's layers contract would hold it), each package's
+``__init__`` saying the same, and no imports hidden inside functions except the few listed
+with their reason."""
 
 import ast
+import re
 from pathlib import Path
-from typing import Dict, List, Set, Tuple
+from typing import Dict, Iterable, List, Set, Tuple
 
 from tests.conftest import ROOT
 
@@ -21,6 +25,33 @@ DEFERRED_MODULES = {  # every import of the module may sit in a function, for th
     "tools.bench.deepspeed_pair": "imports trainer3d from the revision it measures (--against) and the optional deepspeed "
                                   "in the ranks it starts",
 }
+
+
+# What each top-level unit of trainer3d (a package, a root module; "trainer3d" is the root
+# __init__) may import of the others, from the top of the stack down: docs/code.md argues the
+# floors.
+MAY_IMPORT: Dict[str, Set[str]] = {
+    "train": {"launch", "rank", "preflight", "checkpoint", "memory", "hf", "config"},  # the entry point
+    "tools": {"plan", "checkpoint", "hf", "data", "model", "config"},  # the user tools (gpu_check runs the planner)
+    "launch": {"rank", "config"},  # the submitting process
+    "rank": {"trainer", "plan", "checkpoint", "observe", "parallel", "cpu", "config"},  # the rank's process
+    "trainer": {"checkpoint", "observe", "parallel", "optim", "data", "model", "config"},  # the loop
+    "preflight": {"memory", "parallel", "data", "config"},  # checks before launch
+    "plan": {"memory", "observe", "parallel", "model", "config"},
+    "checkpoint": {"observe", "parallel", "optim", "hf", "model", "config"},
+    "memory": {"parallel", "model", "config"},
+    "observe": {"parallel", "optim", "data", "model", "config"},
+    "parallel": {"optim", "hf", "data", "cpu", "model", "config"},
+    "optim": {"model", "config"},
+    "hf": {"data", "model", "config"},
+    "model": {"config"},
+    "data": {"config"},
+    "config": set(),
+    "cpu": {"model"},  # CPU ranks' speed: the CPU kernels of the model's operators, shared-memory collectives
+    "trainer3d": {"preflight"},  # the torch floor (preflight/requirements.py), checked on import
+}
+ROOT_MODULES = {"__init__", "train", "trainer"}
+"""The package root holds the entry point and the loop."""
 
 
 def _modules() -> Dict[str, Path]:
@@ -86,6 +117,128 @@ def _cycle(edges: Dict[str, Set[str]]) -> List[str]:
     return []
 
 
+def _unit(module: str) -> str:
+    """The top-level unit of trainer3d a module belongs to (``trainer3d`` for the root __init__)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _package_edges(edges: Dict[str, Set[str]]) -> Dict[Tuple[str, str], List[str]]:
+    """(unit, unit it imports) -> the module imports behind it, for trainer3d's modules only."""
+    out: Dict[Tuple[str, str], List[str]] = {}
+    for module, targets in edges.items():
+        if not module.startswith("trainer3d"):
+            continue
+        for target in targets:
+            pair = (_unit(module), _unit(target))
+            if target.startswith("trainer3d") and pair[0] != pair[1]:
+                out.setdefault(pair, []).append(f"{module} -> {target}")
+    return out
+
+
+def _violations(edges: Dict[str, Set[str]], table: Dict[str, Set[str]]) -> List[str]:
+    """Each package-level import the table does not allow, with the module imports behind it."""
+    return [f"{a} may not import {b}: {sorted(why)}" for (a, b), why in sorted(_package_edges(edges).items())
+            if b not in table.get(a, set())]
+
+
+def _floors(table: Dict[str, Set[str]]) -> Dict[str, int]:
+    """Each unit's floor: 0 for one that imports nothing, else one above the highest it may
+    import. Raises ValueError on a cycle in the table itself (no floors exist then)."""
+    floors: Dict[str, int] = {}
+
+    def floor(unit: str, seen: Tuple[str, ...]) -> int:
+        if unit in seen:
+            raise ValueError(f"the table is not one-way: {' -> '.join(seen[seen.index(unit):] + (unit,))}")
+        if unit not in floors:
+            floors[unit] = 1 + max((floor(b, seen + (unit,)) for b in table.get(unit, ())), default=-1)
+        return floors[unit]
+
+    for unit in table:
+        floor(unit, ())
+    return floors
+
+
+def _may_import_sentence(docstring: str) -> Set[str]:
+    """The units a package's ``__init__`` docstring says it may import: the names in double
+    backticks of its one sentence ``May import ``a``, ``b`` and ``c``.`` (to its first full stop
+    or semicolon), or none (``May import nothing of trainer3d.``)."""
+    found = re.findall(r"May\s+import\s+(.+?)[.;](?:\s|$)", docstring, flags=re.S)
+    assert len(found) == 1, f"one 'May import' sentence, found {len(found)}"
+    return set(re.findall(r"``([a-z_0-9]+)``", found[0]))
+
+
+def _units(root: Path) -> Iterable[str]:
+    """The top-level units of the tree: packages and root modules (the root __init__ as ``trainer3d``)."""
+    for path in (root / "trainer3d").iterdir():
+        if path.is_dir() and (path / "__init__.py").is_file():
+            yield path.name
+        elif path.suffix == ".py":
+            yield "trainer3d" if path.stem == "__init__" else path.stem
+
+
+def test_packages_import_one_way_down_the_table():
+    edges, _ = _graph()
+    assert _package_edges(edges), "the scan must see imports between packages"
+    assert _violations(edges, MAY_IMPORT) == []
+
+
+def test_the_table_covers_every_unit_and_is_one_way():
+    units = set(_units(ROOT))
+    assert {"config", "launch", "rank", "preflight", "trainer", "train"} <= units
+    assert units <= MAY_IMPORT.keys(), sorted(units - MAY_IMPORT.keys())
+    assert all(allowed <= MAY_IMPORT.keys() for allowed in MAY_IMPORT.values())
+    floors = _floors(MAY_IMPORT)
+    assert floors["config"] < floors["model"] < floors["parallel"] < floors["trainer"] < floors["rank"] \
+        < floors["launch"] < floors["train"]
+
+
+def test_each_package_says_what_it_may_import_as_the_table_does():
+    for unit in sorted(set(_units(ROOT))):
+        init = ROOT / "trainer3d" / unit / "__init__.py"
+        if not init.is_file():
+            continue
+        said = _may_import_sentence(ast.get_docstring(ast.parse(init.read_text())) or "")
+        assert said == MAY_IMPORT[unit], f"trainer3d/{unit}/__init__.py says {sorted(said)}, the table {sorted(MAY_IMPORT[unit])}"
+
+
+def test_the_loop_imports_no_planner():
+    """trainer3d/trainer.py reaches no module of trainer3d/plan/, directly or through another:
+    the rank's body hands it the planner's prediction (trainer3d/rank/task.py)."""
+    edges, _ = _graph()
+    seen, todo = set(), ["trainer3d.trainer"]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(edges.get(module, ()))
+    assert len(seen) > 50, "the scan must follow the loop's imports"
+    assert sorted(m for m in seen if m.startswith("trainer3d.plan")) == []
+
+
+def test_the_package_root_holds_only_the_entry_point_and_the_loop():
+    root = {path.stem for path in (ROOT / "trainer3d").glob("*.py")}
+    assert root <= ROOT_MODULES, sorted(root - ROOT_MODULES)
+
+
+def test_the_package_checks_catch_a_planted_violation():
+    """The checks above can fail: an import up the stack, a cycle in a table and a sentence that
+    disagrees are each seen."""
+    planted = {"trainer3d.config.validate": {"trainer3d.launch.slurm"}, "trainer3d.launch.slurm": set(),
+               "trainer3d.data.loader": {"trainer3d.config.schema"}}
+    assert _violations(planted, MAY_IMPORT) == ["config may not import launch: ['trainer3d.config.validate -> "
+                                                "trainer3d.launch.slurm']"]
+    try:
+        _floors({"a": {"b"}, "b": {"c"}, "c": {"a"}})
+    except ValueError as err:
+        assert "a -> b -> c -> a" in str(err)
+    else:
+        raise AssertionError("a cycle in the table must be refused")
+    assert _floors({"top": {"mid", "low"}, "mid": {"low"}, "low": set()}) == {"top": 2, "mid": 1, "low": 0}
+    assert _may_import_sentence("Owns x. May import ``config`` and ``model``; never ``job``.\n") == {"config", "model"}
+    assert _may_import_sentence("Owns x. May import nothing of trainer3d.") == set()
+
+
 def test_no_import_cycles():
     edges, _ = _graph()
     assert "trainer3d.parallel.zero.flat" in edges and edges["trainer3d.train"], "the scan must see the package"
@@ -101,10 +254,10 @@ def test_no_imports_hidden_in_functions_but_the_listed_ones():
 def test_the_scan_finds_a_cycle_and_a_deferred_import():
     """The checks above can fail: a planted cycle and a planted function-level import are seen."""
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    tree = ast.parse("import os\n\ndef f():\n    import trainer3d.job.launch\n")
+    tree = ast.parse("import os\n\ndef f():\n    import trainer3d.launch.local\n")
     top = {id(n) for n in tree.body}
     hidden = [t for node, targets in _imports(tree, _modules()) if id(node) not in top for t in targets]
-    assert hidden == ["trainer3d.job.launch"]
+    assert hidden == ["trainer3d.launch.local"]
 
 
 def test_the_cpu_speed_work_is_walled_off():

@@ -1,4 +1,4 @@
-"""trainer3d/job/master_port.py: the store's port avoids the ephemeral range and ports in use."""
+"""trainer3d/rank/master_port.py: the store's port avoids the ephemeral range and ports in use."""
 
 import os
 import socket
@@ -6,8 +6,8 @@ import socket
 import pytest
 import submitit
 
-from trainer3d.job.launch import export_rank_env
-from trainer3d.job.master_port import DEFAULT_EPHEMERAL, LOWEST, ephemeral_range, is_free, job_port, local_port
+from trainer3d.rank.task import export_rank_env
+from trainer3d.rank.master_port import DEFAULT_EPHEMERAL, LOWEST, ephemeral_range, is_free, job_port, local_port
 
 
 class Scripted:

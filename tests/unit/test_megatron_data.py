@@ -17,7 +17,7 @@ from tests.conftest import CONF_DIR
 from tests.support.megatron_files import write_megatron
 from trainer3d.config.validate import validate
 from trainer3d.data import TokenFile
-from trainer3d.data.checks import check_data
+from trainer3d.preflight.data_checks import check_data
 
 EOS = 9
 # two sequences in one document, one ending with eos, a document without sequences, one of an

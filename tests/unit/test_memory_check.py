@@ -13,7 +13,7 @@ from tests.conftest import ROOT
 from tests.unit.test_validate import make
 from trainer3d import train
 from trainer3d.config.validate import validate, world_size_of
-from trainer3d.job.memory_check import host_lower_bound, memory_problems, states_lower_bound
+from trainer3d.preflight.memory_check import host_lower_bound, memory_problems, states_lower_bound
 from trainer3d.memory.peak import rank_memory
 
 MILLION = ["parallel=single", "model.n_layers=1000000", "train.device=cpu"]

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from tests.conftest import ROOT
-from trainer3d.job.requirements import TORCH_FLOOR, check_torch
+from trainer3d.preflight.requirements import TORCH_FLOOR, check_torch
 
 
 def test_pyproject_torch_floor_is_the_checked_one():

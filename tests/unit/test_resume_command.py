@@ -1,4 +1,4 @@
-"""The resume command a stop line prints (trainer3d/job/resume.py), a named run's dir, and the
+"""The resume command a stop line prints (trainer3d/rank/resume.py), a named run's dir, and the
 refusals of a malformed run name and of evaluation knobs without validation data."""
 
 import shlex
@@ -8,7 +8,7 @@ import pytest
 from tests.unit.test_validate import make
 from trainer3d.config.schema import Config, named_run_dir
 from trainer3d.config.validate import ConfigError, validate
-from trainer3d.job.resume import resume_command
+from trainer3d.rank.resume import resume_command
 
 
 def _cfg(name=None, run_dir="outputs/2026-01-01/10-00-00") -> Config:

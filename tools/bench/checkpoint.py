@@ -51,8 +51,8 @@ from trainer3d.checkpoint.precision import load_passes  # noqa: E402
 from trainer3d.checkpoint.state import rank_state  # noqa: E402
 from trainer3d.checkpoint.verify import shared_problem  # noqa: E402
 from trainer3d.config.validate import validate  # noqa: E402
-from trainer3d.data.checks import check_data  # noqa: E402
-from trainer3d.job.local_ranks import run_ranks  # noqa: E402
+from trainer3d.preflight.data_checks import check_data  # noqa: E402
+from trainer3d.launch.local_ranks import run_ranks  # noqa: E402
 from trainer3d.parallel.tied import drop_tied_copies  # noqa: E402
 from trainer3d.parallel.topology import ParallelDims, Topology  # noqa: E402
 from trainer3d.trainer import Trainer  # noqa: E402

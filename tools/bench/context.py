@@ -5,7 +5,7 @@
                                   [--steps 6]
 
 ``cp`` gloo ranks each hold their load-balanced shard of one sequence (2·cp chunks,
-trainer3d/parallel/context/sharding.py) and run the cp attention forward and backward
+trainer3d/data/cp_sharding.py) and run the cp attention forward and backward
 (trainer3d/parallel/context/attention.py) with ``parallel.cp_attention=ring`` (key/value
 blocks passed around the ring, the next hop in flight while the current block computes)
 and ``all_gather`` (every block at once; backward gathers again and reduce-scatters the
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from trainer3d.job.local_ranks import run_ranks  # noqa: E402
+from trainer3d.launch.local_ranks import run_ranks  # noqa: E402
 from trainer3d.parallel.context.attention import MODES, CPGroup, context_attention  # noqa: E402
 from trainer3d.parallel.topology import ParallelDims, Topology  # noqa: E402
 

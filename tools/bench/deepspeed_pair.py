@@ -202,7 +202,7 @@ def run_deepspeed(steps: int, warmup: int, threads: int) -> dict:
     from trainer3d.data import stdlib_corpus
 
     stdlib_corpus(DataConfig().cache_dir)  # made here, once, so the two ranks only read it
-    from trainer3d.job.master_port import local_port
+    from trainer3d.rank.master_port import local_port
     port = local_port()  # outside the ephemeral range: no connection takes it before torchrun binds it
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={DP}", f"--master_port={port}",
            __file__, "--deepspeed-rank", f"--steps={steps}", f"--warmup={warmup}", f"--threads={threads}"]

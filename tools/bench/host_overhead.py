@@ -147,9 +147,9 @@ def child(args) -> dict:
     torch.set_num_threads(1)
     torch.set_num_threads = lambda n: None  # the launcher's share of the cores: one thread here (see the docstring)
     try:  # outside the ephemeral range: no connection takes it before rank 0 binds it
-        from trainer3d.job.master_port import local_port
+        from trainer3d.rank.master_port import local_port
         port = local_port()
-    except ImportError:  # a revision older than trainer3d/job/master_port.py
+    except ImportError:  # a revision older than trainer3d/rank/master_port.py
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

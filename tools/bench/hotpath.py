@@ -128,7 +128,7 @@ def _rank(rank, world, args):
 
 def child(args) -> dict:
     sys.path.insert(0, args.root)
-    from trainer3d.job.local_ranks import run_ranks
+    from trainer3d.launch.local_ranks import run_ranks
     if not Path(sys.modules["trainer3d"].__file__).is_relative_to(args.root):
         raise RuntimeError(f"trainer3d imported from {sys.modules['trainer3d'].__file__}, not {args.root}")
     results = run_ranks(_rank, args.tp * args.dp, args, timeout=1800, pg_timeout_s=300)

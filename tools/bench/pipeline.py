@@ -82,7 +82,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from trainer3d.config.schema import Config, ModelConfig  # noqa: E402
-from trainer3d.job.local_ranks import run_ranks  # noqa: E402
+from trainer3d.launch.local_ranks import run_ranks  # noqa: E402
 from trainer3d.model.transformer import cross_entropy_loss  # noqa: E402
 from trainer3d.parallel.parallelize import build_model_chunks, build_optimizer  # noqa: E402
 from trainer3d.parallel.pipeline.bubble import bubble_theory  # noqa: E402

@@ -31,7 +31,7 @@ from typing import List, Optional
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from trainer3d.job.preemption import REQUEUE_ASKED  # noqa: E402  (the stop line's end, before the requeue)
+from trainer3d.rank.preemption import REQUEUE_ASKED  # noqa: E402  (the stop line's end, before the requeue)
 
 MODEL = ("train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=16",
          "train.grad_accum_steps=null", "optim.warmup_steps=5", "train.log_every=1", "parallel.timeout_s=60",

@@ -44,7 +44,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common import add_model_arguments, bench_config  # noqa: E402
-from trainer3d.job.local_ranks import run_ranks  # noqa: E402
+from trainer3d.launch.local_ranks import run_ranks  # noqa: E402
 from trainer3d.model.init import init_parameters  # noqa: E402
 from trainer3d.model.transformer import Transformer, cross_entropy_loss  # noqa: E402
 from trainer3d.parallel.finalize import GradFinalizer  # noqa: E402

@@ -68,7 +68,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common import add_model_arguments, bench_config  # noqa: E402
-from trainer3d.job.local_ranks import run_ranks  # noqa: E402
+from trainer3d.launch.local_ranks import run_ranks  # noqa: E402
 from trainer3d.model.transformer import cross_entropy_loss  # noqa: E402
 from trainer3d.optim.schedule import param_groups  # noqa: E402
 from trainer3d.parallel.parallelize import build_model_chunks, build_optimizer  # noqa: E402

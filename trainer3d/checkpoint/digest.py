@@ -12,10 +12,9 @@ XXH3-128 (the xxhash package, bindings of Yann Collet's xxHash) for the files: t
 checksums guard against disks and file systems, not against someone who can also rewrite
 the marker (trainer3d/checkpoint/metadata.py guards against that), so a non-cryptographic
 128-bit hash is the right tool; a random corruption passes it with probability 2^-128, where
-a 32-bit CRC32C would let one in 4 billion through. Measured on one core of the 2-core
-machine of docs/checkpoints.md (tools/bench/checkpoint.py prints them): XXH3-128 24 GB/s,
-CRC32C 13-16 GB/s (google-crc32c, crc32c), BLAKE3 4.6 GB/s, SHA-256 1.8 GB/s; each releases
-the GIL while it hashes. Markers written with SHA-256 file digests (``"sha256"`` entries)
+a 32-bit CRC32C would let one in 4 billion through. XXH3-128 is also the fastest of the
+candidates on one core (docs/checkpoints.md, "Integrity, cheaper": XXH3-128, CRC32C, BLAKE3 and SHA-256
+as tools/bench/checkpoint.py measures them); each releases the GIL while it hashes. Markers written with SHA-256 file digests (``"sha256"`` entries)
 are still read and checked with SHA-256. The marker's own seal stays SHA-256: it covers a
 few kilobytes of JSON.
 """

@@ -3,9 +3,8 @@ system allows it.
 
 A checkpoint is written once and not read again by this process, so copying it into the
 page cache is work for nothing — and on the host that runs the training it is CPU time the
-loop pays for: the kernel's buffered write of 150 MB took 0.18-0.40 s of CPU on this
-project's 2-core machine, the same bytes with O_DIRECT 0.008 s (and 0.10 s instead of
-0.25-0.48 s of wall time, fsync included). DeepSpeed's FastPersist writes checkpoints the
+loop pays for (the kernel's buffered write against O_DIRECT, CPU and wall time:
+docs/checkpoints.md, measured by tools/bench/checkpoint.py). DeepSpeed's FastPersist writes checkpoints the
 same way (Wang et al. 2024, "FastPersist: Accelerating Model Checkpointing in Deep
 Learning", arXiv:2406.13768: O_DIRECT from page-aligned buffers).
 

@@ -32,7 +32,7 @@ rank would open a context on GPU 0 at its first background save.
 
 The ranks learn that a background save finished at the same step boundary: each starts a
 non-blocking all-reduce (MIN) of "mine is done" over a second gloo group at every boundary
-while a save is in flight and reads the result at the next one, as trainer3d/job/preemption.py
+while a save is in flight and reads the result at the next one, as trainer3d/checkpoint/stop.py
 agrees on a stop; a failed save is then raised on every rank at the same step.
 """
 

@@ -1,4 +1,4 @@
-"""DCP's file writer, with checksums and a full disk reported as such (trainer3d/job/failure.py).
+"""DCP's file writer, with checksums and a full disk reported as such (trainer3d/observe/failure.py).
 
 Each data file is written past the page cache where the file system allows it
 (trainer3d/checkpoint/direct.py), hashed on its way to disk and, once DCP has synced and
@@ -14,9 +14,8 @@ rank whose write failed checks its file system then, while the partial files sti
 DCP writes each tensor with ``torch.save``, whose zip records carry a CRC-32 of their bytes
 by default; torch's own reader never checks it (a flipped byte loads silently), and the
 XXH3-128 of each whole file is checked at write, read-back and load here. So the writer
-turns the CRC off for its files (``torch.serialization.set_crc32_options``): 0.1 s less per
-150 MB on this project's 2-core machine, a fifth of a background save's CPU time
-(tools/bench/checkpoint.py).
+turns the CRC off for its files (``torch.serialization.set_crc32_options``): a fifth of a
+background save's CPU time (docs/checkpoints.md, measured by tools/bench/checkpoint.py).
 """
 
 from contextlib import contextmanager
@@ -29,7 +28,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from trainer3d.checkpoint.digest import FILE_HASH, HashingStream, file_digest
 from trainer3d.checkpoint.direct import DirectFile
-from trainer3d.job.failure import naming_a_full_disk
+from trainer3d.observe.failure import naming_a_full_disk
 
 
 class _HashingFileSystem(FileSystem):

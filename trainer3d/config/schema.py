@@ -169,7 +169,7 @@ class LauncherConfig:
     """Cap on requeues after preemption or time limit."""
     check_memory: bool = True
     """Refuse (local launcher) a run whose estimated peak (the dry run's accounting) exceeds each
-    GPU's memory, or for CPU ranks this host's; false launches anyway (trainer3d/job/memory_check.py)."""
+    GPU's memory, or for CPU ranks this host's; false launches anyway (trainer3d/preflight/memory_check.py)."""
 
 
 @dataclass

@@ -8,7 +8,7 @@ give): it derives the missing batch knob and returns a completed copy, or raises
 import copy
 from typing import List, Optional
 
-from trainer3d.job import device_check
+from trainer3d.config import device as device_check
 from trainer3d.config.schema import RUN_NAME, Config, TrainConfig
 from trainer3d.config.knobs import choice_problems, range_problems
 from trainer3d.config.validate_moe import moe_problems
@@ -255,7 +255,7 @@ def _check_tensor(cfg: Config, problems: List[str]) -> None:
 
 
 def _check_context(cfg: Config, problems: List[str]) -> None:
-    """Context parallelism cuts each sequence into 2 * cp chunks (trainer3d/parallel/context/sharding.py);
+    """Context parallelism cuts each sequence into 2 * cp chunks (trainer3d/data/cp_sharding.py);
     with sequence parallelism a cp rank's tokens are split again over tp."""
     p, t = cfg.parallel, cfg.train
     if p.cp == 1:
@@ -286,7 +286,7 @@ def _check_zero_and_precision(cfg: Config, problems: List[str]) -> None:
 
 
 def _check_data(cfg: Config, problems: List[str]) -> None:
-    """The data knobs among themselves; the files are checked before launch by trainer3d.data.checks."""
+    """The data knobs among themselves; the files are checked before launch by trainer3d.preflight.data_checks."""
     d = cfg.data
     if d.name == "tokens" and not d.path and not d.blend:
         problems.append("data=tokens needs data.path=<file.bin> or data.blend=[{path: ..., weight: ...}, ...] "

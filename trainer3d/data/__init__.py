@@ -8,8 +8,9 @@
     shuffle.py    a seeded bijection of range(n), one element at a time
     sampler.py    which windows each step reads: blending, shuffling, the validation split
     sources.py    the run's token files, weights and spans, from cfg.data
-    checks.py     ``check_data(cfg)``: everything knowable before launch
     loader.py     this rank's batches (only what it feeds), read ahead of the step
+    cp_sharding.py  the load-balanced split of a sequence over cp ranks: the positions each
+                  rank reads (the loader) and attends from (parallel/context/)
     documents.py  the inputs of tools/prepare_data.py, streamed as documents
     prepare.py    tools/prepare_data.py's engine: documents -> tokenizer -> token file
     megatron.py   a Megatron-LM indexed dataset (.bin + .idx), checked: read in place as a token
@@ -17,7 +18,8 @@
 
 Other code reads a token file's facts through ``read_header(path)``: ``vocab_size``,
 ``max_id``, ``eos_id``, ``tokenizer.path`` (the tokenizer.json to copy beside an exported
-model) and ``tokenizer.sha256``.
+model) and ``tokenizer.sha256``. The checks of a run's data before launch are
+trainer3d/preflight/data_checks.py. May import ``config``.
 """
 
 from trainer3d.data.corpus import BYTE_LEVEL, BYTE_VOCAB, EOF_TOKEN, byte_tokens, stdlib_corpus
@@ -25,6 +27,6 @@ from trainer3d.data.tokenfile import TokenFile
 from trainer3d.data.tokens import TokenFileError, TokenHeader, TokenizerInfo, TokenWriter, read_header, write_token_file
 
 # Only numpy-level modules are imported here, so tools/prepare_data.py starts without torch;
-# the trainer imports trainer3d.data.loader and trainer3d.data.checks itself.
+# the trainer imports trainer3d.data.loader itself.
 __all__ = ["BYTE_LEVEL", "BYTE_VOCAB", "EOF_TOKEN", "TokenFile", "TokenFileError", "TokenHeader", "TokenWriter",
            "TokenizerInfo", "byte_tokens", "read_header", "stdlib_corpus", "write_token_file"]

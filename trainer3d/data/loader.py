@@ -7,7 +7,7 @@ says which windows). A rank reads only what it feeds: the first pipeline stage t
 the last the targets, the stages between nothing (None); without a pipeline both. The
 tensor-parallel ranks of a replica read the same tokens themselves (no broadcast needed).
 With context parallelism (cp > 1) each cp rank of a replica reads the same samples but only
-its two chunks of each (trainer3d/parallel/context/sharding.py), so the tensors are
+its two chunks of each (trainer3d/data/cp_sharding.py), so the tensors are
 (grad_accum, micro_batch, seq_len / cp) and the sampler does not know about cp.
 
 ``Prefetcher`` reads step ``s + 1`` in a background thread while step ``s`` computes; on
@@ -27,7 +27,7 @@ from trainer3d.data.sampler import SampleOrder, VALIDATION_KEY, step_samples
 from trainer3d.data.sources import Part, plan
 from trainer3d.data.tokenfile import TokenFile
 from trainer3d.data.tokens import TokenFileError
-from trainer3d.parallel.context.sharding import chunks_of
+from trainer3d.data.cp_sharding import chunks_of
 
 Batch = Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
 

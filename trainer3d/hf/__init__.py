@@ -12,5 +12,6 @@
   ``get_slice``, never the whole model);
 - ``export``: a trained model as a directory ``LlamaForCausalLM.from_pretrained`` loads.
 
-Nothing here imports transformers: the formats are JSON and safetensors.
+Nothing here imports transformers: the formats are JSON and safetensors. May import
+``config``, ``model`` and ``data`` (the byte-level vocabulary of an export).
 """

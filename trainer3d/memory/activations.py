@@ -49,7 +49,7 @@ INT64, FP32 = 8, 4
 def config_on_cuda(cfg: Config) -> bool:
     """Whether the config itself puts the ranks on CUDA (launcher.gpus_per_node, train.device=cuda,
     parallel.backend=nccl); ``train.device=auto`` is CUDA only where a GPU is visible, which the
-    caller knows (trainer3d/job/memory_check.py passes it)."""
+    caller knows (trainer3d/preflight/memory_check.py passes it)."""
     return cfg.launcher.gpus_per_node > 0 or cfg.train.device == "cuda" or cfg.parallel.backend == "nccl"
 
 

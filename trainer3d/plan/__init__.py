@@ -15,4 +15,7 @@ which is fastest.
     evaluate.py    plan.evaluate=true: one given layout, every term, a JSON last line
     report.py      the table and the training commands
     published.py   published large runs and the planner's prediction of each
+    predict.py     a running rank's device preset and the predicted step its goodput is split by
+
+May import ``config``, ``model``, ``parallel``, ``memory`` and ``observe`` (goodput's prediction).
 """

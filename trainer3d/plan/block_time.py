@@ -89,7 +89,7 @@ def block_time(cfg: Config, device: Device, ranks_per_node: int, attention: str 
         f, b = k.linear_s(z.n, n_in, n_out, z.p)
         gemm_f, gemm_b = gemm_f + f, gemm_b + b
     # context parallelism: the local queries attend over the whole sequence (cp x the local
-    # keys, load-balanced: trainer3d/parallel/context/sharding.py), block by block through
+    # keys, load-balanced: trainer3d/data/cp_sharding.py), block by block through
     # torch's fused kernels on CUDA whatever SDPA would pick (parallel/context/kernels.py)
     kernel = "flash" if z.cp > 1 else attention
     attn_f, attn_b = k.attention_s(kernel, z.b, z.s, z.heads // t, z.head_dim, z.p)

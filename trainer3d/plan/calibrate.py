@@ -5,7 +5,7 @@ machine, written as a Device (devices.py) that ``cluster.gpu=calibrated`` reads:
 
 - the fp32 (and bf16, fp16) matmul rate of one thread;
 - the node's total matmul rate with 1, 2, 4 and 8 ranks computing at once, each with the
-  threads trainer3d/job/launch.py gives it (cores // ranks, at least one): how the ranks share
+  threads trainer3d/rank/task.py gives it (cores // ranks, at least one): how the ranks share
   the cores, their caches and memory;
 - the memory bandwidth of one thread (a large in-place add: the optimizer's kind of work);
 - a transformer block's forward + backward on one thread: its dispatch overhead (at a

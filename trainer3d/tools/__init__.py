@@ -10,4 +10,5 @@
     gpu_check        trainer3d-gpu-check         a GPU node's first check: the GPU tier, resume, MFU, the planner
 
 Each is a ``main(argv=None) -> int`` over argparse; the developer's benchmarks stay in tools/bench/.
+May import ``config``, ``model``, ``data``, ``hf``, ``checkpoint`` and ``plan`` (gpu_check).
 """

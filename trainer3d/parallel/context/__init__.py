@@ -5,9 +5,11 @@ Liu et al. 2023 ("Ring Attention with Blockwise Transformers") and Llama 3's rep
 token, so a rank holding a part of the sequence computes its part alone; attention needs
 the keys and values of the earlier positions, held by other cp ranks.
 
-- ``sharding``: load-balanced causal sharding — 2·cp chunks, rank i holds chunks i and
-  2·cp−1−i (Megatron-Core's layout), so every rank does the same attention work — and the
-  positions (RoPE) of a rank's tokens.
+The split itself is the data's (trainer3d/data/cp_sharding.py, which the loader reads by):
+load-balanced causal sharding — 2·cp chunks, rank i holds chunks i and 2·cp−1−i
+(Megatron-Core's layout), so every rank does the same attention work — and the positions
+(RoPE) of a rank's tokens. Here:
+
 - ``kernels``: attention of one query block on one key/value block, returning its
   log-sum-exp, its backward, and the merge of partial results through their log-sum-exp;
   which kernel does it for a device and dtype (``block_kernel``).
@@ -19,6 +21,6 @@ the keys and values of the earlier positions, held by other cp ranks.
 - ``apply``: the wiring into the model (each block's attention core).
 
 The data loader hands each cp rank its chunks (trainer3d/data/loader.py); gradients are
-averaged over dp x cp (trainer3d/parallel/topology.py). May import ``config``, ``model``
-and ``parallel.topology``.
+averaged over dp x cp (trainer3d/parallel/topology.py). May import ``config``, ``model``,
+``data.cp_sharding`` and ``parallel.topology``.
 """

@@ -2,7 +2,7 @@
 
 The model (trainer3d/model/transformer.py) computes rotary positions and attention through
 its ``Attention.core``; ``apply_context_parallel`` swaps that core for ``ContextAttention``,
-whose positions are this cp rank's two chunks (sharding.py) and whose attention reads the
+whose positions are this cp rank's two chunks (trainer3d/data/cp_sharding.py) and whose attention reads the
 other ranks' keys and values (attention.py). Everything else in a block works token by
 token and needs nothing. It composes with tensor parallelism (the core sees this tp rank's
 heads; under sequence parallelism the tp region has gathered the cp rank's local tokens
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from trainer3d.parallel.context.attention import CPGroup, context_attention
-from trainer3d.parallel.context.sharding import local_positions
+from trainer3d.data.cp_sharding import local_positions
 from trainer3d.parallel.topology import ParallelDims
 
 

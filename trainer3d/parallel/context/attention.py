@@ -1,6 +1,6 @@
 """Exact causal attention across the cp ranks' shards, as one autograd Function.
 
-Each rank holds its queries, keys and values for two chunks (sharding.py); the keys and
+Each rank holds its queries, keys and values for two chunks (trainer3d/data/cp_sharding.py); the keys and
 values of the other ranks come to it block by block (comm.py: around a ring, or gathered at
 once) and each block's partial attention is merged into the result by its log-sum-exp
 (kernels.py). Which part of a block a rank's queries see follows from the chunk layout:

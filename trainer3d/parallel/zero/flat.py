@@ -33,7 +33,7 @@ from trainer3d.model.init import canonical_name, tp_shard_of
 from trainer3d.parallel import comm
 from trainer3d.optim.adamw import FlatAdamW, Segment, segments_of
 from trainer3d.parallel.zero.buckets import FlatBuffers, GradReducer
-from trainer3d.optim.clip import clip_by_global_norm_, counted_once_over_tp, sum_of_squares
+from trainer3d.parallel.clip import clip_by_global_norm_, counted_once_over_tp, sum_of_squares
 from trainer3d.parallel.zero.optimizer import StateView, ZeroOptimizer
 from trainer3d.parallel.zero.param_gather import DeferredGather
 from trainer3d.optim.mixed_precision import DTYPES, make_loss_scaler

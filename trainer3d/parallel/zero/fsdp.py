@@ -45,7 +45,7 @@ from trainer3d.config.schema import Config
 from trainer3d.model.init import ParameterSource, canonical_name, full_shape, mark_tp_shard, tp_shard_of
 from trainer3d.optim.schedule import decays
 from trainer3d.optim.adamw import adamw_update_
-from trainer3d.optim.clip import clip_by_global_norm_, counted_once_over_tp, sum_of_squares
+from trainer3d.parallel.clip import clip_by_global_norm_, counted_once_over_tp, sum_of_squares
 from trainer3d.parallel.zero.optimizer import StateView, ZeroOptimizer
 from trainer3d.optim.mixed_precision import DTYPES, make_loss_scaler
 from trainer3d.parallel.topology import ParallelDims

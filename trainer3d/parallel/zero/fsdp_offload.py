@@ -35,7 +35,7 @@ from torch import nn
 
 from trainer3d.config.schema import Config
 from trainer3d.optim.adamw import adamw_update_
-from trainer3d.optim.clip import sum_of_squares
+from trainer3d.parallel.clip import sum_of_squares
 from trainer3d.parallel.topology import ParallelDims
 from trainer3d.parallel.zero.fsdp import FSDPOptimizer
 from trainer3d.parallel.zero.host_scalars import HostScalars, clip_divisor

@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from trainer3d.optim.clip import clip_by_global_norm_
+from trainer3d.parallel.clip import clip_by_global_norm_
 from trainer3d.optim.mixed_precision import LossScaler
 
 

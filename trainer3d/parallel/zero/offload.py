@@ -40,7 +40,7 @@ from torch import nn
 
 from trainer3d.config.schema import Config, OptimConfig
 from trainer3d.optim.adamw import Segment, adamw_groups, fused_adamw_
-from trainer3d.optim.clip import sum_of_squares
+from trainer3d.parallel.clip import sum_of_squares
 from trainer3d.optim.schedule import decays
 from trainer3d.parallel.topology import ParallelDims
 from trainer3d.parallel.zero.buckets import Bucket, GradReducer

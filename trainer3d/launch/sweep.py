@@ -3,7 +3,7 @@
 Hydra's basic launcher runs the points one after another in this process, each through
 the ordinary entry point, so each is validated here and gets its own run dir (the sweep's
 ``<sweep dir>/<n>``: metrics.jsonl, submitit/, slurm_job.json). With ``launcher=slurm`` a
-point only submits its job (``trainer3d.job.slurm.defer_follow``), so the jobs run side by side
+point only submits its job (``trainer3d.launch.slurm.defer_follow``), so the jobs run side by side
 on the cluster; this callback, registered in conf/config.yaml, then follows them one by
 one if ``launcher.wait=true`` and prints one line per point. A point that fails (a config
 error, a refused submission, a failed job) does not stop the others; the sweep exits with
@@ -25,7 +25,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from trainer3d.job.slurm import follow_slurm, load_job
+from trainer3d.launch.slurm import follow_slurm, load_job
 
 
 @dataclass

@@ -20,11 +20,12 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from trainer3d.config.schema import Config
 from trainer3d.config.secrets import redaction_line, scrub
 
 RECORD_DIR = ".hydra"
@@ -48,6 +49,19 @@ def write_problem(directory: Path) -> Optional[str]:
         where = f" ({err.filename})" if err.filename and Path(err.filename) != directory else ""
         return f"{directory} cannot be written{where}: {err.strerror or err}"
     return None
+
+
+def directory_problems(cfg: Config) -> List[str]:
+    """The directories the ranks write (run dir, checkpoints, launcher logs), each created and
+    probed with a synced write (``write_problem``): a full or unwritable one is one line before
+    launch, not a traceback in a rank."""
+    knobs = {"run_dir": cfg.run_dir, "checkpoint.dir": cfg.checkpoint.dir, "launcher.folder": cfg.launcher.folder}
+    problems = []
+    for knob, value in knobs.items():
+        problem = write_problem(Path(value).expanduser()) if value else None
+        if problem:
+            problems.append(f"{knob}: {problem}; free space or fix its permissions, or point {knob} elsewhere")
+    return problems
 
 
 def refuse_unwritable(directory: Path, knob: str) -> None:

@@ -1,47 +1,38 @@
-"""Start the ranks: through submitit (local processes or a Slurm job), or in place.
+"""Each rank's body: what submitit runs in every task (``TrainTask``), or a rank started in place.
 
-The submitting process validates the config, prepares the data, takes the run dir's lock
-(trainer3d/job/runlock.py), submits ``TrainTask`` and follows the job (trainer3d/job/follow.py):
-it echoes rank 0's progress lines; if a rank fails or stops beating it ends the job and
-names the cause; if it is itself told to stop (SIGTERM, SIGINT, SIGHUP) it ends the job
-first (trainer3d/job/interrupt.py). Inside each task, submitit's ``TorchDistributedEnvironment``
-exports MASTER_ADDR/PORT (the port: trainer3d/job/master_port.py), RANK and WORLD_SIZE, the
-rank starts its heartbeat (trainer3d/job/heartbeat.py), and the process group starts with an
-explicit timeout, so a dead peer ends the job instead of hanging it for gloo's default 30 minutes.
+Inside each task, submitit's ``TorchDistributedEnvironment`` exports MASTER_ADDR/PORT (the
+port: trainer3d/rank/master_port.py), RANK and WORLD_SIZE, the rank starts its heartbeat
+(trainer3d/rank/heartbeat.py) and watches the process that owns it (trainer3d/rank/owner.py),
+and the process group starts with an explicit timeout, so a dead peer ends the job instead of
+hanging it for gloo's default 30 minutes. Then the trainer runs; after an agreed stop the rank
+requeues or exits (trainer3d/rank/preemption.py). The submitting side is trainer3d/launch/.
 """
 
 import dataclasses
 import os
 import sys
-from pathlib import Path
 from typing import Optional
 
 import submitit
 import torch
 import torch.distributed as dist
 
+from trainer3d.config.device import exact_pinned_sizes, rank_device
 from trainer3d.config.schema import Config
-from trainer3d.config.validate import world_size_of
 from trainer3d.cpu.malloc import keep_freed_memory
-from trainer3d.job.device_check import exact_pinned_sizes, rank_device
-from trainer3d.job.failure import rank_failures
-from trainer3d.job.follow import follow
-from trainer3d.job.heartbeat import Heartbeat, heartbeat_dir
-from trainer3d.job.interrupt import (TOKEN_VAR, Interrupted, JobSignals, end_processes, new_token, processes_with_token,
-                                     terminal_signals_blocked)
-from trainer3d.job.master_port import job_port, local_port
-from trainer3d.job.preemption import leave
-from trainer3d.job.owner import OWNER_VAR, owner_id, watch_owner
-from trainer3d.job.resume import stop_line
-from trainer3d.job.runlock import RunDirBusy, RunDirLock
-from trainer3d.job.runlock import join as join_run_dir
-from trainer3d.job.threads import set_host_threads
+from trainer3d.observe.failure import rank_failures
 from trainer3d.parallel.timeouts import seconds
 from trainer3d.parallel.topology import ParallelDims, Topology
+from trainer3d.plan.predict import predict_step
+from trainer3d.rank.heartbeat import Heartbeat, heartbeat_dir
+from trainer3d.rank.master_port import job_port
+from trainer3d.rank.owner import watch_owner
+from trainer3d.rank.preemption import leave
+from trainer3d.rank.runlock import RunDirBusy, RunDirLock
+from trainer3d.rank.runlock import join as join_run_dir
+from trainer3d.rank.threads import set_host_threads
 from trainer3d.trainer import Trainer
 
-
-# --------------------------------------------------------------------------- inside a rank
 
 def in_distributed_env() -> bool:
     """True when this process is already one rank of an allocation (torchrun, or an srun step)."""
@@ -59,7 +50,7 @@ def init_distributed(cfg: Config) -> torch.device:
     switches to the step's after the first step (trainer3d/parallel/timeouts.py)."""
     device = rank_device(cfg)
     use_cuda = device.type == "cuda"
-    set_host_threads()  # the node's ranks share its cores (trainer3d/job/threads.py)
+    set_host_threads()  # the node's ranks share its cores (trainer3d/rank/threads.py)
     if use_cuda:
         torch.cuda.set_device(device)
         exact_pinned_sizes()  # before the first pinned buffer
@@ -87,7 +78,7 @@ def run_rank(cfg: Config, heartbeat: Optional[Heartbeat] = None, lock_run_dir: b
         p = cfg.parallel
         dims = ParallelDims.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp), device, cfg.model.tie_embeddings,
                                   timeout_s=p.init_timeout_s)
-        trainer = Trainer(cfg, dims)
+        trainer = Trainer(cfg, dims, prediction=predict_step(cfg, dims))
         trainer.heartbeat = heartbeat
         summary = trainer.train()
         if trainer.stopped is not None:  # SIGUSR2/SIGTERM: every rank stopped at the same step
@@ -131,7 +122,7 @@ def export_rank_env() -> None:
                                "(RANK, WORLD_SIZE, MASTER_ADDR unset); use launcher=local to start the ranks here")
         os.environ["SUBMITIT_EXECUTOR"] = "slurm"
     if os.environ["SUBMITIT_EXECUTOR"] == "slurm" and "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(job_port(submitit.JobEnvironment().job_id))  # trainer3d/job/master_port.py
+        os.environ["MASTER_PORT"] = str(job_port(submitit.JobEnvironment().job_id))  # trainer3d/rank/master_port.py
     submitit.helpers.TorchDistributedEnvironment().export(overwrite=True)
 
 
@@ -161,7 +152,7 @@ class TrainTask:
 
     def checkpoint(self, *args, **kwargs) -> Optional[submitit.helpers.DelayedSubmission]:
         """submitit's requeue hook, run on rank 0 once every rank has stopped at the same step and
-        saved (trainer3d/job/preemption.py): the same task again (it resumes from the newest
+        saved (trainer3d/rank/preemption.py): the same task again (it resumes from the newest
         checkpoint, train.resume=auto), or None past launcher.max_requeues, which ends the job."""
         cap = self.cfg.launcher.max_requeues
         if self.requeues >= cap:
@@ -172,96 +163,3 @@ class TrainTask:
         # The next attempt continues this one (``never`` would be refused beside its own checkpoints).
         cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train, resume="auto"))
         return submitit.helpers.DelayedSubmission(TrainTask(cfg, self.requeues + 1, self.lock_run_dir))
-
-
-# --------------------------------------------------------------------------- submitting process
-
-def make_executor(cfg: Config, world_size: int) -> submitit.Executor:
-    folder = Path(cfg.launcher.folder)
-    executor = submitit.AutoExecutor(folder=folder, cluster="local")
-    executor.update_parameters(tasks_per_node=world_size, timeout_min=cfg.launcher.timeout_min,
-                               name=cfg.launcher.job_name)
-    return executor
-
-
-def launch_local(cfg: Config) -> int:
-    """Run a validated config as local processes, one per rank; return the exit status.
-    This process holds the run dir's lock meanwhile."""
-    try:
-        lock = RunDirLock(cfg.run_dir).acquire()
-    except RunDirBusy as err:
-        print(f"trainer3d: {err}", file=sys.stderr)
-        return 2
-    try:
-        return _local_job(cfg, lock)
-    finally:
-        lock.release()
-
-
-def submit_with_token(executor: submitit.Executor, task, token: str, owned: bool = False) -> submitit.Job:
-    """Submit with ``TRAINER3D_JOB=token`` (what ``end_processes`` finds) in the job's environment;
-    ``owned`` (local jobs, whose ranks run on this machine): this process as the job's owner too
-    (``TRAINER3D_OWNER``, what the ranks watch; trainer3d/job/owner.py), and a free store port
-    chosen here unless the user set one (``MASTER_PORT``; trainer3d/job/master_port.py)."""
-    values = {TOKEN_VAR: token}
-    if owned:
-        values[OWNER_VAR] = owner_id()
-        values["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(local_port())
-    before = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        return executor.submit(task)
-    finally:
-        for key, value in before.items():
-            if value is None:
-                del os.environ[key]
-            else:
-                os.environ[key] = value
-
-
-def _local_job(cfg: Config, lock: RunDirLock) -> int:
-    """One process per rank on this machine, followed until it ends."""
-    p = cfg.parallel
-    world = world_size_of(cfg)
-    token = new_token()
-
-    def end() -> None:
-        end_processes(token, reap=job.done)
-
-    with JobSignals() as signals:
-        lock.record(None, token)
-        lock.share()  # the ranks hold the run dir with this process, and after it (trainer3d/job/runlock.py)
-        with terminal_signals_blocked():  # Ctrl-C and hang-ups reach this process only, not the job's
-            job = submit_with_token(make_executor(cfg, world), TrainTask(cfg, lock_run_dir=False), token,
-                                    owned=True)
-        lock.record(job.job_id, token)
-        cp = f" cp={p.cp}" if p.cp > 1 else ""
-        print(f"trainer3d: {world} local rank(s) (tp={p.tp}{cp} pp={p.pp} dp={p.dp}), job {job.job_id}, "
-              f"logs in {cfg.launcher.folder}", flush=True)
-        try:
-            signals.arm()
-            status = follow(job, p.timeout_s, heartbeat_dir(cfg.run_dir), end=end)
-        except Interrupted as sig:
-            wait_s = cfg.launcher.signal_delay_s
-            _say(f"trainer3d: {sig.name}: ending job {job.job_id}: its {world} rank(s) stop at the next step "
-                 f"boundary and save a checkpoint (up to {wait_s} s, launcher.signal_delay_s; signal again to "
-                 "kill them now)")
-            end_processes(token, kill_wait_s=wait_s, reap=job.done, hurry=lambda: signals.again)
-            _say(stop_line(cfg, f"stopped on {sig.name}"))
-            raise SystemExit(128 + sig.signum) from None
-        if processes_with_token(token):  # e.g. a child a rank left behind
-            end()
-    return status
-
-
-def _say(line: str) -> None:
-    """One line on stderr; a terminal that hung up (SIGHUP) cannot take it, and from then on
-    this process's output goes nowhere rather than failing the job's ending (EIO)."""
-    try:
-        print(line, file=sys.stderr, flush=True)
-        sys.stdout.flush()
-    except OSError:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, 1)
-        os.dup2(null, 2)
-        os.close(null)

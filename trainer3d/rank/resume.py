@@ -1,7 +1,7 @@
 """What a stopped run tells its user: the checkpoint it saved and the command that resumes it.
 
 A run stopped by Ctrl-C, a ``kill`` or a preemption saves a checkpoint at the next step
-boundary (trainer3d/job/preemption.py). Its last line then names that checkpoint and the
+boundary (trainer3d/checkpoint/stop.py). Its last line then names that checkpoint and the
 exact command that continues it: the command the user typed (``sys.argv`` of the submitting
 process, passed to the ranks in ``TRAINER3D_COMMAND``), with ``hydra.run.dir=<run dir>``
 pinned for a run without a ``name`` (its run dir is timestamped, so the same command alone

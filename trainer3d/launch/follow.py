@@ -2,7 +2,7 @@
 job at once and say which rank caused it.
 
 A failure is seen two ways: a rank's error result (submitit's result pickle), or a rank
-whose heartbeat (trainer3d/job/heartbeat.py) stopped for longer than ``parallel.timeout_s``
+whose heartbeat (trainer3d/rank/heartbeat.py) stopped for longer than ``parallel.timeout_s``
 while others still beat. Either way the follower waits at most ``SETTLE_S`` for the other
 ranks' outcomes to land (enough for a dead or stopped rank's beat to go stale), takes its
 diagnosis, and ends the job — it does not wait for the victims to time out a second time.
@@ -24,11 +24,11 @@ from typing import Callable, Dict, List, Optional
 
 import submitit
 
-from trainer3d.job.heartbeat import STALE_S, Beat, HeartbeatReader
+from trainer3d.rank.heartbeat import STALE_S, Beat, HeartbeatReader
 
 POLL_S = 0.5
 SETTLE_S = STALE_S + 2.0
-_OWN_PREFIX = "trainer3d.job.failure.RankFailed: "
+_OWN_PREFIX = "trainer3d.observe.failure.RankFailed: "
 
 
 class _Tail:

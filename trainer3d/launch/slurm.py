@@ -2,9 +2,10 @@
 
 The job is ``nodes x tasks_per_node`` tasks, one rank each; submitit writes the sbatch
 script (``srun python -m submitit.core._submit``), and every task runs the same
-``TrainTask`` as the local launcher (``trainer3d.job.launch``). This process prints the job id,
-the log paths and the commands to follow the job, writes ``<run_dir>/slurm_job.json``, and
-with ``launcher.wait=true`` follows it with ``trainer3d.job.follow`` (rank 0's progress lines;
+``TrainTask`` (``trainer3d.rank.task``) as the local launcher (``trainer3d.launch.local``).
+This process prints the job id, the log paths and the commands to follow the job, writes
+``<run_dir>/slurm_job.json``, and
+with ``launcher.wait=true`` follows it with ``trainer3d.launch.follow`` (rank 0's progress lines;
 on a failure the cause in one line, and the job cancelled) and returns its status; told to
 stop meanwhile (SIGTERM, SIGINT, SIGHUP) it cancels the job and waits until it is gone.
 
@@ -30,12 +31,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
 from trainer3d.config.schema import Config
-from trainer3d.job.follow import follow
-from trainer3d.job.heartbeat import heartbeat_dir
-from trainer3d.job.interrupt import Interrupted, JobSignals, new_token
-from trainer3d.job.launch import TrainTask, submit_with_token
-from trainer3d.job.resume import stop_line
-from trainer3d.job.runlock import RunDirBusy, RunDirLock
+from trainer3d.launch.follow import follow
+from trainer3d.rank.heartbeat import heartbeat_dir
+from trainer3d.launch.interrupt import Interrupted, JobSignals
+from trainer3d.launch.local import submit_with_token
+from trainer3d.rank.job_token import new_token
+from trainer3d.rank.task import TrainTask
+from trainer3d.rank.resume import stop_line
+from trainer3d.rank.runlock import RunDirBusy, RunDirLock
 from trainer3d.config.validate import world_size_of
 
 # Hints for sbatch's refusals (its message is shown in full; the hint names the knob).
@@ -276,7 +279,7 @@ def _final_state(job: submitit.Job) -> str:
 
 def defer_follow() -> bool:
     """In a Hydra sweep (-m) every point is submitted first and followed at the end
-    (trainer3d.job.sweep), so the points run side by side instead of one after another."""
+    (trainer3d.launch.sweep), so the points run side by side instead of one after another."""
     try:
         return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     except Exception:  # noqa: BLE001 - not under Hydra (a test calling launch_slurm directly)

@@ -16,32 +16,27 @@ its tasks within a second). So the job is started with SIGINT and SIGHUP blocked
 (sigprocmask(2)), so the controller and the ranks never receive them, while the submitting
 process unblocks them as soon as the job is submitted and receives them as usual. It then
 ends the job as for a ``kill``: SIGTERM to every process, on which the ranks take the agreed
-stop at the next step boundary and save (trainer3d/job/preemption.py), one line, and exit
+stop at the next step boundary and save (trainer3d/checkpoint/stop.py), one line, and exit
 130 (SIGINT) or 129 (SIGHUP). The ranks get ``launcher.signal_delay_s`` for it (the time a
 Slurm job gets to checkpoint before its limit: a step of a large model takes longer than a
 fixed few seconds); a second signal kills them at once.
 
-Local ranks are found by a token in their environment, not by the process tree: the
-submitting process puts ``TRAINER3D_JOB=<token>`` into the environment of the job it starts,
-and every process below it inherits it — submitit's controller, the ranks, and whatever
-they start (a data worker, wandb's service), including children re-parented after their
-parent died or that started a session of their own. ``/proc/<pid>/environ`` holds each
-process's environment as it was exec'd (proc(5)).
+Local ranks are found by a token in their environment, not by the process tree
+(trainer3d/rank/job_token.py).
 """
 
 import contextlib
 import os
 import signal
 import time
-import uuid
-from pathlib import Path
 from typing import List, Optional
 
-TOKEN_VAR = "TRAINER3D_JOB"
+from trainer3d.rank.job_token import processes_with_token
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 KILL_WAIT_S = 10.0
 """After SIGTERM, ranks get this long to stop (they save a checkpoint at the next step boundary,
-trainer3d/job/preemption.py) before SIGKILL — the part Slurm's KillWait plays on a cluster."""
+trainer3d/checkpoint/stop.py) before SIGKILL — the part Slurm's KillWait plays on a cluster."""
 
 
 class Interrupted(BaseException):
@@ -104,26 +99,6 @@ def terminal_signals_blocked():
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-def new_token() -> str:
-    return uuid.uuid4().hex
-
-
-def processes_with_token(token: str) -> List[int]:
-    """Live processes (not this one) whose environment carries ``TRAINER3D_JOB=token``."""
-    needle = f"{TOKEN_VAR}={token}".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            environ = Path(entry.path, "environ").read_bytes()
-        except OSError:  # gone, or not ours to read
-            continue
-        if needle in environ.split(b"\0"):
-            found.append(int(entry.name))
-    return found
 
 
 def _signal_all(pids: List[int], sig: int) -> None:

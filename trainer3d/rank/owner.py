@@ -10,7 +10,7 @@ rank:
   start time (field 22 of /proc/<pid>/stat, in clock ticks since boot) tells the owner from a
   later process that reused its pid. When the owner is gone the rank sends itself SIGTERM:
   the same agreed stop at the next step boundary as a ``kill`` of the job
-  (trainer3d/job/preemption.py), so the ranks save a checkpoint and exit; a rank still alive
+  (trainer3d/checkpoint/stop.py), so the ranks save a checkpoint and exit; a rank still alive
   ``GRACE_S`` later (blocked in a collective with a dead peer) is killed;
 - every rank asks the kernel for SIGTERM when its own parent, the controller, dies
   (``prctl(PR_SET_PDEATHSIG)``, prctl(2); Linux only, through libc by ctypes).

@@ -27,7 +27,7 @@ from typing import List, Optional
 import torch
 
 from trainer3d.config.schema import Config
-from trainer3d.job.device_check import uses_cuda
+from trainer3d.config.device import uses_cuda
 from trainer3d.memory.peak import rank_memory
 from trainer3d.memory.states import BYTES, format_bytes, model_shapes
 from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank

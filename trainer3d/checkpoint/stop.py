@@ -1,4 +1,4 @@
-"""Stop every rank at the same step boundary when Slurm says the job must end, then requeue.
+"""Stop every rank at the same step boundary when Slurm says the job must end, and save there.
 
 Slurm warns a job before it ends: SIGUSR2 ``launcher.signal_delay_s`` before the time limit
 (submitit's ``#SBATCH --signal=USR2@<delay>``) or on ``scancel --signal=USR2``, which asks
@@ -17,40 +17,26 @@ and the ranks agree at step boundaries:
 The check costs no synchronisation on the hot path, on CPU or GPU: the flag is a CPU tensor
 on a gloo group separate from the training's (NCCL on GPUs), and its round trip overlaps a
 whole step (tools/bench/host_overhead.py --profile counts its host time). After the stop the trainer saves a
-checkpoint and ``leave`` ends the ranks: on SIGUSR2 in a submitit job rank 0 runs
-submitit's handler (``TrainTask.checkpoint`` -> dump -> ``scontrol requeue``) and every
-rank exits without a result, so the requeued attempt starts clean.
+checkpoint and the rank's ``leave`` (trainer3d/rank/preemption.py) requeues or ends the job.
+The agreement lives here, below the loop, because the loop calls it at every step boundary and
+its only outcome the loop acts on is a checkpoint at the agreed step.
 """
 
 import signal
-import sys
 from dataclasses import dataclass
 from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
 
-from trainer3d.checkpoint.store import checkpoint_root, step_dir
-from trainer3d.job.resume import command_for
 
 # Flags, ordered: a job told to end (TERM) must not requeue because another rank saw USR2.
 NONE, REQUEUE, END = 0, 1, 2
 FLAG_OF = {signal.SIGUSR2: REQUEUE, signal.SIGTERM: END, signal.SIGINT: END, signal.SIGHUP: END}
 """SIGINT and SIGHUP reach a rank only where it runs in a terminal's process group itself (in
 place, under torchrun); the local launcher starts its ranks with them blocked and relays them
-as SIGTERM (trainer3d/job/interrupt.py). Either way they are the same agreed stop."""
+as SIGTERM (trainer3d/launch/interrupt.py). Either way they are the same agreed stop."""
 NAME_OF = {REQUEUE: "SIGUSR2", END: "SIGTERM"}
-
-NOT_SUBMITIT = "not a submitit job: nothing requeues it"
-EXITED, REQUEUED, REFUSED = 0, 1, 2  # what leave() does after the stop
-REQUEUE_ASKED = "asking Slurm to requeue the job"
-"""The end of rank 0's stop line before the requeue (a refusal follows it in one more line)."""
-EXIT_STOPPED = 75
-"""Exit status of ranks stopped for good (sysexits' EX_TEMPFAIL: resubmit to resume)."""
-
-
-class TrainingStopped(RuntimeError):
-    """The ranks stopped on a signal and the job could not be requeued."""
 
 
 @dataclass
@@ -115,56 +101,3 @@ class StopSignal:
 class _Done:
     def wait(self) -> bool:
         return True
-
-
-def leave(stop: Stop, stop_signal: StopSignal, rank: int, cfg=None) -> None:
-    """End every rank after an agreed stop and a saved checkpoint. Never returns.
-
-    SIGUSR2 in a submitit job: rank 0 calls submitit's handler, which calls
-    ``TrainTask.checkpoint`` (a DelayedSubmission of the same task, or None past
-    launcher.max_requeues), dumps it and runs ``scontrol requeue``; then every rank exits
-    without writing a result (SystemExit), so the next attempt's results are the only ones.
-    A refused requeue raises TrainingStopped on every rank: the job fails with the reason.
-    SIGTERM, or no submitit: every rank exits with EXIT_STOPPED.
-    """
-    submitit_exit: Optional[SystemExit] = None
-    outcome, reason = EXITED, NOT_SUBMITIT
-    saved = "checkpoint saved"
-    if cfg is not None:  # the run's Config: name the checkpoint and the command that resumes it
-        saved = f"checkpoint {step_dir(checkpoint_root(cfg), stop.step)} saved"
-    what = f"stopped after step {stop.step} on {stop.signal_name}; {saved}"
-    if stop.flag == END:
-        reason = "SIGTERM: the job was cancelled or preempted"
-    elif rank == 0:
-        handler = stop_signal.previous.get(signal.SIGUSR2)
-        if callable(handler):
-            # Said before the requeue, which cancels the job's steps: a rank slow to get here
-            # again (a loaded node) may be killed after Slurm's KillWait with the line unsaid.
-            print(f"trainer3d: {what}; {REQUEUE_ASKED}", flush=True)
-            outcome, reason = REFUSED, "submitit's handler returned without requeuing"
-            try:
-                handler(signal.SIGUSR2, None)
-            except SystemExit as requeued:  # submitit exits after `scontrol requeue`
-                outcome, submitit_exit = REQUEUED, requeued
-            except Exception as err:  # noqa: BLE001 - e.g. UncompletedJobError past max_requeues
-                reason = f"{type(err).__name__}: {err}"
-    outcome = _broadcast(outcome, stop_signal.group)
-    if outcome == REQUEUED:
-        if submitit_exit is not None:
-            raise submitit_exit  # its exit status is how submitit's local executor sees a requeue
-        sys.exit(0)
-    if outcome == REFUSED:
-        raise TrainingStopped(f"{what}; not requeued: {reason if rank == 0 else 'see rank 0'}")
-    if rank == 0:
-        command = command_for(cfg) if cfg is not None else ""
-        print(f"trainer3d: {what}; not requeued ({reason}): "
-              + (f"resume with: {command}" if command else "resubmit or requeue to resume"), file=sys.stderr, flush=True)
-    sys.exit(EXIT_STOPPED)
-
-
-def _broadcast(value: int, group: Optional[dist.ProcessGroup]) -> int:
-    if group is None:
-        return value
-    buf = torch.tensor([value], dtype=torch.int32)
-    dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
-    return int(buf.item())

@@ -5,7 +5,7 @@ rank — torch.distributed.checkpoint's ``CheckpointException`` is a BaseExcepti
 wraps the real error of the rank that failed — left no result, so every rank read as
 "killed, out of memory, or crashed outside Python". ``rank_failures`` turns whatever
 escapes into ``RankFailed`` (an Exception) with a one-line headline, except SystemExit
-(a rank leaving on purpose, trainer3d/job/preemption.py).
+(a rank leaving on purpose, trainer3d/rank/preemption.py).
 
 A full disk anywhere — a checkpoint piece, metrics.jsonl, a log — reads "no space left on
 device at <path>": the file the error names, else the first of the run's directories whose

@@ -10,7 +10,7 @@ store; the thread's write once a second is the whole I/O cost.
 A rank blocked in a collective keeps beating (the collective waits with the GIL
 released), a rank stopped with SIGSTOP, frozen, killed or on a lost node does not. So
 when the job fails or stalls, the rank whose beat stopped is the cause and the ranks
-timing out in collectives are its victims. The follower (``trainer3d.job.follow``) judges
+timing out in collectives are its victims. The follower (``trainer3d.launch.follow``) judges
 age by its own clock — when it last saw a beat counter change — so clocks of different
 nodes never need to agree.
 """

@@ -18,7 +18,7 @@ before submitting, the submitting process turns its exclusive lock into a shared
 (``share``), and every local rank takes a shared lock of its own as it starts (``join``):
 another start's exclusive request is refused while any of them lives, and the refusal names
 the job — its submitting process (alive or gone) and the job's processes still running,
-found by the job's token (trainer3d/job/interrupt.py).
+found by the job's token (trainer3d/launch/interrupt.py).
 """
 
 import fcntl
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from trainer3d.job.interrupt import processes_with_token
+from trainer3d.rank.job_token import processes_with_token
 
 LOCK_NAME = "run.lock"
 
