@@ -69,9 +69,10 @@ def test_dry_run_peak_is_the_accounting_the_planner_uses():
 
     cfg = _cfg(tp=2, pp=2, dp=1, sequence_parallel=True)
     lines = peak_lines(cfg)
-    total = next(line for line in lines if line.strip().startswith("peak ("))
+    total = next(line for line in lines if line.strip().startswith("step peak ("))
     mems = [rank_memory(cfg, r) for r in range(2)]
-    assert total.split()[-4:] == [f"{mems[0].total / 2 ** 20:.1f}", "MiB", f"{mems[1].total / 2 ** 20:.1f}", "MiB"]
+    assert total.split()[-4:] == [f"{mems[0].step_total / 2 ** 20:.1f}", "MiB",
+                                  f"{mems[1].step_total / 2 ** 20:.1f}", "MiB"]
     worst = max(mems, key=lambda m: m.total)
     assert f"worst: pp rank {worst.pp_rank}" in lines[-1]
     # the first stage's activations: 2 micro-batches in flight of the per-micro-batch formula
