@@ -131,6 +131,16 @@ def test_sliding_window_shorter_than_the_sequence_is_refused_naming_it(tmp_path)
     assert cfg.model.moe.num_experts == 4  # a window as long as the sequence is full causal attention
 
 
+def test_sampling_past_the_sliding_window_is_refused_naming_it(tmp_path, capsys):
+    from trainer3d.tools import sample
+
+    directory = make_hf(tmp_path / "hf", sliding_window=8, vocab_size=257)  # 257: byte-level ids
+    with pytest.raises(SystemExit) as err:  # 5 prompt bytes + 4 new tokens > 8
+        sample.main([str(directory), "--prompt", "abcde", "--max-new-tokens", "4", "--greedy"])
+    assert "sliding_window=8" in str(err.value) and "at most 3 new tokens" in str(err.value)
+    assert sample.main([str(directory), "--prompt", "abcde", "--max-new-tokens", "3", "--greedy"]) == 0
+
+
 def test_an_experts_override_that_disagrees_with_config_json_is_refused(tmp_path):
     directory = make_hf(tmp_path / "hf")
     base = _training([f"model.init_from={directory}", "parallel=single", "model.moe.num_experts=8"])

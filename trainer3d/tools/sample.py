@@ -63,7 +63,8 @@ class FileTokenizer:
 
 
 def load_model(path: Path):
-    """(model, what its training data records about tokens: DataTokens, empty for a Hugging Face directory)."""
+    """(model, what its training data records about tokens: DataTokens, empty for a Hugging Face directory,
+    the sliding attention window of a Hugging Face config.json or None)."""
     if (path / MARKER).exists():
         try:
             tensors = load_full_model(path)  # refuses a checkpoint that fails its checksums
@@ -72,9 +73,10 @@ def load_model(path: Path):
             raise SystemExit(f"sample: {err}") from None
         model = Transformer(model_config_of(config))
         fill_parameters(model, lambda name, shape, shard: tensors[name])
-        return model, data_tokenizer(config)
+        return model, data_tokenizer(config), None
     try:
-        cfg = model_config(read_json(path / "config.json"))
+        hf_config = read_json(path / "config.json")
+        cfg = model_config(hf_config)
     except (DirError, ValueError) as err:
         raise SystemExit(f"sample: {path} is neither a trainer3d checkpoint nor a Hugging Face Llama directory:\n{err}") from None
     problems = weight_problems(path, cfg)
@@ -82,7 +84,7 @@ def load_model(path: Path):
         raise SystemExit("sample: " + "\n".join(problems))
     model = Transformer(cfg)
     fill_parameters(model, HFSource(path, cfg))
-    return model, DataTokens()
+    return model, DataTokens(), hf_config.get("sliding_window")
 
 
 def choose_tokenizer(path: Path, given: Optional[Path], data: DataTokens, vocab_size: int):
@@ -156,13 +158,19 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.temperature <= 0 or not 0 < args.top_p <= 1:
         parser.error("--temperature must be > 0 and --top-p in (0, 1]; use --greedy for argmax decoding")
-    model, data = load_model(args.model)
+    model, data, window = load_model(args.model)
     model.eval()
     tokenizer = choose_tokenizer(args.model, args.tokenizer, data, model.cfg.vocab_size)
     eos = list(model.cfg.eos_token_ids) or ([tokenizer.eos] if isinstance(tokenizer, ByteTokenizer) else [])
     ids = tokenizer.encode(args.prompt)
     if not ids:
         parser.error("--prompt encodes to no tokens")
+    if window is not None and len(ids) + args.max_new_tokens > window:
+        # trainer3d attends over the whole context; a model trained with a shorter sliding window
+        # (Mistral/Mixtral's config.json) would be sampled with attention it never had
+        raise SystemExit(f"sample: {args.model}/config.json has sliding_window={window}, shorter than the prompt "
+                         f"({len(ids)} tokens) plus --max-new-tokens {args.max_new_tokens}; trainer3d has no "
+                         f"sliding-window attention: ask for at most {max(window - len(ids), 0)} new tokens")
     new = generate(model, ids, args.max_new_tokens, eos, args.greedy, args.temperature, args.top_p, args.seed)
     print(args.prompt + tokenizer.decode(new))
     if args.show_ids:
