@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from trainer3d.data import BYTE_LEVEL, TokenizerInfo, write_token_file
+from trainer3d.data.loader import build_readers
+from trainer3d.data.tokens import TokenFileError
 from trainer3d.preflight.data_checks import check_data
 from trainer3d.data.tokens import header_path
 from trainer3d.config.validate import ConfigError, validate
@@ -92,8 +94,6 @@ CASES["a blend's validation tail shorter than a window"] = (
 def test_the_ranks_refuse_a_short_tail_with_the_checks_own_line(tmp_path):
     """The loader builds the validation reader from the same plan (even with train.eval_every=0):
     without the check, every rank died there on SampleOrder's 'every source needs at least one window'."""
-    from trainer3d.data.loader import build_readers
-    from trainer3d.data.tokens import TokenFileError
     cfg = validate(make([*SMALL, f"data.cache_dir={tmp_path / 'cache'}", *_blend_with_a_short_tail(tmp_path),
                          "train.eval_every=0", "train.eval_steps=10"]))
     (line,) = check_data(cfg)
