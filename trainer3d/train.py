@@ -84,11 +84,11 @@ def run(cfg: Config, explicit_model: Sequence[str] = (), given: Optional[Set[str
     fields given on the command line (checked against ``model.init_from``'s config.json);
     ``given``: the knobs the user set (a dry run names the sizing knobs left at defaults)."""
     try:
+        if path_problems(cfg):  # before init_from, the resume check or any rank opens one
+            raise ConfigError(path_problems(cfg))
         if cfg.model.init_from:
             cfg = apply_init_from(cfg, explicit_model)
         cfg = validate(cfg, allocation_world_size(cfg))
-        if path_problems(cfg):
-            raise ConfigError(path_problems(cfg))
     except ConfigError as err:
         report("config", err.problems)
         return 2

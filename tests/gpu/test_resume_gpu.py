@@ -23,6 +23,7 @@ from trainer3d.checkpoint import store
 from trainer3d.config.schema import Config
 from trainer3d.config.validate import validate
 from trainer3d.launch.local_ranks import run_ranks
+from trainer3d.memory.staged import staged_bytes
 from trainer3d.parallel.topology import ParallelDims, Topology
 from trainer3d.trainer import Trainer
 
@@ -171,3 +172,17 @@ def test_a_background_save_opens_no_context_on_another_gpu(tmp_path):
         assert {2, 4} <= set(published), published
         assert contexts[:2] == [rank == 0, rank == 1], (rank, contexts)
         assert not any(contexts[2:]), (rank, contexts)
+
+
+@pytest.mark.parametrize("layout", ["zero1", "zero1-offload", "zero3"])
+def test_the_pinned_staging_of_a_background_save_is_counted(tmp_path, one_nccl_rank, layout):
+    """On CUDA a background save stages into pinned host buffers: their bytes are what
+    trainer3d/memory/staged.py counts for the memory check (CPU ranks: tests/multirank/
+    test_staged_bytes.py), wherever the live state is (device, or host when offloaded)."""
+    stage, offload, dtype = LAYOUTS[layout]
+    cfg = _config(tmp_path / "run", stage, offload, 2, async_save=True, every=2, dtype=dtype)
+    trainer = Trainer(cfg, ParallelDims.build(Topology(tp=1, pp=1, dp=1), torch.device("cuda", 0)))
+    trainer.train()
+    staging = trainer.checkpointer.staging
+    assert staging.pinned and all(b.is_pinned() for b in staging.buffers.values())
+    assert staging.bytes == staged_bytes(cfg, 0) > 0

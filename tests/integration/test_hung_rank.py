@@ -9,6 +9,7 @@ import time
 import pytest
 
 from tests.support.background import Run, marked
+from trainer3d.launch.follow import Watch
 from trainer3d.rank.heartbeat import Heartbeat, HeartbeatReader
 
 TIMEOUT_S = 20
@@ -35,6 +36,58 @@ def test_a_stopped_rank_ends_the_job_within_one_timeout_and_is_named(tmp_path):
         # One timeout for the victims' collectives to give up, not a second one waiting for the
         # stopped rank: the slack (a whole timeout) is for a loaded machine, not a performance bound.
         assert took < 2 * TIMEOUT_S, f"the stopped rank cost {took:.0f} s, two timeouts or more"
+
+
+@pytest.mark.slow
+def test_a_one_rank_job_that_stops_is_ended_and_named(tmp_path):
+    """No peer beats beside it: the follower still sees the silence (it needed a second rank)."""
+    overrides = ("parallel=single", *SMALL[1:])
+    with Run(tmp_path / "run", overrides) as run:
+        run.wait_for("| loss ", count=2)
+        os.kill(run.rank_pid(0), signal.SIGSTOP)
+        code = run.wait(timeout=10 * TIMEOUT_S)
+        assert code == 1, run.text()
+        headline = [line for line in run.err if "failed:" in line]
+        assert len(headline) == 1 and "rank 0 stopped making progress" in headline[0], run.text()
+        assert "stopped (SIGSTOP)" in headline[0], run.text()
+        assert marked(run.mark) == [], "the job's processes must be gone"
+
+
+def _frozen_writer(tmp_path):
+    """A rank's real heartbeat whose thread stops: the record stays "running", its beat stops."""
+    beat = Heartbeat(tmp_path, 0, interval_s=0.05).start()
+    beat._stopped.set()
+    beat._thread.join()
+    return beat
+
+
+def test_a_lone_silent_rank_is_trouble_once_its_silence_passes_the_timeout(tmp_path):
+    beat = _frozen_writer(tmp_path)
+    watch = Watch(1, timeout_s=0.3, reader=HeartbeatReader(tmp_path, 1), stale_s=0.1)
+    watch.judge()
+    assert watch.trouble_at is None
+    time.sleep(0.5)
+    watch.judge()
+    assert set(watch.stale) == {0} and watch.trouble_at is not None
+    beat.stop()
+
+
+def test_a_lone_silent_rank_of_a_queued_job_is_no_trouble_until_it_runs_a_timeout(tmp_path):
+    """A requeued Slurm job waits in the queue with its last attempt's records "running"."""
+    beat = _frozen_writer(tmp_path)
+    queued = [True]
+    watch = Watch(1, timeout_s=0.3, reader=HeartbeatReader(tmp_path, 1), running=lambda: not queued[0], stale_s=0.1)
+    watch.judge()
+    time.sleep(0.5)
+    watch.judge()
+    assert set(watch.stale) == {0} and watch.trouble_at is None, "queued: its silence is not held against it"
+    queued[0] = False
+    watch.judge()
+    assert watch.trouble_at is None, "just started again: the new attempt gets a timeout to beat"
+    time.sleep(0.4)
+    watch.judge()
+    assert watch.trouble_at is not None
+    beat.stop()
 
 
 def test_heartbeat_tells_a_stopped_writer_from_a_live_one(tmp_path):

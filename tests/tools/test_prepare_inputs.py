@@ -161,3 +161,47 @@ def test_an_empty_suffix_entry_takes_files_without_a_suffix(tmp_path, capsys):
         assert code == 0, err
         counts[suffixes] = TokenFile.open(out).header.n_tokens
     assert counts[".txt,"] == 2 * counts[".txt"]
+
+
+def test_an_output_inside_an_input_directory_is_not_read_back(tmp_path, capsys):
+    """Run twice into a directory it reads: the second run tokenises the same text, not its own
+    earlier header and trained tokenizer (.json, a default suffix) nor another token file's,
+    so both runs write the same tokens (the reference: a run on the text alone)."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text(TEXT * 20)
+    other = tmp_path / "in" / "older.bin"
+    assert _tool(capsys, tmp_path, "--out", other, tmp_path / "in" / "a.txt")[0] == 0  # a token file of another run
+    out = tmp_path / "in" / "c.bin"
+    runs = []
+    for _ in range(2):
+        code, err = _tool(capsys, tmp_path, "--out", out, "--train-tokenizer", 300, tmp_path / "in")
+        assert code == 0, err
+        runs.append(TokenFile.open(out).header)
+    reference = tmp_path / "ref.bin"
+    assert _tool(capsys, tmp_path, "--out", reference, "--train-tokenizer", 300, tmp_path / "in" / "a.txt")[0] == 0
+    assert runs[0].n_tokens == runs[1].n_tokens == TokenFile.open(reference).header.n_tokens
+    assert docs.collect([str(tmp_path / "in")], {".txt", ".json"}) == [tmp_path / "in" / "a.txt"]
+
+
+def test_an_output_given_as_an_input_is_refused(tmp_path, capsys):
+    out = tmp_path / "c.bin"
+    (tmp_path / "a.txt").write_text(TEXT)
+    assert _tool(capsys, tmp_path, "--out", out, tmp_path / "a.txt")[0] == 0
+    code, err = _tool(capsys, tmp_path, "--out", out, tmp_path / "a.txt", tmp_path / "c.json")
+    assert code == 1 and err == [f"prepare_data: {tmp_path / 'c.json'} is an output of this run (--out); give "
+                                 "another --out or leave it out"], err
+
+
+def test_symlinked_sub_directories_are_followed_once_each(tmp_path):
+    """A linked directory's files are inputs (they were skipped); a link back up (a cycle) and a
+    second link to the same directory add nothing."""
+    root, shared = tmp_path / "in", tmp_path / "shared"
+    root.mkdir()
+    shared.mkdir()
+    (root / "a.txt").write_text(TEXT)
+    (shared / "b.txt").write_text(TEXT)
+    (root / "linked").symlink_to(shared)
+    (root / "again").symlink_to(shared)
+    (shared / "up").symlink_to(root)  # a cycle
+    found = docs.collect([str(root)], {".txt"})
+    assert sorted(p.name for p in found) == ["a.txt", "b.txt"], found

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from trainer3d.data import BYTE_LEVEL, TokenizerInfo, write_token_file
+from trainer3d.data.loader import build_readers
+from trainer3d.data.tokens import TokenFileError
 from trainer3d.preflight.data_checks import check_data
 from trainer3d.data.tokens import header_path
 from trainer3d.config.validate import ConfigError, validate
@@ -76,6 +78,28 @@ CASES = {
                                        "data.val_fraction=0.2", "train.eval_steps=10"],
                             "train.eval_steps=10 needs 40 validation windows, the split has 31; set train.eval_steps=7"),
 }
+
+
+def _blend_with_a_short_tail(d):
+    """a.bin's tail (200 tokens, 6 windows) fills a batch of 4; b.bin's (20 tokens) holds no window."""
+    return ["data=tokens", f"data.blend=[{{path:{token_file(d, 'a.bin', 10000)},weight:1}},"
+            f"{{path:{token_file(d, 'b.bin', 1000)},weight:1}}]", "data.val_fraction=0.02", "train.eval_steps=1"]
+
+
+CASES["a blend's validation tail shorter than a window"] = (
+    _blend_with_a_short_tail, "b.bin: its validation tail (the last data.val_fraction=0.02 of it) is 20 tokens, "
+    "shorter than one window of train.seq_len+1 = 33")
+
+
+def test_the_ranks_refuse_a_short_tail_with_the_checks_own_line(tmp_path):
+    """The loader builds the validation reader from the same plan (even with train.eval_every=0):
+    without the check, every rank died there on SampleOrder's 'every source needs at least one window'."""
+    cfg = validate(make([*SMALL, f"data.cache_dir={tmp_path / 'cache'}", *_blend_with_a_short_tail(tmp_path),
+                         "train.eval_every=0", "train.eval_steps=10"]))
+    (line,) = check_data(cfg)
+    with pytest.raises(TokenFileError) as err:
+        build_readers(cfg, dp=2, dp_rank=0)
+    assert str(err.value) == line
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -22,7 +22,7 @@ REFUSED = [
     (["launcher.gpus_per_node=-1"], "launcher.gpus_per_node=-1 must be >= 0"),
     (SLURM + ["train.device=cuda"], "train.device=cuda on Slurm needs GPUs in the request"),
     (["parallel.backend=nccl", "train.device=cpu"], "parallel.backend=nccl needs CUDA ranks"),
-    (["parallel.init_timeout_s=0"], "parallel.init_timeout_s=0.0 must be > 0"),
+    (["parallel.init_timeout_s=0"], "parallel.init_timeout_s=0.0 must be in (0, 3.1536e+07)"),
 ]
 
 

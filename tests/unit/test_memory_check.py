@@ -6,6 +6,7 @@ config declares (a million layers are refused by arithmetic)."""
 import subprocess
 import sys
 import tracemalloc
+from math import prod
 
 import pytest
 
@@ -14,7 +15,9 @@ from tests.unit.test_validate import make
 from trainer3d import train
 from trainer3d.config.validate import validate, world_size_of
 from trainer3d.preflight.memory_check import host_lower_bound, memory_problems, states_lower_bound
+from trainer3d.memory.dry_run import peak_lines
 from trainer3d.memory.peak import rank_memory
+from trainer3d.memory.states import format_bytes, rank_parameter_shapes
 
 MILLION = ["parallel=single", "model.n_layers=1000000", "train.device=cpu"]
 
@@ -60,7 +63,7 @@ def test_the_quick_bound_never_exceeds_the_dry_runs_model_states(overrides):
 def test_cpu_ranks_are_held_to_the_hosts_memory_by_the_dry_runs_sum():
     cfg = _cfg(["parallel=tp2-pp2-dp2", "train.device=cpu"])
     p = cfg.parallel
-    need = sum(rank_memory(cfg, r).total for r in range(p.pp)) * p.tp * p.cp * p.dp
+    need = sum(rank_memory(cfg, r).total + rank_memory(cfg, r).staged for r in range(p.pp)) * p.tp * p.cp * p.dp
     assert memory_problems(cfg, world_size_of(cfg), host_bytes=need) == []
     (line,) = memory_problems(cfg, world_size_of(cfg), host_bytes=need - 1)
     gib = f"{need / 2 ** 30:.2f} GiB" if need >= 2 ** 30 else f"{need / 2 ** 20:.1f} MiB"
@@ -91,13 +94,15 @@ def test_offloaded_state_is_held_to_the_hosts_memory():
     all the ranks is summed against this host's memory. CPU ranks: it counts in their sum."""
     cfg = _cfg(["parallel=tp2-pp2-dp2", "train.device=cuda", "train.dtype=bf16", "parallel.offload_optimizer=true"])
     mems = [rank_memory(cfg, r) for r in range(cfg.parallel.pp)]
-    worst, host = max(m.total for m in mems), sum(m.host for m in mems) * 4  # tp2 x dp2 ranks per pp rank
+    worst, host = max(m.total for m in mems), sum(m.host + m.staged for m in mems) * 4  # tp2 x dp2 per pp rank
     assert host > 0 and all(m.states.master == 0 for m in mems)
     assert memory_problems(cfg, 8, device_bytes=worst, host_bytes=host) == []
     (line,) = memory_problems(cfg, 8, device_bytes=worst, host_bytes=host - 1)
-    assert "offloaded optimizer state of the 8 rank(s)" in line and "parallel.offload_optimizer=false" in line, line
+    assert "host memory of the 8 rank(s), the offloaded optimizer state" in line, line
+    assert "parallel.offload_optimizer=false" in line, line
     cpu = _cfg(["parallel=tp2-pp2-dp2", "train.device=cpu", "train.dtype=bf16", "parallel.offload_optimizer=true"])
-    need = sum(rank_memory(cpu, r).total + rank_memory(cpu, r).host for r in range(cpu.parallel.pp)) * 4
+    need = sum(rank_memory(cpu, r).total + rank_memory(cpu, r).host + rank_memory(cpu, r).staged
+               for r in range(cpu.parallel.pp)) * 4
     assert memory_problems(cpu, 8, host_bytes=need) == []
     (line,) = memory_problems(cpu, 8, host_bytes=need - 1)
     assert "offloaded optimizer state" in line, line
@@ -113,7 +118,35 @@ def test_offloaded_fsdp_shards_are_held_to_the_hosts_memory(stage):
     (mem,) = [rank_memory(cfg, 0)]
     assert mem.states.params == mem.states.grads == mem.states.master == 0 and mem.host > 0
     assert 0.9 * mem.host < host_lower_bound(cfg, 0) <= mem.host
-    host = mem.host * 4
+    host = (mem.host + mem.staged) * 4
     assert memory_problems(cfg, 4, device_bytes=mem.total, host_bytes=host) == []
     (line,) = memory_problems(cfg, 4, device_bytes=mem.total, host_bytes=host - 1)
-    assert "offloaded optimizer state of the 4 rank(s)" in line, line
+    assert "host memory of the 4 rank(s), the offloaded optimizer state" in line, line
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_background_checkpoints_host_copy_is_counted(device):
+    """checkpoint.async_save keeps a host copy of each rank's state (trainer3d/memory/staged.py,
+    measured against the saver's buffers by tests/multirank/test_staged_bytes.py): the limit
+    that passes without it refuses with it, naming the knob; the dry run prints it."""
+    overrides = ["parallel=dp2", f"train.device={device}", "train.dtype=bf16", "checkpoint.every=10"]
+    on, off = _cfg(overrides), _cfg([*overrides, "checkpoint.async_save=false"])
+    mem_on, mem_off = rank_memory(on, 0), rank_memory(off, 0)
+    assert mem_off.staged == 0 and mem_on.staged > 0
+    # ZeRO-0 bf16, by hand: the bf16 parameters whole + fp32 master and two moments per element + the step
+    psi = sum(prod(s) for s in rank_parameter_shapes(on, 0))
+    assert mem_on.staged == (2 + 12) * psi + 4
+    if device == "cpu":
+        need = mem_off.total * 2
+        assert memory_problems(off, 2, host_bytes=need) == []
+        (line,) = memory_problems(on, 2, host_bytes=need)
+        assert "a background checkpoint's host copy" in line and "checkpoint.async_save" in line, line
+        assert memory_problems(on, 2, host_bytes=need + 2 * mem_on.staged) == []
+    else:
+        assert memory_problems(off, 2, device_bytes=mem_off.total, host_bytes=1) == []
+        (line,) = memory_problems(on, 2, device_bytes=mem_on.total, host_bytes=2 * mem_on.staged - 1)
+        assert "a background checkpoint's copy" in line and "checkpoint.async_save=false" in line, line
+        assert memory_problems(on, 2, device_bytes=mem_on.total, host_bytes=2 * mem_on.staged) == []
+    printed = [line for line in peak_lines(on) if "background checkpoint" in line]
+    assert len(printed) == 1 and format_bytes(mem_on.staged) in printed[0], printed
+    assert not [line for line in peak_lines(off) if "background checkpoint" in line]

@@ -40,6 +40,10 @@ class Range:
 
 
 AT_LEAST_1, AT_LEAST_0, POSITIVE, UNIT = Range(1), Range(0), Range(0, lo_open=True), Range(0, hi=1)
+YEAR_S = 365 * 86400
+"""The longest wait a timeout knob takes: a year (``datetime.timedelta``, which torch's process
+groups take, overflows near 1e14 s, and Slurm's time limits stop at a year's order)."""
+SECONDS, MINUTES = Range(0, lo_open=True, hi=YEAR_S), Range(1, hi=YEAR_S // 60)
 
 RANGES: Dict[str, Range] = {
     **{f"model.{k}": AT_LEAST_1 for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
@@ -52,7 +56,7 @@ RANGES: Dict[str, Range] = {
     "model.rope_scaling.factor": POSITIVE, "model.rope_scaling.low_freq_factor": POSITIVE,
     "model.rope_scaling.high_freq_factor": POSITIVE, "model.rope_scaling.original_max_seq_len": AT_LEAST_1,
     **{f"parallel.{k}": AT_LEAST_1 for k in ("tp", "pp", "dp", "cp", "pp_virtual_stages")},
-    "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": POSITIVE, "parallel.init_timeout_s": POSITIVE,
+    "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": SECONDS, "parallel.init_timeout_s": SECONDS,
     **{f"train.{k}": AT_LEAST_1 for k in ("micro_batch_size", "grad_accum_steps", "global_batch_size", "seq_len",
                                          "max_steps", "log_every", "eval_steps")},
     "train.seed": Range(0, hi=2 ** 63), "train.loss_scale_init": POSITIVE, "train.peak_tflops": POSITIVE,
@@ -61,9 +65,9 @@ RANGES: Dict[str, Range] = {
     "optim.decay_steps": AT_LEAST_1, "optim.weight_decay": AT_LEAST_0, "optim.beta1": UNIT, "optim.beta2": UNIT,
     "optim.eps": POSITIVE, "optim.grad_clip": AT_LEAST_0,
     "data.val_fraction": UNIT, "data.eos_id": AT_LEAST_0,
-    "launcher.timeout_min": AT_LEAST_1, "launcher.nodes": AT_LEAST_1, "launcher.tasks_per_node": AT_LEAST_1,
+    "launcher.timeout_min": MINUTES, "launcher.nodes": AT_LEAST_1, "launcher.tasks_per_node": AT_LEAST_1,
     "launcher.gpus_per_node": AT_LEAST_0, "launcher.cpus_per_task": AT_LEAST_1, "launcher.mem_gb": POSITIVE,
-    "launcher.signal_delay_s": AT_LEAST_0, "launcher.max_requeues": AT_LEAST_0,
+    "launcher.signal_delay_s": Range(0, hi=YEAR_S), "launcher.max_requeues": AT_LEAST_0,
     "checkpoint.every": AT_LEAST_0, "checkpoint.keep": AT_LEAST_1,
 }
 """Each numeric knob's valid values (None, where the field is optional, means "derive it")."""
@@ -140,13 +144,57 @@ def choice_problems(cfg: Config) -> List[str]:
 DIRECTORIES = ("run_dir", "checkpoint.dir", "launcher.folder", "data.cache_dir")
 """Knobs naming a directory the run writes into."""
 
+PATHS = (*DIRECTORIES, "data.path", "data.val_path", "model.init_from", "train.resume")
+"""Every knob naming a path (with each ``data.blend[i].path``); ``train.resume``'s words
+auto and never are not paths."""
+
+
+def _nearest_existing(path: str) -> str:
+    """``path`` or its closest ancestor that exists: where the file system's limits are read."""
+    here = os.path.abspath(path)
+    while not os.path.exists(here) and os.path.dirname(here) != here:
+        here = os.path.dirname(here)
+    return here
+
+
+def name_problem(path: str) -> Optional[str]:
+    """Why the file system cannot hold ``path`` by its name alone, or None: a NUL byte, a
+    component longer than its NAME_MAX (255 bytes on ext4, xfs, btrfs, tmpfs: pathconf(3)'s
+    _PC_NAME_MAX), or the whole longer than PATH_MAX. Each would end in an OSError
+    (ENAMETOOLONG) wherever the path is first used: Hydra's run dir, a rank, a check's open()."""
+    if "\0" in path:
+        return "holds a NUL byte, which no file name can"
+    full = os.path.abspath(os.path.expanduser(path))
+    where = _nearest_existing(full)
+    try:
+        name_max, path_max = os.pathconf(where, "PC_NAME_MAX"), os.pathconf(where, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        name_max, path_max = 255, 4096  # Linux's limits (limits.h)
+    for part in full.split(os.sep):
+        if len(os.fsencode(part)) > name_max:
+            return (f"has a component of {len(os.fsencode(part))} bytes ({part[:24]}...), more than the "
+                    f"{name_max} its file system allows (NAME_MAX); shorten it")
+    if len(os.fsencode(full)) >= path_max:
+        return f"is {len(os.fsencode(full))} bytes long, not below the {path_max} the system allows (PATH_MAX)"
+    return None
+
+
+def path_values(cfg: Config) -> List[Tuple[str, str]]:
+    """(knob, value) of every path knob that is set."""
+    found = [(knob, get(cfg, knob)) for knob in PATHS]
+    found = [(k, v) for k, v in found if v and not (k == "train.resume" and v in ("auto", "never"))]
+    return found + [(f"data.blend[{i}].path", s.path) for i, s in enumerate(cfg.data.blend) if s.path]
+
 
 def path_problems(cfg: Config) -> List[str]:
-    """A directory knob that names an existing file (checked before launch, where the files are)."""
+    """Every path knob in one place, before anything opens one: a name the file system cannot
+    hold (``name_problem``), and a directory knob that names an existing file."""
     problems = []
-    for knob in DIRECTORIES:
-        value = get(cfg, knob)
-        if value and os.path.exists(os.path.expanduser(value)) and not os.path.isdir(os.path.expanduser(value)):
+    for knob, value in path_values(cfg):
+        problem = name_problem(str(value))
+        if problem:
+            problems.append(f"{knob}={str(value)[:60]}{'...' if len(str(value)) > 60 else ''} {problem}")
+        elif knob in DIRECTORIES and os.path.exists(os.path.expanduser(value)) and not os.path.isdir(os.path.expanduser(value)):
             problems.append(f"{knob}={value} is a file, not a directory; give a directory")
     return problems
 

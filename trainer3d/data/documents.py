@@ -1,6 +1,8 @@
 """Documents from the inputs of tools/prepare_data.py, streamed: text files, directories, JSON Lines.
 
-Inputs are files or directories (walked recursively for the given suffixes); a file may be
+Inputs are files or directories (walked recursively for the given suffixes, symlinked
+sub-directories followed once each; a token file's own header, data, trained tokenizer or
+Megatron index found there is left out, as are this run's outputs); a file may be
 compressed with gzip or zstd (the suffix before ``.gz``/``.zst`` decides its kind). What a file
 holds is decided by its first bytes, not its name: gzip and zstd streams are decompressed
 whatever the suffix, a ``.gz``/``.zst`` file that is not one is refused, and so is any other
@@ -32,6 +34,9 @@ from typing import BinaryIO, Iterator, List, Sequence, Tuple, Union
 
 import zstandard
 
+from trainer3d.data.megatron import MAGIC
+from trainer3d.data.tokens import TokenFileError, read_header
+
 PIECE_BYTES = 4 << 20
 MAX_RECORD_BYTES = 64 << 20
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -61,17 +66,63 @@ def kind_suffix(path: Path) -> str:
     return suffixes[-1] if suffixes else ""
 
 
-def collect(inputs: Sequence[str], suffixes: Sequence[str]) -> List[Path]:
-    """The input files, sorted (reproducible output): given files, and files under given directories."""
-    files = []
+TRAINED_TOKENIZER_SUFFIX = ".tokenizer.json"
+"""What --train-tokenizer saves beside a token file: ``<out>.tokenizer.json``."""
+
+
+def token_file_output(path: Path) -> bool:
+    """``path`` is a token file's own (its header or its data, as ``read_header`` accepts them,
+    a tokenizer trained for it, or a Megatron-LM index by its magic), not text to tokenise: a
+    directory holding an earlier output would otherwise feed it back in as documents."""
+    name = path.name
+    stem = path.with_name(name[:-len(TRAINED_TOKENIZER_SUFFIX)]) if name.endswith(TRAINED_TOKENIZER_SUFFIX) else path
+    if stem.suffix in (".json", ".bin") or stem is not path:
+        try:
+            read_header(stem)
+            return True
+        except (TokenFileError, OSError, ValueError):
+            pass
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+
+
+def _walk(root: Path) -> Iterator[Path]:
+    """Files under ``root``, following symlinked directories; a directory reached twice (a link
+    cycle, or two links to one place) is walked once."""
+    seen = set()
+    for here, dirs, names in os.walk(root, followlinks=True):
+        st = os.stat(here)
+        if (st.st_dev, st.st_ino) in seen:
+            dirs[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirs.sort()
+        yield from (Path(here) / n for n in names)
+
+
+def collect(inputs: Sequence[str], suffixes: Sequence[str], outputs: Sequence[Path] = ()) -> List[Path]:
+    """The input files, sorted (reproducible output): given files, and files under given
+    directories (symlinked sub-directories followed), each file once. Left out of a
+    directory: ``outputs`` (what this run writes) and any token file's own files
+    (``token_file_output``); a given file that is one of ``outputs`` is refused."""
+    own = {Path(p).resolve() for p in outputs}
+    files = {}
     for item in map(Path, inputs):
         if item.is_dir():
-            files.extend(p for p in item.rglob("*") if p.is_file() and kind_suffix(p) in suffixes)
+            for p in _walk(item):
+                if (p.is_file() and kind_suffix(p) in suffixes and p.resolve() not in own
+                        and not token_file_output(p)):
+                    files.setdefault(p.resolve(), p)
         elif item.is_file():
-            files.append(item)
+            if item.resolve() in own:
+                raise InputError(f"{item} is an output of this run (--out); give another --out or leave it out")
+            files.setdefault(item.resolve(), item)
         else:
             raise InputError(f"{item} does not exist")
-    return sorted(files)
+    return sorted(files.values())
 
 
 class Progress:

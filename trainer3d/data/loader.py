@@ -24,7 +24,7 @@ import torch
 
 from trainer3d.config.schema import Config
 from trainer3d.data.sampler import SampleOrder, VALIDATION_KEY, step_samples
-from trainer3d.data.sources import Part, plan
+from trainer3d.data.sources import Part, plan, short_parts
 from trainer3d.data.tokenfile import TokenFile
 from trainer3d.data.tokens import TokenFileError
 from trainer3d.data.cp_sharding import chunks_of
@@ -122,6 +122,9 @@ def build_readers(cfg: Config, dp: int, dp_rank: int, inputs: bool = True, targe
         return files[path].header.n_tokens
 
     train, val = plan(cfg, n_tokens)
+    short = short_parts(cfg, train, val)  # checked before launch too, from the same plan
+    if short:
+        raise TokenFileError("; ".join(short))
     for path, opened in files.items():  # checked before launch too; this guards any other way in
         if opened.header.vocab_size > cfg.model.vocab_size:
             raise TokenFileError(f"{path}: tokenizer vocabulary {opened.header.vocab_size} > "

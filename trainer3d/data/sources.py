@@ -66,6 +66,30 @@ def plan(cfg: Config, n_tokens_of: Callable[[Path], int]) -> Tuple[List[Part], L
     return train, val
 
 
+def short_parts(cfg: Config, train: List[Part], val: List[Part]) -> List[str]:
+    """One line per part of ``plan`` shorter than one window: the sampler cannot draw from it
+    (``SampleOrder`` refuses a source without a window), so a validation tail this short
+    would end every rank as its reader is built. The checks before launch and the ranks'
+    loader (trainer3d/data/loader.py) both ask this, of the same plan."""
+    window, lines = cfg.train.seq_len + 1, []
+    for part in train:
+        if part.span.n_windows < 1:
+            lines.append(f"{part.path}: {part.span.n_tokens} training tokens, shorter than one window of "
+                         f"train.seq_len+1 = {window}; lower train.seq_len or use a longer corpus")
+    for part in val:
+        if part.span.n_windows >= 1:
+            continue
+        if cfg.data.val_path:
+            lines.append(f"data.val_path={cfg.data.val_path}: {part.span.n_tokens} tokens, shorter than one window "
+                         f"of train.seq_len+1 = {window}; give a longer file or lower train.seq_len")
+        else:
+            lines.append(f"{part.path}: its validation tail (the last data.val_fraction={cfg.data.val_fraction} "
+                         f"of it) is {part.span.n_tokens} tokens, shorter than one window of train.seq_len+1 = "
+                         f"{window}; raise data.val_fraction, lower train.seq_len, or leave this file out of "
+                         "data.blend (data.val_fraction=0: no validation)")
+    return lines
+
+
 def eval_batches(cfg: Config, val_windows: int) -> int:
     """Global batches per evaluation: train.eval_steps, or (null) as many as ``val_windows`` fill."""
     if cfg.train.eval_steps is not None:

@@ -3,7 +3,8 @@ job at once and say which rank caused it.
 
 A failure is seen two ways: a rank's error result (submitit's result pickle), or a rank
 whose heartbeat (trainer3d/rank/heartbeat.py) stopped for longer than ``parallel.timeout_s``
-while others still beat. Either way the follower waits at most ``SETTLE_S`` for the other
+while the job runs: beside ranks that still beat, or alone (a one-rank job, or every rank
+frozen, is ended too: no peer is needed to see it). Either way the follower waits at most ``SETTLE_S`` for the other
 ranks' outcomes to land (enough for a dead or stopped rank's beat to go stale), takes its
 diagnosis, and ends the job — it does not wait for the victims to time out a second time.
 So a rank stopped with SIGSTOP ends the job about one ``parallel.timeout_s`` after it
@@ -73,22 +74,46 @@ class Watch:
     num_tasks: int
     timeout_s: float
     reader: Optional[HeartbeatReader] = None
+    running: Callable[[], bool] = lambda: True
+    """Whether the job's ranks are running now (Slurm: the job's state; a pending requeue is not)."""
+    stale_s: float = STALE_S
     outcomes: Dict[int, Optional[tuple]] = field(default_factory=dict)
     beats: Dict[int, Beat] = field(default_factory=dict)
     stale: Dict[int, Beat] = field(default_factory=dict)
-    """Ranks seen without a beat for STALE_S while the job was still running."""
+    """Ranks seen without a beat for ``stale_s`` while the job was still running."""
     trouble_at: Optional[float] = None
+    running_since: Optional[float] = field(default_factory=time.monotonic)
+    """This process's clock when the job was last seen start running (None: queued); from the
+    watch's start at the latest."""
 
     def update(self, job: submitit.Job) -> None:
         self.outcomes = {t: _task_outcome(job, t) for t in range(self.num_tasks)}
+        self.judge()
+
+    def judge(self) -> None:
+        """Read the beats; trouble is a rank's error, or a rank silent for over ``timeout_s``.
+
+        With a peer still beating, the silent rank is the cause. With none (one rank, or every
+        rank frozen), silence is held against the ranks only while the job runs, and counted
+        from when it started running at the earliest: a requeued job's last attempt leaves its
+        records "running" while it waits in the queue, and its next attempt's ranks need a
+        moment before they beat. No peer is needed to see a rank stop."""
         self.beats = self.reader.read() if self.reader else {}
         now = time.monotonic()
         self.stale = {r: b for r, b in self.beats.items()
-                      if b.state == "running" and b.age(now) >= STALE_S and self.outcomes.get(r) is None}
-        fresh = [b for b in self.beats.values() if b.state == "running" and b.age(now) < STALE_S]
-        stalled = any(b.age(now) > self.timeout_s for b in self.stale.values()) and fresh
+                      if b.state == "running" and b.age(now) >= self.stale_s and self.outcomes.get(r) is None}
+        fresh = [b for b in self.beats.values() if b.state == "running" and b.age(now) < self.stale_s]
+        if fresh:
+            silent_s = max((b.age(now) for b in self.stale.values()), default=0.0)
+        elif self.stale and self.running():
+            self.running_since = now if self.running_since is None else self.running_since
+            silent_s = min(max(b.age(now) for b in self.stale.values()), now - self.running_since)
+        else:
+            silent_s = 0.0
+            if self.stale:  # queued again (a requeue): its next start is counted from then
+                self.running_since = None
         errored = any(o and o[0] == "error" for o in self.outcomes.values())
-        if self.trouble_at is None and (errored or stalled):
+        if self.trouble_at is None and (errored or silent_s > self.timeout_s):
             self.trouble_at = now
 
     def settled(self) -> bool:
@@ -102,13 +127,15 @@ class Watch:
 
 
 def follow(job: submitit.Job, timeout_s: float, heartbeats: Optional[Path] = None,
-           end: Optional[Callable[[], None]] = None) -> int:
+           end: Optional[Callable[[], None]] = None, running: Optional[Callable[[], bool]] = None) -> int:
     """Echo rank 0's progress until every task ends; on a failure, end the job and explain.
 
     ``heartbeats``: the job's heartbeat directory, if its ranks write one. ``end``: how to end
-    the job (default: submitit's cancel)."""
+    the job (default: submitit's cancel). ``running``: whether the job's ranks run now (not
+    queued), asked only while no rank beats; None: always (local processes)."""
     tail = _Tail(job.task(0).paths.stdout)
-    watch = Watch(job.num_tasks, timeout_s, HeartbeatReader(heartbeats, job.num_tasks) if heartbeats else None)
+    watch = Watch(job.num_tasks, timeout_s, HeartbeatReader(heartbeats, job.num_tasks) if heartbeats else None,
+                  running or (lambda: True))
     cancelled, silent = False, None
     while not job.done():
         tail.echo()

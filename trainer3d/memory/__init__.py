@@ -3,7 +3,8 @@
 ``states`` the model states a rank holds (parameters, gradient buckets, optimizer shards:
 the ZeRO paper's formulas and the engine's exact bytes); ``activations`` what autograd saves
 per layer and per stage, term by term (docs/memory.md derives each); ``peak`` a rank's peak
-over a step under its pipeline schedule; ``dry_run`` prints it all for ``dry_run=true``;
+over a step under its pipeline schedule; ``staged`` the host copy a background checkpoint
+keeps; ``dry_run`` prints it all for ``dry_run=true``;
 ``meter`` measures saved activations with ``saved_tensors_hooks`` (what the estimate is held
 to). May import ``config``, ``model`` and ``parallel`` (to build meta-device chunks and
 stage plans); nothing imports it on a rank's hot path but ``meter``.

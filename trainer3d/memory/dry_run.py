@@ -83,6 +83,10 @@ def peak_lines(cfg: Config) -> List[str]:
                  f"{format_bytes(worst.total)} per rank")
     if p.offload_optimizer:
         lines.append(f"  host memory (offloaded optimizer state), most on one rank: {format_bytes(max(m.host for m in mems))}")
+    if any(m.staged for m in mems):  # trainer3d/memory/staged.py
+        lines.append(f"  host memory (a background checkpoint's copy, checkpoint.async_save), most on one rank: "
+                     f"{format_bytes(max(m.staged for m in mems))}, kept from the first save at step "
+                     f"{cfg.checkpoint.every}")
     return lines
 
 

@@ -39,6 +39,7 @@ from typing import Dict, List, Optional, Tuple
 from trainer3d.memory.activations import (FP32, Sizes, chunk_terms, layer_terms, loss_transient_bytes,
                                           peak_in_flight, schedule_ops, shared_terms)
 from trainer3d.config.schema import Config
+from trainer3d.memory.staged import staged_bytes
 from trainer3d.memory.startup import startup_bytes
 from trainer3d.memory.states import BYTES, ModelStateBytes, engine_model_state_bytes, model_shapes, stage_parameter_shapes
 from trainer3d.parallel.pipeline.buffers import receive_buffers_held
@@ -62,6 +63,9 @@ class RankMemory:
     """ZeRO-2/3: host bytes at the start-up peak (the offloaded shards, or one parameter's fill)."""
     startup_same_memory: int = 0
     """ZeRO-2/3 on CPU ranks, where host and device are one memory: the start-up peak."""
+    staged: int = 0
+    """Host bytes of a background checkpoint's copy of the rank's state (checkpoint.async_save,
+    trainer3d/memory/staged.py), held from the first such save on; 0 without one."""
 
     @property
     def activation_bytes(self) -> int:
@@ -140,7 +144,8 @@ def rank_memory(cfg: Config, pp_rank: int, kernel: str = "flash", cuda: Optional
             activations[name] = activations.get(name, 0) + n * value
         for name, value in per_step.items():  # kept while any of the chunk's micro-batches is in flight
             activations[name] = activations.get(name, 0) + (value if n else 0)
-    mem = RankMemory(pp_rank=pp_rank, states=_states_of(cfg, stages), activations=activations, in_flight=counts)
+    mem = RankMemory(pp_rank=pp_rank, states=_states_of(cfg, stages), activations=activations, in_flight=counts,
+                     staged=staged_bytes(cfg, pp_rank))
     if p.pp > 1:
         mem.buffers = _pipeline_buffers(cfg, z, pp_rank, stages, counts)
     mem.transients = _transients(cfg, z, stages, last)

@@ -3,6 +3,7 @@ stage x sequence parallelism x recomputation x virtual stages fits a model on a 
 which is fastest.
 
     settings.py    cluster.* and search.* on top of the training schema
+    knobs.py       their ranges and choices, checked with the training knobs' before a search
     devices.py     device presets (with their sources) and calibration files
     calibrate.py   --calibrate: this machine's matmul rate, memory bandwidth, collectives
     calibrate_gpu.py  --calibrate on CUDA: the GPU's preset with its matmul rate and bandwidth measured

@@ -20,6 +20,7 @@ from trainer3d.config.help import print_help, wants_help
 from trainer3d.config.validate import ConfigError
 from trainer3d.plan.calibrate import main as calibrate_main
 from trainer3d.plan.evaluate import LayoutError, evaluate_report
+from trainer3d.plan.knobs import plan_problems
 from trainer3d.plan.settings import PlanConfig  # noqa: F401  (registers the schema)
 from trainer3d.plan.devices import device_for
 from trainer3d.plan.report import report
@@ -29,6 +30,10 @@ from trainer3d.plan.search import search
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="plan")
 def _main(dcfg: DictConfig) -> None:
     cfg = OmegaConf.to_object(dcfg)
+    problems = plan_problems(cfg)
+    if problems:  # before the search divides by them
+        print("\n".join(f"trainer3d.plan: {p}" for p in problems), file=sys.stderr)
+        sys.exit(2)
     try:
         device = device_for(cfg.cluster.gpu, cfg.cluster.calibration)
     except (ValueError, FileNotFoundError) as err:

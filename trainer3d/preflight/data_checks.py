@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from trainer3d.config.schema import Config
-from trainer3d.data.sources import eval_batches, evaluates, plan, train_files, val_file
+from trainer3d.data.sources import eval_batches, evaluates, plan, short_parts, train_files, val_file
 from trainer3d.data.tokenfile import TokenFile
 from trainer3d.data.tokens import TokenFileError, TokenHeader
 
@@ -51,16 +51,14 @@ def _check_windows(cfg: Config, headers: Dict[Path, TokenHeader], problems: List
     t = cfg.train
     window, batch = t.seq_len + 1, t.global_batch_size
     train, val = plan(cfg, lambda path: headers[path].n_tokens)
-    for part in train:
-        if part.span.n_windows < 1:
-            problems.append(f"{part.path}: {part.span.n_tokens} training tokens, shorter than one window of "
-                            f"train.seq_len+1 = {window}; lower train.seq_len or use a longer corpus")
+    short = short_parts(cfg, train, val)
+    problems += short
     total = sum(p.span.n_windows for p in train)
     if all(p.span.n_windows for p in train) and total < batch:
         names = ", ".join(str(p.path) for p in train)
         problems.append(f"{names}: {total} windows of train.seq_len+1 = {window} tokens, fewer than "
                         f"train.global_batch_size={batch}; lower train.global_batch_size or train.seq_len")
-    if not evaluates(cfg):
+    if not evaluates(cfg) or short:
         return
     have = sum(p.span.n_windows for p in val)
     need = eval_batches(cfg, have) * batch

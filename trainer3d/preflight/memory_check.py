@@ -7,7 +7,10 @@ transient) of every pipeline rank. The limit: for CUDA ranks the smallest total 
 the GPUs they get, per rank; for CPU ranks this host's physical memory (MemTotal), shared by
 all of them, so the ranks' estimates are summed. With ``parallel.offload_optimizer`` the
 offloaded state is host memory: CUDA ranks are also held, summed, to this host's memory for
-it; CPU ranks count it in their sum (host and device are the same memory). It runs for the local launcher, where the
+it; CPU ranks count it in their sum (host and device are the same memory). A background
+checkpoint (``checkpoint.async_save``) copies each rank's state into host memory and keeps the
+copy (trainer3d/memory/staged.py): counted the same way, held to the host's memory for CUDA
+ranks and in the CPU ranks' sum. It runs for the local launcher, where the
 ranks start on this machine; ``launcher.check_memory=false`` launches anyway (the estimate
 leaves out the framework's own memory — CUDA context, NCCL, the allocator's slack — so a
 refused run does not fit; a run that passes may still not).
@@ -99,25 +102,34 @@ def estimate(cfg: Config, limit: int, ranks_summed: bool) -> Estimate:
     detail = (f"pp rank {worst.pp_rank}: model states {format_bytes(worst.states.total)}, activations "
               f"{format_bytes(worst.activation_bytes)}, pipeline buffers {format_bytes(worst.buffer_bytes)}, "
               f"transient {format_bytes(worst.transient_bytes)}"
-              + (f", offloaded optimizer state {format_bytes(worst.host)}" if ranks_summed and worst.host else ""))
+              + (f", offloaded optimizer state {format_bytes(worst.host)}" if ranks_summed and worst.host else "")
+              + (f", a background checkpoint's host copy {format_bytes(worst.staged)} (checkpoint.async_save)"
+                 if ranks_summed and worst.staged else ""))
     if not ranks_summed:
         return Estimate([m.total for m in mems], exact=True, detail=detail)
     # CPU ranks: host and device one memory, ZeRO-2/3's start-up peak counted there (memory/startup.py)
-    return Estimate([max(m.step_total + m.host, m.startup_same_memory) for m in mems], exact=True, detail=detail)
+    # the staged copy is taken at the first background save, after start-up's peak has passed
+    return Estimate([max(m.step_total + m.host + m.staged, m.startup_same_memory) for m in mems], exact=True,
+                    detail=detail)
 
 
-def offload_host_problems(cfg: Config, host_bytes: Optional[int]) -> List[str]:
-    """CUDA ranks with the optimizer offloaded: one line if their host state does not fit this host."""
+def host_problems(cfg: Config, host_bytes: Optional[int]) -> List[str]:
+    """CUDA ranks: one line if what they keep in host memory does not fit this host: the
+    offloaded optimizer state, and a background checkpoint's copy of their state (pinned)."""
     p = cfg.parallel
-    if not p.offload_optimizer:
-        return []
+    mems = [rank_memory(cfg, r) for r in range(p.pp)]
+    ranks = p.tp * p.cp * p.dp
+    offloaded, staged = (sum(m.host for m in mems) * ranks, sum(m.staged for m in mems) * ranks)
     limit = host_memory() if host_bytes is None else host_bytes
-    total = sum(rank_memory(cfg, r).host for r in range(p.pp)) * p.tp * p.cp * p.dp
-    if total <= limit:
+    if offloaded + staged <= limit:
         return []
-    return [f"the offloaded optimizer state of the {p.tp * p.cp * p.pp * p.dp} rank(s) is {format_bytes(total)} "
-            f"of host memory, more than this host's {format_bytes(limit)}; set parallel.offload_optimizer=false, "
-            f"{FIXES}; or set {KNOB} to launch anyway"]
+    parts = [f"the offloaded optimizer state {format_bytes(offloaded)}" if offloaded else "",
+             f"a background checkpoint's copy {format_bytes(staged)}" if staged else ""]
+    fixes = [f for f, on in (("parallel.offload_optimizer=false", offloaded),
+                             ("checkpoint.async_save=false (a save then stops the loop)", staged)) if on]
+    return [f"the host memory of the {ranks * p.pp} rank(s), {' and '.join(x for x in parts if x)}, is "
+            f"{format_bytes(offloaded + staged)}, more than this host's {format_bytes(limit)}; set "
+            f"{' or '.join(fixes)}, {FIXES}; or set {KNOB} to launch anyway"]
 
 
 def host_memory() -> int:
@@ -140,7 +152,7 @@ def memory_problems(cfg: Config, world_size: int, device_bytes: Optional[int] = 
         found = estimate(cfg, device_bytes, ranks_summed=False)
         worst = max(found.per_rank)
         if worst <= device_bytes:
-            return offload_host_problems(cfg, host_bytes)
+            return host_problems(cfg, host_bytes)
         said = f"{format_bytes(worst)} per rank" + (f" ({found.detail})" if found.exact else
                                                      " at least (model states alone)")
         return [f"the dry run's estimate is {said}, more than the {format_bytes(device_bytes)} of each GPU; "

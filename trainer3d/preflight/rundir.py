@@ -25,6 +25,7 @@ from typing import Any, List, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from trainer3d.config.knobs import name_problem
 from trainer3d.config.schema import Config
 from trainer3d.config.secrets import redaction_line, scrub
 
@@ -36,6 +37,9 @@ PROBE_BYTES = 64 * 1024
 def write_problem(directory: Path) -> Optional[str]:
     """Why ``directory`` cannot hold a run's files (created if missing), or None."""
     directory = Path(directory)
+    too_long = name_problem(str(directory))
+    if too_long:
+        return f"{directory} {too_long}"
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix=".trainer3d-probe-", dir=directory)

@@ -24,8 +24,9 @@ from typing import Optional
 
 
 from trainer3d.data import prepare
-from trainer3d.data.documents import InputError, Progress, collect, documents, JSONL_SUFFIXES
-from trainer3d.data.tokens import TokenFileError, bin_path
+from trainer3d.data.documents import (JSONL_SUFFIXES, TRAINED_TOKENIZER_SUFFIX, InputError, Progress, collect,
+                                      documents)
+from trainer3d.data.tokens import TokenFileError, bin_path, header_path
 
 
 def format_bytes(n: float) -> str:
@@ -90,7 +91,7 @@ def parse_args(argv):
 
 def build_encoder(args, files):
     if args.train_tokenizer:
-        out = bin_path(args.out).with_suffix(".tokenizer.json")
+        out = bin_path(args.out).with_suffix(TRAINED_TOKENIZER_SUFFIX)
         out.parent.mkdir(parents=True, exist_ok=True)
         progress = Progress(files)
         bar = ProgressBar(progress, "training tokenizer")
@@ -107,7 +108,9 @@ def build_encoder(args, files):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        files = collect(args.inputs, set(args.suffixes.split(",")))
+        out = bin_path(args.out)
+        outputs = [out, header_path(out), out.with_suffix(TRAINED_TOKENIZER_SUFFIX)]
+        files = collect(args.inputs, set(args.suffixes.split(",")), outputs)
         if not files:
             raise InputError("no input files found (check the paths and --suffixes)")
         encoder = build_encoder(args, files)
