@@ -25,7 +25,8 @@ from typing import Optional
 
 from trainer3d.data import prepare
 from trainer3d.data.documents import InputError, Progress, collect, documents, JSONL_SUFFIXES
-from trainer3d.data.tokens import TokenFileError, bin_path
+from trainer3d.data.tokens import TokenFileError, bin_path, header_path
+from trainer3d.tools import output
 
 
 def format_bytes(n: float) -> str:
@@ -104,9 +105,21 @@ def build_encoder(args, files):
     return prepare.BYTE_ENCODER
 
 
+def check_outputs(args) -> None:
+    """Every file this command writes (the token file, its header, a trained tokenizer) is none
+    of the inputs and lies in none of the input directories (trainer3d/tools/output.py)."""
+    inputs = [*args.inputs, *([args.tokenizer] if args.tokenizer else [])]
+    written = [bin_path(args.out), header_path(args.out)]
+    if args.train_tokenizer:
+        written.append(bin_path(args.out).with_suffix(".tokenizer.json"))
+    for out in written:
+        output.check(out, inputs)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        check_outputs(args)
         files = collect(args.inputs, set(args.suffixes.split(",")))
         if not files:
             raise InputError("no input files found (check the paths and --suffixes)")
