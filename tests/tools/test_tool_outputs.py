@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.support.megatron_files import write_megatron
-from tests.support.runs import PARITY, reference_dir, reference_losses
+from tests.support.runs import PARITY, train_in_ranks
 from trainer3d.checkpoint import store
 from trainer3d.tools import export_model, import_megatron, output, parity, plot_metrics, prepare_data
 
@@ -186,13 +186,15 @@ def _umask() -> int:
 
 
 @pytest.mark.slow
-def test_an_export_over_an_earlier_one_is_refused_or_replaces_it_whole(session_tmp, tmp_path, capsys):
+@pytest.mark.timeout(900)
+def test_an_export_over_an_earlier_one_is_refused_or_replaces_it_whole(tmp_path, capsys):
     """A sharded trainer3d-format export, then a one-file Hugging Face export into the same
     directory: refused without --force (the earlier files as they were); with it, the directory
     holds exactly what the same export writes into an empty directory (no stale index or shard
     of the earlier one, which transformers would follow)."""
-    reference_losses(session_tmp, PARITY)  # the session's 1-rank run: its final checkpoint
-    checkpoint = store.step_dir(reference_dir(session_tmp, PARITY) / "checkpoints", 20)
+    run = tmp_path / "run"
+    train_in_ranks(run, [*PARITY, "train.max_steps=1", "parallel=single"])  # its final checkpoint
+    checkpoint = store.step_dir(run / "checkpoints", 1)
     out, fresh = tmp_path / "export", tmp_path / "fresh"
     code, err = _run(export_model, [checkpoint, out, "--format", "trainer3d", "--max-shard-gb", 0.0005], capsys)
     assert code == 0, err
@@ -205,4 +207,4 @@ def test_an_export_over_an_earlier_one_is_refused_or_replaces_it_whole(session_t
     assert _run(export_model, [checkpoint, fresh], capsys)[0] == 0
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in fresh.iterdir())
     assert "model.safetensors.index.json" not in {p.name for p in out.iterdir()}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "fresh"]  # no temporaries left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "fresh", "run"]  # no temporaries left
