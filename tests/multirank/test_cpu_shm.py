@@ -197,3 +197,40 @@ def test_a_lost_peer_ends_the_collective(hang):
         assert 3 <= took < 15 and "timed out" in message, value
     else:
         assert took < 2.5 and "rank 1 of this host exited" in message, value
+
+
+def _peer_dies_at_the_start(rank, world):
+    """Rank 1 receives rank 0's offer of a segment and exits before it answers."""
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+    if rank == 1:
+        dist.broadcast_object_list([None], src=0, group=group)
+        os._exit(0)
+    try:
+        shm_collectives(group, 1024)
+    except Exception as e:
+        return "raised", os.getpid(), str(e).splitlines()[0]
+    return "returned", os.getpid(), ""
+
+
+def test_a_peer_dying_at_the_start_leaves_nothing_in_dev_shm():
+    """Rank 0 made the segment and offered it; rank 1 dies before it answers: rank 0's start
+    raises (the group's 3 s timeout at most) and the segment's name is gone from /dev/shm."""
+    ctx = _context()
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
+        procs = [ctx.Process(target=_rank_main, daemon=True,
+                             args=(_peer_dies_at_the_start, r, 2, os.path.join(tmp, "store"), results, 1, 60, ()))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            rank, status, value = results.get(timeout=90)
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+    assert (rank, status) == (0, "ok"), value
+    what, pid, message = value
+    assert what == "raised", value
+    assert _segments(pid) == set(), _segments(pid)

@@ -163,23 +163,21 @@ def test_an_empty_suffix_entry_takes_files_without_a_suffix(tmp_path, capsys):
     assert counts[".txt,"] == 2 * counts[".txt"]
 
 
-def test_an_output_inside_an_input_directory_is_not_read_back(tmp_path, capsys):
-    """Run twice into a directory it reads: the second run tokenises the same text, not its own
-    earlier header and trained tokenizer (.json, a default suffix) nor another token file's,
-    so both runs write the same tokens (the reference: a run on the text alone)."""
+def test_an_output_inside_an_input_directory_is_refused_and_other_token_files_are_not_read(tmp_path, capsys):
+    """An output inside a directory it reads is refused (it would read its own header and trained
+    tokenizer back next time); a directory holding another run's token file, header and trained
+    tokenizer (.json, a default suffix) is read as its text alone (the reference: a run on the text)."""
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.txt").write_text(TEXT * 20)
     other = tmp_path / "in" / "older.bin"
-    assert _tool(capsys, tmp_path, "--out", other, tmp_path / "in" / "a.txt")[0] == 0  # a token file of another run
-    out = tmp_path / "in" / "c.bin"
-    runs = []
-    for _ in range(2):
-        code, err = _tool(capsys, tmp_path, "--out", out, "--train-tokenizer", 300, tmp_path / "in")
-        assert code == 0, err
-        runs.append(TokenFile.open(out).header)
+    assert _tool(capsys, tmp_path, "--out", other, "--train-tokenizer", 300, tmp_path / "in" / "a.txt")[0] == 0
+    code, err = _tool(capsys, tmp_path, "--out", tmp_path / "in" / "c.bin", tmp_path / "in")
+    assert code == 1 and "lies inside the input" in err[0] and len(err) == 1, err
+    out = tmp_path / "c.bin"
+    assert _tool(capsys, tmp_path, "--out", out, "--train-tokenizer", 300, tmp_path / "in")[0] == 0
     reference = tmp_path / "ref.bin"
     assert _tool(capsys, tmp_path, "--out", reference, "--train-tokenizer", 300, tmp_path / "in" / "a.txt")[0] == 0
-    assert runs[0].n_tokens == runs[1].n_tokens == TokenFile.open(reference).header.n_tokens
+    assert TokenFile.open(out).header.n_tokens == TokenFile.open(reference).header.n_tokens
     assert docs.collect([str(tmp_path / "in")], {".txt", ".json"}) == [tmp_path / "in" / "a.txt"]
 
 
@@ -188,8 +186,8 @@ def test_an_output_given_as_an_input_is_refused(tmp_path, capsys):
     (tmp_path / "a.txt").write_text(TEXT)
     assert _tool(capsys, tmp_path, "--out", out, tmp_path / "a.txt")[0] == 0
     code, err = _tool(capsys, tmp_path, "--out", out, tmp_path / "a.txt", tmp_path / "c.json")
-    assert code == 1 and err == [f"prepare_data: {tmp_path / 'c.json'} is an output of this run (--out); give "
-                                 "another --out or leave it out"], err
+    assert code == 1 and err == [f"prepare_data: {tmp_path / 'c.json'} is also an input of this command; write "
+                                 "the output elsewhere"], err
 
 
 def test_symlinked_sub_directories_are_followed_once_each(tmp_path):

@@ -8,7 +8,6 @@ cannot be built."""
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer3d.cpu import kernels as cpu_kernels
 from trainer3d.cpu import shm_barrier
-from trainer3d.cpu.build import STALE_LOCK_S, Build, c_library
+from trainer3d.cpu.build import Build, c_library
 from trainer3d.model.functional import apply_rotary, rms_norm, swiglu_linear
 from trainer3d.model.transformer import rotary_cos_sin
 
@@ -209,16 +208,3 @@ def test_a_build_lives_in_torchs_extension_directory_and_follows_its_flags(tmp_p
     second = build(["-O2", "-DT3D_OTHER"])
     assert second != first
     assert c_library("t3d_shm_barrier_abi", 1, {})(second)._name == second  # an extern "C" library, ABI checked
-
-
-@pytest.mark.timeout(300)
-def test_a_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path, monkeypatch):
-    """torch's builder waits for its lock file to go; one a killed build left long ago is removed."""
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    lock = tmp_path / "t3d_test_stale" / "lock"
-    lock.parent.mkdir()
-    lock.touch()
-    old = time.time() - 2 * STALE_LOCK_S
-    os.utime(lock, (old, old))
-    path = Build("t3d_test_stale", shm_barrier.LIBRARY.source, ["-O2"], "test build", "none", str).get()
-    assert path is not None and path.startswith(str(tmp_path)) and not lock.exists()

@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trainer3d.config.schema import Config  # noqa: E402
+from trainer3d.tools import output  # noqa: E402
 from trainer3d.hf.check import apply_init_from  # noqa: E402
 from trainer3d.hf.mapping import hf_shapes, model_config  # noqa: E402
 from trainer3d.parallel.parallelize import build_model_chunks  # noqa: E402
@@ -141,7 +142,13 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
     args = parser.parse_args(argv)
     if args.make:
-        make(args.make)
+        try:
+            out = output.check(args.make, directory=True)
+        except output.OutputError as err:
+            print(f"hf_import: {err}", file=sys.stderr)
+            return 2
+        with output.new_dir(out) as tmp:
+            make(tmp)
     if args.directory:
         measure(args.directory, args.tp, args.pp, args.dtype)
     return 0

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from trainer3d.plan.devices import DEFAULT_CALIBRATION, load_calibration  # noqa: E402
 from trainer3d.plan.probe import measured_step_s, training_config  # noqa: E402
 from trainer3d.plan.search import evaluate  # noqa: E402
+from trainer3d.tools import output  # noqa: E402
 
 # One model (2.2M parameters: dim 256, 4 blocks, grouped-query attention) and one global batch.
 COMMON = ("model=tiny", "model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4",
@@ -86,6 +87,11 @@ def main() -> None:
     parser.add_argument("--measured", help="predict the step times --save wrote, without running anything")
     parser.add_argument("--only", help="comma-separated layout indices")
     args = parser.parse_args()
+    if args.save:
+        try:
+            output.check(args.save, [args.measured] if args.measured else [])
+        except output.OutputError as err:
+            raise SystemExit(f"plan_accuracy: {err}") from None
     device = load_calibration(args.calibration)
     chosen = [int(i) for i in args.only.split(",")] if args.only else range(len(LAYOUTS))
     steps = {i: [] for i in chosen}
@@ -100,7 +106,8 @@ def main() -> None:
                 print(f"round {round_} #{i}: fastest step so far {min(steps[i]):.3f} s, load "
                       f"{os.getloadavg()[0]:.1f}: {LAYOUTS[i]}", flush=True)
                 if args.save:
-                    Path(args.save).write_text(json.dumps(steps))
+                    with output.new_file(Path(args.save)) as saved:  # never torn by a stopped bench
+                        saved.write_text(json.dumps(steps))
     for i in chosen:
         cfg = training_config([*COMMON, *LAYOUTS[i].split()])
         world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp

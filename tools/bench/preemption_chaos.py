@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from trainer3d.rank.preemption import REQUEUE_ASKED  # noqa: E402  (the stop line's end, before the requeue)
+from trainer3d.tools import output  # noqa: E402
 
 MODEL = ("train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=16",
          "train.grad_accum_steps=null", "optim.warmup_steps=5", "train.log_every=1", "parallel.timeout_s=60",
@@ -127,7 +128,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.gap * args.signals + 2 > args.steps:
         parser.error(f"--steps {args.steps} leaves no room for {args.signals} signals {args.gap} steps apart")
-    base = args.dir or Path(tempfile.mkdtemp(prefix="preemption-chaos-"))
+    try:  # an earlier drill's runs would be resumed and compared again: refused unless empty
+        base = output.check(args.dir, directory=True) if args.dir else Path(tempfile.mkdtemp(prefix="preemption-chaos-"))
+    except output.OutputError as err:
+        print(f"preemption_chaos: {err}", file=sys.stderr)
+        return 2
     reference = _train(base / "reference", f"train.max_steps={args.steps}", "launcher=local")
     if reference.returncode != 0:
         raise SystemExit(f"preemption_chaos: the reference run failed:\n{reference.stderr[-3000:]}")
@@ -140,7 +145,8 @@ def main(argv=None) -> int:
           f"mean {sum(r['to_training_s'] for r in records) / len(records):.1f} s (target <= 60 s)")
     print(f"final loss {got[-1]['loss']:.6f} vs uninterrupted {want[-1]['loss']:.6f}: "
           + ("every step identical, none lost or repeated" if lossless else "DIFFERENT: a step was lost or changed"))
-    (base / "chaos" / "preemption_chaos.json").write_text(json.dumps({"records": records, "lossless": lossless}))
+    with output.new_file(base / "chaos" / "preemption_chaos.json") as tmp:
+        tmp.write_text(json.dumps({"records": records, "lossless": lossless}))
     return 0 if lossless else 1
 
 

@@ -1,7 +1,9 @@
 """Export a checkpoint's model for use outside the toolkit.
 
     python tools/export_model.py CHECKPOINT_DIR OUT_DIR [--format hf|trainer3d] [--dtype bf16]
-                                 [--max-shard-gb 5] [--tokenizer DIR]
+                                 [--max-shard-gb 5] [--tokenizer DIR] [--force]
+
+(the command line: trainer3d/tools/export_model.py)
 
 ``--format hf`` (default) writes a Hugging Face Llama directory that
 ``transformers.LlamaForCausalLM.from_pretrained`` loads (trainer3d/hf/export.py).
@@ -17,9 +19,7 @@ classes) and only tensor entries are loaded, so exporting an untrusted checkpoin
 code from it.
 """
 
-import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -73,31 +73,3 @@ def export(path: Path, out: Path, fmt: str = "hf", dtype: Optional[str] = None,
     weight_dtype = next(iter(tensors.values())).dtype
     return write_hf(tensors, cfg, out, weight_dtype, max_shard_bytes, tokenizer or data.tokenizer, meta,
                     byte_level=data.byte_level)
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("checkpoint", type=Path, help="a published checkpoint dir (…/checkpoints/step_N)")
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--format", choices=("hf", "trainer3d"), default="hf",
-                        help="hf: a Hugging Face Llama directory (default); trainer3d: this toolkit's names")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None,
-                        help="weight dtype (default: as trained)")
-    parser.add_argument("--max-shard-gb", type=float, default=5.0)
-    parser.add_argument("--tokenizer", type=Path, default=None,
-                        help="tokenizer directory or tokenizer.json to copy (default: the one the data records)")
-    args = parser.parse_args(argv)
-    try:
-        files = export(args.checkpoint, args.out, args.format, args.dtype, int(args.max_shard_gb * 1e9),
-                       args.tokenizer)
-    except ValueError as err:
-        print(f"trainer3d: {err}", file=sys.stderr)
-        return 2
-    extra = [n for n in ("tokenizer.json", "tokenizer.model") if (args.out / n).exists()]
-    print(f"exported {len(files)} file(s) to {args.out} ({args.format}): " + ", ".join(f.name for f in files)
-          + (f"; tokenizer: {', '.join(extra)}" if extra else ""))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,7 +6,8 @@ own modules, ``schema_model`` (``model.*``, rotary scaling) and ``schema_paralle
 (``parallel.*``); ``knobs`` every field's range or choices;
 ``validate`` the rules of a layout as a pure function, run in the submitting process and
 naming the knob to change; ``jsonfile`` the size-bounded reader of JSON objects the run did
-not write (token headers, Hugging Face config and index files); ``secrets`` the redaction of
+not write (token headers, Hugging Face config and index files); ``rows`` the one reader of
+metrics.jsonl, which skips a torn last line as a resume does; ``secrets`` the redaction of
 credentials, by key and by value, from every record of a config (.hydra/, markers, wandb);
 ``defaults_used`` the knobs sizing memory and time a command left at their defaults (the dry
 run names them); ``help`` and ``conf_dir`` the ``--help`` page and where conf/ is; ``extras``

@@ -8,7 +8,8 @@ when this package is imported. ``shm`` is ZeRO's dp collectives through shared m
 CPU ranks of one host (``ShmCollectives``, one implementation of parallel/comm.py's
 ``Collectives``), with the barrier of ``shm_barrier`` (shm_barrier.cpp). ``malloc`` keeps freed
 memory in a CPU rank's heap. ``build`` is the package's one way to build C++ (also for
-ZeRO-Offload's host AdamW, parallel/zero/host_kernel.py). docs/performance.md has what each
+ZeRO-Offload's host AdamW, parallel/zero/host_kernel.py); ``build_dir`` its lock, which dies
+with its holder, and the check that no one else could have written a build before it is loaded. docs/performance.md has what each
 buys. ``TRAINER3D_CPU_KERNELS=0`` turns the kernels off, ``TRAINER3D_SHM_COLLECTIVES=0`` the
 shared-memory collectives.
 

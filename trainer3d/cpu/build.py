@@ -9,28 +9,27 @@ which only it provides; it keeps a build per name under torch's extension direct
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), rebuilds when a source or a
 flag changes, and holds a lock file while it builds, so the ranks of a job that start at once
 build once (DeepSpeed's op builders load their CPU ops the same way,
-deepspeed/ops/op_builder/builder.py ``jit_load``).
+deepspeed/ops/op_builder/builder.py ``jit_load``). build_dir.py guards that lock file with an
+flock that dies with its holder, and never loads from a directory another user could write.
 
 Where there is no compiler or the build fails, ``Build.get`` logs one line and returns None;
 the callers then run torch's operators (or gloo) instead, with the same results.
 """
 
+import atexit
 import ctypes
 import logging
 import os
 import shutil
 import sys
-import time
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+from trainer3d.cpu.build_dir import held as build_lock
+from trainer3d.cpu.build_dir import unsafe as build_dir_unsafe
+
 log = logging.getLogger(__name__)
-
-
-STALE_LOCK_S = 1200
-"""A build lock older than this was left by a build that was killed before it finished: torch's
-builder would wait for it to go away for ever (torch/utils/file_baton.py, ``FileBaton.wait``).
-A build of these sources takes seconds, with torch's headers a few minutes on a loaded host."""
 
 
 def compiler() -> Optional[str]:
@@ -52,22 +51,23 @@ def cpp_extension_load(name: str, source: Path, flags: List[str], python_module:
     if shutil.which("ninja") is None and scripts:
         os.environ["PATH"] = scripts + os.pathsep + path
     ldflags = ["-fopenmp"] if "-fopenmp" in flags else []
-    _clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock")
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))  # made if missing
+    why = build_dir_unsafe(build_dir)
+    if why:
+        # Not this user's alone: what it holds is not loaded, and not built on either.
+        private = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+        log.warning("%s: %s; building into the private directory %s instead (make the extensions "
+                    "directory, TORCH_EXTENSIONS_DIR, yours and not writable by others to keep one build)",
+                    name, why, private)
+        build_dir = private
+        atexit.register(shutil.rmtree, private, ignore_errors=True)  # loaded libraries stay mapped
     try:
-        return cpp_extension.load(name, [str(source)], extra_cflags=flags, extra_ldflags=ldflags,
-                                  is_python_module=python_module, verbose=False)
+        with build_lock(build_dir):
+            return cpp_extension.load(name, [str(source)], extra_cflags=flags, extra_ldflags=ldflags,
+                                      build_directory=str(build_dir), is_python_module=python_module,
+                                      verbose=False)
     finally:
         os.environ["PATH"] = path
-
-
-def _clear_stale_lock(lock: Path) -> None:
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        log.warning("%s is %.0f s old, left by a build that did not finish; removing it", lock, age)
-        lock.unlink(missing_ok=True)
 
 
 class Build:

@@ -16,8 +16,9 @@ Set up collectively per group: rank 0 creates the segment in /dev/shm (O_EXCL, m
 space reserved with posix_fallocate, so a full /dev/shm is an error here and not a SIGBUS
 later) and writes a random token into it; every rank maps it by name and checks the token;
 only if all ranks succeeded is it used (ranks on different hosts, or a private /dev/shm, fall
-back to gloo together), and rank 0 unlinks the name at once, so nothing is left behind
-whatever happens to the job. Larger tensors go through in chunks of the segment's size.
+back to gloo together), and rank 0 unlinks the name as soon as the ranks have answered, or the
+start failed (a peer died, a collective raised), so nothing is left behind once the set-up is
+over, whatever happens to the job. Larger tensors go through in chunks of the segment's size.
 ``TRAINER3D_SHM_COLLECTIVES=0`` keeps gloo.
 """
 
@@ -218,6 +219,44 @@ def _open(name: str, token: bytes, size: int) -> Tuple[mmap.mmap, int]:
     return segment, fd
 
 
+def _attach(group, offer, size: int) -> Tuple[Optional[mmap.mmap], int, List[object]]:
+    """This rank's mapping of rank 0's ``offer`` (name, token) or why not, and every rank's
+    (why not, has the barrier's library) gathered: the verdicts all ranks decide on alike."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    segment, fd, why = None, -1, offer if isinstance(offer, str) else None
+    own_barrier = False
+    if why is None:
+        name, token = offer
+        try:
+            segment, fd = _open(name, token, size)
+        except (OSError, ValueError) as e:
+            why = f"rank {rank}: {e}"
+        else:
+            try:  # the liveness lock is taken before the verdicts: every peer holds it before any barrier
+                own_barrier = shm_barrier.library() is not None
+                if own_barrier:
+                    ShmBarrier.take_lock(fd, rank)
+            except OSError as e:
+                log.warning("rank %d: %s; the dp collectives use gloo's barrier", rank, e)
+                own_barrier = False
+    verdicts: List[object] = [None] * world
+    try:
+        dist.all_gather_object(verdicts, (why, own_barrier), group=group)
+    except BaseException:
+        if segment is not None:
+            segment.close()
+            os.close(fd)
+        raise
+    return segment, fd, verdicts
+
+
+def _unlink(name: str) -> None:
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except FileNotFoundError:
+        pass
+
+
 def shm_collectives(group, numel: int, element_size: int = 4) -> Optional[ShmCollectives]:
     """Collective over ``group``: shared-memory collectives for tensors of up to ``numel``
     elements in one chunk, or None (every rank alike) where gloo stays: another backend, one
@@ -233,30 +272,18 @@ def shm_collectives(group, numel: int, element_size: int = 4) -> Optional[ShmCol
             offer = [_create(size)]
         except (OSError, AttributeError) as e:  # AttributeError: no posix_fallocate (macOS)
             offer = [f"rank 0 could not make a {size >> 20} MiB segment in /dev/shm ({e})"]
-    dist.broadcast_object_list(offer, src=dist.get_global_rank(group, 0), group=group)
-    segment, fd, why = None, -1, offer[0] if isinstance(offer[0], str) else None
-    own_barrier = False
-    if why is None:
-        name, token = offer[0]
-        try:
-            segment, fd = _open(name, token, size)
-        except (OSError, ValueError) as e:
-            why = f"rank {rank}: {e}"
-        else:
-            try:  # the liveness lock is taken before the verdicts: every peer holds it before any barrier
-                own_barrier = shm_barrier.library() is not None
-                if own_barrier:
-                    ShmBarrier.take_lock(fd, rank)
-            except OSError as e:
-                log.warning("rank %d: %s; the dp collectives use gloo's barrier", rank, e)
-                own_barrier = False
-    verdicts: List[object] = [None] * world
-    dist.all_gather_object(verdicts, (why, own_barrier), group=group)
+    made = offer[0][0] if isinstance(offer[0], tuple) else None
+    try:
+        dist.broadcast_object_list(offer, src=dist.get_global_rank(group, 0), group=group)
+        segment, fd, verdicts = _attach(group, offer[0], size)
+    finally:
+        # Every rank has mapped the segment or given up, or a peer died on the way and the
+        # collective raised: the name goes on every path rank 0 lives through, so a start that
+        # fails leaves nothing in /dev/shm (a mapping outlives its name, as an open file does).
+        if made is not None:
+            _unlink(made)
     own_barrier = all(has for _, has in verdicts)
-    verdicts = [v for v, _ in verdicts]
-    if rank == 0 and isinstance(offer[0], tuple):
-        os.unlink(os.path.join("/dev/shm", offer[0][0]))  # every rank has mapped it, or given up
-    failed = [v for v in verdicts if v is not None]
+    failed = [why for why, _ in verdicts if why is not None]
     if failed:
         if segment is not None:
             segment.close()

@@ -38,6 +38,7 @@ from typing import Callable, Dict, List, Optional, Sequence, TextIO
 import torch
 import torch.distributed as dist
 
+from trainer3d.config.rows import metric_row
 from trainer3d.observe.goodput import Prediction, lost_before, split_step, summarize, summary_lines, write_summary
 from trainer3d.observe.telemetry import CommTimer, process_memory
 from trainer3d.parallel.topology import ParallelDims
@@ -51,15 +52,6 @@ def format_duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
-
-
-def _row(line: str) -> Optional[dict]:
-    """A metrics.jsonl line as a row (a JSON object with an integer step), or None."""
-    try:
-        row = json.loads(line)
-    except (ValueError, RecursionError):
-        return None
-    return row if isinstance(row, dict) and type(row.get("step")) is int else None
 
 
 class MetricsLogger:
@@ -115,7 +107,7 @@ class MetricsLogger:
             return
         kept, dropped, torn = [], [], 0
         for line in self.path.read_text(errors="replace").splitlines():
-            row = _row(line)
+            row = metric_row(line)
             if row is None:
                 torn += bool(line.strip())
             elif row["step"] < start_step:
@@ -279,7 +271,7 @@ class MetricsLogger:
         if self.dims.rank != 0:
             return None
         lines = self.path.read_text(errors="replace").splitlines() if self.path.exists() else []
-        rows = [row for row in map(_row, lines) if row is not None and "step_time_s" in row]
+        rows = [row for row in map(metric_row, lines) if row is not None and "step_time_s" in row]
         summary = summarize(rows, self.lost_s, self.prediction)
         write_summary(self.path.parent, summary)
         for line in summary_lines(summary):

@@ -6,7 +6,6 @@ a real size and compares with the prediction. Each run is ``python -m trainer3d.
 Hydra overrides (local ranks, gloo, wandb off), its step times read from metrics.jsonl.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from typing import List, Sequence
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from trainer3d.config.rows import read_metrics
 from trainer3d.config.schema import Config
 from trainer3d.config.validate import validate
 
@@ -37,5 +37,5 @@ def measured_step_s(overrides: Sequence[str], steps: int, warmup: int, run_dir: 
                           env=dict(os.environ, WANDB_MODE="disabled"))
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows, _ = read_metrics(Path(run_dir) / "metrics.jsonl")
     return [r["step_time_s"] for r in rows[warmup:]]

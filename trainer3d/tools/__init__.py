@@ -10,5 +10,7 @@
     gpu_check        trainer3d-gpu-check         a GPU node's first check: the GPU tier, resume, MFU, the planner
 
 Each is a ``main(argv=None) -> int`` over argparse; the developer's benchmarks stay in tools/bench/.
+Every output a tool (or a benchmark) writes goes through ``output``: never one of its inputs,
+one line for a wrong path, written beside the target and published whole.
 May import ``config``, ``model``, ``data``, ``hf``, ``checkpoint`` and ``plan`` (gpu_check).
 """

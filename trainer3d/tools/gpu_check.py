@@ -40,12 +40,14 @@ from xml.etree import ElementTree
 import torch
 
 from trainer3d.checkpoint import store
+from trainer3d.config.rows import read_metrics
 from trainer3d.config.schema import Config
 from trainer3d.plan.calibrate_gpu import calibrated_device, measure, preset_for
 from trainer3d.plan.devices import PRESETS
 from trainer3d.plan.evaluate import evaluate_layout, summary
 from trainer3d.plan.probe import training_config
 from trainer3d.plan.settings import PlanConfig
+from trainer3d.tools import output
 from trainer3d.tools.parity import PACKAGE_PARENT, read_losses, train_command
 
 CHECKS = {
@@ -110,7 +112,7 @@ def _train(run_dir: Path, overrides: Sequence[str], timeout: float) -> subproces
 
 
 def _rows(run_dir: Path) -> List[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return read_metrics(run_dir / "metrics.jsonl")[0]  # a torn last line is no step
 
 
 def check_tier(work: Path, timeout: float, marks: str) -> Result:
@@ -230,6 +232,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("gpu-check.json"), help="the JSON report")
     parser.add_argument("--tier-timeout", type=float, default=0,
                         help="seconds for the tier's pytest (default: 300 on one GPU, 1800 with more)")
+    parser.add_argument("--force", action="store_true",
+                        help="delete the runs of an earlier check (beside --out) first, instead of refusing")
     parser.add_argument("--full-tier", action="store_true",
                         help="the whole tier on one GPU too (default there: its tests not marked slow)")
     args = parser.parse_args(argv)
@@ -248,10 +252,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     full = args.full_tier or gpus > 1  # one GPU: the quick part fits the 8 minutes; a node of several runs it all
     tier_timeout = args.tier_timeout or (300 if not full else 1800)  # the multi-GPU matrix starts 8-rank runs
     work = args.out.parent / f"{args.out.stem}-runs"  # kept: the runs and the tier's log, for a failure's reader
-    work.mkdir(parents=True, exist_ok=True)
+    try:  # an earlier check's runs would be resumed, not run: this check reads only what it made
+        output.check(args.out)
+        output.check(work, directory=True, force=args.force)
+    except output.OutputError as err:
+        print(f"trainer3d-gpu-check: {err}", file=sys.stderr)
+        return 2
+    with output.new_dir(work):
+        pass
     results = run_checks(names, work, tier_timeout, "gpu" if full else "gpu and not slow")
     text, report = summarise(results, gpu)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    with output.new_file(args.out) as tmp:
+        tmp.write_text(json.dumps(report, indent=1) + "\n")
     print(f"{text}\nreport: {args.out}")
     return 0 if report["ok"] else 1
 

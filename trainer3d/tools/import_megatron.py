@@ -6,7 +6,8 @@ NeMo and GPT-NeoX preprocess corpora): trainer3d/data/megatron.py.
 
 The index is checked against both files before a token is read, every id against the
 vocabulary, and each document is followed by the end-of-document id (unless it ends with
-it), so documents stay apart. Train on the result with ``data=tokens data.path=data/web.bin``.
+it), so documents stay apart. An --out that is (or lies beside as the header of) one of the
+dataset's files is refused. Train on the result with ``data=tokens data.path=data/web.bin``.
 """
 
 import argparse
@@ -14,8 +15,9 @@ import sys
 
 
 from trainer3d.data import prepare
-from trainer3d.data.megatron import import_megatron
-from trainer3d.data.tokens import TokenFileError
+from trainer3d.data.megatron import import_megatron, paths
+from trainer3d.data.tokens import TokenFileError, bin_path, header_path
+from trainer3d.tools import output
 
 
 def main(argv=None) -> int:
@@ -29,6 +31,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     info = None
     try:
+        inputs = [*paths(args.prefix), *([args.tokenizer] if args.tokenizer else [])]
+        for out in (bin_path(args.out), header_path(args.out)):  # the token file writes both, atomically
+            output.check(out, inputs)
         if args.tokenizer:
             encoder = prepare.load_tokenizer(args.tokenizer)
             info = encoder.info

@@ -15,7 +15,9 @@ the default tolerance is 1e-5. bf16/fp16 runs need a looser ``--tol`` (~1e-2).
 Every other argument after ``--`` is passed to both runs (``launcher=slurm`` works too, with
 ``launcher.wait=true``). Exit status: 0 PASS, 1 FAIL (or a run failed), 2 a refused config.
 The run directories are kept under ``--out`` (default: a new directory under ``parity/`` of the
-current directory).
+current directory). An ``--out`` that already holds files (an earlier check's runs, which a
+new check would resume and compare again) is refused unless ``--force``, which deletes it
+first: a check reads only the runs it made itself, and ``--reuse-b``'s.
 
 ``--reuse-b DIR`` compares A with a finished run of layout B instead of running B again (the
 ``b`` directory of an earlier check: several layouts against one single-process reference).
@@ -24,7 +26,6 @@ entry for entry) and have logged ``--steps`` steps; otherwise the check is refus
 """
 
 import argparse
-import json
 import os
 import shlex
 import subprocess
@@ -34,6 +35,9 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from omegaconf import ListConfig, OmegaConf
+
+from trainer3d.config.rows import read_metrics
+from trainer3d.tools import output
 
 # The directory holding the trainer3d package (a checkout, or site-packages): put first on the
 # runs' PYTHONPATH, so ``python -m trainer3d.train`` is this trainer3d from any directory.
@@ -108,7 +112,7 @@ def reuse_problem(run_dir: Path, overrides: Sequence[str], steps: int) -> Option
 
 
 def read_losses(run_dir: Path) -> List[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows, _ = read_metrics(run_dir / "metrics.jsonl")  # a torn last line is no step
     return [row["loss"] for row in sorted(rows, key=lambda row: row["step"])]
 
 
@@ -146,10 +150,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="where the two runs go (kept)")
     parser.add_argument("--reuse-b", type=Path, default=None, metavar="DIR",
                         help="a finished run of layout B (same overrides, --steps steps) to compare with, not rerun")
+    parser.add_argument("--force", action="store_true", help="delete an --out that already holds files first")
     args, passthrough = parser.parse_known_args(argv)
     passthrough = [x for x in passthrough if x != "--"]
-    out = args.out or Path("parity") / time.strftime("%Y-%m-%d_%H-%M-%S")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out = output.check(args.out or Path("parity") / time.strftime("%Y-%m-%d_%H-%M-%S"),
+                           [args.reuse_b] if args.reuse_b else [], directory=True, force=args.force)
+    except output.OutputError as err:
+        print(f"parity: {err}", file=sys.stderr)
+        return 2
+    with output.new_dir(out):  # empty, in place of any earlier check's runs (--force)
+        pass
     common = [*shlex.split(args.common), *passthrough, f"train.max_steps={args.steps}", *FIXED]
     layouts = {"A": [*common, *shlex.split(args.layout_a)], "B": [*common, *shlex.split(args.layout_b)]}
 
@@ -174,7 +185,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 1
         print(f"layout {name}: {args.steps} steps in {wall:.1f} s")
     report = compare(read_losses(runs["A"]), read_losses(runs["B"]), args.tol)
-    (out / "parity.txt").write_text(report + "\n")
+    with output.new_file(out / "parity.txt") as tmp:
+        tmp.write_text(report + "\n")
     print(report)
     return 0 if report.endswith("PASS") else 1
 

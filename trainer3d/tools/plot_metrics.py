@@ -16,12 +16,13 @@ Needs matplotlib: ``pip install 'trainer3d[plot]'``.
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
 
 from trainer3d.config.extras import require
+from trainer3d.config.rows import read_metrics
+from trainer3d.tools import output
 
 require("plot", "plot_metrics")
 import matplotlib  # noqa: E402
@@ -69,11 +70,14 @@ def labels_of(runs: List[Path]) -> List[str]:
 
 
 def load(metrics: Path) -> Dict[str, List[Tuple[int, float]]]:
+    """Each metric's (step, value) points; a torn line (a crash mid-write) is skipped, named,
+    as a resume skips it (trainer3d/config/rows.py)."""
     series: Dict[str, List[Tuple[int, float]]] = {}
-    for line in metrics.read_text().splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    rows, torn = read_metrics(metrics)
+    if torn:
+        print(f"plot_metrics: {metrics}: skipped {torn} line(s) that are not complete rows (a write cut short)",
+              file=sys.stderr)
+    for row in rows:
         for key, value in row.items():
             if key != "step" and isinstance(value, (int, float)) and value == value:  # skip NaN
                 series.setdefault(key, []).append((row["step"], float(value)))
@@ -109,9 +113,15 @@ def plot(runs: Dict[str, Dict], key: str, ylabel: str, path: Path, window: int, 
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        save(fig, path)
     plt.close(fig)
     return drawn
+
+
+def save(fig, path: Path) -> None:
+    """The PNG written beside ``path`` and published whole (trainer3d/tools/output.py)."""
+    with output.new_file(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
 
 
 GOODPUT_PARTS = (("compute_s", "compute"), ("bubble_s", "pipeline bubble"), ("comm_s", "exposed communication"),
@@ -141,9 +151,12 @@ def plot_goodput(runs: Dict[str, Dict], path: Path) -> bool:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save(fig, path)
     plt.close(fig)
     return True
+
+
+PLOTS = ("loss.png", "val_loss.png", "throughput.png", "mfu.png", "goodput.png")
 
 
 def main(argv=None) -> int:
@@ -158,8 +171,13 @@ def main(argv=None) -> int:
         while label in runs:
             label += "'"
         runs[label] = load(metrics)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:  # a directory the PNGs are added to: only its shape is checked, and each file against the inputs
+        out = output.check(args.out, directory=True, force=True)
+        for name in PLOTS:
+            output.check(out / name, found)
+    except output.OutputError as err:
+        print(f"plot_metrics: {err}", file=sys.stderr)
+        return 2
     written = [name for name, key, ylabel, log_y in (("loss.png", "loss", "loss", False),
                                                     ("val_loss.png", "val_loss", "validation loss", False),
                                                     ("throughput.png", "tokens_per_s", "tokens/s", False),

@@ -27,6 +27,7 @@ from trainer3d.data import prepare
 from trainer3d.data.documents import (JSONL_SUFFIXES, TRAINED_TOKENIZER_SUFFIX, InputError, Progress, collect,
                                       documents)
 from trainer3d.data.tokens import TokenFileError, bin_path, header_path
+from trainer3d.tools import output
 
 
 def format_bytes(n: float) -> str:
@@ -105,9 +106,21 @@ def build_encoder(args, files):
     return prepare.BYTE_ENCODER
 
 
+def check_outputs(args) -> None:
+    """Every file this command writes (the token file, its header, a trained tokenizer) is none
+    of the inputs and lies in none of the input directories (trainer3d/tools/output.py)."""
+    inputs = [*args.inputs, *([args.tokenizer] if args.tokenizer else [])]
+    written = [bin_path(args.out), header_path(args.out)]
+    if args.train_tokenizer:
+        written.append(bin_path(args.out).with_suffix(TRAINED_TOKENIZER_SUFFIX))
+    for out in written:
+        output.check(out, inputs)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        check_outputs(args)
         out = bin_path(args.out)
         outputs = [out, header_path(out), out.with_suffix(TRAINED_TOKENIZER_SUFFIX)]
         files = collect(args.inputs, set(args.suffixes.split(",")), outputs)
