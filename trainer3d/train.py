@@ -10,7 +10,7 @@ body: trainer3d/rank/task.py).
 
 import os
 import sys
-from typing import List, Optional, Sequence, Set
+from typing import Callable, List, Optional, Sequence, Set
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -27,10 +27,12 @@ from trainer3d.config.schema import Config  # noqa: F401  (registers the schema 
 from trainer3d.config.validate import ConfigError, validate
 from trainer3d.hf.check import apply_init_from
 from trainer3d.launch.local import launch_local
-from trainer3d.launch.slurm import launch_slurm
+from trainer3d.launch.slurm import check_run_dir_free, launch_slurm
 from trainer3d.memory.dry_run import print_plan
 from trainer3d.preflight.refusal import refused_before_launch, report
+from trainer3d.preflight.rundir import write_record
 from trainer3d.rank.resume import remember_command
+from trainer3d.rank.runlock import RunDirBusy, RunDirLock
 from trainer3d.rank.task import TrainTask, in_distributed_env
 
 def resolve(dcfg: DictConfig) -> Config:
@@ -79,10 +81,12 @@ def given_knobs() -> Optional[Set[str]]:
     return None if keys is None else given_keys(hydra_cfg.overrides.task, keys)
 
 
-def run(cfg: Config, explicit_model: Sequence[str] = (), given: Optional[Set[str]] = None) -> int:
+def run(cfg: Config, explicit_model: Sequence[str] = (), given: Optional[Set[str]] = None,
+        record: Callable[[], None] = lambda: None) -> int:
     """Validate, prepare and launch; return the exit status. ``explicit_model``: the model
     fields given on the command line (checked against ``model.init_from``'s config.json);
-    ``given``: the knobs the user set (a dry run names the sizing knobs left at defaults)."""
+    ``given``: the knobs the user set (a dry run names the sizing knobs left at defaults);
+    ``record``: writes the run's record of its config, called once the run dir is the run's."""
     try:
         if cfg.model.init_from:
             cfg = apply_init_from(cfg, explicit_model)
@@ -100,7 +104,7 @@ def run(cfg: Config, explicit_model: Sequence[str] = (), given: Optional[Set[str
     if refused_before_launch(cfg):  # extras, devices, memory, data, run dirs (trainer3d/preflight/)
         return 2
     remember_command(cfg)  # the ranks' stop line prints it (trainer3d/rank/resume.py)
-    return launch(cfg)
+    return launch(cfg, record)
 
 
 def check_resume(cfg: Config) -> bool:
@@ -122,21 +126,34 @@ def check_resume(cfg: Config) -> bool:
     return True
 
 
-def launch(cfg: Config) -> int:
+def launch(cfg: Config, record: Callable[[], None] = lambda: None) -> int:
     """Start the ranks of a validated config: in place (already one rank of an allocation), as
-    a Slurm job, or as local processes; return the exit status."""
-    if cfg.launcher.name == "inplace" or in_distributed_env():
-        TrainTask(cfg)()
-        return 0
-    if cfg.launcher.name == "slurm":
-        return launch_slurm(cfg)
-    return launch_local(cfg)
+    a Slurm job, or as local processes; return the exit status. ``record`` (the config's record
+    in the run dir) is written only once no other run holds the run dir: a local run writes it
+    under its lock; elsewhere the lock is checked free first (rank 0 of an allocation writes it)."""
+    try:
+        if cfg.launcher.name == "inplace" or in_distributed_env():
+            if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+                RunDirLock.for_run(cfg).check_free()
+                record()
+            TrainTask(cfg)()
+            return 0
+        if cfg.launcher.name == "slurm":
+            check_run_dir_free(cfg)
+            record()
+            return launch_slurm(cfg)
+    except RunDirBusy as err:
+        print(f"trainer3d: {err}", file=sys.stderr, flush=True)
+        return 2
+    return launch_local(cfg, record)
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def _main(dcfg: DictConfig) -> int:
     unknown = report("config", unknown_keys(dcfg))  # what a +key=value added: to_object would drop it silently
-    status = 2 if unknown else run(resolve(dcfg), explicit_model_fields(), given_knobs())
+    hydra_cfg = HydraConfig.get()
+    status = 2 if unknown else run(resolve(dcfg), explicit_model_fields(), given_knobs(),
+                                   lambda: write_record(dcfg, hydra_cfg))
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         return status  # one failed point must not end the sweep: trainer3d/launch/sweep.py reports them all
     if status:

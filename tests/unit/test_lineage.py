@@ -35,12 +35,12 @@ def _cfg(tmp_path, run="run", **train):
     return cfg
 
 
-def _save(root, step, cfg, origin=Origin()):
+def _save(root, step, cfg, origin=None):
     partial = store.partial_dir(root, step)
     writer = CheckpointWriter(str(partial))
     dcp.save({"model.w": torch.arange(400.0) + step}, storage_writer=writer, no_dist=True)
     info = {"step": step, "files": writer.digests, "config": {"model": dataclasses.asdict(ModelConfig())},
-            **marker_fields(cfg, step, origin, None, data_identity(cfg))}
+            **marker_fields(cfg, step, origin or Origin(), None, data_identity(cfg))}
     store.publish(partial, store.step_dir(root, step), info)
     return store.step_dir(root, step)
 
