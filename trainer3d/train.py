@@ -100,6 +100,11 @@ def run(cfg: Config, explicit_model: Sequence[str] = (), given: Optional[Set[str
         return 2
     if cfg.dry_run:
         print_plan(cfg, defaults_block(cfg, given))
+        try:  # the record of what was planned, unless another run owns the run dir (its record stays)
+            RunDirLock.for_run(cfg).check_free()
+            record()
+        except RunDirBusy:
+            pass
         return 0
     if refused_before_launch(cfg):  # extras, devices, memory, data, run dirs (trainer3d/preflight/)
         return 2
