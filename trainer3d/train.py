@@ -81,6 +81,32 @@ def given_knobs() -> Optional[Set[str]]:
     return None if keys is None else given_keys(hydra_cfg.overrides.task, keys)
 
 
+def unpinned_run_dir(cfg: Config) -> Optional[str]:
+    """Why ranks started in place cannot agree on the run dir, or None.
+
+    Each rank of torchrun or an srun step runs this entry point itself, and an unnamed run's
+    run dir is ``outputs/<date>/<time>`` (conf/config.yaml), read from each rank's own clock: ranks
+    started across a second boundary would train into different run dirs, each a run of its own.
+    So more than one rank in place needs the run dir pinned on the command line."""
+    world = allocation_world_size(cfg)
+    if world is None or world < 2 or cfg.name is not None or not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    given = [o.split("=", 1)[0].lstrip("+~") for o in [*hydra_cfg.overrides.hydra, *hydra_cfg.overrides.task]]
+    if "hydra.run.dir" in given or "run_dir" in given:
+        return None
+    return (f"launcher=inplace: each of the {world} ranks started by torchrun or srun names its own run dir from "
+            f"its clock (outputs/<date>/<time>), so they may not agree; give hydra.run.dir=<dir> (the same for "
+            "every rank, e.g. outputs/slurm-$SLURM_JOB_ID) or name=<run name>")
+
+
+def sweep_point() -> Optional[List[str]]:
+    """The overrides of this sweep point (``-m``), which its resume command repeats; None outside a sweep."""
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    return list(HydraConfig.get().overrides.task)
+
+
 def run(cfg: Config, explicit_model: Sequence[str] = (), given: Optional[Set[str]] = None,
         record: Callable[[], None] = lambda: None) -> int:
     """Validate, prepare and launch; return the exit status. ``explicit_model``: the model
@@ -93,6 +119,8 @@ def run(cfg: Config, explicit_model: Sequence[str] = (), given: Optional[Set[str
         cfg = validate(cfg, allocation_world_size(cfg))
         if path_problems(cfg):
             raise ConfigError(path_problems(cfg))
+        if unpinned_run_dir(cfg):
+            raise ConfigError([unpinned_run_dir(cfg)])
     except ConfigError as err:
         report("config", err.problems)
         return 2
@@ -108,7 +136,7 @@ def run(cfg: Config, explicit_model: Sequence[str] = (), given: Optional[Set[str
         return 0
     if refused_before_launch(cfg):  # extras, devices, memory, data, run dirs (trainer3d/preflight/)
         return 2
-    remember_command(cfg)  # the ranks' stop line prints it (trainer3d/rank/resume.py)
+    remember_command(cfg, sweep_point())  # the ranks' stop line prints it (trainer3d/rank/resume.py)
     return launch(cfg, record)
 
 

@@ -9,16 +9,19 @@ test_checkpoint_safety.py's way), their markers holding what a save records."""
 
 import copy
 import dataclasses
+import hashlib
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from tokenizers import Tokenizer, models
 
 from tests.unit.test_validate import make
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.choose import choose
-from trainer3d.checkpoint.lineage import marker_fields, origin_of
+from trainer3d.checkpoint.export import export
+from trainer3d.checkpoint.lineage import marker_fields, origin_of, tokenizer_problem
 from trainer3d.checkpoint.store import CheckpointError
 from trainer3d.checkpoint.writer import CheckpointWriter
 from trainer3d.config.schema import ModelConfig
@@ -39,7 +42,8 @@ def _save(root, step, cfg, origin=None):
     partial = store.partial_dir(root, step)
     writer = CheckpointWriter(str(partial))
     dcp.save({"model.w": torch.arange(400.0) + step}, storage_writer=writer, no_dist=True)
-    info = {"step": step, "files": writer.digests, "config": {"model": dataclasses.asdict(ModelConfig())},
+    config = {"model": dataclasses.asdict(ModelConfig()), "data": dataclasses.asdict(cfg.data)}
+    info = {"step": step, "files": writer.digests, "config": config,
             **marker_fields(cfg, step, origin or Origin(), None, data_identity(cfg))}
     store.publish(partial, store.step_dir(root, step), info)
     return store.step_dir(root, step)
@@ -94,3 +98,24 @@ def test_samples_consumed_carry_over_a_change_of_global_batch(tmp_path):
         origin = origin_of(store.read_marker(path), batch)
     assert read == list(range(8 * 2 + 4 * 3 + 12 * 2))
     assert origin == Origin(7, 52)
+
+
+def test_a_tokenizer_replaced_since_training_is_refused_by_export(tmp_path):
+    """The data's header names tokenizer.json; after training it is replaced by another: the
+    export would bundle a tokenizer whose ids mean other text, so it is refused, naming both."""
+    vocab = {chr(ord("a") + i): i for i in range(20)}
+    made = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    made.save(str(tmp_path / "tokenizer.json"))
+    text = (tmp_path / "tokenizer.json").read_text()
+    info = TokenizerInfo("tokenizer.json", hashlib.sha256(text.encode()).hexdigest(), str(tmp_path / "tokenizer.json"))
+    data = write_token_file(tmp_path / "data.bin", np.arange(4000) % 20, 20, info, eos_id=0)
+    cfg = _cfg(tmp_path)
+    cfg.data.name, cfg.data.path = "tokens", str(data)
+    path = _save(tmp_path / "ckpt", 10, cfg)
+    assert tokenizer_problem(store.read_marker(path), tmp_path / "tokenizer.json", path) is None
+    Tokenizer(models.WordLevel({k: 19 - v for k, v in vocab.items()}, unk_token="a")).save(str(tmp_path / "tokenizer.json"))
+    said = tokenizer_problem(store.read_marker(path), tmp_path / "tokenizer.json", path)
+    assert said and f"checkpoint {path} was trained with tokenizer tokenizer.json" in said and "--tokenizer" in said
+    with pytest.raises(CheckpointError, match="was trained with tokenizer"):
+        export(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from trainer3d.config.schema import Config
-from trainer3d.data.identity import data_changes, data_identity
+from trainer3d.data.identity import data_changes, data_identity, tokenizer_file_sha256
 from trainer3d.data.sampler import Origin
 
 ABANDONED = "abandoned"
@@ -82,6 +82,22 @@ def data_problem(info: dict, cfg: Config, knob: str) -> Optional[str]:
         return None
     return (f"{knob} was trained on other data: {'; '.join(changes)}; point the data.* knobs at the data it was "
             "trained on, or set train.allow_data_change=true to continue on this data on purpose")
+
+
+def tokenizer_problem(info: dict, tokenizer: Optional[Path], path: Path) -> Optional[str]:
+    """Why ``tokenizer`` (the tokenizer.json the data path's header names now) is not the one the
+    checkpoint at ``path`` was trained with, or None (also where the marker records no tokenizer)."""
+    recorded = next((r for r in (info.get("data") or {}).values()
+                     if isinstance(r, dict) and isinstance(r.get("tokenizer_sha256"), str)), None)
+    if recorded is None or tokenizer is None:
+        return None
+    now = tokenizer_file_sha256(tokenizer)
+    if now == recorded["tokenizer_sha256"]:
+        return None
+    return (f"checkpoint {path} was trained with tokenizer {recorded.get('tokenizer')} (sha256 "
+            f"{recorded['tokenizer_sha256'][:12]}...), but the tokenizer its data path names now, {tokenizer}, "
+            f"{'is unreadable' if now is None else f'differs (sha256 {now[:12]}...)'}; give the tokenizer it was "
+            "trained with: --tokenizer FILE")
 
 
 def set_aside(root: Path, resumed: Path, resumed_step: int, published: List) -> List[Path]:

@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 
 
 from trainer3d.checkpoint.export import load_full_model, model_config_of
+from trainer3d.checkpoint.lineage import tokenizer_problem
 from trainer3d.checkpoint.store import MARKER, CheckpointError, read_marker
 from trainer3d.data import BYTE_VOCAB, EOF_TOKEN
 from trainer3d.hf.check import weight_problems
@@ -72,7 +73,11 @@ def load_model(path: Path):
             raise SystemExit(f"sample: {err}") from None
         model = Transformer(model_config_of(config))
         fill_parameters(model, lambda name, shape, shard: tensors[name])
-        return model, data_tokenizer(config)
+        data = data_tokenizer(config)
+        refused = tokenizer_problem(read_marker(path), data.tokenizer, path)
+        if refused:  # the data path's tokenizer is not the one the model was trained with: never used
+            data = DataTokens(None, False, data.eos_id, refused)
+        return model, data
     try:
         cfg = model_config(read_json(path / "config.json"))
     except (DirError, ValueError) as err:
@@ -106,6 +111,8 @@ def choose_tokenizer(path: Path, given: Optional[Path], data: DataTokens, vocab_
             raise SystemExit(f"sample: the vocabulary ({vocab_size}) is too small for byte-level tokens "
                              f"({BYTE_VOCAB}); give --tokenizer")
         return ByteTokenizer()
+    if data.refused:
+        raise SystemExit(f"sample: {data.refused}")
     raise SystemExit(f"sample: {path} has no tokenizer.json and its vocabulary ({vocab_size}) is not byte-level "
                      f"({BYTE_VOCAB}): give the tokenizer its training data was made with (--tokenizer FILE)")
 
