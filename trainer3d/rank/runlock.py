@@ -149,6 +149,7 @@ def join(run_dir: str, *more: str) -> List[int]:
     drops the locks when the process ends), or RunDirBusy if another start holds one exclusively."""
     fds = []
     for index, directory in enumerate([run_dir, *more]):
+        Path(directory).mkdir(parents=True, exist_ok=True)
         fd = os.open(Path(directory) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)

@@ -13,7 +13,9 @@ tools/prepare_data.py without a tokenizer make them) only for a model whose data
 byte-level (a checkpoint's record) or whose vocabulary is exactly 257 (an export). A
 tokenizer whose ids the model's vocabulary cannot hold, or a model with no tokenizer and a
 vocabulary that is not byte-level, is refused in one line naming ``--tokenizer``: decoding
-such ids as bytes prints noise. Generation stops at an end-of-sequence id.
+such ids as bytes prints noise. So is the data's tokenizer when it is not the one the
+checkpoint recorded it was trained with (trainer3d/checkpoint/lineage.py). Generation stops at
+an end-of-sequence id.
 """
 
 import argparse
@@ -106,13 +108,13 @@ def choose_tokenizer(path: Path, given: Optional[Path], data: DataTokens, vocab_
                 return tokenizer
             if candidate is given:
                 raise SystemExit(f"sample: --tokenizer {given}: no tokenizer.json there")
+    if data.refused:
+        raise SystemExit(f"sample: {data.refused}")
     if data.byte_level or (data.tokenizer is None and vocab_size == BYTE_VOCAB):
         if vocab_size < BYTE_VOCAB:
             raise SystemExit(f"sample: the vocabulary ({vocab_size}) is too small for byte-level tokens "
                              f"({BYTE_VOCAB}); give --tokenizer")
         return ByteTokenizer()
-    if data.refused:
-        raise SystemExit(f"sample: {data.refused}")
     raise SystemExit(f"sample: {path} has no tokenizer.json and its vocabulary ({vocab_size}) is not byte-level "
                      f"({BYTE_VOCAB}): give the tokenizer its training data was made with (--tokenizer FILE)")
 
