@@ -10,7 +10,7 @@ body: trainer3d/rank/task.py).
 
 import os
 import sys
-from typing import List, Optional, Sequence, Set
+from typing import Callable, List, Optional, Sequence, Set
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -27,10 +27,12 @@ from trainer3d.config.schema import Config  # noqa: F401  (registers the schema 
 from trainer3d.config.validate import ConfigError, validate
 from trainer3d.hf.check import apply_init_from
 from trainer3d.launch.local import launch_local
-from trainer3d.launch.slurm import launch_slurm
+from trainer3d.launch.slurm import check_run_dir_free, launch_slurm
 from trainer3d.memory.dry_run import print_plan
 from trainer3d.preflight.refusal import refused_before_launch, report
+from trainer3d.preflight.rundir import write_record
 from trainer3d.rank.resume import remember_command
+from trainer3d.rank.runlock import RunDirBusy, RunDirLock
 from trainer3d.rank.task import TrainTask, in_distributed_env
 
 def resolve(dcfg: DictConfig) -> Config:
@@ -79,16 +81,46 @@ def given_knobs() -> Optional[Set[str]]:
     return None if keys is None else given_keys(hydra_cfg.overrides.task, keys)
 
 
-def run(cfg: Config, explicit_model: Sequence[str] = (), given: Optional[Set[str]] = None) -> int:
+def unpinned_run_dir(cfg: Config) -> Optional[str]:
+    """Why ranks started in place cannot agree on the run dir, or None.
+
+    Each rank of torchrun or an srun step runs this entry point itself, and an unnamed run's
+    run dir is ``outputs/<date>/<time>`` (conf/config.yaml), read from each rank's own clock: ranks
+    started across a second boundary would train into different run dirs, each a run of its own.
+    So more than one rank in place needs the run dir pinned on the command line."""
+    world = allocation_world_size(cfg)
+    if world is None or world < 2 or cfg.name is not None or not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    given = [o.split("=", 1)[0].lstrip("+~") for o in [*hydra_cfg.overrides.hydra, *hydra_cfg.overrides.task]]
+    if "hydra.run.dir" in given or "run_dir" in given:
+        return None
+    return (f"launcher=inplace: each of the {world} ranks started by torchrun or srun names its own run dir from "
+            f"its clock (outputs/<date>/<time>), so they may not agree; give hydra.run.dir=<dir> (the same for "
+            "every rank, e.g. outputs/slurm-$SLURM_JOB_ID) or name=<run name>")
+
+
+def sweep_point() -> Optional[List[str]]:
+    """The overrides of this sweep point (``-m``), which its resume command repeats; None outside a sweep."""
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    return list(HydraConfig.get().overrides.task)
+
+
+def run(cfg: Config, explicit_model: Sequence[str] = (), given: Optional[Set[str]] = None,
+        record: Callable[[], None] = lambda: None) -> int:
     """Validate, prepare and launch; return the exit status. ``explicit_model``: the model
     fields given on the command line (checked against ``model.init_from``'s config.json);
-    ``given``: the knobs the user set (a dry run names the sizing knobs left at defaults)."""
+    ``given``: the knobs the user set (a dry run names the sizing knobs left at defaults);
+    ``record``: writes the run's record of its config, called once the run dir is the run's."""
     try:
         if path_problems(cfg):  # before init_from, the resume check or any rank opens one
             raise ConfigError(path_problems(cfg))
         if cfg.model.init_from:
             cfg = apply_init_from(cfg, explicit_model)
         cfg = validate(cfg, allocation_world_size(cfg))
+        if unpinned_run_dir(cfg):
+            raise ConfigError([unpinned_run_dir(cfg)])
     except ConfigError as err:
         report("config", err.problems)
         return 2
@@ -96,11 +128,16 @@ def run(cfg: Config, explicit_model: Sequence[str] = (), given: Optional[Set[str
         return 2
     if cfg.dry_run:
         print_plan(cfg, defaults_block(cfg, given))
+        try:  # the record of what was planned, unless another run owns the run dir (its record stays)
+            RunDirLock.for_run(cfg).check_free()
+            record()
+        except RunDirBusy:
+            pass
         return 0
     if refused_before_launch(cfg):  # extras, devices, memory, data, run dirs (trainer3d/preflight/)
         return 2
-    remember_command(cfg)  # the ranks' stop line prints it (trainer3d/rank/resume.py)
-    return launch(cfg)
+    remember_command(cfg, sweep_point())  # the ranks' stop line prints it (trainer3d/rank/resume.py)
+    return launch(cfg, record)
 
 
 def check_resume(cfg: Config) -> bool:
@@ -122,21 +159,34 @@ def check_resume(cfg: Config) -> bool:
     return True
 
 
-def launch(cfg: Config) -> int:
+def launch(cfg: Config, record: Callable[[], None] = lambda: None) -> int:
     """Start the ranks of a validated config: in place (already one rank of an allocation), as
-    a Slurm job, or as local processes; return the exit status."""
-    if cfg.launcher.name == "inplace" or in_distributed_env():
-        TrainTask(cfg)()
-        return 0
-    if cfg.launcher.name == "slurm":
-        return launch_slurm(cfg)
-    return launch_local(cfg)
+    a Slurm job, or as local processes; return the exit status. ``record`` (the config's record
+    in the run dir) is written only once no other run holds the run dir: a local run writes it
+    under its lock; elsewhere the lock is checked free first (rank 0 of an allocation writes it)."""
+    try:
+        if cfg.launcher.name == "inplace" or in_distributed_env():
+            if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+                RunDirLock.for_run(cfg).check_free()
+                record()
+            TrainTask(cfg)()
+            return 0
+        if cfg.launcher.name == "slurm":
+            check_run_dir_free(cfg)
+            record()
+            return launch_slurm(cfg)
+    except RunDirBusy as err:
+        print(f"trainer3d: {err}", file=sys.stderr, flush=True)
+        return 2
+    return launch_local(cfg, record)
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def _main(dcfg: DictConfig) -> int:
     unknown = report("config", unknown_keys(dcfg))  # what a +key=value added: to_object would drop it silently
-    status = 2 if unknown else run(resolve(dcfg), explicit_model_fields(), given_knobs())
+    hydra_cfg = HydraConfig.get()
+    status = 2 if unknown else run(resolve(dcfg), explicit_model_fields(), given_knobs(),
+                                   lambda: write_record(dcfg, hydra_cfg))
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         return status  # one failed point must not end the sweep: trainer3d/launch/sweep.py reports them all
     if status:

@@ -97,6 +97,7 @@ class Trainer:
         self.pipeline = Pipeline(self.chunks, self.micro_loss, cfg, dims) if dims.pp > 1 else None
         self.data, self.evaluator = self._build_data()
         self.start_step = self.checkpointer.load(resume_from)
+        self.data.reader.origin = self.checkpointer.origin  # samples consumed, whatever the batch was
         self.metrics = self._build_metrics()
         self.nonfinite = NonFiniteWatch(dims.device, norm_counts=t.dtype != "fp16", action=t.on_nonfinite)
         self.profiler = StepProfiler(list(t.profile), cfg.run_dir, dims.rank, dims.device)

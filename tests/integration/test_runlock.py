@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.support.background import Run, marked
+from tests.support.runs import run_train
 from trainer3d.checkpoint import store
 from trainer3d.rank.runlock import RunDirBusy, RunDirLock
 
@@ -91,3 +92,30 @@ def test_a_job_never_outlives_its_submitter_and_holds_its_run_dir_while_it_lives
     saved = store.published(run_dir / "checkpoints")
     assert len(saved) == 1 and store.is_complete(saved[0][1]) == (True, ""), saved
     RunDirLock(str(run_dir)).check_free()
+
+
+def _tree(directory):
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_refused_second_start_writes_nothing_into_the_running_runs_dirs(tmp_path):
+    """The running run's recorded config (.hydra/), its logs and lock record are what they were
+    after a second start in the same run dir is refused: every check comes before any write."""
+    run_dir = tmp_path / "run"
+    first = run_train(run_dir, [*SMALL, "train.max_steps=1", "checkpoint.save_final=false"])
+    assert first.returncode == 0
+    with RunDirLock(str(run_dir)):  # the first run, still running
+        before = _tree(run_dir)
+        second = run_train(run_dir, [*SMALL, "train.max_steps=2", "train.seed=7"], expect_ok=False)
+        assert second.returncode == 2 and f"run dir {run_dir} is in use by another run" in second.stderr
+        assert _tree(run_dir) == before
+
+
+def test_the_lock_covers_a_checkpoint_dir_outside_the_run_dir(tmp_path):
+    """Two runs with their own run dirs and one checkpoint.dir: the second is refused, naming it."""
+    shared = tmp_path / "shared"
+    with RunDirLock(str(shared)):  # held by a run whose checkpoint.dir it is
+        second = run_train(tmp_path / "b", [*SMALL, "train.max_steps=1", f"checkpoint.dir={shared}"],
+                           expect_ok=False)
+    assert second.returncode == 2, second.stderr
+    assert f"checkpoint dir {shared} (checkpoint.dir) is in use by another run" in second.stderr, second.stderr

@@ -38,7 +38,7 @@ MAY_IMPORT: Dict[str, Set[str]] = {
     "trainer": {"checkpoint", "observe", "parallel", "optim", "data", "model", "config"},  # the loop
     "preflight": {"memory", "parallel", "data", "config"},  # checks before launch
     "plan": {"memory", "observe", "parallel", "model", "config"},
-    "checkpoint": {"observe", "parallel", "optim", "hf", "model", "config"},
+    "checkpoint": {"observe", "parallel", "optim", "hf", "model", "data", "config"},
     "memory": {"parallel", "model", "config"},
     "observe": {"parallel", "optim", "data", "model", "config"},
     "parallel": {"optim", "hf", "data", "cpu", "model", "config"},

@@ -51,3 +51,11 @@ def test_evaluation_knobs_with_validation_data_or_off_pass():
     validate(make(["data=tokens", "data.path=a.bin", "train.eval_every=50", "data.val_fraction=0.01"]))
     validate(make(["data=tokens", "data.path=a.bin", "train.eval_every=0", "train.eval_steps=3"]))
     validate(make(["name=web-1b.v2"]))
+
+
+def test_a_sweep_point_resumes_by_its_own_overrides_in_its_own_dir():
+    argv = ["/x/trainer3d/train.py", "-m", "parallel.dp=1,2", "train.lr=1e-3", "train.resume=never"]
+    point = ["parallel.dp=2", "train.lr=1e-3", "train.resume=never"]
+    got = shlex.split(resume_command(_cfg(run_dir="multirun/2026-01-01/10-00-00/1"), argv, point))
+    assert got == ["python", "-m", "trainer3d.train", "parallel.dp=2", "train.lr=1e-3",
+                   "hydra.run.dir=multirun/2026-01-01/10-00-00/1", "train.resume=auto"]

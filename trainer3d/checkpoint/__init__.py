@@ -10,9 +10,10 @@ directories (``step_N.partial`` renamed into place with a sealed marker), discov
 integrity; ``writer`` and ``digest`` DCP's writer with checksums taken as bytes go to disk;
 ``metadata`` and ``reader`` the restricted reading of checkpoints that may not be trusted
 (an allow-listed unpickler, tensor entries only); ``choose`` which checkpoint a run resumes
-and whether it is the same model; ``precision`` resuming across ``train.dtype``; ``export``
+and whether it is the same model; ``lineage`` whose it is (run, branch) and what it was
+trained on (data identity, samples consumed); ``precision`` resuming across ``train.dtype``; ``export``
 a checkpoint's model for use elsewhere; ``stop`` the agreed stop at a step boundary when Slurm
 warns the job, so every rank saves at the same step. May import ``config``, ``model``,
-``optim``, ``hf``, ``parallel`` and ``observe`` (a failed write's cause in one line). Nothing
-above it: the loop calls it, and the rank's body acts on a stop.
+``data`` (the identity of the data a checkpoint records), ``optim``, ``hf``, ``parallel`` and
+``observe`` (a failed write's cause in one line). Nothing above it: the loop calls it, and the rank's body acts on a stop.
 """

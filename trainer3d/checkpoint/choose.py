@@ -9,7 +9,9 @@ steps, and its metrics.jsonl would replace the old one's; a new run gets a new r
 checkpoint's model (recorded in its marker) must be the run's: a different shape would fail
 deep inside DCP with a size assertion, a different rope or norm setting would silently train
 another function. Every differing key is named. A change of ``train.dtype`` is allowed:
-tensors are converted on load (trainer3d/checkpoint/precision.py).
+tensors are converted on load (trainer3d/checkpoint/precision.py). ``auto`` continues only the
+run's own checkpoints, and every resume only the data they were trained on (unless
+``train.allow_data_change``): trainer3d/checkpoint/lineage.py.
 """
 
 import dataclasses
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Iterable, List, Optional, Tuple
 
 from trainer3d.checkpoint import store
+from trainer3d.checkpoint.lineage import data_problem, run_problem
 from trainer3d.checkpoint.store import CheckpointError
 from trainer3d.config.schema import Config, ModelConfig, flatten
 
@@ -93,4 +96,7 @@ def choose(cfg: Config, root: Path, verify_data: bool = True, exclude: Iterable[
     if changes:
         raise CheckpointError(f"{knob} holds a different model: {', '.join(changes)}; set these model.* knobs as "
                               "the checkpoint has them, or start fresh in a new hydra.run.dir=...")
+    problem = (run_problem(info, cfg, knob, root) if want == "auto" else None) or data_problem(info, cfg, knob)
+    if problem:
+        raise CheckpointError(problem)
     return Choice(int(info["step"]), Path(path), info, skipped)

@@ -16,7 +16,9 @@ It runs in one process without a process group: DCP reads the pieces of every te
 the checkpoint into full tensors. The checkpoint must match its checksums, its metadata is
 read by the restricted reader of trainer3d/checkpoint/metadata.py (an explicit list of DCP's
 classes) and only tensor entries are loaded, so exporting an untrusted checkpoint runs no
-code from it.
+code from it. The tokenizer bundled (without ``--tokenizer``) is the one the data's header
+names, only if it is the one the checkpoint recorded it was trained with
+(trainer3d/checkpoint/lineage.py); otherwise the export is refused, naming both.
 """
 
 import json
@@ -28,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
 from trainer3d.checkpoint import store
+from trainer3d.checkpoint.lineage import tokenizer_problem
 from trainer3d.checkpoint.reader import CheckpointReader, TensorOnlyLoadPlanner
 from trainer3d.config.schema import ModelConfig
 from trainer3d.hf.export import data_tokenizer, write_hf
@@ -68,6 +71,9 @@ def export(path: Path, out: Path, fmt: str = "hf", dtype: Optional[str] = None,
         return files
     cfg = model_config_of(info["config"])
     data = data_tokenizer(info["config"])
+    problem = None if tokenizer is not None else tokenizer_problem(info, data.tokenizer, path)
+    if problem:  # bundle the tokenizer the model was trained with, or none
+        raise store.CheckpointError(problem)
     if not cfg.eos_token_ids and data.eos_id is not None:
         cfg.eos_token_ids = [data.eos_id]  # the end-of-document id the model learned to emit
     weight_dtype = next(iter(tensors.values())).dtype

@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.choose import RESUME_FIX, Choice, choose
+from trainer3d.checkpoint.lineage import marker_fields, origin_of, set_aside
 from trainer3d.checkpoint.precision import load_passes
 from trainer3d.checkpoint.reader import CheckpointReader, TensorOnlyLoadPlanner
 from trainer3d.checkpoint.saver import Background, SaveGroups, SaveJob, SaveReport, write
@@ -50,6 +51,8 @@ from trainer3d.checkpoint.verify import shared_problem
 from trainer3d.config.schema import Config
 from trainer3d.config.validate import layout_of
 from trainer3d.config.secrets import scrub
+from trainer3d.data.identity import data_identity
+from trainer3d.data.sampler import Origin
 from trainer3d.parallel.tied import TIED, drop_tied_copies
 from trainer3d.parallel.timeouts import GroupTimeouts, seconds
 from trainer3d.parallel.topology import ParallelDims
@@ -99,6 +102,11 @@ class Checkpointer:
         self.staging = Staging(dims.device)
         self._makers: Dict[str, PieceMaker] = {}
         self.last_saved: Optional[int] = None
+        self.origin = Origin()
+        """The data position the run started from (a resumed checkpoint's samples consumed)."""
+        self.resumed_from: Optional[Path] = None
+        self.data = data_identity(cfg) if dims.rank == 0 else {}
+        """The data's identity, recorded in every marker (rank 0 writes it)."""
         self.known_bad: List[Path] = []
         """Checkpoints whose data failed verification when resuming (kept, never counted as good)."""
         self.news: List[SaveReport] = []
@@ -166,7 +174,8 @@ class Checkpointer:
         else:
             state = rank_state(self.optimizer, self.dims, self.maker)
         info = {"step": steps_done, "layout": layout_of(self.cfg), "dtype": self.cfg.train.dtype,
-                "config": scrub(dataclasses.asdict(self.cfg)), "saved_at": time.time()}
+                "config": scrub(dataclasses.asdict(self.cfg)), "saved_at": time.time(),
+                **marker_fields(self.cfg, steps_done, self.origin, self.resumed_from, self.data)}
         return SaveJob(steps_done, drop_tied_copies(state, self.dims), self.root, info, self.cfg.checkpoint.keep,
                        list(self.known_bad))
 
@@ -223,6 +232,16 @@ class Checkpointer:
                 choice = agree_on_resume(self.cfg, self.dims, exclude=self.known_bad)
         return 0
 
+    def _abandon_newer(self, choice: Choice) -> None:
+        """An explicit resume starts a branch: the checkpoint dir's checkpoints it abandons are
+        moved aside (trainer3d/checkpoint/lineage.py), so ``auto`` never resumes them; rank 0."""
+        if self.dims.rank == 0:
+            moved = set_aside(self.root, choice.path, choice.step, store.published(self.root))
+            if moved:
+                self._say(f"train.resume={choice.path} abandons {len(moved)} newer checkpoint(s) of {self.root}: "
+                          f"moved to {moved[0].parent} (kept; train.resume=auto never takes them)")
+        dist.barrier()
+
     def _load(self, choice: Choice, state: dict, passes: List[dict], notes: List[str], same_world: bool) -> int:
         for part in passes:  # the same number of passes on every rank (both, even where one is empty)
             dcp.load(part, storage_reader=CheckpointReader(str(choice.path)), planner=TensorOnlyLoadPlanner())
@@ -230,7 +249,15 @@ class Checkpointer:
             self._say(note)
         after_load(self.optimizer, state, self.dims, with_rng=same_world)
         self.last_saved = choice.step
+        self.origin = origin_of(choice.info, self.cfg.train.global_batch_size)
+        self.resumed_from = choice.path
         self._say(f"resumed from {choice.path} at step {choice.step}")
+        saved_batch = choice.info.get("global_batch_size")
+        if type(saved_batch) is int and saved_batch != self.cfg.train.global_batch_size:
+            self._say(f"train.global_batch_size {saved_batch} -> {self.cfg.train.global_batch_size}: the data "
+                      f"continues after the {self.origin.samples} samples the checkpoint consumed")
+        if self.cfg.train.resume != "auto":
+            self._abandon_newer(choice)
         if not same_world:
             saved, now = choice.info.get("layout", {}), layout_of(self.cfg)
             changes = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v)

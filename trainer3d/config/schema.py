@@ -53,6 +53,9 @@ class TrainConfig:
     """Recompute each layer's activations in backward instead of keeping them."""
     resume: str = "auto"
     """auto (newest complete checkpoint of the run, if any) | never | a checkpoint path."""
+    allow_data_change: bool = False
+    """Resume a checkpoint on data other than what it recorded (another token file, tokenizer or
+    Megatron dataset under the data.* knobs): refused unless true (docs/checkpoints.md)."""
     device: str = "auto"
     """auto | cpu | cuda. auto is cuda when launcher.gpus_per_node > 0, cpu for a Slurm job
     without GPUs, else cuda where a GPU is visible (checked before launch); one rank per GPU."""

@@ -13,6 +13,7 @@
                   rank reads (the loader) and attends from (parallel/context/)
     documents.py  the inputs of tools/prepare_data.py, streamed as documents
     prepare.py    tools/prepare_data.py's engine: documents -> tokenizer -> token file
+    identity.py   what the run's data is, cheaply (header digests, sizes), as checkpoints record it
     megatron.py   a Megatron-LM indexed dataset (.bin + .idx), checked: read in place as a token
                   file's ids (``DocumentStream``), or written as one (tools/import_megatron.py)
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from trainer3d.config.schema import Config
-from trainer3d.data.sampler import SampleOrder, VALIDATION_KEY, step_samples
+from trainer3d.data.sampler import Origin, SampleOrder, VALIDATION_KEY, step_samples
 from trainer3d.data.sources import Part, plan, short_parts
 from trainer3d.data.tokenfile import TokenFile
 from trainer3d.data.tokens import TokenFileError
@@ -45,6 +45,9 @@ class BatchReader:
         self.micro, self.accum = micro_batch_size, grad_accum_steps
         self.global_batch_size = micro_batch_size * grad_accum_steps * dp
         self.dp_rank = dp_rank
+        self.origin = Origin()
+        """Where ``step``'s samples are counted from: a resumed run continues after the samples
+        its checkpoint consumed, whatever the global batch was then."""
         self.want_inputs, self.want_targets = inputs, targets
         # The (offset, length) pieces of each window this rank reads: the whole window, or
         # its cp rank's two chunks.
@@ -59,7 +62,7 @@ class BatchReader:
     def windows(self, step: int) -> Tuple[np.ndarray, np.ndarray]:
         """(source, window) of this rank's samples of ``step``."""
         per_rank = self.micro * self.accum
-        return self.order(step_samples(step, self.global_batch_size, self.dp_rank * per_rank, per_rank))
+        return self.order(step_samples(step, self.global_batch_size, self.dp_rank * per_rank, per_rank, self.origin))
 
     def batch(self, step: int) -> Batch:
         if not (self.want_inputs or self.want_targets):

@@ -20,7 +20,8 @@ is found in two steps, both pure functions of ``j`` and the seed:
    epoch, memory independent of W.
 
 So the global batch of a step is the same whatever the layout, and resuming at step ``s``
-reads what an uninterrupted run would: the whole position is the step number.
+reads what an uninterrupted run would: the whole position is the number of samples consumed
+(``Origin``: step x batch for a run that kept its batch size).
 
 Validation (``split``): ``data.val_fraction`` holds out the last fraction of each source's
 tokens (a contiguous tail, so no validation token is ever inside a training window);
@@ -118,8 +119,23 @@ class SampleOrder:
         return source, windows
 
 
-def step_samples(step: int, global_batch_size: int, start: int, count: int) -> np.ndarray:
+@dataclass(frozen=True)
+class Origin:
+    """Where a run's data position starts: after ``samples`` samples, at step ``step``. A run
+    resumed from a checkpoint starts after the samples it consumed (its marker records them:
+    trainer3d/checkpoint/lineage.py), so a change of the global batch between the two neither
+    repeats nor skips a sample."""
+
+    step: int = 0
+    samples: int = 0
+
+    def samples_at(self, step: int, global_batch_size: int) -> int:
+        """Samples consumed before ``step`` (``step >= self.step``)."""
+        return self.samples + (step - self.step) * global_batch_size
+
+
+def step_samples(step: int, global_batch_size: int, start: int, count: int, origin: Origin = Origin()) -> np.ndarray:
     """Global sample ids ``start .. start + count - 1`` of step ``step``'s batch."""
-    first = step * global_batch_size + start
+    first = origin.samples_at(step, global_batch_size) + start
     return np.arange(first, first + count, dtype=np.int64)
 

@@ -46,6 +46,8 @@ class DataTokens:
     """The data is byte-level (ids 0-255, end-of-document 256)."""
     eos_id: Optional[int] = None
     """The end-of-document id written after every document."""
+    refused: Optional[str] = None
+    """Why the data's tokenizer is not used (it is not the one the model was trained with)."""
 
 
 def data_tokenizer(run_config: dict) -> DataTokens:

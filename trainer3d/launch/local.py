@@ -11,6 +11,7 @@ itself told to stop (SIGTERM, SIGINT, SIGHUP) it ends the job first
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 import submitit
 
@@ -35,15 +36,17 @@ def make_executor(cfg: Config, world_size: int) -> submitit.Executor:
     return executor
 
 
-def launch_local(cfg: Config) -> int:
+def launch_local(cfg: Config, record: Callable[[], None] = lambda: None) -> int:
     """Run a validated config as local processes, one per rank; return the exit status.
-    This process holds the run dir's lock meanwhile."""
+    This process holds the run dir's lock meanwhile; ``record`` (the config's record in the run
+    dir) is written once it does, so a refused start writes nothing there."""
     try:
-        lock = RunDirLock(cfg.run_dir).acquire()
+        lock = RunDirLock.for_run(cfg).acquire()
     except RunDirBusy as err:
         print(f"trainer3d: {err}", file=sys.stderr)
         return 2
     try:
+        record()
         return _local_job(cfg, lock)
     finally:
         lock.release()

@@ -202,7 +202,7 @@ def describe_submission(cfg: Config, job: submitit.Job, world_size: int) -> str:
 def check_run_dir_free(cfg: Config) -> None:
     """Raise RunDirBusy if another run owns the run dir: its lock is held (a local run, or a
     running job's rank 0), or the Slurm job recorded there is still queued or running."""
-    RunDirLock(cfg.run_dir).check_free()
+    RunDirLock.for_run(cfg).check_free()
     record = Path(cfg.run_dir) / "slurm_job.json"
     if not record.exists():
         return

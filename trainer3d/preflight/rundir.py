@@ -9,11 +9,13 @@ synced (a full file system refuses the data block even where it still has inodes
 empty file), then removed. A refusal is one line naming the directory, the reason and the
 knob, and the process exits with status 2, as for any refused config.
 
-``on_job_start`` writes the run's record of its config, ``.hydra/`` (``config.yaml``,
+``write_record`` writes the run's record of its config, ``.hydra/`` (``config.yaml``,
 ``hydra.yaml``, ``overrides.yaml``, as Hydra writes them; conf/config.yaml turns Hydra's own
 writer off), through ``scrub`` (trainer3d/config/secrets.py): a token in any config string
 (``launcher.setup=["export HF_TOKEN=hf_..."]``) never reaches the disk, and one line says
-what was redacted. The job itself runs with the values given.
+what was redacted. The job itself runs with the values given. The entry point calls it once
+the run holds its run dir's lock (trainer3d/train.py), never from a Hydra callback: a second
+start refused beside a running run must leave the running run's record as it was.
 """
 
 import os
@@ -86,13 +88,10 @@ class RunDirCheck(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         refuse_unwritable(Path(str(config.hydra.sweep.dir)), "hydra.sweep.dir")
 
-    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        write_record(config)
 
-
-def write_record(config: DictConfig) -> None:
-    """``<run dir>/.hydra/{config,hydra,overrides}.yaml`` with credentials redacted."""
-    hydra = config.hydra
+def write_record(config: DictConfig, hydra: DictConfig) -> None:
+    """``<run dir>/.hydra/{config,hydra,overrides}.yaml`` with credentials redacted: ``config``
+    the task's composed config, ``hydra`` Hydra's own node (``HydraConfig.get()``)."""
     directory = Path(str(hydra.runtime.output_dir)) / (hydra.output_subdir or RECORD_DIR)
     found: list = []
     task = {k: v for k, v in OmegaConf.to_container(config, resolve=False).items() if k != "hydra"}

@@ -6,7 +6,10 @@ exact command that continues it: the command the user typed (``sys.argv`` of the
 process, passed to the ranks in ``TRAINER3D_COMMAND``), with ``hydra.run.dir=<run dir>``
 pinned for a run without a ``name`` (its run dir is timestamped, so the same command alone
 would start a new run) and any ``train.resume=`` override replaced by ``auto``. A named run
-(``name=…``: run dir ``outputs/<name>``) resumes by re-running the same command.
+(``name=…``: run dir ``outputs/<name>``) resumes by re-running the same command. A point of a
+sweep (``-m``) resumes by its own overrides, not the sweep's command (which would start every
+point over in a new sweep dir): ``python -m trainer3d.train <the point's overrides>
+hydra.run.dir=<the point's dir>``.
 """
 
 import os
@@ -28,23 +31,30 @@ def launch_argv(argv: Optional[Sequence[str]] = None) -> List[str]:
     trainer3d.train ARGS`` (``sys.argv[0]`` is train.py's path under ``-m``), or the
     console script's name."""
     argv = list(sys.argv if argv is None else argv)
-    head = [Path(argv[0]).name] if argv and Path(argv[0]).name == "trainer3d" else ENTRY
-    return head + argv[1:]
+    return _entry(argv) + argv[1:]
 
 
-def resume_command(cfg: Config, argv: Optional[Sequence[str]] = None) -> str:
-    """The command that resumes ``cfg``'s run from its newest checkpoint."""
-    args = [a for a in launch_argv(argv) if not a.startswith(("train.resume=", "hydra.run.dir="))]
-    if not cfg.name:
+def _entry(argv: Sequence[str]) -> List[str]:
+    return [Path(argv[0]).name] if argv and Path(argv[0]).name == "trainer3d" else ENTRY
+
+
+def resume_command(cfg: Config, argv: Optional[Sequence[str]] = None, point: Optional[Sequence[str]] = None) -> str:
+    """The command that resumes ``cfg``'s run from its newest checkpoint; ``point``: the overrides
+    of the sweep point ``cfg`` is (Hydra's ``overrides.task`` of the job)."""
+    given = launch_argv(argv)
+    if point is not None:  # the sweep's command (-m, comma lists) would start a new sweep
+        given = [*_entry(list(sys.argv if argv is None else argv)), *point]
+    args = [a for a in given if not a.startswith(("train.resume=", "hydra.run.dir="))]
+    if not cfg.name or point is not None:
         args.append(f"hydra.run.dir={cfg.run_dir}")
-    if any(a.startswith("train.resume=") for a in launch_argv(argv)):
+    if any(a.startswith("train.resume=") for a in given):
         args.append("train.resume=auto")
     return shlex.join(args)
 
 
-def remember_command(cfg: Config) -> None:
+def remember_command(cfg: Config, point: Optional[Sequence[str]] = None) -> None:
     """Put the resume command into this process's environment, which the job's ranks inherit."""
-    os.environ[COMMAND_VAR] = resume_command(cfg)
+    os.environ[COMMAND_VAR] = resume_command(cfg, point=point)
 
 
 def command_for(cfg: Config) -> str:

@@ -19,6 +19,11 @@ before submitting, the submitting process turns its exclusive lock into a shared
 another start's exclusive request is refused while any of them lives, and the refusal names
 the job — its submitting process (alive or gone) and the job's processes still running,
 found by the job's token (trainer3d/launch/interrupt.py).
+
+A run writes its checkpoints where ``checkpoint.dir`` says, which may lie outside the run dir;
+two runs pruning and resuming one checkpoint dir are the same collision as two runs in one run
+dir. So the lock covers the checkpoint dir too (``for_run``): a ``run.lock`` in each directory,
+all taken, shared and released together, a refusal naming the directory that is held.
 """
 
 import fcntl
@@ -27,8 +32,10 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
+from trainer3d.checkpoint.store import checkpoint_root
+from trainer3d.config.schema import Config
 from trainer3d.rank.job_token import processes_with_token
 
 LOCK_NAME = "run.lock"
@@ -61,25 +68,48 @@ def describe_holder(record: dict) -> str:
     return said
 
 
-class RunDirLock:
-    """``RunDirLock(run_dir).acquire()`` or RunDirBusy naming the holder; ``release()`` at the end."""
+def run_dirs(cfg: Config) -> List[str]:
+    """The directories a run owns: its run dir, and its checkpoint dir where that lies outside."""
+    run_dir, root = Path(cfg.run_dir).expanduser().resolve(), checkpoint_root(cfg).expanduser().resolve()
+    return [str(run_dir)] if root == run_dir or run_dir in root.parents else [str(run_dir), str(root)]
 
-    def __init__(self, run_dir: str):
+
+def _what(index: int, directory: Path) -> str:
+    return f"run dir {directory}" if index == 0 else f"checkpoint dir {directory} (checkpoint.dir)"
+
+
+class RunDirLock:
+    """``RunDirLock(run_dir).acquire()`` or RunDirBusy naming the holder; ``release()`` at the end.
+    ``RunDirLock.for_run(cfg)``: the run dir and the checkpoint dir."""
+
+    def __init__(self, run_dir: str, *more: str):
         self.run_dir = Path(run_dir)
+        self.dirs = [self.run_dir, *map(Path, more)]
         self.path = self.run_dir / LOCK_NAME
-        self._fd: Optional[int] = None
+        self._fds: List[int] = []
+
+    @classmethod
+    def for_run(cls, cfg: Config) -> "RunDirLock":
+        return cls(*run_dirs(cfg))
+
+    @property
+    def _fd(self) -> Optional[int]:
+        return self._fds[0] if self._fds else None
 
     def acquire(self, job_id: Optional[str] = None) -> "RunDirLock":
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read(fd)
-            os.close(fd)
-            raise RunDirBusy(f"run dir {self.run_dir} is in use by another run ({describe_holder(holder)}); "
-                             "wait for it to end, or give this run its own hydra.run.dir=...") from None
-        self._fd = fd
+        for index, directory in enumerate(self.dirs):
+            directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read(fd)
+                os.close(fd)
+                self.release()
+                knob = "hydra.run.dir" if index == 0 else "checkpoint.dir"
+                raise RunDirBusy(f"{_what(index, directory)} is in use by another run ({describe_holder(holder)}); "
+                                 f"wait for it to end, or give this run its own {knob}=...") from None
+            self._fds.append(fd)
         self.record(job_id)
         return self
 
@@ -87,12 +117,14 @@ class RunDirLock:
         """Write who holds the lock (again, once the job id is known; ``token``: the job's)."""
         data = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "job_id": job_id,
                            "token": token, "started": time.time()}).encode()
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, data, 0)
+        for fd in self._fds:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data, 0)
 
     def share(self) -> None:
         """Hold the lock shared from now on, so the job's ranks can hold it with us (``join``)."""
-        fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        for fd in self._fds:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
 
     def check_free(self) -> None:
         """Raise RunDirBusy if another run holds the lock; hold nothing afterwards."""
@@ -100,9 +132,9 @@ class RunDirLock:
         self.release()
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the last descriptor drops the flock
-            self._fd = None
+        for fd in self._fds:
+            os.close(fd)  # closing the last descriptor drops the flock
+        self._fds = []
 
     def __enter__(self) -> "RunDirLock":
         return self.acquire() if self._fd is None else self
@@ -111,19 +143,23 @@ class RunDirLock:
         self.release()
 
 
-def join(run_dir: str) -> int:
-    """A rank of a local job: hold the run dir's lock shared for this process's lifetime (the
-    descriptor returned is never closed: the kernel drops the lock when the process ends), or
-    RunDirBusy if another start holds it exclusively."""
-    path = Path(run_dir) / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _read(fd)
-        os.close(fd)
-        raise RunDirBusy(f"run dir {run_dir} was taken by another run ({describe_holder(holder)})") from None
-    return fd
+def join(run_dir: str, *more: str) -> List[int]:
+    """A rank of a local job: hold the locks of the run dir (and ``more``: its checkpoint dir)
+    shared for this process's lifetime (the descriptors returned are never closed: the kernel
+    drops the locks when the process ends), or RunDirBusy if another start holds one exclusively."""
+    fds = []
+    for index, directory in enumerate([run_dir, *more]):
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        fd = os.open(Path(directory) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read(fd)
+            os.close(fd)
+            raise RunDirBusy(f"{_what(index, Path(directory))} was taken by another run "
+                             f"({describe_holder(holder)})") from None
+        fds.append(fd)
+    return fds
 
 
 def _read(fd: int) -> dict:

@@ -28,7 +28,7 @@ from trainer3d.rank.heartbeat import Heartbeat, heartbeat_dir
 from trainer3d.rank.master_port import job_port
 from trainer3d.rank.owner import watch_owner
 from trainer3d.rank.preemption import leave
-from trainer3d.rank.runlock import RunDirBusy, RunDirLock
+from trainer3d.rank.runlock import RunDirBusy, RunDirLock, run_dirs
 from trainer3d.rank.runlock import join as join_run_dir
 from trainer3d.rank.threads import set_host_threads
 from trainer3d.trainer import Trainer
@@ -96,7 +96,7 @@ def _lock_on_rank0(cfg: Config) -> Optional[RunDirLock]:
     lock, refusal = None, [None]
     if dist.get_rank() == 0:
         try:
-            lock = RunDirLock(cfg.run_dir).acquire(job_id=os.environ.get("SLURM_JOB_ID"))
+            lock = RunDirLock.for_run(cfg).acquire(job_id=os.environ.get("SLURM_JOB_ID"))
         except RunDirBusy as err:
             refusal[0] = str(err)
     dist.broadcast_object_list(refusal, src=0)
@@ -143,7 +143,7 @@ class TrainTask:
         try:
             with rank_failures([self.cfg.run_dir, self.cfg.checkpoint.dir or self.cfg.run_dir]):
                 if not self.lock_run_dir:
-                    join_run_dir(self.cfg.run_dir)  # the run dir stays locked while this rank lives
+                    join_run_dir(*run_dirs(self.cfg))  # run and checkpoint dirs stay locked while this rank lives
                 return run_rank(self.cfg, heartbeat, self.lock_run_dir)
         finally:
             heartbeat.stop()

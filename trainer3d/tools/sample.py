@@ -13,7 +13,9 @@ tools/prepare_data.py without a tokenizer make them) only for a model whose data
 byte-level (a checkpoint's record) or whose vocabulary is exactly 257 (an export). A
 tokenizer whose ids the model's vocabulary cannot hold, or a model with no tokenizer and a
 vocabulary that is not byte-level, is refused in one line naming ``--tokenizer``: decoding
-such ids as bytes prints noise. Generation stops at an end-of-sequence id.
+such ids as bytes prints noise. So is the data's tokenizer when it is not the one the
+checkpoint recorded it was trained with (trainer3d/checkpoint/lineage.py). Generation stops at
+an end-of-sequence id.
 """
 
 import argparse
@@ -26,6 +28,7 @@ from tokenizers import Tokenizer
 
 
 from trainer3d.checkpoint.export import load_full_model, model_config_of
+from trainer3d.checkpoint.lineage import tokenizer_problem
 from trainer3d.checkpoint.store import MARKER, CheckpointError, read_marker
 from trainer3d.data import BYTE_VOCAB, EOF_TOKEN
 from trainer3d.hf.check import weight_problems
@@ -73,7 +76,11 @@ def load_model(path: Path):
             raise SystemExit(f"sample: {err}") from None
         model = Transformer(model_config_of(config))
         fill_parameters(model, lambda name, shape, shard: tensors[name])
-        return model, data_tokenizer(config), None
+        data = data_tokenizer(config)
+        refused = tokenizer_problem(read_marker(path), data.tokenizer, path)
+        if refused:  # the data path's tokenizer is not the one the model was trained with: never used
+            data = DataTokens(None, False, data.eos_id, refused)
+        return model, data, None
     try:
         hf_config = read_json(path / "config.json")
         cfg = model_config(hf_config)
@@ -103,6 +110,8 @@ def choose_tokenizer(path: Path, given: Optional[Path], data: DataTokens, vocab_
                 return tokenizer
             if candidate is given:
                 raise SystemExit(f"sample: --tokenizer {given}: no tokenizer.json there")
+    if data.refused:
+        raise SystemExit(f"sample: {data.refused}")
     if data.byte_level or (data.tokenizer is None and vocab_size == BYTE_VOCAB):
         if vocab_size < BYTE_VOCAB:
             raise SystemExit(f"sample: the vocabulary ({vocab_size}) is too small for byte-level tokens "
