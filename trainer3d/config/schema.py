@@ -19,10 +19,40 @@ from trainer3d.config.schema_model import ModelConfig, MoEConfig, RopeScalingCon
 from trainer3d.config.schema_parallel import ParallelConfig
 
 __all__ = [
-    "BlendSource", "CheckpointConfig", "Config", "DataConfig", "LauncherConfig", "LoggerConfig",
-    "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "RUN_NAME", "RopeScalingConfig", "TrainConfig",
+    "BlendSource", "CheckpointConfig", "Config", "DataConfig", "InjectConfig", "LauncherConfig", "LoggerConfig",
+    "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "RUN_NAME", "RopeScalingConfig", "SpikeConfig", "TrainConfig",
     "flatten", "named_run_dir", "register_configs",
 ]
+
+
+@dataclass
+class SpikeConfig:
+    """Loss spikes: each step's loss and gradient norm, agreed over the ranks, against the
+    median and the median absolute deviation (MAD) of the last ``window`` steps
+    (trainer3d/observe/spikes.py; docs/failures.md)."""
+
+    policy: str = "skip"
+    """skip (the step's update is not applied; its data is consumed and the schedule advances)
+    | rollback (restore the newest checkpoint at or before the first of the ``skip_window``
+    steps ending at the spike, and skip those steps) | warn (print, train on) | off (no check:
+    no per-step host sync)."""
+    window: int = 100
+    """Steps of history the median and MAD are taken over."""
+    threshold: float = 6.0
+    """A step spikes when its loss (or gradient norm) is above the window's median by more than
+    this many robust standard deviations (1.4826 x MAD)."""
+    min_steps: int = 100
+    """Steps observed before the check arms (early training's fast fall is no baseline)."""
+    skip_window: int = 10
+    """rollback: the steps skipped, ending at the spike (PaLM skipped 200-500 batches around one)."""
+
+
+@dataclass
+class InjectConfig:
+    """Drills: faults put in on purpose, to see the run's handling act."""
+
+    corrupt_steps: List[int] = field(default_factory=list)
+    """Steps whose batches are replaced by uniformly random token ids on every rank."""
 
 
 @dataclass
@@ -73,6 +103,11 @@ class TrainConfig:
     every rank writes a torch.profiler trace, ``<run_dir>/profile/trace_rank<r>.json`` (Chrome
     trace JSON for ui.perfetto.dev or TensorBoard), and on CUDA a memory snapshot,
     ``memory_rank<r>.pickle``, for pytorch.org/memory_viz (trainer3d/observe/profile.py)."""
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+    skip_steps: List[int] = field(default_factory=list)
+    """Steps trained without an update and without reading their batch, besides those in the run
+    dir's skipped_steps.json: a fresh run given another run's ``steps`` replays its decisions."""
+    inject: InjectConfig = field(default_factory=InjectConfig)
 
 
 @dataclass

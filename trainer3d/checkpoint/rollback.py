@@ -1,0 +1,58 @@
+"""A rollback's checkpoint: the newest intact one at or before a step, agreed by the ranks.
+
+``train.spike.policy=rollback`` (trainer3d/trainer.py) restores the state before the steps it
+skips. Checkpoints published after that point hold updates from those steps: rank 0 moves
+them into ``<checkpoint root>/rolled_back/`` (kept for inspection, never resumed from, never
+counted by ``checkpoint.keep``), so a run requeued after the rollback resumes from a state
+that never trained on a skipped batch.
+"""
+
+import os
+from pathlib import Path
+from typing import List, Optional
+
+import torch.distributed as dist
+
+from trainer3d.checkpoint import store
+from trainer3d.checkpoint.choose import Choice
+from trainer3d.checkpoint.store import checkpoint_root
+from trainer3d.config.schema import Config
+
+ROLLED_BACK = "rolled_back"
+
+
+def rollback_choice(root: Path, at_most: int) -> Optional[Choice]:
+    """The newest published checkpoint of ``root`` at step <= ``at_most`` that passes its marker,
+    metadata and size checks (its data is hashed when the ranks load it)."""
+    for step, path in reversed(store.published(root)):
+        if step <= at_most and store.is_complete(path, verify_data=False)[0]:
+            return Choice(step, path, store.read_marker(path), [])
+    return None
+
+
+def set_aside_after(root: Path, step: int) -> List[Path]:
+    """Move the published checkpoints after ``step`` into ``root/rolled_back/``; their new paths."""
+    moved = []
+    for found, path in store.published(root):
+        if found > step:
+            aside = Path(root) / ROLLED_BACK / path.name
+            aside.parent.mkdir(exist_ok=True)
+            if aside.exists():  # an earlier rollback's copy of the same step
+                os.replace(aside, aside.with_name(f"{aside.name}.{os.getpid()}.old"))
+            os.replace(path, aside)
+            moved.append(aside)
+    return moved
+
+
+def agree_on_rollback(cfg: Config, rank: int, at_most: int) -> Optional[Choice]:
+    """Every rank: rank 0 picks the checkpoint (None: none at or before ``at_most``) and, when
+    there is one, sets the newer ones aside before the others learn it."""
+    choice: List[object] = [None]
+    if rank == 0:
+        root = checkpoint_root(cfg)
+        choice[0] = rollback_choice(root, at_most)
+        if choice[0] is not None:
+            for path in set_aside_after(root, choice[0].step):
+                print(f"trainer3d: checkpoint set aside (it trained on steps the rollback skips): {path}", flush=True)
+    dist.broadcast_object_list(choice, src=0)
+    return choice[0]
