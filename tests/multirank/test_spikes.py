@@ -10,6 +10,8 @@ weights, moments and the step counter as they were, on every rank alike.
 import contextlib
 import io
 import json
+import os
+import signal
 
 import pytest
 
@@ -24,23 +26,43 @@ SPIKE, STEPS = 20, 24
 LR = 1e-2
 
 
-def _train(rank, world, run_dir, policy, skip_steps):
+def _cfg(world, run_dir, policy, skip_steps, resume="never"):
     cfg = Config(run_dir=run_dir)
     cfg.parallel.dp, cfg.parallel.zero_stage, cfg.parallel.timeout_s = world, 1, 60
     cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.ffn_dim = 32, 1, 2, 2, 64
     t = cfg.train
     t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, t.seq_len = 2, 4, None, 16
-    t.max_steps, t.log_every, t.resume, t.eval_every = STEPS, 1, "never", 0
+    t.max_steps, t.log_every, t.resume, t.eval_every = STEPS, 1, resume, 0
     t.spike.policy, t.spike.window, t.spike.min_steps, t.spike.skip_window = policy, 10, 10, 4
     t.inject.corrupt_steps, t.skip_steps = [SPIKE], skip_steps
     cfg.optim.lr, cfg.optim.warmup_steps = LR, 0  # the loss falls well below ln(vocab) before the spike
     cfg.checkpoint.every, cfg.checkpoint.keep, cfg.checkpoint.async_save = 5, 10, False
-    trainer = Trainer(validate(cfg), dims_for(dp=world))
+    return validate(cfg)
+
+
+def _train(rank, world, run_dir, policy, skip_steps, preempt_at=None):
+    """Train; with ``preempt_at``, Slurm's warning (SIGUSR2) reaches rank 1 when it trains step
+    ``preempt_at`` the second time (after the rollback), and the run is resumed from its stop."""
+    trainer = Trainer(_cfg(world, run_dir, policy, skip_steps), dims_for(dp=world))
+    if preempt_at is not None:
+        real, visits = trainer.train_step, []
+
+        def step(s):
+            visits.append(s)
+            if rank == 1 and visits.count(preempt_at) == 2:
+                os.kill(os.getpid(), signal.SIGUSR2)
+            return real(s)
+        trainer.train_step = step
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         trainer.train()
-    return {"step_count": float(trainer.optimizer.step_count), "seen": trainer.spikes.seen,
-            "history": list(trainer.spikes.losses), "said": [s for s in printed.getvalue().splitlines() if "loss spike" in s]}
+        stopped = trainer.stopped.step if trainer.stopped else None
+        if preempt_at is not None:
+            trainer = Trainer(_cfg(world, run_dir, policy, skip_steps, resume="auto"), dims_for(dp=world))
+            trainer.train()
+    return {"step_count": float(trainer.optimizer.step_count), "stopped": stopped, "start": trainer.start_step,
+            "history": list(trainer.spikes.losses),
+            "said": [s for s in printed.getvalue().splitlines() if "loss spike" in s]}
 
 
 def _losses(run_dir):
@@ -94,3 +116,17 @@ def test_skip_leaves_the_update_out_on_every_rank(tmp_path):
     assert sorted(want) == [s for s in range(STEPS) if s != SPIKE]
     assert [got[s] for s in sorted(want)] == [want[s] for s in sorted(want)]  # bit-identical, before and after
     assert [r["step_count"] for r in again] == [STEPS - 1] * 2
+
+
+@pytest.mark.slow
+def test_a_run_preempted_after_its_rollback_resumes_into_the_same_losses(tmp_path):
+    """The stop comes inside the skipped steps (the signal during step 16's rerun, agreed one
+    step later): the resumed run reads the skip log, so it neither trains a skipped batch nor
+    passes over any other — every row as an uninterrupted rollback run writes it."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    run_ranks(_train, 2, str(whole), "rollback", [], timeout=300)
+    results = run_ranks(_train, 2, str(cut), "rollback", [], 16, timeout=300)
+    assert [r["stopped"] for r in results] == [18, 18] and [r["start"] for r in results] == [18, 18], results
+    assert json.loads((cut / "skipped_steps.json").read_text()) == json.loads((whole / "skipped_steps.json").read_text())
+    assert _losses(cut) == _losses(whole)  # the same steps, bit-identical
+    assert [r["step_count"] for r in results] == [STEPS - 4] * 2
