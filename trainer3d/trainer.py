@@ -114,6 +114,8 @@ class Trainer:
                                  rank=dims.rank)
         self.skips = SkipLog(cfg.run_dir, t.skip_steps, writer=dims.rank == 0)
         self.verdict: Optional[Verdict] = None
+        self.step_s = 0.0
+        """A running mean of this rank's step time (checkpoint.every=auto's unit of interval)."""
         """The spike watch's verdict on the last step trained (None with train.spike.policy=off)."""
 
     def _build_data(self):
@@ -234,9 +236,13 @@ class Trainer:
     def _step(self, step: int) -> Optional[int]:
         """Train ``step`` and record it; the step to go on from where it rolled back, else None."""
         self.profiler.before(step)
+        started = time.perf_counter()
         with self.timeouts.warming_up(step == self.warm_step):  # the step after the first evaluation
             loss, grad_norm, lr = self.train_step(step)
         self.timeouts.to_step()  # start-up (the first step: compilation, warm-up) is over
+        took = time.perf_counter() - started
+        if step > self.start_step:  # the first step is start-up (compilation, warm-up), not a step's time
+            self.step_s = took if self.step_s == 0.0 else 0.9 * self.step_s + 0.1 * took
         self.metrics.record(step, loss, grad_norm, lr, self.optimizer.step_metrics())
         if self.moe_stats is not None:
             self.moe_stats.record_step()
@@ -262,8 +268,12 @@ class Trainer:
             self.save_checkpoint(step + 1)
         else:
             self.checkpointer.poll()  # a save in the background that finished: noticed on every rank alike
-        for report in self.checkpointer.take_news():
+        news = self.checkpointer.take_news()
+        for report in news:
             self.metrics.record_checkpoint(report.stall_s, report.write_s)
+        retuned = self.checkpointer.retune(news, self.step_s, step + 1)
+        if retuned is not None:
+            self._say(retuned)
         # The same on every rank (trainer3d/checkpoint/stop.py); after the last step there is nothing to stop.
         flag = self.stop_signal.agreed() if step + 1 < t.max_steps else 0
         if flag:

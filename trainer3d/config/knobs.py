@@ -66,7 +66,7 @@ RANGES: Dict[str, Range] = {
     "launcher.timeout_min": AT_LEAST_1, "launcher.nodes": AT_LEAST_1, "launcher.tasks_per_node": AT_LEAST_1,
     "launcher.gpus_per_node": AT_LEAST_0, "launcher.cpus_per_task": AT_LEAST_1, "launcher.mem_gb": POSITIVE,
     "launcher.signal_delay_s": AT_LEAST_0, "launcher.max_requeues": AT_LEAST_0,
-    "checkpoint.every": AT_LEAST_0, "checkpoint.keep": AT_LEAST_1,
+    "checkpoint.keep": AT_LEAST_1, "checkpoint.mtbf_hours": POSITIVE,
 }
 """Each numeric knob's valid values (None, where the field is optional, means "derive it")."""
 

@@ -10,7 +10,7 @@ re-exports them, so ``trainer3d.config.schema`` names every class of the schema.
 
 import re
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -225,8 +225,12 @@ class LoggerConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0
-    """Save every this many steps (0: only at the end and on preemption)."""
+    every: Any = 0
+    """Save every this many steps (0: only at the end and on preemption), or ``auto``: the interval
+    that loses the least expected time to saves and interruptions, from the run's measured save
+    stall and step time and checkpoint.mtbf_hours (Young/Daly; trainer3d/checkpoint/interval.py)."""
+    mtbf_hours: float = 24.0
+    """``every=auto``: the expected time between interruptions of the job (failures, preemptions)."""
     keep: int = 2
     """Published checkpoints kept; older ones are deleted."""
     dir: Optional[str] = None

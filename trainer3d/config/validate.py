@@ -303,6 +303,10 @@ def _check_data(cfg: Config, problems: List[str]) -> None:
     _check_eval(cfg, problems)
     _check_profile(cfg, problems)
     _check_step_lists(cfg, problems)
+    every = cfg.checkpoint.every
+    if every != "auto" and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
+        problems.append(f"checkpoint.every={every} must be a number of steps >= 0 (0: only at the end and on "
+                        "preemption) or auto (the interval from measured save costs and checkpoint.mtbf_hours)")
     if cfg.name is not None and not RUN_NAME.match(str(cfg.name)):
         problems.append(f"name={cfg.name!r}: a run name is letters, digits, '.', '_' and '-' (no '/', not starting "
                         "with '.'), e.g. name=llama-1b-web")
