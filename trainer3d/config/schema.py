@@ -31,11 +31,12 @@ class SpikeConfig:
     median and the median absolute deviation (MAD) of the last ``window`` steps
     (trainer3d/observe/spikes.py; docs/failures.md)."""
 
-    policy: str = "skip"
+    policy: str = "off"
     """skip (the step's update is not applied; its data is consumed and the schedule advances)
     | rollback (restore the newest checkpoint at or before the first of the ``skip_window``
-    steps ending at the spike, and skip those steps) | warn (print, train on) | off (no check:
-    no per-step host sync)."""
+    steps ending at the spike, and skip those steps) | warn (print, train on) | off (no check).
+    Every policy but off reads the step's loss on the host before its update (one sync per
+    step), which the loop otherwise never does: off by default, skip for a long run."""
     window: int = 100
     """Steps of history the median and MAD are taken over."""
     threshold: float = 6.0
