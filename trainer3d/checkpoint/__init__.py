@@ -12,7 +12,9 @@ integrity; ``writer`` and ``digest`` DCP's writer with checksums taken as bytes 
 (an allow-listed unpickler, tensor entries only); ``choose`` which checkpoint a run resumes
 and whether it is the same model; ``precision`` resuming across ``train.dtype``; ``export``
 a checkpoint's model for use elsewhere; ``stop`` the agreed stop at a step boundary when Slurm
-warns the job, so every rank saves at the same step. May import ``config``, ``model``,
+warns the job, so every rank saves at the same step; ``interval`` ``checkpoint.every=auto``
+(Young/Daly from measured save costs); ``rollback`` the checkpoint a loss-spike rollback
+restores, newer ones set aside. May import ``config``, ``model``,
 ``optim``, ``hf``, ``parallel`` and ``observe`` (a failed write's cause in one line). Nothing
 above it: the loop calls it, and the rank's body acts on a stop.
 """
