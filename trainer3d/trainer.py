@@ -7,6 +7,13 @@ tp and tied-embedding sums: trainer3d/parallel/finalize.py) -> clip by the globa
 optimizer step; ``train`` repeats it, evaluates on the validation set every
 train.eval_every steps (``forward_only``, trainer3d/observe/evaluate.py) and logs at the
 interval.
+
+Loss spikes (docs/failures.md): between the gradient norm and the update, the spike watch
+(trainer3d/observe/spikes.py) judges the step on values every rank agrees on; by
+``train.spike.policy`` a spike's update is not applied (skip), or the run restores the
+newest checkpoint before the spike and trains on without the steps up to it (rollback).
+Steps in the skip log (trainer3d/data/skips.py) are passed over whole: no batch read, no
+update; the schedule advances over them.
 """
 
 import contextlib
@@ -17,6 +24,8 @@ import torch
 from torch import nn
 
 from trainer3d.checkpoint.manager import Checkpointer, agree_on_resume
+from trainer3d.checkpoint.rollback import agree_on_rollback
+from trainer3d.data.skips import SkipLog
 from trainer3d.config.schema import Config
 from trainer3d.data.loader import Prefetcher, build_readers
 from trainer3d.data.sources import eval_batches, evaluates
@@ -28,6 +37,7 @@ from trainer3d.observe.moe import MoEStats
 from trainer3d.model.flops import flops_per_token
 from trainer3d.observe.nonfinite import NonFiniteWatch
 from trainer3d.observe.profile import StepProfiler
+from trainer3d.observe.spikes import SpikeWatch, Verdict
 from trainer3d.optim.schedule import lr_at
 from trainer3d.parallel.expert.tokens import apply_moe_layout
 from trainer3d.parallel.finalize import GradFinalizer
@@ -101,6 +111,13 @@ class Trainer:
         self.metrics = self._build_metrics()
         self.nonfinite = NonFiniteWatch(dims.device, norm_counts=t.dtype != "fp16", action=t.on_nonfinite)
         self.profiler = StepProfiler(list(t.profile), cfg.run_dir, dims.rank, dims.device)
+        self.spikes = SpikeWatch(t.spike, loss_owner=dims.is_last_stage and dims.tp_rank == 0, dp_cp=dims.dp_cp,
+                                 rank=dims.rank)
+        self.skips = SkipLog(cfg.run_dir, t.skip_steps, writer=dims.rank == 0)
+        self.verdict: Optional[Verdict] = None
+        self.step_s = 0.0
+        """A running mean of this rank's step time (checkpoint.every=auto's unit of interval)."""
+        """The spike watch's verdict on the last step trained (None with train.spike.policy=off)."""
 
     def _build_data(self):
         """This rank's training batches (read ahead) and evaluator (None without a validation set);
@@ -166,7 +183,10 @@ class Trainer:
             self.grads.finalize()
             grad_norm = self.optimizer.clip_grad_norm(self.cfg.optim.grad_clip)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
-        self.optimizer.step(lr)
+        self.verdict = self.spikes.judge(step, loss, grad_norm)
+        spiked = self.verdict is not None and self.verdict.reason is not None
+        if not spiked or self.cfg.train.spike.policy == "warn":
+            self.optimizer.step(lr)  # a skipped update leaves weights and moments (and step_count) as they were
         return loss, grad_norm, lr
 
     # ------------------------------------------------------------------ the loop
@@ -184,35 +204,16 @@ class Trainer:
     def _train(self) -> Optional[dict]:
         t = self.cfg.train
         started = time.perf_counter()
-        for step in range(self.start_step, t.max_steps):
-            self.profiler.before(step)
-            with self.timeouts.warming_up(step == self.warm_step):  # the step after the first evaluation
-                loss, grad_norm, lr = self.train_step(step)
-            self.timeouts.to_step()  # start-up (the first step: compilation, warm-up) is over
-            self.metrics.record(step, loss, grad_norm, lr, self.optimizer.step_metrics())
-            if self.moe_stats is not None:
-                self.moe_stats.record_step()
-            self.nonfinite.record(step, loss, grad_norm)
-            self.profiler.after(step)
-            if self.heartbeat is not None:
-                self.heartbeat.step = step + 1
-            if self.evaluator is not None and self.evaluator.due(step + 1):
-                self.evaluate(step)
-            if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
-                self.metrics.flush()
-                self.nonfinite.check()
-            if self.checkpointer.due(step + 1):
-                self.nonfinite.check()  # never a checkpoint of weights trained on a non-finite loss
-                self.save_checkpoint(step + 1)
-            else:
-                self.checkpointer.poll()  # a save in the background that finished: noticed on every rank alike
-            for report in self.checkpointer.take_news():
-                self.metrics.record_checkpoint(report.stall_s, report.write_s)
-            # The same on every rank (trainer3d/checkpoint/stop.py); after the last step there is nothing to stop.
-            flag = self.stop_signal.agreed() if step + 1 < t.max_steps else 0
-            if flag:
-                self.stopped = Stop(step=step + 1, flag=flag)
+        step = self.start_step
+        while step < t.max_steps:
+            if step not in self.skips:
+                back_to = self._step(step)
+                if back_to is not None:  # rolled back: the steps from there run again (the skipped ones passed over)
+                    step = back_to
+                    continue
+            if self._boundary(step):
                 break
+            step += 1
         self.profiler.close()  # a run stopped inside the window writes what it traced
         last = self.metrics.flush()
         self.optimizer.wait_params()  # the model a caller reads after training holds the last step
@@ -232,6 +233,90 @@ class Trainer:
         return {"final_loss": last["loss"] if last else None, "steps": done - self.start_step,
                 "wall_s": time.perf_counter() - started, "metrics": str(self.metrics.path),
                 "stopped_at": self.stopped.step if self.stopped else None}
+
+    def _step(self, step: int) -> Optional[int]:
+        """Train ``step`` and record it; the step to go on from where it rolled back, else None."""
+        self.profiler.before(step)
+        started = time.perf_counter()
+        with self.timeouts.warming_up(step == self.warm_step):  # the step after the first evaluation
+            loss, grad_norm, lr = self.train_step(step)
+        self.timeouts.to_step()  # start-up (the first step: compilation, warm-up) is over
+        took = time.perf_counter() - started
+        if step > self.start_step:  # the first step is start-up (compilation, warm-up), not a step's time
+            self.step_s = took if self.step_s == 0.0 else 0.9 * self.step_s + 0.1 * took
+        self.metrics.record(step, loss, grad_norm, lr, self.optimizer.step_metrics())
+        if self.moe_stats is not None:
+            self.moe_stats.record_step()
+        self.nonfinite.record(step, loss, grad_norm)
+        self.profiler.after(step)
+        if self.verdict is not None and self.verdict.reason is not None:
+            return self._on_spike(self.verdict)
+        return None
+
+    def _boundary(self, step: int) -> bool:
+        """After ``step`` (trained or skipped), on every rank alike: evaluation, logging, the
+        checkpoint, the agreed stop; True where the run stops here."""
+        t = self.cfg.train
+        if self.heartbeat is not None:
+            self.heartbeat.step = step + 1
+        if self.evaluator is not None and self.evaluator.due(step + 1):
+            self.evaluate(step)
+        if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
+            self.metrics.flush()
+            self.nonfinite.check()
+        if self.checkpointer.due(step + 1):
+            self.nonfinite.check()  # never a checkpoint of weights trained on a non-finite loss
+            self.save_checkpoint(step + 1)
+        else:
+            self.checkpointer.poll()  # a save in the background that finished: noticed on every rank alike
+        news = self.checkpointer.take_news()
+        for report in news:
+            self.metrics.record_checkpoint(report.stall_s, report.write_s)
+        retuned = self.checkpointer.retune(news, self.step_s, step + 1)
+        if retuned is not None:
+            self._say(retuned)
+        # The same on every rank (trainer3d/checkpoint/stop.py); after the last step there is nothing to stop.
+        flag = self.stop_signal.agreed() if step + 1 < t.max_steps else 0
+        if flag:
+            self.stopped = Stop(step=step + 1, flag=flag)
+        return bool(flag)
+
+    def _on_spike(self, verdict: Verdict) -> Optional[int]:
+        """Act on a spike by train.spike.policy, record it in the skip log, say it on rank 0; the
+        step to go on from after a rollback, else None."""
+        s = self.cfg.train.spike
+        event = {"step": verdict.step, "loss": verdict.loss, "grad_norm": verdict.grad_norm, "reason": verdict.reason}
+        if s.policy == "warn":
+            self._say(f"loss spike at step {verdict.step}: {verdict.reason}; training on (train.spike.policy=warn)")
+            self.skips.add([], {**event, "action": "warn"})
+            return None
+        back_to = None
+        if s.policy == "rollback":
+            first = max(0, verdict.step - s.skip_window + 1)
+            self.checkpointer.wait("a rollback")  # a save in flight is published (or fails) before any is chosen
+            choice = agree_on_rollback(self.cfg, self.dims.rank, first)
+            if choice is not None:
+                skipped = list(range(max(first, choice.step), verdict.step + 1))
+                self.skips.add(skipped, {**event, "action": f"rollback to step {choice.step}, skip steps "
+                                                             f"{skipped[0]}-{skipped[-1]}"})
+                self._say(f"loss spike at step {verdict.step}: {verdict.reason}; rolling back to the checkpoint "
+                          f"of step {choice.step} and skipping steps {skipped[0]}-{skipped[-1]} "
+                          f"(train.spike.policy=rollback, skip_window={s.skip_window})")
+                self.metrics.rewind(choice.step)
+                back_to = self.checkpointer.load(choice)
+                self.nonfinite.first_bad()  # the kept steps are rerun: forgotten
+                return back_to
+            self._say(f"loss spike at step {verdict.step}: no checkpoint at or before step {first} to roll back to; "
+                      "its update is skipped instead (checkpoint.every sets how often there is one)")
+        self.skips.add([verdict.step], {**event, "action": "skip"})
+        if s.policy == "skip":
+            self._say(f"loss spike at step {verdict.step}: {verdict.reason}; its update skipped "
+                      "(train.spike.policy=skip)")
+        return back_to
+
+    def _say(self, text: str) -> None:
+        if self.dims.rank == 0:
+            print(f"trainer3d: {text}", flush=True)
 
     def evaluate(self, step: int) -> None:
         """The validation loss after ``step``. The first evaluation, and the training step after

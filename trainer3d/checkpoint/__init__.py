@@ -13,7 +13,9 @@ integrity; ``writer`` and ``digest`` DCP's writer with checksums taken as bytes 
 and whether it is the same model; ``lineage`` whose it is (run, branch) and what it was
 trained on (data identity, samples consumed); ``precision`` resuming across ``train.dtype``; ``export``
 a checkpoint's model for use elsewhere; ``stop`` the agreed stop at a step boundary when Slurm
-warns the job, so every rank saves at the same step. May import ``config``, ``model``,
-``data`` (the identity of the data a checkpoint records), ``optim``, ``hf``, ``parallel`` and
-``observe`` (a failed write's cause in one line). Nothing above it: the loop calls it, and the rank's body acts on a stop.
+warns the job, so every rank saves at the same step; ``interval`` ``checkpoint.every=auto``
+(Young/Daly from measured save costs); ``rollback`` the checkpoint a loss-spike rollback
+restores, newer ones set aside. May import ``config``, ``model``, ``data`` (the identity of
+the data a checkpoint records), ``optim``, ``hf``, ``parallel`` and ``observe`` (a failed
+write's cause in one line). Nothing above it: the loop calls it, and the rank's body acts on a stop.
 """

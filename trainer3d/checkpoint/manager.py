@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.choose import RESUME_FIX, Choice, choose
 from trainer3d.checkpoint.lineage import marker_fields, origin_of, set_aside
+from trainer3d.checkpoint.interval import AutoInterval, Measured
 from trainer3d.checkpoint.precision import load_passes
 from trainer3d.checkpoint.reader import CheckpointReader, TensorOnlyLoadPlanner
 from trainer3d.checkpoint.saver import Background, SaveGroups, SaveJob, SaveReport, write
@@ -112,6 +113,9 @@ class Checkpointer:
         self.news: List[SaveReport] = []
         """What saves cost since the trainer last took ``news`` (a background save twice:
         its stall when it starts, its write time when it is done)."""
+        self.auto = AutoInterval(cfg.checkpoint.mtbf_hours) if cfg.checkpoint.every == "auto" else None
+        """``checkpoint.every=auto``'s interval (trainer3d/checkpoint/interval.py), else None."""
+        self._stall_s = 0.0
 
     def _say(self, text: str) -> None:
         _say(self.dims, text)
@@ -141,6 +145,8 @@ class Checkpointer:
     # ------------------------------------------------------------------ save
 
     def due(self, steps_done: int) -> bool:
+        if self.auto is not None:
+            return self.auto.due(steps_done)
         every = self.cfg.checkpoint.every
         return every > 0 and steps_done % every == 0
 
@@ -152,6 +158,8 @@ class Checkpointer:
             self.wait("the end of training")
             return
         self.wait(f"the checkpoint of step {steps_done}")
+        if self.auto is not None:
+            self.auto.count_from(steps_done)
         background = self.cfg.checkpoint.async_save if background is None else background
         job = self._job(steps_done, staged=background)
         report = SaveReport(steps_done, job.final, stall_s=0.0)
@@ -208,6 +216,22 @@ class Checkpointer:
         news, self.news = self.news, []
         return news
 
+    def retune(self, news: List[SaveReport], step_s: float, steps_done: int) -> Optional[str]:
+        """``checkpoint.every=auto``, every rank with the same ``news`` (the same step): after a save
+        is done, recompute the interval from rank 0's measurements (broadcast, so every rank saves
+        at the same step); the line that says why, else None."""
+        if self.auto is None:
+            return None
+        for report in news:
+            if report.write_s is None or report.stall_s:  # a background save's stall comes when it starts
+                self._stall_s = report.stall_s
+        done = [r for r in news if r.write_s is not None]
+        if not done:
+            return None
+        figures = torch.tensor([step_s, self._stall_s, done[-1].write_s], dtype=torch.float64, device=self.dims.device)
+        dist.broadcast(figures, src=0)
+        return self.auto.retune(Measured(*figures.tolist()), self.last_saved, steps_done)  # counted from the newest save
+
     # ------------------------------------------------------------------ resume
 
     def load(self, choice: Optional[Choice]) -> int:
@@ -251,6 +275,8 @@ class Checkpointer:
         self.last_saved = choice.step
         self.origin = origin_of(choice.info, self.cfg.train.global_batch_size)
         self.resumed_from = choice.path
+        if self.auto is not None:
+            self.auto.count_from(choice.step)
         self._say(f"resumed from {choice.path} at step {choice.step}")
         saved_batch = choice.info.get("global_batch_size")
         if type(saved_batch) is int and saved_batch != self.cfg.train.global_batch_size:

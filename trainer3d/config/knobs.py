@@ -61,6 +61,8 @@ RANGES: Dict[str, Range] = {
                                          "max_steps", "log_every", "eval_steps")},
     "train.seed": Range(0, hi=2 ** 63), "train.loss_scale_init": POSITIVE, "train.peak_tflops": POSITIVE,
     "train.eval_every": AT_LEAST_0, "train.loss_chunk_tokens": AT_LEAST_0,
+    "train.spike.window": Range(3), "train.spike.threshold": POSITIVE, "train.spike.min_steps": AT_LEAST_0,
+    "train.spike.skip_window": AT_LEAST_1,
     "optim.lr": POSITIVE, "optim.min_lr": AT_LEAST_0, "optim.warmup_steps": AT_LEAST_0,
     "optim.decay_steps": AT_LEAST_1, "optim.weight_decay": AT_LEAST_0, "optim.beta1": UNIT, "optim.beta2": UNIT,
     "optim.eps": POSITIVE, "optim.grad_clip": AT_LEAST_0,
@@ -68,7 +70,7 @@ RANGES: Dict[str, Range] = {
     "launcher.timeout_min": MINUTES, "launcher.nodes": AT_LEAST_1, "launcher.tasks_per_node": AT_LEAST_1,
     "launcher.gpus_per_node": AT_LEAST_0, "launcher.cpus_per_task": AT_LEAST_1, "launcher.mem_gb": POSITIVE,
     "launcher.signal_delay_s": Range(0, hi=YEAR_S), "launcher.max_requeues": AT_LEAST_0,
-    "checkpoint.every": AT_LEAST_0, "checkpoint.keep": AT_LEAST_1,
+    "checkpoint.keep": AT_LEAST_1, "checkpoint.mtbf_hours": POSITIVE,
 }
 """Each numeric knob's valid values (None, where the field is optional, means "derive it")."""
 
@@ -84,6 +86,7 @@ CHOICES: Dict[str, Tuple[object, ...]] = {
     "train.dtype": ("fp32", "bf16", "fp16"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.on_nonfinite": ("stop", "continue"),
+    "train.spike.policy": ("skip", "rollback", "warn", "off"),
     "optim.name": ("adamw",),
     "data.name": ("stdlib", "tokens"),
     "launcher.name": ("local", "slurm", "inplace"),

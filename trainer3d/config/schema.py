@@ -10,7 +10,7 @@ re-exports them, so ``trainer3d.config.schema`` names every class of the schema.
 
 import re
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -19,10 +19,41 @@ from trainer3d.config.schema_model import ModelConfig, MoEConfig, RopeScalingCon
 from trainer3d.config.schema_parallel import ParallelConfig
 
 __all__ = [
-    "BlendSource", "CheckpointConfig", "Config", "DataConfig", "LauncherConfig", "LoggerConfig",
-    "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "RUN_NAME", "RopeScalingConfig", "TrainConfig",
+    "BlendSource", "CheckpointConfig", "Config", "DataConfig", "InjectConfig", "LauncherConfig", "LoggerConfig",
+    "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "RUN_NAME", "RopeScalingConfig", "SpikeConfig", "TrainConfig",
     "flatten", "named_run_dir", "register_configs",
 ]
+
+
+@dataclass
+class SpikeConfig:
+    """Loss spikes: each step's loss and gradient norm, agreed over the ranks, against the
+    median and the median absolute deviation (MAD) of the last ``window`` steps
+    (trainer3d/observe/spikes.py; docs/failures.md)."""
+
+    policy: str = "off"
+    """skip (the step's update is not applied; its data is consumed and the schedule advances)
+    | rollback (restore the newest checkpoint at or before the first of the ``skip_window``
+    steps ending at the spike, and skip those steps) | warn (print, train on) | off (no check).
+    Every policy but off reads the step's loss on the host before its update (one sync per
+    step), which the loop otherwise never does: off by default, skip for a long run."""
+    window: int = 100
+    """Steps of history the median and MAD are taken over."""
+    threshold: float = 6.0
+    """A step spikes when its loss (or gradient norm) is above the window's median by more than
+    this many robust standard deviations (1.4826 x MAD)."""
+    min_steps: int = 100
+    """Steps observed before the check arms (early training's fast fall is no baseline)."""
+    skip_window: int = 10
+    """rollback: the steps skipped, ending at the spike (PaLM skipped 200-500 batches around one)."""
+
+
+@dataclass
+class InjectConfig:
+    """Drills: faults put in on purpose, to see the run's handling act."""
+
+    corrupt_steps: List[int] = field(default_factory=list)
+    """Steps whose batches are replaced by uniformly random token ids on every rank."""
 
 
 @dataclass
@@ -76,6 +107,11 @@ class TrainConfig:
     every rank writes a torch.profiler trace, ``<run_dir>/profile/trace_rank<r>.json`` (Chrome
     trace JSON for ui.perfetto.dev or TensorBoard), and on CUDA a memory snapshot,
     ``memory_rank<r>.pickle``, for pytorch.org/memory_viz (trainer3d/observe/profile.py)."""
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+    skip_steps: List[int] = field(default_factory=list)
+    """Steps trained without an update and without reading their batch, besides those in the run
+    dir's skipped_steps.json: a fresh run given another run's ``steps`` replays its decisions."""
+    inject: InjectConfig = field(default_factory=InjectConfig)
 
 
 @dataclass
@@ -193,8 +229,12 @@ class LoggerConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0
-    """Save every this many steps (0: only at the end and on preemption)."""
+    every: Any = 0
+    """Save every this many steps (0: only at the end and on preemption), or ``auto``: the interval
+    that loses the least expected time to saves and interruptions, from the run's measured save
+    stall and step time and checkpoint.mtbf_hours (Young/Daly; trainer3d/checkpoint/interval.py)."""
+    mtbf_hours: float = 24.0
+    """``every=auto``: the expected time between interruptions of the job (failures, preemptions)."""
     keep: int = 2
     """Published checkpoints kept; older ones are deleted."""
     dir: Optional[str] = None

@@ -302,6 +302,11 @@ def _check_data(cfg: Config, problems: List[str]) -> None:
         problems.append("data.val_fraction and data.val_path are both set; give one (or set data.val_fraction=0)")
     _check_eval(cfg, problems)
     _check_profile(cfg, problems)
+    _check_step_lists(cfg, problems)
+    every = cfg.checkpoint.every
+    if every != "auto" and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
+        problems.append(f"checkpoint.every={every} must be a number of steps >= 0 (0: only at the end and on "
+                        "preemption) or auto (the interval from measured save costs and checkpoint.mtbf_hours)")
     if cfg.name is not None and not RUN_NAME.match(str(cfg.name)):
         problems.append(f"name={cfg.name!r}: a run name is letters, digits, '.', '_' and '-' (no '/', not starting "
                         "with '.'), e.g. name=llama-1b-web")
@@ -313,6 +318,17 @@ def _check_profile(cfg: Config, problems: List[str]) -> None:
         problems.append(f"train.profile={window} must be [first, end] with 0 <= first < end <= train.max_steps"
                         f"={steps} (steps first..end-1 are traced), e.g. train.profile=[{min(2, steps - 1)},"
                         f"{min(5, steps)}], or [] for none")
+
+
+def _check_step_lists(cfg: Config, problems: List[str]) -> None:
+    """train.skip_steps and train.inject.corrupt_steps name steps of this run (0-based)."""
+    steps = cfg.train.max_steps
+    for knob, values in (("train.skip_steps", cfg.train.skip_steps),
+                         ("train.inject.corrupt_steps", cfg.train.inject.corrupt_steps)):
+        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < steps]
+        if bad:
+            problems.append(f"{knob}: {bad} are not steps of this run (integers 0 <= step < train.max_steps"
+                            f"={steps}); give steps as metrics.jsonl numbers them, e.g. {knob}=[120,121]")
 
 
 def _check_eval(cfg: Config, problems: List[str]) -> None:

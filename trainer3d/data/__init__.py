@@ -8,7 +8,8 @@
     shuffle.py    a seeded bijection of range(n), one element at a time
     sampler.py    which windows each step reads: blending, shuffling, the validation split
     sources.py    the run's token files, weights and spans, from cfg.data
-    loader.py     this rank's batches (only what it feeds), read ahead of the step
+    loader.py     this rank's batches (only what it feeds), read ahead of the step; drill batches
+    skips.py      the run dir's skipped_steps.json: the steps a run passes over, and why
     cp_sharding.py  the load-balanced split of a sequence over cp ranks: the positions each
                   rank reads (the loader) and attends from (parallel/context/)
     documents.py  the inputs of tools/prepare_data.py, streamed as documents

@@ -14,10 +14,15 @@ its two chunks of each (trainer3d/data/cp_sharding.py), so the tensors are
 CUDA into pinned host memory, so the copy to the device is asynchronous (``non_blocking``).
 A request for another step than the one read ahead (a resume, the first step) reads it
 in the foreground.
+
+A drill (``train.inject.corrupt_steps``): those steps' windows are uniformly random ids in
+``[0, vocab_size)``, each a function of the seed, the step and the global sample alone, so
+every rank (tp peers, the first and the last stage, cp chunks) reads its part of the same
+random batch.
 """
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -37,7 +42,7 @@ class BatchReader:
 
     def __init__(self, files: List[TokenFile], parts: List[Part], order: SampleOrder, micro_batch_size: int,
                  grad_accum_steps: int, dp: int, dp_rank: int, inputs: bool = True, targets: bool = True,
-                 cp: int = 1, cp_rank: int = 0):
+                 cp: int = 1, cp_rank: int = 0, corrupt: Iterable[int] = (), vocab_size: int = 0):
         self.tokens = [f.tokens for f in files]
         self.spans = [p.span for p in parts]
         self.order = order
@@ -53,6 +58,12 @@ class BatchReader:
         # its cp rank's two chunks.
         chunk = self.seq_len // (2 * cp)
         self.pieces = [(0, self.seq_len)] if cp == 1 else [(c * chunk, chunk) for c in chunks_of(cp, cp_rank)]
+        self.corrupt, self.vocab_size = frozenset(corrupt), vocab_size
+
+    def random_window(self, step: int, sample: int) -> np.ndarray:
+        """A drill's window (seq_len + 1 ids) of global sample ``sample`` of ``step``."""
+        rng = np.random.default_rng([self.order.seed, step, sample])
+        return rng.integers(0, self.vocab_size, size=self.seq_len + 1, dtype=np.int64)
 
     @property
     def n_windows(self) -> int:
@@ -73,10 +84,13 @@ class BatchReader:
         n = self.pieces[0][1]  # every piece has the same length
         sources, windows = self.windows(step)
         rows = np.empty((len(windows), len(self.pieces), n + extra), dtype=np.int64)
+        first_sample = step * self.global_batch_size + self.dp_rank * self.micro * self.accum
         for i, (k, w) in enumerate(zip(sources.tolist(), windows.tolist())):
-            start = self.spans[k].start + w * seq + first
+            tokens, start = self.tokens[k], self.spans[k].start + w * seq + first
+            if step in self.corrupt:
+                tokens, start = self.random_window(step, first_sample + i), first
             for j, (offset, _) in enumerate(self.pieces):
-                rows[i, j] = self.tokens[k][start + offset:start + offset + n + extra]
+                rows[i, j] = tokens[start + offset:start + offset + n + extra]
         rows = torch.from_numpy(rows).view(self.accum, self.micro, len(self.pieces), n + extra)
         local = len(self.pieces) * n
         inputs = rows[..., :n].reshape(self.accum, self.micro, local) if self.want_inputs else None
@@ -133,9 +147,10 @@ def build_readers(cfg: Config, dp: int, dp_rank: int, inputs: bool = True, targe
             raise TokenFileError(f"{path}: tokenizer vocabulary {opened.header.vocab_size} > "
                                  f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size")
 
-    def reader(parts: List[Part], seed: int) -> BatchReader:
+    def reader(parts: List[Part], seed: int, corrupt: Iterable[int] = ()) -> BatchReader:
         order = SampleOrder([p.span.n_windows for p in parts], [p.weight for p in parts], seed)
         return BatchReader([files[p.path] for p in parts], parts, order, t.micro_batch_size,
-                           t.grad_accum_steps, dp, dp_rank, inputs, targets, cp, cp_rank)
+                           t.grad_accum_steps, dp, dp_rank, inputs, targets, cp, cp_rank,
+                           corrupt=corrupt, vocab_size=cfg.model.vocab_size)
 
-    return reader(train, t.seed), (reader(val, VALIDATION_KEY) if val else None)
+    return reader(train, t.seed, t.inject.corrupt_steps), (reader(val, VALIDATION_KEY) if val else None)

@@ -5,7 +5,8 @@ loop's only host sync) and writes ``metrics.jsonl`` and the progress line; ``tel
 figures around the math (process memory, communication time, the device's peak rate);
 ``loggers`` the sinks beside the file (console, wandb, TensorBoard); ``profile`` the
 ``train.profile`` window's torch.profiler trace and CUDA memory snapshot; ``nonfinite`` the device-side watch
-for a non-finite loss or gradient norm; ``evaluate`` the held-out validation loss, forward
+for a non-finite loss or gradient norm; ``spikes`` the loss-spike watch (median/MAD of recent
+steps, the decision agreed over the ranks); ``evaluate`` the held-out validation loss, forward
 only through the same model and pipeline; ``failure`` what a failing rank or a failed write
 says about itself, the real cause in one line (a full disk named). May import ``config``,
 ``model``, ``data``, ``optim`` (the parameter dtypes) and ``parallel``; the trainer calls it,

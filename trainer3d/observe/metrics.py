@@ -123,6 +123,13 @@ class MetricsLogger:
                   "checkpoint (this run starts at step 0)", file=sys.stderr, flush=True)
         self.path.write_text("".join(line + "\n" for line in kept))
 
+    def rewind(self, step: int) -> None:
+        """Every rank, at a rollback to ``step``: the interval's steps written, then rank 0 drops
+        the rows of ``step`` on (the steps are trained again and write their rows again)."""
+        self.flush()
+        if self.dims.rank == 0:
+            self._truncate_after(step)
+
     def add_column(self, name: str, read: Callable[[], List[float]]) -> None:
         """A per-step metric averaged over all ranks: at each flush ``read()`` returns this
         rank's values for the steps recorded since the last flush (it may read the device)."""
