@@ -109,7 +109,7 @@ def overrides_problem(config_name: str, argv: Sequence[str]) -> Optional[str]:
     """Why the command line ``argv`` (Hydra's flags and overrides) cannot compose
     ``conf/<config_name>.yaml``, in one line; None where it composes (or Hydra's own flags
     choose another config)."""
-    args = get_args_parser().parse_known_args(list(argv))[0]
+    args = get_args_parser().parse_known_args(list(argv))[0]  # the parser hydra.main itself uses
     if any(getattr(args, flag, None) for flag in OTHER_CONFIG):
         return None
     try:
