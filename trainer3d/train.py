@@ -3,7 +3,7 @@
 Hydra composes the config (``--cfg job`` prints it, ``-m`` sweeps); this module resolves
 it (``model.init_from``: the model section from a Hugging Face config.json), validates it
 in this process — a refused config exits with status 2 and one line per problem, before
-any rank starts — checks the machine, the memory, the data and the run dirs the same way
+any rank starts, as overrides Hydra cannot compose do (trainer3d/config/command_line.py) — checks the machine, the memory, the data and the run dirs the same way
 (trainer3d/preflight/), and hands it to the launcher (trainer3d/launch/; in place, the rank's
 body: trainer3d/rank/task.py).
 """
@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer3d.checkpoint.choose import choose
 from trainer3d.checkpoint.store import CheckpointError, checkpoint_root
+from trainer3d.config.command_line import refuse_bad_overrides
 from trainer3d.config.conf_dir import CONF_DIR
 from trainer3d.config.defaults_used import defaults_block, given_keys, recipe_keys
 from trainer3d.config.help import print_help, wants_help
@@ -198,6 +199,7 @@ def main() -> None:
     if wants_help(sys.argv[1:]):  # every knob with its default, range and docstring (Hydra's page lists groups only)
         print_help("python -m trainer3d.train", "config", Config, sys.argv[1:])
         sys.exit(0)  # as argparse's --help
+    refuse_bad_overrides("config", sys.argv[1:])  # one line and exit 2, where Hydra's own refusal is a page and 1
     _main()
 
 

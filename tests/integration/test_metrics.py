@@ -85,6 +85,10 @@ def test_one_offline_wandb_run_per_training_run_with_config_and_every_metric(tmp
     assert goodput["steps"] == 6 and goodput["lost_s"] == 0
     assert goodput["train_s"] == pytest.approx(sum(r["step_time_s"] for r in rows))
     assert goodput["goodput"] == pytest.approx(sum(r["compute_s"] for r in rows) / goodput["train_s"])
+    # tokens/s by hand: 6 steps of 8 sequences x 64 tokens over the rows' step times
+    assert goodput["tokens_per_s"] == pytest.approx(6 * 8 * 64 / sum(r["step_time_s"] for r in rows))
+    for row in rows:  # and in each interval's row and line, its step's tokens over its mean step time
+        assert row["tokens_per_s"] == pytest.approx(8 * 64 / row["step_time_s"])
     assert goodput["predicted"]["step_s"] == rows[0]["predicted_step_time_s"]
     assert "goodput:" in proc.stdout + proc.stderr or any("goodput:" in p.read_text(errors="ignore")
                                                           for p in (run_dir / "submitit").glob("*_0_log.out"))
@@ -146,6 +150,15 @@ def test_progress_line_in_a_file_is_plain_lines():
     assert "\r" not in text and text.count("\n") == 3
     assert text.splitlines()[0] == ("step 1/3 | loss 3.2000 | lr 1.00e-03 | grad_norm 1.000 | 12,345 tok/s | "
                                     "MFU 1.2% | 0.500 s/step | eta 1s")
+
+
+def test_progress_line_never_prints_an_mfu_above_100_percent_without_saying_why():
+    out = io.StringIO()
+    logger = _logger(out)
+    logger.peak_tflops = 0.02
+    logger._print(dict(ROW, mfu=1.44))
+    assert "| MFU >100% (144% of a peak of 0.02 TFLOP/s, which is low: measured at start-up under contention, " \
+           "or train.peak_tflops set low) |" in out.getvalue()
 
 
 def test_progress_line_shows_the_validation_loss_of_an_evaluated_step():

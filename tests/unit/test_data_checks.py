@@ -16,6 +16,7 @@ from trainer3d.data import BYTE_LEVEL, TokenizerInfo, write_token_file
 from trainer3d.data.loader import build_readers
 from trainer3d.data.tokens import TokenFileError
 from trainer3d.preflight.data_checks import check_data
+from trainer3d.data.sources import eval_batches
 from trainer3d.data.tokens import header_path
 from trainer3d.config.validate import ConfigError, validate
 from tests.unit.test_validate import make
@@ -74,9 +75,6 @@ CASES = {
     "empty validation split": (lambda d: ["data=tokens", f"data.path={token_file(d, 'a.bin', 5000)}",
                                           "data.val_fraction=0.02"],
                                "data.val_fraction=0.02: the validation split has 3 windows of 33 tokens, fewer than one"),
-    "too many eval steps": (lambda d: ["data=tokens", f"data.path={token_file(d, 'a.bin', 5000)}",
-                                       "data.val_fraction=0.2", "train.eval_steps=10"],
-                            "train.eval_steps=10 needs 40 validation windows, the split has 31; set train.eval_steps=7"),
 }
 
 
@@ -100,6 +98,25 @@ def test_the_ranks_refuse_a_short_tail_with_the_checks_own_line(tmp_path):
     with pytest.raises(TokenFileError) as err:
         build_readers(cfg, dp=2, dp_rank=0)
     assert str(err.value) == line
+
+
+def test_a_small_validation_split_is_refused_once_with_the_fraction_that_holds_a_batch(tmp_path):
+    # 5,000 tokens; a split of n tokens holds (n - 1) // 32 windows of 33 (each starts where the last
+    # one's inputs end): one global batch, 4 windows, needs n >= 129; 0.026 x 5,000 = 130 is the
+    # first thousandth there (0.025: 125 tokens, 3 windows)
+    path = token_file(tmp_path, "a.bin", 5000)
+    problems = checked(tmp_path, ["data=tokens", f"data.path={path}", "data.val_fraction=0.02"])
+    assert len(problems) == 1 and "set data.val_fraction=0.026 (the smallest that holds one)" in problems[0], problems
+    assert checked(tmp_path, ["data=tokens", f"data.path={path}", "data.val_fraction=0.026"]) == []
+
+
+def test_the_default_eval_steps_evaluate_on_the_batches_a_small_split_holds(tmp_path):
+    # 0.2 x 5,000 = 1,000 tokens = 999 // 32 = 31 windows: 7 global batches of 4, fewer than train.eval_steps=10
+    path = token_file(tmp_path, "a.bin", 5000)
+    overrides = ["data=tokens", f"data.path={path}", "data.val_fraction=0.2", "train.eval_steps=10"]
+    assert checked(tmp_path, overrides) == []
+    cfg = validate(make([*SMALL, *overrides]))
+    assert eval_batches(cfg, 31) == 7 and eval_batches(cfg, 400) == 10
 
 
 @pytest.mark.parametrize("case", CASES)

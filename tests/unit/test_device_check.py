@@ -160,3 +160,16 @@ def test_rank_bound_to_one_gpu_by_slurm_takes_cuda_0(monkeypatch):
     for key, value in {**PER_TASK, "LOCAL_RANK": "5", "CUDA_VISIBLE_DEVICES": "5"}.items():
         monkeypatch.setenv(key, value)
     assert rank_device(validate(make(["train.device=cuda"]))) == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("overrides, slurm_client", [
+    (["experiment=llama3.1-8b-8gpu", "data=stdlib"], False),  # a GPU recipe on a machine without Slurm or GPUs
+    (["launcher.gpus_per_node=2", "train.device=cuda", "parallel.backend=nccl"], True),
+])
+def test_one_refusal_names_every_override_a_gpu_config_needs_on_cpu_ranks(overrides, slurm_client):
+    problems = machine_problems(validate(make(overrides)), 2, device_count=0, slurm_client=slurm_client)
+    assert len(problems) == 1, problems
+    fix = problems[0].split(" add ", 1)[1].split(",")[0].split()
+    assert fix and all("=" in o for o in fix), problems[0]
+    # the overrides it names are all it takes: the fixed config passes on the same machine
+    assert machine_problems(validate(make([*overrides, *fix])), 2, device_count=0, slurm_client=slurm_client) == []

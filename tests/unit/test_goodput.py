@@ -31,6 +31,16 @@ def test_summary_adds_the_rows_and_the_lost_work_and_puts_the_prediction_beside(
     assert "x1.25" in lines[1]
 
 
+def test_summary_tokens_per_s_is_the_tokens_over_the_time_not_a_mean_of_rates():
+    # 4,096 tokens a step: one slow interval of 2 steps at 9 s, then 8 steps at 0.5 s (10 steps,
+    # 22 s); a mean of the rows' rates would say (2 x 455 + 8 x 8,192) / 10 = 6,645 tok/s
+    times = [9.0] * 2 + [0.5] * 8
+    rows = [{"step": s, "step_time_s": t, "tokens_per_s": 4096 / t} for s, t in enumerate(times)]
+    out = summarize(rows, lost_s=0.0, prediction=None)
+    assert out["tokens_per_s"] == pytest.approx(10 * 4096 / 22.0)
+    assert out["step_time_s"] == pytest.approx(2.2)
+
+
 def test_a_resume_counts_the_steps_it_redoes_as_lost(tmp_path):
     dims = ParallelDims(topo=Topology(tp=1, pp=1, dp=1), rank=0, mesh=None, tp_group=None, dp_group=None,
                         pp_group=None, device=torch.device("cpu"))

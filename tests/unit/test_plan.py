@@ -213,3 +213,20 @@ def test_calibration_fits_each_fixed_cost_back_from_a_step_it_predicts():
     assert _fit(lambda x: total(tp, 4, latency_by_ranks={2: 300.0, 4: x}), took) == pytest.approx(900.0, rel=1e-6)
     assert _fit(lambda x: total(pp, 2, action_by_ranks={2: x}), total(pp, 2)) == pytest.approx(700.0, rel=1e-6)
     assert _fit(lambda x: total(tp, 4, step_overhead_us=x), took / 2) == 0.0  # already slower: nothing to add
+
+
+def test_the_searchs_own_refused_candidates_are_labelled_not_spoken_as_refusals_of_the_users_config():
+    from trainer3d.plan.report import summary_lines
+
+    cfg = _plan_config("model=7b", "cluster.nodes=2", "cluster.gpus_per_node=8", "cluster.gpu=h100-sxm",
+                       "train.global_batch_size=64", "train.seq_len=4096")
+    device = device_for(cfg.cluster.gpu, cfg.cluster.calibration)
+    result = search(cfg, device)
+    assert result.refused, "64 sequences on 16 ranks: some candidates' micro-batch x dp overshoots the batch"
+    lines = summary_lines(cfg, device, result)
+    label = [i for i, line in enumerate(lines) if "candidate layout(s) the search made itself" in line]
+    assert len(label) == 1 and "nothing to fix in your config" in lines[label[0]]
+    examples = lines[label[0] + 1:]
+    assert len(examples) == len(result.refusal_examples)
+    for line, (knob, problem) in zip(examples, result.refusal_examples.items()):
+        assert line == f"    candidate refused on {knob} ({result.refused[knob]:,}): {problem}"

@@ -10,7 +10,8 @@ not write (token headers, Hugging Face config and index files); ``rows`` the one
 metrics.jsonl, which skips a torn last line as a resume does; ``secrets`` the redaction of
 credentials, by key and by value, from every record of a config (.hydra/, markers, wandb);
 ``defaults_used`` the knobs sizing memory and time a command left at their defaults (the dry
-run names them); ``help`` and ``conf_dir`` the ``--help`` page and where conf/ is; ``extras``
+run names them); ``command_line`` the one-line refusal (exit 2) of overrides that do not
+compose, with the nearest known keys, shared by every entry point; ``help`` and ``conf_dir`` the ``--help`` page and where conf/ is; ``extras``
 the optional packages and the line that says how to install one; ``device`` which device
 the ranks run on, decided from the config (its pure rules in ``validate()``, the machine's GPUs
 before launch, CUDA inside each rank). May import nothing of trainer3d: every other package

@@ -16,6 +16,7 @@ every task, or one bound to each task by Slurm).
 """
 
 import os
+import shutil
 from typing import List, Mapping, Optional
 
 import torch
@@ -58,18 +59,36 @@ def config_problems(cfg: Config, world_size: int) -> List[str]:
     return problems
 
 
-def machine_problems(cfg: Config, world_size: int, device_count: Optional[int] = None) -> List[str]:
-    """What this machine cannot give a local run (the launcher starts every rank here)."""
-    if cfg.launcher.name != "local":
-        return []
+def cpu_overrides(cfg: Config) -> List[str]:
+    """Every override that moves ``cfg`` (a GPU recipe, say) onto this machine's CPU ranks: all of
+    them in one refusal, not one refusal per try."""
+    p, launcher = cfg.parallel, cfg.launcher
+    return [o for o, needed in (("launcher=local", launcher.name == "slurm"),
+                                ("launcher.gpus_per_node=0", launcher.gpus_per_node > 0),
+                                ("train.device=cpu", cfg.train.device == "cuda"),
+                                ("parallel.backend=auto", p.backend == "nccl")) if needed]
+
+
+def machine_problems(cfg: Config, world_size: int, device_count: Optional[int] = None,
+                     slurm_client: Optional[bool] = None) -> List[str]:
+    """What this machine cannot give a local run (the launcher starts every rank here), or a
+    Slurm run of GPUs where this machine has neither a Slurm client nor a GPU.
+    ``slurm_client``: whether sbatch is on PATH (looked up where None)."""
     count = torch.cuda.device_count() if device_count is None else device_count
-    if not uses_cuda(cfg, count > 0):
+    if cfg.launcher.name == "slurm":
+        has_sbatch = shutil.which("sbatch") is not None if slurm_client is None else slurm_client
+        if has_sbatch or count > 0 or not uses_cuda(cfg, False):
+            return []  # the job's nodes are Slurm's to check
+        return [f"launcher=slurm with launcher.gpus_per_node={cfg.launcher.gpus_per_node}, but this machine has "
+                "neither a Slurm client (sbatch) nor a CUDA device; to run on its CPU ranks add "
+                f"{' '.join(cpu_overrides(cfg))}"]
+    if cfg.launcher.name != "local" or not uses_cuda(cfg, count > 0):
         return []
     if count == 0:
         knob = (f"launcher.gpus_per_node={cfg.launcher.gpus_per_node}" if cfg.launcher.gpus_per_node
                 else "train.device=cuda" if cfg.train.device == "cuda" else "parallel.backend=nccl")
-        return [f"{knob} but no CUDA device is visible here (torch.cuda.device_count() = 0); "
-                "set train.device=cpu and launcher.gpus_per_node=0, or run where GPUs are"]
+        return [f"{knob} but no CUDA device is visible here (torch.cuda.device_count() = 0); to run on "
+                f"this machine's CPU ranks add {' '.join(cpu_overrides(cfg))}, or run where GPUs are"]
     if world_size > count:
         p = cfg.parallel
         return [f"tp({p.tp}) * pp({p.pp}) * dp({p.dp}) = {world_size} ranks on this machine, but {count} "

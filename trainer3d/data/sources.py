@@ -91,10 +91,11 @@ def short_parts(cfg: Config, train: List[Part], val: List[Part]) -> List[str]:
 
 
 def eval_batches(cfg: Config, val_windows: int) -> int:
-    """Global batches per evaluation: train.eval_steps, or (null) as many as ``val_windows`` fill."""
-    if cfg.train.eval_steps is not None:
-        return cfg.train.eval_steps
-    return val_windows // cfg.train.global_batch_size
+    """Global batches per evaluation: train.eval_steps at most, as many as ``val_windows`` fill
+    (all of them where train.eval_steps is null): a small split evaluates on what it holds
+    rather than being refused for the default's ten batches."""
+    fill = val_windows // cfg.train.global_batch_size
+    return fill if cfg.train.eval_steps is None else min(cfg.train.eval_steps, fill)
 
 
 def evaluates(cfg: Config) -> bool:

@@ -84,7 +84,9 @@ def summarize(rows: List[dict], lost_s: float, prediction: Optional[Prediction])
     out = {"steps": steps, "train_s": train_s, **totals, "lost_s": lost_s,
            "goodput": totals["compute_s"] / (train_s + lost_s) if train_s + lost_s > 0 else None,
            "step_time_s": train_s / steps if steps else None,
-           "tokens_per_s": sum(r["tokens_per_s"] for r in rows) / steps if steps else None}
+           # total tokens over total time: a mean of per-step rates lets a few fast steps outweigh
+           # the slow ones (a row's rate times its step time is its step's tokens)
+           "tokens_per_s": sum(r["tokens_per_s"] * r["step_time_s"] for r in rows) / train_s if train_s > 0 else None}
     if prediction is not None:
         out["predicted"] = asdict(prediction)
         if steps and prediction.step_s > 0:

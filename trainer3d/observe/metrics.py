@@ -54,6 +54,18 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
+def mfu_text(mfu: Optional[float], peak_tflops: Optional[float]) -> str:
+    """The progress line's MFU. Above 100% the peak it divides by is below the rate reached: on
+    CPU ranks the peak is a matmul measured once at start-up (trainer3d/observe/telemetry.py), and
+    a core shared with other processes then makes it low; or ``train.peak_tflops`` is set low."""
+    if mfu is None:
+        return "n/a"
+    if mfu <= 1.0:
+        return f"{100 * mfu:.1f}%"
+    return (f">100% ({100 * mfu:.0f}% of a peak of {peak_tflops:.3g} TFLOP/s, which is low: measured at "
+            "start-up under contention, or train.peak_tflops set low)")
+
+
 class MetricsLogger:
     def __init__(self, dims: ParallelDims, run_dir: str, max_steps: int, tokens_per_step: int,
                  start_step: int = 0, flops_per_token: float = 0.0, peak_tflops: Optional[float] = None,
@@ -251,7 +263,7 @@ class MetricsLogger:
         eta = format_duration((self.max_steps - done) * row["step_time_s"])
         loss = row["loss"]
         loss_text = f"{loss:.4f}" if math.isfinite(loss) else str(loss)
-        mfu = f"{100 * row['mfu']:.1f}%" if row.get("mfu") is not None else "n/a"
+        mfu = mfu_text(row.get("mfu"), self.peak_tflops)
         return (f"step {done:>{len(str(self.max_steps))}}/{self.max_steps} | loss {loss_text} | "
                 f"lr {row['lr']:.2e} | grad_norm {row['grad_norm']:.3f} | "
                 f"{row['tokens_per_s']:,.0f} tok/s | MFU {mfu} | {row['step_time_s']:.3f} s/step | eta {eta}"

@@ -15,6 +15,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from trainer3d.config.command_line import refuse_bad_overrides
 from trainer3d.config.conf_dir import CONF_DIR
 from trainer3d.config.help import print_help, wants_help
 from trainer3d.config.validate import ConfigError
@@ -56,6 +57,7 @@ def main() -> None:
     if wants_help(sys.argv[1:]):
         print_help("python -m trainer3d.plan", "plan", PlanConfig, sys.argv[1:])
         sys.exit(0)  # as argparse's --help
+    refuse_bad_overrides("plan", sys.argv[1:])  # one line and exit 2 (trainer3d/config/command_line.py)
     _main()
 
 

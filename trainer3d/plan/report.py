@@ -34,8 +34,11 @@ def summary_lines(cfg: PlanConfig, device: Device, result: SearchResult) -> List
     if result.closest_over is not None:
         over, closest, rank = result.closest_over
         lines.append(f"  closest that does not fit: {_layout(closest)}, over by {format_bytes(over)} on stage {rank}")
-    for example in result.refusal_examples.values():
-        lines.append(f"  e.g. {example}")
+    if result.refusal_examples:  # validate()'s words about a layout the search made, not the user's config
+        lines.append(f"  {refused:,} candidate layout(s) the search made itself are not valid layouts "
+                     "(nothing to fix in your config); one example per knob:")
+        lines += [f"    candidate refused on {knob} ({result.refused[knob]:,}): {example}"
+                  for knob, example in result.refusal_examples.items()]
     return lines
 
 

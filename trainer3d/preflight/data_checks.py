@@ -5,16 +5,17 @@ entry point prints them and exits with status 2, as for config errors): a missin
 incomplete or inconsistent header, a size that disagrees with it, an empty file, data that
 fails its full scan (checksum, max id; trainer3d/data/verify.py caches a passed scan), a
 vocabulary or an id the model cannot embed, blended or validation files made with different
-tokenizers, a corpus shorter than one window or than a global batch, an empty validation
-split. The ranks re-check only what could have changed since (size and mtime, through the
+tokenizers, a corpus shorter than one window or than a global batch, a validation split
+without one global batch (naming the smallest ``data.val_fraction`` that holds one). The ranks re-check only what could have changed since (size and mtime, through the
 same cache).
 """
 
+import dataclasses
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from trainer3d.config.schema import Config
-from trainer3d.data.sources import eval_batches, evaluates, plan, short_parts, train_files, val_file
+from trainer3d.data.sources import evaluates, plan, short_parts, train_files, val_file
 from trainer3d.data.tokenfile import TokenFile
 from trainer3d.data.tokens import TokenFileError, TokenHeader
 
@@ -61,15 +62,30 @@ def _check_windows(cfg: Config, headers: Dict[Path, TokenHeader], problems: List
     if not evaluates(cfg) or short:
         return
     have = sum(p.span.n_windows for p in val)
-    need = eval_batches(cfg, have) * batch
-    where = f"data.val_path={cfg.data.val_path}" if cfg.data.val_path else f"data.val_fraction={cfg.data.val_fraction}"
-    if have < batch:
-        problems.append(f"{where}: the validation split has {have} windows of {window} tokens, fewer than one "
-                        f"global batch ({batch}); raise data.val_fraction, give a longer data.val_path, or set "
-                        "train.eval_every=0")
-    elif need > have:
-        problems.append(f"{where}: train.eval_steps={t.eval_steps} needs {need} validation windows, the split has "
-                        f"{have}; set train.eval_steps={have // batch} or null (the whole set)")
+    if have >= batch:
+        return  # train.eval_steps is a most: eval_batches (trainer3d/data/sources.py) takes what the split fills
+    if cfg.data.val_path:
+        problems.append(f"data.val_path={cfg.data.val_path}: the validation file has {have} windows of {window} "
+                        f"tokens, fewer than one global batch ({batch}); give a longer data.val_path, lower "
+                        "train.global_batch_size, or set train.eval_every=0")
+        return
+    fraction = smallest_val_fraction(cfg, lambda path: headers[path].n_tokens)
+    fix = (f"set data.val_fraction={fraction} (the smallest that holds one)" if fraction is not None else
+           "the corpus cannot spare one for validation: lower train.global_batch_size or train.seq_len")
+    problems.append(f"data.val_fraction={cfg.data.val_fraction}: the validation split has {have} windows of "
+                    f"{window} tokens, fewer than one global batch ({batch}); {fix}, or set train.eval_every=0")
+
+
+def smallest_val_fraction(cfg: Config, n_tokens_of) -> Optional[float]:
+    """The smallest data.val_fraction, in steps of 0.001, whose split holds one global batch of
+    validation windows and leaves one of training windows; None where none does."""
+    batch = cfg.train.global_batch_size
+    for thousandths in range(1, 500):
+        trial = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, val_fraction=thousandths / 1000))
+        train, val = plan(trial, n_tokens_of)
+        if sum(p.span.n_windows for p in val) >= batch:
+            return thousandths / 1000 if sum(p.span.n_windows for p in train) >= batch else None
+    return None
 
 
 def check_data(cfg: Config) -> List[str]:

@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Sequence
 
 from omegaconf import ListConfig, OmegaConf
 
+from trainer3d.config.command_line import overrides_problem
 from trainer3d.config.rows import read_metrics
 from trainer3d.tools import output
 
@@ -171,6 +172,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"--reuse-b is refused: {problem}", file=sys.stderr)
             return 2
     to_run = {name: overrides for name, overrides in layouts.items() if not (name == "B" and args.reuse_b)}
+    for name, overrides in to_run.items():  # the entry point's own check, before any dry run starts
+        problem = overrides_problem("config", overrides)
+        if problem:
+            print(f"trainer3d: config error: layout {name}: {problem}", file=sys.stderr)
+            return 2
     plans = check_configs(to_run, runs)
     if None in plans.values():
         return 2
