@@ -7,7 +7,8 @@ types them, in a fresh process from a scratch directory holding the tiny inputs 
 
 - ``--help`` of the entry points;
 - ``python -m trainer3d.plan ...``: the search or ``plan.evaluate=true``'s evaluation, its
-  exit status and its proposed commands;
+  exit status and its proposed commands; where the page prints the output under the command,
+  every line shown is a line the command prints (dates, times and job ids masked);
 - ``python -m trainer3d.plan --calibrate --max-ranks 2 --out FILE``: the smallest calibration,
   its file read back by the planner as ``cluster.gpu=calibrated``;
 - ``python -m trainer3d.train ... dry_run=true`` without a user's model or data: the dry run;
@@ -116,6 +117,43 @@ def _run(command: str, cwd, timeout: int):
     return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+SHOWN = re.compile(r"```bash\n(.*?)```\n```\n(.*?)```", re.S)
+MASK = [re.compile(r"\d{4}-\d\d-\d\d[ T/]\d\d[:-]\d\d(?:[:-]\d\d)?"), re.compile(r"\bjob \d+")]
+"""What legitimately differs between the printed example and a run: dates and times, job ids."""
+
+
+def shown_output(command: str):
+    """The output a page prints under ``command`` (a plain fence right after its bash fence), or None."""
+    for page in PAGES:
+        for given, shown in SHOWN.findall(page.read_text()):
+            if " ".join(given.replace("\\\n", " ").split()) == command:
+                return shown
+    return None
+
+
+def assert_shows(shown: str, printed: str) -> None:
+    """Every line of the example (but its ``...`` elisions) is a line of the output, in order,
+    once dates, times and job ids are masked."""
+    def masked(line):
+        for pattern in MASK:
+            line = pattern.sub("<masked>", line)
+        return line.rstrip()
+    lines = iter(masked(line) for line in printed.splitlines())
+    for want in (masked(line) for line in shown.splitlines()):
+        if want.strip() in ("", "...") or want.strip().startswith("..."):
+            continue
+        assert any(line == want for line in lines), f"the page shows a line the command no longer prints:\n{want}"
+
+
+def test_the_output_check_catches_a_drifted_figure():
+    printed = "searched 10 layouts\n  1   2 70.96 GiB\n  2   4 73.79 GiB\nstep time 46.98 s:\n"
+    assert_shows("searched 10 layouts\n  ...\nstep time 46.98 s:", printed)
+    with pytest.raises(AssertionError):
+        assert_shows("searched 10 layouts\n  1   2 75.96 GiB", printed)
+    with pytest.raises(AssertionError):  # in another order
+        assert_shows("step time 46.98 s:\nsearched 10 layouts", printed)
+
+
 RUNS = [(page, c, kind_of(c)[1]) for page, c in documented() if kind_of(c)[0] == "run"]
 
 
@@ -131,6 +169,9 @@ def test_documented_command_runs(page, command, how, scratch, tmp_path):
         assert " = " in proc.stdout
     elif how == "plan":
         assert "python -m trainer3d.train" in proc.stdout or "plan.evaluate=true" in command, proc.stdout[-2000:]
+        shown = shown_output(command)
+        if shown is not None:
+            assert_shows(shown, proc.stdout)
     elif how == "print_config":
         assert "parallel:" in proc.stdout and "train:" in proc.stdout, proc.stdout[-2000:]
     elif how == "dry_run":

@@ -84,7 +84,7 @@ def _projections_s(block: nn.Module, tokens: int) -> float:
     total = 0.0
     for linear in [m for m in block.modules() if isinstance(m, nn.Linear)]:
         x = torch.randn(tokens, linear.in_features, requires_grad=True)
-        total += 1.0 / _best_rate(lambda: linear(x).sum().backward(), 1.0)
+        total += 1.0 / _best_rate(lambda linear=linear, x=x: linear(x).sum().backward(), 1.0)
     return total
 
 
