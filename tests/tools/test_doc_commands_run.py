@@ -181,3 +181,16 @@ def test_documented_command_runs(page, command, how, scratch, tmp_path):
     elif how == "calibrate":
         check = _run(f"python -m trainer3d.plan cluster.gpu=calibrated cluster.calibration={out}", scratch, 600)
         assert check.returncode == 0 and "python -m trainer3d.train" in check.stdout, check.stderr[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_the_calibration_times_the_models_own_block():
+    """``--calibrate``'s block probe on the model's block as it is (it crashed with
+    AttributeError 'Identity' object has no attribute 'positions' when it rebuilt the block by
+    hand): a positive, finite overhead and elementwise rate."""
+    import math
+
+    from trainer3d.plan.calibrate import block_figures
+
+    figures = block_figures()
+    assert all(math.isfinite(v) and v > 0 for v in figures.values()), figures
