@@ -4,6 +4,8 @@
 # namespaces of its own with its own hostname and address (slurm/nodes.sh); one node on the
 # host itself where namespaces cannot be made (or with TRAINER3D_SLURM_NODES=1).
 #
+#   slurm/cluster.sh announce one line saying what `start` will install and create here, or
+#                             why it cannot run (exit 3); changes nothing
 #   slurm/cluster.sh start    install the Debian packages if missing (root, apt-get), write the
 #                             configs, start munge, MariaDB, slurmdbd, slurmctld and the
 #                             slurmd(s), wait until every node is idle and sacct answers
@@ -64,9 +66,27 @@ node_names() {  # the NodeName of every compute node
 
 # ------------------------------------------------------------------ install
 
+missing_programs() { for bin in "${NEEDED[@]}"; do command -v "$bin" >/dev/null || echo "$bin"; done; }
+
+cmd_announce() {  # one line on stdout saying what `start` will do to this machine; changes nothing
+    local missing
+    missing=$(missing_programs | tr '\n' ' ')
+    if [ -n "$missing" ] && { [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; }; then
+        echo "Slurm tier: skipped, Slurm is not installed (missing: ${missing% }) and this is not root with apt-get"
+        exit 3
+    fi
+    local what="starts munge, MariaDB, slurmdbd, slurmctld and slurmd as root, with a bridge ($BRIDGE) and"
+    what="$what network namespaces for its nodes, state in $STATE; stopped at the end (-m 'not slurm' skips it)"
+    if [ -n "$missing" ]; then
+        echo "Slurm tier: apt-get installs ${PACKAGES[*]} (missing: ${missing% }), then $what"
+    else
+        echo "Slurm tier: $what"
+    fi
+}
+
 install_packages() {
     local missing=()
-    for bin in "${NEEDED[@]}"; do command -v "$bin" >/dev/null || missing+=("$bin"); done
+    for bin in $(missing_programs); do missing+=("$bin"); done
     [ ${#missing[@]} -eq 0 ] && return 0
     [ "$(id -u)" -eq 0 ] || die "not root, and Slurm is not installed (missing: ${missing[*]})" 3
     command -v apt-get >/dev/null || die "no apt-get to install Slurm (missing: ${missing[*]})" 3
@@ -344,11 +364,12 @@ cmd_status() {
 configured_nodes() { [ -f "$SLURM_CONF" ] && NODES=$(grep -c '^NodeName=' "$SLURM_CONF") || true; }
 
 case "${1:-}" in
+    announce) cmd_announce ;;
     start) cmd_start ;;
     stop) configured_nodes; cmd_stop ;;
     status) configured_nodes; cmd_status ;;
     env) echo "export SLURM_CONF=$SLURM_CONF" ;;
     kill-node) kill_node "${2:?node name}" ;;
     start-node) write_hosts; start_node "${2#t3d-n}"; wait_for 60 "node $2 back" nodes_up ;;
-    *) echo "usage: $0 start|stop|status|env|kill-node NAME|start-node NAME   (state in \$TRAINER3D_SLURM_DIR, default /tmp/trainer3d-slurm)" >&2; exit 2 ;;
+    *) echo "usage: $0 announce|start|stop|status|env|kill-node NAME|start-node NAME   (state in \$TRAINER3D_SLURM_DIR, default /tmp/trainer3d-slurm)" >&2; exit 2 ;;
 esac

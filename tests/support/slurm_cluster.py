@@ -1,13 +1,16 @@
 """The dev Slurm cluster of slurm/cluster.sh (two namespace nodes, or one), for the tests marked ``slurm``.
 
 Started once per test session (a few seconds once the packages are installed; the first
-start installs them) and stopped at its end. Where it cannot run here (not root, no
+start installs them) and stopped at its end. Before anything is installed or created, one
+line on the terminal says what the start will do to this machine (``cluster.sh announce``):
+as root it apt-installs Slurm, munge and MariaDB and makes a bridge and network namespaces. Where it cannot run here (not root, no
 apt-get: cluster.sh exits 3) the tests skip with that reason — except under CI (``CI`` set),
 where they fail: CI must run them for real.
 """
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +19,17 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "slurm" / "cluster.sh"
 
 
+def announce(config, line: str) -> None:
+    """``line`` on the terminal as the tier starts, past pytest's capture (a worker's stderr is
+    the terminal's: pytest-xdist's workers inherit it)."""
+    capture = config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        sys.stderr.write(f"\n{line}\n")
+        sys.stderr.flush()
+
+
 @pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory):
+def slurm_cluster(tmp_path_factory, request):
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:  # one worker owns the cluster: a second would start and stop it under the first's jobs
         owner = tmp_path_factory.getbasetemp().parent / "slurm-owner"
@@ -28,6 +40,10 @@ def slurm_cluster(tmp_path_factory):
             pytest.fail(f"the Slurm tests run on {owner.read_text()} and {worker}: they must share one worker "
                         "(tests/conftest.py: xdist_scope)")
     state = Path(os.environ.get("TRAINER3D_SLURM_DIR", "/tmp/trainer3d-slurm"))
+    said = subprocess.run(["bash", str(SCRIPT), "announce"], capture_output=True, text=True, timeout=60)
+    announce(request.config, said.stdout.strip() or said.stderr.strip())
+    if said.returncode == 3 and not os.environ.get("CI"):
+        pytest.skip(said.stdout.strip())
     proc = subprocess.run(["bash", str(SCRIPT), "start"], capture_output=True, text=True, timeout=900)
     if proc.returncode == 3 and not os.environ.get("CI"):
         pytest.skip(f"no Slurm cluster here: {proc.stderr.strip().splitlines()[-1]}")

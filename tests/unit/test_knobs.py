@@ -146,3 +146,20 @@ def test_a_directory_knob_naming_a_file_is_refused_before_launch(tmp_path, capsy
     (tmp_path / "file").write_text("")
     assert train.run(cfg) == 2
     assert f"checkpoint.dir={tmp_path / 'file'} is a file, not a directory" in capsys.readouterr().err
+
+
+def test_path_knobs_expand_a_leading_tilde(monkeypatch, tmp_path):
+    """A ``~`` that reaches the config (quoted for Hydra) is the home directory in the validated
+    config, for every path knob; a ``~`` inside a path is left as it is."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = make(["model.init_from='~/models/m'", "data=tokens", "data.path='~/d/web.bin'",
+                "data.val_path='~/d/val.bin'", "data.cache_dir='~/cache'", "checkpoint.dir='~/ck'",
+                "train.resume='~/ck/step_00000010'", "+data.blend=[{path: '~/d/a.bin', weight: 1.0}]"])
+    cfg.data.path = None  # a blend instead of data.path
+    cfg.run_dir, cfg.launcher.folder = "~/run", "/tmp/x~/folder"
+    out = validate(cfg)
+    assert out.model.init_from == f"{tmp_path}/models/m" and out.data.val_path == f"{tmp_path}/d/val.bin"
+    assert out.data.cache_dir == f"{tmp_path}/cache" and out.checkpoint.dir == f"{tmp_path}/ck"
+    assert out.train.resume == f"{tmp_path}/ck/step_00000010" and out.data.blend[0].path == f"{tmp_path}/d/a.bin"
+    assert out.run_dir == f"{tmp_path}/run" and out.launcher.folder == "/tmp/x~/folder"
+    assert cfg.data.cache_dir == "~/cache"  # validate returns a copy

@@ -10,7 +10,7 @@ from typing import List, Optional
 
 from trainer3d.config import device as device_check
 from trainer3d.config.schema import RUN_NAME, Config, TrainConfig
-from trainer3d.config.knobs import choice_problems, range_problems
+from trainer3d.config.knobs import choice_problems, expand_paths, range_problems
 from trainer3d.config.validate_moe import moe_problems
 
 class ConfigError(ValueError):
@@ -47,7 +47,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> Config:
     ``world_size`` is what the launcher will start (Slurm: nodes * tasks_per_node;
     in place: $WORLD_SIZE); None means the local launcher, which starts tp * cp * pp * dp.
     """
-    cfg = copy.deepcopy(cfg)
+    cfg = expand_paths(copy.deepcopy(cfg))
     problems: List[str] = []
     _check_ranges(cfg, problems)
     if problems:  # the rules below divide by these knobs

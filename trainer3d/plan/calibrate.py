@@ -1,4 +1,4 @@
-"""``python -m trainer3d.plan --calibrate [--out FILE]``: measure this machine once for the planner.
+"""``python -m trainer3d.plan --calibrate [--out FILE] [--max-ranks N]``: measure this machine once for the planner.
 
 What the step-time model (step_time.py) needs of a CPU node, measured with torch on this
 machine, written as a Device (devices.py) that ``cluster.gpu=calibrated`` reads:
@@ -77,14 +77,27 @@ def memory_gbps(numel: int = 8 * 2 ** 20) -> float:
     return _best_rate(lambda: a.add_(b), 3 * 4 * numel) / 1e9  # read a, read b, write a
 
 
+def _projections_s(block: nn.Module, tokens: int) -> float:
+    """Seconds of one thread for the forward and backward (input and weight gradients) of each
+    linear layer of ``block`` on ``tokens`` rows: the block's projections, found in the model's
+    own block, each timed alone."""
+    total = 0.0
+    for linear in [m for m in block.modules() if isinstance(m, nn.Linear)]:
+        x = torch.randn(tokens, linear.in_features, requires_grad=True)
+        total += 1.0 / _best_rate(lambda linear=linear, x=x: linear(x).sum().backward(), 1.0)
+    return total
+
+
 def block_figures() -> Dict[str, float]:
     """Dispatch overhead and elementwise rate of a transformer block on one thread.
 
     The overhead is a block's forward + backward at a negligible size. The elementwise rate
-    is a block's forward + backward with its seven projections replaced by identities (dim =
-    FFN width = heads x head_dim = 512, 2 x 128 tokens): norms, RoPE, attention, SwiGLU's
-    product and the residual adds, less that overhead, over the traffic the step-time model
-    charges for them (FWD_PASSES + BWD_PASSES times what the block's elementwise operators write).
+    is what is left of the model's own block's forward + backward (dim = FFN width = heads x
+    head_dim = 512, 2 x 128 tokens) once its seven projections, each timed alone, and that
+    overhead are taken out: norms, RoPE, attention, SwiGLU's product and the residual adds,
+    over the traffic the step-time model charges for them (FWD_PASSES + BWD_PASSES times what
+    the block's elementwise operators write). The block is built by the model's code as it
+    is, so the probe follows the model wherever it goes.
     """
     tiny = Block(ModelConfig(dim=8, n_heads=2, n_kv_heads=2, ffn_dim=8, max_seq_len=4))
     x = torch.randn(4, 1, 8, requires_grad=True)
@@ -92,11 +105,8 @@ def block_figures() -> Dict[str, float]:
     cfg = Config(model=ModelConfig(dim=512, n_heads=8, n_kv_heads=8, ffn_dim=512, max_seq_len=128))
     cfg.train.micro_batch_size, cfg.train.seq_len = 2, 128
     block = Block(cfg.model)
-    for module in (block.attention, block.feed_forward):
-        for name in [n for n, _ in module.named_children()]:
-            setattr(module, name, nn.Identity())
     x = torch.randn(128, 2, 512, requires_grad=True)  # (seq, batch, dim), as blocks see it
-    took = 1.0 / _best_rate(lambda: block(x).sum().backward(), 1.0)
+    took = 1.0 / _best_rate(lambda: block(x).sum().backward(), 1.0) - _projections_s(block, 2 * 128)
     traffic = (FWD_PASSES + BWD_PASSES) * elementwise_bytes(Sizes.of(cfg))
     return {"layer_overhead_us": overhead * 1e6, "elementwise_gbps": traffic / max(took - overhead, 1e-9) / 1e9}
 
@@ -189,10 +199,10 @@ def _fit(predict: Callable[[float], float], measured: float) -> float:
     return high
 
 
-def engine_figures(figures: dict, steps: int = 12, warmup: int = 3) -> dict:
+def engine_figures(figures: dict, max_ranks: int = RANKS[-1], steps: int = 12, warmup: int = 3) -> dict:
     """``step_overhead_us``, ``latency_by_ranks`` and ``action_by_ranks``, fitted in turn so
     that the step-time model, with the kernel ``figures`` measured before, predicts the
-    engine's fastest step of each TINY probe."""
+    engine's fastest step of each TINY probe on at most ``max_ranks`` ranks."""
     fitted: dict = {}
 
     def probe(layout: str, tmp: str) -> Callable[[Callable[[float], dict]], float]:
@@ -212,11 +222,11 @@ def engine_figures(figures: dict, steps: int = 12, warmup: int = 3) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         fitted["step_overhead_us"] = probe("", tmp)(lambda x: {"step_overhead_us": x})
         latency: Dict[int, float] = {}
-        for ranks, layout in TP_PROBES.items():
+        for ranks, layout in [(r, lay) for r, lay in TP_PROBES.items() if r <= max_ranks]:
             latency[ranks] = probe(layout, tmp)(lambda x, ranks=ranks: {"latency_by_ranks": {**latency, ranks: x}})
         fitted["latency_by_ranks"] = latency
         action: Dict[int, float] = {}
-        for ranks, layout in PP_PROBES.items():
+        for ranks, layout in [(r, lay) for r, lay in PP_PROBES.items() if r <= max_ranks]:
             action[ranks] = probe(layout, tmp)(lambda x, ranks=ranks: {"action_by_ranks": {**action, ranks: x}})
         fitted["action_by_ranks"] = action
     return fitted
@@ -231,11 +241,14 @@ def all_reduce_figures() -> Dict[str, float]:
     return {"latency_us": small / 2 * 1e6, "gbps": 4 * 4 * 2 ** 20 / max(large - small, 1e-9) / 1e9}
 
 
-def calibrate() -> dict:
+def calibrate(max_ranks: int = RANKS[-1]) -> dict:
+    """Every figure, the node's sharing measured with 1 up to ``max_ranks`` ranks (devices.py
+    takes a count beyond the largest measured as that one)."""
     cores = os.cpu_count() or 1
     torch.set_num_threads(1)
     single = matmul_gflops()
-    node = {r: max(node_gflops(r, cores) for _ in range(3)) / single for r in RANKS}  # the best of 3 starts
+    node = {r: max(node_gflops(r, cores) for _ in range(3)) / single  # the best of 3 starts
+            for r in RANKS if r <= max_ranks}
     block = block_figures()
     collective = all_reduce_figures()
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
@@ -249,16 +262,19 @@ def calibrate() -> dict:
         "cores": cores, "source": f"calibrated on {socket.gethostname()} ({cores} cores, torch {torch.__version__}) "
                                   f"at {datetime.datetime.now():%Y-%m-%d %H:%M}",
     }
-    return {**figures, **engine_figures(figures)}
+    return {**figures, **engine_figures(figures, max_ranks)}
 
 
 def main(argv: List[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m trainer3d.plan --calibrate", description=__doc__.split("\n")[0])
     parser.add_argument("--calibrate", action="store_true")
     parser.add_argument("--out", default=DEFAULT_CALIBRATION, help="where to write (cluster.calibration reads it)")
+    parser.add_argument("--max-ranks", type=int, choices=RANKS, default=RANKS[-1],
+                        help="measure the node shared by 1 up to this many ranks (CPU nodes; fewer: a quicker, "
+                             "coarser calibration for layouts of at most this many ranks)")
     args = parser.parse_args(argv)
     # A CUDA node calibrates its GPU preset (calibrate_gpu.py); a CPU node measures everything.
-    figures = calibrate_cuda() if torch.cuda.is_available() else calibrate()
+    figures = calibrate_cuda() if torch.cuda.is_available() else calibrate(args.max_ranks)
     out = Path(os.path.expanduser(args.out))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(figures, indent=1) + "\n")

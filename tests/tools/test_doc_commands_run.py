@@ -1,0 +1,196 @@
+"""Every command README.md, docs/*.md and tools/README.md print: run for real where a CPU runs
+it in a short budget, else named with the reason it is only parsed.
+
+tests/unit/test_doc_commands.py parses every command (its tool's argparse, Hydra's grammar, the
+config's validation, the planner in process); this tier runs the ones a CPU can, as a user
+types them, in a fresh process from a scratch directory holding the tiny inputs the test made:
+
+- ``--help`` of the entry points;
+- ``python -m trainer3d.plan ...``: the search or ``plan.evaluate=true``'s evaluation, its
+  exit status and its proposed commands; where the page prints the output under the command,
+  every line shown is a line the command prints (dates, times and job ids masked);
+- ``python -m trainer3d.plan --calibrate --max-ranks 2 --out FILE``: the smallest calibration,
+  its file read back by the planner as ``cluster.gpu=calibrated``;
+- ``python -m trainer3d.train ... dry_run=true`` without a user's model or data: the dry run;
+  ``--cfg job``: the resolved config;
+- ``python tools/prepare_data.py`` on text files made by the test.
+
+A command that is neither run here nor given a reason in ``NOT_RUN`` fails
+``test_every_documented_command_is_run_or_has_a_reason``, so a new documented command is
+either run or says why not.
+"""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.unit.test_doc_commands import _commands_of
+
+pytestmark = pytest.mark.slow
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "tools" / "README.md"]
+
+
+def documented():
+    """(page, command) of every command the pages print, each once."""
+    seen, found = set(), []
+    for page in PAGES:
+        for command in _commands_of(page.read_text()):
+            if command not in seen:
+                seen.add(command)
+                found.append((str(page.relative_to(ROOT)), command))
+    return found
+
+
+PY = r"^(?:\.venv/bin/)?python3? "
+RUN = {  # what runs for real here: a pattern of the command -> how it is run (below)
+    "help": re.compile(PY + r"-m trainer3d\.(?:train|plan) --help$"),
+    "calibrate": re.compile(PY + r"-m trainer3d\.plan --calibrate --max-ranks 2 --out \S+$"),
+    "plan": re.compile(PY + r"-m trainer3d\.plan(?:$| (?!--)(?!.*data\.path=/))"),
+    "print_config": re.compile(PY + r"-m trainer3d\.train --cfg job$"),
+    "dry_run": re.compile(PY + r"-m trainer3d\.train (?!.*(?:init_from|data\.path|launcher=slurm))"
+                          r".*\bdry_run=true\b"),
+    "prepare_data": re.compile(PY + r"tools/prepare_data\.py --out data/notes\.bin my_texts/ notes\.md$"),
+}
+NOT_RUN = [  # the first pattern a command matches gives the reason it is only parsed
+    (r"^python3 -m venv|pip install", "set-up: tests/unit/test_help_install.py installs the package"),
+    (r"-m pytest", "the suite itself"),
+    (r"^tensorboard ", "TensorBoard's own command"),
+    (r"^python -c ", "needs an export: tests/integration/test_export_standard.py loads one with transformers"),
+    (r"model\.init_from=|--tokenizer \S*models/|hf_import\.py", "needs a downloaded Hugging Face model"),
+    (r"launcher=slurm|^sbatch ", "needs a Slurm cluster (tests/slurm)"),
+    (r"gpus_per_node=\d+ .*train\.dtype=bf16|launcher\.gpus_per_node|tools/bench/gpu|offload_optimizer=true",
+     "needs GPUs"),
+    (r"outputs/|llama-ft/|exported/|--calibration FILE|--against <", "needs a run's checkpoint or files"),
+    (r"data\.path=|data\.blend=|web_text_document|web/|src/ docs/", "needs the user's data"),
+    (r"-m trainer3d\.plan --calibrate$", "minutes: every probe up to 8 ranks (the run tier runs --max-ranks 2)"),
+    (r"tools/bench/", "a benchmark: minutes (tests/tools smoke-runs each at its smallest size)"),
+    (r"tools/parity\.py", "two training runs: minutes (tests/tools/test_parity_tool.py runs it small)"),
+    (r"-m trainer3d\.tools\.prepare_data$", "the module form of tools/prepare_data.py, run above"),
+    (r"-m trainer3d\.train", "a training run: minutes on CPU ranks (tests/integration runs the entry point)"),
+]
+
+
+def kind_of(command: str):
+    """("run", how) or ("parsed", reason) or (None, None) for a command no rule covers."""
+    for how, pattern in RUN.items():
+        if pattern.search(command):
+            return "run", how
+    for pattern, reason in NOT_RUN:
+        if re.search(pattern, command):
+            return "parsed", reason
+    return None, None
+
+
+def test_every_documented_command_is_run_or_has_a_reason():
+    uncovered = [(page, c) for page, c in documented() if kind_of(c)[0] is None]
+    assert not uncovered, f"documented commands neither run nor given a reason (RUN / NOT_RUN): {uncovered}"
+    ran = {kind_of(c)[1] for _, c in documented() if kind_of(c)[0] == "run"}
+    assert ran == set(RUN), f"RUN kinds no page prints: {set(RUN) - ran}"
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    """A directory with the tiny inputs the commands name: my_texts/ and notes.md."""
+    root = tmp_path_factory.mktemp("doc-commands")
+    (root / "my_texts").mkdir()
+    for i in range(3):
+        (root / "my_texts" / f"t{i}.txt").write_text("The three dimensions of parallelism. " * 40 * (i + 1))
+    (root / "notes.md").write_text("# notes\n" + "tensor, pipeline and data parallelism\n" * 50)
+    (root / "data").mkdir()
+    return root
+
+
+def _run(command: str, cwd, timeout: int):
+    """``command`` as a user types it (``python`` is this interpreter), from ``cwd``."""
+    args = shlex.split(os.path.expandvars(command))
+    args[0] = sys.executable
+    env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    if args[1].startswith("tools/"):
+        args[1] = str(ROOT / args[1])
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+SHOWN = re.compile(r"```bash\n(.*?)```\n```\n(.*?)```", re.S)
+MASK = [re.compile(r"\d{4}-\d\d-\d\d[ T/]\d\d[:-]\d\d(?:[:-]\d\d)?"), re.compile(r"\bjob \d+")]
+"""What legitimately differs between the printed example and a run: dates and times, job ids."""
+
+
+def shown_output(command: str):
+    """The output a page prints under ``command`` (a plain fence right after its bash fence), or None."""
+    for page in PAGES:
+        for given, shown in SHOWN.findall(page.read_text()):
+            if " ".join(given.replace("\\\n", " ").split()) == command:
+                return shown
+    return None
+
+
+def assert_shows(shown: str, printed: str) -> None:
+    """Every line of the example (but its ``...`` elisions) is a line of the output, in order,
+    once dates, times and job ids are masked."""
+    def masked(line):
+        for pattern in MASK:
+            line = pattern.sub("<masked>", line)
+        return line.rstrip()
+    lines = iter(masked(line) for line in printed.splitlines())
+    for want in (masked(line) for line in shown.splitlines()):
+        if want.strip() in ("", "...") or want.strip().startswith("..."):
+            continue
+        assert any(line == want for line in lines), f"the page shows a line the command no longer prints:\n{want}"
+
+
+def test_the_output_check_catches_a_drifted_figure():
+    printed = "searched 10 layouts\n  1   2 70.96 GiB\n  2   4 73.79 GiB\nstep time 46.98 s:\n"
+    assert_shows("searched 10 layouts\n  ...\nstep time 46.98 s:", printed)
+    with pytest.raises(AssertionError):
+        assert_shows("searched 10 layouts\n  1   2 75.96 GiB", printed)
+    with pytest.raises(AssertionError):  # in another order
+        assert_shows("step time 46.98 s:\nsearched 10 layouts", printed)
+
+
+RUNS = [(page, c, kind_of(c)[1]) for page, c in documented() if kind_of(c)[0] == "run"]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("page, command, how", RUNS, ids=[f"{p}-{h}" for p, _, h in RUNS])
+def test_documented_command_runs(page, command, how, scratch, tmp_path):
+    if how == "calibrate":
+        out = tmp_path / "calibration.json"
+        command = re.sub(r"--out \S+", f"--out {out}", command)
+    proc = _run(command, scratch, timeout=840)
+    assert proc.returncode == 0, f"{page}: `{command}` exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    if how == "help":
+        assert " = " in proc.stdout
+    elif how == "plan":
+        assert "python -m trainer3d.train" in proc.stdout or "plan.evaluate=true" in command, proc.stdout[-2000:]
+        shown = shown_output(command)
+        if shown is not None:
+            assert_shows(shown, proc.stdout)
+    elif how == "print_config":
+        assert "parallel:" in proc.stdout and "train:" in proc.stdout, proc.stdout[-2000:]
+    elif how == "dry_run":
+        assert "rank" in proc.stdout, proc.stdout[-2000:]
+    elif how == "prepare_data":
+        assert (scratch / "data" / "notes.bin").stat().st_size > 0
+    elif how == "calibrate":
+        check = _run(f"python -m trainer3d.plan cluster.gpu=calibrated cluster.calibration={out}", scratch, 600)
+        assert check.returncode == 0 and "python -m trainer3d.train" in check.stdout, check.stderr[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_the_calibration_times_the_models_own_block():
+    """``--calibrate``'s block probe on the model's block as it is (it crashed with
+    AttributeError 'Identity' object has no attribute 'positions' when it rebuilt the block by
+    hand): a positive, finite overhead and elementwise rate."""
+    import math
+
+    from trainer3d.plan.calibrate import block_figures
+
+    figures = block_figures()
+    assert all(math.isfinite(v) and v > 0 for v in figures.values()), figures
