@@ -93,4 +93,10 @@ def choose(cfg: Config, root: Path, verify_data: bool = True, exclude: Iterable[
     if changes:
         raise CheckpointError(f"{knob} holds a different model: {', '.join(changes)}; set these model.* knobs as "
                               "the checkpoint has them, or start fresh in a new hydra.run.dir=...")
+    saved_optim = info.get("config", {}).get("optim", {}).get("name", "adamw")  # a marker before Muon: AdamW
+    if saved_optim != cfg.optim.name:
+        raise CheckpointError(
+            f"{knob} was trained with optim.name={saved_optim}, this run sets optim.name={cfg.optim.name}: AdamW "
+            "keeps two moments per weight and Muon one momentum buffer per matrix, and neither converts into the "
+            f"other; set optim={saved_optim} to resume, or start fresh in a new hydra.run.dir=...")
     return Choice(int(info["step"]), Path(path), info, skipped)
