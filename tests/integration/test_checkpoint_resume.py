@@ -153,7 +153,8 @@ def test_explicit_resume_path_is_checked_before_launch(tmp_path):
     assert not (tmp_path / "run" / "submitit").exists()
 
 
-MUON = ("optim=muon", "optim.muon.ns_dtype=fp32")
+# as tests/multirank/test_parity_matrix.py's Muon cases: fp32 Newton-Schulz, a small model
+MUON = ("optim=muon", "optim.muon.ns_dtype=fp32", "model.dim=64", "model.ffn_dim=192", "model.n_layers=2")
 
 
 @pytest.mark.slow

@@ -137,3 +137,59 @@ def test_step_on_the_same_gradients_equals_torch_muon_and_adamw(adjust_lr, neste
     of its factor would flip bf16 roundings, so the Muon inputs are bit-identical)."""
     worst = run_ranks(_same_gradients, 1, adjust_lr, nesterov, timeout=300)[0]
     assert len(worst) == STEPS and max(worst) <= 1e-6, worst
+
+
+
+def _moe_one_process(rank, world, steps):
+    """One rank, fp32 Newton-Schulz, MoE blocks of 2 experts: per parameter, the largest
+    difference from the reference after STEPS steps (relative to its largest element), where
+    torch's Muon steps each expert's matrix as a Parameter of its own (it takes 2-D only)."""
+    cfg = muon_cfg(make_cfg(1, 0, grad_clip=0.5))
+    moe = cfg.model.moe
+    moe.num_experts, moe.top_k, moe.expert_ffn_dim, moe.balance = 2, 1, 32, "none"
+    dims = dims_for()
+    chunks = build_model_chunks(cfg, dims)
+    opt = build_optimizer(chunks, cfg, dims)
+    model = chunks[0]
+    engine = {canonical_name(n): p for n, p in model.named_parameters()}
+    ref_model = build_model_chunks(cfg, dims)[0]
+    named = [(canonical_name(n), p) for n, p in ref_model.named_parameters()]
+    stacked = [p for n, p in named if n.startswith("layers.") and p.ndim == 3]
+    assert stacked, "the MoE blocks' experts must be stacked 3-D weights for this test to mean anything"
+    experts = [[torch.nn.Parameter(w[e].detach().clone()) for e in range(w.shape[0])] for w in stacked]
+    hidden = [p for n, p in named if n.startswith("layers.") and p.ndim == 2] + [m for ms in experts for m in ms]
+    rest = [(n, p) for n, p in named if not n.startswith("layers.") or p.ndim < 2]
+    muon = torch_muon(hidden, cfg, LR)
+    adamw = torch.optim.AdamW(param_groups(rest, cfg.optim.weight_decay), lr=LR,
+                              betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
+    accum = cfg.train.grad_accum_steps
+    for step in range(steps):
+        x, y = global_batch(cfg, step)
+        opt.zero_grad()
+        for m in range(accum):
+            (loss_of(model, x[m], y[m]) / accum).backward()
+        opt.reduce_gradients()
+        opt.clip_grad_norm(cfg.optim.grad_clip)
+        opt.step(LR)
+        muon.zero_grad()
+        adamw.zero_grad()
+        for m in range(accum):
+            (loss_of(ref_model, x[m], y[m]) / accum).backward()
+        torch.nn.utils.clip_grad_norm_([p for _, p in named], cfg.optim.grad_clip)
+        for w, ms in zip(stacked, experts):
+            for e, mat in enumerate(ms):
+                mat.grad = w.grad[e].clone()
+        muon.step()
+        adamw.step()
+        with torch.no_grad():
+            for w, ms in zip(stacked, experts):
+                w.copy_(torch.stack([m.detach() for m in ms]))
+    opt.wait_params()
+    return {n: ((engine[n] - p).abs().max() / p.abs().max()).item() for n, p in named}
+
+
+def test_moe_experts_are_orthogonalised_one_matrix_each():
+    """A stacked (experts, in, out) weight: Muon per expert matrix, each scaled by its own shape."""
+    worst = run_ranks(_moe_one_process, 1, 1, timeout=300)[0]
+    assert any("experts" in n for n in worst)
+    assert max(worst.values()) <= 1e-4, worst
