@@ -151,3 +151,24 @@ def test_explicit_resume_path_is_checked_before_launch(tmp_path):
     proc = run_train(tmp_path / "run", [*BASE, f"train.resume={tmp_path}/nope"], expect_ok=False)
     assert proc.returncode == 2 and "train.resume" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "submitit").exists()
+
+
+# as tests/multirank/test_parity_matrix.py's Muon cases: fp32 Newton-Schulz, a small model
+MUON = ("optim=muon", "optim.muon.ns_dtype=fp32", "model.dim=64", "model.ffn_dim=192", "model.n_layers=2")
+
+
+@pytest.mark.slow
+def test_muon_momentum_reshards_tp2_dp2_to_dp2(tmp_path, session_tmp):
+    """optim=muon: the checkpoint carries each matrix's momentum buffer (optim.momentum_buffer.<name>,
+    cut by tp and ZeRO-1 on save, by ZeRO-1 alone on load); the dp2 run resumed at step 10 from
+    tp2 x dp2 ZeRO-1 goes on as the uninterrupted 1-rank Muon run (a lost or misplaced momentum
+    moves the next step's update by the whole buffer)."""
+    ref = reference_losses(session_tmp, [*PARITY, *MODEL, *MUON])
+    first, second = tmp_path / "tp2dp2", tmp_path / "dp2"
+    train_in_ranks(first, [*BASE, *MUON, *layout(2, 1, 2, zero=1), "checkpoint.every=10"])
+    resume = f"train.resume={store.step_dir(first / 'checkpoints', 10)}"
+    assert "layout changed since the checkpoint" in train_in_ranks(second, [*BASE, *MUON, *layout(1, 1, 2, zero=1),
+                                                                           resume])
+    rows = read_metrics(second)
+    assert [r["step"] for r in rows] == list(range(10, 20))
+    print(f"worst {assert_close([r['loss'] for r in rows], ref[10:]):.1e}")

@@ -32,12 +32,14 @@ from trainer3d.config.schema import ModelConfig
 _CFG = make()
 
 
-def _save(root, step, model=None):
+def _save(root, step, model=None, optim=None):
     partial = store.partial_dir(root, step)
     writer = CheckpointWriter(str(partial))
     dcp.save({"model.w": torch.arange(4000.0) + step, "optim.step": torch.tensor(step)}, storage_writer=writer,
              no_dist=True)
     config = {"model": dataclasses.asdict(model or ModelConfig())}
+    if optim is not None:
+        config["optim"] = {"name": optim}
     store.publish(partial, store.step_dir(root, step), {"step": step, "files": writer.digests, "config": config})
     return store.step_dir(root, step)
 
@@ -206,3 +208,15 @@ def test_resuming_into_another_model_is_refused_before_launch(tmp_path, capsys):
     cfg.train.resume, cfg.checkpoint.dir = "auto", str(tmp_path)
     assert train.run(cfg) == 2
     assert f"train.resume=auto (checkpoint {path}) holds a different model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("saved,now", [("adamw", "muon"), ("muon", "adamw"), (None, "muon")])
+def test_resuming_into_another_optimizer_is_refused_before_launch(tmp_path, capsys, saved, now):
+    """AdamW's moments and Muon's momentum do not convert (a marker without optim is AdamW's)."""
+    path = _save(tmp_path, 10, optim=saved)
+    cfg = _cfg(resume=str(path))
+    cfg.optim.name = now
+    assert train.run(cfg) == 2
+    err = capsys.readouterr().err
+    assert f"was trained with optim.name={saved or 'adamw'}, this run sets optim.name={now}" in err, err
+    assert f"set optim={saved or 'adamw'} to resume" in err

@@ -19,6 +19,11 @@ from tests.support.runs import PARITY, assert_parity, losses_in_ranks, reference
 # 8 layers (and, as in test_train_pp.py, a gentler lr for the same reason).
 KV4 = ("model.n_heads=8", "model.n_kv_heads=4")
 EIGHT_LAYERS = ("model.n_layers=8", "optim.lr=1e-3")
+# optim=muon: its reference is the one-process Muon run (itself held to torch.optim.Muon in
+# tests/multirank/test_muon.py). Newton-Schulz in fp32: in bf16 a last-bit difference of a
+# gradient flips roundings of the whole update, and no two layouts would agree to 1e-5. A
+# model of 2 layers at dim 64 keeps the four cases' runs and their one reference short.
+MUON = ("optim=muon", "optim.muon.ns_dtype=fp32", "model.dim=64", "model.ffn_dim=192", "model.n_layers=2")
 
 
 def case(tp, pp, dp, zero=0, model=(), extra=(), slow=True, id=None):
@@ -38,6 +43,10 @@ MATRIX = [
     case(2, 1, 4, zero=1, extra=("parallel.sequence_parallel=true",), id="tp2-pp1-dp4-z1-sp"),
     case(2, 2, 2, zero=1, extra=("parallel.sequence_parallel=true",), id="tp2-pp2-dp2-z1-sp"),
     case(2, 2, 2, zero=1, extra=("train.activation_checkpointing=true",), id="tp2-pp2-dp2-z1-recompute"),
+    case(1, 2, 1, model=MUON, id="muon-tp1-pp2-dp1"),
+    case(1, 1, 2, zero=1, model=MUON, id="muon-tp1-pp1-dp2-z1"),
+    case(2, 1, 1, model=MUON, extra=("parallel.sequence_parallel=true",), id="muon-tp2-pp1-dp1-sp"),
+    case(2, 2, 2, zero=1, model=MUON, extra=("parallel.sequence_parallel=true",), id="muon-tp2-pp2-dp2-z1-sp"),
 ]
 
 

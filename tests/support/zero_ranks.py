@@ -114,3 +114,68 @@ def params_by_name(model, opt) -> dict:
         t = p.detach()
         out[canonical_name(n)] = (t.full_tensor() if hasattr(t, "full_tensor") else t).float().clone()
     return out
+
+
+def muon_cfg(cfg: Config, adjust_lr: str = "original", nesterov: bool = True, ns_dtype: str = "fp32") -> Config:
+    """``cfg`` with ``optim.name=muon``, Muon's peak lr 5x AdamW's."""
+    cfg.optim.name = "muon"
+    cfg.optim.muon.lr, cfg.optim.muon.weight_decay = 5e-2, 0.05
+    cfg.optim.muon.adjust_lr, cfg.optim.muon.nesterov, cfg.optim.muon.ns_dtype = adjust_lr, nesterov, ns_dtype
+    return cfg
+
+
+def fp32_newton_schulz(grad, ns_coefficients, ns_steps, eps):
+    """Newton-Schulz as the quintic's formula, X <- aX + (bA + cA^2)X with A = XX^T, in fp32
+    (torch's ``_zeropower_via_newtonschulz`` takes the same arguments and iterates in bf16)."""
+    a, b, c = ns_coefficients
+    x = grad.float().clone()
+    wide = x.T if x.shape[0] > x.shape[1] else x
+    wide = wide / wide.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = wide @ wide.T
+        wide = a * wide + (b * gram + c * gram @ gram) @ wide
+    return wide.T if x.shape[0] > x.shape[1] else wide
+
+
+def torch_muon(params, cfg: Config, lr: float):
+    """``torch.optim.Muon`` with ``optim.muon``'s arguments; for ``ns_dtype=fp32`` its Newton-Schulz
+    (a module function it looks up at each step) is ``fp32_newton_schulz``: the rest of the
+    step — momentum, look-ahead, weight decay, scale — stays torch's."""
+    import torch.optim._muon as torch_muon_module
+
+    m = cfg.optim.muon
+    if m.ns_dtype == "fp32":
+        torch_muon_module._zeropower_via_newtonschulz = fp32_newton_schulz  # this rank's process only
+    return torch.optim.Muon(params, lr=lr * m.lr / cfg.optim.lr, weight_decay=m.weight_decay, momentum=m.momentum,
+                            nesterov=m.nesterov, ns_steps=m.ns_steps, eps=m.eps, adjust_lr_fn=m.adjust_lr)
+
+
+def reference_muon_steps(cfg: Config, steps: int, lr: float = 1e-2) -> Tuple[dict, List[float], List[float]]:
+    """One process, ``torch.optim.Muon`` on the blocks' matrices and ``torch.optim.AdamW`` on the
+    rest, ``clip_grad_norm_`` over all, on the whole global batch: final parameters by canonical
+    name, every step's gradient norm and loss."""
+    ref_cfg = make_cfg(1, 0)
+    ref_cfg.optim, ref_cfg.model = cfg.optim, cfg.model
+    model = build_model_chunks(ref_cfg, _single_dims())[0]
+    named = [(canonical_name(n), p) for n, p in model.named_parameters()]
+    hidden = [p for n, p in named if n.startswith("layers.") and p.ndim == 2]
+    rest = [(n, p) for n, p in named if not (n.startswith("layers.") and p.ndim == 2)]
+    muon = torch_muon(hidden, cfg, lr)
+    adamw = torch.optim.AdamW(param_groups(rest, cfg.optim.weight_decay), lr=lr,
+                              betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
+    n_micro = cfg.parallel.dp * cfg.train.grad_accum_steps
+    norms, losses = [], []
+    for step in range(steps):
+        muon.zero_grad()
+        adamw.zero_grad()
+        x, y = global_batch(cfg, step)
+        total = 0.0
+        for i in range(n_micro):
+            loss = loss_of(model, x[i], y[i]) / n_micro
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip).item())
+        muon.step()
+        adamw.step()
+    return {n: p.detach().clone() for n, p in named}, norms, losses

@@ -13,7 +13,8 @@ from trainer3d.parallel.zero.flat import bucket_numel
 from trainer3d.observe.telemetry import model_state_bytes, storage_bytes
 from tests.conftest import ROOT
 from tests.support.harness import run_ranks
-from tests.support.zero_ranks import build, global_batch, loss_of, make_cfg, train_step
+from tests.support.zero_ranks import build, global_batch, loss_of, make_cfg, muon_cfg, train_step
+from trainer3d.optim.muon import is_muon_param
 
 # Rajbhandari et al. 2020, Table 1, as printed: GB per device for P_os, P_os+g, P_os+g+p.
 PAPER_TABLE1 = {
@@ -170,3 +171,31 @@ def test_offloaded_state_is_host_memory_as_accounted():
             gathered = want.gathered if when == "after forward" else 0
             assert device == want.total - want.gathered + gathered, (rank, stage, dtype, when, device, want)
             assert want.master == 0 and want.optimizer == (16 if dtype == "fp16" else 0)
+
+
+def _measure_muon(rank, world):
+    """optim=muon, stages 0/1, fp32 and bf16, after two steps: (measured, expected) model-state bytes."""
+    with torch.device("meta"):
+        named = list(Transformer(make_cfg(1, 0).model).named_parameters())
+    shapes, muon = [tuple(p.shape) for _, p in named], [is_muon_param(n, p) for n, p in named]
+    out = []
+    for stage in (0, 1):
+        for dtype in ("fp32", "bf16"):
+            cfg = muon_cfg(make_cfg(world, stage, dtype=dtype, bucket_mb=0.01))
+            dims, model, opt = build(cfg)
+            for step in range(2):
+                train_step(model, opt, cfg, dims.dp_rank, step)
+            want = engine_model_state_bytes(shapes, world, stage, dtype, bucket_numel(cfg), dims.dp_rank, muon=muon)
+            adamw = engine_model_state_bytes(shapes, world, stage, dtype, bucket_numel(cfg), dims.dp_rank)
+            out.append((stage, dtype, model_state_bytes([model], opt), want.total, adamw.total))
+    return out
+
+
+def test_muon_measured_bytes_equal_the_accounting():
+    """optim=muon: one fp32 momentum per owned Muon element instead of Adam's two moments, and
+    state for the owned parameter elements only; the tensors the ranks hold (mem_state_bytes)
+    equal trainer3d.memory.states to the byte, and are below AdamW's."""
+    for rank, rows in enumerate(run_ranks(_measure_muon, 2, timeout=300)):
+        for stage, dtype, measured, expected, adamw in rows:
+            assert measured == expected, (rank, stage, dtype, measured, expected)
+            assert measured < adamw, (rank, stage, dtype)

@@ -99,4 +99,10 @@ def choose(cfg: Config, root: Path, verify_data: bool = True, exclude: Iterable[
     problem = (run_problem(info, cfg, knob, root) if want == "auto" else None) or data_problem(info, cfg, knob)
     if problem:
         raise CheckpointError(problem)
+    saved_optim = info.get("config", {}).get("optim", {}).get("name", "adamw")  # a marker before Muon: AdamW
+    if saved_optim != cfg.optim.name:
+        raise CheckpointError(
+            f"{knob} was trained with optim.name={saved_optim}, this run sets optim.name={cfg.optim.name}: AdamW "
+            "keeps two moments per weight and Muon one momentum buffer per matrix, and neither converts into the "
+            f"other; set optim={saved_optim} to resume, or start fresh in a new hydra.run.dir=...")
     return Choice(int(info["step"]), Path(path), info, skipped)

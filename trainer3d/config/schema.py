@@ -20,7 +20,8 @@ from trainer3d.config.schema_parallel import ParallelConfig
 
 __all__ = [
     "BlendSource", "CheckpointConfig", "Config", "DataConfig", "InjectConfig", "LauncherConfig", "LoggerConfig",
-    "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "RUN_NAME", "RopeScalingConfig", "SpikeConfig", "TrainConfig",
+    "ModelConfig", "MoEConfig", "MuonConfig", "OptimConfig", "ParallelConfig", "RUN_NAME", "RopeScalingConfig",
+    "SpikeConfig", "TrainConfig",
     "flatten", "named_run_dir", "register_configs",
 ]
 
@@ -116,11 +117,40 @@ class TrainConfig:
 
 
 @dataclass
+class MuonConfig:
+    """Muon's group under ``optim.name=muon`` (docs/optimizers.md): the 2-D weights inside the
+    blocks. Fields are named as ``torch.optim.Muon`` names its arguments."""
+
+    lr: float = 0.02
+    """Peak learning rate of the Muon group; it follows optim's warm-up and decay, scaled by
+    lr / optim.lr."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay of the Muon group (multiplied by its unadjusted learning rate)."""
+    momentum: float = 0.95
+    """Decay of the momentum buffer."""
+    nesterov: bool = True
+    """Orthogonalise the Nesterov look-ahead (gradient lerped toward the buffer) instead of the buffer."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations per matrix (each three matmuls)."""
+    adjust_lr: str = "original"
+    """original: lr * sqrt(max(1, rows / cols)) (Keller Jordan's) | match_rms_adamw: lr * 0.2 *
+    sqrt(max(rows, cols)) (Moonshot's, arXiv 2502.16982), torch's ``adjust_lr_fn``."""
+    eps: float = 1e-7
+    """Floor of the Frobenius norm the matrix is divided by before Newton-Schulz."""
+    ns_dtype: str = "bf16"
+    """bf16 (torch's and Keller Jordan's) | fp32: the dtype Newton-Schulz iterates in. bf16
+    rounding turns a gradient's last-bit difference (another layout's order of sums) into a
+    bf16-ulp difference of the whole update, so layouts agree to ~1e-3, not 1e-5; fp32 keeps
+    them at the parity tolerance (docs/optimizers.md)."""
+
+
+@dataclass
 class OptimConfig:
-    """AdamW with linear warm-up and cosine decay to min_lr."""
+    """AdamW (``name=adamw``), or Muon for the blocks' matrices and AdamW for the rest
+    (``name=muon``), with linear warm-up and cosine decay to min_lr."""
 
     name: str = "adamw"
-    """The conf/optim member this came from (for the record)."""
+    """adamw | muon: the conf/optim member this came from."""
     lr: float = 3e-3
     """Peak learning rate, reached at the end of warm-up."""
     min_lr: float = 3e-4
@@ -139,6 +169,8 @@ class OptimConfig:
     """Added to the square root of the second moment."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
+    muon: MuonConfig = field(default_factory=MuonConfig)
+    """Muon's group; read only when name=muon."""
 
 
 @dataclass

@@ -12,6 +12,7 @@ from trainer3d.config import device as device_check
 from trainer3d.config.schema import RUN_NAME, Config, TrainConfig
 from trainer3d.config.knobs import choice_problems, expand_paths, range_problems
 from trainer3d.config.validate_moe import moe_problems
+from trainer3d.config.validate_optim import optim_problems
 
 class ConfigError(ValueError):
     """A config the engine refuses; ``problems`` holds one line per broken rule."""
@@ -60,6 +61,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> Config:
     _check_zero_and_precision(cfg, problems)
     _check_data(cfg, problems)
     problems += moe_problems(cfg)
+    problems += optim_problems(cfg)
     problems += choice_problems(cfg)
     problems += device_check.config_problems(cfg, world_size_of(cfg))
     _check_signal_delay(cfg, problems)

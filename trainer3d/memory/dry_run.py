@@ -14,7 +14,8 @@ from typing import List, Sequence
 import torch
 
 from trainer3d.config.schema import Config
-from trainer3d.memory.states import engine_model_state_bytes, format_bytes, paper_model_state_bytes, rank_parameter_shapes
+from trainer3d.memory.states import (engine_model_state_bytes, format_bytes, paper_model_state_bytes,
+                                     rank_muon_mask, rank_parameter_shapes)
 from trainer3d.model.transformer import count_parameters
 from trainer3d.parallel.pipeline.stages import describe_stages
 from trainer3d.memory.peak import RankMemory, rank_memory
@@ -37,7 +38,8 @@ def memory_lines(cfg: Config) -> List[str]:
     for pp_rank in range(p.pp):
         shapes = rank_parameter_shapes(cfg, topo.rank(pp_rank, 0, 0, 0))
         psi = sum(torch.Size(s).numel() for s in shapes)
-        engine = engine_model_state_bytes(shapes, shards, p.zero_stage, t.dtype, bucket, offload=p.offload_optimizer)
+        engine = engine_model_state_bytes(shapes, shards, p.zero_stage, t.dtype, bucket, offload=p.offload_optimizer,
+                                          muon=rank_muon_mask(cfg, topo.rank(pp_rank, 0, 0, 0)))
         paper = paper_model_state_bytes(psi, shards, p.zero_stage)
         terms = " / ".join(format_bytes(getattr(engine, k)) for k in ("params", "grads", "master", "optimizer"))
         lines.append(f"  {pp_rank:>7}  {psi:>14,}  {format_bytes(engine.total):>12}  {format_bytes(paper):>12}  {terms}"

@@ -41,7 +41,8 @@ from trainer3d.memory.activations import (FP32, Sizes, chunk_terms, layer_terms,
 from trainer3d.config.schema import Config
 from trainer3d.memory.staged import staged_bytes
 from trainer3d.memory.startup import startup_bytes
-from trainer3d.memory.states import BYTES, ModelStateBytes, engine_model_state_bytes, model_shapes, stage_parameter_shapes
+from trainer3d.memory.states import (BYTES, ModelStateBytes, engine_model_state_bytes, model_shapes,
+                                     stage_muon_mask, stage_parameter_shapes)
 from trainer3d.parallel.pipeline.buffers import receive_buffers_held
 from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
 
@@ -116,13 +117,14 @@ def _states_of(cfg: Config, stages: List[int]) -> ModelStateBytes:
     """Model states of these stages, cached on what they depend on (the planner asks often)."""
     p = cfg.parallel
     key = repr((sorted(vars(cfg.model).items()), p.tp, p.pp, p.pp_virtual_stages, p.pp_layers, p.dp * p.cp,
-                p.zero_stage, p.bucket_mb, cfg.train.dtype, stages, p.offload_optimizer))
+                p.zero_stage, p.bucket_mb, cfg.train.dtype, stages, p.offload_optimizer, cfg.optim.name))
     if key not in _STATES:
         shapes = [s for stage in stages for s in stage_parameter_shapes(cfg, stage)]
         bucket = max(1, int(p.bucket_mb * 2 ** 20) // 4)
         # ZeRO shards over dp x cp (the gradient-reduction group, trainer3d/parallel/topology.py)
+        muon = [m for stage in stages for m in stage_muon_mask(cfg, stage)] if cfg.optim.name == "muon" else None
         _STATES[key] = engine_model_state_bytes(shapes, p.dp * p.cp, p.zero_stage, cfg.train.dtype, bucket,
-                                                offload=p.offload_optimizer)
+                                                offload=p.offload_optimizer, muon=muon)
     return _STATES[key]
 
 

@@ -52,7 +52,7 @@ rank copies down only its real rows, up to N - 1 rows per parameter less.)
 import copy
 from dataclasses import dataclass
 from math import prod
-from typing import Dict, List, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -112,9 +112,24 @@ def _shapes(shapes: Shapes) -> List[Tuple[int, ...]]:
     return [(int(shapes),)] if isinstance(shapes, (int, float)) else [tuple(s) for s in shapes]
 
 
+def _owned_by_kind(numels: Sequence[int], muon: Sequence[bool], plan, dp: int, dp_rank: int) -> Tuple[int, int]:
+    """(AdamW's, Muon's) elements in ``dp_rank``'s owned slices of the buckets (padding in neither),
+    ``numels`` and ``muon`` in flat order."""
+    offsets = [0]
+    for n in numels:
+        offsets.append(offsets[-1] + n)
+    owned = [0, 0]
+    for start, end, members in plan:
+        size = (end - start) // dp
+        lo, hi = start + dp_rank * size, start + (dp_rank + 1) * size
+        for i in members:
+            owned[bool(muon[i])] += max(0, min(hi, offsets[i + 1]) - max(lo, offsets[i]))
+    return owned[0], owned[1]
+
+
 def engine_model_state_bytes(shapes: Shapes, dp: int, stage: int, dtype: str,
                              bucket_numel: int = 25 * 2 ** 20 // 4, dp_rank: int = 0,
-                             offload: bool = False) -> ModelStateBytes:
+                             offload: bool = False, muon: Optional[Sequence[bool]] = None) -> ModelStateBytes:
     """What this engine allocates per rank for parameters of ``shapes`` (this rank's model
     replica, in registration order; an int Ψ stands for one flat tensor of Ψ elements).
 
@@ -128,6 +143,10 @@ def engine_model_state_bytes(shapes: Shapes, dp: int, stage: int, dtype: str,
     host the padded fp32 parameter and gradient shards (4S/N each), the moments (8S'/N) and
     the step counter; the device ZeRO-2's gathered
     parameters and fp16's scaler (what is in flight is a transient: memory/peak.py).
+    ``muon`` (``optim.name=muon``, stages 0/1): which of ``shapes`` Muon trains; those owned
+    elements hold one fp32 momentum (4 bytes) instead of Adam's two moments (8), and masters
+    and state cover the owned parameter elements only, not the buckets' padding
+    (parallel/zero/muon.py).
     """
     shapes, b = _shapes(shapes), BYTES[dtype]
     scalars = STEP_BYTES + (FP16_SCALER_BYTES if dtype == "fp16" else 0)
@@ -139,6 +158,12 @@ def engine_model_state_bytes(shapes: Shapes, dp: int, stage: int, dtype: str,
             host = (16 + (b if b != 4 else 0)) * owned + STEP_BYTES
             return ModelStateBytes(params=b * flat, grads=4 * flat, master=0, optimizer=scalars - STEP_BYTES,
                                    host=host, offloaded=owned)
+        if muon is not None:
+            plan = plan_buckets(numels, bucket_numel, dp if stage == 1 else 1)[1]
+            rest, matrices = _owned_by_kind(numels, list(reversed(muon)), plan, dp if stage == 1 else 1,
+                                            dp_rank if stage == 1 else 0)
+            return ModelStateBytes(params=b * flat, grads=4 * flat, master=4 * (rest + matrices) if b != 4 else 0,
+                                   optimizer=8 * rest + 4 * matrices + scalars)
         master = 4 * owned if b != 4 else 0
         return ModelStateBytes(params=b * flat, grads=4 * flat, master=master, optimizer=8 * owned + scalars)
     if stage in (2, 3):
@@ -211,11 +236,34 @@ def stage_parameter_shapes(cfg: Config, stage: int) -> List[Shape]:
             *(shapes.after if stage == last else ())]
 
 
+def stage_muon_mask(cfg: Config, stage: int) -> Optional[List[bool]]:
+    """For ``optim.name=muon``, which of ``stage_parameter_shapes(cfg, stage)`` Muon trains (the
+    blocks' matrices, trainer3d/optim/muon.py ``is_muon_param``); None for AdamW."""
+    if cfg.optim.name != "muon":
+        return None
+    ranges = stage_layer_ranges(cfg.model.n_layers, n_stages(cfg), cfg.parallel.pp_layers)
+    shapes = model_shapes(cfg.model, cfg.parallel.tp)
+    last = len(ranges) - 1
+    before = stage == 0 or (stage == last and cfg.model.tie_embeddings)
+    return [*([False] * len(shapes.before) if before else ()),
+            *[len(s) >= 2 for s in shapes.block] * len(ranges[stage]),
+            *([False] * len(shapes.after) if stage == last else ())]
+
+
 def rank_parameter_shapes(cfg: Config, rank: int) -> List[Tuple[int, ...]]:
     """Shapes of the parameters global ``rank`` holds, in registration order (its stages, TP-sharded)."""
     p = cfg.parallel
     pp_rank = Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp).coords(rank).pp
     return [s for stage in stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages) for s in stage_parameter_shapes(cfg, stage)]
+
+
+def rank_muon_mask(cfg: Config, rank: int) -> Optional[List[bool]]:
+    """``stage_muon_mask`` of every stage global ``rank`` holds, aligned with ``rank_parameter_shapes``."""
+    p = cfg.parallel
+    if cfg.optim.name != "muon":
+        return None
+    pp_rank = Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp).coords(rank).pp
+    return [m for stage in stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages) for m in stage_muon_mask(cfg, stage)]
 
 
 # ------------------------------------------------------------------ the paper's Table 1

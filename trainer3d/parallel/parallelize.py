@@ -109,6 +109,10 @@ def build_model_chunks(cfg: Config, dims: ParallelDims, initialise: bool = True)
 def build_optimizer(chunks: List[nn.Module], cfg: Config, dims: ParallelDims) -> ZeroOptimizer:
     """The optimizer of ``parallel.zero_stage`` over this rank's chunks."""
     stage = cfg.parallel.zero_stage
+    if cfg.optim.name == "muon" and (stage >= 2 or cfg.parallel.offload_optimizer):
+        # validate() refuses these with the reason (config/validate_optim.py); a caller that
+        # skipped it gets no AdamW in Muon's place
+        raise ValueError("optim.name=muon runs on parallel.zero_stage 0/1 without offload_optimizer")
     if cfg.parallel.offload_optimizer and stage < 2:
         return OffloadedOptimizer(chunks, cfg, dims, sharded=stage == 1)
     if stage == 0:

@@ -21,7 +21,8 @@ trainer3d/parallel/context/).
                                               first forward except the first bucket; FSDP2's
                                               un-overlapped share, one collective's latency
                                               per sharded unit (every block and the root)
-         + optimizer                          AdamW over the owned elements, memory-bound
+         + optimizer                          AdamW over the owned elements, memory-bound (optim=muon:
+                                              + Newton-Schulz and its gathers, plan/muon_cost.py)
          + offload                            parallel.offload_optimizer: the gradients' copy to
                                               the host (overlapped with the last micro-batch's
                                               backward except the last bucket), the host AdamW
@@ -51,6 +52,7 @@ from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, sta
 from trainer3d.plan.block_time import all_reduce_s, block_time, tp_region_s
 from trainer3d.plan.devices import Device
 from trainer3d.plan.links import _link_gbps, overlap_cost
+from trainer3d.plan.muon_cost import muon_s
 
 ADAMW_BYTES = 36  # per owned element: read grad, moments, master/param; write moments, master/param (+16-bit copy)
 HOST_ADAMW_BYTES = 32  # the host kernel: read master, grad, moments; write them back (the gradient divided in place)
@@ -308,7 +310,7 @@ def step_time(cfg: Config, device: Device, states: Dict[int, ModelStateBytes], r
         hop = z.hidden_bytes() / (gbps * 1e9) + (device.latency(node_ranks) + device.pipeline_action(node_ranks)) * 1e-6
     slot = busy + 2 * v * hop
     fill = (p.pp - 1) / v
-    optimizer = max(_optimizer_s(cfg, device, s) for s in states.values())
+    optimizer = max(_optimizer_s(cfg, device, s) + muon_s(cfg, device, r, node_ranks) for r, s in states.items())
     dp = max(_dp_exposed(cfg, device, s, times[r], ranks_per_node, backend) for r, s in states.items())
     if p.zero_stage >= 2:
         offload = max(fsdp_offload_s(cfg, s, times[r], node_ranks, link or HostLink()) for r, s in states.items())
@@ -324,7 +326,9 @@ def step_time(cfg: Config, device: Device, states: Dict[int, ModelStateBytes], r
 
 
 def _optimizer_s(cfg: Config, device: Device, states: ModelStateBytes) -> float:
-    owned = states.optimizer // 8  # Adam's two fp32 moments per owned element
+    # Adam's two fp32 moments per owned element (Muon's one momentum: bytes moved per element
+    # are of the same order, its Newton-Schulz and gathers are muon_cost.py's)
+    owned = states.optimizer // 8
     zero_and_clip = 3 * states.grads  # zero the fp32 gradients, read them for the norm, scale them
     return (ADAMW_BYTES * owned + zero_and_clip) / (device.memory_gbps * 1e9)
 

@@ -34,6 +34,7 @@ from trainer3d.parallel import comm
 from trainer3d.optim.adamw import FlatAdamW, Segment, segments_of
 from trainer3d.parallel.zero.buckets import FlatBuffers, GradReducer
 from trainer3d.parallel.clip import clip_by_global_norm_, counted_once_over_tp, sum_of_squares
+from trainer3d.parallel.zero.muon import FlatMuonAdamW
 from trainer3d.parallel.zero.optimizer import StateView, ZeroOptimizer
 from trainer3d.parallel.zero.param_gather import DeferredGather
 from trainer3d.optim.mixed_precision import DTYPES, make_loss_scaler
@@ -101,8 +102,12 @@ class FlatZeroOptimizer(ZeroOptimizer):
         if sharded and dims.dp_cp > 1 and overlap_gather:
             self.deferred = DeferredGather(chunks, {p: b.index for b in self.buffers.buckets for p in b.params})
 
-    def _make_adam(self, segments: List[Segment], owned_numel: int) -> FlatAdamW:
-        """The AdamW state of the owned pieces, on the device (parallel/zero/offload.py: on the host)."""
+    def _make_adam(self, segments: List[Segment], owned_numel: int):
+        """The AdamW state of the owned pieces, on the device (parallel/zero/offload.py: on the host);
+        with ``optim.name=muon``, Muon's for the blocks' matrices and AdamW's for the rest (muon.py)."""
+        if self.cfg.optim.name == "muon":
+            dp = self.dp if self.sharded and self.dims.dp_cp > 1 else None
+            return FlatMuonAdamW(segments, self.buffers, self.cfg, dp, self.pieces, self.dims.tp_group, self.names)
         return FlatAdamW(segments, owned_numel, self.buffers.param_buffer, self.buffers.grad_buffer, self.cfg.optim)
 
     def _owned_pieces(self) -> List[Tuple[int, int]]:
@@ -194,9 +199,10 @@ class FlatZeroOptimizer(ZeroOptimizer):
 
     def state_tensors(self) -> Dict[str, List[torch.Tensor]]:
         a = self.adam
+        own = (a.state_buffers() if isinstance(a, FlatMuonAdamW) else
+               {"master": [a.master] if a.master is not None else [], "optimizer": [a.exp_avg, a.exp_avg_sq]})
         return {"params": [self.buffers.param_buffer], "grads": [self.buffers.grad_buffer],
-                "master": [a.master] if a.master is not None else [],
-                "optimizer": [a.exp_avg, a.exp_avg_sq, *self._scalar_tensors()]}
+                "master": own["master"], "optimizer": [*own["optimizer"], *self._scalar_tensors()]}
 
 
 class ReplicatedOptimizer(FlatZeroOptimizer):

@@ -35,7 +35,7 @@ import torch
 from trainer3d.model.init import TPShard
 from trainer3d.optim.mixed_precision import LossScaler
 
-STATE_KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
+STATE_KINDS = ("param", "master", "exp_avg", "exp_avg_sq", "momentum_buffer")
 TERMS = ("params", "grads", "master", "optimizer")
 
 
@@ -47,7 +47,9 @@ class StateView:
     ``tensors`` maps a kind of ``STATE_KINDS`` to a flat view of ``end - start`` elements:
     ``param`` the model's values, ``master`` the fp32 master weights (only where they are not
     the parameters themselves), ``exp_avg`` and ``exp_avg_sq`` AdamW's moments. Writing into
-    a view writes the optimizer's own storage (that is how a checkpoint loads)."""
+    a view writes the optimizer's own storage (that is how a checkpoint loads);
+    ``momentum_buffer`` Muon's momentum, held instead of the moments for a Muon matrix
+    (parallel/zero/muon.py)."""
 
     name: str
     """The parameter's name in the 1-rank model (``layers.0.attention.wq.weight``)."""
