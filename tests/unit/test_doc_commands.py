@@ -215,6 +215,7 @@ def test_every_documented_plan_command_runs(page, command, tmp_path):
     """The planner for real, in this process: its search (or plan.evaluate=true's evaluation)."""
     from trainer3d.plan.devices import device_for
     from trainer3d.plan.evaluate import evaluate_report
+    from trainer3d.plan.knobs import plan_problems
     from trainer3d.plan.report import report
     from trainer3d.plan.search import search
 
@@ -224,6 +225,11 @@ def test_every_documented_plan_command_runs(page, command, tmp_path):
         return
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = OmegaConf.to_object(compose(config_name="plan", overrides=args))
+    refused = plan_problems(cfg)
+    if refused:  # a page showing a refusal: it must show it as the planner prints it
+        text = (ROOT / page).read_text()
+        assert all(f"trainer3d.plan: {p}" in text for p in refused), (page, command, refused)
+        return
     device = device_for(cfg.cluster.gpu, str(tmp_path / "no-calibration.json"))
     try:
         text = evaluate_report(cfg, device)[0] if cfg.plan.evaluate else report(cfg, device, search(cfg, device), args)

@@ -194,17 +194,12 @@ def path_values(cfg: Config) -> List[Tuple[str, str]]:
     return found + [(f"data.blend[{i}].path", s.path) for i, s in enumerate(cfg.data.blend) if s.path]
 
 
-PATHS = ("model.init_from", "data.path", "data.val_path", "data.cache_dir", "checkpoint.dir", "run_dir",
-         "launcher.folder")
-"""Knobs naming a file or directory (with every ``data.blend`` entry's path and a ``train.resume``
-that is neither auto nor never): a leading ``~`` is the user's home. Bash expands ``~`` only at
-the start of a word, not after ``key=``, and Hydra's override grammar refuses an unquoted one
-(https://hydra.cc/docs/advanced/override_grammar/basic/), so ``'model.init_from=~/m'`` reaches
-the config as written."""
-
-
 def expand_paths(cfg: Config) -> Config:
-    """``cfg`` with a leading ``~`` of every path knob expanded to the home directory, in place."""
+    """``cfg`` with a leading ``~`` of every path knob (``PATHS``, each ``data.blend`` entry's)
+    expanded to the home directory, in place. Bash expands ``~`` only at the start of a word, not
+    after ``key=``, and Hydra's override grammar refuses an unquoted one
+    (https://hydra.cc/docs/advanced/override_grammar/basic/), so ``'model.init_from=~/m'``
+    reaches the config as written."""
     for knob in PATHS:
         section, _, name = knob.rpartition(".")
         holder = get(cfg, section) if section else cfg
