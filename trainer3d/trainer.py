@@ -115,9 +115,9 @@ class Trainer:
                                  rank=dims.rank)
         self.skips = SkipLog(cfg.run_dir, t.skip_steps, writer=dims.rank == 0)
         self.verdict: Optional[Verdict] = None
+        """The spike watch's verdict on the last step trained (None with train.spike.policy=off)."""
         self.step_s = 0.0
         """A running mean of this rank's step time (checkpoint.every=auto's unit of interval)."""
-        """The spike watch's verdict on the last step trained (None with train.spike.policy=off)."""
 
     def _build_data(self):
         """This rank's training batches (read ahead) and evaluator (None without a validation set);

@@ -13,7 +13,10 @@ types them, in a fresh process from a scratch directory holding the tiny inputs 
   its file read back by the planner as ``cluster.gpu=calibrated``;
 - ``python -m trainer3d.train ... dry_run=true`` without a user's model or data: the dry run;
   ``--cfg job``: the resolved config;
-- ``python tools/prepare_data.py`` on text files made by the test.
+- ``python tools/prepare_data.py`` on text files made by the test;
+- the workflow after a run — ``tools/export_model.py``, ``tools/sample.py`` (of the checkpoint
+  and of the export) and ``tools/plot_metrics.py`` — on a two-step run of the tiny model the
+  test trains, its paths put where the page has ``outputs/...``, ``exported/`` or ``llama-ft/``.
 
 A command that is neither run here nor given a reason in ``NOT_RUN`` fails
 ``test_every_documented_command_is_run_or_has_a_reason``, so a new documented command is
@@ -25,6 +28,7 @@ import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -56,6 +60,7 @@ RUN = {  # what runs for real here: a pattern of the command -> how it is run (b
     "dry_run": re.compile(PY + r"-m trainer3d\.train (?!.*(?:init_from|data\.path|launcher=slurm))"
                           r".*\bdry_run=true\b"),
     "prepare_data": re.compile(PY + r"tools/prepare_data\.py --out data/notes\.bin my_texts/ notes\.md$"),
+    "after_a_run": re.compile(PY + r"tools/(?:export_model|sample|plot_metrics)\.py (?:outputs/|exported/|llama-ft/)"),
 }
 NOT_RUN = [  # the first pattern a command matches gives the reason it is only parsed
     (r"^python3 -m venv|pip install", "set-up: tests/unit/test_help_install.py installs the package"),
@@ -154,7 +159,8 @@ def test_the_output_check_catches_a_drifted_figure():
         assert_shows("step time 46.98 s:\nsearched 10 layouts", printed)
 
 
-RUNS = [(page, c, kind_of(c)[1]) for page, c in documented() if kind_of(c)[0] == "run"]
+RUNS = [(page, c, kind_of(c)[1]) for page, c in documented()
+        if kind_of(c)[0] == "run" and kind_of(c)[1] != "after_a_run"]
 
 
 @pytest.mark.timeout(900)
@@ -194,3 +200,49 @@ def test_the_calibration_times_the_models_own_block():
 
     figures = block_figures()
     assert all(math.isfinite(v) and v > 0 for v in figures.values()), figures
+
+
+OUTPUTS = [  # what the pages' placeholders stand for, in a run the test made
+    (re.compile(r"outputs/(?:<date>/<time>|\.\.\.)/checkpoints/step_\d+"), "{checkpoint}"),
+    (re.compile(r"outputs/<date>/<time>"), "{run}"),
+    (re.compile(r"(?<![\w/])(exported|llama-ft)/"), r"{exports}/\1/"),
+]
+
+
+def _in_the_run(command: str, run, checkpoint, exports) -> str:
+    for pattern, stand_in in OUTPUTS:
+        command = pattern.sub(stand_in.format(run=run, checkpoint=checkpoint, exports=exports), command)
+    return command
+
+
+@pytest.mark.timeout(900)
+def test_the_tools_after_a_run_run_as_documented(tmp_path):
+    """Every documented export, sample and plot command, in that order (a sample may read an
+    export), on a two-step run of the tiny model: exit 0, and what each writes is there."""
+    from tests.support.runs import run_train
+
+    run = tmp_path / "run"
+    run_train(run, ["parallel=single", "train.max_steps=2", "train.log_every=1", "train.seq_len=64",
+                    "train.micro_batch_size=2", "train.global_batch_size=4", "train.grad_accum_steps=null",
+                    "train.eval_every=0", "checkpoint.every=2"])
+    checkpoint = run / "checkpoints" / "step_00000002"
+    assert checkpoint.is_dir()
+    order = {"export_model": 0, "sample": 1, "plot_metrics": 2}
+    tool = lambda c: re.search(r"tools/(\w+)\.py", c).group(1)  # noqa: E731
+    commands = sorted(((page, c) for page, c in documented() if kind_of(c) == ("run", "after_a_run")),
+                      key=lambda pc: (pc[0], order[tool(pc[1])]))
+    assert {tool(c) for _, c in commands} == set(order), commands
+    for page, documented_command in commands:  # each page's exports apart: a page samples its own
+        command = _in_the_run(documented_command, run, checkpoint, tmp_path / "exports" / Path(page).stem)
+        proc = _run(command, tmp_path, timeout=600)
+        assert proc.returncode == 0, f"`{documented_command}` as `{command}` exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+        if "export_model" in command:
+            out = Path(shlex.split(command)[3])
+            assert (out / "config.json").is_file() and list(out.glob("*.safetensors")), sorted(out.iterdir())
+        elif "sample.py" in command:
+            prompt = shlex.split(command)[shlex.split(command).index("--prompt") + 1]
+            assert proc.stdout.startswith(prompt), proc.stdout[:500]
+        else:
+            out = Path(shlex.split(command)[shlex.split(command).index("--out") + 1])
+            assert out.is_absolute() or (tmp_path / out).is_dir()
+            assert list((tmp_path / out).glob("*.png")), proc.stdout[-2000:]
