@@ -39,3 +39,41 @@ def test_gathers_are_charged_under_tp_and_zero1():
     assert muon_s(cfg, device, 0, 8) > alone
     cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.zero_stage = 1, 2, 1
     assert muon_s(cfg, device, 0, 8) > alone
+
+
+def _one_a100(optim, *overrides):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from tests.conftest import CONF_DIR
+
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        return OmegaConf.to_object(compose("plan", [
+            "model=smollm2-1.7b", "cluster.nodes=1", "cluster.gpus_per_node=1", "cluster.gpu=a100-40g",
+            "train.global_batch_size=64", "train.seq_len=2048", f"optim={optim}", *overrides]))
+
+
+def test_muons_smaller_state_changes_the_best_layout():
+    """SmolLM2-1.7B on one 40 GB A100 (docs/optimizers.md prints both searches): micro-batches of 4
+    fit AdamW's 8 bytes of moments per parameter only with the optimizer offloaded, so AdamW's
+    fastest is micro-batches of 2; Muon's 4 bytes of momentum on the blocks' 1.61B matrix
+    elements fit micro-batches of 4 on the device, its fastest. No Muon plan is offloaded (it
+    refuses offload: micro-batches of 8, over the device, are not retried offloaded)."""
+    from trainer3d.plan.devices import device_for
+    from trainer3d.plan.search import evaluate, host_link, search
+
+    narrow = ("search.micro_batch_sizes=[2,4,8]", "search.recompute=[false]")
+    device = device_for("a100-40g")
+    adamw_cfg, muon_cfg = _one_a100("adamw", *narrow), _one_a100("muon", *narrow)
+    adamw, muon = search(adamw_cfg, device).plans, search(muon_cfg, device).plans
+    best = [(p.cfg.train.micro_batch_size, p.cfg.parallel.offload_optimizer) for p in (adamw[0], muon[0])]
+    assert best == [(2, False), (4, False)]
+    assert not any(p.cfg.parallel.offload_optimizer for p in muon)
+    assert (4, True) in {(p.cfg.train.micro_batch_size, p.cfg.parallel.offload_optimizer) for p in adamw}
+    # Muon's layout with AdamW's optimizer, on the device: over the memory by the moments' extra
+    # 4 bytes per Muon element (per block: wq, wk, wv, wo 2048 x 2048, w1, w2, w3 2048 x 8192; 24 blocks)
+    as_adamw = dataclasses.replace(muon[0].cfg, optim=adamw_cfg.optim)
+    plain = evaluate(as_adamw, device, 1, "nccl", link=host_link(adamw_cfg))
+    muon_elements = 24 * (4 * 2048 * 2048 + 3 * 2048 * 8192)
+    assert plain.memory.states.total - muon[0].memory.states.total == 4 * muon_elements
+    assert plain.memory.total > device.usable_bytes(1) >= muon[0].memory.total

@@ -21,7 +21,10 @@
                                backward: the loss gradient cast to 16-bit logits, a
                                recomputed block, a 16-bit parameter gradient before it is
                                added into the fp32 buffer, FSDP2's unsharded parameters and
-                               gradients of one unit (an estimate: no CPU counterpart measures it)
+                               gradients of one unit (an estimate: no CPU counterpart measures it),
+                               or Muon's step: the largest matrix's tp gather and Newton-Schulz
+                               buffers (trainer3d/memory/muon_step.py; at the step no activation
+                               is held, so beside them it is an upper bound)
 
 ZeRO-2/3 also have a start-up peak, while the model and optimizer are built: the shards and
 the fill of one parameter, then the moments (trainer3d/memory/startup.py); ``total`` is the
@@ -39,6 +42,7 @@ from typing import Dict, List, Optional, Tuple
 from trainer3d.memory.activations import (FP32, Sizes, chunk_terms, layer_terms, loss_transient_bytes,
                                           peak_in_flight, schedule_ops, shared_terms)
 from trainer3d.config.schema import Config
+from trainer3d.memory.muon_step import muon_step_bytes
 from trainer3d.memory.staged import staged_bytes
 from trainer3d.memory.startup import startup_bytes
 from trainer3d.memory.states import (BYTES, ModelStateBytes, engine_model_state_bytes, model_shapes,
@@ -151,6 +155,9 @@ def rank_memory(cfg: Config, pp_rank: int, kernel: str = "flash", cuda: Optional
     if p.pp > 1:
         mem.buffers = _pipeline_buffers(cfg, z, pp_rank, stages, counts)
     mem.transients = _transients(cfg, z, stages, last)
+    muon = muon_step_bytes(cfg, any(len(ranges[s]) for s in stages))
+    if muon:
+        mem.transients["muon_step"] = muon
     if p.zero_stage >= 2:
         shapes = [s for stage in stages for s in stage_parameter_shapes(cfg, stage)]
         mem.startup, mem.startup_host = startup_bytes(cfg, shapes, mem.states, same_memory=False)

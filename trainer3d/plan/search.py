@@ -182,6 +182,10 @@ def search(cfg: PlanConfig, device: Device) -> SearchResult:
         if (plan.memory.total > usable and cfg.search.offload and not valid.parallel.offload_optimizer
                 and not device.shared_memory):
             for tried in _offload_tries(valid):
+                try:  # optim=muon refuses offload (trainer3d/config/validate_optim.py)
+                    tried = validate(tried)
+                except ConfigError:
+                    continue
                 offloaded = evaluate(tried, device, c.gpus_per_node, backend, c.attention, link)
                 if offloaded.memory.total <= usable and offloaded.host_per_node(c.gpus_per_node) <= host_usable:
                     plan = offloaded
