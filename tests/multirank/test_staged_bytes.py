@@ -29,7 +29,7 @@ def _cfg(root: str, layout: dict) -> Config:
     cfg.model.n_layers, cfg.model.tie_embeddings, cfg.model.vocab_size = 2, layout["tie"], 257  # odd rows
     cfg.train.dtype, cfg.train.seq_len, cfg.train.resume, cfg.train.max_steps = layout["dtype"], 16, "never", 1
     cfg.train.micro_batch_size, cfg.train.grad_accum_steps, cfg.train.global_batch_size = 1, 2, None
-    cfg.logger.mode, cfg.checkpoint.async_save = "disabled", True
+    cfg.logger.mode, cfg.checkpoint.async_save, cfg.checkpoint.every = "disabled", True, 1  # saves in the background
     return validate(cfg)
 
 

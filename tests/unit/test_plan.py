@@ -41,7 +41,9 @@ def test_planner_prints_ranked_layouts_whose_commands_pass_validate():
     commands = [line.split(None, 1)[1] for line in proc.stdout.splitlines()
                 if line.strip()[:1].isdigit() and "python -m trainer3d.train" in line]
     assert len(commands) == 4
-    rows = [line.split() for line in proc.stdout.splitlines() if line[:3].strip().isdigit() and "python" not in line]
+    table = proc.stdout.split("  #  tp", 1)[1].split("\n\n", 1)[0].splitlines()[1:]  # the ranked table's rows
+    rows = [line.split() for line in table]
+    assert len(rows) == 4, table
     speeds = [float(r[-2].replace(",", "")) for r in rows]
     assert speeds == sorted(speeds, reverse=True)  # fastest first
     for command in commands:
