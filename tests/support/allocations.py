@@ -13,11 +13,11 @@ buffers and their views) is never counted, nor what a kernel allocates inside it
 """
 
 import weakref
-from typing import Dict, List
-
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from trainer3d.memory.meter import LiveStorages
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -27,9 +27,15 @@ def _storage_key(t: torch.Tensor) -> int:
 class AllocationMeter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self._live: Dict[int, List[int]] = {}  # storage address -> [bytes, live tensors on it]
-        self.live_bytes = 0
-        self.peak_bytes = 0
+        self.storages = LiveStorages()  # what the region allocated, by storage
+
+    @property
+    def live_bytes(self) -> int:
+        return self.storages.live_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.storages.peak_bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -38,20 +44,8 @@ class AllocationMeter(TorchDispatchMode):
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
             key = _storage_key(t)
-            entry = self._live.get(key)
-            if entry is None:
-                if key in inputs or key == 0:
-                    continue  # a view of, or an in-place op on, something from before the region
-                entry = self._live[key] = [t.untyped_storage().nbytes(), 0]
-                self.live_bytes += entry[0]
-                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-            entry[1] += 1
-            weakref.finalize(t, self._release, key)
+            if key not in self.storages and (key in inputs or key == 0):
+                continue  # a view of, or an in-place op on, something from before the region
+            self.storages.hold(key, t.untyped_storage().nbytes())
+            weakref.finalize(t, self.storages.release, key)
         return out
-
-    def _release(self, key: int) -> None:
-        entry = self._live[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.live_bytes -= entry[0]
-            del self._live[key]

@@ -29,36 +29,58 @@ class _Saved:
         self.tensor = tensor
 
 
+class LiveStorages:
+    """Storages counted once each while any reference to them lives: ``hold`` one more
+    reference (the storage's bytes join the live total on its first), ``release`` one."""
+
+    def __init__(self):
+        self._live: Dict[int, List[int]] = {}  # storage address -> [bytes, live references]
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._live
+
+    def hold(self, key: int, nbytes: int) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            self._live[key] = [nbytes, 1]
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        else:
+            entry[1] += 1
+
+    def release(self, key: int) -> None:
+        entry = self._live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.live_bytes -= entry[0]
+            del self._live[key]
+
+
 class SavedActivationMeter:
     def __init__(self, parameters: Iterable[torch.Tensor] = ()):
         self._skip = {p.untyped_storage().data_ptr() for p in parameters}
-        self._live: Dict[int, List[int]] = {}  # storage address -> [bytes, saved references]
-        self.live_bytes = 0
-        self.peak_bytes = 0
+        self.storages = LiveStorages()  # what autograd saved, by storage
         self._hooks = None
+
+    @property
+    def live_bytes(self) -> int:
+        return self.storages.live_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.storages.peak_bytes
 
     def _pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
         if key in self._skip or tensor.device.type == "meta" or key == 0:
             return tensor
-        entry = self._live.get(key)
-        if entry is None:
-            self._live[key] = [storage.nbytes(), 1]
-            self.live_bytes += storage.nbytes()
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        else:
-            entry[1] += 1
+        self.storages.hold(key, storage.nbytes())
         saved = _Saved(tensor)
-        weakref.finalize(saved, self._release, key)
+        weakref.finalize(saved, self.storages.release, key)
         return saved
-
-    def _release(self, key: int) -> None:
-        entry = self._live[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.live_bytes -= entry[0]
-            del self._live[key]
 
     @staticmethod
     def _unpack(saved):
