@@ -9,7 +9,7 @@ import pytest
 
 from tests.support.harness import dims_for, run_ranks
 from trainer3d.checkpoint import store
-from trainer3d.checkpoint.interval import FIRST_SAVE
+from trainer3d.checkpoint.interval import FIRST_SAVE, Measured
 from trainer3d.config.schema import Config
 from trainer3d.config.validate import validate
 from trainer3d.trainer import Trainer
@@ -24,11 +24,10 @@ def _train(rank, world, run_dir):
     t = cfg.train
     t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, t.seq_len = 2, 4, None, 16
     t.max_steps, t.log_every, t.resume, t.eval_every = STEPS, 10, "never", 0
-    # A save costs ~0.1-0.5 s here and a step ~0.03 s: an interruption every ~1 s puts the
-    # optimum at a few to a few tens of steps.
     cfg.checkpoint.every, cfg.checkpoint.mtbf_hours, cfg.checkpoint.keep = "auto", 1 / 3600, 100
     trainer = Trainer(validate(cfg), dims_for(dp=world))
     real, saves = trainer.checkpointer.save, []
+    _in_step_units(trainer.checkpointer.auto)
 
     def save(steps_done, background=None):  # the step a save starts at, and the one planned for it then
         saves.append((steps_done, trainer.checkpointer.auto.next_at))
@@ -39,6 +38,20 @@ def _train(rank, world, run_dir):
     with contextlib.redirect_stdout(printed):
         trainer.train()
     return {"saves": saves, "out": printed.getvalue()}
+
+
+def _in_step_units(auto):
+    """The measured figures scaled to the measured step: the same plans whatever the machine's
+    load (a save that takes 40 steps on a busy CI host would leave one plan in 60 steps). The
+    odd retunes are bound by Daly's optimum (7 steps), the even ones by the write (10 steps)."""
+    real, count = auto.retune, [0]
+
+    def retune(m, last_saved, steps_done):
+        count[0] += 1
+        auto.mtbf_s = 50 * m.step_s
+        write = 4 if count[0] % 2 else 10
+        return real(Measured(m.step_s, 0.5 * m.step_s, write * m.step_s), last_saved, steps_done)
+    auto.retune = retune
 
 
 def _expected_saves(out: str):
@@ -65,7 +78,9 @@ def test_auto_saves_at_the_steps_it_printed(tmp_path):
     assert saves[0] == (FIRST_SAVE, FIRST_SAVE) and saves[-1][0] == STEPS  # the last: the end of training
     assert all(at == planned for at, planned in saves[:-1]), saves  # each save where it was due, not later
     plans = re.findall(r"checkpoint\.every=auto: every (\d+) steps, next at step (\d+): (.*)", results[0]["out"])
-    assert len(plans) >= 2 and all("Daly" in why or "must not wait" in why for _, _, why in plans), plans
+    reasons = {"Daly" if "Daly" in why else "write" if "must not wait" in why else why for _, _, why in plans}
+    assert reasons == {"Daly", "write"}, plans
+    assert {every for every, _, _ in plans} == {"7", "10"}, plans  # the intervals the scaled figures give
     got, want = _expected_saves(results[0]["out"])
     assert got == want and len(got) >= 3, results[0]["out"]
     assert [s for s, _ in store.published(tmp_path / "checkpoints")] == [at for at, _ in saves]

@@ -39,11 +39,23 @@ def _rank_main(fn, rank, world_size, init_file, results, threads, pg_timeout_s, 
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         results.put((rank, "ok", fn(rank, world_size, *args)))
+        _leave_together()
     except BaseException:  # noqa: B902 - report everything, including SystemExit
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _leave_together():
+    """A rank that is done waits for the others before it exits: one that left while a peer was
+    still inside a collective this rank had already finished (a new group's connect handshake,
+    a ring's last send) would close that peer's socket under it ("Connection closed by peer").
+    A peer that fails exits instead of arriving, which ends this wait; its own report says why."""
+    try:
+        dist.barrier()
+    except Exception:  # noqa: BLE001 - the failing peer reports its own error
+        pass
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120, threads: int = 1,
