@@ -179,6 +179,7 @@ class Background:
         self._future: Optional[Future] = None
         self._check: Optional[dist.Work] = None
         self._flag = torch.zeros(1, dtype=torch.int32)
+        self._thread: Optional[threading.Thread] = None
 
     def start(self, job: SaveJob, report: SaveReport) -> None:
         assert self.inflight is None, "one save in flight at most: wait() first"
@@ -197,7 +198,8 @@ class Background:
                 report.write_s = time.perf_counter() - started
                 future.set_exception(err)
 
-        threading.Thread(target=run, name=f"trainer3d-checkpoint-{job.step}", daemon=True).start()
+        self._thread = threading.Thread(target=run, name=f"trainer3d-checkpoint-{job.step}", daemon=True)
+        self._thread.start()
 
     def poll(self) -> Optional[SaveReport]:
         """At a step boundary: the in-flight save's report once every rank's part is done (agreed
@@ -235,7 +237,13 @@ class Background:
         return self._finish()
 
     def _finish(self) -> SaveReport:
-        report, future = self.inflight, self._future
-        self.inflight, self._future = None, None
+        """The save is done: its thread is joined too. After setting the result the thread still
+        frees the staged copy, and a daemon thread that needs the GIL back once the interpreter
+        is finalizing is ended by pthread_exit, whose forced unwind through torch's C++ frees
+        calls std::terminate: a complete run would abort at exit (SIGABRT, "terminate called
+        without an active exception"; CPython gh-87135)."""
+        report, future, thread = self.inflight, self._future, self._thread
+        self.inflight, self._future, self._thread = None, None, None
+        thread.join()  # only the thread's epilogue is left: its result is set
         future.result()  # raises the save's error
         return report
