@@ -55,6 +55,25 @@ class InjectConfig:
 
     corrupt_steps: List[int] = field(default_factory=list)
     """Steps whose batches are replaced by uniformly random token ids on every rank."""
+    slow_rank: Optional[int] = None
+    """The global rank whose every step is made ``slow_ms`` slower (null: none), to see the
+    straggler watch name it."""
+    slow_ms: float = 0.0
+    """``slow_rank``'s delay per step, in milliseconds: a sleep at the end of its backward, before
+    the gradient reduction waits on its peers."""
+
+
+@dataclass
+class StragglerConfig:
+    """Stragglers: each rank's compute time per step against its peers' (the ranks of the same
+    pipeline stage), read at the logging interval (trainer3d/observe/stragglers.py;
+    docs/failures.md)."""
+
+    window: int = 20
+    """A rank is named when the median, over its last ``window`` steps, of its compute over its
+    peers' median compute reaches ``threshold``; 0: no watch."""
+    threshold: float = 1.25
+    """The ratio to the peers' median compute (the median over the window) that names a rank."""
 
 
 @dataclass
@@ -113,6 +132,7 @@ class TrainConfig:
     skip_steps: List[int] = field(default_factory=list)
     """Steps trained without an update and without reading their batch, besides those in the run
     dir's skipped_steps.json: a fresh run given another run's ``steps`` replays its decisions."""
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
     inject: InjectConfig = field(default_factory=InjectConfig)
 
 

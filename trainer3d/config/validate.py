@@ -331,6 +331,13 @@ def _check_step_lists(cfg: Config, problems: List[str]) -> None:
         if bad:
             problems.append(f"{knob}: {bad} are not steps of this run (integers 0 <= step < train.max_steps"
                             f"={steps}); give steps as metrics.jsonl numbers them, e.g. {knob}=[120,121]")
+    inject, world = cfg.train.inject, world_size_of(cfg)
+    if inject.slow_rank is not None and inject.slow_rank >= world:
+        problems.append(f"train.inject.slow_rank={inject.slow_rank} is not a rank of this job ({world} ranks): "
+                        f"give 0..{world - 1}, or null for none")
+    if (inject.slow_rank is None) != (inject.slow_ms == 0):
+        problems.append(f"train.inject.slow_rank={inject.slow_rank} and train.inject.slow_ms={inject.slow_ms:g}: "
+                        "the drill needs both (a rank and its delay, e.g. slow_rank=1 slow_ms=200) or neither")
 
 
 def _check_eval(cfg: Config, problems: List[str]) -> None:

@@ -25,12 +25,13 @@ the gradient norm as the measures of training stability.
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, List, Optional
+from typing import Any, Callable, Deque, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from trainer3d.config.schema import SpikeConfig
+from trainer3d.data.skips import SkipLog
 
 ROBUST_SIGMA = 1.4826
 """A normal distribution's standard deviation over its median absolute deviation."""
@@ -110,3 +111,45 @@ class SpikeWatch:
         self.losses.append(loss)
         self.norms.append(grad_norm)
         return Verdict(step, loss, grad_norm, None)
+
+
+class SpikeResponse:
+    """What a spike's verdict makes the run do, by ``train.spike.policy``: recorded in the skip
+    log (trainer3d/data/skips.py), said on rank 0, and for ``rollback`` the restore.
+
+    ``choose(first)``: every rank, the agreed checkpoint at or before step ``first`` (an object
+    with ``.step``; None where there is none: trainer3d/checkpoint/rollback.py); ``restore(choice)``:
+    every rank loads it and returns the step to go on from. The trainer passes both, so this
+    module needs no checkpoint code."""
+
+    def __init__(self, cfg: SpikeConfig, skips: SkipLog, say: Callable[[str], None],
+                 choose: Callable[[int], Optional[Any]], restore: Callable[[Any], int]):
+        self.cfg, self.skips, self.say = cfg, skips, say
+        self.choose, self.restore = choose, restore
+
+    def act(self, verdict: Verdict) -> Optional[int]:
+        """The step to go on from after a rollback, else None."""
+        s = self.cfg
+        event = {"step": verdict.step, "loss": verdict.loss, "grad_norm": verdict.grad_norm, "reason": verdict.reason}
+        if s.policy == "warn":
+            self.say(f"loss spike at step {verdict.step}: {verdict.reason}; training on (train.spike.policy=warn)")
+            self.skips.add([], {**event, "action": "warn"})
+            return None
+        if s.policy == "rollback":
+            first = max(0, verdict.step - s.skip_window + 1)
+            choice = self.choose(first)
+            if choice is not None:
+                skipped = list(range(max(first, choice.step), verdict.step + 1))
+                self.skips.add(skipped, {**event, "action": f"rollback to step {choice.step}, skip steps "
+                                                             f"{skipped[0]}-{skipped[-1]}"})
+                self.say(f"loss spike at step {verdict.step}: {verdict.reason}; rolling back to the checkpoint "
+                         f"of step {choice.step} and skipping steps {skipped[0]}-{skipped[-1]} "
+                         f"(train.spike.policy=rollback, skip_window={s.skip_window})")
+                return self.restore(choice)
+            self.say(f"loss spike at step {verdict.step}: no checkpoint at or before step {first} to roll back to; "
+                     "its update is skipped instead (checkpoint.every sets how often there is one)")
+        self.skips.add([verdict.step], {**event, "action": "skip"})
+        if s.policy == "skip":
+            self.say(f"loss spike at step {verdict.step}: {verdict.reason}; its update skipped "
+                     "(train.spike.policy=skip)")
+        return None
