@@ -115,6 +115,8 @@ class Trainer:
         self.profiler = StepProfiler(list(t.profile), cfg.run_dir, dims.rank, dims.device)
         self.spikes = SpikeWatch(t.spike, loss_owner=dims.is_last_stage and dims.tp_rank == 0, dp_cp=dims.dp_cp,
                                  rank=dims.rank)
+        self.spikes.restore(self.checkpointer.loaded_info.get("spike"))
+        self.checkpointer.marker_extras["spike"] = self.spikes.state
         self.skips = SkipLog(cfg.run_dir, t.skip_steps, writer=dims.rank == 0)
         self.on_spike = SpikeResponse(t.spike, self.skips, self._say, self._rollback_choice, self._roll_back)
         self.verdict: Optional[Verdict] = None
@@ -297,6 +299,7 @@ class Trainer:
     def _roll_back(self, choice) -> int:
         self.metrics.rewind(choice.step)
         back_to = self.checkpointer.load(choice)
+        self.spikes.restore(self.checkpointer.loaded_info.get("spike"))  # the window as it was at that step
         self.nonfinite.first_bad()  # the kept steps are rerun: forgotten
         return back_to
 

@@ -82,3 +82,14 @@ def test_the_clock_is_the_host_on_cpu_and_cuda_events_on_cuda():
     if not torch.cuda.is_available():
         with pytest.raises((RuntimeError, AssertionError)):
             stamp(True)
+
+
+def test_the_window_median_must_hold_for_persist_steps():
+    """window 20, persist 10 (the defaults): a rank slow from step 0 is named at step 28; one slow
+    for 18 steps (its median over the threshold at steps 19-27, 9 in a row) is not."""
+    steps = [[0.1, 0.2]] * 40
+    named, _ = _run(StragglerDetector(window=20, threshold=1.25, peers=[[0, 1]], persist=10), steps)
+    assert [(i, r) for i, r, _ in named] == [(28, 1)]
+    brief = [[0.1, 0.2]] * 18 + [[0.1, 0.1]] * 40
+    named, _ = _run(StragglerDetector(window=20, threshold=1.25, peers=[[0, 1]], persist=10), brief)
+    assert named == []

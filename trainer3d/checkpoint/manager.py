@@ -31,7 +31,7 @@ import contextlib
 import dataclasses
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -116,6 +116,11 @@ class Checkpointer:
         self.auto = AutoInterval(cfg.checkpoint.mtbf_hours) if cfg.checkpoint.every == "auto" else None
         """``checkpoint.every=auto``'s interval (trainer3d/checkpoint/interval.py), else None."""
         self._stall_s = 0.0
+        self.marker_extras: Dict[str, Callable[[], object]] = {}
+        """More of the run's state for the marker, JSON the same on every rank, by its key (the
+        spike watch's window: trainer3d/observe/spikes.py); read back from ``loaded_info``."""
+        self.loaded_info: dict = {}
+        """The marker of the checkpoint last loaded (resume or rollback; {} without one)."""
 
     def _say(self, text: str) -> None:
         _say(self.dims, text)
@@ -183,7 +188,8 @@ class Checkpointer:
             state = rank_state(self.optimizer, self.dims, self.maker)
         info = {"step": steps_done, "layout": layout_of(self.cfg), "dtype": self.cfg.train.dtype,
                 "config": scrub(dataclasses.asdict(self.cfg)), "saved_at": time.time(),
-                **marker_fields(self.cfg, steps_done, self.origin, self.resumed_from, self.data)}
+                **marker_fields(self.cfg, steps_done, self.origin, self.resumed_from, self.data),
+                **{key: read() for key, read in self.marker_extras.items()}}
         return SaveJob(steps_done, drop_tied_copies(state, self.dims), self.root, info, self.cfg.checkpoint.keep,
                        list(self.known_bad))
 
@@ -273,6 +279,7 @@ class Checkpointer:
             self._say(note)
         after_load(self.optimizer, state, self.dims, with_rng=same_world)
         self.last_saved = choice.step
+        self.loaded_info = choice.info
         self.origin = origin_of(choice.info, self.cfg.train.global_batch_size)
         self.resumed_from = choice.path
         if self.auto is not None:

@@ -64,6 +64,7 @@ RANGES: Dict[str, Range] = {
     "train.spike.window": Range(3), "train.spike.threshold": POSITIVE, "train.spike.min_steps": AT_LEAST_0,
     "train.spike.skip_window": AT_LEAST_1,
     "train.straggler.window": AT_LEAST_0, "train.straggler.threshold": Range(1, lo_open=True),
+    "train.straggler.persist": AT_LEAST_1,
     "train.inject.slow_rank": AT_LEAST_0, "train.inject.slow_ms": AT_LEAST_0,
     "optim.lr": POSITIVE, "optim.min_lr": AT_LEAST_0, "optim.warmup_steps": AT_LEAST_0,
     "optim.decay_steps": AT_LEAST_1, "optim.weight_decay": AT_LEAST_0, "optim.beta1": UNIT, "optim.beta2": UNIT,

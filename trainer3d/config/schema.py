@@ -71,9 +71,12 @@ class StragglerConfig:
 
     window: int = 20
     """A rank is named when the median, over its last ``window`` steps, of its compute over its
-    peers' median compute reaches ``threshold``; 0: no watch."""
+    peers' median compute has been at or above ``threshold`` for ``persist`` steps in a row;
+    0: no watch."""
     threshold: float = 1.25
     """The ratio to the peers' median compute (the median over the window) that names a rank."""
+    persist: int = 10
+    """Steps in a row the window's median must stay at or above ``threshold``."""
 
 
 @dataclass

@@ -7,6 +7,9 @@ whose MAD it is; Hampel's outlier rule). Median and MAD, unlike a mean and a sta
 deviation, are not dragged by the spikes they are meant to find. Nothing is judged before
 ``train.spike.min_steps`` steps were seen, and a spike never enters the history.
 
+The window is saved in every checkpoint's marker (``spike``) and taken up on resume and on
+rollback, so a resumed run judges each step as the uninterrupted run would.
+
 The decision is the same on every rank because its inputs are: one all-reduce per step
 carries the loss (summed over the ranks that own one, the last stage's tp rank 0 of every
 dp x cp replica, divided by dp x cp: the same mean metrics.jsonl writes) and the gradient
@@ -74,6 +77,27 @@ class SpikeWatch:
         self.losses: Deque[float] = deque(maxlen=cfg.window)
         self.norms: Deque[float] = deque(maxlen=cfg.window)
         self.seen = 0
+
+    def state(self) -> dict:
+        """The window, for a checkpoint's marker: a resumed run judges its next step against the
+        same history an uninterrupted run would (JSON floats read back to the same bits)."""
+        return {"losses": list(self.losses), "norms": list(self.norms), "seen": self.seen}
+
+    def restore(self, state: Optional[dict]) -> None:
+        """Take up ``state`` (a marker's ``spike``; None, from a checkpoint without one: start
+        empty). A window shorter than the saved history keeps its newest steps."""
+        self.losses.clear()
+        self.norms.clear()
+        self.seen = 0
+        if not isinstance(state, dict):
+            return
+        losses, norms, seen = state.get("losses"), state.get("norms"), state.get("seen")
+        if not (isinstance(losses, list) and isinstance(norms, list) and len(losses) == len(norms)
+                and type(seen) is int and all(isinstance(v, (int, float)) for v in losses + norms)):
+            return
+        self.losses.extend(float(v) for v in losses)
+        self.norms.extend(float(v) for v in norms)
+        self.seen = seen
 
     @property
     def acting(self) -> bool:
