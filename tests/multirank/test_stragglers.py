@@ -3,7 +3,7 @@ within 30 steps, on the console and in metrics.jsonl; a clean run names nobody.
 
 The drill's delay (train.inject.slow_ms=300) is many times the tiny model's step (a few ms
 on a quiet core, tens under load), so the slow rank's compute is several times its peer's
-whatever the host's load; the detector then needs the median over 20 steps at 1.25x, held for 10 steps.
+whatever the host's load; the detector then needs the median over 20 steps at 1.5x, held for 10 steps.
 """
 
 import contextlib

@@ -73,8 +73,10 @@ class StragglerConfig:
     """A rank is named when the median, over its last ``window`` steps, of its compute over its
     peers' median compute has been at or above ``threshold`` for ``persist`` steps in a row;
     0: no watch."""
-    threshold: float = 1.25
-    """The ratio to the peers' median compute (the median over the window) that names a rank."""
+    threshold: float = 1.5
+    """The ratio to the peers' median compute (the median over the window) that names a rank.
+    Where compute times are steady (CUDA events on dedicated GPUs) a lower value, e.g. 1.2,
+    names milder stragglers; docs/failures.md gives the soak that set this default."""
     persist: int = 10
     """Steps in a row the window's median must stay at or above ``threshold``."""
 

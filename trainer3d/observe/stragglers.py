@@ -14,8 +14,9 @@ its compute over the median compute of its peers in that step. A rank is named w
 median of its ratios over the last ``train.straggler.window`` steps has been at or above
 ``train.straggler.threshold`` for ``train.straggler.persist`` steps in a row: a median over a
 window, held, so a rank descheduled for a few steps, or a step stalled by the host, names
-nobody (on a 2-core machine running 4 ranks at a load of 19, a 1,000-step soak without the
-hold named a rank twice, at 1.29x and 1.32x, for 5 steps and 1). A rank without peers (one rank per stage) is never
+nobody. On a 2-core machine running 4 CPU ranks at loads of 19-47, three 1,000-step clean
+soaks at a threshold of 1.25 named a rank three times (window medians 1.29-1.36x: time-shared
+cores do starve one process for a second or two), never above 1.4x: hence the default 1.5. A rank without peers (one rank per stage) is never
 judged.
 
 Cost: the times are marks on the host clock (CPU, where ops run synchronously) or CUDA events
