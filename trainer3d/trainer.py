@@ -24,6 +24,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from trainer3d.checkpoint import history
 from trainer3d.checkpoint.manager import Checkpointer, agree_on_resume
 from trainer3d.checkpoint.rollback import agree_on_rollback
 from trainer3d.data.skips import SkipLog
@@ -110,6 +111,8 @@ class Trainer:
         self.data, self.evaluator = self._build_data()
         self.start_step = self.checkpointer.load(resume_from)
         self.data.reader.origin = self.checkpointer.origin  # samples consumed, whatever the batch was
+        if dims.rank == 0:  # checkpoint.mtbf_hours=auto counts the interruptions it shows
+            history.append(cfg.run_dir, {"event": "start", "step": self.start_step})
         self.metrics = self._build_metrics()
         self.nonfinite = NonFiniteWatch(dims.device, norm_counts=t.dtype != "fp16", action=t.on_nonfinite)
         self.profiler = StepProfiler(list(t.profile), cfg.run_dir, dims.rank, dims.device)
@@ -235,6 +238,9 @@ class Trainer:
         elif self.cfg.checkpoint.save_final and self.start_step < t.max_steps:
             self.save_checkpoint(t.max_steps, background=False)
         self.checkpointer.wait("the end of training")
+        if self.dims.rank == 0:
+            history.append(self.cfg.run_dir, {"event": "end", "step": self.stopped.step if self.stopped else t.max_steps,
+                                              "how": "stopped" if self.stopped else "finished"})
         self.metrics.summarize()
         self.metrics.close()
         if self.dims.rank != 0:

@@ -75,7 +75,7 @@ RANGES: Dict[str, Range] = {
     "launcher.timeout_min": MINUTES, "launcher.nodes": AT_LEAST_1, "launcher.tasks_per_node": AT_LEAST_1,
     "launcher.gpus_per_node": AT_LEAST_0, "launcher.cpus_per_task": AT_LEAST_1, "launcher.mem_gb": POSITIVE,
     "launcher.signal_delay_s": Range(0, hi=YEAR_S), "launcher.max_requeues": AT_LEAST_0,
-    "checkpoint.keep": AT_LEAST_1, "checkpoint.mtbf_hours": POSITIVE,
+    "checkpoint.keep": AT_LEAST_1,
 }
 """Each numeric knob's valid values (None, where the field is optional, means "derive it")."""
 

@@ -291,8 +291,10 @@ class CheckpointConfig:
     """Save every this many steps (0: only at the end and on preemption), or ``auto``: the interval
     that loses the least expected time to saves and interruptions, from the run's measured save
     stall and step time and checkpoint.mtbf_hours (Young/Daly; trainer3d/checkpoint/interval.py)."""
-    mtbf_hours: float = 24.0
-    """``every=auto``: the expected time between interruptions of the job (failures, preemptions)."""
+    mtbf_hours: Any = "auto"
+    """``every=auto``: the expected time between interruptions of the job (failures, preemptions),
+    in hours; ``auto``: estimated from the run dir's history of starts and interruptions, with a
+    prior of 24 h (trainer3d/checkpoint/history.py)."""
     keep: int = 2
     """Published checkpoints kept; older ones are deleted."""
     dir: Optional[str] = None

@@ -6,6 +6,7 @@ give): it derives the missing batch knob and returns a completed copy, or raises
 """
 
 import copy
+import math
 from typing import List, Optional
 
 from trainer3d.config import device as device_check
@@ -309,6 +310,10 @@ def _check_data(cfg: Config, problems: List[str]) -> None:
     if every != "auto" and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
         problems.append(f"checkpoint.every={every} must be a number of steps >= 0 (0: only at the end and on "
                         "preemption) or auto (the interval from measured save costs and checkpoint.mtbf_hours)")
+    mtbf = cfg.checkpoint.mtbf_hours
+    if mtbf != "auto" and (isinstance(mtbf, bool) or not isinstance(mtbf, (int, float)) or not 0 < mtbf < math.inf):
+        problems.append(f"checkpoint.mtbf_hours={mtbf} must be a number of hours > 0 or auto (estimated from the "
+                        "run dir's history of interruptions)")
     if cfg.name is not None and not RUN_NAME.match(str(cfg.name)):
         problems.append(f"name={cfg.name!r}: a run name is letters, digits, '.', '_' and '-' (no '/', not starting "
                         "with '.'), e.g. name=llama-1b-web")
