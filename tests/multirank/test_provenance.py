@@ -67,7 +67,7 @@ def test_provenance_gives_the_ids_the_ranks_read(tmp_path, tp, pp, dp):
         got = provenance(tmp_path, step)
         assert got["skipped"] == (step == SKIPPED)
         assert got["global_batch_size"] == (4 if step < 3 else 8)
-        for s, dp_rank, inputs, targets in (r for r in read if r[0] == step):
+        for _, dp_rank, inputs, targets in (r for r in read if r[0] == step):
             windows = np.array([sample["ids"] for sample in got["ranks"][dp_rank]])
             if inputs is not None:
                 assert np.array(inputs).reshape(len(windows), -1).tolist() == windows[:, :-1].tolist()
