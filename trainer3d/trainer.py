@@ -13,7 +13,8 @@ Loss spikes (docs/failures.md): between the gradient norm and the update, the sp
 ``train.spike.policy`` a spike's update is not applied (skip), or the run restores the
 newest checkpoint before the spike and trains on without the steps up to it (rollback).
 Steps in the skip log (trainer3d/data/skips.py) are passed over whole: no batch read, no
-update; the schedule advances over them.
+update; the schedule advances over them. Stragglers: the straggler watch
+(trainer3d/observe/stragglers.py) marks each step's compute and waits, read at the interval.
 """
 
 import contextlib
@@ -23,6 +24,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from trainer3d.checkpoint import history
 from trainer3d.checkpoint.manager import Checkpointer, agree_on_resume
 from trainer3d.checkpoint.rollback import agree_on_rollback
 from trainer3d.data.skips import SkipLog
@@ -37,7 +39,8 @@ from trainer3d.observe.moe import MoEStats
 from trainer3d.model.flops import flops_per_token
 from trainer3d.observe.nonfinite import NonFiniteWatch
 from trainer3d.observe.profile import StepProfiler
-from trainer3d.observe.spikes import SpikeWatch, Verdict
+from trainer3d.observe.spikes import SpikeResponse, SpikeWatch, Verdict
+from trainer3d.observe.stragglers import StragglerWatch
 from trainer3d.optim.schedule import lr_at
 from trainer3d.parallel.expert.tokens import apply_moe_layout
 from trainer3d.parallel.finalize import GradFinalizer
@@ -108,12 +111,17 @@ class Trainer:
         self.data, self.evaluator = self._build_data()
         self.start_step = self.checkpointer.load(resume_from)
         self.data.reader.origin = self.checkpointer.origin  # samples consumed, whatever the batch was
+        if dims.rank == 0:  # checkpoint.mtbf_hours=auto counts the interruptions it shows
+            history.append(cfg.run_dir, {"event": "start", "step": self.start_step})
         self.metrics = self._build_metrics()
         self.nonfinite = NonFiniteWatch(dims.device, norm_counts=t.dtype != "fp16", action=t.on_nonfinite)
         self.profiler = StepProfiler(list(t.profile), cfg.run_dir, dims.rank, dims.device)
         self.spikes = SpikeWatch(t.spike, loss_owner=dims.is_last_stage and dims.tp_rank == 0, dp_cp=dims.dp_cp,
                                  rank=dims.rank)
+        self.spikes.restore(self.checkpointer.loaded_info.get("spike"))
+        self.checkpointer.marker_extras["spike"] = self.spikes.state
         self.skips = SkipLog(cfg.run_dir, t.skip_steps, writer=dims.rank == 0)
+        self.on_spike = SpikeResponse(t.spike, self.skips, self._say, self._rollback_choice, self._roll_back)
         self.verdict: Optional[Verdict] = None
         """The spike watch's verdict on the last step trained (None with train.spike.policy=off)."""
         self.step_s = 0.0
@@ -141,6 +149,8 @@ class Trainer:
                                 state_bytes=lambda: model_state_bytes(self.chunks, self.optimizer))
         if self.pipeline is not None:
             self.pipeline.report_to(metrics)
+        self.stragglers = StragglerWatch(t, dims, (lambda: self.pipeline.clock.last_busy) if self.pipeline else None)
+        metrics.add_reduced(self.stragglers.read)
         self.moe_stats = MoEStats(self.chunks, cfg, dims) if cfg.model.moe.num_experts else None
         if self.moe_stats is not None:
             metrics.add_reduced(self.moe_stats.read)
@@ -178,10 +188,13 @@ class Trainer:
     def train_step(self, step: int) -> Tuple[Optional[torch.Tensor], torch.Tensor, float]:
         inputs, targets = self.data.get(step)  # on the device, read ahead during the previous step
         self.optimizer.zero_grad()
+        self.stragglers.start()
         loss = self.forward_backward(inputs, targets)
+        self.stragglers.backward_done()
         with self.metrics.comm():  # communication the backward did not overlap, and the norm's all-reduce
             self.grads.finalize()
             grad_norm = self.optimizer.clip_grad_norm(self.cfg.optim.grad_clip)
+        self.stragglers.end()
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         self.verdict = self.spikes.judge(step, loss, grad_norm)
         spiked = self.verdict is not None and self.verdict.reason is not None
@@ -225,6 +238,9 @@ class Trainer:
         elif self.cfg.checkpoint.save_final and self.start_step < t.max_steps:
             self.save_checkpoint(t.max_steps, background=False)
         self.checkpointer.wait("the end of training")
+        if self.dims.rank == 0:
+            history.append(self.cfg.run_dir, {"event": "end", "step": self.stopped.step if self.stopped else t.max_steps,
+                                              "how": "stopped" if self.stopped else "finished"})
         self.metrics.summarize()
         self.metrics.close()
         if self.dims.rank != 0:
@@ -250,7 +266,7 @@ class Trainer:
         self.nonfinite.record(step, loss, grad_norm)
         self.profiler.after(step)
         if self.verdict is not None and self.verdict.reason is not None:
-            return self._on_spike(self.verdict)
+            return self.on_spike.act(self.verdict)
         return None
 
     def _boundary(self, step: int) -> bool:
@@ -281,37 +297,16 @@ class Trainer:
             self.stopped = Stop(step=step + 1, flag=flag)
         return bool(flag)
 
-    def _on_spike(self, verdict: Verdict) -> Optional[int]:
-        """Act on a spike by train.spike.policy, record it in the skip log, say it on rank 0; the
-        step to go on from after a rollback, else None."""
-        s = self.cfg.train.spike
-        event = {"step": verdict.step, "loss": verdict.loss, "grad_norm": verdict.grad_norm, "reason": verdict.reason}
-        if s.policy == "warn":
-            self._say(f"loss spike at step {verdict.step}: {verdict.reason}; training on (train.spike.policy=warn)")
-            self.skips.add([], {**event, "action": "warn"})
-            return None
-        back_to = None
-        if s.policy == "rollback":
-            first = max(0, verdict.step - s.skip_window + 1)
-            self.checkpointer.wait("a rollback")  # a save in flight is published (or fails) before any is chosen
-            choice = agree_on_rollback(self.cfg, self.dims.rank, first)
-            if choice is not None:
-                skipped = list(range(max(first, choice.step), verdict.step + 1))
-                self.skips.add(skipped, {**event, "action": f"rollback to step {choice.step}, skip steps "
-                                                             f"{skipped[0]}-{skipped[-1]}"})
-                self._say(f"loss spike at step {verdict.step}: {verdict.reason}; rolling back to the checkpoint "
-                          f"of step {choice.step} and skipping steps {skipped[0]}-{skipped[-1]} "
-                          f"(train.spike.policy=rollback, skip_window={s.skip_window})")
-                self.metrics.rewind(choice.step)
-                back_to = self.checkpointer.load(choice)
-                self.nonfinite.first_bad()  # the kept steps are rerun: forgotten
-                return back_to
-            self._say(f"loss spike at step {verdict.step}: no checkpoint at or before step {first} to roll back to; "
-                      "its update is skipped instead (checkpoint.every sets how often there is one)")
-        self.skips.add([verdict.step], {**event, "action": "skip"})
-        if s.policy == "skip":
-            self._say(f"loss spike at step {verdict.step}: {verdict.reason}; its update skipped "
-                      "(train.spike.policy=skip)")
+    def _rollback_choice(self, first: int):
+        """train.spike.policy=rollback: the agreed checkpoint at or before step ``first``."""
+        self.checkpointer.wait("a rollback")  # a save in flight is published (or fails) before any is chosen
+        return agree_on_rollback(self.cfg, self.dims.rank, first)
+
+    def _roll_back(self, choice) -> int:
+        self.metrics.rewind(choice.step)
+        back_to = self.checkpointer.load(choice)
+        self.spikes.restore(self.checkpointer.loaded_info.get("spike"))  # the window as it was at that step
+        self.nonfinite.first_bad()  # the kept steps are rerun: forgotten
         return back_to
 
     def _say(self, text: str) -> None:

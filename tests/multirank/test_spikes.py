@@ -130,3 +130,26 @@ def test_a_run_preempted_after_its_rollback_resumes_into_the_same_losses(tmp_pat
     assert json.loads((cut / "skipped_steps.json").read_text()) == json.loads((whole / "skipped_steps.json").read_text())
     assert _losses(cut) == _losses(whole)  # the same steps, bit-identical
     assert [r["step_count"] for r in results] == [STEPS - 4] * 2
+
+
+def _warned(rank, world, run_dir, resume):
+    trainer = Trainer(_cfg(world, run_dir, "warn", [], resume), dims_for(dp=world))
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer.train()
+    return {"history": list(trainer.spikes.losses), "seen": trainer.spikes.seen}
+
+
+@pytest.mark.slow
+def test_a_resumed_run_judges_as_the_uninterrupted_run(tmp_path):
+    """The spike watch's window travels in the checkpoint: resumed at step 15 (5 steps after the
+    watch armed), the run warns of step 20's spike with the same loss and the same reason (the
+    median and the robust sd of the same window) as the run that never stopped. A window started
+    afresh at step 15 would not be armed by step 20 (train.spike.min_steps=10)."""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    ran = run_ranks(_warned, 2, str(whole), "never", timeout=300)
+    step15 = dict(store.published(whole / "checkpoints"))[15]
+    again = run_ranks(_warned, 2, str(resumed), str(step15), timeout=300)
+    events = json.loads((whole / "skipped_steps.json").read_text())["events"]
+    assert [e["step"] for e in events] == [SPIKE] and events[0]["action"] == "warn", events
+    assert json.loads((resumed / "skipped_steps.json").read_text())["events"] == events
+    assert again == ran  # the same window at the end, bit for bit

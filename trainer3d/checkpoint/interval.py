@@ -16,7 +16,8 @@ optimum.
 
 The run measures ``delta`` (each save's stall: the loop's standstill, the whole save when
 written in the loop), the write time (a background save must end before the next begins, so
-the interval is at least that) and its step time; ``M`` is ``checkpoint.mtbf_hours``. The
+the interval is at least that) and its step time; ``M`` is ``checkpoint.mtbf_hours``, or (``auto``) rank 0's estimate from the
+run dir's history of interruptions (trainer3d/checkpoint/history.py). The
 first save comes after ``FIRST_SAVE`` steps, to measure what a save costs; every save after
 it recomputes the interval from rank 0's measurements, broadcast so every rank saves at the
 same step.

@@ -31,7 +31,7 @@ import contextlib
 import dataclasses
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.choose import RESUME_FIX, Choice, choose
+from trainer3d.checkpoint import history
 from trainer3d.checkpoint.lineage import marker_fields, origin_of, set_aside
 from trainer3d.checkpoint.interval import AutoInterval, Measured
 from trainer3d.checkpoint.precision import load_passes
@@ -113,12 +114,27 @@ class Checkpointer:
         self.news: List[SaveReport] = []
         """What saves cost since the trainer last took ``news`` (a background save twice:
         its stall when it starts, its write time when it is done)."""
-        self.auto = AutoInterval(cfg.checkpoint.mtbf_hours) if cfg.checkpoint.every == "auto" else None
+        self.auto = AutoInterval(self._mtbf_hours()) if cfg.checkpoint.every == "auto" else None
         """``checkpoint.every=auto``'s interval (trainer3d/checkpoint/interval.py), else None."""
         self._stall_s = 0.0
+        self.marker_extras: Dict[str, Callable[[], object]] = {}
+        """More of the run's state for the marker, JSON the same on every rank, by its key (the
+        spike watch's window: trainer3d/observe/spikes.py); read back from ``loaded_info``."""
+        self.loaded_info: dict = {}
+        """The marker of the checkpoint last loaded (resume or rollback; {} without one)."""
 
     def _say(self, text: str) -> None:
         _say(self.dims, text)
+
+    def _mtbf_hours(self) -> float:
+        """checkpoint.mtbf_hours, or (auto) rank 0's estimate from the run's history, said with its
+        reason; ``retune`` broadcasts rank 0's value, so every rank plans alike."""
+        given = self.cfg.checkpoint.mtbf_hours
+        if given != "auto":
+            return float(given)
+        hours, why = history.estimate(history.read(self.cfg.run_dir))
+        self._say(f"checkpoint.mtbf_hours=auto: {hours:.2f} h between interruptions expected; {why}")
+        return hours
 
     def maker(self, device_type: str) -> PieceMaker:
         """Pieces over a 1-D mesh of the world on ``device_type``, for the tensors on it: the
@@ -183,7 +199,8 @@ class Checkpointer:
             state = rank_state(self.optimizer, self.dims, self.maker)
         info = {"step": steps_done, "layout": layout_of(self.cfg), "dtype": self.cfg.train.dtype,
                 "config": scrub(dataclasses.asdict(self.cfg)), "saved_at": time.time(),
-                **marker_fields(self.cfg, steps_done, self.origin, self.resumed_from, self.data)}
+                **marker_fields(self.cfg, steps_done, self.origin, self.resumed_from, self.data),
+                **{key: read() for key, read in self.marker_extras.items()}}
         return SaveJob(steps_done, drop_tied_copies(state, self.dims), self.root, info, self.cfg.checkpoint.keep,
                        list(self.known_bad))
 
@@ -228,9 +245,11 @@ class Checkpointer:
         done = [r for r in news if r.write_s is not None]
         if not done:
             return None
-        figures = torch.tensor([step_s, self._stall_s, done[-1].write_s], dtype=torch.float64, device=self.dims.device)
+        figures = torch.tensor([step_s, self._stall_s, done[-1].write_s, self.auto.mtbf_s], dtype=torch.float64,
+                               device=self.dims.device)
         dist.broadcast(figures, src=0)
-        return self.auto.retune(Measured(*figures.tolist()), self.last_saved, steps_done)  # counted from the newest save
+        *measured, self.auto.mtbf_s = figures.tolist()  # rank 0's estimate (checkpoint.mtbf_hours=auto)
+        return self.auto.retune(Measured(*measured), self.last_saved, steps_done)  # counted from the newest save
 
     # ------------------------------------------------------------------ resume
 
@@ -273,6 +292,7 @@ class Checkpointer:
             self._say(note)
         after_load(self.optimizer, state, self.dims, with_rng=same_world)
         self.last_saved = choice.step
+        self.loaded_info = choice.info
         self.origin = origin_of(choice.info, self.cfg.train.global_batch_size)
         self.resumed_from = choice.path
         if self.auto is not None:

@@ -63,6 +63,9 @@ RANGES: Dict[str, Range] = {
     "train.eval_every": AT_LEAST_0, "train.loss_chunk_tokens": AT_LEAST_0,
     "train.spike.window": Range(3), "train.spike.threshold": POSITIVE, "train.spike.min_steps": AT_LEAST_0,
     "train.spike.skip_window": AT_LEAST_1,
+    "train.straggler.window": AT_LEAST_0, "train.straggler.threshold": Range(1, lo_open=True),
+    "train.straggler.persist": AT_LEAST_1,
+    "train.inject.slow_rank": AT_LEAST_0, "train.inject.slow_ms": AT_LEAST_0,
     "optim.lr": POSITIVE, "optim.min_lr": AT_LEAST_0, "optim.warmup_steps": AT_LEAST_0,
     "optim.decay_steps": AT_LEAST_1, "optim.weight_decay": AT_LEAST_0, "optim.beta1": UNIT, "optim.beta2": UNIT,
     "optim.eps": POSITIVE, "optim.grad_clip": AT_LEAST_0,
@@ -72,7 +75,7 @@ RANGES: Dict[str, Range] = {
     "launcher.timeout_min": MINUTES, "launcher.nodes": AT_LEAST_1, "launcher.tasks_per_node": AT_LEAST_1,
     "launcher.gpus_per_node": AT_LEAST_0, "launcher.cpus_per_task": AT_LEAST_1, "launcher.mem_gb": POSITIVE,
     "launcher.signal_delay_s": Range(0, hi=YEAR_S), "launcher.max_requeues": AT_LEAST_0,
-    "checkpoint.keep": AT_LEAST_1, "checkpoint.mtbf_hours": POSITIVE,
+    "checkpoint.keep": AT_LEAST_1,
 }
 """Each numeric knob's valid values (None, where the field is optional, means "derive it")."""
 

@@ -55,6 +55,30 @@ class InjectConfig:
 
     corrupt_steps: List[int] = field(default_factory=list)
     """Steps whose batches are replaced by uniformly random token ids on every rank."""
+    slow_rank: Optional[int] = None
+    """The global rank whose every step is made ``slow_ms`` slower (null: none), to see the
+    straggler watch name it."""
+    slow_ms: float = 0.0
+    """``slow_rank``'s delay per step, in milliseconds: a sleep at the end of its backward, before
+    the gradient reduction waits on its peers."""
+
+
+@dataclass
+class StragglerConfig:
+    """Stragglers: each rank's compute time per step against its peers' (the ranks of the same
+    pipeline stage), read at the logging interval (trainer3d/observe/stragglers.py;
+    docs/failures.md)."""
+
+    window: int = 20
+    """A rank is named when the median, over its last ``window`` steps, of its compute over its
+    peers' median compute has been at or above ``threshold`` for ``persist`` steps in a row;
+    0: no watch."""
+    threshold: float = 1.5
+    """The ratio to the peers' median compute (the median over the window) that names a rank.
+    Where compute times are steady (CUDA events on dedicated GPUs) a lower value, e.g. 1.2,
+    names milder stragglers; docs/failures.md gives the soak that set this default."""
+    persist: int = 10
+    """Steps in a row the window's median must stay at or above ``threshold``."""
 
 
 @dataclass
@@ -113,6 +137,7 @@ class TrainConfig:
     skip_steps: List[int] = field(default_factory=list)
     """Steps trained without an update and without reading their batch, besides those in the run
     dir's skipped_steps.json: a fresh run given another run's ``steps`` replays its decisions."""
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
     inject: InjectConfig = field(default_factory=InjectConfig)
 
 
@@ -266,8 +291,10 @@ class CheckpointConfig:
     """Save every this many steps (0: only at the end and on preemption), or ``auto``: the interval
     that loses the least expected time to saves and interruptions, from the run's measured save
     stall and step time and checkpoint.mtbf_hours (Young/Daly; trainer3d/checkpoint/interval.py)."""
-    mtbf_hours: float = 24.0
-    """``every=auto``: the expected time between interruptions of the job (failures, preemptions)."""
+    mtbf_hours: Any = "auto"
+    """``every=auto``: the expected time between interruptions of the job (failures, preemptions),
+    in hours; ``auto``: estimated from the run dir's history of starts and interruptions, with a
+    prior of 24 h (trainer3d/checkpoint/history.py)."""
     keep: int = 2
     """Published checkpoints kept; older ones are deleted."""
     dir: Optional[str] = None

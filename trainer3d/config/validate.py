@@ -6,6 +6,7 @@ give): it derives the missing batch knob and returns a completed copy, or raises
 """
 
 import copy
+import math
 from typing import List, Optional
 
 from trainer3d.config import device as device_check
@@ -309,6 +310,10 @@ def _check_data(cfg: Config, problems: List[str]) -> None:
     if every != "auto" and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
         problems.append(f"checkpoint.every={every} must be a number of steps >= 0 (0: only at the end and on "
                         "preemption) or auto (the interval from measured save costs and checkpoint.mtbf_hours)")
+    mtbf = cfg.checkpoint.mtbf_hours
+    if mtbf != "auto" and (isinstance(mtbf, bool) or not isinstance(mtbf, (int, float)) or not 0 < mtbf < math.inf):
+        problems.append(f"checkpoint.mtbf_hours={mtbf} must be a number of hours > 0 or auto (estimated from the "
+                        "run dir's history of interruptions)")
     if cfg.name is not None and not RUN_NAME.match(str(cfg.name)):
         problems.append(f"name={cfg.name!r}: a run name is letters, digits, '.', '_' and '-' (no '/', not starting "
                         "with '.'), e.g. name=llama-1b-web")
@@ -331,6 +336,13 @@ def _check_step_lists(cfg: Config, problems: List[str]) -> None:
         if bad:
             problems.append(f"{knob}: {bad} are not steps of this run (integers 0 <= step < train.max_steps"
                             f"={steps}); give steps as metrics.jsonl numbers them, e.g. {knob}=[120,121]")
+    inject, world = cfg.train.inject, world_size_of(cfg)
+    if inject.slow_rank is not None and inject.slow_rank >= world:
+        problems.append(f"train.inject.slow_rank={inject.slow_rank} is not a rank of this job ({world} ranks): "
+                        f"give 0..{world - 1}, or null for none")
+    if (inject.slow_rank is None) != (inject.slow_ms == 0):
+        problems.append(f"train.inject.slow_rank={inject.slow_rank} and train.inject.slow_ms={inject.slow_ms:g}: "
+                        "the drill needs both (a rank and its delay, e.g. slow_rank=1 slow_ms=200) or neither")
 
 
 def _check_eval(cfg: Config, problems: List[str]) -> None:

@@ -44,6 +44,9 @@ class BatchReader:
                  grad_accum_steps: int, dp: int, dp_rank: int, inputs: bool = True, targets: bool = True,
                  cp: int = 1, cp_rank: int = 0, corrupt: Iterable[int] = (), vocab_size: int = 0):
         self.tokens = [f.tokens for f in files]
+        self.paths = [f.path for f in files]
+        self.eos_ids = [f.header.eos_id for f in files]
+        """Each source's end-of-document id (None: the file marks no document ends)."""
         self.spans = [p.span for p in parts]
         self.order = order
         self.seq_len = parts[0].span.seq_len

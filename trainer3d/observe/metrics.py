@@ -237,7 +237,7 @@ class MetricsLogger:
         for i, (s, loss, norm, lr) in enumerate(zip(self._steps, losses, norms, self._lrs)):
             row = {"step": s, "time": written, "loss": loss, "lr": lr, "grad_norm": norm, **throughput, "step_time_s": step_time,
                    "skipped": 0, **self.constants}
-            row.update({name: values[i] for name, values in columns.items()}, **memory)
+            row.update({name: values[i] for name, values in columns.items() if values[i] is not None}, **memory)
             if s in val:
                 row.update(val_loss=val[s], val_ppl=math.exp(min(val[s], 700.0)), eval_s=self._eval_s.pop(s, 0.0))
             row.update(self._ckpt.pop(s, {}))

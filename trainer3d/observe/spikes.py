@@ -7,6 +7,9 @@ whose MAD it is; Hampel's outlier rule). Median and MAD, unlike a mean and a sta
 deviation, are not dragged by the spikes they are meant to find. Nothing is judged before
 ``train.spike.min_steps`` steps were seen, and a spike never enters the history.
 
+The window is saved in every checkpoint's marker (``spike``) and taken up on resume and on
+rollback, so a resumed run judges each step as the uninterrupted run would.
+
 The decision is the same on every rank because its inputs are: one all-reduce per step
 carries the loss (summed over the ranks that own one, the last stage's tp rank 0 of every
 dp x cp replica, divided by dp x cp: the same mean metrics.jsonl writes) and the gradient
@@ -25,12 +28,13 @@ the gradient norm as the measures of training stability.
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, List, Optional
+from typing import Any, Callable, Deque, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from trainer3d.config.schema import SpikeConfig
+from trainer3d.data.skips import SkipLog
 
 ROBUST_SIGMA = 1.4826
 """A normal distribution's standard deviation over its median absolute deviation."""
@@ -74,6 +78,27 @@ class SpikeWatch:
         self.norms: Deque[float] = deque(maxlen=cfg.window)
         self.seen = 0
 
+    def state(self) -> dict:
+        """The window, for a checkpoint's marker: a resumed run judges its next step against the
+        same history an uninterrupted run would (JSON floats read back to the same bits)."""
+        return {"losses": list(self.losses), "norms": list(self.norms), "seen": self.seen}
+
+    def restore(self, state: Optional[dict]) -> None:
+        """Take up ``state`` (a marker's ``spike``; None, from a checkpoint without one: start
+        empty). A window shorter than the saved history keeps its newest steps."""
+        self.losses.clear()
+        self.norms.clear()
+        self.seen = 0
+        if not isinstance(state, dict):
+            return
+        losses, norms, seen = state.get("losses"), state.get("norms"), state.get("seen")
+        if not (isinstance(losses, list) and isinstance(norms, list) and len(losses) == len(norms)
+                and type(seen) is int and all(isinstance(v, (int, float)) for v in losses + norms)):
+            return
+        self.losses.extend(float(v) for v in losses)
+        self.norms.extend(float(v) for v in norms)
+        self.seen = seen
+
     @property
     def acting(self) -> bool:
         return self.cfg.policy != "off"
@@ -110,3 +135,45 @@ class SpikeWatch:
         self.losses.append(loss)
         self.norms.append(grad_norm)
         return Verdict(step, loss, grad_norm, None)
+
+
+class SpikeResponse:
+    """What a spike's verdict makes the run do, by ``train.spike.policy``: recorded in the skip
+    log (trainer3d/data/skips.py), said on rank 0, and for ``rollback`` the restore.
+
+    ``choose(first)``: every rank, the agreed checkpoint at or before step ``first`` (an object
+    with ``.step``; None where there is none: trainer3d/checkpoint/rollback.py); ``restore(choice)``:
+    every rank loads it and returns the step to go on from. The trainer passes both, so this
+    module needs no checkpoint code."""
+
+    def __init__(self, cfg: SpikeConfig, skips: SkipLog, say: Callable[[str], None],
+                 choose: Callable[[int], Optional[Any]], restore: Callable[[Any], int]):
+        self.cfg, self.skips, self.say = cfg, skips, say
+        self.choose, self.restore = choose, restore
+
+    def act(self, verdict: Verdict) -> Optional[int]:
+        """The step to go on from after a rollback, else None."""
+        s = self.cfg
+        event = {"step": verdict.step, "loss": verdict.loss, "grad_norm": verdict.grad_norm, "reason": verdict.reason}
+        if s.policy == "warn":
+            self.say(f"loss spike at step {verdict.step}: {verdict.reason}; training on (train.spike.policy=warn)")
+            self.skips.add([], {**event, "action": "warn"})
+            return None
+        if s.policy == "rollback":
+            first = max(0, verdict.step - s.skip_window + 1)
+            choice = self.choose(first)
+            if choice is not None:
+                skipped = list(range(max(first, choice.step), verdict.step + 1))
+                self.skips.add(skipped, {**event, "action": f"rollback to step {choice.step}, skip steps "
+                                                             f"{skipped[0]}-{skipped[-1]}"})
+                self.say(f"loss spike at step {verdict.step}: {verdict.reason}; rolling back to the checkpoint "
+                         f"of step {choice.step} and skipping steps {skipped[0]}-{skipped[-1]} "
+                         f"(train.spike.policy=rollback, skip_window={s.skip_window})")
+                return self.restore(choice)
+            self.say(f"loss spike at step {verdict.step}: no checkpoint at or before step {first} to roll back to; "
+                     "its update is skipped instead (checkpoint.every sets how often there is one)")
+        self.skips.add([verdict.step], {**event, "action": "skip"})
+        if s.policy == "skip":
+            self.say(f"loss spike at step {verdict.step}: {verdict.reason}; its update skipped "
+                     "(train.spike.policy=skip)")
+        return None

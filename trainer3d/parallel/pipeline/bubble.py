@@ -27,6 +27,26 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 
+def stamp(cuda: bool):
+    """A point in time on this rank's work: a CUDA event recorded on the current stream (read
+    only later, so the host never waits for the device), or the host clock on CPU, where ops
+    run synchronously."""
+    if cuda:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def seconds_between(cuda: bool, start, end) -> float:
+    """Seconds from one ``stamp`` to a later one (on CUDA it waits for ``end``: call it where the
+    loop reads the device anyway, at the logging interval)."""
+    if cuda:
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
+    return end - start
+
+
 def bubble_theory(pp: int, n_micro: int, virtual_stages: int = 1) -> float:
     """The idle fraction of an ideal pipeline step: (p - 1) / (v (m + p - 1))."""
     return (pp - 1) / (virtual_stages * (n_micro + pp - 1))
@@ -40,19 +60,15 @@ class StageClock:
         self._busy: List[Tuple[object, object]] = []
         self._step_start: Optional[object] = None
         self._steps: List[Tuple[object, object, List[Tuple[object, object]]]] = []
+        self.last_busy: List[Tuple[object, object]] = []
+        """The busy intervals (``stamp`` pairs) of the last step ended, for the straggler watch
+        (trainer3d/observe/stragglers.py: a stage's compute, its waits on neighbours left out)."""
 
     def _now(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
+        return stamp(self.cuda)
 
     def _seconds(self, start, end) -> float:
-        if self.cuda:
-            end.synchronize()  # only ever called at the logging interval
-            return start.elapsed_time(end) / 1000.0
-        return end - start
+        return seconds_between(self.cuda, start, end)
 
     def start_step(self) -> None:
         self._busy = []
@@ -60,6 +76,7 @@ class StageClock:
 
     def end_step(self) -> None:
         self._steps.append((self._step_start, self._now(), self._busy))
+        self.last_busy = self._busy
         self._step_start, self._busy = None, []
 
     @contextmanager
