@@ -91,3 +91,52 @@ def test_segments_from_the_index_equal_those_from_end_of_document_ids(start):
     from_eos = window_segments(None, tokens, start, 8, eos)
     assert from_index.tolist() == from_eos.tolist()
     assert from_index[0] == 0
+
+
+@pytest.mark.parametrize("batch,seq", [(1, 16), (3, 24)])
+def test_saved_bytes_with_documents_are_the_accounting_s(batch, seq):
+    """The bytes autograd saves for one micro-batch through the model (SavedActivationMeter),
+    with and without document masking: the difference is the mask's b s^2 p once and the
+    per-token RoPE tables' 8 (b - 1) s head_dim per block, counted by hand here and by
+    memory/activations.py's terms."""
+    from trainer3d.memory.activations import Sizes, chunk_terms
+    from trainer3d.memory.meter import SavedActivationMeter
+
+    def saved(documents):
+        model = build()
+        if documents:
+            segments = apply_document_mask([model])
+            segments.set(torch.zeros(batch, seq, dtype=torch.int32))
+        tokens = torch.randint(0, CFG.vocab_size, (batch, seq))
+        meter = SavedActivationMeter(list(model.parameters()))
+        with meter:
+            out = model(tokens)
+        out.sum().backward()
+        return meter.peak_bytes
+
+    head_dim = CFG.dim // CFG.n_heads
+    by_hand = 4 * batch * seq * seq + CFG.n_layers * 8 * (batch - 1) * seq * head_dim
+    assert saved(True) - saved(False) == by_hand
+    z = Sizes(b=batch, s=seq, h=CFG.dim, heads=CFG.n_heads, kv_heads=CFG.n_kv_heads, head_dim=head_dim,
+              ffn=CFG.ffn_dim, vocab=CFG.vocab_size, t=1, sp=False, p=4)
+    terms = [sum(chunk_terms(Sizes(**{**z.__dict__, "documents": d}), CFG.n_layers, True, True, False).values())
+             for d in (False, True)]
+    assert terms[1] - terms[0] == by_hand
+
+
+def test_the_planner_charges_no_dense_mask_on_gpus_at_128k():
+    """At seq 128k (one sequence of a micro-batch, bf16) a dense mask would be 2 x 2^34 bytes =
+    32 GiB; on CUDA the plan charges FlexAttention's block mask, 16 x 1024 x 1025 bytes by hand
+    (4 int32 tensors of block counts and indices, both directions), and the per-token RoPE
+    tables cost nothing more at micro-batch 1. On CPU the same config charges the dense mask."""
+    from tests.unit.test_validate import make
+    from trainer3d.memory.peak import rank_memory
+
+    seq = 131072
+    common = ["model=llama3.1-8b", f"train.seq_len={seq}", "train.micro_batch_size=1", "train.global_batch_size=1",
+              "train.dtype=bf16", "parallel.tp=8", "parallel.dp=1"]
+    plain, masked = (make([*common, *extra]) for extra in ([], ["data.document_mask=true"]))
+    for cuda, mask in ((True, 16 * 1024 * 1025), (False, 2 * seq * seq)):
+        a, b = (rank_memory(c, 0, cuda=cuda).activations for c in (plain, masked))
+        assert b["document_mask"] == mask
+        assert sum(b.values()) - sum(a.values()) == mask
