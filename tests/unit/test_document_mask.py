@@ -140,3 +140,18 @@ def test_the_planner_charges_no_dense_mask_on_gpus_at_128k():
         a, b = (rank_memory(c, 0, cuda=cuda).activations for c in (plain, masked))
         assert b["document_mask"] == mask
         assert sum(b.values()) - sum(a.values()) == mask
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_the_flex_block_mask_attends_as_the_dense_mask():
+    """The CUDA path's block mask, run through FlexAttention's eager reference on CPU (block 128:
+    documents inside a block, across blocks, and blocks no document spans), equals the CPU path."""
+    from trainer3d.model.documents import flex_document_attention
+
+    torch.manual_seed(2)
+    seq = 384
+    q, k, v = torch.randn(2, 4, seq, 8), torch.randn(2, 2, seq, 8), torch.randn(2, 2, seq, 8)
+    segments = Segments()
+    segments.set(torch.stack([segments_of_lengths([3, 200, 1, 60, 120]), segments_of_lengths([seq])]))
+    torch.testing.assert_close(flex_document_attention(q, k, v, segments, compiled=False),
+                               masked_sdpa(q, k, v, segments), rtol=1e-5, atol=1e-5)

@@ -109,10 +109,13 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Seg
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != heads)
 
 
-def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """The CUDA path: FlexAttention over the segments' block mask (grouped K/V taken as they are)."""
-    return _flex_attention()(q, k, v, block_mask=segments.block_mask(q.device),
-                             enable_gqa=k.shape[1] != q.shape[1])
+def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments,
+                            compiled: bool = True) -> torch.Tensor:
+    """The CUDA path: FlexAttention over the segments' block mask (grouped K/V taken as they are).
+    ``compiled=False`` runs torch's eager reference of it (any device: the CPU test of the mask)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    fn = _flex_attention() if compiled else flex_attention
+    return fn(q, k, v, block_mask=segments.block_mask(q.device), enable_gqa=k.shape[1] != q.shape[1])
 
 
 class DocumentAttention(CausalAttention):
