@@ -34,7 +34,13 @@ def document_data(session_tmp):
     with once_per_session(session_tmp, "short_documents") as first:
         if first:
             short_documents(out)
-    return ["data=tokens", f"data.path={out}", "data.document_mask=true", f"data.cache_dir={session_tmp / 'cache'}"]
+    return ["data=tokens", f"data.path={out}", "data.document_mask=true", f"data.cache_dir={session_tmp / 'cache'}",
+            *SMALL]
+
+
+# Two blocks of width 64 (head_dim 16, grouped-query): enough for a pipeline of two stages and
+# tp 2's heads, and the runs stay short.
+SMALL = ("model.dim=64", "model.ffn_dim=192", "model.n_layers=2")
 
 
 LAYOUTS = [

@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 
 from trainer3d.config.jsonfile import read_json_object
-from trainer3d.data.tokens import PREPARE_HINT, TokenFileError, TokenHeader, _new_temp, _publish, bin_path
+from trainer3d.data.tokens import TokenFileError, TokenHeader, _new_temp, _publish, bin_path
 
 FORMAT = 1
 INDEX_KEYS = ("format", "n_documents", "n_tokens", "tokens_sha256", "sha256")
@@ -48,6 +48,7 @@ class DocIndexWriter:
 
     def __init__(self, path):
         self.path = index_path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)  # as TokenWriter makes it, whichever opens first
         self._tmp = _new_temp(self.path)
         self._file = open(self._tmp, "xb")
         self._hash = hashlib.sha256()

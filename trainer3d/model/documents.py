@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from trainer3d.model.transformer import CausalAttention, kv_expanded, repeat_kv
 
@@ -78,7 +79,6 @@ class Segments:
         """FlexAttention's block mask of the segments (CUDA)."""
         key = ("block", device)
         if key not in self._cache:
-            from torch.nn.attention.flex_attention import create_block_mask
             ids = self._require().to(device)
 
             def document_causal(b, h, q_idx, kv_idx):
@@ -95,7 +95,6 @@ _FLEX = {}
 def _flex_attention():
     """FlexAttention compiled once (uncompiled it runs a dense reference implementation)."""
     if "fn" not in _FLEX:
-        from torch.nn.attention.flex_attention import flex_attention
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     return _FLEX["fn"]
 
@@ -113,7 +112,6 @@ def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
                             compiled: bool = True) -> torch.Tensor:
     """The CUDA path: FlexAttention over the segments' block mask (grouped K/V taken as they are).
     ``compiled=False`` runs torch's eager reference of it (any device: the CPU test of the mask)."""
-    from torch.nn.attention.flex_attention import flex_attention
     fn = _flex_attention() if compiled else flex_attention
     return fn(q, k, v, block_mask=segments.block_mask(q.device), enable_gqa=k.shape[1] != q.shape[1])
 
