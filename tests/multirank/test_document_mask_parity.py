@@ -52,6 +52,7 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.timeout(1500)  # the session's one-process reference and the layout's run: ~9 min at load 40 on 2 cores
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_document_masked_layout_matches_single_process(tmp_path, session_tmp, layout):
     data = document_data(session_tmp)
