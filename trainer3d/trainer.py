@@ -30,12 +30,14 @@ from trainer3d.checkpoint.rollback import agree_on_rollback
 from trainer3d.data.skips import SkipLog
 from trainer3d.config.schema import Config
 from trainer3d.data.loader import Prefetcher, build_readers
+from trainer3d.data.segments import build_segments
 from trainer3d.data.sources import eval_batches, evaluates
 from trainer3d.observe.evaluate import Evaluator
 from trainer3d.observe.goodput import Prediction
 from trainer3d.observe.loggers import build_sinks
 from trainer3d.observe.metrics import MetricsLogger
 from trainer3d.observe.moe import MoEStats
+from trainer3d.model.documents import segments_of
 from trainer3d.model.flops import flops_per_token
 from trainer3d.observe.nonfinite import NonFiniteWatch
 from trainer3d.observe.profile import StepProfiler
@@ -107,7 +109,9 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, dims, self.optimizer, self.timeouts)
         self.micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims, self.chunks), t.grad_accum_steps, self.optimizer)
         apply_moe_layout(self.chunks, cfg, dims)  # MoE losses' gradients scaled as MicroBatchLoss scales
-        self.pipeline = Pipeline(self.chunks, self.micro_loss, cfg, dims) if dims.pp > 1 else None
+        self.segments = segments_of(self.chunks)
+        """The blocks' document segments (data.document_mask; model/documents.py), else None."""
+        self.pipeline = Pipeline(self.chunks, self.micro_loss, cfg, dims, self.segments) if dims.pp > 1 else None
         self.data, self.evaluator = self._build_data()
         self.start_step = self.checkpointer.load(resume_from)
         self.data.reader.origin = self.checkpointer.origin  # samples consumed, whatever the batch was
@@ -133,10 +137,22 @@ class Trainer:
         dims, t = self.dims, self.cfg.train
         train, val = build_readers(self.cfg, dims.dp, dims.dp_rank, dims.is_first_stage, dims.is_last_stage,
                                    dims.cp, dims.cp_rank)
+        self.train_segments = self._window_segments(train)
         evaluator = None
         if val is not None and evaluates(self.cfg):
-            evaluator = Evaluator(val, eval_batches(self.cfg, val.n_windows), t.eval_every, dims.device)
+            evaluator = Evaluator(val, eval_batches(self.cfg, val.n_windows), t.eval_every, dims.device,
+                                  self._window_segments(val))
         return Prefetcher(train, dims.device, last_step=t.max_steps), evaluator
+
+    def _window_segments(self, reader):
+        """A reader's per-window document segments with data.document_mask (None without): its
+        fallback to end-of-document ids, for a token file without an index, said once."""
+        if self.segments is None:
+            return None
+        segments, notes = build_segments(reader)
+        for note in notes:
+            self._say(note)
+        return segments
 
     def _build_metrics(self) -> MetricsLogger:
         """metrics.jsonl + progress line on rank 0, wandb there too when logger=wandb."""
@@ -158,38 +174,44 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def forward_backward(self, inputs: Optional[torch.Tensor],
-                         targets: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def forward_backward(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor],
+                         segments: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Run the step's micro-batches forward and backward, accumulating gradients.
 
         ``inputs``/``targets`` are (grad_accum, micro_batch, seq) where this rank feeds them
-        (the first stage inputs, the last targets), None elsewhere. Returns the mean loss
-        over micro-batches on ranks that compute it (the last stage), None elsewhere.
+        (the first stage inputs, the last targets), None elsewhere; ``segments`` the same shape,
+        on every rank, with data.document_mask. Returns the mean loss over micro-batches on
+        ranks that compute it (the last stage), None elsewhere.
         """
         if self.pipeline is not None:
-            self.pipeline.forward_backward(inputs, targets)  # checks the count of losses its last stage records
+            self.pipeline.forward_backward(inputs, targets, segments)  # checks the count of losses it records
             return self.micro_loss.losses.take_mean()
         model = self.chunks[0]
         for m in range(inputs.shape[0]):
+            if self.segments is not None:
+                self.segments.set(segments[m])
             self.micro_loss(model(inputs[m]), targets[m]).backward()
         return self.micro_loss.losses.take_mean(expected=inputs.shape[0])
 
-    def forward_only(self, inputs: Optional[torch.Tensor],
-                     targets: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def forward_only(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor],
+                     segments: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """The micro-batches forward, without a gradient (evaluation); the mean loss as forward_backward."""
         with torch.no_grad():
             if self.pipeline is not None:
-                self.pipeline.forward(inputs, targets)
+                self.pipeline.forward(inputs, targets, segments)
             else:
                 for m in range(inputs.shape[0]):
+                    if self.segments is not None:
+                        self.segments.set(segments[m])
                     self.micro_loss(self.chunks[0](inputs[m]), targets[m])
         return self.micro_loss.pop_mean()
 
     def train_step(self, step: int) -> Tuple[Optional[torch.Tensor], torch.Tensor, float]:
         inputs, targets = self.data.get(step)  # on the device, read ahead during the previous step
+        segments = None if self.train_segments is None else self.train_segments(step).to(self.dims.device)
         self.optimizer.zero_grad()
         self.stragglers.start()
-        loss = self.forward_backward(inputs, targets)
+        loss = self.forward_backward(inputs, targets, segments)
         self.stragglers.backward_done()
         with self.metrics.comm():  # communication the backward did not overlap, and the norm's all-reduce
             self.grads.finalize()

@@ -59,7 +59,7 @@ def test_prepared_files_get_the_umask_permissions(tmp_path):
     (tmp_path / "a.txt").write_text("hello")
     proc = run_tool("--out", tmp_path / "out" / "c.bin", tmp_path / "a.txt", umask=0o022)
     assert proc.returncode == 0, proc.stderr
-    for name in ("c.bin", "c.json"):
+    for name in ("c.bin", "c.json", "c.docs", "c.docs.json"):
         assert oct((tmp_path / "out" / name).stat().st_mode & 0o777) == oct(0o644), name
 
 

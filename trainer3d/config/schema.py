@@ -230,6 +230,11 @@ class DataConfig:
     documents as token files have it; unused for token files, which record their own."""
     cache_dir: str = "~/.cache/trainer3d"
     """Where the built-in corpus is tokenised once and kept, with the record of verified token files."""
+    document_mask: bool = False
+    """Each token attends only to the earlier tokens of its own document, and rotary positions
+    restart at each document (and at each window's start): boundaries from the token file's
+    document index (<name>.docs, written by trainer3d-prepare-data), a Megatron dataset's .idx,
+    or, for a token file without an index, its end-of-document id (docs/data.md)."""
 
 
 @dataclass

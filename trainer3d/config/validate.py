@@ -303,6 +303,9 @@ def _check_data(cfg: Config, problems: List[str]) -> None:
             problems.append(f"data.blend[{i}].weight={source.weight} must be > 0")
     if d.val_fraction > 0 and d.val_path:
         problems.append("data.val_fraction and data.val_path are both set; give one (or set data.val_fraction=0)")
+    if d.document_mask and cfg.parallel.cp > 1:
+        problems.append(f"data.document_mask=true with parallel.cp={cfg.parallel.cp}: context parallelism's "
+                        "attention does not read document boundaries; set parallel.cp=1 (tp, pp and dp take it)")
     _check_eval(cfg, problems)
     _check_profile(cfg, problems)
     _check_step_lists(cfg, problems)

@@ -13,6 +13,9 @@
     cp_sharding.py  the load-balanced split of a sequence over cp ranks: the positions each
                   rank reads (the loader) and attends from (parallel/context/)
     documents.py  the inputs of tools/prepare_data.py, streamed as documents
+    doc_index.py  a token file's document index (<name>.docs): where each document starts,
+                  written by prepare_data and import_megatron, checked against its token file
+    segments.py   which document each input token of a window belongs to (data.document_mask)
     prepare.py    tools/prepare_data.py's engine: documents -> tokenizer -> token file
     identity.py   what the run's data is, cheaply (header digests, sizes), as checkpoints record it
     megatron.py   a Megatron-LM indexed dataset (.bin + .idx), checked: read in place as a token

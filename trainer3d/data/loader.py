@@ -43,6 +43,7 @@ class BatchReader:
     def __init__(self, files: List[TokenFile], parts: List[Part], order: SampleOrder, micro_batch_size: int,
                  grad_accum_steps: int, dp: int, dp_rank: int, inputs: bool = True, targets: bool = True,
                  cp: int = 1, cp_rank: int = 0, corrupt: Iterable[int] = (), vocab_size: int = 0):
+        self.files = files
         self.tokens = [f.tokens for f in files]
         self.paths = [f.path for f in files]
         self.eos_ids = [f.header.eos_id for f in files]

@@ -23,7 +23,8 @@ Each document (its sequences, concatenated) is followed by the end-of-document i
 already ends with it, so the tokens keep Megatron's document boundaries as a token file of
 tools/prepare_data.py keeps its own; an empty document adds nothing. Two ways in:
 
-- ``import_megatron`` (tools/import_megatron.py) writes that stream as a token file;
+- ``import_megatron`` (tools/import_megatron.py) writes that stream as a token file, and its
+  document starts as the token file's document index;
 - ``open_in_place`` reads it from the dataset itself (``data.path=PREFIX`` with
   ``data.eos_id``): ``DocumentStream`` slices the memory-mapped .bin and puts the
   end-of-document ids in, so training reads exactly the tokens the import would write. It
@@ -41,6 +42,7 @@ from typing import Iterator, Optional, Tuple
 
 import numpy as np
 
+from trainer3d.data.doc_index import DocIndexWriter
 from trainer3d.data.tokens import TokenFileError, TokenHeader, TokenizerInfo, TokenWriter, dtype_for
 from trainer3d.data.verify import CHUNK_BYTES, locked_record, record_path
 
@@ -138,11 +140,18 @@ def import_megatron(prefix, out, vocab_size: int, eos_id: int,
     info = tokenizer or TokenizerInfo(name=f"megatron:{Path(prefix).name}",
                                       sha256=f"megatron-unknown-tokenizer-vocab{vocab_size}-eos{eos_id}")
     eos = np.array([eos_id], dtype=np.int64)
-    with TokenWriter(out, vocab_size, info, eos_id) as writer:
-        for doc in documents(index):
-            writer.write(doc)
-            if int(doc[-1]) != eos_id:
-                writer.write(eos)
+    starts = DocIndexWriter(out)  # Megatron's boundaries, kept (trainer3d/data/doc_index.py)
+    try:
+        with TokenWriter(out, vocab_size, info, eos_id) as writer:
+            for doc in documents(index):
+                starts.add([writer.n_tokens])
+                writer.write(doc)
+                if int(doc[-1]) != eos_id:
+                    writer.write(eos)
+        starts.close(writer.header)
+    except BaseException:
+        starts.abort()
+        raise
     return writer.header
 
 

@@ -17,7 +17,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -25,6 +25,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from trainer3d.config.jsonfile import read_json_object
 from trainer3d.data.corpus import BYTE_LEVEL, BYTE_VOCAB, EOF_TOKEN
 from trainer3d.data.documents import Piece, batched
+from trainer3d.data.doc_index import DocIndexWriter
 from trainer3d.data.tokens import TokenHeader, TokenizerInfo, TokenWriter
 
 BATCH_BYTES = 1 << 20
@@ -120,8 +121,9 @@ def _init_worker(encoder: Encoder) -> None:
         _WORKER["tokenizer"] = Tokenizer.from_str(encoder.tokenizer_json)
 
 
-def encode_batch(batch: List[Piece]) -> np.ndarray:
-    """Token ids of a batch of pieces, the EOS id after each piece that ends a document."""
+def encode_batch(batch: List[Piece]) -> Tuple[np.ndarray, List[int]]:
+    """Token ids of a batch of pieces, the EOS id after each piece that ends a document; and
+    where each of those documents ends (the offset after its EOS id), for the document index."""
     encoder, tokenizer = _WORKER["encoder"], _WORKER["tokenizer"]
     dtype = np.uint16 if encoder.vocab_size <= 2 ** 16 else np.uint32  # the token file's own width
     if tokenizer is None:  # bytes straight into the output: no per-piece copy of the ids
@@ -131,17 +133,19 @@ def encode_batch(batch: List[Piece]) -> np.ndarray:
         texts = [p.text.decode("utf-8", errors="replace") if isinstance(p.text, bytes) else p.text for p in batch]
         ids = [np.asarray(e.ids, dtype=dtype) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
     out = np.empty(sum(len(i) for i in ids) + sum(p.ends_document for p in batch), dtype=dtype)
-    at = 0
+    at, ends = 0, []
     for piece, piece_ids in zip(batch, ids):
         out[at:at + len(piece_ids)] = piece_ids
         at += len(piece_ids)
         if piece.ends_document:
             out[at] = encoder.eos_id
             at += 1
-    return out
+            ends.append(at)
+    return out, ends
 
 
-def encode_all(batches: Iterator[List[Piece]], encoder: Encoder, workers: int) -> Iterator[np.ndarray]:
+def encode_all(batches: Iterator[List[Piece]], encoder: Encoder,
+               workers: int) -> Iterator[Tuple[np.ndarray, List[int]]]:
     """Encoded batches, in input order; at most 2 * workers batches in flight."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: --workers decides the cores
     if workers <= 1:
@@ -161,13 +165,25 @@ def encode_all(batches: Iterator[List[Piece]], encoder: Encoder, workers: int) -
 def prepare(pieces: Iterator[Piece], out: Path, encoder: Encoder, workers: int = 1,
             vocab_size: Optional[int] = None, on_tokens: Callable[[int], None] = lambda n: None) -> TokenHeader:
     """Encode ``pieces`` into the token file ``out``; returns its header. ``vocab_size`` (default:
-    the tokenizer's) is recorded in the header, and ids at or above it are refused."""
-    with TokenWriter(out, vocab_size or encoder.vocab_size, encoder.info, encoder.eos_id) as writer:
-        for ids in encode_all(batched(pieces, BATCH_BYTES), encoder, workers):
-            writer.write(ids)
-            on_tokens(writer.n_tokens)
-        if writer.n_tokens == 0:
-            raise ValueError(f"{out}: the inputs hold no text")
+    the tokenizer's) is recorded in the header, and ids at or above it are refused. The document
+    index (trainer3d/data/doc_index.py) is written beside it from the pieces' own boundaries."""
+    index = DocIndexWriter(out)
+    try:
+        with TokenWriter(out, vocab_size or encoder.vocab_size, encoder.info, encoder.eos_id) as writer:
+            pending = 0  # the next document's start, written once a token of it is
+            for ids, ends in encode_all(batched(pieces, BATCH_BYTES), encoder, workers):
+                base, top = writer.n_tokens, writer.n_tokens + len(ids)
+                writer.write(ids)
+                starts = ([] if pending is None else [pending]) + [base + e for e in ends]
+                index.add([s for s in starts if s < top])
+                pending = top if starts and starts[-1] == top else None
+                on_tokens(writer.n_tokens)
+            if writer.n_tokens == 0:
+                raise ValueError(f"{out}: the inputs hold no text")
+        index.close(writer.header)
+    except BaseException:
+        index.abort()
+        raise
     return writer.header
 
 

@@ -23,7 +23,8 @@ Per layer, with the flash kernel:
                                              memory-efficient kernel's log-sum-exp rows padded
                                              to a multiple of 32: model/transformer.py kv_expanded)
     SwiGLU        2 p sbf/t                  w1 x and w3 x (silu and the product are recomputed)
-    RoPE tables   8 s head_dim               cos and sin, fp32
+    RoPE tables   8 s head_dim               cos and sin, fp32 (8 sb head_dim with data.document_mask:
+                                             each sequence its own positions)
 
 (the norm, RoPE and SwiGLU are autograd Functions that save no more: model/functional.py).
 
@@ -82,6 +83,8 @@ class Sizes:
     loss_chunk: int = 0
     """Tokens per chunk of the loss that applies the head itself (train.loss_chunk_tokens);
     0: the model's whole logits go to the loss."""
+    documents: bool = False
+    """data.document_mask: RoPE tables per token, and the mask (model/documents.py)."""
     cuda: bool = False
     """The ranks run on CUDA: fp32 attention runs torch's memory-efficient kernel there, and
     grouped K/V are repeated to every head for it (model/transformer.py ``kv_expanded``)."""
@@ -93,7 +96,7 @@ class Sizes:
         return cls(b=cfg.train.micro_batch_size, s=cfg.train.seq_len // p.cp, h=m.dim, heads=m.n_heads,
                    kv_heads=m.n_kv_heads, head_dim=head_dim(m), ffn=m.ffn_dim, vocab=m.vocab_size, t=p.tp,
                    sp=p.sequence_parallel, p=ACT_BYTES[cfg.train.dtype], kernel="flash" if p.cp > 1 else kernel,
-                   cp=p.cp, loss_chunk=cfg.train.loss_chunk_tokens,
+                   cp=p.cp, loss_chunk=cfg.train.loss_chunk_tokens, documents=cfg.data.document_mask,
                    cuda=config_on_cuda(cfg) if cuda is None else cuda)
 
     @property
@@ -101,6 +104,8 @@ class Sizes:
         """Grouped K/V repeated to every query head before SDPA (the model's own rule); the
         cp attention saves its shard's K/V as they are (parallel/context/attention.py)."""
         dtype = torch.float32 if self.p == 4 else torch.bfloat16
+        if self.documents and self.cuda:  # FlexAttention takes grouped K/V as they are
+            return False
         return self.cp == 1 and kv_expanded("cuda" if self.cuda else "cpu", dtype, self.heads, self.kv_heads)
 
     @property
@@ -108,7 +113,7 @@ class Sizes:
         """Log-sum-exp entries per head of a micro-batch: one per query, padded to a multiple of 32
         per sequence in CUDA's memory-efficient kernel (fp32; its ``kAlignLSE``,
         aten/src/ATen/native/transformers/cuda/mem_eff_attention/kernel_forward.h)."""
-        if self.cuda and self.p == 4 and self.cp == 1:  # the cp attention saves its merged, unpadded one
+        if self.cuda and self.p == 4 and self.cp == 1 and not self.documents:  # cp and Flex: unpadded
             return self.b * -(-self.s // 32) * 32
         return self.n
 
@@ -160,7 +165,7 @@ def layer_terms(z: Sizes) -> Dict[str, int]:
     return {
         "attention_norm": _norm(z),
         "attention_input": z.p * z.n_norm * z.h,
-        "rope_tables": 2 * FP32 * z.s * z.head_dim,
+        "rope_tables": 2 * FP32 * z.s * z.head_dim * (z.b if z.documents else 1),  # per token with documents
         **_attention(z),
         "ffn_norm": _norm(z),
         "ffn_input": z.p * z.n_norm * z.h,
@@ -240,7 +245,25 @@ def chunk_terms(z: Sizes, n_layers: int, first: bool, last: bool, recompute: boo
         terms.update(embedding_terms(z))
     if last:
         terms.update(head_terms(z))
+    if z.documents and not recompute:
+        terms.update(document_mask_terms(z))
     return terms
+
+
+FLEX_BLOCK = 128
+"""FlexAttention's default block (torch/nn/attention/flex_attention.py ``_DEFAULT_SPARSE_BLOCK_SIZE``)."""
+
+
+def document_mask_terms(z: Sizes) -> Dict[str, int]:
+    """The document mask a micro-batch's blocks save, once per chunk (one tensor every block
+    reads, model/documents.py): on CPU the dense additive mask, b s^2 in the activation dtype;
+    on CUDA FlexAttention's block mask, int32 block counts and indices of its partial and full
+    blocks, both directions: 4 x 4 b nb (nb + 1) bytes for nb = ceil(s / 128) blocks. Under
+    recomputation the blocks save nothing of it (the mask is then one micro-batch's transient)."""
+    if z.cuda:
+        nb = -(-z.s // FLEX_BLOCK)
+        return {"document_mask": 4 * 4 * z.b * nb * (nb + 1)}
+    return {"document_mask": z.p * z.b * z.s * z.s}
 
 
 # ------------------------------------------------------------------ micro-batches in flight

@@ -39,8 +39,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from trainer3d.memory.activations import (FP32, Sizes, chunk_terms, layer_terms, loss_transient_bytes,
-                                          peak_in_flight, schedule_ops, shared_terms)
+from trainer3d.memory.activations import (FP32, Sizes, chunk_terms, document_mask_terms, layer_terms,
+                                          loss_transient_bytes, peak_in_flight, schedule_ops, shared_terms)
 from trainer3d.config.schema import Config
 from trainer3d.memory.muon_step import muon_step_bytes
 from trainer3d.memory.staged import staged_bytes
@@ -193,6 +193,8 @@ def _transients(cfg: Config, z: Sizes, stages: List[int], last: int) -> Dict[str
         out["loss_backward"] = z.p * z.n * z.vocab_local  # place; 16-bit logits take a cast of it
     if t.activation_checkpointing:
         out["recomputed_block"] = sum(layer_terms(z).values()) - z.hidden_bytes()
+        if z.documents:  # the micro-batch's mask, held by the blocks' Segments, not saved (model/documents.py)
+            out.update(document_mask_terms(z))
     if z.sp and z.t > 1:  # a projection's input gathered again in backward, and its gradient before the scatter
         out["sequence_parallel_regather"] = 2 * z.p * z.n * z.h
     b = BYTES[t.dtype]

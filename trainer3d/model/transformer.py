@@ -130,6 +130,17 @@ class CausalAttention(nn.Module):
         return causal_sdpa(q, k, v, kv_expanded(q.device.type, q.dtype, q.shape[1], k.shape[1]))
 
 
+def rotate_per_token(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, attn: "Attention"):
+    """q and k (seq, batch, heads, head_dim) rotated by (batch, seq) positions, each sequence its
+    own (document masking, model/documents.py): the tables get one row per token, seq-major as
+    q and k hold them, and the rotation sees (seq x batch) rows of one sequence each."""
+    seq, batch = q.shape[:2]
+    cos, sin = rotary_cos_sin(seq * batch, attn.head_dim, attn.rope_theta, q.device, attn.rope_scaling,
+                              positions.t().reshape(-1))
+    rows = [t.reshape(seq * batch, 1, *t.shape[2:]) for t in (q, k)]
+    return tuple(apply_rotary(r, cos, sin).view(t.shape) for r, t in zip(rows, (q, k)))
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -147,9 +158,12 @@ class Attention(nn.Module):
         q = q.view(seq, batch, -1, self.head_dim)
         k = k.view(seq, batch, -1, self.head_dim)
         v = v.view(seq, batch, -1, self.head_dim)
-        cos, sin = rotary_cos_sin(seq, self.head_dim, self.rope_theta, x.device, self.rope_scaling,
-                                  self.core.positions(seq, x.device))
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        positions = self.core.positions(seq, x.device)
+        if positions is not None and positions.dim() == 2:
+            q, k = rotate_per_token(q, k, positions, self)
+        else:
+            cos, sin = rotary_cos_sin(seq, self.head_dim, self.rope_theta, x.device, self.rope_scaling, positions)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # views (batch, heads, seq, head_dim)
         out = self.core(q, k, v)
         # Back to (seq, batch, heads x head_dim): a view where the kernel writes its output in

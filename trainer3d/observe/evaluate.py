@@ -19,8 +19,12 @@ from trainer3d.data.loader import BatchReader
 
 
 class Evaluator:
-    def __init__(self, reader: BatchReader, n_batches: int, every: int, device: torch.device):
+    def __init__(self, reader: BatchReader, n_batches: int, every: int, device: torch.device,
+                 segments: Optional[Callable] = None):
+        """``segments``: the reader's per-window document segments (data.document_mask,
+        trainer3d/data/segments.py), handed to ``forward_only`` with each batch; None: none."""
         self.reader, self.n_batches, self.every, self.device = reader, n_batches, every, device
+        self.segments = segments
 
     def due(self, steps_done: int) -> bool:
         return self.every > 0 and steps_done % self.every == 0
@@ -35,7 +39,8 @@ class Evaluator:
         losses = []
         for b in range(self.n_batches):
             inputs, targets = (t.to(self.device) if t is not None else None for t in self.reader.batch(b))
-            loss = forward_only(inputs, targets)
+            extra = {} if self.segments is None else {"segments": self.segments(b).to(self.device)}
+            loss = forward_only(inputs, targets, **extra)
             if loss is not None:
                 losses.append(loss)
         if self.device.type == "cuda":

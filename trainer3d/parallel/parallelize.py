@@ -14,7 +14,8 @@
    ``shard_and_materialise``; on the host with ``parallel.offload_optimizer``, where FSDP2
    keeps them), so no rank holds the whole model at any time;
 5. context parallelism: each block's attention core reads the other cp ranks' keys and
-   values (parallel/context/apply.py), when cp > 1;
+   values (parallel/context/apply.py), when cp > 1; document masking: each block's core
+   attends within documents (model/documents.py), with ``data.document_mask``;
 6. per-layer activation checkpointing, if asked;
 7. bf16/fp16: the linear layers compute through ``parallel/wgrad.py``'s ``linear``, whose
    backward accumulates weight gradients into the optimizer's fp32 buffer;
@@ -33,6 +34,7 @@ from trainer3d.config.schema import Config
 from trainer3d.hf.source import HFSource
 from trainer3d.model.init import ParameterSource, RandomInit, fill_parameters
 from trainer3d.model.transformer import Transformer
+from trainer3d.model.documents import apply_document_mask
 from trainer3d.parallel.compile import compile_blocks
 from trainer3d.parallel.context.apply import apply_context_parallel
 from trainer3d.parallel.zero.fsdp import FSDPOptimizer, shard_and_materialise
@@ -95,6 +97,8 @@ def build_model_chunks(cfg: Config, dims: ParallelDims, initialise: bool = True)
             else:
                 fill_parameters(chunk, source)
     apply_context_parallel(chunks, dims, cfg.parallel.cp_attention)
+    if cfg.data.document_mask:
+        apply_document_mask(chunks)
     if cfg.train.activation_checkpointing:
         checkpoint_layers(chunks)
     if param_dtype(cfg) != torch.float32:

@@ -6,7 +6,8 @@ incomplete or inconsistent header, a size that disagrees with it, an empty file,
 fails its full scan (checksum, max id; trainer3d/data/verify.py caches a passed scan), a
 vocabulary or an id the model cannot embed, blended or validation files made with different
 tokenizers, a corpus shorter than one window or than a global batch, a validation split
-without one global batch (naming the smallest ``data.val_fraction`` that holds one). The ranks re-check only what could have changed since (size and mtime, through the
+without one global batch (naming the smallest ``data.val_fraction`` that holds one), and with
+``data.document_mask`` a document index that does not belong to its token file. The ranks re-check only what could have changed since (size and mtime, through the
 same cache).
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from trainer3d.config.schema import Config
+from trainer3d.data.doc_index import document_starts
 from trainer3d.data.sources import evaluates, plan, short_parts, train_files, val_file
 from trainer3d.data.tokenfile import TokenFile
 from trainer3d.data.tokens import TokenFileError, TokenHeader
@@ -25,8 +27,11 @@ def _open_headers(cfg: Config, problems: List[str]) -> Dict[Path, TokenHeader]:
     headers: Dict[Path, TokenHeader] = {}
     for path in dict.fromkeys(paths):
         try:
-            headers[path] = TokenFile.open(path, cache_dir=cfg.data.cache_dir, eos_id=cfg.data.eos_id,
-                                           vocab_size=cfg.model.vocab_size).header
+            opened = TokenFile.open(path, cache_dir=cfg.data.cache_dir, eos_id=cfg.data.eos_id,
+                                    vocab_size=cfg.model.vocab_size)
+            headers[path] = opened.header
+            if cfg.data.document_mask:
+                document_starts(opened)  # a mismatched or damaged document index is refused, naming it
         except TokenFileError as err:
             problems.append(str(err))
     return headers

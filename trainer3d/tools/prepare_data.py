@@ -7,7 +7,8 @@
 
 Inputs: files and directories (walked recursively for --suffixes), plain or compressed
 (.gz, .zst); a text file is one document, a line of a .jsonl file one document (its text
-under --text-key). The tokenizer's end-of-document id follows every document. Without
+under --text-key). The tokenizer's end-of-document id follows every document, and where each
+document starts is written beside the ids (<out>.docs and <out>.docs.json, for data.document_mask). Without
 --tokenizer the tokens are byte-level, as the built-in corpus (``model=tiny`` trains on it
 as is); --tokenizer takes a tokenizer.json or a directory holding one (a Hugging Face
 model directory); --train-tokenizer VOCAB trains a byte-level BPE on the inputs first and
@@ -24,6 +25,7 @@ from typing import Optional
 
 
 from trainer3d.data import prepare
+from trainer3d.data.doc_index import index_header_path, index_path
 from trainer3d.data.documents import (JSONL_SUFFIXES, TRAINED_TOKENIZER_SUFFIX, InputError, Progress, collect,
                                       documents)
 from trainer3d.data.tokens import TokenFileError, bin_path, header_path
@@ -110,7 +112,7 @@ def check_outputs(args) -> None:
     """Every file this command writes (the token file, its header, a trained tokenizer) is none
     of the inputs and lies in none of the input directories (trainer3d/tools/output.py)."""
     inputs = [*args.inputs, *([args.tokenizer] if args.tokenizer else [])]
-    written = [bin_path(args.out), header_path(args.out)]
+    written = [bin_path(args.out), header_path(args.out), index_path(args.out), index_header_path(args.out)]
     if args.train_tokenizer:
         written.append(bin_path(args.out).with_suffix(TRAINED_TOKENIZER_SUFFIX))
     for out in written:
@@ -122,7 +124,8 @@ def main(argv=None) -> int:
     try:
         check_outputs(args)
         out = bin_path(args.out)
-        outputs = [out, header_path(out), out.with_suffix(TRAINED_TOKENIZER_SUFFIX)]
+        outputs = [out, header_path(out), index_path(out), index_header_path(out),
+                   out.with_suffix(TRAINED_TOKENIZER_SUFFIX)]
         files = collect(args.inputs, set(args.suffixes.split(",")), outputs)
         if not files:
             raise InputError("no input files found (check the paths and --suffixes)")

@@ -47,30 +47,43 @@ SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": S
 
 class TimedStage(BoundedReceiveStage):
     """A stage whose forward and backward compute count as busy time, and whose shape
-    inference's loss is not one of the step's (``StepLosses.not_recorded``)."""
+    inference's loss is not one of the step's (``StepLosses.not_recorded``).
 
-    def __init__(self, *args, clock: StageClock, losses: StepLosses, **kwargs):
+    With document masking (``segments``, model/documents.py) the blocks read the segments of
+    the micro-batch the schedule runs: set before each micro-batch's forward and again before
+    its backward (which recomputes the forward under activation checkpointing), from the
+    step's ``step_segments`` (grad_accum, micro_batch, seq)."""
+
+    def __init__(self, *args, clock: StageClock, losses: StepLosses, segments=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.clock = clock
         self.losses = losses
+        self.segments = segments
+        self.step_segments: Optional[torch.Tensor] = None
+
+    def _use_segments(self, chunk_id: int) -> None:
+        if self.segments is not None:
+            self.segments.set(self.step_segments[chunk_id])
 
     def _prepare_backward_infra(self, *args, **kwargs):
         with self.losses.not_recorded():
             return super()._prepare_backward_infra(*args, **kwargs)
 
-    def forward_one_chunk(self, *args, **kwargs):
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        self._use_segments(fwd_chunk_id)
         with self.clock.busy():
-            return super().forward_one_chunk(*args, **kwargs)
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
-    def backward_one_chunk(self, *args, **kwargs):
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        self._use_segments(bwd_chunk_id)
         with self.clock.busy():
-            return super().backward_one_chunk(*args, **kwargs)
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 
 class Pipeline:
     """This rank's stage(s) of the pipeline and the schedule that runs a step through them."""
 
-    def __init__(self, chunks: List[nn.Module], micro_loss, cfg: Config, dims: ParallelDims):
+    def __init__(self, chunks: List[nn.Module], micro_loss, cfg: Config, dims: ParallelDims, segments=None):
         p = cfg.parallel
         self.n_micro = cfg.train.grad_accum_steps
         problem = pipeline_micro_batch_problem(p.pp_schedule, p.pp, self.n_micro)
@@ -84,7 +97,7 @@ class Pipeline:
         self.clock = StageClock(dims.device)
         self.receive = ReceiveLedger()
         self.stages = [TimedStage(chunk, stage, n_stages, dims.device, group=dims.pp_group, clock=self.clock,
-                                  losses=micro_loss.losses, ledger=self.receive)
+                                  losses=micro_loss.losses, ledger=self.receive, segments=segments)
                        for chunk, stage in zip(chunks, stage_ids)]
         self.holds_first = 0 in stage_ids
         self.holds_last = n_stages - 1 in stage_ids
@@ -107,7 +120,19 @@ class Pipeline:
         target = targets.flatten(0, 1) if self.holds_last else None
         return args, target
 
-    def forward_backward(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]) -> None:
+    def _set_segments(self, segments: Optional[torch.Tensor]) -> None:
+        """The step's segments (document masking) for every stage; micro-batch 0's also for
+        the shape inference torch runs before the first forward."""
+        if self.stages[0].segments is None:
+            return
+        if segments is None or segments.shape[0] != self.n_micro:
+            raise ValueError(f"data.document_mask: the pipeline expects ({self.n_micro}, micro_batch, seq) segments")
+        for stage in self.stages:
+            stage.step_segments = segments
+        self.stages[0].segments.set(segments[0])
+
+    def forward_backward(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor],
+                         segments: Optional[torch.Tensor] = None) -> None:
         """Run the step's micro-batches; gradients accumulate in the chunks' ``.grad``.
 
         ``inputs``/``targets`` are (grad_accum, micro_batch, seq), needed on the first and the
@@ -118,6 +143,7 @@ class Pipeline:
         parallelism, with no change here.
         """
         args, target = self._schedule_args(inputs, targets)
+        self._set_segments(segments)
         recorded = len(self.micro_loss.losses)
         self.clock.start_step()
         self.schedule.step(*args, target=target, return_outputs=False)
@@ -127,7 +153,8 @@ class Pipeline:
             raise RuntimeError(f"pp rank stage(s) {[s.stage_index for s in self.stages]} recorded {computed} "
                                f"losses for {self.n_micro} micro-batches")
 
-    def forward(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]) -> None:
+    def forward(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor],
+                segments: Optional[torch.Tensor] = None) -> None:
         """Forward only (validation): the micro-batches' losses are recorded, no gradient, no bubble.
 
         torch's ``eval`` runs the schedule with its backward turned off; switching between
@@ -135,6 +162,7 @@ class Pipeline:
         once more: dropped as in every first step).
         """
         args, target = self._schedule_args(inputs, targets)
+        self._set_segments(segments)
         with torch.no_grad():
             self.schedule.eval(*args, target=target, return_outputs=False)
 

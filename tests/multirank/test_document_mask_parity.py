@@ -1,0 +1,61 @@
+"""data.document_mask through the layouts: each trains the model one process trains.
+
+The token file holds short documents (1 to 80 bytes, so from several documents in a window
+of 64 tokens to one that spans two), made by tools/prepare_data.py's engine with its document
+index. Each layout's per-step losses over 20 steps (fp32) are held to the one-process run of
+the same config within 1e-5 (tests/support/runs.py); the one-process masked model is itself
+held to each document run alone in tests/unit/test_document_mask.py.
+"""
+
+import random
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.support.runs import PARITY, assert_parity, losses_in_ranks, once_per_session, reference_losses
+from trainer3d.data import prepare
+from trainer3d.data.documents import Piece
+
+
+def short_documents(out):
+    """This package's model sources cut into documents of 1 to 80 bytes (seeded)."""
+    rng = random.Random(40)
+    text = b"".join(p.read_bytes() for p in sorted((ROOT / "trainer3d" / "model").glob("*.py")))
+    pieces, at = [], 0
+    while at < len(text):
+        n = rng.randint(1, 80)
+        pieces.append(Piece(text[at:at + n], True))
+        at += n
+    prepare.prepare(iter(pieces), out, prepare.BYTE_ENCODER)
+
+
+def document_data(session_tmp):
+    out = session_tmp / "short_documents.bin"
+    with once_per_session(session_tmp, "short_documents") as first:
+        if first:
+            short_documents(out)
+    return ["data=tokens", f"data.path={out}", "data.document_mask=true", f"data.cache_dir={session_tmp / 'cache'}",
+            *SMALL]
+
+
+# Two blocks of width 64 (head_dim 16, grouped-query): enough for a pipeline of two stages and
+# tp 2's heads, and the runs stay short.
+SMALL = ("model.dim=64", "model.ffn_dim=192", "model.n_layers=2")
+
+
+LAYOUTS = [
+    pytest.param(("parallel.tp=2", "parallel.sequence_parallel=true"), id="tp2-sp"),
+    pytest.param(("parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1"), id="pp2-dp2-z1",
+                 marks=pytest.mark.slow),
+    pytest.param(("parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1", "train.activation_checkpointing=true"),
+                 id="pp2-dp2-z1-recompute", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.timeout(1500)  # the session's one-process reference and the layout's run: ~9 min at load 40 on 2 cores
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_document_masked_layout_matches_single_process(tmp_path, session_tmp, layout):
+    data = document_data(session_tmp)
+    ref = reference_losses(session_tmp, [*PARITY, *data])
+    got = losses_in_ranks(tmp_path, [*PARITY, *data, "parallel=single", *layout], timeout=900)
+    print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
