@@ -116,6 +116,18 @@ def test_a_split_without_a_window_is_refused_naming_the_fraction_that_gives_one(
     assert checked(tmp_path, [*data, "data.val_fraction=0.02"]) == []
 
 
+def test_a_small_corpus_evaluates_on_its_first_try(tmp_path):
+    # issue 45's user: 300,000 tokens with data.val_fraction=0.01 and every other knob at its default
+    # (seq_len 128, global batch 32): 3,000 held-out tokens, 2,999 // 128 = 23 windows, once refused as
+    # "fewer than one global batch"; now all 23 are evaluated
+    path = token_file(tmp_path, "small.bin", 300_000)
+    cfg = validate(make(["data=tokens", f"data.path={path}", "data.val_fraction=0.01",
+                         f"data.cache_dir={tmp_path / 'cache'}"]))
+    assert (cfg.train.seq_len, cfg.train.global_batch_size) == (128, 32)
+    assert check_data(cfg) == []
+    assert eval_windows(cfg, 23) == 23
+
+
 def test_an_evaluation_reads_every_window_up_to_eval_steps_batches(tmp_path):
     # 0.2 x 5,000 = 1,000 tokens = 999 // 32 = 31 windows: all of them (7 whole global batches of 4 and 3
     # windows), fewer than train.eval_steps=10 batches of 4 = 40; of 400 windows, those 40
