@@ -31,7 +31,7 @@ from trainer3d.data.skips import SkipLog
 from trainer3d.config.schema import Config
 from trainer3d.data.loader import Prefetcher, build_readers
 from trainer3d.data.segments import build_segments
-from trainer3d.data.sources import eval_batches, evaluates
+from trainer3d.data.sources import eval_windows, evaluates
 from trainer3d.observe.evaluate import Evaluator
 from trainer3d.observe.goodput import Prediction
 from trainer3d.observe.loggers import build_sinks
@@ -46,7 +46,7 @@ from trainer3d.observe.stragglers import StragglerWatch
 from trainer3d.optim.schedule import lr_at
 from trainer3d.parallel.expert.tokens import apply_moe_layout
 from trainer3d.parallel.finalize import GradFinalizer
-from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer
+from trainer3d.parallel.parallelize import build_eval_loss_fn, build_loss_fn, build_model_chunks, build_optimizer
 from trainer3d.parallel.zero.optimizer import ZeroOptimizer
 from trainer3d.parallel.pipeline.losses import StepLosses
 from trainer3d.parallel.pipeline.schedule import Pipeline
@@ -62,19 +62,38 @@ class MicroBatchLoss:
     It records the plain loss (for logging) in ``losses``, the step's ``StepLosses``, and
     returns what backward needs: the loss divided by grad_accum (so accumulated gradients
     are those of the step's mean loss; the schedule's own gradient scaling stays off) and
-    multiplied by the optimizer's loss scale (fp16).
+    multiplied by the optimizer's loss scale (fp16). Inside ``summing`` (evaluation) it
+    records ``sum_fn``'s sum of the token losses whose target counts instead
+    (trainer3d/parallel/tensor/loss_sum.py).
     """
 
-    def __init__(self, loss_fn: Callable, grad_accum_steps: int, optimizer: ZeroOptimizer):
-        self.loss_fn = loss_fn
+    def __init__(self, loss_fn: Callable, grad_accum_steps: int, optimizer: ZeroOptimizer,
+                 sum_fn: Optional[Callable] = None):
+        self.loss_fn, self.sum_fn = loss_fn, sum_fn
         self.grad_accum_steps = grad_accum_steps
         self.optimizer = optimizer
         self.losses = StepLosses()
+        self._summing = False
 
     def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self._summing:
+            total = self.sum_fn(output, targets)
+            self.losses.record(total)
+            return total
         loss = self.loss_fn(output, targets)
         self.losses.record(loss)
         return self.optimizer.scale_loss(loss) / self.grad_accum_steps
+
+    @contextlib.contextmanager
+    def summing(self):
+        """Calls inside record the token-loss sum of their micro-batch (evaluation)."""
+        if self.sum_fn is None:
+            raise RuntimeError("this MicroBatchLoss was built without a sum_fn: it cannot evaluate")
+        self._summing = True
+        try:
+            yield
+        finally:
+            self._summing = False
 
     def pop_mean(self) -> Optional[torch.Tensor]:
         """Mean loss of the micro-batches since the last call (None where no loss is computed)."""
@@ -107,7 +126,8 @@ class Trainer:
         self.optimizer: ZeroOptimizer = build_optimizer(self.chunks, cfg, dims)
         self.grads = GradFinalizer(self.chunks, self.optimizer, dims, cfg.parallel.sequence_parallel)
         self.checkpointer = Checkpointer(cfg, dims, self.optimizer, self.timeouts)
-        self.micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims, self.chunks), t.grad_accum_steps, self.optimizer)
+        self.micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims, self.chunks), t.grad_accum_steps, self.optimizer,
+                                         build_eval_loss_fn(cfg, dims, self.chunks))
         apply_moe_layout(self.chunks, cfg, dims)  # MoE losses' gradients scaled as MicroBatchLoss scales
         self.segments = segments_of(self.chunks)
         """The blocks' document segments (data.document_mask; model/documents.py), else None."""
@@ -140,7 +160,7 @@ class Trainer:
         self.train_segments = self._window_segments(train)
         evaluator = None
         if val is not None and evaluates(self.cfg):
-            evaluator = Evaluator(val, eval_batches(self.cfg, val.n_windows), t.eval_every, dims.device,
+            evaluator = Evaluator(val, eval_windows(self.cfg, val.n_windows), t.eval_every, dims.device,
                                   self._window_segments(val))
         return Prefetcher(train, dims.device, last_step=t.max_steps), evaluator
 
@@ -195,8 +215,10 @@ class Trainer:
 
     def forward_only(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor],
                      segments: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """The micro-batches forward, without a gradient (evaluation); the mean loss as forward_backward."""
-        with torch.no_grad():
+        """The micro-batches forward, without a gradient (evaluation): the sum of the token losses
+        whose target counts (padding's ``PAD_TARGET`` does not) on ranks that compute losses,
+        None elsewhere."""
+        with torch.no_grad(), self.micro_loss.summing():
             if self.pipeline is not None:
                 self.pipeline.forward(inputs, targets, segments)
             else:
@@ -204,7 +226,7 @@ class Trainer:
                     if self.segments is not None:
                         self.segments.set(segments[m])
                     self.micro_loss(self.chunks[0](inputs[m]), targets[m])
-        return self.micro_loss.pop_mean()
+        return self.micro_loss.losses.take_sum()
 
     def train_step(self, step: int) -> Tuple[Optional[torch.Tensor], torch.Tensor, float]:
         inputs, targets = self.data.get(step)  # on the device, read ahead during the previous step

@@ -16,7 +16,7 @@ from trainer3d.data import BYTE_LEVEL, TokenizerInfo, write_token_file
 from trainer3d.data.loader import build_readers
 from trainer3d.data.tokens import TokenFileError
 from trainer3d.preflight.data_checks import check_data
-from trainer3d.data.sources import eval_batches
+from trainer3d.data.sources import eval_windows
 from trainer3d.data.tokens import header_path
 from trainer3d.config.validate import ConfigError, validate
 from tests.unit.test_validate import make
@@ -73,8 +73,8 @@ CASES = {
                                                    f"data.val_path={token_file(d, 'b.bin', 2000, tokenizer=OTHER_TOKENIZER)}"],
                                         "were made with different tokenizers"),
     "empty validation split": (lambda d: ["data=tokens", f"data.path={token_file(d, 'a.bin', 5000)}",
-                                          "data.val_fraction=0.02"],
-                               "data.val_fraction=0.02: the validation split has 3 windows of 33 tokens, fewer than one"),
+                                          "data.val_fraction=0.0001"],
+                               "data.val_fraction=0.0001: the validation split holds no window of"),
 }
 
 
@@ -86,7 +86,7 @@ def _blend_with_a_short_tail(d):
 
 CASES["a blend's validation tail shorter than a window"] = (
     _blend_with_a_short_tail, "b.bin: its validation tail (the last data.val_fraction=0.02 of it) is 20 tokens, "
-    "shorter than one window of train.seq_len+1 = 33")
+    "shorter than one window of train.seq_len+1 = 33; set data.val_fraction=0.033 (the smallest that gives it one)")
 
 
 def test_the_ranks_refuse_a_short_tail_with_the_checks_own_line(tmp_path):
@@ -100,23 +100,44 @@ def test_the_ranks_refuse_a_short_tail_with_the_checks_own_line(tmp_path):
     assert str(err.value) == line
 
 
-def test_a_small_validation_split_is_refused_once_with_the_fraction_that_holds_a_batch(tmp_path):
+def test_a_split_without_a_window_is_refused_naming_the_fraction_that_gives_one(tmp_path):
     # 5,000 tokens; a split of n tokens holds (n - 1) // 32 windows of 33 (each starts where the last
-    # one's inputs end): one global batch, 4 windows, needs n >= 129; 0.026 x 5,000 = 130 is the
-    # first thousandth there (0.025: 125 tokens, 3 windows)
+    # one's inputs end): one window needs n >= 33; 0.007 x 5,000 = 35 is the first thousandth there
+    # (0.006: 30 tokens, a tail without a window; 0.0001: 0 tokens, no tail at all)
     path = token_file(tmp_path, "a.bin", 5000)
-    problems = checked(tmp_path, ["data=tokens", f"data.path={path}", "data.val_fraction=0.02"])
-    assert len(problems) == 1 and "set data.val_fraction=0.026 (the smallest that holds one)" in problems[0], problems
-    assert checked(tmp_path, ["data=tokens", f"data.path={path}", "data.val_fraction=0.026"]) == []
+    data = ["data=tokens", f"data.path={path}"]
+    assert checked(tmp_path, [*data, "data.val_fraction=0.0001"]) == [
+        "data.val_fraction=0.0001: the validation split holds no window of train.seq_len+1 = 33 tokens; "
+        "set data.val_fraction=0.007 (the smallest that holds one), or set train.eval_every=0"]
+    (line,) = checked(tmp_path, [*data, "data.val_fraction=0.006"])
+    assert "is 30 tokens, shorter than one window" in line and "set data.val_fraction=0.007 (the smallest" in line
+    # one window, or three (0.02: 100 tokens), fewer than one global batch of 4: evaluated as they are
+    assert checked(tmp_path, [*data, "data.val_fraction=0.007"]) == []
+    assert checked(tmp_path, [*data, "data.val_fraction=0.02"]) == []
 
 
-def test_the_default_eval_steps_evaluate_on_the_batches_a_small_split_holds(tmp_path):
-    # 0.2 x 5,000 = 1,000 tokens = 999 // 32 = 31 windows: 7 global batches of 4, fewer than train.eval_steps=10
+def test_a_small_corpus_evaluates_on_its_first_try(tmp_path):
+    # issue 45's user: 300,000 tokens with data.val_fraction=0.01 and every other knob at its default
+    # (seq_len 128, global batch 32): 3,000 held-out tokens, 2,999 // 128 = 23 windows, once refused as
+    # "fewer than one global batch"; now all 23 are evaluated
+    path = token_file(tmp_path, "small.bin", 300_000)
+    cfg = validate(make(["data=tokens", f"data.path={path}", "data.val_fraction=0.01",
+                         f"data.cache_dir={tmp_path / 'cache'}"]))
+    assert (cfg.train.seq_len, cfg.train.global_batch_size) == (128, 32)
+    assert check_data(cfg) == []
+    assert eval_windows(cfg, 23) == 23
+
+
+def test_an_evaluation_reads_every_window_up_to_eval_steps_batches(tmp_path):
+    # 0.2 x 5,000 = 1,000 tokens = 999 // 32 = 31 windows: all of them (7 whole global batches of 4 and 3
+    # windows), fewer than train.eval_steps=10 batches of 4 = 40; of 400 windows, those 40
     path = token_file(tmp_path, "a.bin", 5000)
     overrides = ["data=tokens", f"data.path={path}", "data.val_fraction=0.2", "train.eval_steps=10"]
     assert checked(tmp_path, overrides) == []
     cfg = validate(make([*SMALL, *overrides]))
-    assert eval_batches(cfg, 31) == 7 and eval_batches(cfg, 400) == 10
+    assert eval_windows(cfg, 31) == 31 and eval_windows(cfg, 400) == 40
+    cfg.train.eval_steps = None
+    assert eval_windows(cfg, 400) == 400
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -126,8 +126,9 @@ class TrainConfig:
     eval_every: int = 100
     """Evaluate on the validation set (data.val_fraction or data.val_path) every this many steps; 0: never."""
     eval_steps: Optional[int] = 10
-    """Global batches of validation windows per evaluation, the same ones each time, at most (a split
-    holding fewer whole batches evaluates on those); null: the whole set."""
+    """Global batches of validation windows per evaluation, the same ones each time, at most: a split
+    holding fewer windows evaluates on all it has, the last batch partial (trainer3d/observe/evaluate.py);
+    null: the whole set."""
     profile: List[int] = field(default_factory=list)
     """A window of steps to trace, ``[first, end]`` (steps first..end-1, e.g. [10, 13]; []: off):
     every rank writes a torch.profiler trace, ``<run_dir>/profile/trace_rank<r>.json`` (Chrome

@@ -15,6 +15,11 @@ CUDA into pinned host memory, so the copy to the device is asynchronous (``non_b
 A request for another step than the one read ahead (a resume, the first step) reads it
 in the foreground.
 
+Evaluation reads whole global batches too: ``batch(b, counted=n)`` marks the targets of the
+samples from ``n`` on as ``PAD_TARGET`` (every token of the window), so a last, partial
+batch of the validation set keeps the step's shapes (the pipeline's micro-batches stay
+equal) while its padding counts in no loss (trainer3d/parallel/tensor/loss_sum.py).
+
 A drill (``train.inject.corrupt_steps``): those steps' windows are uniformly random ids in
 ``[0, vocab_size)``, each a function of the seed, the step and the global sample alone, so
 every rank (tp peers, the first and the last stage, cp chunks) reads its part of the same
@@ -35,6 +40,8 @@ from trainer3d.data.tokens import TokenFileError
 from trainer3d.data.cp_sharding import chunks_of
 
 Batch = Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
+PAD_TARGET = -1
+"""The target of a token that counts in no loss: a padding window of evaluation's last batch."""
 
 
 class BatchReader:
@@ -74,12 +81,17 @@ class BatchReader:
         """Windows over all sources (one epoch, when each is read once)."""
         return sum(span.n_windows for span in self.spans)
 
+    def samples(self, step: int) -> np.ndarray:
+        """The global sample ids of this rank's part of ``step``'s batch."""
+        per_rank = self.micro * self.accum
+        return step_samples(step, self.global_batch_size, self.dp_rank * per_rank, per_rank, self.origin)
+
     def windows(self, step: int) -> Tuple[np.ndarray, np.ndarray]:
         """(source, window) of this rank's samples of ``step``."""
-        per_rank = self.micro * self.accum
-        return self.order(step_samples(step, self.global_batch_size, self.dp_rank * per_rank, per_rank, self.origin))
+        return self.order(self.samples(step))
 
-    def batch(self, step: int) -> Batch:
+    def batch(self, step: int, counted: Optional[int] = None) -> Batch:
+        """``counted``: samples from this id on are padding (their targets ``PAD_TARGET``)."""
         if not (self.want_inputs or self.want_targets):
             return None, None
         seq = self.seq_len
@@ -99,6 +111,9 @@ class BatchReader:
         local = len(self.pieces) * n
         inputs = rows[..., :n].reshape(self.accum, self.micro, local) if self.want_inputs else None
         targets = rows[..., extra:].reshape(self.accum, self.micro, local) if self.want_targets else None
+        if targets is not None and counted is not None:
+            padding = torch.from_numpy(self.samples(step) >= counted).view(self.accum, self.micro, 1)
+            targets = targets.masked_fill(padding, PAD_TARGET)  # out of place: targets may be a view of the inputs
         return inputs, targets
 
 

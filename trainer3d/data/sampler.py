@@ -27,7 +27,8 @@ Validation (``split``): ``data.val_fraction`` holds out the last fraction of eac
 tokens (a contiguous tail, so no validation token is ever inside a training window);
 ``data.val_path`` is a separate file. Validation batches come in a fixed order (keyed
 independently of ``train.seed``, so runs with different seeds are evaluated on the same
-windows) from the same blend weights; every evaluation reads validation batches ``0 .. eval_steps-1``.
+windows) from the same blend weights; every evaluation reads the same first validation samples
+(trainer3d/data/sources.py ``eval_windows``), the last global batch padded (trainer3d/data/loader.py).
 """
 
 from dataclasses import dataclass

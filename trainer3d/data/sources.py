@@ -6,9 +6,9 @@
     data=tokens data.path=web_text_document data.eos_id=50256   a Megatron-LM dataset, in place
 
 Validation: ``data.val_fraction`` holds out the last fraction of every training file (the
-validation blend uses the training weights; with ``train.eval_steps=null`` an evaluation
-reads as many batches as the held-out windows fill, so in a blend a file whose share runs
-out first starts over), or ``data.val_path`` names a token file of its own (weight 1). ``plan`` is shared by the checks before launch (from headers) and by
+validation blend uses the training weights; an evaluation reads as many samples as the
+held-out windows number, at most train.eval_steps global batches, so in a blend a file whose
+share runs out first starts over), or ``data.val_path`` names a token file of its own (weight 1). ``plan`` is shared by the checks before launch (from headers) and by
 the ranks (from the opened files), so both see the same windows.
 """
 
@@ -83,19 +83,31 @@ def short_parts(cfg: Config, train: List[Part], val: List[Part]) -> List[str]:
             lines.append(f"data.val_path={cfg.data.val_path}: {part.span.n_tokens} tokens, shorter than one window "
                          f"of train.seq_len+1 = {window}; give a longer file or lower train.seq_len")
         else:
+            fraction = smallest_fraction(part.span.start + part.span.n_tokens, cfg.train.seq_len)
+            fix = (f"set data.val_fraction={fraction} (the smallest that gives it one)" if fraction is not None
+                   else "lower train.seq_len")
             lines.append(f"{part.path}: its validation tail (the last data.val_fraction={cfg.data.val_fraction} "
                          f"of it) is {part.span.n_tokens} tokens, shorter than one window of train.seq_len+1 = "
-                         f"{window}; raise data.val_fraction, lower train.seq_len, or leave this file out of "
-                         "data.blend (data.val_fraction=0: no validation)")
+                         f"{window}; {fix}, or leave this file out of data.blend (data.val_fraction=0: no "
+                         "validation)")
     return lines
 
 
-def eval_batches(cfg: Config, val_windows: int) -> int:
-    """Global batches per evaluation: train.eval_steps at most, as many as ``val_windows`` fill
-    (all of them where train.eval_steps is null): a small split evaluates on what it holds
-    rather than being refused for the default's ten batches."""
-    fill = val_windows // cfg.train.global_batch_size
-    return fill if cfg.train.eval_steps is None else min(cfg.train.eval_steps, fill)
+def smallest_fraction(n_tokens: int, seq_len: int) -> Optional[float]:
+    """The smallest data.val_fraction, in thousandths, whose tail of a file of ``n_tokens``
+    holds one window (None: not below one half)."""
+    for thousandths in range(1, 500):
+        if Span(0, split(n_tokens, thousandths / 1000)[1], seq_len).n_windows >= 1:
+            return thousandths / 1000
+    return None
+
+
+def eval_windows(cfg: Config, val_windows: int) -> int:
+    """Validation windows per evaluation: all ``val_windows`` of the split, or the first
+    train.eval_steps global batches of them where that is fewer. The last global batch may be
+    partial: its padding counts in no loss (trainer3d/observe/evaluate.py)."""
+    most = cfg.train.eval_steps
+    return val_windows if most is None else min(val_windows, most * cfg.train.global_batch_size)
 
 
 def evaluates(cfg: Config) -> bool:

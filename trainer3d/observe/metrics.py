@@ -14,9 +14,9 @@ trainer3d/observe/telemetry.py says what it counts), bubble and bubble_theory (0
 pipeline), skipped (fp16 steps skipped on inf/nan; 0 otherwise), loss_scale (fp16 only),
 and memory, the max over ranks: mem_state_bytes (parameters + gradients + optimizer state,
 tensor bytes), and mem_rss_bytes on CPU or mem_allocated_bytes / mem_reserved_bytes on GPU;
-rows of steps after which the model was evaluated add val_loss (mean over the validation
-batches, reduced like the loss), val_ppl = exp(val_loss) and eval_s (rank 0's evaluation
-time, left out of step_time_s); the first row after a checkpoint save started adds
+rows of steps after which the model was evaluated add val_loss (the mean token loss over the
+validation windows: each rank's share, summed in the loss's reduction), val_ppl =
+exp(val_loss) and eval_s (rank 0's evaluation time, left out of step_time_s); the first row after a checkpoint save started adds
 ckpt_stall_s (seconds the loop stood still for it: staging its state, or the whole save;
 inside that row's step_time_s), the first row after its writing ended adds ckpt_write_s
 (seconds the writing, hashing, read-back and publication took, in the background or not).
@@ -180,9 +180,10 @@ class MetricsLogger:
                 self._ckpt_next[key] = self._ckpt_next.get(key, 0.0) + value
 
     def record_eval(self, step: int, loss: Optional[torch.Tensor], seconds: float) -> None:
-        """Keep step ``step``'s validation loss (every rank calls it at the same steps); no sync.
-        Reduced like the training loss and written as ``val_loss``, ``val_ppl`` and ``eval_s`` in
-        that step's row; the ``seconds`` it took do not count as training time."""
+        """Keep step ``step``'s validation loss, this rank's share of the mean (every rank calls it at
+        the same steps); no sync. Summed over the ranks in the reduction of the training loss and
+        written as ``val_loss``, ``val_ppl`` and ``eval_s`` in that step's row; the ``seconds``
+        it took do not count as training time."""
         kept = loss is not None and self._owns_loss
         self._val[step] = loss.detach().float() if kept else torch.zeros((), device=self._norms[-1].device)
         self._eval_s[step] = seconds
@@ -213,7 +214,8 @@ class MetricsLogger:
             losses = (packed[:, 0] / self.dims.dp_cp).tolist()  # every dp and cp rank's mean, as many tokens each
             norms = torch.stack(self._norms).tolist()
             columns = {name: (packed[:, i + 2] / self.world_size).tolist() for i, name in enumerate(self._columns)}
-            val = {s: v for s, v in zip(self._steps, (packed[:, 1] / self.dims.dp_cp).tolist()) if s in self._val}
+            # each loss-owning rank's share of the mean (trainer3d/observe/evaluate.py): they add up to it
+            val = {s: v for s, v in zip(self._steps, packed[:, 1].tolist()) if s in self._val}
             columns.update(reduced)
             if self._extras[0]:
                 columns.update({k: torch.stack([e[k] for e in self._extras]).tolist() for k in self._extras[0]})

@@ -44,6 +44,7 @@ from trainer3d.parallel.recompute import checkpoint_layers
 from trainer3d.parallel.pipeline.stages import split_into_stages
 from trainer3d.parallel.tensor.layers import apply_tensor_parallel
 from trainer3d.parallel.tensor.loss import chunked_loss_fn, vocab_parallel_loss_fn
+from trainer3d.parallel.tensor.loss_sum import head_loss_sum, logits_loss_sum
 from trainer3d.parallel.wgrad import route_linear_layers
 from trainer3d.parallel.zero.flat import ReplicatedOptimizer, ShardedOptimizer
 from trainer3d.parallel.zero.fsdp_offload import OffloadedFSDPOptimizer
@@ -141,3 +142,17 @@ def build_loss_fn(cfg: Config, dims: ParallelDims, chunks: Optional[List[nn.Modu
         heads[-1].head_in_loss = True
         return chunked_loss_fn(cfg, dims, heads[-1].output)
     return vocab_parallel_loss_fn(cfg, dims)
+
+
+def build_eval_loss_fn(cfg: Config, dims: ParallelDims, chunks: List[nn.Module]) -> Callable:
+    """(last stage's output, targets) -> the sum of the token losses whose target counts
+    (evaluation's partial batch: parallel/tensor/loss_sum.py), reading the output as the
+    training loss of ``build_loss_fn`` (called first) does: hidden states where the head runs
+    in the loss, logits otherwise."""
+    vocab, rows = cfg.model.vocab_size, cfg.train.loss_chunk_tokens
+    heads = [chunk for chunk in chunks if getattr(chunk, "head_in_loss", False)]
+    if heads:
+        head = heads[-1].output
+        return lambda hidden, targets: head_loss_sum(hidden, head, targets, vocab, dims, rows)
+    return lambda logits, targets: logits_loss_sum(logits, targets, vocab, dims,
+                                                   rows if rows > 0 else targets.numel())

@@ -6,9 +6,10 @@ incomplete or inconsistent header, a size that disagrees with it, an empty file,
 fails its full scan (checksum, max id; trainer3d/data/verify.py caches a passed scan), a
 vocabulary or an id the model cannot embed, blended or validation files made with different
 tokenizers, a corpus shorter than one window or than a global batch, a validation split
-without one global batch (naming the smallest ``data.val_fraction`` that holds one), and with
-``data.document_mask`` a document index that does not belong to its token file. The ranks re-check only what could have changed since (size and mtime, through the
-same cache).
+without one window (naming the smallest ``data.val_fraction`` that holds one; any number of
+windows evaluates, the last global batch partial), and with ``data.document_mask`` a document
+index that does not belong to its token file. The ranks re-check only what could have changed
+since (size and mtime, through the same cache).
 """
 
 import dataclasses
@@ -64,31 +65,25 @@ def _check_windows(cfg: Config, headers: Dict[Path, TokenHeader], problems: List
         names = ", ".join(str(p.path) for p in train)
         problems.append(f"{names}: {total} windows of train.seq_len+1 = {window} tokens, fewer than "
                         f"train.global_batch_size={batch}; lower train.global_batch_size or train.seq_len")
-    if not evaluates(cfg) or short:
-        return
-    have = sum(p.span.n_windows for p in val)
-    if have >= batch:
-        return  # train.eval_steps is a most: eval_batches (trainer3d/data/sources.py) takes what the split fills
-    if cfg.data.val_path:
-        problems.append(f"data.val_path={cfg.data.val_path}: the validation file has {have} windows of {window} "
-                        f"tokens, fewer than one global batch ({batch}); give a longer data.val_path, lower "
-                        "train.global_batch_size, or set train.eval_every=0")
-        return
+    if not evaluates(cfg) or short or any(p.span.n_windows for p in val):
+        return  # a split of any number of windows evaluates, its last global batch partial (observe/evaluate.py)
+    # Only data.val_fraction gets here: a data.val_path shorter than a window is one of ``short``.
     fraction = smallest_val_fraction(cfg, lambda path: headers[path].n_tokens)
     fix = (f"set data.val_fraction={fraction} (the smallest that holds one)" if fraction is not None else
-           "the corpus cannot spare one for validation: lower train.global_batch_size or train.seq_len")
-    problems.append(f"data.val_fraction={cfg.data.val_fraction}: the validation split has {have} windows of "
-                    f"{window} tokens, fewer than one global batch ({batch}); {fix}, or set train.eval_every=0")
+           "the corpus cannot spare one for validation: lower train.seq_len or train.global_batch_size")
+    problems.append(f"data.val_fraction={cfg.data.val_fraction}: the validation split holds no window of "
+                    f"train.seq_len+1 = {window} tokens; {fix}, or set train.eval_every=0")
 
 
 def smallest_val_fraction(cfg: Config, n_tokens_of) -> Optional[float]:
-    """The smallest data.val_fraction, in steps of 0.001, whose split holds one global batch of
-    validation windows and leaves one of training windows; None where none does."""
+    """The smallest data.val_fraction, in steps of 0.001, whose split holds a validation window
+    (one in every blended file's tail that holds a token) and leaves one global batch of
+    training windows; None where none does."""
     batch = cfg.train.global_batch_size
     for thousandths in range(1, 500):
         trial = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, val_fraction=thousandths / 1000))
         train, val = plan(trial, n_tokens_of)
-        if sum(p.span.n_windows for p in val) >= batch:
+        if any(p.span.n_windows for p in val) and not short_parts(trial, train, val):
             return thousandths / 1000 if sum(p.span.n_windows for p in train) >= batch else None
     return None
 

@@ -55,3 +55,9 @@ class StepLosses:
         if expected is not None and len(values) != expected:
             raise RuntimeError(f"{len(values)} losses recorded for a step of {expected} micro-batches")
         return torch.stack(values).mean()
+
+    def take_sum(self) -> Optional[torch.Tensor]:
+        """The sum of the recorded values (evaluation's token-loss sums; None where none were
+        computed), and an empty record."""
+        values, self._values = self._values, []
+        return torch.stack(values).sum() if values else None

@@ -211,13 +211,13 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None, None, None
 
 
-def chunked_head_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, vocab_size: int,
-                      dims: ParallelDims, chunk_tokens: int) -> torch.Tensor:
-    """Mean token cross-entropy (fp32) of ``head`` applied to the last stage's ``hidden``
-    (seq, batch, dim), sequence-first as the model returns it (a sequence shard under
-    sequence parallelism), against batch-first ``targets``, never holding more than
-    ``chunk_tokens`` rows of logits. ``head``: the model's ``output``, an ``nn.Linear`` or a
-    ``ColumnParallelLinear`` (its region opened here as its forward would)."""
+def head_rows(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, vocab_size: int, dims: ParallelDims):
+    """The last stage's ``hidden`` (seq, batch, dim), sequence-first as the model returns it (a
+    sequence shard under sequence parallelism), as the rows the head reads: (rows, dim) hidden
+    states with their (rows,) targets from batch-first ``targets``, the head's weight, this
+    rank's vocabulary slice (start, valid columns) and the tp group (None: one rank). ``head``:
+    the model's ``output``, an ``nn.Linear`` or a ``ColumnParallelLinear`` (its region opened
+    here as its forward would)."""
     if isinstance(head, ColumnParallelLinear) and head.input_comm is not None:
         hidden = ENTER[head.input_comm](hidden, head.tp_group)
     weight = head.weight
@@ -225,11 +225,20 @@ def chunked_head_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tens
     if weight.shape[0] != local:
         raise ValueError(f"the head has {weight.shape[0]} rows, expected {local} "
                          f"(vocabulary {vocab_size} padded over tp={dims.tp})")
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    sink = getattr(weight, SINK, None) if grad and weight.requires_grad else None
     group = dims.tp_group if dims.tp > 1 else None
     rows = hidden.flatten(0, 1)  # sequence-major tokens: (seq, batch) -> rows
     row_targets = targets.t().flatten()  # the same order (a copy of the integer targets)
+    return rows, weight, row_targets, start, valid, group
+
+
+def chunked_head_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, vocab_size: int,
+                      dims: ParallelDims, chunk_tokens: int) -> torch.Tensor:
+    """Mean token cross-entropy (fp32) of ``head`` applied to the last stage's ``hidden``
+    against ``targets`` (as ``head_rows`` reads them), never holding more than
+    ``chunk_tokens`` rows of logits."""
+    rows, weight, row_targets, start, valid, group = head_rows(hidden, head, targets, vocab_size, dims)
+    grad = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
+    sink = getattr(weight, SINK, None) if grad and weight.requires_grad else None
     return _ChunkedHeadCrossEntropy.apply(rows, weight, row_targets, start, valid, group, chunk_tokens, sink, grad)
 
 
