@@ -3,7 +3,7 @@
 tp2 x pp2 x dp2.
 
     python tools/bench/optimizers.py [--steps 300] [--seeds 3] [--lrs 1e-3,3e-3,1e-2]
-                                     [--target 1.8] [--window 10] [--ns-dtype fp32]
+                                     [--target 1.8] [--window 10] [--ns-dtype fp32] [--jobs 1]
                                      [--time-steps 6] [--time-warmup 2] [--time-model tiny]
 
 Tokens to a loss: the README's default run (the ``tiny`` model, the standard-library corpus of
@@ -39,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -97,15 +98,26 @@ def _train_rank(rank: int, world: int, cfg) -> None:
         Trainer(cfg, ParallelDims.build(Topology(tp=1, pp=1, dp=1), torch.device("cpu"))).train()
 
 
-def train_losses(root: Path, name: str, lr: float, seed: int, args) -> List[float]:
-    """The per-step training losses of one single-process run of ``args.steps``."""
-    run_dir = root / f"{name}-lr{lr:g}-seed{seed}"
-    cfg = _config(run_dir, _overrides(name, lr, seed, args.steps, args.ns_dtype))
+def _losses(cfg, steps: int) -> List[float]:
+    """The per-step training losses of one single-process run of ``cfg``."""
     run_ranks(_train_rank, 1, cfg, timeout=6 * 3600, pg_timeout_s=600)
-    rows, _ = read_metrics(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(args.steps)), f"{run_dir}: one metrics row per step expected"
-    assert cfg.train.global_batch_size * cfg.train.seq_len == TOKENS_PER_STEP, "the default run's batch changed"
+    rows, _ = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(steps)), f"{cfg.run_dir}: one metrics row per step expected"
     return [r["loss"] for r in rows]
+
+
+def train_losses(root: Path, runs: Sequence[tuple], args) -> Dict[tuple, List[float]]:
+    """The losses of each (optimizer, lr, seed) of ``runs``, ``args.jobs`` runs at a time (each
+    its own process; the configs are composed here first, as Hydra's compose is not thread-safe)."""
+    cfgs = {}
+    for name, lr, seed in runs:
+        cfgs[name, lr, seed] = _config(root / f"{name}-lr{lr:g}-seed{seed}",
+                                       _overrides(name, lr, seed, args.steps, args.ns_dtype))
+        tokens = cfgs[name, lr, seed].train.global_batch_size * cfgs[name, lr, seed].train.seq_len
+        assert tokens == TOKENS_PER_STEP, "the default run's batch changed"
+    with ThreadPoolExecutor(args.jobs) as pool:
+        futures = {run: pool.submit(_losses, cfg, args.steps) for run, cfg in cfgs.items()}
+    return {run: f.result() for run, f in futures.items()}
 
 
 def trailing_means(losses: Sequence[float], window: int) -> List[float]:
@@ -122,29 +134,24 @@ def steps_to(losses: Sequence[float], target: float, window: int) -> Optional[in
 
 
 def tokens_table(args, root: Path) -> None:
-    tokens_per_step = TOKENS_PER_STEP
-    chosen: Dict[str, float] = {}
     print(f"learning-rate sweep: seed 0, {args.steps} steps, final loss = mean of the last {args.window} steps")
     print(f"{'optimizer':<10} " + " ".join(f"{f'lr {lr:g}':>10}" for lr in args.lrs))
-    first: Dict[tuple, List[float]] = {}
+    losses = train_losses(root, [(name, lr, 0) for name in OPTIMIZERS for lr in args.lrs], args)
+    chosen: Dict[str, float] = {}
     for name in OPTIMIZERS:
-        finals = {}
-        for lr in args.lrs:
-            first[name, lr] = train_losses(root, name, lr, 0, args)
-            finals[lr] = trailing_means(first[name, lr], args.window)[-1]
+        finals = {lr: trailing_means(losses[name, lr, 0], args.window)[-1] for lr in args.lrs}
         chosen[name] = min(finals, key=finals.get)
         print(f"{name:<10} " + " ".join(f"{finals[lr]:>10.4f}" for lr in args.lrs))
-    print(f"\ntokens to a trailing-{args.window}-step mean loss <= {args.target} ({tokens_per_step:,} tokens a step)")
+    losses.update(train_losses(root, [(n, chosen[n], s) for n in OPTIMIZERS for s in range(1, args.seeds)], args))
+    print(f"\ntokens to a trailing-{args.window}-step mean loss <= {args.target} ({TOKENS_PER_STEP:,} tokens a step)")
     print(f"{'optimizer':<10} {'lr':>8} " + " ".join(f"{f'seed {s}':>10}" for s in range(args.seeds)) + f" {'mean':>10}")
     means = {}
     for name in OPTIMIZERS:
-        lr = chosen[name]
-        runs = [first[name, lr] if s == 0 else train_losses(root, name, lr, s, args) for s in range(args.seeds)]
-        reached = [steps_to(r, args.target, args.window) for r in runs]
-        cells = [f"{n * tokens_per_step:>10,}" if n is not None else f"{'-':>10}" for n in reached]
-        means[name] = (statistics.fmean(reached) * tokens_per_step if None not in reached else None)
+        reached = [steps_to(losses[name, chosen[name], s], args.target, args.window) for s in range(args.seeds)]
+        cells = [f"{n * TOKENS_PER_STEP:>10,}" if n is not None else f"{'-':>10}" for n in reached]
+        means[name] = statistics.fmean(reached) * TOKENS_PER_STEP if None not in reached else None
         mean = f"{means[name]:>10,.0f}" if means[name] is not None else f"{'-':>10}"
-        print(f"{name:<10} {lr:>8g} " + " ".join(cells) + f" {mean}")
+        print(f"{name:<10} {chosen[name]:>8g} " + " ".join(cells) + f" {mean}")
     if None in means.values():
         print("muon / adamw tokens: - (a run did not reach the target)")
     else:
@@ -225,6 +232,7 @@ def main(argv=None) -> int:
     parser.add_argument("--window", type=int, default=10, help="steps of the trailing mean the target is read on")
     parser.add_argument("--ns-dtype", default="fp32", choices=("fp32", "bf16"),
                         help="optim.muon.ns_dtype of the loss runs (bf16 matmuls are ~20x slower on this CPU)")
+    parser.add_argument("--jobs", type=int, default=1, help="loss runs trained at once, each its own process")
     parser.add_argument("--time-steps", type=int, default=6, help="timed steps in tp2 x pp2 x dp2 (0: skip)")
     parser.add_argument("--time-warmup", type=int, default=2)
     parser.add_argument("--time-model", default="tiny", help="the timed model, a conf/model preset")
