@@ -81,4 +81,3 @@ def momentum_lookahead_(grads: List[torch.Tensor], bufs: List[torch.Tensor], mom
     else:
         torch._foreach_copy_(grads, bufs)
 
-
