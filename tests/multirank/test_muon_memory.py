@@ -7,6 +7,7 @@ import torch
 from tests.support.allocations import AllocationMeter
 from tests.support.harness import dims_for, run_ranks
 from tests.support.zero_ranks import global_batch, make_cfg, muon_cfg
+from trainer3d.memory.muon_step import muon_step_bytes
 from trainer3d.memory.peak import rank_memory
 from trainer3d.parallel.finalize import GradFinalizer
 from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer
@@ -35,7 +36,8 @@ def _step_peak(rank, world, tp, dp, stage, ns_dtype, experts):
         opt.clip_grad_norm(cfg.optim.grad_clip)
         with meter if step == 1 else torch.no_grad():
             opt.step(1e-2)
-    return meter.peak_bytes, rank_memory(cfg, 0).transients.get("muon_step")
+    return (meter.peak_bytes, rank_memory(cfg, 0).transients.get("muon_step"),
+            muon_step_bytes(cfg, cfg.model.n_layers, dims.dp_rank))
 
 
 # The tiny model (tests/support/zero_ranks.py: dim 32, ffn 64): its largest matrices are the
@@ -52,11 +54,12 @@ HAND_COUNT = {(1, "bf16"): 2 * (2 * 2048 + 2 * 32 * 32), (1, "fp32"): 4 * (2 * 2
                                                           (2, 1, 0, "bf16", 0), (1, 1, 0, "bf16", 4)],
                          ids=["dp2-zero1-bf16", "dp2-zero1-fp32", "tp2-bf16", "moe4-bf16"])
 def test_muon_step_allocates_what_the_accounting_says(tp, dp, stage, ns_dtype, experts):
-    """dp2 ZeRO-1: the dp gather is in place in the gradient buffer, the step allocates only
-    Newton-Schulz's buffers; tp2: also the full fp32 matrix and its tp pieces. Every rank's
+    """dp2 ZeRO-1: the dp gather and the layer-wise broadcasts are in place in the gradient
+    buffer, the step allocates only Newton-Schulz's buffers (each rank owns SwiGLU matrices,
+    the largest, so its own share's accounting is the group's); tp2: also the full fp32 matrix and its tp pieces. Every rank's
     measured peak equals the accounting (memory/peak.py's ``muon_step``, which the dry run and
     the planner read) to the byte, and the hand count; MoE: the experts one matrix each."""
     key = (tp, ns_dtype, experts) if experts else (tp, ns_dtype)
     results = run_ranks(_step_peak, tp * dp, tp, dp, stage, ns_dtype, experts, timeout=300)
-    for rank, (measured, accounted) in enumerate(results):
-        assert measured == accounted == HAND_COUNT[key], (rank, measured, accounted)
+    for rank, (measured, accounted, own_share) in enumerate(results):
+        assert measured == accounted == own_share == HAND_COUNT[key], (rank, measured, accounted, own_share)

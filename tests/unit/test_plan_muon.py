@@ -6,6 +6,8 @@ import pytest
 
 from trainer3d.config.schema import Config
 from trainer3d.plan.devices import PRESETS
+from trainer3d.memory.muon_step import muon_step_bytes, ns_shares, parameter_step_bytes, rank_muon_params
+from trainer3d.parallel.zero.muon import ns_owners
 from trainer3d.plan.muon_cost import muon_s, ns_flops
 
 
@@ -38,7 +40,51 @@ def test_gathers_are_charged_under_tp_and_zero1():
     cfg.parallel.tp = 2
     assert muon_s(cfg, device, 0, 8) > alone
     cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.zero_stage = 1, 2, 1
+    cfg.optim.muon.layer_wise = False  # every rank orthogonalises every matrix: the gather alone is added
     assert muon_s(cfg, device, 0, 8) > alone
+
+
+def test_owners_take_the_costliest_first_onto_the_least_loaded_rank():
+    """Longest processing time first, by hand: 5 -> rank 0, 3 -> rank 1, 3 -> rank 1 (3 < 5),
+    1 -> rank 0 (5 < 6); equal loads go to the lower rank."""
+    assert ns_owners([(5,), (3,), (3,), (1,)], 2) == [0, 1, 1, 0]
+    assert ns_owners([(1,), (5,), (3,), (3,)], 2) == [0, 0, 1, 1]
+    assert ns_owners([(2,), (2,), (2,)], 3) == [0, 1, 2]
+    assert ns_owners([(2,)], 4) == [0]
+
+
+def test_layer_wise_splits_newton_schulz_over_dp():
+    """The tiny model's 4 blocks on dp2 ZeRO-1: each rank orthogonalises 2 blocks' matrices
+    (half of the 28), charged at 2 blocks' FLOPs plus the results' broadcasts (the volume of the
+    look-ahead's gather again); layer_wise=false: every rank all 4 blocks, and the gather."""
+    block = 2 * _ns_by_hand(128, 128) + 2 * _ns_by_hand(64, 128) + 3 * _ns_by_hand(128, 384)
+    cfg = Config()
+    cfg.optim.name = "muon"
+    cfg.parallel.dp, cfg.parallel.zero_stage = 2, 1
+    shares = ns_shares(cfg, rank_muon_params(cfg, 4))
+    assert [len(s) for s in shares] == [14, 14]
+    assert [sum(ns_flops(*shape[-2:], 5) for shape, _ in s) for s in shares] == [2 * block, 2 * block]
+    device = dataclasses.replace(PRESETS["h100-sxm"], matmul_tflops={"fp32": 1.0, "bf16": 2.0})
+    cfg.optim.muon.layer_wise = False
+    assert [len(s) for s in ns_shares(cfg, rank_muon_params(cfg, 4))] == [28]
+    every = muon_s(cfg, device, 0, 8)
+    gather = every - 4 * block / 2e12
+    assert gather > 0
+    cfg.optim.muon.layer_wise = True
+    assert muon_s(cfg, device, 0, 8) == pytest.approx(2 * block / 2e12 + 2 * gather)
+
+
+def test_layer_wise_step_transient_is_the_largest_matrix_a_rank_orthogonalises():
+    """One block of the tiny model on dp4 ZeRO-1: its three 128 x 384 SwiGLU matrices go to
+    ranks 0-2, rank 3 gets the two 128 x 128 ones (and more), so its transient is a 128 x 128
+    matrix's; the dp group's largest is the 128 x 384's."""
+    cfg = Config()
+    cfg.optim.name = "muon"
+    cfg.parallel.dp, cfg.parallel.zero_stage = 4, 1
+    big, small = parameter_step_bytes((128, 384), False, 2), parameter_step_bytes((128, 128), False, 2)
+    assert big > small
+    assert [muon_step_bytes(cfg, 1, r) for r in range(4)] == [big, big, big, small]
+    assert muon_step_bytes(cfg, 1) == big
 
 
 def _one_a100(optim, *overrides):

@@ -96,6 +96,7 @@ CHOICES: Dict[str, Tuple[object, ...]] = {
     "optim.muon.adjust_lr": ("original", "match_rms_adamw"),
     "optim.muon.ns_dtype": ("bf16", "fp32"),
     "optim.muon.nesterov": (True, False),
+    "optim.muon.layer_wise": (True, False),
     "data.name": ("stdlib", "tokens"),
     "launcher.name": ("local", "slurm", "inplace"),
     "logger.name": ("console", "wandb", "tensorboard"),

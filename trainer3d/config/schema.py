@@ -168,6 +168,10 @@ class MuonConfig:
     rounding turns a gradient's last-bit difference (another layout's order of sums) into a
     bf16-ulp difference of the whole update, so layouts agree to ~1e-3, not 1e-5; fp32 keeps
     them at the parity tolerance (docs/optimizers.md)."""
+    layer_wise: bool = True
+    """ZeRO-1 with dp > 1: each matrix orthogonalised by one owner rank of the dp group (balanced
+    by Newton-Schulz FLOPs) and its result broadcast back, Megatron-Core's layer-wise layout;
+    false: every dp rank orthogonalises every matrix of its stage. The same update either way."""
 
 
 @dataclass

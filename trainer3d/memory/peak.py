@@ -155,7 +155,7 @@ def rank_memory(cfg: Config, pp_rank: int, kernel: str = "flash", cuda: Optional
     if p.pp > 1:
         mem.buffers = _pipeline_buffers(cfg, z, pp_rank, stages, counts)
     mem.transients = _transients(cfg, z, stages, last)
-    muon = muon_step_bytes(cfg, any(len(ranges[s]) for s in stages))
+    muon = muon_step_bytes(cfg, sum(len(ranges[s]) for s in stages))  # the dp group's largest
     if muon:
         mem.transients["muon_step"] = muon
     if p.zero_stage >= 2:

@@ -107,7 +107,8 @@ class FlatZeroOptimizer(ZeroOptimizer):
         with ``optim.name=muon``, Muon's for the blocks' matrices and AdamW's for the rest (muon.py)."""
         if self.cfg.optim.name == "muon":
             dp = self.dp if self.sharded and self.dims.dp_cp > 1 else None
-            return FlatMuonAdamW(segments, self.buffers, self.cfg, dp, self.pieces, self.dims.tp_group, self.names)
+            return FlatMuonAdamW(segments, self.buffers, self.cfg, dp, self.pieces, self.dims.tp_group, self.names,
+                                 self.dims.dp_cp_group)
         return FlatAdamW(segments, owned_numel, self.buffers.param_buffer, self.buffers.grad_buffer, self.cfg.optim)
 
     def _owned_pieces(self) -> List[Tuple[int, int]]:

@@ -1,4 +1,5 @@
-"""Muon under ZeRO 0/1 and tensor parallelism: every Muon matrix orthogonalised whole.
+"""Muon under ZeRO 0/1 and tensor parallelism: every Muon matrix orthogonalised whole, once per
+dp group.
 
 The flat optimizer (flat.py) owns pieces of the flat buffers; Muon's elementwise half (the
 momentum and the Nesterov look-ahead, trainer3d/optim/muon.py) runs on the owned pieces, so its
@@ -12,15 +13,22 @@ the whole logical matrix, which two gathers assemble in the gradient buffer's ow
 2. tp: a column- or row-parallel weight's tp-local look-ahead is all-gathered over tp along
    its split dim into one transient full matrix.
 
-Every rank then runs NS on each full matrix of its stage (redundantly over dp and tp: the
-simplest exact design; Megatron-Core's layer-wise distributed optimizer instead gives each
-matrix to one rank and sends the result back, megatron/core/optimizer/muon.py), keeps its own
-slice in the gradient buffer, and updates the owned pieces of the parameters (fp32 masters).
-Pipeline stages hold disjoint matrices and need nothing. AdamW steps the other parameters.
+ZeRO-1 with dp > 1 and ``optim.muon.layer_wise`` (the default), Megatron-Core's layer-wise
+layout (megatron/core/optimizer/layer_wise_optimizer.py): each Muon parameter has one NS owner
+in the dp group (``ns_owners``, balanced by NS FLOPs); the owner's tp ranks orthogonalise it and
+the owner broadcasts its tp-local result over dp into every rank's gradient buffer, where the
+update reads it. The broadcast copies bits, so every rank updates with what the redundant
+layout computes. Otherwise (ZeRO-0, dp = 1, or ``layer_wise=false``) every rank runs NS on
+every matrix of its stage. tp ranks still each orthogonalise the full matrix they gathered.
+
+Each rank keeps its own slice in the gradient buffer and updates the owned pieces of the
+parameters (fp32 masters). Pipeline stages hold disjoint matrices and need nothing. AdamW steps
+the other parameters.
 """
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -50,12 +58,46 @@ def full_shape(p: torch.Tensor) -> Tuple[int, ...]:
     return tuple(shape)
 
 
+def ns_flops(rows: int, cols: int, steps: int) -> int:
+    """FLOPs of ``steps`` Newton-Schulz iterations on one rows x cols matrix: with m <= n its
+    sides, X Xᵀ (2 m² n), the quintic's A·A (2 m³) and its product with X (2 m² n) per iteration."""
+    m, n = min(rows, cols), max(rows, cols)
+    return steps * (4 * m * m * n + 2 * m ** 3)
+
+
+def ns_cost(shape: Sequence[int], tp_sharded: bool, steps: int) -> Tuple[int, int, int, bool]:
+    """What ``ns_owners`` balances a parameter of logical ``shape`` by: its NS FLOPs (each
+    expert's matrix of a stacked 3-D weight its own), then its elements, smaller side and tp
+    sharding (what its step transient depends on: trainer3d/memory/muon_step.py), so parameters
+    that tie are alike in all of them."""
+    rows, cols = shape[-2:]
+    experts = math.prod(shape[:-2])
+    return experts * ns_flops(rows, cols, steps), experts * rows * cols, min(rows, cols), tp_sharded
+
+
+def ns_owners(costs: Sequence[Tuple[int, ...]], ranks: int) -> List[int]:
+    """The rank of ``ranks`` that orthogonalises each parameter of ``costs`` (its Newton-Schulz
+    FLOPs first, then anything to rank equal ones by): longest processing time first, as
+    Megatron-Core's layer-wise distributed optimizer balances its shards
+    (megatron/core/optimizer/layer_wise_optimizer.py): the costliest parameter goes to the least
+    loaded rank, ties to the lower index. Which parameters a rank gets depends on the multiset
+    of costs alone, so the planner and the memory accounting reproduce each rank's share."""
+    loads, owners = [0] * ranks, [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: costs[i], reverse=True):
+        rank = min(range(ranks), key=lambda r: (loads[r], r))
+        owners[i] = rank
+        loads[rank] += costs[i][0]
+    return owners
+
+
 class FlatMuonAdamW:
     """Muon state for the owned pieces of the Muon matrices, AdamW (``FlatAdamW``) for the rest;
     the same face as ``FlatAdamW`` to flat.py."""
 
     def __init__(self, segments: List[Segment], buffers: FlatBuffers, cfg: Config, dp: Optional[comm.Collectives],
-                 pieces: List[Tuple[int, int]], tp_group, names: Dict[torch.nn.Parameter, str]):
+                 pieces: List[Tuple[int, int]], tp_group, names: Dict[torch.nn.Parameter, str], dp_group=None):
+        """``dp``: ZeRO-1's collectives over dp (None: every rank holds whole buckets); ``dp_group``
+        the same group's process group, which the layer-wise broadcasts go through."""
         self.segments, self.cfg, self.buffers = segments, cfg, buffers
         self.dp, self.pieces, self.tp_group = dp, pieces, tp_group
         muon = [s for s in segments if is_muon_param(s.name, s.param)]
@@ -80,6 +122,20 @@ class FlatMuonAdamW:
         self.muon_params = [p for p in buffers.params if is_muon_param(names[p], p)]
         muon_set = set(self.muon_params)
         self._buckets = [(b, piece) for b, piece in zip(buffers.buckets, pieces) if muon_set & set(b.params)]
+        self.orthogonalised, self._broadcasts = self.muon_params, []
+        if dp is not None and cfg.optim.muon.layer_wise:
+            self._own_share(dp_group)
+
+    def _own_share(self, dp_group) -> None:
+        """Layer-wise: NS only for the parameters this dp rank owns; every parameter's result
+        broadcast from its owner (global rank) over ``dp_group``."""
+        costs = [ns_cost(full_shape(p), full_shape(p) != tuple(p.shape), self.cfg.optim.muon.ns_steps)
+                 for p in self.muon_params]
+        owners = ns_owners(costs, dist.get_world_size(dp_group))
+        me = dist.get_rank(dp_group)
+        self.orthogonalised = [p for p, o in zip(self.muon_params, owners) if o == me]
+        self._broadcasts = [(p, dist.get_global_rank(dp_group, o)) for p, o in zip(self.muon_params, owners)]
+        self._dp_group = dp_group
 
     @torch.no_grad()
     def step(self, lr: float, found_inf: Optional[torch.Tensor] = None) -> None:
@@ -89,8 +145,9 @@ class FlatMuonAdamW:
         muon_lr = lr * m.lr / self.cfg.optim.lr  # the same schedule, Muon's own peak
         momentum_lookahead_(self._grads, self._bufs, m.momentum, m.nesterov)
         self._gather_over_dp()
-        for p in self.muon_params:
+        for p in self.orthogonalised:
             self._orthogonalise_(p)
+        self._broadcast_from_owners()
         for s, master, update in zip(self.muon_segments, self._masters, self._grads):
             master.mul_(1 - muon_lr * m.weight_decay)
             master.add_(update, alpha=-adjusted_lr(muon_lr, m.adjust_lr, matrix_shape(full_shape(s.param))))
@@ -103,6 +160,14 @@ class FlatMuonAdamW:
             return
         flat = self.buffers.grad_buffer
         works = [self.dp.all_gather(flat[b.start:b.end], flat[lo:hi]) for b, (lo, hi) in self._buckets]
+        for w in works:
+            w.wait()
+
+    def _broadcast_from_owners(self) -> None:
+        """Layer-wise: each parameter's tp-local NS result, from its owner to the dp group, in
+        place in the gradient buffer (a parameter's view of it is contiguous)."""
+        works = [dist.broadcast(self.buffers.grad_view(p), src, group=self._dp_group, async_op=True)
+                 for p, src in self._broadcasts]
         for w in works:
             w.wait()
 

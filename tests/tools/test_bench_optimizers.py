@@ -1,0 +1,28 @@
+"""tools/bench/optimizers.py at its smallest budget: the tables it prints, not their numbers."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # 4 single-process runs and 8 ranks building 3 engines: minutes on a busy 2-core host
+def test_optimizers_bench_prints_the_sweep_the_tokens_and_the_step_time_ratios():
+    cmd = [sys.executable, str(ROOT / "tools" / "bench" / "optimizers.py"), "--steps", "2", "--seeds", "2",
+           "--lrs", "3e-3,1e-2", "--window", "1", "--target", "100", "--jobs", "2",
+           "--time-steps", "1", "--time-warmup", "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for name in ("adamw", "muon"):
+        assert re.search(rf"^{name}\s+\d+\.\d{{4}}\s+\d+\.\d{{4}}$", out, re.M), out  # the sweep: a loss per lr
+        # every seed reaches a loss of 100 at its first step: 4,096 tokens
+        assert re.search(rf"^{name}\s+0\.0(03|1)\s+4,096\s+4,096\s+4,096$", out, re.M), out
+    assert re.search(r"^muon / adamw tokens: 1\.00 x$", out, re.M), out
+    for name in ("adamw", "muon-bf16", "muon-fp32"):
+        assert re.search(rf"^{name}\s+\d+\.\d\dx$", out, re.M), out
+    assert re.search(r"^adamw\s+1\.00x$", out, re.M), out
