@@ -27,7 +27,7 @@ MiB, GiB = 2 ** 20, 2 ** 30
 def memory_lines(cfg: Config) -> List[str]:
     """Model-state bytes per rank of every pipeline rank (tp rank 0, dp rank 0)."""
     p, t = cfg.parallel, cfg.train
-    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
+    topo = Topology.of(p)
     bucket = max(1, int(p.bucket_mb * MiB) // 4)
     shards = p.dp * p.cp  # ZeRO shards over dp x cp
     lines = [f"model state per rank (parameters + gradients + optimizer; dtype={t.dtype}, "
@@ -79,7 +79,7 @@ def peak_lines(cfg: Config) -> List[str]:
              f"  {'term':<34}{head}",
              f"  {'micro-batches in flight':<34}" + "".join(f"{_flight(mem):>12}" for mem in shown)]
     lines += [f"  {label:<34}" + "".join(f"{format_bytes(get(mem)):>12}" for mem in shown) for label, get in rows]
-    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
+    topo = Topology.of(p)
     first = topo.rank(worst.pp_rank, 0, 0, 0)
     lines.append(f"  worst: pp rank {worst.pp_rank} (global ranks {first}..{first + p.dp * p.cp * p.tp - 1}), "
                  f"{format_bytes(worst.total)} per rank")
@@ -112,7 +112,7 @@ def describe_plan(cfg: Config, defaults: Sequence[str] = ()) -> str:
     """The dry run's text; ``defaults``: the lines naming the sizing knobs left at their defaults
     (trainer3d/config/defaults_used.py), printed under the batch line."""
     p, t = cfg.parallel, cfg.train
-    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
+    topo = Topology.of(p)
     cp = f" x cp={p.cp}" if p.cp > 1 else ""
     lines = [
         f"layout: tp={p.tp}{cp} x pp={p.pp} x dp={p.dp} = {topo.world_size} ranks, zero_stage={p.zero_stage}"
