@@ -14,6 +14,7 @@ from typing import List, Sequence
 import torch
 
 from trainer3d.config.schema import Config
+from trainer3d.config.schema_parallel import zero_shards
 from trainer3d.memory.states import (engine_model_state_bytes, format_bytes, paper_model_state_bytes,
                                      rank_muon_mask, rank_parameter_shapes)
 from trainer3d.model.transformer import count_parameters
@@ -29,9 +30,10 @@ def memory_lines(cfg: Config) -> List[str]:
     p, t = cfg.parallel, cfg.train
     topo = Topology.of(p)
     bucket = max(1, int(p.bucket_mb * MiB) // 4)
-    shards = p.dp * p.cp  # ZeRO shards over dp x cp
+    shards = zero_shards(p)  # ZeRO shards over dp x cp (HSDP: dp_shard x cp)
     lines = [f"model state per rank (parameters + gradients + optimizer; dtype={t.dtype}, "
-             f"zero_stage={p.zero_stage}, dp={p.dp}{f' x cp={p.cp}' if p.cp > 1 else ''}; "
+             f"zero_stage={p.zero_stage}, dp={p.dp}{f' x cp={p.cp}' if p.cp > 1 else ''}"
+             f"{f', sharded over dp_shard={p.dp_shard}' if shards < p.dp * p.cp else ''}; "
              "trainer3d/memory/states.py):",
              f"  {'pp rank':>7}  {'parameters':>14}  {'this engine':>12}  {'ZeRO paper*':>12}  "
              f"params / grads / master / optimizer"]
