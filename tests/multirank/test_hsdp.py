@@ -1,6 +1,7 @@
 """Hybrid sharding (HSDP, ``parallel.dp_shard``): FSDP2 on a 2-D (replicate, shard) mesh trains
-the single-process model (fp32, relative 1e-5 over 20 steps), and each rank holds the shard of
-its shard group's place, the same as its replicas.
+the single-process model (fp32, relative 1e-5 over 20 steps), each rank holds the shard of its
+place in its shard group, the same as its replicas, and its checkpoints load into other layouts
+and theirs into it.
 """
 
 import math
@@ -18,7 +19,10 @@ from trainer3d.observe.telemetry import model_state_bytes
 from trainer3d.parallel.parallelize import build_model_chunks, build_optimizer
 from trainer3d.parallel.topology import ParallelDims, Topology
 from trainer3d.parallel.zero.flat import bucket_numel
-from tests.support.runs import PARITY, assert_parity, losses_in_ranks, read_metrics, reference_dir, reference_losses
+from tests.integration.test_checkpoint_resume import BASE, MODEL, assert_close
+from tests.support.runs import (PARITY, assert_parity, losses_in_ranks, read_metrics, reference_dir, reference_losses,
+                                train_in_ranks)
+from trainer3d.checkpoint import store
 
 LAYOUTS = [
     ("parallel.zero_stage=3", "parallel.dp=4", "parallel.dp_shard=2"),
@@ -97,3 +101,30 @@ def test_hsdp_shards_over_the_group_and_trains_as_one_process():
     # plus the step counter; ZeRO-2 keeps its gathered parameters only from forward to backward
     psi = sum(math.prod(s) for s in by_stage[0][3]["shapes"])
     assert by_stage[0][3]["measured"] == pytest.approx(16 * psi / shard, rel=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # four runs of up to 4 gloo ranks on 2 loaded cores
+def test_hsdp_checkpoints_reshard_to_zero1_and_one_process_and_back(tmp_path, session_tmp):
+    """HSDP (dp4, S=2, ZeRO-3) -> ZeRO-1 dp2 -> one process -> HSDP (dp4, S=2, ZeRO-2), each
+    link resuming from the previous one's checkpoint (the pattern of tests/integration/
+    test_checkpoint_resume.py's reshard chain): the 20 steps trained once along the chain, each
+    link's losses within 1e-5 of the uninterrupted 1-rank run's."""
+    ref = reference_losses(session_tmp, [*PARITY, *MODEL])
+    hsdp = ("parallel.dp=4", "parallel.dp_shard=2")
+    chain = [((*hsdp, "parallel.zero_stage=3"), None), (("parallel.dp=2", "parallel.zero_stage=1"), 5),
+             (("parallel.zero_stage=0",), 10), ((*hsdp, "parallel.zero_stage=2"), 15)]
+    same_schedule = f"optim.decay_steps={20 - 5}"  # PARITY: 20 steps, 5 of warm-up
+    previous = None
+    for i, (lay, start) in enumerate(chain):
+        run = tmp_path / f"run{i}"
+        stop = chain[i + 1][1] + 1 if i + 1 < len(chain) else 20
+        resume = [f"train.resume={store.step_dir(previous / 'checkpoints', start)}"] if start else []
+        stdout = train_in_ranks(run, [*BASE, *lay, "checkpoint.every=5", same_schedule, f"train.max_steps={stop}",
+                                      *resume])
+        if start:
+            assert "layout changed since the checkpoint" in stdout
+        rows = read_metrics(run)
+        assert [r["step"] for r in rows] == list(range(start or 0, stop))
+        assert_close([r["loss"] for r in rows], ref[start or 0:stop])
+        previous = run
