@@ -65,7 +65,8 @@ def _hsdp_stage(world, shard, stage, dtype="fp32"):
         shapes = [tuple(p.shape) for p in Transformer(cfg.model).parameters()]
     want = engine_model_state_bytes(shapes, shard, stage, dtype, bucket_numel(cfg), dims.zero_shard_rank)
     params = {n: t.numpy() for n, t in params_by_name(model, opt).items()}  # plain arrays cross the queue
-    return dict(norms=norms, params=params, placements=placements, mesh=dims.hsdp_mesh.shape,
+    views = {v.name: (v.start, v.end) for v in opt.checkpoint_views()}  # what a checkpoint reads and writes
+    return dict(norms=norms, params=params, placements=placements, mesh=dims.hsdp_mesh.shape, views=views,
                 shard_numel=sum(t.numel() for t in local), replicas_equal=all(torch.equal(r, replicas[0]) for r in replicas),
                 measured=model_state_bytes([model], opt), want=want.total - want.gathered, shapes=shapes)
 
@@ -77,8 +78,8 @@ def test_hsdp_shards_over_the_group_and_trains_as_one_process():
     shard group and Replicate over the replicas on a 2-D mesh; each rank holds its half of the
     rows of every parameter (a hand count; full sharding would hold a quarter), the same
     as its replica; the model-state bytes it holds are trainer3d/memory/states.py's with N = 2,
-    exactly; parameters and gradient norms match torch's AdamW on one process (the tolerances
-    of tests/multirank/test_zero.py's stage 2/3 comparison)."""
+    exactly; its checkpoint pieces are those rows; parameters and gradient norms match torch's
+    AdamW on one process (the tolerances of tests/multirank/test_zero.py's stage 2/3 comparison)."""
     world, shard = 4, 2
     by_stage = run_ranks(_hsdp_rank, world, shard, timeout=600)
     ref_params, ref_norms = reference_steps(make_cfg(world, 0, grad_clip=0.5), 3)
@@ -93,6 +94,10 @@ def test_hsdp_shards_over_the_group_and_trains_as_one_process():
         assert r["placements"] == {(Replicate(), Shard(0))}
         assert r["shard_numel"] == held and r["replicas_equal"], (rank, stage)
         assert r["measured"] == r["want"], (rank, stage, r["measured"], r["want"])
+        for name, value in ref_params.items():  # the checkpoint's pieces: the same rows, flat
+            per, row = -(-value.shape[0] // shard), math.prod(value.shape[1:])
+            lo, hi = min(k * per, value.shape[0]) * row, min((k + 1) * per, value.shape[0]) * row
+            assert r["views"][name] == (lo, hi), (rank, stage, name)
         assert r["norms"] == pytest.approx(ref_norms, rel=1e-5), (rank, stage)
         for name, value in ref_params.items():
             torch.testing.assert_close(torch.from_numpy(r["params"][name]), value, rtol=1e-5, atol=4e-6,
