@@ -37,10 +37,11 @@ LAYOUTS = [
 def test_hsdp_matches_single_process(tmp_path, session_tmp, layout):
     ref = reference_losses(session_tmp, PARITY)
     assert_parity(losses_in_ranks(tmp_path, [*PARITY, "parallel=single", *layout]), ref)
-    # the replicas' shards are counted once in the global norm (clipping would hide a double count)
+    # the replicas' shards are counted once in the global norm: a double count is sqrt(2) apart,
+    # the order of sums ~1e-5 (1.2e-5 measured at step 7 of dp4 S=2), so 1e-4 tells them apart
     norms = [r["grad_norm"] for r in read_metrics(tmp_path)]
     ref_norms = [r["grad_norm"] for r in read_metrics(reference_dir(session_tmp, PARITY))]
-    assert norms == pytest.approx(ref_norms, rel=1e-5)
+    assert norms == pytest.approx(ref_norms, rel=1e-4)
 
 
 def _hsdp_rank(rank, world, shard):
