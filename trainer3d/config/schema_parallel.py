@@ -28,6 +28,11 @@ class ParallelConfig:
     sequences, docs/context_parallel.md)."""
     zero_stage: int = 0
     """0: replicated optimizer; 1: optimizer state sharded over dp; 2/3 (pp == 1 only): FSDP2."""
+    dp_shard: Optional[int] = None
+    """ZeRO-2/3 only: shard parameters, gradients and optimizer state over groups of dp_shard
+    neighbouring dp ranks and replicate them over the dp / dp_shard groups (HSDP: FSDP2 on a 2-D
+    (dp_replicate, dp_shard) mesh). Must divide dp; null: dp_shard = dp (full sharding).
+    docs/parallelism.md, "Hybrid sharding"."""
     offload_optimizer: bool = False
     """ZeRO-Offload: this rank's fp32 master weights and AdamW moments live in host memory
     (pinned on CUDA) and the AdamW step runs on the host's cores. Stages 0/1: the device keeps
@@ -56,3 +61,10 @@ class ParallelConfig:
     """The timeout of start-up (rendezvous, building the model, the first step with its
     compilation, the first evaluation and the step after it, which compile and infer shapes
     again) and of checkpoint saves and loads, which may wait on a slow shared filesystem."""
+
+
+def zero_shards(p: ParallelConfig) -> int:
+    """How many ranks hold distinct shards of the ZeRO state: dp x cp, or dp_shard x cp under
+    HSDP (zero_stage 2/3 with dp_shard set); the state is replicated over the rest of dp."""
+    shard = p.dp_shard if p.zero_stage >= 2 and p.dp_shard is not None else p.dp
+    return shard * p.cp

@@ -40,7 +40,11 @@ def _layout_text(cfg: Config) -> str:
 def layout_of(cfg: Config) -> dict:
     """The run's layout: the world size and the ``parallel.*`` knobs that decide what each
     rank holds (logged with the config, kept in every checkpoint's marker, compared on resume)."""
-    return {"world_size": world_size_of(cfg), **{k: getattr(cfg.parallel, k) for k in LAYOUT_KEYS}}
+    p = cfg.parallel
+    layout = {"world_size": world_size_of(cfg), **{k: getattr(p, k) for k in LAYOUT_KEYS}}
+    if p.zero_stage >= 2 and p.dp_shard not in (None, p.dp):  # HSDP only: full sharding's marker unchanged
+        layout["dp_shard"] = p.dp_shard
+    return layout
 
 
 def validate(cfg: Config, world_size: Optional[int] = None) -> Config:
@@ -286,6 +290,32 @@ def _check_zero_and_precision(cfg: Config, problems: List[str]) -> None:
             f"parallel.zero_stage={p.zero_stage} with parallel.pp={p.pp}: pipelining accumulates full "
             "gradients over a step's micro-batches, so partitioned gradients/parameters buy nothing and "
             "break the schedule; use parallel.zero_stage=1 (or 0) with pipelining")
+    _check_hsdp(cfg, problems)
+
+
+def _check_hsdp(cfg: Config, problems: List[str]) -> None:
+    """``parallel.dp_shard``: FSDP2's shard group, S neighbouring dp ranks (docs/parallelism.md)."""
+    p, launcher = cfg.parallel, cfg.launcher
+    if p.dp_shard is None:
+        return
+    divisors = [d for d in range(1, p.dp + 1) if p.dp % d == 0]
+    if p.zero_stage < 2:
+        problems.append(f"parallel.dp_shard={p.dp_shard} shards FSDP2's parameters, gradients and optimizer state, "
+                        f"which parallel.zero_stage={p.zero_stage} does not use; set parallel.zero_stage=3 (or 2), "
+                        "or parallel.dp_shard=null")
+    elif p.dp % p.dp_shard:
+        problems.append(f"parallel.dp_shard={p.dp_shard} does not divide parallel.dp={p.dp} into equal replicas; "
+                        f"set parallel.dp_shard to one of {divisors}")
+    elif launcher.name == "slurm":
+        per_node = launcher.tasks_per_node or world_size_of(cfg) // launcher.nodes
+        group = p.dp_shard * p.cp * p.tp  # consecutive ranks (trainer3d/parallel/topology.py)
+        if per_node and per_node % group and group % per_node:
+            fits = [d for d in divisors if per_node % (d * p.cp * p.tp) == 0]
+            problems.append(f"parallel.dp_shard={p.dp_shard}: a shard group is dp_shard x cp x tp = {group} "
+                            f"consecutive ranks, which straddles the nodes' {per_node} ranks each, so its "
+                            f"all-gathers cross a node boundary; set parallel.dp_shard to "
+                            f"{f'one of {fits} (a group inside a node) or ' if fits else ''}a value whose group "
+                            "is a whole number of nodes")
 
 
 def _check_data(cfg: Config, problems: List[str]) -> None:

@@ -14,6 +14,7 @@ from typing import List, Sequence
 import torch
 
 from trainer3d.config.schema import Config
+from trainer3d.config.schema_parallel import zero_shards
 from trainer3d.memory.states import (engine_model_state_bytes, format_bytes, paper_model_state_bytes,
                                      rank_muon_mask, rank_parameter_shapes)
 from trainer3d.model.transformer import count_parameters
@@ -27,11 +28,12 @@ MiB, GiB = 2 ** 20, 2 ** 30
 def memory_lines(cfg: Config) -> List[str]:
     """Model-state bytes per rank of every pipeline rank (tp rank 0, dp rank 0)."""
     p, t = cfg.parallel, cfg.train
-    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
+    topo = Topology.of(p)
     bucket = max(1, int(p.bucket_mb * MiB) // 4)
-    shards = p.dp * p.cp  # ZeRO shards over dp x cp
+    shards = zero_shards(p)  # ZeRO shards over dp x cp (HSDP: dp_shard x cp)
     lines = [f"model state per rank (parameters + gradients + optimizer; dtype={t.dtype}, "
-             f"zero_stage={p.zero_stage}, dp={p.dp}{f' x cp={p.cp}' if p.cp > 1 else ''}; "
+             f"zero_stage={p.zero_stage}, dp={p.dp}{f' x cp={p.cp}' if p.cp > 1 else ''}"
+             f"{f', sharded over dp_shard={p.dp_shard}' if shards < p.dp * p.cp else ''}; "
              "trainer3d/memory/states.py):",
              f"  {'pp rank':>7}  {'parameters':>14}  {'this engine':>12}  {'ZeRO paper*':>12}  "
              f"params / grads / master / optimizer"]
@@ -79,7 +81,7 @@ def peak_lines(cfg: Config) -> List[str]:
              f"  {'term':<34}{head}",
              f"  {'micro-batches in flight':<34}" + "".join(f"{_flight(mem):>12}" for mem in shown)]
     lines += [f"  {label:<34}" + "".join(f"{format_bytes(get(mem)):>12}" for mem in shown) for label, get in rows]
-    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
+    topo = Topology.of(p)
     first = topo.rank(worst.pp_rank, 0, 0, 0)
     lines.append(f"  worst: pp rank {worst.pp_rank} (global ranks {first}..{first + p.dp * p.cp * p.tp - 1}), "
                  f"{format_bytes(worst.total)} per rank")
@@ -112,7 +114,7 @@ def describe_plan(cfg: Config, defaults: Sequence[str] = ()) -> str:
     """The dry run's text; ``defaults``: the lines naming the sizing knobs left at their defaults
     (trainer3d/config/defaults_used.py), printed under the batch line."""
     p, t = cfg.parallel, cfg.train
-    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
+    topo = Topology.of(p)
     cp = f" x cp={p.cp}" if p.cp > 1 else ""
     lines = [
         f"layout: tp={p.tp}{cp} x pp={p.pp} x dp={p.dp} = {topo.world_size} ranks, zero_stage={p.zero_stage}"

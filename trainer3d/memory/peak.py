@@ -42,6 +42,7 @@ from typing import Dict, List, Optional, Tuple
 from trainer3d.memory.activations import (FP32, Sizes, chunk_terms, document_mask_terms, layer_terms,
                                           loss_transient_bytes, peak_in_flight, schedule_ops, shared_terms)
 from trainer3d.config.schema import Config
+from trainer3d.config.schema_parallel import zero_shards
 from trainer3d.memory.muon_step import muon_step_bytes
 from trainer3d.memory.staged import staged_bytes
 from trainer3d.memory.startup import startup_bytes
@@ -120,14 +121,14 @@ _STATES: Dict[str, ModelStateBytes] = {}
 def _states_of(cfg: Config, stages: List[int]) -> ModelStateBytes:
     """Model states of these stages, cached on what they depend on (the planner asks often)."""
     p = cfg.parallel
-    key = repr((sorted(vars(cfg.model).items()), p.tp, p.pp, p.pp_virtual_stages, p.pp_layers, p.dp * p.cp,
+    key = repr((sorted(vars(cfg.model).items()), p.tp, p.pp, p.pp_virtual_stages, p.pp_layers, zero_shards(p),
                 p.zero_stage, p.bucket_mb, cfg.train.dtype, stages, p.offload_optimizer, cfg.optim.name))
     if key not in _STATES:
         shapes = [s for stage in stages for s in stage_parameter_shapes(cfg, stage)]
         bucket = max(1, int(p.bucket_mb * 2 ** 20) // 4)
-        # ZeRO shards over dp x cp (the gradient-reduction group, trainer3d/parallel/topology.py)
+        # ZeRO shards over dp x cp (the gradient-reduction group, trainer3d/parallel/topology.py), HSDP over dp_shard x cp
         muon = [m for stage in stages for m in stage_muon_mask(cfg, stage)] if cfg.optim.name == "muon" else None
-        _STATES[key] = engine_model_state_bytes(shapes, p.dp * p.cp, p.zero_stage, cfg.train.dtype, bucket,
+        _STATES[key] = engine_model_state_bytes(shapes, zero_shards(p), p.zero_stage, cfg.train.dtype, bucket,
                                                 offload=p.offload_optimizer, muon=muon)
     return _STATES[key]
 
@@ -219,7 +220,7 @@ def _fsdp_unit_bytes(cfg: Config, b: int) -> int:
     root = sum(_numel(s) for s in (*shapes.before, *shapes.after))
     unit = max(block, root)
     gathered = 2 * b * unit if p.zero_stage == 3 else 0
-    copies = 3 * FP32 * -(-unit // (p.dp * p.cp)) if p.offload_optimizer else 0
+    copies = 3 * FP32 * -(-unit // zero_shards(p)) if p.offload_optimizer else 0
     return gathered + (b + FP32) * unit + copies
 
 

@@ -19,6 +19,7 @@ from math import prod
 from typing import List, Tuple
 
 from trainer3d.config.schema import Config
+from trainer3d.config.schema_parallel import zero_shards
 from trainer3d.memory.states import BYTES, STEP_BYTES, model_shapes, stage_parameter_shapes
 from trainer3d.parallel.pipeline.stages import n_stages, stages_of_rank
 from trainer3d.parallel.zero.buckets import plan_buckets
@@ -61,11 +62,11 @@ def saves_in_background(cfg: Config) -> bool:
 
 def staged_bytes(cfg: Config, pp_rank: int, dp_rank: int = 0) -> int:
     """Host bytes a background save stages on a rank of ``pp_rank`` at position ``dp_rank``
-    of its ZeRO group (dp x cp; rank 0 holds the most); 0 where no save runs in the background."""
+    of its ZeRO group (dp x cp, HSDP's dp_shard x cp; rank 0 holds the most); 0 where no save runs in the background."""
     if not saves_in_background(cfg):
         return 0
     p, dtype = cfg.parallel, cfg.train.dtype
-    b, n = BYTES[dtype], p.dp * p.cp
+    b, n = BYTES[dtype], zero_shards(p)
     scalars = STEP_BYTES + (FP16_PERSISTENT_BYTES if dtype == "fp16" else 0)
     shapes, kept = _shapes(cfg, pp_rank)
     if p.zero_stage >= 2:  # fp32 shard (the masters) and two moments of the real rows

@@ -22,6 +22,7 @@ from math import prod
 from typing import List, Tuple
 
 from trainer3d.config.schema import Config
+from trainer3d.config.schema_parallel import zero_shards
 from trainer3d.memory.states import ModelStateBytes
 from trainer3d.model.normal_stream import CHUNK
 
@@ -38,7 +39,7 @@ def startup_bytes(cfg: Config, shapes: List[Tuple[int, ...]], states: ModelState
     p = cfg.parallel
     if p.zero_stage < 2 or not shapes:
         return 0, 0
-    n = p.dp * p.cp
+    n = zero_shards(p)  # FSDP2's shard group: dp x cp, HSDP's dp_shard x cp
     largest = max(-(-s[0] // n) * prod(s[1:]) for s in shapes)
     stream = min(STREAM_BYTES, FP32 * p.tp * max(prod(s) for s in shapes))  # a tp slice streams the full tensor
     drawn = FP32 * largest + stream  # on the host

@@ -184,7 +184,7 @@ def engine_model_state_bytes(shapes: Shapes, dp: int, stage: int, dtype: str,
 def planning_dims(cfg: Config, rank: int) -> ParallelDims:
     """The ParallelDims of ``rank`` without process groups (for building shapes on meta)."""
     p = cfg.parallel
-    topo = Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
+    topo = Topology.of(p)
     return ParallelDims(topo=topo, rank=rank, mesh=None, tp_group=None, dp_group=None, pp_group=None,
                         device=torch.device("meta"))
 
@@ -253,7 +253,7 @@ def stage_muon_mask(cfg: Config, stage: int) -> Optional[List[bool]]:
 def rank_parameter_shapes(cfg: Config, rank: int) -> List[Tuple[int, ...]]:
     """Shapes of the parameters global ``rank`` holds, in registration order (its stages, TP-sharded)."""
     p = cfg.parallel
-    pp_rank = Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp).coords(rank).pp
+    pp_rank = Topology.of(p).coords(rank).pp
     return [s for stage in stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages) for s in stage_parameter_shapes(cfg, stage)]
 
 
@@ -262,7 +262,7 @@ def rank_muon_mask(cfg: Config, rank: int) -> Optional[List[bool]]:
     p = cfg.parallel
     if cfg.optim.name != "muon":
         return None
-    pp_rank = Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp).coords(rank).pp
+    pp_rank = Topology.of(p).coords(rank).pp
     return [m for stage in stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages) for m in stage_muon_mask(cfg, stage)]
 
 

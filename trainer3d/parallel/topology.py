@@ -36,6 +36,18 @@ gradients are reduced (and ZeRO shards its state) over dp x cp, the ``dp_cp`` gr
     cp groups (4): [0,2] [1,3] [4,6] [5,7]
     dp groups (4): [0,4] [1,5] [2,6] [3,7]
     dp_cp groups (2): [0,2,4,6] [1,3,5,7]
+
+Hybrid sharding (HSDP, ``dp_shard`` = S < dp, ZeRO-2/3): the dp x cp group splits into
+dp / S replicas of S x cp neighbouring members each, its dp index ``replica * S + shard``;
+FSDP2 shards over a replica's members and replicates over the replicas, on the 2-D mesh
+("dp_replicate", "dp_shard") — ("dp_replicate", "dp_shard_cp") when cp > 1, torchtitan's
+names. Rank order does not change: a shard group is S x cp x tp consecutive ranks, inside
+a node where it fits. With 8 ranks, tp=2, dp=4, S=2 (pp=cp=1)::
+
+    replica 0: [g0 g1] [g2 g3]     replica 1: [g4 g5] [g6 g7]
+
+    shard groups (4): [0,2] [1,3] [4,6] [5,7]
+    replicate groups (4): [0,4] [1,5] [2,6] [3,7]
 """
 
 import functools
@@ -64,11 +76,42 @@ class Topology:
     pp: int
     dp: int
     cp: int = 1
+    dp_shard: Optional[int] = None
+    """HSDP: FSDP2 shards over this many neighbouring dp ranks (None: all of dp)."""
 
     def __post_init__(self):
         for name in DIMS:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.dp_shard is not None and (self.dp_shard < 1 or self.dp % self.dp_shard):
+            raise ValueError(f"dp_shard={self.dp_shard} must divide dp={self.dp}")
+
+    @classmethod
+    def of(cls, parallel) -> "Topology":
+        """The layout of a ``parallel.*`` config section (trainer3d/config/schema_parallel.py);
+        dp_shard only counts for FSDP2 (zero_stage 2/3), which validation enforces."""
+        hsdp = parallel.zero_stage >= 2 and parallel.dp_shard not in (None, parallel.dp)
+        return cls(tp=parallel.tp, pp=parallel.pp, dp=parallel.dp, cp=parallel.cp,
+                   dp_shard=parallel.dp_shard if hsdp else None)
+
+    @property
+    def shard(self) -> int:
+        """dp ranks per FSDP2 shard group (S); dp without HSDP."""
+        return self.dp if self.dp_shard is None else self.dp_shard
+
+    @property
+    def hsdp(self) -> bool:
+        return self.shard < self.dp
+
+    def shard_groups(self) -> List[List[int]]:
+        """HSDP's shard groups: the S x cp neighbours of each (pp, replica, tp); the dp_cp groups without HSDP."""
+        return [[self.rank(pp, r * self.shard + s, c, t) for s in range(self.shard) for c in range(self.cp)]
+                for pp in range(self.pp) for r in range(self.dp // self.shard) for t in range(self.tp)]
+
+    def replicate_groups(self) -> List[List[int]]:
+        """HSDP's replicate groups: one member of each replica, at the same place in it."""
+        return [[self.rank(pp, r * self.shard + s, c, t) for r in range(self.dp // self.shard)]
+                for pp in range(self.pp) for s in range(self.shard) for c in range(self.cp) for t in range(self.tp)]
 
     @property
     def world_size(self) -> int:
@@ -147,6 +190,8 @@ class ParallelDims:
     """The ranks splitting this rank's sequences (context parallelism); None when cp == 1."""
     dp_cp_group: Optional[dist.ProcessGroup] = None
     """The ranks gradients are averaged over, and ZeRO shards over: dp x cp (the dp group when cp == 1)."""
+    hsdp_mesh: Optional[DeviceMesh] = None
+    """HSDP's 2-D (replicate, shard) mesh over dp x cp; None without HSDP."""
 
     @classmethod
     def build(cls, topo: Topology, device: torch.device, tied_embeddings: bool = False,
@@ -173,6 +218,12 @@ class ParallelDims:
             dims.cp_group = mesh["cp"].get_group()
             dims.dp_cp_group = mesh["dp", "cp"]._flatten("dp_cp").get_group()
             set_timeout([dims.dp_cp_group], timeout_s)
+        if topo.hsdp:
+            flat = dims.dp_cp_mesh()
+            shard_name = "dp_shard" if topo.cp == 1 else "dp_shard_cp"
+            dims.hsdp_mesh = flat._unflatten(0, (topo.dp // topo.shard, topo.shard * topo.cp),
+                                             ("dp_replicate", shard_name))
+            set_timeout([dims.hsdp_mesh[name].get_group() for name in ("dp_replicate", shard_name)], timeout_s)
         if tied_embeddings and topo.pp > 1:
             dims.embedding_group = _my_group(topo.embedding_groups(), dims.rank, timeout_s)
             dims.embedding_dp_group = _my_group(topo.embedding_dp_groups(), dims.rank, timeout_s)
@@ -182,6 +233,8 @@ class ParallelDims:
         """Every group this rank's step communicates over, the default group included."""
         own = [self.tp_group, self.dp_group, self.pp_group, self.embedding_group, self.embedding_dp_group,
                *((self.cp_group, self.dp_cp_group) if self.cp > 1 else ())]
+        if self.hsdp_mesh is not None:
+            own += [self.hsdp_mesh.get_group(0), self.hsdp_mesh.get_group(1)]
         return [dist.distributed_c10d._get_default_group()] + [g for g in own if g is not None]
 
     @property
@@ -202,9 +255,19 @@ class ParallelDims:
     dp_cp = property(lambda self: self.topo.dp * self.topo.cp)
     dp_cp_rank = property(lambda self: self.coords.dp * self.topo.cp + self.coords.cp)
 
+    # FSDP2's shard group (dp_shard x cp under HSDP, else dp x cp) and this rank's place in it:
+    # dp_cp_rank = replica * zero_shards + zero_shard_rank.
+    zero_shards = property(lambda self: self.topo.shard * self.topo.cp)
+    zero_shard_rank = property(lambda self: self.dp_cp_rank % (self.topo.shard * self.topo.cp))
+    dp_replicate_rank = property(lambda self: self.dp_cp_rank // (self.topo.shard * self.topo.cp))
+
     def dp_cp_mesh(self) -> DeviceMesh:
-        """The 1-D mesh of ``dp_cp_group`` (FSDP2 shards over it)."""
+        """The 1-D mesh of ``dp_cp_group``."""
         return self.mesh["dp"] if self.cp == 1 else self.mesh["dp_cp"]
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        """What FSDP2 shards over: the 1-D dp x cp mesh, or HSDP's 2-D (replicate, shard) mesh."""
+        return self.hsdp_mesh if self.hsdp_mesh is not None else self.dp_cp_mesh()
 
     @property
     def is_first_stage(self) -> bool:

@@ -14,9 +14,14 @@ from trainer3d.plan.search import Plan, SearchResult, command
 def _layout(plan_cfg) -> str:
     p, t = plan_cfg.parallel, plan_cfg.train
     return (f"tp={p.tp}{f' cp={p.cp}' if p.cp > 1 else ''} pp={p.pp} dp={p.dp} micro={t.micro_batch_size} "
-            f"zero={p.zero_stage}" + (" offload" if p.offload_optimizer else "")
+            f"zero={p.zero_stage}" + (f" dp_shard={p.dp_shard}" if p.dp_shard is not None else "") + (" offload" if p.offload_optimizer else "")
             + (" sp" if p.sequence_parallel else "") + (" recompute" if t.activation_checkpointing else "")
             + (f" interleaved v={p.pp_virtual_stages}" if p.pp_virtual_stages > 1 else ""))
+
+
+def _zero(p) -> str:
+    """The table's zero cell: the stage, ``/S`` when HSDP shards over dp_shard = S, ``+o`` offloaded."""
+    return f"{p.zero_stage}{f'/{p.dp_shard}' if p.dp_shard is not None else ''}{'+o' if p.offload_optimizer else ''}"
 
 
 def summary_lines(cfg: PlanConfig, device: Device, result: SearchResult) -> List[str]:
@@ -51,7 +56,7 @@ def table_lines(cfg: PlanConfig, plans: Sequence[Plan]) -> List[str]:
         p, t = plan.cfg.parallel, plan.cfg.train
         tflops = flops_per_token(plan.cfg.model, t.seq_len) * plan.tokens_per_s / world / 1e12
         lines.append(f"{i:>3} {p.tp:>3} {p.cp:>3} {p.pp:>3} {p.pp_virtual_stages:>2} {p.dp:>5} {t.micro_batch_size:>5} "
-                     f"{t.grad_accum_steps:>5} {str(p.zero_stage) + ('+o' if p.offload_optimizer else ''):>4} {'y' if p.sequence_parallel else '-':>3} "
+                     f"{t.grad_accum_steps:>5} {_zero(p):>4} {'y' if p.sequence_parallel else '-':>3} "
                      f"{'y' if t.activation_checkpointing else '-':>6} {format_bytes(plan.memory.total):>10} "
                      f"{plan.step.total:>8.3f} {plan.step.bubble / plan.step.total:>6.1%} "
                      f"{plan.tokens_per_s:>11,.0f} {tflops:>12.3g}")

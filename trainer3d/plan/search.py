@@ -6,7 +6,8 @@ node, trainer3d/parallel/topology.py), for long sequences (``search.context_para
 cp over the powers of two that divide what is left, pp over the divisors of what is left
 then (at most one layer per stage), dp the rest; then micro-batch size, ZeRO stage, sequence parallelism (tp > 1),
 recomputation and the schedule (1F1B, or interleaved 1F1B with v chunks per rank when
-pp > 1). Two of validate()'s rules shape the space instead of filtering it (ZeRO 2/3 only
+pp > 1), and for ZeRO-2/3 hybrid sharding over the dp_shard groups that fit a node
+(``dp_shards``). Two of validate()'s rules shape the space instead of filtering it (ZeRO 2/3 only
 without a pipeline; at least one layer per stage), a layout over the device's memory is
 tried once more with its optimizer offloaded to the host (``search.offload``; ZeRO-2/3: FSDP2's
 shards too; with one rank per tp slice, ZeRO-3 offloaded as well), and without data parallelism only ZeRO
@@ -108,13 +109,26 @@ def candidates(cfg: PlanConfig, device: Device) -> Iterator[Config]:
                 for zero in (z for z in s.zero_stages if (pp == 1 or z < 2) and (world > tp * pp or z == 0)):
                     for sp in (s.sequence_parallel if tp > 1 else [False]):
                         for recompute in s.recompute:
-                            for schedule, v in schedules:
+                            for (schedule, v), shard in ((sv, s) for sv in schedules
+                                                         for s in dp_shards(world // (tp * cp * pp), tp * cp, zero,
+                                                                            c.gpus_per_node)):
                                 parallel = dataclasses.replace(
                                     cfg.parallel, tp=tp, cp=cp, pp=pp, dp=world // (tp * cp * pp), zero_stage=zero,
-                                    sequence_parallel=sp, pp_schedule=schedule, pp_virtual_stages=v, pp_layers=None)
+                                    dp_shard=shard, sequence_parallel=sp, pp_schedule=schedule, pp_virtual_stages=v,
+                                    pp_layers=None)
                                 train = dataclasses.replace(cfg.train, micro_batch_size=micro, grad_accum_steps=None,
                                                             activation_checkpointing=recompute)
                                 yield dataclasses.replace(base, parallel=parallel, train=train)
+
+
+def dp_shards(dp: int, tp_cp: int, zero: int, ranks_per_node: int) -> List[Optional[int]]:
+    """``parallel.dp_shard`` values tried: full sharding (None), and for ZeRO-2/3 whose dp group
+    crosses nodes the HSDP shard groups of S < dp that fill a node or a part of one evenly
+    (S x tp x cp divides the node's ranks), whose all-gathers and reduce-scatters then stay on
+    the node's links."""
+    if zero < 2 or dp * tp_cp <= ranks_per_node:
+        return [None]
+    return [None] + [s for s in _divisors(dp) if s < dp and ranks_per_node % (s * tp_cp) == 0]
 
 
 _KNOB = re.compile(r"([a-z_]+\.[a-z_]+)")
@@ -214,6 +228,8 @@ def layout_overrides(cfg: Config) -> List[str]:
     out = [f"parallel.tp={p.tp}", f"parallel.pp={p.pp}", f"parallel.dp={p.dp}", f"parallel.zero_stage={p.zero_stage}"]
     if p.cp > 1:
         out.append(f"parallel.cp={p.cp}")
+    if p.dp_shard is not None:
+        out.append(f"parallel.dp_shard={p.dp_shard}")
     if p.sequence_parallel:
         out.append("parallel.sequence_parallel=true")
     if p.offload_optimizer:

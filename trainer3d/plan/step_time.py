@@ -47,6 +47,7 @@ from typing import Dict, List, Optional, Tuple
 
 from trainer3d.memory.activations import FP32, Sizes
 from trainer3d.config.schema import Config
+from trainer3d.config.schema_parallel import zero_shards
 from trainer3d.memory.states import BYTES, ModelStateBytes
 from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
 from trainer3d.plan.block_time import all_reduce_s, block_time, tp_region_s
@@ -218,23 +219,14 @@ def _dp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: Ran
                 ranks_per_node: int, backend: str) -> float:
     """The data-parallel communication one step waits for, plus what the part it overlaps
     with compute costs that compute (``overlap_cost``)."""
-    p, t = cfg.parallel, cfg.train
+    p = cfg.parallel
     n = p.dp * p.cp  # gradients are reduced, and ZeRO shards, over dp x cp
     if n == 1:
         return 0.0
+    if p.zero_stage in (2, 3):
+        return _fsdp_exposed(cfg, device, states, times, ranks_per_node)
     gbps = _link_gbps(device, p.tp * n, ranks_per_node, min(n, ranks_per_node // p.tp))
     lat = device.latency(min(ranks_per_node, p.tp * p.pp * n))
-    m = t.grad_accum_steps
-    if p.zero_stage in (2, 3):
-        params = states.sharded * n  # the unsharded parameters FSDP2 gathers (padded rows included)
-        b = BYTES[t.dtype]
-        units = cfg.model.n_layers + 1  # FSDP2 units: every block and the root (parallel/zero/fsdp.py)
-        gather = unit_gathers_s(b * params, units, n, gbps, lat)
-        scatter = unit_gathers_s(FP32 * params, units, n, gbps, lat)
-        bwd_gather = gather if p.zero_stage == 3 else 0.0
-        fwd_exposed, bwd_exposed = max(0.0, gather - times.forward), max(0.0, bwd_gather + scatter - times.backward)
-        hidden = m * (gather + bwd_gather + scatter - fwd_exposed - bwd_exposed)
-        return m * (fwd_exposed + bwd_exposed) + gather / (cfg.model.n_layers + 1) + overlap_cost(device, hidden)
     grads = states.grads
     scatter = p.zero_stage == 1 and backend == "nccl"
     reduce = gather_s(grads, n, gbps, lat) if scatter else all_reduce_s(grads, n, gbps, lat)
@@ -248,6 +240,34 @@ def _dp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: Ran
         exposed += gather_exposed
         hidden += gather - gather_exposed
     return exposed + overlap_cost(device, hidden)
+
+
+def _fsdp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: RankTimes,
+                  ranks_per_node: int) -> float:
+    """ZeRO-2/3 (FSDP2), per micro-batch: the units' all-gathers (forward; ZeRO-3 backward too)
+    and gradient reduce-scatters inside the shard group of n = ``zero_shards`` ranks (S x tp
+    consecutive ranks: a node's links where they fit in one), and under HSDP the all-reduce of
+    each unit's fp32 gradient shard over the dp x cp / n replicas (one member per replica, a
+    node or more apart: each through its own NIC), all during backward; what compute does not
+    hide is exposed, plus the first unit's gather."""
+    p, t = cfg.parallel, cfg.train
+    n, replicas = zero_shards(p), p.dp * p.cp // zero_shards(p)
+    params = states.sharded * n  # the unsharded parameters FSDP2 gathers (padded rows included)
+    units = cfg.model.n_layers + 1  # FSDP2 units: every block and the root (parallel/zero/fsdp.py)
+    gbps = _link_gbps(device, p.tp * n, ranks_per_node, min(n, ranks_per_node // p.tp))
+    lat = device.latency(min(ranks_per_node, p.tp * n))
+    gather = unit_gathers_s(BYTES[t.dtype] * params, units, n, gbps, lat)
+    scatter = unit_gathers_s(FP32 * params, units, n, gbps, lat)
+    if replicas > 1:
+        span = p.tp * p.dp * p.cp
+        r_gbps, r_lat = _link_gbps(device, span, ranks_per_node), device.latency(min(ranks_per_node, span))
+        # one all-reduce per unit: the bytes once, the ring's hops per unit
+        scatter += all_reduce_s(FP32 * states.sharded, replicas, r_gbps, 0.0) + units * 2 * (replicas - 1) * r_lat * 1e-6
+    bwd_gather = gather if p.zero_stage == 3 else 0.0
+    fwd_exposed, bwd_exposed = max(0.0, gather - times.forward), max(0.0, bwd_gather + scatter - times.backward)
+    m = t.grad_accum_steps
+    hidden = m * (gather + bwd_gather + scatter - fwd_exposed - bwd_exposed)
+    return m * (fwd_exposed + bwd_exposed) + gather / units + overlap_cost(device, hidden)
 
 
 def offload_s(cfg: Config, states: ModelStateBytes, backward: float, node_ranks: int, link: HostLink) -> float:

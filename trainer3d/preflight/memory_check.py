@@ -30,6 +30,7 @@ from typing import List, Optional
 import torch
 
 from trainer3d.config.schema import Config
+from trainer3d.config.schema_parallel import zero_shards
 from trainer3d.config.device import uses_cuda
 from trainer3d.memory.peak import rank_memory
 from trainer3d.memory.states import BYTES, format_bytes, model_shapes
@@ -66,7 +67,7 @@ def rank_parameters(cfg: Config, pp_rank: int) -> int:
 def states_lower_bound(cfg: Config, pp_rank: int) -> int:
     """Model-state bytes the rank holds at least (trainer3d/memory/states.py's table, with
     every padded length at its unpadded minimum)."""
-    psi, b, n = rank_parameters(cfg, pp_rank), BYTES[cfg.train.dtype], cfg.parallel.dp
+    psi, b, n = rank_parameters(cfg, pp_rank), BYTES[cfg.train.dtype], zero_shards(cfg.parallel) // cfg.parallel.cp
     master = 4 if b != 4 else 0
     stage = cfg.parallel.zero_stage
     if cfg.parallel.offload_optimizer:  # masters and moments on the host; stages 2/3 all their shards too
@@ -85,7 +86,7 @@ def host_lower_bound(cfg: Config, pp_rank: int) -> int:
     p, b = cfg.parallel, BYTES[cfg.train.dtype]
     if not p.offload_optimizer:
         return 0
-    owned = rank_parameters(cfg, pp_rank) // (p.dp * p.cp if p.zero_stage >= 1 else 1)
+    owned = rank_parameters(cfg, pp_rank) // (zero_shards(p) if p.zero_stage >= 1 else 1)
     return (16 + (b if b != 4 and p.zero_stage < 2 else 0)) * owned
 
 

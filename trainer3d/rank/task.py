@@ -76,7 +76,7 @@ def run_rank(cfg: Config, heartbeat: Optional[Heartbeat] = None, lock_run_dir: b
         if lock_run_dir:
             lock = _lock_on_rank0(cfg)
         p = cfg.parallel
-        dims = ParallelDims.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp), device, cfg.model.tie_embeddings,
+        dims = ParallelDims.build(Topology.of(p), device, cfg.model.tie_embeddings,
                                   timeout_s=p.init_timeout_s)
         trainer = Trainer(cfg, dims, prediction=predict_step(cfg, dims))
         trainer.heartbeat = heartbeat

@@ -1,8 +1,16 @@
 """ZeRO stages 2 and 3 through FSDP2 (``fully_shard``), for pp == 1 only.
 
 Every transformer block and then the root module are sharded over the dp sub-mesh
-(``dims.dp_cp_mesh()``, dp x cp): each rank keeps dim-0 slice ``dp_cp_rank`` of every parameter, in fp32
-(the master weights), with its gradient and AdamW moments for that slice alone.
+(``dims.fsdp_mesh()``, dp x cp): each rank keeps dim-0 slice ``zero_shard_rank`` of every parameter, in
+fp32 (the master weights), with its gradient and AdamW moments for that slice alone.
+
+Hybrid sharding (``parallel.dp_shard`` = S < dp): the mesh is 2-D, (dp_replicate, dp_shard),
+and ``fully_shard`` shards over its last dimension and replicates over the first
+(torch/distributed/fsdp/_fully_shard/_fully_shard.py: "If the mesh is 2D, then parameters are
+sharded across the 1st dim and replicated across the 0th dim"; torchtitan's
+``dp_replicate`` x ``dp_shard`` mesh). Each micro-batch's gradients are reduce-scattered
+inside the shard group and the shard then all-reduced over the replicas, both averaging, so
+the gradient is the mean over dp x cp as with full sharding.
 
 - Stage 3 (P_os+g+p): ``reshard_after_forward=True`` — a block's full parameters exist only
   while it runs, all-gathered again for backward.
@@ -68,7 +76,7 @@ def shard_model(model: nn.Module, cfg: Config, dims: ParallelDims) -> None:
     policy = MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute,
                                   reduce_dtype=torch.float32)
     reshard = cfg.parallel.zero_stage == 3
-    mesh = dims.dp_cp_mesh()
+    mesh = dims.fsdp_mesh()
     offload = offload_policy(cfg, dims)
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
@@ -85,10 +93,10 @@ def shard_model(model: nn.Module, cfg: Config, dims: ParallelDims) -> None:
 
 
 def dp_rows(rows: int, dims: ParallelDims) -> Tuple[int, int]:
-    """[start, stop) of the dim-0 rows this rank's FSDP2 shard holds: ``torch.chunk`` over
-    dp x cp, ceil(rows / n) rows a rank, the last ranks fewer or none."""
-    per = -(-rows // dims.dp_cp)
-    start = min(dims.dp_cp_rank * per, rows)
+    """[start, stop) of the dim-0 rows this rank's FSDP2 shard holds: ``torch.chunk`` over the
+    n = ``zero_shards`` ranks of its shard group, ceil(rows / n) rows a rank, the last ranks fewer or none."""
+    per = -(-rows // dims.zero_shards)
+    start = min(dims.zero_shard_rank * per, rows)
     return start, min(start + per, rows)
 
 
@@ -146,7 +154,8 @@ class FSDPOptimizer(ZeroOptimizer):
         # beside the shards, where the kernel wants it: the device, or the host when offloaded
         self.step_count = torch.zeros((), dtype=torch.float32, device=self.local[0].device)
         self.decay = [decays(n, p) for n, p in self.named]
-        self.counted = [counted_once_over_tp(p, dims) for p in self.params]
+        # HSDP's replicas hold the same gradient shards: the norm counts the first replica's
+        self.counted = [counted_once_over_tp(p, dims) and dims.dp_replicate_rank == 0 for p in self.params]
         self.scaler = make_loss_scaler(DTYPES[cfg.train.dtype], dims.device, cfg.train.loss_scale_init)
 
     def _local_grads(self) -> List[torch.Tensor]:
@@ -186,12 +195,11 @@ class FSDPOptimizer(ZeroOptimizer):
 
     def checkpoint_views(self) -> List[StateView]:
         """Per parameter: the flat range of its (tp-local) tensor this rank's shard covers
-        (FSDP2 gives rank r rows [r*ceil(rows/dp), ...)), with views of the shard — the fp32
-        parameters are the master weights — and of its moments."""
+        (``dp_rows``), with views of the shard — the fp32 parameters are the master weights —
+        and of its moments. HSDP's replicas describe the same pieces; DCP writes one of each."""
         out = []
         for (name, param), local, a, b in zip(self.named, self.local, self.exp_avg, self.exp_avg_sq):
-            rows, per_row = param.shape[0], math.prod(param.shape[1:])
-            lo = min(self.dims.dp_cp_rank * -(-rows // self.dims.dp_cp), rows) * per_row
+            lo = dp_rows(param.shape[0], self.dims)[0] * math.prod(param.shape[1:])
             out.append(StateView(name, tuple(param.shape), tp_shard_of(param), lo, lo + local.numel(),
                                  {"param": local.view(-1), "exp_avg": a.view(-1), "exp_avg_sq": b.view(-1)}))
         return out
