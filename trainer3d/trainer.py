@@ -21,6 +21,7 @@ import time
 from typing import Callable, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from trainer3d.checkpoint.manager import Checkpointer, agree_on_resume
@@ -28,6 +29,7 @@ from trainer3d.checkpoint.rollback import agree_on_rollback
 from trainer3d.data.skips import SkipLog
 from trainer3d.config.schema import Config
 from trainer3d.data.loader import Prefetcher, build_readers
+from trainer3d.data.loss_mask import IGNORE_INDEX
 from trainer3d.data.sources import eval_batches, evaluates
 from trainer3d.observe.evaluate import Evaluator
 from trainer3d.observe.goodput import Prediction
@@ -58,16 +60,39 @@ class MicroBatchLoss:
     returns what backward needs: the loss divided by grad_accum (so accumulated gradients
     are those of the step's mean loss; the schedule's own gradient scaling stays off) and
     multiplied by the optimizer's loss scale (fp16).
+
+    With a loss mask (``data.loss_mask``; masked-out targets are ``IGNORE_INDEX``) the step's loss
+    is the sum of the kept tokens' losses over the whole global batch divided by their count N,
+    whatever the layout. ``normalise`` counts them once per global batch (one all-reduce of one
+    number over dp x cp, before any backward) and each micro-batch's loss becomes its kept sum
+    divided by N / (grad_accum x dp x cp): the mean of those over the micro-batches and the dp x cp
+    ranks, which the trainer's 1/grad_accum and the gradients' average over dp x cp take, is the
+    sum over all kept tokens divided by N, and so is the logged loss (observe/metrics.py).
     """
 
-    def __init__(self, loss_fn: Callable, grad_accum_steps: int, optimizer: ZeroOptimizer):
+    def __init__(self, loss_fn: Callable, grad_accum_steps: int, optimizer: ZeroOptimizer,
+                 dims: Optional[ParallelDims] = None, loss_mask: bool = False):
         self.loss_fn = loss_fn
         self.grad_accum_steps = grad_accum_steps
         self.optimizer = optimizer
         self.losses = StepLosses()
+        self.dims, self.loss_mask = dims, loss_mask
+        self.norm: Optional[torch.Tensor] = None
+        """N / (grad_accum x dp x cp) of the global batch being run (a device tensor), None without a mask."""
+
+    def normalise(self, targets: Optional[torch.Tensor]) -> None:
+        """Set the normaliser from this rank's share of a global batch's ``targets`` (grad_accum,
+        micro_batch, seq); a no-op without a loss mask or where no loss is computed (targets None).
+        A batch with no kept token gets N = 1: its loss and gradient are zero."""
+        if not self.loss_mask or targets is None:
+            return
+        count = (targets != IGNORE_INDEX).sum()  # int64: exact at any batch size
+        if self.dims.dp_cp > 1:
+            dist.all_reduce(count, group=self.dims.dp_cp_group)
+        self.norm = count.clamp_min(1) / (targets.shape[0] * self.dims.dp_cp)  # fp32, rounded once
 
     def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = self.loss_fn(output, targets)
+        loss = self.loss_fn(output, targets) if self.norm is None else self.loss_fn(output, targets, self.norm)
         self.losses.record(loss)
         return self.optimizer.scale_loss(loss) / self.grad_accum_steps
 
@@ -102,7 +127,8 @@ class Trainer:
         self.optimizer: ZeroOptimizer = build_optimizer(self.chunks, cfg, dims)
         self.grads = GradFinalizer(self.chunks, self.optimizer, dims, cfg.parallel.sequence_parallel)
         self.checkpointer = Checkpointer(cfg, dims, self.optimizer, self.timeouts)
-        self.micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims, self.chunks), t.grad_accum_steps, self.optimizer)
+        self.micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims, self.chunks), t.grad_accum_steps, self.optimizer,
+                                         dims, cfg.data.loss_mask)
         apply_moe_layout(self.chunks, cfg, dims)  # MoE losses' gradients scaled as MicroBatchLoss scales
         self.pipeline = Pipeline(self.chunks, self.micro_loss, cfg, dims) if dims.pp > 1 else None
         self.data, self.evaluator = self._build_data()
@@ -156,6 +182,7 @@ class Trainer:
         (the first stage inputs, the last targets), None elsewhere. Returns the mean loss
         over micro-batches on ranks that compute it (the last stage), None elsewhere.
         """
+        self.micro_loss.normalise(targets)
         if self.pipeline is not None:
             self.pipeline.forward_backward(inputs, targets)  # checks the count of losses its last stage records
             return self.micro_loss.losses.take_mean()
@@ -167,6 +194,7 @@ class Trainer:
     def forward_only(self, inputs: Optional[torch.Tensor],
                      targets: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The micro-batches forward, without a gradient (evaluation); the mean loss as forward_backward."""
+        self.micro_loss.normalise(targets)
         with torch.no_grad():
             if self.pipeline is not None:
                 self.pipeline.forward(inputs, targets)

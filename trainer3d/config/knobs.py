@@ -93,7 +93,7 @@ CHOICES: Dict[str, Tuple[object, ...]] = {
     "optim.muon.adjust_lr": ("original", "match_rms_adamw"),
     "optim.muon.ns_dtype": ("bf16", "fp32"),
     "optim.muon.nesterov": (True, False),
-    "data.name": ("stdlib", "tokens"),
+    "data.name": ("stdlib", "tokens", "chat_sample"),
     "launcher.name": ("local", "slurm", "inplace"),
     "logger.name": ("console", "wandb", "tensorboard"),
     "logger.mode": ("auto", "offline", "online", "disabled"),

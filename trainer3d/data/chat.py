@@ -10,9 +10,9 @@ the tokenizer's special tokens (``bos_token``, ``eos_token``, ...), and ``raise_
 The sandbox: a template comes with a downloaded tokenizer and is untrusted, so it runs in
 Jinja2's ``ImmutableSandboxedEnvironment`` (https://jinja.palletsprojects.com/en/stable/sandbox/):
 attributes starting with an underscore (``__class__``, ``__subclasses__``, ``__globals__`` ...),
-calls of unsafe callables and any method that changes a list or dict are refused there; what a
-refused access produces raises ``SecurityError`` when rendered, and a record whose rendering
-raises anything is refused naming its file and line. No filter or global of ours reaches the
+calls of unsafe callables and any method that changes a list or dict are refused there, each
+raising ``SecurityError`` at once (``_Sandbox``), and a record whose rendering raises anything is
+refused naming its file and line. No filter or global of ours reaches the
 machine (``tojson`` is Jinja2's own; no ``strftime_now``).
 
 The loss mask marks the tokens the model is trained to produce: the assistant's. It is found by
@@ -38,6 +38,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 from jinja2 import TemplateError, ext
+from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -59,6 +60,15 @@ def _raise_exception(message):
     raise TemplateError(message)
 
 
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """Jinja2's immutable sandbox, where a refused attribute raises at once: the stock one hands
+    back an undefined value that renders as nothing, and a template probing ``__globals__`` would
+    render on, quietly."""
+
+    def unsafe_undefined(self, obj, attribute):
+        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__} object is unsafe")
+
+
 @dataclass
 class ChatTemplate:
     """A tokenizer's chat template, compiled in the sandbox, with the special tokens it reads."""
@@ -69,7 +79,7 @@ class ChatTemplate:
     special: Dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols])
+        env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols])
         env.globals["raise_exception"] = _raise_exception
         try:
             self.template = env.from_string(self.source)
