@@ -30,6 +30,7 @@ straddles a boundary (a merge across it) goes to the side it starts on.
 """
 
 import collections
+import functools
 import json
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -175,7 +176,8 @@ def conversations(files: Sequence[Path], progress: Progress) -> Iterator[Convers
     for path in files:
         raw, stream = open_input(path, progress)
         try:
-            for number, line in enumerate(iter(lambda: stream.readline(MAX_RECORD_BYTES + 1), b""), start=1):
+            for number, line in enumerate(iter(functools.partial(stream.readline, MAX_RECORD_BYTES + 1), b""),
+                                          start=1):
                 where = f"{path}:{number}"
                 if len(line) > MAX_RECORD_BYTES:
                     raise InputError(f"{where}: a record longer than {MAX_RECORD_BYTES} bytes")
