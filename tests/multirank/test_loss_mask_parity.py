@@ -70,6 +70,7 @@ def _hand_losses(cfg, steps):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_masked_loss_is_the_global_batch_mean_by_hand(tmp_path, session_tmp):
     """At lr 1e-12 (updates of about 1e-12 per weight) every step's loss is the initial model's
