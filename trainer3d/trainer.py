@@ -22,6 +22,7 @@ import time
 from typing import Callable, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from trainer3d.checkpoint import history
@@ -30,6 +31,7 @@ from trainer3d.checkpoint.rollback import agree_on_rollback
 from trainer3d.data.skips import SkipLog
 from trainer3d.config.schema import Config
 from trainer3d.data.loader import Prefetcher, build_readers
+from trainer3d.data.loss_mask import IGNORE_INDEX
 from trainer3d.data.segments import build_segments
 from trainer3d.data.sources import eval_windows, evaluates
 from trainer3d.observe.evaluate import Evaluator
@@ -65,22 +67,44 @@ class MicroBatchLoss:
     multiplied by the optimizer's loss scale (fp16). Inside ``summing`` (evaluation) it
     records ``sum_fn``'s sum of the token losses whose target counts instead
     (trainer3d/parallel/tensor/loss_sum.py).
+
+    With a loss mask (``data.loss_mask``; masked-out targets are ``IGNORE_INDEX``) the step's loss
+    is the sum of the kept tokens' losses over the whole global batch divided by their count N,
+    whatever the layout. ``normalise`` counts them once per global batch (one all-reduce of one
+    number over dp x cp, before any backward) and each micro-batch's loss becomes its kept sum
+    divided by N / (grad_accum x dp x cp): the mean of those over the micro-batches and the dp x cp
+    ranks, which the trainer's 1/grad_accum and the gradients' average over dp x cp take, is the
+    sum over all kept tokens divided by N, and so is the logged loss (observe/metrics.py).
     """
 
     def __init__(self, loss_fn: Callable, grad_accum_steps: int, optimizer: ZeroOptimizer,
-                 sum_fn: Optional[Callable] = None):
+                 sum_fn: Optional[Callable] = None, dims: Optional[ParallelDims] = None, loss_mask: bool = False):
         self.loss_fn, self.sum_fn = loss_fn, sum_fn
         self.grad_accum_steps = grad_accum_steps
         self.optimizer = optimizer
         self.losses = StepLosses()
         self._summing = False
+        self.dims, self.loss_mask = dims, loss_mask
+        self.norm: Optional[torch.Tensor] = None
+        """N / (grad_accum x dp x cp) of the global batch being run (a device tensor), None without a mask."""
+
+    def normalise(self, targets: Optional[torch.Tensor]) -> None:
+        """Set the normaliser from this rank's share of a global batch's ``targets`` (grad_accum,
+        micro_batch, seq); a no-op without a loss mask or where no loss is computed (targets None).
+        A batch with no kept token gets N = 1: its loss and gradient are zero."""
+        if not self.loss_mask or targets is None:
+            return
+        count = (targets != IGNORE_INDEX).sum()  # int64: exact at any batch size
+        if self.dims.dp_cp > 1:
+            dist.all_reduce(count, group=self.dims.dp_cp_group)
+        self.norm = count.clamp_min(1) / (targets.shape[0] * self.dims.dp_cp)  # fp32, rounded once
 
     def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self._summing:
             total = self.sum_fn(output, targets)
             self.losses.record(total)
             return total
-        loss = self.loss_fn(output, targets)
+        loss = self.loss_fn(output, targets) if self.norm is None else self.loss_fn(output, targets, self.norm)
         self.losses.record(loss)
         return self.optimizer.scale_loss(loss) / self.grad_accum_steps
 
@@ -127,7 +151,7 @@ class Trainer:
         self.grads = GradFinalizer(self.chunks, self.optimizer, dims, cfg.parallel.sequence_parallel)
         self.checkpointer = Checkpointer(cfg, dims, self.optimizer, self.timeouts)
         self.micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims, self.chunks), t.grad_accum_steps, self.optimizer,
-                                         build_eval_loss_fn(cfg, dims, self.chunks))
+                                         build_eval_loss_fn(cfg, dims, self.chunks), dims, cfg.data.loss_mask)
         apply_moe_layout(self.chunks, cfg, dims)  # MoE losses' gradients scaled as MicroBatchLoss scales
         self.segments = segments_of(self.chunks)
         """The blocks' document segments (data.document_mask; model/documents.py), else None."""
@@ -161,7 +185,8 @@ class Trainer:
         evaluator = None
         if val is not None and evaluates(self.cfg):
             evaluator = Evaluator(val, eval_windows(self.cfg, val.n_windows), t.eval_every, dims.device,
-                                  self._window_segments(val))
+                                  self._window_segments(val), masked=self.cfg.data.loss_mask,
+                                  group=dims.dp_cp_group if dims.dp_cp > 1 else None)
         return Prefetcher(train, dims.device, last_step=t.max_steps), evaluator
 
     def _window_segments(self, reader):
@@ -203,6 +228,7 @@ class Trainer:
         on every rank, with data.document_mask. Returns the mean loss over micro-batches on
         ranks that compute it (the last stage), None elsewhere.
         """
+        self.micro_loss.normalise(targets)
         if self.pipeline is not None:
             self.pipeline.forward_backward(inputs, targets, segments)  # checks the count of losses it records
             return self.micro_loss.losses.take_mean()

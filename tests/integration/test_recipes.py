@@ -1,4 +1,4 @@
-"""The laptop recipe trains: the real SmolLM2-135M on the recipe's own layout (two CPU ranks,
+"""The laptop recipes train: the real SmolLM2-135M on the recipes' own layout (two CPU ranks,
 ZeRO-3), through the entry point, shortened to a few small steps."""
 
 import math
@@ -20,3 +20,27 @@ def test_smollm2_135m_laptop_recipe_trains(tmp_path):
     # A fresh model's prediction is close to uniform over the 49,152-token vocabulary (its
     # logits' spread adds about half their variance, ~0.5 with init_std 1/sqrt(dim)).
     assert abs(rows[0]["loss"] - math.log(49152)) < 1.5
+
+
+SFT_SHORT = ("train.max_steps=8", "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4",
+             "train.log_every=1", "optim.warmup_steps=2", "checkpoint.save_final=false")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sft_recipe_trains_on_the_assistants_tokens(tmp_path):
+    """The SFT recipe, as its one command runs it, shortened: the built-in conversations rendered
+    into the cache, the masked loss (the assistant's tokens) falls from a fresh model's uniform
+    guess, and tokens/s counts every token of the step, kept or not. (That a masked-out target's
+    label changes nothing is tests/unit/test_loss_mask.py's; that the masked loss is the global
+    batch's mean, tests/multirank/test_loss_mask_parity.py's.)"""
+    run_train(tmp_path, ["experiment=sft-smollm2-135m-laptop", *SFT_SHORT, f"data.cache_dir={tmp_path / 'cache'}"],
+              timeout=840)
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(8))
+    losses = [r["loss"] for r in rows]
+    assert all(math.isfinite(v) for v in losses)
+    assert abs(losses[0] - math.log(49152)) < 1.5
+    assert losses[-1] < losses[0] - 1.0, losses
+    for r in rows:  # 4 sequences x 32 tokens per step, every one processed
+        assert r["tokens_per_s"] * r["step_time_s"] == pytest.approx(4 * 32, rel=1e-6)

@@ -91,6 +91,7 @@ RECIPES = {
     "llama3.1-70b-64gpu": (["cluster.nodes=8", "cluster.gpus_per_node=8", "cluster.gpu=h100-sxm"],
                            ["data.path=/data/web.bin"]),
     "smollm2-135m-laptop": (["cluster.nodes=1", "cluster.gpus_per_node=2", "cluster.gpu=cpu"], []),
+    "sft-smollm2-135m-laptop": (["cluster.nodes=1", "cluster.gpus_per_node=2", "cluster.gpu=cpu"], []),
 }
 
 

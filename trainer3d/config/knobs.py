@@ -97,7 +97,7 @@ CHOICES: Dict[str, Tuple[object, ...]] = {
     "optim.muon.ns_dtype": ("bf16", "fp32"),
     "optim.muon.nesterov": (True, False),
     "optim.muon.layer_wise": (True, False),
-    "data.name": ("stdlib", "tokens"),
+    "data.name": ("stdlib", "tokens", "chat_sample"),
     "launcher.name": ("local", "slurm", "inplace"),
     "logger.name": ("console", "wandb", "tensorboard"),
     "logger.mode": ("auto", "offline", "online", "disabled"),

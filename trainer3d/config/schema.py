@@ -218,7 +218,9 @@ class DataConfig:
     """Training tokens: the built-in corpus, or token files made by tools/prepare_data.py."""
 
     name: str = "stdlib"
-    """stdlib (this Python's standard-library source, byte-level, no download) | tokens."""
+    """stdlib (this Python's standard-library source, byte-level, no download) | tokens |
+    chat_sample (a few dozen built-in conversations with their loss mask, for supervised
+    fine-tuning with no download: trainer3d/data/chat_sample.py)."""
     path: Optional[str] = None
     """Token file (.bin, with its .json header) when name=tokens, or a Megatron-LM dataset's
     prefix (PREFIX.bin + PREFIX.idx; set data.eos_id)."""
@@ -233,6 +235,10 @@ class DataConfig:
     """The end-of-document id of Megatron-LM datasets (PREFIX.bin + PREFIX.idx, read in place as
     data.path, a blend's path or data.val_path: their files do not record it), put between their
     documents as token files have it; unused for token files, which record their own."""
+    loss_mask: bool = False
+    """Train only on the tokens each token file's loss mask keeps (<name>.mask beside it, written by
+    trainer3d-prepare-data --chat: the assistant's tokens); the loss is their mean over the whole
+    global batch, the same in every layout (docs/data.md)."""
     cache_dir: str = "~/.cache/trainer3d"
     """Where the built-in corpus is tokenised once and kept, with the record of verified token files."""
     document_mask: bool = False

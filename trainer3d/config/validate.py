@@ -331,6 +331,9 @@ def _check_data(cfg: Config, problems: List[str]) -> None:
     for i, source in enumerate(d.blend):
         if not source.weight > 0:
             problems.append(f"data.blend[{i}].weight={source.weight} must be > 0")
+    if d.loss_mask and d.name == "stdlib":
+        problems.append("data.loss_mask=true needs token files with a loss mask (trainer3d-prepare-data --chat "
+                        "writes one) or data=chat_sample; the built-in corpus (data=stdlib) has none")
     if d.val_fraction > 0 and d.val_path:
         problems.append("data.val_fraction and data.val_path are both set; give one (or set data.val_fraction=0)")
     if d.document_mask and cfg.parallel.cp > 1:

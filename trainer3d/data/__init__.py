@@ -17,6 +17,12 @@
                   written by prepare_data and import_megatron, checked against its token file
     segments.py   which document each input token of a window belongs to (data.document_mask)
     prepare.py    tools/prepare_data.py's engine: documents -> tokenizer -> token file
+    chat.py       prepare_data --chat: conversations rendered with the tokenizer's chat template in
+                  Jinja2's sandbox, the assistant's tokens found by prefix rendering
+    loss_mask.py  the loss mask beside a token file (<name>.mask): written, checked, memory-mapped;
+                  IGNORE_INDEX, the target the loss skips (data.loss_mask)
+    chat_sample.py  the built-in conversations (chat_sample.jsonl) and their byte-level ChatML
+                  tokenizer, rendered once into the cache (data=chat_sample)
     identity.py   what the run's data is, cheaply (header digests, sizes), as checkpoints record it
     megatron.py   a Megatron-LM indexed dataset (.bin + .idx), checked: read in place as a token
                   file's ids (``DocumentStream``), or written as one (tools/import_megatron.py)

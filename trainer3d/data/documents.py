@@ -172,6 +172,11 @@ def _open(path: Path, progress: Progress) -> Tuple[BinaryIO, BinaryIO]:
     return raw, raw
 
 
+open_input = _open
+"""(raw file, decompressed stream) of an input, its compression checked (trainer3d/data/chat.py reads
+conversations through it)."""
+
+
 class _Zstd(io.RawIOBase):
     """The decompressed bytes of zstd frames (one or more, concatenated) read from ``raw``. A
     stream cut short raises EOFError (zstandard's own stream reader returns what it decoded

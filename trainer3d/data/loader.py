@@ -24,6 +24,11 @@ A drill (``train.inject.corrupt_steps``): those steps' windows are uniformly ran
 ``[0, vocab_size)``, each a function of the seed, the step and the global sample alone, so
 every rank (tp peers, the first and the last stage, cp chunks) reads its part of the same
 random batch.
+
+A loss mask (``data.loss_mask``, trainer3d/data/loss_mask.py) is read at the targets' own
+offsets, and a target it leaves out becomes ``IGNORE_INDEX``: the mask travels inside the
+targets, through the pipeline's last stage, the cp chunks and the tp ranks alike. A drill's
+random windows keep every target.
 """
 
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,6 +43,7 @@ from trainer3d.data.sources import Part, plan, short_parts
 from trainer3d.data.tokenfile import TokenFile
 from trainer3d.data.tokens import TokenFileError
 from trainer3d.data.cp_sharding import chunks_of
+from trainer3d.data.loss_mask import IGNORE_INDEX, open_mask
 
 Batch = Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
 PAD_TARGET = -1
@@ -49,12 +55,15 @@ class BatchReader:
 
     def __init__(self, files: List[TokenFile], parts: List[Part], order: SampleOrder, micro_batch_size: int,
                  grad_accum_steps: int, dp: int, dp_rank: int, inputs: bool = True, targets: bool = True,
-                 cp: int = 1, cp_rank: int = 0, corrupt: Iterable[int] = (), vocab_size: int = 0):
+                 cp: int = 1, cp_rank: int = 0, corrupt: Iterable[int] = (), vocab_size: int = 0,
+                 masks: Optional[List[np.ndarray]] = None):
         self.files = files
         self.tokens = [f.tokens for f in files]
         self.paths = [f.path for f in files]
         self.eos_ids = [f.header.eos_id for f in files]
         """Each source's end-of-document id (None: the file marks no document ends)."""
+        self.masks = masks
+        """Each file's loss mask (0/1 per token), or None: every target counts."""
         self.spans = [p.span for p in parts]
         self.order = order
         self.seq_len = parts[0].span.seq_len
@@ -100,17 +109,24 @@ class BatchReader:
         n = self.pieces[0][1]  # every piece has the same length
         sources, windows = self.windows(step)
         rows = np.empty((len(windows), len(self.pieces), n + extra), dtype=np.int64)
+        kept = np.ones(rows.shape, dtype=bool) if self.masks is not None and self.want_targets else None
         first_sample = step * self.global_batch_size + self.dp_rank * self.micro * self.accum
         for i, (k, w) in enumerate(zip(sources.tolist(), windows.tolist())):
             tokens, start = self.tokens[k], self.spans[k].start + w * seq + first
+            mask = self.masks[k] if kept is not None else None
             if step in self.corrupt:
-                tokens, start = self.random_window(step, first_sample + i), first
+                tokens, start, mask = self.random_window(step, first_sample + i), first, None
             for j, (offset, _) in enumerate(self.pieces):
                 rows[i, j] = tokens[start + offset:start + offset + n + extra]
+                if mask is not None:
+                    kept[i, j] = mask[start + offset:start + offset + n + extra]
         rows = torch.from_numpy(rows).view(self.accum, self.micro, len(self.pieces), n + extra)
         local = len(self.pieces) * n
         inputs = rows[..., :n].reshape(self.accum, self.micro, local) if self.want_inputs else None
         targets = rows[..., extra:].reshape(self.accum, self.micro, local) if self.want_targets else None
+        if kept is not None:
+            kept = torch.from_numpy(kept[..., extra:]).reshape(self.accum, self.micro, local)
+            targets = targets.masked_fill(~kept, IGNORE_INDEX)
         if targets is not None and counted is not None:
             padding = torch.from_numpy(self.samples(step) >= counted).view(self.accum, self.micro, 1)
             targets = targets.masked_fill(padding, PAD_TARGET)  # out of place: targets may be a view of the inputs
@@ -151,10 +167,14 @@ def build_readers(cfg: Config, dp: int, dp_rank: int, inputs: bool = True, targe
     t = cfg.train
     files = {}
 
+    masks = {}
+
     def n_tokens(path):  # each file opened once; re-verified only if changed since the launch checks
         if path not in files:
             files[path] = TokenFile.open(path, cache_dir=cfg.data.cache_dir, eos_id=cfg.data.eos_id,
                                            vocab_size=cfg.model.vocab_size)
+            if cfg.data.loss_mask:
+                masks[path] = open_mask(path, files[path].header, cfg.data.cache_dir)
         return files[path].header.n_tokens
 
     train, val = plan(cfg, n_tokens)
@@ -170,6 +190,7 @@ def build_readers(cfg: Config, dp: int, dp_rank: int, inputs: bool = True, targe
         order = SampleOrder([p.span.n_windows for p in parts], [p.weight for p in parts], seed)
         return BatchReader([files[p.path] for p in parts], parts, order, t.micro_batch_size,
                            t.grad_accum_steps, dp, dp_rank, inputs, targets, cp, cp_rank,
-                           corrupt=corrupt, vocab_size=cfg.model.vocab_size)
+                           corrupt=corrupt, vocab_size=cfg.model.vocab_size,
+                           masks=[masks[p.path] for p in parts] if cfg.data.loss_mask else None)
 
     return reader(train, t.seed, t.inject.corrupt_steps), (reader(val, VALIDATION_KEY) if val else None)

@@ -1,6 +1,7 @@
 """What a run trains and evaluates on, from ``cfg.data``: token files, their weights and spans.
 
     data=stdlib                        the built-in corpus (made once in data.cache_dir)
+    data=chat_sample                   the built-in conversations and their loss mask (made once there)
     data=tokens data.path=a.bin        one token file
     data=tokens data.blend='[{path: a.bin, weight: 0.7}, {path: b.bin, weight: 0.3}]'
     data=tokens data.path=web_text_document data.eos_id=50256   a Megatron-LM dataset, in place
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 from trainer3d.config.schema import Config, DataConfig
+from trainer3d.data.chat_sample import chat_sample
 from trainer3d.data.corpus import stdlib_corpus
 from trainer3d.data.sampler import Span, split
 from trainer3d.data import megatron
@@ -42,6 +44,8 @@ def train_files(data: DataConfig) -> List[Tuple[Path, float]]:
     """(token file, weight) of every training source; makes the built-in corpus if needed."""
     if data.name == "stdlib":
         return [(stdlib_corpus(data.cache_dir), 1.0)]
+    if data.name == "chat_sample":
+        return [(chat_sample(data.cache_dir), 1.0)]
     if data.blend:
         return [(data_path(s.path), float(s.weight)) for s in data.blend]
     return [(data_path(data.path), 1.0)]

@@ -85,6 +85,9 @@ class Sizes:
     0: the model's whole logits go to the loss."""
     documents: bool = False
     """data.document_mask: RoPE tables per token, and the mask (model/documents.py)."""
+    loss_mask: bool = False
+    """data.loss_mask: the whole-logits loss keeps each target's local index and mask, at any tp
+    (parallel/tensor/loss.py), and no view of the step's targets."""
     cuda: bool = False
     """The ranks run on CUDA: fp32 attention runs torch's memory-efficient kernel there, and
     grouped K/V are repeated to every head for it (model/transformer.py ``kv_expanded``)."""
@@ -97,6 +100,7 @@ class Sizes:
                    kv_heads=m.n_kv_heads, head_dim=head_dim(m), ffn=m.ffn_dim, vocab=m.vocab_size, t=p.tp,
                    sp=p.sequence_parallel, p=ACT_BYTES[cfg.train.dtype], kernel="flash" if p.cp > 1 else kernel,
                    cp=p.cp, loss_chunk=cfg.train.loss_chunk_tokens, documents=cfg.data.document_mask,
+                   loss_mask=cfg.data.loss_mask,
                    cuda=config_on_cuda(cfg) if cuda is None else cuda)
 
     @property
@@ -200,11 +204,11 @@ def head_terms(z: Sizes) -> Dict[str, int]:
       chunk at a time and are not kept (``loss_transient_bytes``);
     - whole logits: the head's input (the shard under SP) and the loss's one fp32 buffer, the softmax over this
       rank's vocabulary columns (padding columns included: parallel/tensor/loss.py), with at
-      tp > 1 the targets' local index and mask; at tp = 1 the targets themselves, in token
+      tp > 1 or under a loss mask the targets' local index and mask; else the targets themselves, in token
       order (``_targets_copied``; else a view of the step's batch: ``shared_terms``)."""
     if z.loss_chunk:
         return {"final_norm": _norm(z), "loss": z.p * z.n * z.h + z.p * z.vocab_local * z.h}
-    if z.t > 1:
+    if z.t > 1 or z.loss_mask:
         targets = INT64 * z.n + z.n
     else:
         targets = INT64 * z.n if _targets_copied(z) else 0
@@ -223,7 +227,7 @@ def shared_terms(z: Sizes, micro_batches: int, first: bool, last: bool, pp: int)
         return {}
     if pp == 1 and z.cp == 1:
         return {"token_batch": INT64 * micro_batches * z.b * (z.s + 1)}
-    uses = int(first) + int(last and not z.loss_chunk and not _targets_copied(z))
+    uses = int(first) + int(last and not z.loss_chunk and not _targets_copied(z) and not z.loss_mask)
     return {"token_batch": uses * INT64 * micro_batches * z.n} if uses else {}
 
 

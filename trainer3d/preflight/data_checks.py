@@ -7,8 +7,9 @@ fails its full scan (checksum, max id; trainer3d/data/verify.py caches a passed 
 vocabulary or an id the model cannot embed, blended or validation files made with different
 tokenizers, a corpus shorter than one window or than a global batch, a validation split
 without one window (naming the smallest ``data.val_fraction`` that holds one; any number of
-windows evaluates, the last global batch partial), and with ``data.document_mask`` a document
-index that does not belong to its token file. The ranks re-check only what could have changed
+windows evaluates, the last global batch partial), with ``data.document_mask`` a document
+index that does not belong to its token file, and a loss mask (``data.loss_mask``) missing, of
+another version of its token file, or damaged. The ranks re-check only what could have changed
 since (size and mtime, through the same cache).
 """
 
@@ -19,6 +20,7 @@ from typing import Dict, List, Optional
 from trainer3d.config.schema import Config
 from trainer3d.data.doc_index import document_starts
 from trainer3d.data.sources import evaluates, plan, short_parts, train_files, val_file
+from trainer3d.data.loss_mask import open_mask
 from trainer3d.data.tokenfile import TokenFile
 from trainer3d.data.tokens import TokenFileError, TokenHeader
 
@@ -96,5 +98,18 @@ def check_data(cfg: Config) -> List[str]:
         return problems
     _check_vocab(cfg, headers, problems)
     _check_windows(cfg, headers, problems)
+    _check_masks(cfg, headers, problems)
     return problems
+
+
+def _check_masks(cfg: Config, headers: Dict[Path, TokenHeader], problems: List[str]) -> None:
+    """data.loss_mask: every training and validation file has its loss mask, of its own version,
+    intact (trainer3d/data/loss_mask.py; the full scan is remembered as a token file's is)."""
+    if not cfg.data.loss_mask:
+        return
+    for path, header in headers.items():
+        try:
+            open_mask(path, header, cfg.data.cache_dir)
+        except (TokenFileError, OSError) as err:
+            problems.append(str(err))
 

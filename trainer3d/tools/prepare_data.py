@@ -4,6 +4,7 @@
     python tools/prepare_data.py --out data/web.bin --tokenizer path/to/hf_model_dir web.jsonl.zst --workers 8
     python tools/prepare_data.py --out data/code.bin --train-tokenizer 8192 src/     # train a BPE first
     python -m trainer3d.train data=tokens data.path=data/web.bin model.vocab_size=<its vocab_size>
+    python tools/prepare_data.py --chat --tokenizer path/to/instruct_model_dir --out data/sft.bin chats.jsonl
 
 Inputs: files and directories (walked recursively for --suffixes), plain or compressed
 (.gz, .zst); a text file is one document, a line of a .jsonl file one document (its text
@@ -11,7 +12,10 @@ under --text-key). The tokenizer's end-of-document id follows every document, an
 document starts is written beside the ids (<out>.docs and <out>.docs.json, for data.document_mask). Without
 --tokenizer the tokens are byte-level, as the built-in corpus (``model=tiny`` trains on it
 as is); --tokenizer takes a tokenizer.json or a directory holding one (a Hugging Face
-model directory); --train-tokenizer VOCAB trains a byte-level BPE on the inputs first and
+model directory); --chat reads conversations instead (JSON Lines of {"messages": [{"role",
+"content"}, ...]}), renders each with the tokenizer's own chat template in Jinja2's sandbox and
+writes a loss mask beside the ids (<out>.mask: 1 on the assistant's tokens; --train-on all keeps
+every token) for data.loss_mask=true (trainer3d/data/chat.py); --train-tokenizer VOCAB trains a byte-level BPE on the inputs first and
 saves it beside the token file (<out>.tokenizer.json). Input files are read in sorted
 order, so the output is reproducible. The input streams through --workers processes:
 memory stays bounded whatever the input size.
@@ -24,10 +28,11 @@ from pathlib import Path
 from typing import Optional
 
 
-from trainer3d.data import prepare
+from trainer3d.data import chat, prepare
 from trainer3d.data.doc_index import index_header_path, index_path
 from trainer3d.data.documents import (JSONL_SUFFIXES, TRAINED_TOKENIZER_SUFFIX, InputError, Progress, collect,
-                                      documents)
+                                      documents, kind_suffix)
+from trainer3d.data.loss_mask import mask_header_path, mask_path
 from trainer3d.data.tokens import TokenFileError, bin_path, header_path
 from trainer3d.tools import output
 
@@ -80,6 +85,11 @@ def parse_args(argv):
     parser.add_argument("--vocab-size", type=int, help="vocabulary recorded in the header (default: the "
                                                        "tokenizer's); ids at or above it are refused")
     parser.add_argument("--text-key", default="text", help="key of the text in JSON Lines records (default: text)")
+    parser.add_argument("--chat", action="store_true",
+                        help="the inputs are conversations (JSON Lines of {\"messages\": [{\"role\", \"content\"}, ...]}): "
+                             "rendered with --tokenizer's chat template, with a loss mask written beside the ids")
+    parser.add_argument("--train-on", choices=chat.TRAIN_ON, default="assistant",
+                        help="with --chat: the tokens the loss mask keeps (default: %(default)s; all: every token)")
     parser.add_argument("--workers", type=int, default=1, help="encoding processes (default: 1)")
     parser.add_argument("--suffixes", default=".txt,.md,.py,.rst,.json," + ",".join(JSONL_SUFFIXES),
                         help="file suffixes taken from directories, before any .gz/.zst; an empty entry takes "
@@ -87,6 +97,9 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.tokenizer and args.train_tokenizer:
         parser.error("give --tokenizer or --train-tokenizer, not both")
+    if args.chat and not args.tokenizer:
+        parser.error("--chat renders with a tokenizer's own chat template: give --tokenizer a directory holding "
+                     "tokenizer.json and its chat template (tokenizer_config.json or chat_template.jinja)")
     if args.workers < 1:
         parser.error("--workers must be >= 1")
     return args
@@ -115,8 +128,25 @@ def check_outputs(args) -> None:
     written = [bin_path(args.out), header_path(args.out), index_path(args.out), index_header_path(args.out)]
     if args.train_tokenizer:
         written.append(bin_path(args.out).with_suffix(TRAINED_TOKENIZER_SUFFIX))
+    if args.chat:
+        written += [mask_path(args.out), mask_header_path(args.out)]
     for out in written:
         output.check(out, inputs)
+
+
+def prepare_chat(args, files, encoder, progress):
+    """--chat: the conversations of ``files`` -> the token file and its loss mask; the token header."""
+    not_jsonl = [str(f) for f in files if kind_suffix(f) not in JSONL_SUFFIXES]
+    if not_jsonl:
+        raise InputError(f"--chat reads JSON Lines ({', '.join(JSONL_SUFFIXES)}, maybe .gz/.zst); not one: "
+                         f"{', '.join(not_jsonl[:3])}")
+    tokenizer_dir = Path(args.tokenizer).expanduser()
+    template = chat.load_chat_template(tokenizer_dir if tokenizer_dir.is_dir() else tokenizer_dir.parent)
+    header, mask = chat.prepare_chat(chat.conversations(files, progress), Path(args.out), encoder, template,
+                                     args.train_on, args.workers, args.vocab_size)
+    print(f"prepare_data: loss mask {mask_path(args.out)}: {mask.kept:,} of {mask.n_tokens:,} tokens trained on "
+          f"(--train-on {args.train_on}; chat template of {template.where})")
+    return header
 
 
 def main(argv=None) -> int:
@@ -125,7 +155,7 @@ def main(argv=None) -> int:
         check_outputs(args)
         out = bin_path(args.out)
         outputs = [out, header_path(out), index_path(out), index_header_path(out),
-                   out.with_suffix(TRAINED_TOKENIZER_SUFFIX)]
+                   out.with_suffix(TRAINED_TOKENIZER_SUFFIX), mask_path(out), mask_header_path(out)]
         files = collect(args.inputs, set(args.suffixes.split(",")), outputs)
         if not files:
             raise InputError("no input files found (check the paths and --suffixes)")
@@ -133,8 +163,11 @@ def main(argv=None) -> int:
         progress = Progress(files)
         bar = ProgressBar(progress, "encoding")
         started = time.perf_counter()
-        header = prepare.prepare(documents(files, args.text_key, progress), Path(args.out), encoder,
-                                 args.workers, args.vocab_size, on_tokens=bar)
+        if args.chat:
+            header = prepare_chat(args, files, encoder, progress)
+        else:
+            header = prepare.prepare(documents(files, args.text_key, progress), Path(args.out), encoder,
+                                     args.workers, args.vocab_size, on_tokens=bar)
         bar.close()
     except (InputError, TokenFileError, ValueError) as err:
         print(f"prepare_data: {err}", file=sys.stderr)

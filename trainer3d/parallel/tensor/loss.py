@@ -10,6 +10,12 @@ values per step); three all-reduces over tp of one number per token do instead:
     loss per token = log S - (z_t - m)
 
 The gradient is local: softmax(z) - onehot(target), restricted to this rank's columns.
+
+A loss mask (``data.loss_mask``) arrives as targets equal to ``IGNORE_INDEX`` (trainer3d/data/loader.py):
+such a token adds nothing to the loss and gets a zero gradient, and the sum over the kept tokens
+is divided by ``norm``, the trainer's normaliser for the whole global batch (trainer3d/trainer.py:
+``MicroBatchLoss``), not by this micro-batch's token count. Without a mask (``norm`` None) the loss
+is the mean over the micro-batch's tokens.
 Padded vocabulary columns (the tail of the last rank(s), present because tp must divide
 the embedding rows) are cut off before anything is computed, so they never change the
 loss and always get a zero gradient.
@@ -31,11 +37,14 @@ model's last stage then returns its hidden states (``Transformer.head_in_loss``,
 ``parallel.build_loss_fn``); inference (tools/sample.py) still forms whole logits.
 """
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from trainer3d.config.schema import Config
+from trainer3d.data.loss_mask import IGNORE_INDEX
 from trainer3d.model.functional import SINK
 from trainer3d.model.transformer import token_rows
 from trainer3d.parallel.tensor.comm import ENTER
@@ -57,10 +66,11 @@ def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """(tokens, local vocab) logits of any float dtype, (tokens,) targets -> mean token loss
-    (fp32) over the tp ``group`` (None: one rank holds the whole vocabulary)."""
+    (fp32) over the tp ``group`` (None: one rank holds the whole vocabulary); with ``norm``, the
+    sum over the targets that are not ``IGNORE_INDEX``, divided by ``norm``."""
 
     @staticmethod
-    def forward(ctx, logits, targets, start, valid, group):
+    def forward(ctx, logits, targets, start, valid, group, norm=None):
         n, local = logits.shape
         z = logits[:, :valid]
         if valid > 0:
@@ -75,9 +85,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = exp.sum(dim=-1)
         _all_reduce(sum_exp, group)
 
-        if group is None:
+        if group is None and norm is None:
             here, local_t = None, targets
-        else:
+        else:  # an ignored target (negative) is held by no rank: no one-hot, no target logit
             local_t = targets - start
             here = (local_t >= 0) & (local_t < valid)
             local_t = local_t.masked_fill(~here, 0)
@@ -89,10 +99,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             target_z = torch.zeros_like(z_max)
         _all_reduce(target_z, group)
 
-        loss = (sum_exp.log() - target_z).mean()
+        token_loss = sum_exp.log() - target_z
         exp.div_(sum_exp.unsqueeze(-1))
+        if norm is None:
+            loss = token_loss.mean()
+        else:
+            keep = targets != IGNORE_INDEX
+            loss = (token_loss * keep).sum() / norm
+            exp.mul_(keep.unsqueeze(-1))  # an ignored token's softmax row: its gradient is zero
         ctx.save_for_backward(softmax, local_t, here)
-        ctx.valid, ctx.used = valid, False
+        ctx.valid, ctx.used, ctx.norm = valid, False, norm
         return loss
 
     @staticmethod
@@ -102,26 +118,26 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                                "it can run once per forward (no retain_graph=True through the loss)")
         ctx.used = True
         softmax, local_t, here = ctx.saved_tensors
-        scale = grad_loss / softmax.shape[0]  # d mean / d token loss
+        scale = grad_loss / (softmax.shape[0] if ctx.norm is None else ctx.norm)  # d loss / d token loss
         grad = softmax.mul_(scale)
         if ctx.valid > 0:
             rows = torch.arange(softmax.shape[0], device=softmax.device)
             onehot = scale.expand(rows.shape) if here is None else here.to(grad.dtype) * scale
             grad.index_put_((rows, local_t), -onehot, accumulate=True)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                                 dims: ParallelDims) -> torch.Tensor:
+                                 dims: ParallelDims, norm: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Mean token cross-entropy (fp32) from ``local_logits`` (batch, seq, local vocab); the
-    whole vocabulary when tp = 1."""
+    whole vocabulary when tp = 1. ``norm``: the kept tokens' sum divided by it (a loss mask)."""
     start, local, valid = vocab_range(vocab_size, dims.tp, dims.tp_rank)
     if local_logits.shape[-1] != local:
         raise ValueError(f"local logits have {local_logits.shape[-1]} columns, expected {local} "
                          f"(vocabulary {vocab_size} padded over tp={dims.tp})")
     group = dims.tp_group if dims.tp > 1 else None
     rows, row_targets = token_rows(local_logits, targets)
-    return _VocabParallelCrossEntropy.apply(rows, row_targets, start, valid, group)
+    return _VocabParallelCrossEntropy.apply(rows, row_targets, start, valid, group, norm)
 
 
 def _chunk_softmax(logits, exp, local_t, group):
@@ -159,11 +175,13 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     out, then freed. The gradients w.r.t. the hidden states and the weight are computed in
     forward, as Liger-Kernel's fused linear cross-entropy does (no matmul is repeated), and
     saved; backward only scales them by the incoming gradient (the trainer's 1/grad_accum and
-    loss scale). ``grad`` False (evaluation, no_grad) computes the loss alone."""
+    loss scale). ``grad`` False (evaluation, no_grad) computes the loss alone. ``norm``: the sum
+    over targets that are not ``IGNORE_INDEX``, divided by it, in place of the mean."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, start, valid, group, chunk, sink, grad):
+    def forward(ctx, hidden, weight, targets, start, valid, group, chunk, sink, grad, norm=None):
         n, local = hidden.shape[0], weight.shape[0]
+        denom = n if norm is None else norm
         w = weight[:valid]
         grad_hidden = torch.empty_like(hidden) if grad else None
         # fp32 accumulation over chunks, rounded to the weight's dtype once, as one matmul would
@@ -178,13 +196,18 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
             h, t = hidden[r0:r0 + chunk], targets[r0:r0 + chunk]
             logits = torch.mm(h, w.t(), out=logits_buf[:h.shape[0]])
             exp, sum_exp, target_z, local_t, here = _chunk_softmax(logits, exp_buf[:h.shape[0]], t - start, group)
-            total += (sum_exp.log() - target_z).sum()
+            token_loss = sum_exp.log() - target_z
+            keep = None if norm is None else t != IGNORE_INDEX
+            total += (token_loss if keep is None else token_loss * keep).sum()
             if grad and valid > 0:
-                # d mean / d logits = (softmax - onehot(target)) / n, then cast as autograd casts
-                # a gradient to its input's dtype
-                grad_z = exp.div_((sum_exp * n).unsqueeze(-1))
+                # d mean / d logits = (softmax - onehot(target)) / n (masked: kept rows only, / norm),
+                # then cast as autograd casts a gradient to its input's dtype
+                if keep is None:
+                    grad_z = exp.div_((sum_exp * n).unsqueeze(-1))
+                else:
+                    grad_z = exp.mul_((keep / (sum_exp * norm)).unsqueeze(-1))
                 rows = torch.arange(h.shape[0], device=h.device)
-                grad_z.index_put_((rows, local_t), here.to(grad_z.dtype) / -n, accumulate=True)
+                grad_z.index_put_((rows, local_t), here.to(grad_z.dtype) / -denom, accumulate=True)
                 g = logits.copy_(grad_z)
                 torch.mm(g, w, out=grad_hidden[r0:r0 + chunk])
                 grad_wt[:, :valid].add_(h.t().mm(g))
@@ -194,7 +217,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
             ctx.save_for_backward(grad_hidden, grad_wt.to(weight.dtype).t().contiguous())
         ctx.grad, ctx.sink = grad, sink
         ctx.main_grad = sink.views[weight] if sink is not None else None
-        return total / n
+        return total / denom
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -208,7 +231,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
                 grad_w = grad_weight * grad_loss
             elif torch._C._will_engine_execute_node(ctx.next_functions[1][0]):  # see parallel/wgrad.py
                 ctx.main_grad.addcmul_(grad_weight, grad_loss)
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None
 
 
 def head_rows(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, vocab_size: int, dims: ParallelDims):
@@ -232,22 +255,24 @@ def head_rows(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, voca
 
 
 def chunked_head_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, vocab_size: int,
-                      dims: ParallelDims, chunk_tokens: int) -> torch.Tensor:
+                      dims: ParallelDims, chunk_tokens: int, norm: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Mean token cross-entropy (fp32) of ``head`` applied to the last stage's ``hidden``
     against ``targets`` (as ``head_rows`` reads them), never holding more than
-    ``chunk_tokens`` rows of logits."""
+    ``chunk_tokens`` rows of logits; with ``norm`` (data.loss_mask) the kept tokens' sum
+    divided by it instead."""
     rows, weight, row_targets, start, valid, group = head_rows(hidden, head, targets, vocab_size, dims)
     grad = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
     sink = getattr(weight, SINK, None) if grad and weight.requires_grad else None
-    return _ChunkedHeadCrossEntropy.apply(rows, weight, row_targets, start, valid, group, chunk_tokens, sink, grad)
+    return _ChunkedHeadCrossEntropy.apply(rows, weight, row_targets, start, valid, group, chunk_tokens, sink, grad,
+                                          norm)
 
 
 def chunked_loss_fn(cfg: Config, dims: ParallelDims, head: nn.Module):
     """(hidden, targets) -> mean token loss through ``head``, chunk by chunk (``chunked_head_loss``)."""
     vocab_size, chunk = cfg.model.vocab_size, cfg.train.loss_chunk_tokens
 
-    def loss_fn(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return chunked_head_loss(hidden, head, targets, vocab_size, dims, chunk)
+    def loss_fn(hidden: torch.Tensor, targets: torch.Tensor, norm: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return chunked_head_loss(hidden, head, targets, vocab_size, dims, chunk, norm)
 
     return loss_fn
 
@@ -258,7 +283,7 @@ def vocab_parallel_loss_fn(cfg: Config, dims: ParallelDims):
     copy of the logits keeps the log-softmax and allocates two more in backward)."""
     vocab_size = cfg.model.vocab_size
 
-    def loss_fn(local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(local_logits, targets, vocab_size, dims)
+    def loss_fn(local_logits: torch.Tensor, targets: torch.Tensor, norm: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(local_logits, targets, vocab_size, dims, norm)
 
     return loss_fn
