@@ -30,7 +30,6 @@ round). Each figure is the best of several rounds.
 import argparse
 import datetime
 import json
-import multiprocessing as mp
 import os
 import socket
 import tempfile
@@ -39,7 +38,6 @@ from pathlib import Path
 from typing import Callable, Dict, List
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from trainer3d.memory.activations import Sizes
@@ -50,8 +48,8 @@ from trainer3d.plan.devices import DEFAULT_CALIBRATION, Device
 from trainer3d.plan.probe import measured_step_s, training_config
 from trainer3d.plan.search import evaluate
 from trainer3d.plan.block_time import BWD_PASSES, FWD_PASSES, elementwise_bytes
+from trainer3d.plan.calibrate_ranks import MATMUL, rank_all_reduce, rank_matmul, run_ranks
 
-MATMUL = 512
 RANKS = (1, 2, 4, 8)
 
 
@@ -111,66 +109,12 @@ def block_figures() -> Dict[str, float]:
     return {"layer_overhead_us": overhead * 1e6, "elementwise_gbps": traffic / max(took - overhead, 1e-9) / 1e9}
 
 
-def _rank_matmul(rank: int, world: int, threads: int, rounds: int, barrier, out) -> None:
-    """Rounds in which every rank multiplies at once (a barrier starts each): the best round's
-    GFLOP per CPU-second of this one-thread process, or per second with several threads
-    (OpenMP threads spin while they wait for each other: their CPU time overstates the work)."""
-    torch.set_num_threads(threads)
-    clock = time.process_time if threads == 1 else time.perf_counter
-    a, b = torch.randn(MATMUL, MATMUL), torch.randn(MATMUL, MATMUL)
-    torch.mm(a, b)
-    best = 0.0
-    for _ in range(rounds):
-        barrier.wait()
-        started = clock()
-        for _ in range(8):
-            torch.mm(a, b)
-        best = max(best, 8 * 2 * MATMUL ** 3 / max(clock() - started, 1e-9) / 1e9)
-    out.put(best)
-
-
-def _rank_all_reduce(rank: int, world: int, store: str, out, repeats: int = 20) -> None:
-    """The fastest of ``repeats`` all-reduces per size (a fixed count: every rank must join each)."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    times = {}
-    for numel in (256, 4 * 2 ** 20):
-        t = torch.ones(numel)
-        best = float("inf")
-        for _ in range(repeats):
-            dist.barrier()
-            started = time.perf_counter()
-            dist.all_reduce(t)
-            best = min(best, time.perf_counter() - started)
-        times[numel] = best
-    dist.destroy_process_group()
-    if rank == 0:
-        out.put(times)
-
-
-def _run(target: Callable, ranks: int, *args, results: int = 1) -> List:
-    """Start ``ranks`` processes running ``target(rank, ranks, *args, queue)``; the first
-    ``results`` things they put on the queue."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    if target is _rank_matmul:
-        args = (*args, ctx.Barrier(ranks))
-    procs = [ctx.Process(target=target, args=(r, ranks, *args, queue), daemon=True) for r in range(ranks)]
-    for p in procs:
-        p.start()
-    out = [queue.get(timeout=600) for _ in range(results)]
-    for p in procs:
-        p.join(timeout=60)
-    return out
-
-
 def node_gflops(ranks: int, cores: int, rounds: int = 12) -> float:
     """The node's total fp32 matmul rate with ``ranks`` processes computing at once: one-thread
     ranks give the cores they can have (min(ranks, cores)) at the rate per CPU-second each
     reached; a rank with several threads, its best round's rate."""
     threads = max(1, cores // ranks)
-    rates = _run(_rank_matmul, ranks, threads, rounds, results=ranks)
+    rates = run_ranks(rank_matmul, ranks, threads, rounds, results=ranks)
     if threads > 1:
         return sum(rates)
     return min(ranks, cores) * sum(rates) / ranks
@@ -235,7 +179,7 @@ def engine_figures(figures: dict, max_ranks: int = RANKS[-1], steps: int = 12, w
 def all_reduce_figures() -> Dict[str, float]:
     # A file store: a port probed free here could be taken again before rank 0 binds it.
     with tempfile.TemporaryDirectory() as tmp:
-        (times,) = _run(_rank_all_reduce, 2, os.path.join(tmp, "store"))
+        (times,) = run_ranks(rank_all_reduce, 2, os.path.join(tmp, "store"))
     small, large = times[256], times[4 * 2 ** 20]
     # ring all-reduce over n = 2: 2 (n-1)/n B / bw + 2 (n-1) hops of latency
     return {"latency_us": small / 2 * 1e6, "gbps": 4 * 4 * 2 ** 20 / max(large - small, 1e-9) / 1e9}
