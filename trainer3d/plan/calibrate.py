@@ -58,8 +58,8 @@ RANKS = (1, 2, 4, 8)
 class Effort:
     """How hard each figure is measured: the best of ``rounds`` timed rounds of a kernel (a
     block's overhead: ``overhead_rounds``), of ``starts`` starts of the node's ranks (a start's
-    first rounds may find the cores busy) and, in the engine's probes, of the ``steps`` steps
-    after ``warmup``."""
+    first rounds may find the cores busy) and, in each engine probe, the fastest step after the
+    first ``warmup`` of a ``steps``-step run."""
 
     rounds: int
     overhead_rounds: int
