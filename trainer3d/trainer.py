@@ -51,11 +51,19 @@ from trainer3d.parallel.finalize import GradFinalizer
 from trainer3d.parallel.parallelize import build_eval_loss_fn, build_loss_fn, build_model_chunks, build_optimizer
 from trainer3d.parallel.zero.optimizer import ZeroOptimizer
 from trainer3d.parallel.pipeline.losses import StepLosses
-from trainer3d.parallel.pipeline.schedule import Pipeline
 from trainer3d.checkpoint.stop import Stop, StopSignal
 from trainer3d.observe.telemetry import model_state_bytes, resolve_peak_tflops
 from trainer3d.parallel.timeouts import GroupTimeouts
 from trainer3d.parallel.topology import ParallelDims
+
+
+def _pipeline(chunks: List[nn.Module], micro_loss: "MicroBatchLoss", cfg: Config, dims: ParallelDims, segments):
+    """The schedule of a pp > 1 layout (trainer3d/parallel/pipeline/schedule.py). Imported here:
+    torch.distributed.pipelining imports torch._dynamo, 1-2 s of CPU at the start of every rank
+    (and of the submitting process), which a layout without pipelining never uses."""
+    from trainer3d.parallel.pipeline.schedule import Pipeline
+
+    return Pipeline(chunks, micro_loss, cfg, dims, segments)
 
 
 class MicroBatchLoss:
@@ -155,7 +163,7 @@ class Trainer:
         apply_moe_layout(self.chunks, cfg, dims)  # MoE losses' gradients scaled as MicroBatchLoss scales
         self.segments = segments_of(self.chunks)
         """The blocks' document segments (data.document_mask; model/documents.py), else None."""
-        self.pipeline = Pipeline(self.chunks, self.micro_loss, cfg, dims, self.segments) if dims.pp > 1 else None
+        self.pipeline = _pipeline(self.chunks, self.micro_loss, cfg, dims, self.segments) if dims.pp > 1 else None
         self.data, self.evaluator = self._build_data()
         self.start_step = self.checkpointer.load(resume_from)
         self.data.reader.origin = self.checkpointer.origin  # samples consumed, whatever the batch was

@@ -14,7 +14,7 @@ from trainer3d.model.init import init_parameters
 from trainer3d.model.transformer import Transformer, cross_entropy_loss
 from trainer3d.parallel.parallelize import build_model_chunks, build_optimizer
 from trainer3d.memory.meter import SavedActivationMeter
-from trainer3d.parallel.pipeline.buffers import receive_buffers_held
+from trainer3d.parallel.pipeline.receive_count import receive_buffers_held
 from trainer3d.parallel.pipeline.schedule import SCHEDULES, Pipeline
 from trainer3d.trainer import MicroBatchLoss
 

@@ -9,7 +9,7 @@ types them, in a fresh process from a scratch directory holding the tiny inputs 
 - ``python -m trainer3d.plan ...``: the search or ``plan.evaluate=true``'s evaluation, its
   exit status and its proposed commands; where the page prints the output under the command,
   every line shown is a line the command prints (dates, times and job ids masked);
-- ``python -m trainer3d.plan --calibrate --max-ranks 2 --out FILE``: the smallest calibration,
+- ``python -m trainer3d.plan --calibrate --max-ranks 2 --quick --out FILE``: the smallest calibration,
   its file read back by the planner as ``cluster.gpu=calibrated``;
 - ``python -m trainer3d.train ... dry_run=true`` without a user's model or data: the dry run;
   ``--cfg job``: the resolved config;
@@ -54,7 +54,7 @@ def documented():
 PY = r"^(?:\.venv/bin/)?python3? "
 RUN = {  # what runs for real here: a pattern of the command -> how it is run (below)
     "help": re.compile(PY + r"-m trainer3d\.(?:train|plan) --help$"),
-    "calibrate": re.compile(PY + r"-m trainer3d\.plan --calibrate --max-ranks 2 --out \S+$"),
+    "calibrate": re.compile(PY + r"-m trainer3d\.plan --calibrate --max-ranks 2 --quick --out \S+$"),
     "plan": re.compile(PY + r"-m trainer3d\.plan(?:$| (?!--)(?!.*data\.path=/))"),
     "print_config": re.compile(PY + r"-m trainer3d\.train --cfg job$"),
     "dry_run": re.compile(PY + r"-m trainer3d\.train (?!.*(?:init_from|data\.path|launcher=slurm))"
@@ -73,7 +73,7 @@ NOT_RUN = [  # the first pattern a command matches gives the reason it is only p
      "needs GPUs"),
     (r"outputs/|llama-ft/|exported/|--calibration FILE|--against <", "needs a run's checkpoint or files"),
     (r"data\.path=|data\.blend=|web_text_document|web/|src/ docs/", "needs the user's data"),
-    (r"-m trainer3d\.plan --calibrate$", "minutes: every probe up to 8 ranks (the run tier runs --max-ranks 2)"),
+    (r"-m trainer3d\.plan --calibrate$", "minutes: every probe up to 8 ranks (the run tier runs --max-ranks 2 --quick)"),
     (r"tools/bench/", "a benchmark: minutes (tests/tools smoke-runs each at its smallest size)"),
     (r"tools/parity\.py", "two training runs: minutes (tests/tools/test_parity_tool.py runs it small)"),
     (r"-m trainer3d\.tools\.prepare_data$", "the module form of tools/prepare_data.py, run above"),

@@ -16,6 +16,11 @@ DEFERRED = {
     ("trainer3d.observe.loggers", "wandb"): "optional sink, slow to import: only runs with logger=wandb pay for it",
     ("trainer3d.observe.loggers", "torch.utils.tensorboard"): "optional sink: only runs with logger=tensorboard need it",
     ("tools.bench.offload", "deepspeed.ops.adam"): "the optional peer (the peers extra), measured only where installed",
+    ("trainer3d.trainer", "trainer3d.parallel.pipeline.schedule"): "torch.distributed.pipelining imports "
+    "torch._dynamo, 1-2 s of CPU at every rank's and launcher's start: only pp > 1 builds a schedule",
+    ("trainer3d.parallel.pipeline.receive_count", "torch.distributed.pipelining"): "as above: only an interleaved "
+    "pp layout's memory count walks torch's schedule; the planner and every rank import the count",
+    ("trainer3d.parallel.pipeline.receive_count", "torch.distributed.pipelining.schedules"): "the same",
     ("trainer3d.cpu.build", "torch.utils"): "the compiler driver, needed only where a C++ source is first "
     "built (the CPU kernels, the shared-memory barrier, the host AdamW kernel)",
 }

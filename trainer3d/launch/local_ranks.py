@@ -5,7 +5,7 @@
 The benchmarks in tools/ and the multi-rank tests use it to exercise the engine's pieces on
 real process groups without the launcher. ``fn(rank, world_size, *args)`` must be a
 module-level function (it is pickled by name). Ranks are forked from a forkserver that has
-torch and the engine (trainer3d.rank.task: the trainer, pipelining, FSDP, DTensor) imported
+torch and the engine (trainer3d.rank.task: the trainer, FSDP, DTensor; and pipelining) imported
 already, so a rank starts in milliseconds instead of the seconds those imports cost. The first rank that raises makes ``run_ranks`` raise with that
 rank's traceback and the others are killed; a run that outlives ``timeout`` is killed and
 reported, never left hanging.
@@ -29,7 +29,9 @@ import torch.distributed as dist
 def _context():
     """One forkserver per process, started on first use."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "trainer3d.rank.task"])
+    # The engine imports pipelining (and with it torch._dynamo) only for a pp > 1 layout; its
+    # ranks here run every layout and compile, so the server pays for them once.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "trainer3d.rank.task", "torch.distributed.pipelining"])
     return ctx
 
 

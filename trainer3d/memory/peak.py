@@ -11,7 +11,7 @@
                                in flight (tests/multirank/test_activation_memory.py measures both)
          + pipeline buffers    receive buffers for the micro-batches in flight only: an input
                                activation per in-flight micro-batch and an output gradient
-                               during a backward (trainer3d/parallel/pipeline/buffers.py,
+                               during a backward (trainer3d/parallel/pipeline/receive_count.py,
                                ``receive_buffers_held``, measured by tests/multirank/
                                test_pipeline.py), and each in-flight micro-batch's output kept
                                until its backward (torch's ``fwd_cache``); the first block's
@@ -48,7 +48,7 @@ from trainer3d.memory.staged import staged_bytes
 from trainer3d.memory.startup import startup_bytes
 from trainer3d.memory.states import (BYTES, ModelStateBytes, engine_model_state_bytes, model_shapes,
                                      stage_muon_mask, stage_parameter_shapes)
-from trainer3d.parallel.pipeline.buffers import receive_buffers_held
+from trainer3d.parallel.pipeline.receive_count import receive_buffers_held
 from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
 
 
@@ -168,7 +168,7 @@ def rank_memory(cfg: Config, pp_rank: int, kernel: str = "flash", cuda: Optional
 
 def receive_buffer_bytes(cfg: Config, pp_rank: int) -> int:
     """The most bytes of receive buffers pp rank ``pp_rank`` holds at once in a step (one
-    hidden state each, for the micro-batches in flight: parallel/pipeline/buffers.py)."""
+    hidden state each, for the micro-batches in flight: parallel/pipeline/receive_count.py)."""
     p = cfg.parallel
     held = receive_buffers_held(p.pp_schedule, p.pp, p.pp_virtual_stages, cfg.train.grad_accum_steps, pp_rank)
     return held * Sizes.of(cfg).hidden_bytes()

@@ -6,6 +6,7 @@ which is fastest.
     knobs.py       their ranges and choices, checked with the training knobs' before a search
     devices.py     device presets (with their sources) and calibration files
     calibrate.py   --calibrate: this machine's matmul rate, memory bandwidth, collectives
+    calibrate_ranks.py  the processes --calibrate measures the node with (they import torch alone)
     calibrate_gpu.py  --calibrate on CUDA: the GPU's preset with its matmul rate and bandwidth measured
     step_time.py   the step-time model
     links.py       which link a group's collectives cross; what overlapping them costs the compute

@@ -5,7 +5,7 @@ Hydra composes the training schema plus ``cluster.*`` and ``search.*`` (conf/pla
 the planner prints the search's summary, the fastest layouts that fit with their predicted
 peak memory and step time, and each one's ``python -m trainer3d.train`` command.
 ``plan.evaluate=true`` evaluates the overrides' own layout instead (trainer3d/plan/evaluate.py).
-``python -m trainer3d.plan --calibrate [--out FILE] [--max-ranks N]`` measures this machine instead and
+``python -m trainer3d.plan --calibrate [--out FILE] [--max-ranks N] [--quick]`` measures this machine instead and
 writes the file ``cluster.gpu=calibrated`` reads.
 """
 

@@ -1,4 +1,4 @@
-"""``python -m trainer3d.plan --calibrate [--out FILE] [--max-ranks N]``: measure this machine once for the planner.
+"""``python -m trainer3d.plan --calibrate [--out FILE] [--max-ranks N] [--quick]``: measure this machine once for the planner.
 
 What the step-time model (step_time.py) needs of a CPU node, measured with torch on this
 machine, written as a Device (devices.py) that ``cluster.gpu=calibrated`` reads:
@@ -24,13 +24,13 @@ Compute figures are per CPU-second of one thread (``time.thread_time`` / ``proce
 what the machine does for a program that has it, whatever else runs on it meanwhile; the
 node's rate with N one-thread ranks is min(N, cores) CPU-seconds per second at the rate
 each reached while all ran. A rank with several threads is timed by the wall clock (best
-round). Each figure is the best of several rounds.
+round). Each figure is the best of several rounds (``Effort``: ``--quick`` takes fewer).
 """
 
 import argparse
+import dataclasses
 import datetime
 import json
-import multiprocessing as mp
 import os
 import socket
 import tempfile
@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Callable, Dict, List
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from trainer3d.memory.activations import Sizes
@@ -50,9 +49,30 @@ from trainer3d.plan.devices import DEFAULT_CALIBRATION, Device
 from trainer3d.plan.probe import measured_step_s, training_config
 from trainer3d.plan.search import evaluate
 from trainer3d.plan.block_time import BWD_PASSES, FWD_PASSES, elementwise_bytes
+from trainer3d.plan.calibrate_ranks import MATMUL, rank_all_reduce, rank_matmul, run_ranks
 
-MATMUL = 512
 RANKS = (1, 2, 4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Effort:
+    """How hard each figure is measured: the best of ``rounds`` timed rounds of a kernel (a
+    block's overhead: ``overhead_rounds``), of ``starts`` starts of the node's ranks (a start's
+    first rounds may find the cores busy) and, in each engine probe, the fastest step after the
+    first ``warmup`` of a ``steps``-step run."""
+
+    rounds: int
+    overhead_rounds: int
+    node_rounds: int
+    starts: int
+    steps: int
+    warmup: int
+
+
+FULL = Effort(rounds=8, overhead_rounds=20, node_rounds=12, starts=3, steps=12, warmup=3)
+QUICK = Effort(rounds=3, overhead_rounds=5, node_rounds=4, starts=1, steps=6, warmup=2)
+"""``--quick``: every figure measured, each from fewer rounds, one start of the node's ranks
+instead of three and 6-step engine probes: a coarser calibration (what the test tier runs)."""
 
 
 def _best_rate(work: Callable[[], None], units: float, clock: Callable[[], float] = time.thread_time,
@@ -67,28 +87,29 @@ def _best_rate(work: Callable[[], None], units: float, clock: Callable[[], float
     return units / max(best, 1e-9)
 
 
-def matmul_gflops(dtype: torch.dtype = torch.float32, size: int = MATMUL, repeats: int = 4) -> float:
+def matmul_gflops(dtype: torch.dtype = torch.float32, size: int = MATMUL, repeats: int = 4,
+                  rounds: int = FULL.rounds) -> float:
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    return _best_rate(lambda: [torch.mm(a, b) for _ in range(repeats)], repeats * 2 * size ** 3) / 1e9
+    return _best_rate(lambda: [torch.mm(a, b) for _ in range(repeats)], repeats * 2 * size ** 3, rounds=rounds) / 1e9
 
 
-def memory_gbps(numel: int = 8 * 2 ** 20) -> float:
+def memory_gbps(numel: int = 8 * 2 ** 20, rounds: int = FULL.rounds) -> float:
     a, b = torch.zeros(numel), torch.ones(numel)
-    return _best_rate(lambda: a.add_(b), 3 * 4 * numel) / 1e9  # read a, read b, write a
+    return _best_rate(lambda: a.add_(b), 3 * 4 * numel, rounds=rounds) / 1e9  # read a, read b, write a
 
 
-def _projections_s(block: nn.Module, tokens: int) -> float:
+def _projections_s(block: nn.Module, tokens: int, rounds: int) -> float:
     """Seconds of one thread for the forward and backward (input and weight gradients) of each
     linear layer of ``block`` on ``tokens`` rows: the block's projections, found in the model's
     own block, each timed alone."""
     total = 0.0
     for linear in [m for m in block.modules() if isinstance(m, nn.Linear)]:
         x = torch.randn(tokens, linear.in_features, requires_grad=True)
-        total += 1.0 / _best_rate(lambda linear=linear, x=x: linear(x).sum().backward(), 1.0)
+        total += 1.0 / _best_rate(lambda linear=linear, x=x: linear(x).sum().backward(), 1.0, rounds=rounds)
     return total
 
 
-def block_figures() -> Dict[str, float]:
+def block_figures(effort: Effort = FULL) -> Dict[str, float]:
     """Dispatch overhead and elementwise rate of a transformer block on one thread.
 
     The overhead is a block's forward + backward at a negligible size. The elementwise rate
@@ -101,76 +122,23 @@ def block_figures() -> Dict[str, float]:
     """
     tiny = Block(ModelConfig(dim=8, n_heads=2, n_kv_heads=2, ffn_dim=8, max_seq_len=4))
     x = torch.randn(4, 1, 8, requires_grad=True)
-    overhead = 1.0 / _best_rate(lambda: tiny(x).sum().backward(), 1.0, rounds=20)
+    overhead = 1.0 / _best_rate(lambda: tiny(x).sum().backward(), 1.0, rounds=effort.overhead_rounds)
     cfg = Config(model=ModelConfig(dim=512, n_heads=8, n_kv_heads=8, ffn_dim=512, max_seq_len=128))
     cfg.train.micro_batch_size, cfg.train.seq_len = 2, 128
     block = Block(cfg.model)
     x = torch.randn(128, 2, 512, requires_grad=True)  # (seq, batch, dim), as blocks see it
-    took = 1.0 / _best_rate(lambda: block(x).sum().backward(), 1.0) - _projections_s(block, 2 * 128)
+    took = (1.0 / _best_rate(lambda: block(x).sum().backward(), 1.0, rounds=effort.rounds)
+            - _projections_s(block, 2 * 128, effort.rounds))
     traffic = (FWD_PASSES + BWD_PASSES) * elementwise_bytes(Sizes.of(cfg))
     return {"layer_overhead_us": overhead * 1e6, "elementwise_gbps": traffic / max(took - overhead, 1e-9) / 1e9}
 
 
-def _rank_matmul(rank: int, world: int, threads: int, rounds: int, barrier, out) -> None:
-    """Rounds in which every rank multiplies at once (a barrier starts each): the best round's
-    GFLOP per CPU-second of this one-thread process, or per second with several threads
-    (OpenMP threads spin while they wait for each other: their CPU time overstates the work)."""
-    torch.set_num_threads(threads)
-    clock = time.process_time if threads == 1 else time.perf_counter
-    a, b = torch.randn(MATMUL, MATMUL), torch.randn(MATMUL, MATMUL)
-    torch.mm(a, b)
-    best = 0.0
-    for _ in range(rounds):
-        barrier.wait()
-        started = clock()
-        for _ in range(8):
-            torch.mm(a, b)
-        best = max(best, 8 * 2 * MATMUL ** 3 / max(clock() - started, 1e-9) / 1e9)
-    out.put(best)
-
-
-def _rank_all_reduce(rank: int, world: int, store: str, out, repeats: int = 20) -> None:
-    """The fastest of ``repeats`` all-reduces per size (a fixed count: every rank must join each)."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    times = {}
-    for numel in (256, 4 * 2 ** 20):
-        t = torch.ones(numel)
-        best = float("inf")
-        for _ in range(repeats):
-            dist.barrier()
-            started = time.perf_counter()
-            dist.all_reduce(t)
-            best = min(best, time.perf_counter() - started)
-        times[numel] = best
-    dist.destroy_process_group()
-    if rank == 0:
-        out.put(times)
-
-
-def _run(target: Callable, ranks: int, *args, results: int = 1) -> List:
-    """Start ``ranks`` processes running ``target(rank, ranks, *args, queue)``; the first
-    ``results`` things they put on the queue."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    if target is _rank_matmul:
-        args = (*args, ctx.Barrier(ranks))
-    procs = [ctx.Process(target=target, args=(r, ranks, *args, queue), daemon=True) for r in range(ranks)]
-    for p in procs:
-        p.start()
-    out = [queue.get(timeout=600) for _ in range(results)]
-    for p in procs:
-        p.join(timeout=60)
-    return out
-
-
-def node_gflops(ranks: int, cores: int, rounds: int = 12) -> float:
+def node_gflops(ranks: int, cores: int, rounds: int = FULL.node_rounds) -> float:
     """The node's total fp32 matmul rate with ``ranks`` processes computing at once: one-thread
     ranks give the cores they can have (min(ranks, cores)) at the rate per CPU-second each
     reached; a rank with several threads, its best round's rate."""
     threads = max(1, cores // ranks)
-    rates = _run(_rank_matmul, ranks, threads, rounds, results=ranks)
+    rates = run_ranks(rank_matmul, ranks, threads, rounds, results=ranks)
     if threads > 1:
         return sum(rates)
     return min(ranks, cores) * sum(rates) / ranks
@@ -199,7 +167,7 @@ def _fit(predict: Callable[[float], float], measured: float) -> float:
     return high
 
 
-def engine_figures(figures: dict, max_ranks: int = RANKS[-1], steps: int = 12, warmup: int = 3) -> dict:
+def engine_figures(figures: dict, max_ranks: int = RANKS[-1], effort: Effort = FULL) -> dict:
     """``step_overhead_us``, ``latency_by_ranks`` and ``action_by_ranks``, fitted in turn so
     that the step-time model, with the kernel ``figures`` measured before, predicts the
     engine's fastest step of each TINY probe on at most ``max_ranks`` ranks."""
@@ -210,7 +178,7 @@ def engine_figures(figures: dict, max_ranks: int = RANKS[-1], steps: int = 12, w
         cfg = training_config(overrides)
         world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
         run_dir = Path(tmp) / f"probe-{len(os.listdir(tmp))}"
-        took = min(measured_step_s(overrides, steps, warmup, run_dir))
+        took = min(measured_step_s(overrides, effort.steps, effort.warmup, run_dir))
         print(f"calibrate: the engine at a negligible size, {layout or 'one process'}: {took * 1e3:.1f} ms/step",
               flush=True)
 
@@ -235,34 +203,34 @@ def engine_figures(figures: dict, max_ranks: int = RANKS[-1], steps: int = 12, w
 def all_reduce_figures() -> Dict[str, float]:
     # A file store: a port probed free here could be taken again before rank 0 binds it.
     with tempfile.TemporaryDirectory() as tmp:
-        (times,) = _run(_rank_all_reduce, 2, os.path.join(tmp, "store"))
+        (times,) = run_ranks(rank_all_reduce, 2, os.path.join(tmp, "store"))
     small, large = times[256], times[4 * 2 ** 20]
     # ring all-reduce over n = 2: 2 (n-1)/n B / bw + 2 (n-1) hops of latency
     return {"latency_us": small / 2 * 1e6, "gbps": 4 * 4 * 2 ** 20 / max(large - small, 1e-9) / 1e9}
 
 
-def calibrate(max_ranks: int = RANKS[-1]) -> dict:
+def calibrate(max_ranks: int = RANKS[-1], effort: Effort = FULL) -> dict:
     """Every figure, the node's sharing measured with 1 up to ``max_ranks`` ranks (devices.py
     takes a count beyond the largest measured as that one)."""
     cores = os.cpu_count() or 1
     torch.set_num_threads(1)
-    single = matmul_gflops()
-    node = {r: max(node_gflops(r, cores) for _ in range(3)) / single  # the best of 3 starts
+    single = matmul_gflops(rounds=effort.rounds)
+    node = {r: max(node_gflops(r, cores, effort.node_rounds) for _ in range(effort.starts)) / single
             for r in RANKS if r <= max_ranks}
-    block = block_figures()
+    block = block_figures(effort)
     collective = all_reduce_figures()
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
     figures = {
         "name": "calibrated", "memory_gib": round(memory_gib, 1), "reserved_gib": 2.0,
-        "matmul_tflops": {"fp32": single / 1e3, "bf16": matmul_gflops(torch.bfloat16) / 1e3,
-                          "fp16": matmul_gflops(torch.float16, repeats=1) / 1e3},
-        "memory_gbps": memory_gbps(), "elementwise_gbps": block["elementwise_gbps"],
+        "matmul_tflops": {"fp32": single / 1e3, "bf16": matmul_gflops(torch.bfloat16, rounds=effort.rounds) / 1e3,
+                          "fp16": matmul_gflops(torch.float16, repeats=1, rounds=effort.rounds) / 1e3},
+        "memory_gbps": memory_gbps(rounds=effort.rounds), "elementwise_gbps": block["elementwise_gbps"],
         "intra_gbps": collective["gbps"], "inter_gbps": collective["gbps"], "latency_us": collective["latency_us"],
         "layer_overhead_us": block["layer_overhead_us"], "node_scaling": node, "shared_memory": True,
         "cores": cores, "source": f"calibrated on {socket.gethostname()} ({cores} cores, torch {torch.__version__}) "
                                   f"at {datetime.datetime.now():%Y-%m-%d %H:%M}",
     }
-    return {**figures, **engine_figures(figures, max_ranks)}
+    return {**figures, **engine_figures(figures, max_ranks, effort)}
 
 
 def main(argv: List[str]) -> None:
@@ -272,9 +240,12 @@ def main(argv: List[str]) -> None:
     parser.add_argument("--max-ranks", type=int, choices=RANKS, default=RANKS[-1],
                         help="measure the node shared by 1 up to this many ranks (CPU nodes; fewer: a quicker, "
                              "coarser calibration for layouts of at most this many ranks)")
+    parser.add_argument("--quick", action="store_true",
+                        help="every figure from fewer rounds, one start of the node's ranks instead of three and "
+                             "6-step engine probes: a quicker, coarser calibration (CPU nodes)")
     args = parser.parse_args(argv)
     # A CUDA node calibrates its GPU preset (calibrate_gpu.py); a CPU node measures everything.
-    figures = calibrate_cuda() if torch.cuda.is_available() else calibrate(args.max_ranks)
+    figures = calibrate_cuda() if torch.cuda.is_available() else calibrate(args.max_ranks, QUICK if args.quick else FULL)
     out = Path(os.path.expanduser(args.out))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(figures, indent=1) + "\n")

@@ -16,10 +16,10 @@ node's ``LOCAL_WORLD_SIZE`` ranks share it.
 """
 
 import os
+import sys
 from typing import Mapping, MutableMapping, Optional
 
 import torch
-import torch._inductor.config as inductor_config
 
 
 def affinity_cores() -> int:
@@ -64,5 +64,17 @@ def set_host_threads(env: MutableMapping[str, str] = os.environ) -> int:
     torch.set_num_threads(threads)
     env.setdefault("OMP_NUM_THREADS", str(threads))
     if "TORCHINDUCTOR_COMPILE_THREADS" not in env:
-        inductor_config.compile_threads = share
+        _compile_threads(share, env)
     return threads
+
+
+def _compile_threads(share: int, env: MutableMapping[str, str]) -> None:
+    """Inductor compiles on ``share`` threads. Its config reads TORCHINDUCTOR_COMPILE_THREADS
+    when first imported (torch/_inductor/config.py, ``decide_compile_threads``); importing it
+    here would cost every rank torch._inductor's import (about 2 s of CPU), which only
+    ``train.compile`` needs: the variable is set for a later import, and the config as well
+    where it is loaded already."""
+    env["TORCHINDUCTOR_COMPILE_THREADS"] = str(share)
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None:
+        config.compile_threads = share

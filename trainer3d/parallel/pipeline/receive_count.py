@@ -1,0 +1,52 @@
+"""How many pipeline receive buffers a rank holds at once (buffers.py allocates them per
+micro-batch in flight only): the count the memory estimate (trainer3d/memory/peak.py) charges
+and tests/multirank/test_pipeline.py holds the measured peak to.
+"""
+
+import functools
+from types import SimpleNamespace
+from typing import Tuple
+
+
+def receive_buffers_held(schedule: str, pp: int, virtual: int, m: int, pp_rank: int) -> int:
+    """The most receive buffers (one hidden state each) pp rank ``pp_rank`` holds at once.
+
+    1F1B: stage s receives its input for each of its min(m, pp - s) micro-batches in flight,
+    plus one output gradient during a backward (none on the last stage); GPipe: all m
+    inputs, plus that gradient. Interleaved 1F1B: counted along torch's own action order.
+    """
+    if pp == 1:
+        return 0
+    if schedule == "interleaved_1f1b":
+        return _interleaved_held(pp, virtual, m)[pp_rank]
+    in_flight = m if schedule == "gpipe" else min(m, pp - pp_rank)
+    return (pp_rank > 0) * in_flight + (pp_rank < pp - 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _interleaved_held(pp: int, virtual: int, m: int) -> Tuple[int, ...]:
+    """Per rank, the peak count of receive buffers over ``ScheduleInterleaved1F1B``'s actions
+    with the receives torch inserts (``_add_send_recv``): a buffer lives from its RECV_F or
+    RECV_B to its micro-batch's backward on that stage (torch 2.13, schedules.py)."""
+    # Here, not at the top: torch.distributed.pipelining imports torch._dynamo (1-2 s of a
+    # process's start), and the planner and every rank's memory estimate import this module.
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+    from torch.distributed.pipelining.schedules import _add_send_recv, _ComputationType
+
+    rounds = max(1, m // pp)
+    plan = SimpleNamespace(n_local_stages=virtual, microbatches_per_round=m // rounds, pp_group_size=pp,
+                           _n_microbatches=m)
+    compute = {r: [a for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(plan, r) if a is not None]
+               for r in range(pp)}
+    last = pp * virtual - 1
+    held = []
+    for actions in _add_send_recv(compute, lambda stage: stage % pp, pp * virtual).values():
+        live = peak = 0
+        for a in actions:
+            if a.computation_type in (_ComputationType.RECV_F, _ComputationType.RECV_B):
+                live += 1
+                peak = max(peak, live)
+            elif a.computation_type == _ComputationType.FULL_BACKWARD:
+                live -= (a.stage_index > 0) + (a.stage_index < last)
+        held.append(peak)
+    return tuple(held)
