@@ -31,7 +31,6 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from trainer3d.model.transformer import CausalAttention, kv_expanded, repeat_kv
 
@@ -79,6 +78,7 @@ class Segments:
         """FlexAttention's block mask of the segments (CUDA)."""
         key = ("block", device)
         if key not in self._cache:
+            from torch.nn.attention.flex_attention import create_block_mask  # see _flex_attention
             ids = self._require().to(device)
 
             def document_causal(b, h, q_idx, kv_idx):
@@ -92,9 +92,17 @@ class Segments:
 _FLEX = {}
 
 
+def _flex():
+    """torch's FlexAttention, imported where it runs: its module imports torch._dynamo (1-2 s of
+    CPU at every rank's start), which a run without document masking on CUDA never uses."""
+    from torch.nn.attention.flex_attention import flex_attention
+    return flex_attention
+
+
 def _flex_attention():
     """FlexAttention compiled once (uncompiled it runs a dense reference implementation)."""
     if "fn" not in _FLEX:
+        flex_attention = _flex()
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     return _FLEX["fn"]
 
@@ -112,7 +120,7 @@ def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
                             compiled: bool = True) -> torch.Tensor:
     """The CUDA path: FlexAttention over the segments' block mask (grouped K/V taken as they are).
     ``compiled=False`` runs torch's eager reference of it (any device: the CPU test of the mask)."""
-    fn = _flex_attention() if compiled else flex_attention
+    fn = _flex_attention() if compiled else _flex()
     return fn(q, k, v, block_mask=segments.block_mask(q.device), enable_gqa=k.shape[1] != q.shape[1])
 
 
@@ -122,16 +130,24 @@ class DocumentAttention(CausalAttention):
     def __init__(self, segments: Segments):
         super().__init__()
         self.segments = segments
+        # The segments' caches are Python state, which dynamo would guard on and re-trace per
+        # micro-batch: under train.compile the rest of the block compiles around these two.
+        # Wrapped here, not as decorators, which would import torch._dynamo at every start
+        # (as trainer3d/parallel/context/apply.py does for its exchange).
+        self._positions = torch.compiler.disable(self._segment_positions)
+        self._attend = torch.compiler.disable(self._document_attention)
 
-    # The segments' caches are Python state, which dynamo would guard on and re-trace per
-    # micro-batch: under train.compile the rest of the block compiles around these two.
-    @torch.compiler.disable
     def positions(self, seq: int, device: torch.device) -> torch.Tensor:
         """(batch, seq): each sequence its own positions (model/transformer.py ``Attention`` rotates per token)."""
+        return self._positions(device)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self._attend(q, k, v)
+
+    def _segment_positions(self, device: torch.device) -> torch.Tensor:
         return self.segments.positions(device)
 
-    @torch.compiler.disable
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _document_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.device.type == "cuda":
             return flex_document_attention(q, k, v, self.segments)
         return masked_sdpa(q, k, v, self.segments)
