@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tests.support.harness import run_ranks
-from trainer3d.launch.local_ranks import _context, _rank_main
+from trainer3d.launch.local_ranks import _context, _rank_main, received
 from trainer3d.parallel import comm
 from trainer3d.cpu.shm import ShmCollectives, shm_collectives
 from trainer3d.cpu.shm_barrier import ShmBarrier
@@ -183,7 +183,7 @@ def test_a_lost_peer_ends_the_collective(hang):
         for p in procs:
             p.start()
         try:
-            rank, status, value = results.get(timeout=90)
+            rank, status, value = received(results.get(timeout=90))
         finally:
             procs[1].kill()  # the hung one; the dead one is gone already
             for p in procs:
@@ -224,7 +224,7 @@ def test_a_peer_dying_at_the_start_leaves_nothing_in_dev_shm():
         for p in procs:
             p.start()
         try:
-            rank, status, value = results.get(timeout=90)
+            rank, status, value = received(results.get(timeout=90))
         finally:
             for p in procs:
                 p.join(timeout=10)

@@ -15,11 +15,12 @@ import datetime
 import functools
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,13 +41,22 @@ def _rank_main(fn, rank, world_size, init_file, results, threads, pg_timeout_s, 
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
-        results.put((rank, "ok", fn(rank, world_size, *args)))
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
         _leave_together()
     except BaseException:  # noqa: B902 - report everything, including SystemExit
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def received(item: Tuple[int, str, Any]) -> Tuple[int, str, Any]:
+    """A rank's report as read from the queue: (rank, "ok", what it returned) or (rank, "error",
+    its traceback). What a rank returns travels pickled by value: the queue's own pickler would
+    pass a tensor's storage as a file descriptor that the receiver fetches from the sending
+    process, which may have exited by then ("No such file or directory" in resource_sharer)."""
+    rank, status, value = item
+    return rank, status, pickle.loads(value) if status == "ok" else value
 
 
 def _leave_together():
@@ -93,7 +103,7 @@ def _collect(results, procs, timeout: float) -> dict:
         if remaining <= 0:
             raise TimeoutError(f"ranks {sorted(set(range(len(procs))) - set(out))} did not finish within {timeout}s")
         try:
-            rank, status, value = results.get(timeout=min(remaining, 1.0))
+            rank, status, value = received(results.get(timeout=min(remaining, 1.0)))
         except queue.Empty:
             dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
             if dead:
