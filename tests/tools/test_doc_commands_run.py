@@ -77,6 +77,8 @@ NOT_RUN = [  # the first pattern a command matches gives the reason it is only p
     (r"tools/bench/", "a benchmark: minutes (tests/tools smoke-runs each at its smallest size)"),
     (r"tools/parity\.py", "two training runs: minutes (tests/tools/test_parity_tool.py runs it small)"),
     (r"-m trainer3d\.tools\.prepare_data$", "the module form of tools/prepare_data.py, run above"),
+    (r"-m trainer3d\.tools\.provenance$", "needs a run's checkpoints: tests/multirank/test_provenance.py runs it "
+     "on three layouts' run dirs"),
     (r"-m trainer3d\.train", "a training run: minutes on CPU ranks (tests/integration runs the entry point)"),
 ]
 

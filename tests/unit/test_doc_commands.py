@@ -51,6 +51,7 @@ NOT_RUN = {  # command prefix: the test that covers it
     ".venv/bin/pip install": "set-up (tests/unit/test_help_install.py installs the package; extras: below)",
     "pip install": "set-up of an extra (test_every_documented_extra_exists)",
     ".venv/bin/python -m pytest": "the suite itself",
+    "python -m trainer3d.tools.provenance": "tests/multirank/test_provenance.py runs the tool on three layouts' run dirs",
     "tensorboard --logdir": "TensorBoard's own command (tests/integration/test_profile_dashboards.py reads the events)",
     "python -c": "tests/integration/test_export_standard.py loads an export with transformers",
 }

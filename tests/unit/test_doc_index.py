@@ -82,3 +82,16 @@ def test_megatron_boundaries_come_from_its_index_in_place_and_imported(tmp_path)
     assert document_starts(in_place).tolist() == [0, 4, 6, 9]
     import_megatron(tmp_path / "m_text_document", tmp_path / "imported.bin", BYTE_VOCAB, EOS)
     assert document_starts(TokenFile.open(tmp_path / "imported.bin")).tolist() == [0, 4, 6, 9]
+
+
+def test_the_input_walk_knows_every_side_file_of_a_token_file():
+    """prepare_data skips a token file's side files as inputs (documents.SIDE_SUFFIXES): the
+    document index's and the loss mask's names are among them."""
+    from pathlib import Path
+
+    from trainer3d.data.doc_index import index_header_path, index_path
+    from trainer3d.data.documents import SIDE_SUFFIXES
+    from trainer3d.data.loss_mask import mask_header_path, mask_path
+
+    for side in (index_path, index_header_path, mask_path, mask_header_path):
+        assert side(Path("d/x.bin")).name in {"x" + s for s in SIDE_SUFFIXES}, side

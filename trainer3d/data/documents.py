@@ -70,12 +70,18 @@ TRAINED_TOKENIZER_SUFFIX = ".tokenizer.json"
 """What --train-tokenizer saves beside a token file: ``<out>.tokenizer.json``."""
 
 
+SIDE_SUFFIXES = (TRAINED_TOKENIZER_SUFFIX, ".docs.json", ".docs", ".mask.json", ".mask")
+"""What a token file NAME.bin has beside it: a tokenizer trained for it, its document index
+(trainer3d/data/doc_index.py ``index_path``), its loss mask (trainer3d/data/loss_mask.py ``mask_path``)."""
+
+
 def token_file_output(path: Path) -> bool:
     """``path`` is a token file's own (its header or its data, as ``read_header`` accepts them,
-    a tokenizer trained for it, or a Megatron-LM index by its magic), not text to tokenise: a
+    a side file of one, or a Megatron-LM index by its magic), not text to tokenise: a
     directory holding an earlier output would otherwise feed it back in as documents."""
     name = path.name
-    stem = path.with_name(name[:-len(TRAINED_TOKENIZER_SUFFIX)]) if name.endswith(TRAINED_TOKENIZER_SUFFIX) else path
+    side = next((s for s in SIDE_SUFFIXES if name.endswith(s)), None)
+    stem = path.with_name(name[:-len(side)]) if side else path
     if stem.suffix in (".json", ".bin") or stem is not path:
         try:
             read_header(stem)
