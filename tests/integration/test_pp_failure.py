@@ -36,12 +36,12 @@ def train_with_a_faulty_rank(cfg, faulty_rank, how, at_step):
     if int(os.environ["RANK"]) == faulty_rank:
         original, calls = Pipeline.forward_backward, itertools.count()
 
-        def faulty(self, inputs, targets):
+        def faulty(self, inputs, targets, *rest):
             if next(calls) == at_step:
                 if how == "exit":
                     os._exit(3)  # killed without a word: OOM killer, segfault, lost node
                 time.sleep(3600)  # alive but stuck
-            return original(self, inputs, targets)
+            return original(self, inputs, targets, *rest)
 
         Pipeline.forward_backward = faulty
     return run_rank(cfg)

@@ -30,7 +30,7 @@ def _measure(rank: int, world: int, layout: dict) -> int:
     chunks = build_model_chunks(cfg, dims)
     optimizer = build_optimizer(chunks, cfg, dims)
     micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims, chunks), cfg.train.grad_accum_steps, optimizer)
-    trainer = SimpleNamespace(pipeline=None, chunks=chunks, micro_loss=micro_loss)
+    trainer = SimpleNamespace(pipeline=None, chunks=chunks, micro_loss=micro_loss, segments=None)
     t = cfg.train
     rows = torch.randint(0, cfg.model.vocab_size, (t.grad_accum_steps, t.micro_batch_size, t.seq_len + 1),
                          generator=torch.Generator().manual_seed(0))

@@ -72,7 +72,7 @@ def measure(rank: int, world: int, layouts: List[dict]) -> List[dict]:
         optimizer = build_optimizer(chunks, cfg, dims)
         micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims, chunks), cfg.train.grad_accum_steps, optimizer)
         pipeline = Pipeline(chunks, micro_loss, cfg, dims) if dims.pp > 1 else None
-        trainer = SimpleNamespace(pipeline=pipeline, chunks=chunks, micro_loss=micro_loss)
+        trainer = SimpleNamespace(pipeline=pipeline, chunks=chunks, micro_loss=micro_loss, segments=None)
         inputs, targets = _batch(cfg, dims.is_first_stage, dims.is_last_stage)
         with sdpa_kernel(kernels[layout.get("kernel", "flash")]):
             optimizer.zero_grad()
