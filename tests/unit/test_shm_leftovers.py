@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from trainer3d.cpu.shm import LEFTOVER_AGE_S, sweep_leftovers
+from trainer3d.cpu.shm_leftovers import LEFTOVER_AGE_S, sweep_leftovers
 
 
 def _dead_pid() -> int:

@@ -21,7 +21,7 @@ start failed (a peer died, a collective raised), so nothing is left behind once 
 over, whatever happens to the job. A rank 0 killed (SIGKILL, the OOM killer) between making the
 segment and unlinking it leaves its name behind, which no code of that process can remove: the
 next set-up on the host removes such leftovers (``sweep_leftovers``: this user's segments whose
-maker is gone and which are older than any set-up). Larger tensors go through in chunks of the
+maker is gone and which are older than any set-up, trainer3d/cpu/shm_leftovers.py). Larger tensors go through in chunks of the
 segment's size.
 ``TRAINER3D_SHM_COLLECTIVES=0`` keeps gloo.
 """
@@ -31,7 +31,6 @@ import logging
 import mmap
 import os
 import secrets
-import time
 import weakref
 from typing import Callable, List, Optional, Tuple
 
@@ -40,6 +39,7 @@ import torch.distributed as dist
 
 from trainer3d.cpu import shm_barrier
 from trainer3d.cpu.shm_barrier import ShmBarrier
+from trainer3d.cpu.shm_leftovers import PREFIX, sweep_leftovers
 
 log = logging.getLogger(__name__)
 
@@ -188,52 +188,6 @@ class ShmCollectives:
 
 def _enabled() -> bool:
     return os.environ.get("TRAINER3D_SHM_COLLECTIVES", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-PREFIX = "trainer3d-"
-LEFTOVER_AGE_S = 3600.0
-"""A segment's name lives only through its set-up (seconds; at most the group's timeout): one
-older than this whose maker is gone was left by a rank 0 killed during its set-up."""
-
-
-def sweep_leftovers(directory: str = "/dev/shm", now: Optional[float] = None) -> List[str]:
-    """Remove this user's leftover segments from ``directory``: named ``trainer3d-<pid>-...``,
-    the process ``pid`` gone, and untouched for ``LEFTOVER_AGE_S``. Both conditions: a pid of
-    another PID namespace sharing /dev/shm looks gone here, and a set-up never lasts an hour.
-    The names removed."""
-    now = time.time() if now is None else now
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        pid = name[len(PREFIX):].split("-", 1)[0]
-        if not name.startswith(PREFIX) or not pid.isdigit():
-            continue
-        path = os.path.join(directory, name)
-        try:
-            st = os.stat(path, follow_symlinks=False)
-        except OSError:
-            continue
-        if st.st_uid != os.getuid() or now - st.st_mtime < LEFTOVER_AGE_S or _alive(int(pid)):
-            continue
-        try:
-            os.unlink(path)
-            removed.append(name)
-        except OSError:
-            pass
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
 
 
 def _create(size: int):
