@@ -16,7 +16,7 @@ from trainer3d.parallel.parallelize import build_model_chunks, build_optimizer
 from trainer3d.memory.meter import SavedActivationMeter
 from trainer3d.parallel.pipeline.receive_count import receive_buffers_held
 from trainer3d.parallel.pipeline.schedule import SCHEDULES, Pipeline
-from trainer3d.trainer import MicroBatchLoss
+from trainer3d.parallel.pipeline.losses import MicroBatchLoss
 
 TINY = ModelConfig(dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50, max_seq_len=16)
 MICRO, SEQ = 2, 16

@@ -27,7 +27,7 @@ from trainer3d.parallel.topology import ParallelDims
 def apply_moe_layout(chunks: List[nn.Module], cfg: Config, dims: ParallelDims) -> None:
     """Give this rank's MoE blocks the groups their tokens are split over and the scale their
     losses' gradients start from (a micro-batch's loss is divided by grad_accum_steps:
-    trainer.py's ``MicroBatchLoss``)."""
+    parallel/pipeline/losses.py's ``MicroBatchLoss``)."""
     groups, ranks = [], 1
     if cfg.parallel.sequence_parallel and dims.tp > 1:
         groups.append(dims.tp_group)

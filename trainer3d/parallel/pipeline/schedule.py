@@ -4,7 +4,7 @@ The schedules are torch.distributed.pipelining's (tests/multirank/test_pipeline.
 and gradients to a single process). This module builds them over ``dims.pp_group`` and guards their
 pitfalls:
 
-- gradient scaling: ``scale_grads=False``. The trainer's ``MicroBatchLoss`` is the
+- gradient scaling: ``scale_grads=False``. The ``MicroBatchLoss`` (parallel/pipeline/losses.py) is the
   schedule's loss function and already divides each micro-batch's loss by grad_accum
   (torch's own scaling divides the whole ``.grad``, including any earlier gradient);
 - equal micro-batch shapes: the step's (grad_accum, micro_batch, seq) batch is handed
