@@ -55,7 +55,7 @@ RANGES: Dict[str, Range] = {
     **{f"model.moe.{k}": AT_LEAST_1 for k in ("top_k", "expert_ffn_dim", "every")},
     "model.rope_scaling.factor": POSITIVE, "model.rope_scaling.low_freq_factor": POSITIVE,
     "model.rope_scaling.high_freq_factor": POSITIVE, "model.rope_scaling.original_max_seq_len": AT_LEAST_1,
-    **{f"parallel.{k}": AT_LEAST_1 for k in ("tp", "pp", "dp", "cp", "pp_virtual_stages", "dp_shard")},
+    **{f"parallel.{k}": AT_LEAST_1 for k in ("tp", "pp", "dp", "cp", "pp_virtual_stages", "dp_shard", "ep")},
     "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": SECONDS, "parallel.init_timeout_s": SECONDS,
     **{f"train.{k}": AT_LEAST_1 for k in ("micro_batch_size", "grad_accum_steps", "global_batch_size", "seq_len",
                                          "max_steps", "log_every", "eval_steps")},

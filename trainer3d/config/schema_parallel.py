@@ -33,6 +33,10 @@ class ParallelConfig:
     neighbouring dp ranks and replicate them over the dp / dp_shard groups (HSDP: FSDP2 on a 2-D
     (dp_replicate, dp_shard) mesh). Must divide dp; null: dp_shard = dp (full sharding).
     docs/parallelism.md, "Hybrid sharding"."""
+    ep: int = 1
+    """Expert-parallel degree (model.moe.num_experts > 0): each MoE block's routed experts split
+    over ep ranks carved out of the dp x cp group (Megatron-Core's expert-data-parallel scheme);
+    must divide dp x cp and model.moe.num_experts. docs/moe.md."""
     offload_optimizer: bool = False
     """ZeRO-Offload: this rank's fp32 master weights and AdamW moments live in host memory
     (pinned on CUDA) and the AdamW step runs on the host's cores. Stages 0/1: the device keeps

@@ -12,6 +12,9 @@ from trainer3d.config.schema import Config
 def moe_problems(cfg: Config) -> List[str]:
     m, moe, p, t = cfg.model, cfg.model.moe, cfg.parallel, cfg.train
     if moe.num_experts == 0:
+        if p.ep > 1:
+            return [f"parallel.ep={p.ep} splits the experts of MoE blocks, and this model has none "
+                    "(model.moe.num_experts=0); set parallel.ep=1 or choose an MoE model"]
         return []
     problems = []
     if moe.top_k > moe.num_experts:
@@ -30,6 +33,7 @@ def moe_problems(cfg: Config) -> List[str]:
                         "follow the dynamic loss scale); use train.dtype=bf16 or fp32")
     unsupported = [(p.pp > 1, f"parallel.pp={p.pp}", "parallel.pp=1"),
                    (p.cp > 1, f"parallel.cp={p.cp}", "parallel.cp=1"),
+                   (p.ep > 1, f"parallel.ep={p.ep}", "parallel.ep=1"),
                    (p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage=0 or 1"),
                    (p.offload_optimizer, "parallel.offload_optimizer=true", "parallel.offload_optimizer=false"),
                    (t.activation_checkpointing, "train.activation_checkpointing=true",
