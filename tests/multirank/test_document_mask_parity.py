@@ -49,6 +49,13 @@ LAYOUTS = [
                  marks=pytest.mark.slow),
     pytest.param(("parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1", "train.activation_checkpointing=true"),
                  id="pp2-dp2-z1-recompute", marks=pytest.mark.slow),
+    # context parallelism (trainer3d/parallel/context/documents.py): each exchange, and beside dp
+    pytest.param(("parallel.cp=2", "parallel.cp_attention=all_gather"), id="cp2-all_gather"),
+    pytest.param(("parallel.cp=2",), id="cp2-ring", marks=pytest.mark.slow),
+    pytest.param(("parallel.cp=2", "parallel.dp=2", "parallel.zero_stage=1"), id="cp2-dp2-z1", marks=pytest.mark.slow),
+    # interleaved 1F1B: two chunks per rank, each stage setting its micro-batch's segments
+    pytest.param(("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
+                  "model.n_layers=4"), id="pp2-interleaved", marks=pytest.mark.slow),
 ]
 
 

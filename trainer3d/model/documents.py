@@ -50,6 +50,14 @@ class Segments:
             raise RuntimeError("data.document_mask: no segments set for this micro-batch")
         return self.ids
 
+    def window_ids(self, device: torch.device) -> torch.Tensor:
+        """(batch, seq) int32, a copy of its own: the ids context parallelism's attention saves for
+        backward (trainer3d/parallel/context/documents.py), not a view of the whole step's segments."""
+        key = ("ids", device)
+        if key not in self._cache:
+            self._cache[key] = self._require().to(device=device, dtype=torch.int32, copy=True)
+        return self._cache[key]
+
     def positions(self, device: torch.device) -> torch.Tensor:
         """(batch, seq) int64: each token's offset from its segment's first token."""
         key = ("positions", device)

@@ -97,9 +97,9 @@ def build_model_chunks(cfg: Config, dims: ParallelDims, initialise: bool = True)
                     param.detach().zero_()
             else:
                 fill_parameters(chunk, source)
-    apply_context_parallel(chunks, dims, cfg.parallel.cp_attention)
     if cfg.data.document_mask:
         apply_document_mask(chunks)
+    apply_context_parallel(chunks, dims, cfg.parallel.cp_attention)  # document-masked after apply_document_mask
     if cfg.train.activation_checkpointing:
         checkpoint_layers(chunks)
     if param_dtype(cfg) != torch.float32:

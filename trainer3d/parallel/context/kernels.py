@@ -77,14 +77,25 @@ TILE = 1024
 """Query rows per tile of the plain-torch kernels: their scores take tile x keys, not queries x keys."""
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, row0: int = 0) -> torch.Tensor:
-    """Scores of query rows row0.. of a block on its keys; ``causal``: key j hidden from row i where j > i."""
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, row0: int = 0,
+            ids: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """Scores of query rows row0.. of a block on its keys; ``causal``: key j hidden from row i where j > i;
+    ``ids`` (the block's query rows' and keys' document ids, (batch, rows) and (batch, keys)): key j
+    hidden from row i of another document (document masking under cp, documents.py)."""
     wide = acc_dtype(q.dtype)
     s = torch.matmul(q.to(wide), _expand_kv(k, q.shape[1]).to(wide).transpose(-1, -2)) * scale
     if causal:
         rows = torch.arange(row0, row0 + s.shape[-2], device=s.device)[:, None]
         s = s.masked_fill(torch.arange(s.shape[-1], device=s.device)[None, :] > rows, float("-inf"))
+    if ids is not None:
+        q_ids = ids[0][:, row0:row0 + s.shape[-2]]
+        s = s.masked_fill((q_ids[:, None, :, None] != ids[1][:, None, None, :]), float("-inf"))
     return s
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with the rows that attend to nothing (-inf) at 0, so exp(scores - lse) is 0 there, not NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -102,14 +113,16 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 def math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                 tile: int = TILE) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``block_forward`` in plain torch ops (any device), ``tile`` query rows at a time."""
+                 tile: int = TILE, ids: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``block_forward`` in plain torch ops (any device), ``tile`` query rows at a time; with
+    ``ids`` (``_scores``) document-masked, a row that sees no key getting out 0 and lse -inf."""
     outs, lses = [], []
     values = _expand_kv(v, q.shape[1])
     for row0 in range(0, q.shape[2], tile):
-        s = _scores(q[:, :, row0:row0 + tile], k, causal, scale, row0)
+        s = _scores(q[:, :, row0:row0 + tile], k, causal, scale, row0, ids)
         lse = torch.logsumexp(s, dim=-1)
-        outs.append(torch.matmul(torch.exp(s - lse.unsqueeze(-1)), values.to(s.dtype)).to(q.dtype))
+        outs.append(torch.matmul(torch.exp(s - _finite(lse).unsqueeze(-1)), values.to(s.dtype)).to(q.dtype))
         lses.append(lse)
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
@@ -129,15 +142,17 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 
 def math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, causal: bool, scale: float,
-                  tile: int = TILE) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``block_backward`` in plain torch ops (any device), ``tile`` query rows at a time."""
+                  lse: torch.Tensor, causal: bool, scale: float, tile: int = TILE,
+                  ids: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``block_backward`` in plain torch ops (any device), ``tile`` query rows at a time; ``ids``
+    as for ``math_forward``."""
     heads, kv_heads, wide = q.shape[1], k.shape[1], acc_dtype(q.dtype)
     keys, values = _expand_kv(k, heads).to(wide), _expand_kv(v, heads).to(wide)
     dk, dv, dqs = torch.zeros_like(keys), torch.zeros_like(values), []
     for row0 in range(0, q.shape[2], tile):
         rows = slice(row0, row0 + tile)
-        p = torch.exp(_scores(q[:, :, rows], k, causal, scale, row0) - lse[:, :, rows].unsqueeze(-1))
+        p = torch.exp(_scores(q[:, :, rows], k, causal, scale, row0, ids) - _finite(lse[:, :, rows]).unsqueeze(-1))
         do = dout[:, :, rows].to(wide)
         dv += torch.matmul(p.transpose(-1, -2), do)
         delta = (do * out[:, :, rows].to(wide)).sum(-1, keepdim=True)
