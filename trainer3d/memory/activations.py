@@ -263,11 +263,30 @@ def document_mask_terms(z: Sizes) -> Dict[str, int]:
     reads, model/documents.py): on CPU the dense additive mask, b s^2 in the activation dtype;
     on CUDA FlexAttention's block mask, int32 block counts and indices of its partial and full
     blocks, both directions: 4 x 4 b nb (nb + 1) bytes for nb = ceil(s / 128) blocks. Under
-    recomputation the blocks save nothing of it (the mask is then one micro-batch's transient)."""
+    context parallelism no mask is kept: the blocks' cp attention saves the whole window's
+    int32 document ids, 4 b s cp bytes (parallel/context/documents.py builds each chunk pair's
+    mask as it computes it: ``cp_document_pair_bytes``). Under recomputation the blocks save
+    nothing of it (the mask or ids are then one micro-batch's transient)."""
+    if z.cp > 1:
+        return {"document_ids": FP32 * z.b * z.s * z.cp}
     if z.cuda:
         nb = -(-z.s // FLEX_BLOCK)
         return {"document_mask": 4 * 4 * z.b * nb * (nb + 1)}
     return {"document_mask": z.p * z.b * z.s * z.s}
+
+
+CP_TILE = 1024
+"""Query rows per tile of the cp attention's plain-torch kernel (parallel/context/kernels.py ``TILE``)."""
+
+
+def cp_document_pair_bytes(z: Sizes) -> int:
+    """The working set of one document-masked chunk pair under cp (parallel/context/documents.py,
+    on the plain-torch kernel, a tile of query rows at a time): a tile's boolean mask and up
+    to four fp32 tensors of its scores per head (scores, masked scores, probabilities and
+    their gradient in backward), for chunk = s / 2 tokens. A transient, freed after each tile."""
+    chunk = z.s // 2
+    rows = min(CP_TILE, chunk)
+    return z.b * rows * chunk * (1 + 4 * FP32 * (z.heads // z.t))
 
 
 # ------------------------------------------------------------------ micro-batches in flight

@@ -39,8 +39,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from trainer3d.memory.activations import (FP32, Sizes, chunk_terms, document_mask_terms, layer_terms,
-                                          loss_transient_bytes, peak_in_flight, schedule_ops, shared_terms)
+from trainer3d.memory.activations import (FP32, Sizes, chunk_terms, cp_document_pair_bytes, document_mask_terms,
+                                          layer_terms, loss_transient_bytes, peak_in_flight, schedule_ops, shared_terms)
 from trainer3d.config.schema import Config
 from trainer3d.config.schema_parallel import zero_shards
 from trainer3d.memory.muon_step import muon_step_bytes
@@ -196,6 +196,8 @@ def _transients(cfg: Config, z: Sizes, stages: List[int], last: int) -> Dict[str
         out["recomputed_block"] = sum(layer_terms(z).values()) - z.hidden_bytes()
         if z.documents:  # the micro-batch's mask, held by the blocks' Segments, not saved (model/documents.py)
             out.update(document_mask_terms(z))
+    if z.documents and z.cp > 1:  # a chunk pair's mask and scores, one tile at a time
+        out["cp_document_pair"] = cp_document_pair_bytes(z)
     if z.sp and z.t > 1:  # a projection's input gathered again in backward, and its gradient before the scatter
         out["sequence_parallel_regather"] = 2 * z.p * z.n * z.h
     b = BYTES[t.dtype]
