@@ -3,8 +3,10 @@
 The token file holds short documents (1 to 80 bytes, so from several documents in a window
 of 64 tokens to one that spans two), made by tools/prepare_data.py's engine with its document
 index. Each layout's per-step losses over 20 steps (fp32) are held to the one-process run of
-the same config within 1e-5 (tests/support/runs.py); the one-process masked model is itself
-held to each document run alone in tests/unit/test_document_mask.py.
+the same config within 1e-5 (tests/support/runs.py): tensor with sequence parallelism,
+pipeline with ZeRO-1, with recomputation and interleaved; context parallelism with each
+exchange, beside dp and under compile. The one-process masked model is itself held to each
+document run alone in tests/unit/test_document_mask.py.
 """
 
 import random
