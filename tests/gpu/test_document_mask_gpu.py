@@ -63,3 +63,15 @@ def test_the_masked_model_on_cuda_is_each_document_run_alone():
                                                 reduction="sum")
         at += n
     torch.testing.assert_close(total, reference, rtol=1e-4, atol=0)
+
+
+def test_cp_document_masking_refuses_cuda_tensors():
+    """Under context parallelism the document-masked blocks run on CPU ranks only (their CUDA
+    kernels take no mask: trainer3d/parallel/context/documents.py); a rank that chose CUDA
+    itself (train.device=auto) is told so before any exchange, naming the knob."""
+    from trainer3d.parallel.context.attention import CPGroup, context_attention
+
+    q = torch.randn(1, 2, 8, 16, device="cuda")
+    cp = CPGroup(group=None, size=2, rank=0, mode="all_gather")
+    with pytest.raises(RuntimeError, match="parallel.cp=1"):
+        context_attention(q, q, q, cp, torch.zeros(1, 16, dtype=torch.int32, device="cuda"))
