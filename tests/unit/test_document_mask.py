@@ -142,6 +142,25 @@ def test_the_planner_charges_no_dense_mask_on_gpus_at_128k():
         assert sum(b.values()) - sum(a.values()) == mask
 
 
+def test_the_planner_charges_ids_not_a_mask_under_cp_at_128k():
+    """cp 8 at seq 128k on CPU ranks: no dense mask (it would be 2 x 2^34 bytes), the window's
+    int32 ids, 4 x 131072 bytes, saved; RoPE tables per sequence cost nothing more at micro-batch
+    1; and one chunk pair's tile as a transient: 1 x 1024 x 8192 bytes of mask plus four fp32
+    score tensors of 4 heads (32 heads / tp 8), by hand."""
+    from tests.unit.test_validate import make
+    from trainer3d.memory.peak import rank_memory
+
+    seq = 131072
+    common = ["model=llama3.1-8b", f"train.seq_len={seq}", "train.micro_batch_size=1", "train.global_batch_size=1",
+              "train.dtype=bf16", "parallel.tp=8", "parallel.cp=8", "parallel.dp=1", "train.device=cpu"]
+    plain, masked = (rank_memory(make([*common, *extra]), 0) for extra in ([], ["data.document_mask=true"]))
+    assert "document_mask" not in masked.activations
+    assert masked.activations["document_ids"] == 4 * seq
+    assert masked.activation_bytes - plain.activation_bytes == 4 * seq
+    chunk = seq // 8 // 2
+    assert masked.transients["cp_document_pair"] == 1024 * chunk * (1 + 4 * 4 * 4)
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_the_flex_block_mask_attends_as_the_dense_mask():
     """The CUDA path's block mask, run through FlexAttention's eager reference on CPU (block 128:
