@@ -35,8 +35,9 @@ class ContextAttention(nn.Module):
         # does not trace: under train.compile the rest of the block compiles around it. Wrapped
         # here, when cp > 1 builds the core, not as a decorator: torch.compiler.disable imports
         # torch._dynamo (about 1.5 s of every process's start), which a layout without cp never uses.
-        # The segments' caches are Python state as well (model/documents.py DocumentAttention).
-        self._attend = torch.compiler.disable(context_attention)
+        # The segments' caches are Python state as well, read inside the eager part (model/documents.py
+        # DocumentAttention): dynamo would guard on them and trace again for every micro-batch.
+        self._attend = torch.compiler.disable(self._context_attention)
         self._document_positions = torch.compiler.disable(self._shard_of_document_positions)
 
     def positions(self, seq: int, device: torch.device) -> torch.Tensor:
@@ -50,8 +51,11 @@ class ContextAttention(nn.Module):
         return whole[:, local_positions(seq, self.cp.size, self.cp.rank, device)]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self._attend(q, k, v)
+
+    def _context_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ids = None if self.segments is None else self.segments.window_ids(q.device)
-        return self._attend(q, k, v, self.cp, ids)
+        return context_attention(q, k, v, self.cp, ids)
 
     def extra_repr(self) -> str:
         return f"cp={self.cp.size}, rank={self.cp.rank}, mode={self.cp.mode}, documents={self.segments is not None}"
