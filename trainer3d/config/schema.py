@@ -245,7 +245,8 @@ class DataConfig:
     """Each token attends only to the earlier tokens of its own document, and rotary positions
     restart at each document (and at each window's start): boundaries from the token file's
     document index (<name>.docs, written by trainer3d-prepare-data), a Megatron dataset's .idx,
-    or, for a token file without an index, its end-of-document id (docs/data.md)."""
+    or, for a token file without an index, its end-of-document id (docs/data.md). With
+    parallel.cp > 1 on CPU ranks only (docs/context_parallel.md)."""
 
 
 @dataclass
