@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import transformers
 
 from tests.conftest import ROOT
+from tests.support.megatron_files import write_megatron
 from trainer3d.data.doc_index import index_header_path, index_path, write_doc_index
 from trainer3d.data.tokens import TokenizerInfo, read_header, write_token_file
 from trainer3d.tools import score
@@ -133,3 +134,16 @@ def test_refusals_name_the_file_and_the_fix(tmp_path, hf_dir, capsys, monkeypatc
     assert not out.exists()
     assert score.main([str(hf_dir), "--data", str(data), "--out", str(ROOT)]) == 2  # a directory
     assert "score: " in capsys.readouterr().err
+
+
+def test_a_megatron_dataset_is_scored_by_its_own_index(tmp_path, hf_dir, capsys):
+    docs = _documents()
+    write_megatron(tmp_path / "web_text_document", [[d] for d in docs])
+    prefix, out = str(tmp_path / "web_text_document"), tmp_path / "m.jsonl"
+    with pytest.raises(SystemExit, match="Megatron-LM dataset.*give --eos-id"):
+        score.main([str(hf_dir), "--data", prefix, "--out", str(out)])
+    _run(capsys, hf_dir, "--data", prefix, "--eos-id", EOS, "--seq-len", SEQ, "--out", out)
+    model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    assert [r["tokens"] for r in _lines(out)] == LENGTHS  # the inner end-of-document id cuts nothing
+    np.testing.assert_allclose([r["nll"] for r in _lines(out)], [_hf_nll(model, d) for d in docs],
+                               rtol=1e-5, atol=1e-6)

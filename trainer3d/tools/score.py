@@ -85,6 +85,9 @@ def memory_problem(path: Path, seq_len: Optional[int], available: Optional[int])
 
 def open_documents(data: Path, vocab_size: int, eos_id: Optional[int]):
     """(token file, document starts, a note when the starts come from end-of-document ids)."""
+    if megatron.is_megatron(data) and eos_id is None:
+        raise SystemExit(f"score: {data} is a Megatron-LM dataset, whose files do not record the end-of-document "
+                         "id: give --eos-id (GPT-2's is 50256)")
     try:
         tokens = TokenFile.open(data, vocab_size=vocab_size, eos_id=eos_id)
         starts = document_starts(tokens)
