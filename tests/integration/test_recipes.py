@@ -3,9 +3,13 @@ ZeRO-3), through the entry point, shortened to a few small steps."""
 
 import math
 
+import numpy as np
 import pytest
 
-from tests.support.runs import read_metrics, run_train
+from tests.support.runs import configure, read_metrics, run_train
+from trainer3d.data.chat_sample import chat_sample
+from trainer3d.data.doc_index import document_starts
+from trainer3d.data.tokenfile import TokenFile
 
 SHORT = ("train.max_steps=2", "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4",
          "train.log_every=1", "train.eval_every=0", "checkpoint.save_final=false")
@@ -30,12 +34,18 @@ SFT_SHORT = ("train.max_steps=8", "train.seq_len=32", "train.micro_batch_size=2"
 @pytest.mark.timeout(900)
 def test_sft_recipe_trains_on_the_assistants_tokens(tmp_path):
     """The SFT recipe, as its one command runs it, shortened: the built-in conversations rendered
-    into the cache, the masked loss (the assistant's tokens) falls from a fresh model's uniform
-    guess, and tokens/s counts every token of the step, kept or not. (That a masked-out target's
-    label changes nothing is tests/unit/test_loss_mask.py's; that the masked loss is the global
-    batch's mean, tests/multirank/test_loss_mask_parity.py's.)"""
-    run_train(tmp_path, ["experiment=sft-smollm2-135m-laptop", *SFT_SHORT, f"data.cache_dir={tmp_path / 'cache'}"],
-              timeout=840)
+    into the cache with their document index (each conversation a document, which the recipe's
+    data.document_mask attends within), the masked loss (the assistant's tokens) falls from a
+    fresh model's uniform guess, and tokens/s counts every token of the step, kept or not. (That
+    a masked-out target's label changes nothing is tests/unit/test_loss_mask.py's; that the
+    masked loss is the global batch's mean, tests/multirank/test_loss_mask_parity.py's.)"""
+    overrides = ["experiment=sft-smollm2-135m-laptop", *SFT_SHORT, f"data.cache_dir={tmp_path / 'cache'}"]
+    cfg = configure(tmp_path, overrides)  # renders the conversations into the cache
+    assert cfg.data.loss_mask and cfg.data.document_mask
+    tokens = TokenFile.open(chat_sample(cfg.data.cache_dir))
+    starts = document_starts(tokens)  # the index, not the end-of-document fallback (None)
+    assert starts is not None and len(starts) == int((np.asarray(tokens.tokens) == tokens.header.eos_id).sum())
+    run_train(tmp_path, overrides, timeout=840)
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(8))
     losses = [r["loss"] for r in rows]

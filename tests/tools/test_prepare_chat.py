@@ -12,6 +12,7 @@ import pytest
 from tests.conftest import ROOT
 from trainer3d.data import TokenFile
 from trainer3d.data.chat_sample import CHATML, byte_chat_tokenizer
+from trainer3d.data.doc_index import document_starts
 from trainer3d.data.loss_mask import mask_header_path, mask_path, open_mask
 
 CONVERSATIONS = [
@@ -70,6 +71,21 @@ def test_chat_ids_and_mask_are_chatml_written_by_hand(tmp_path, train_on):
     assert header["kept"] == sum(want_mask) and header["train_on"] == train_on
     assert header["tokens_sha256"] == tokens.header.sha256
     assert f"{sum(want_mask):,} of {len(want_mask):,} tokens trained on" in proc.stdout
+    lengths = [len(_by_hand([m])[0]) for m in CONVERSATIONS]  # each conversation a document
+    assert document_starts(tokens).tolist() == np.cumsum([0] + lengths[:-1]).tolist()
+
+
+def test_an_end_of_text_inside_a_conversation_is_no_document_boundary(tmp_path):
+    said = [{"role": "user", "content": "what is <|endoftext|>?"}, {"role": "assistant", "content": "an id"}]
+    out = tmp_path / "sft.bin"
+    proc = run_tool("--chat", "--tokenizer", _tokenizer(tmp_path), "--out", out,
+                    _inputs(tmp_path, [said, CONVERSATIONS[0]]))
+    assert proc.returncode == 0, proc.stderr
+    tokens = TokenFile.open(out)
+    ids = np.asarray(tokens.tokens)
+    assert (ids == EOT).sum() == 3  # the special token matched inside the text, and one after each conversation
+    second = int(np.flatnonzero(ids == EOT)[1]) + 1
+    assert document_starts(tokens).tolist() == [0, second]
 
 
 MALICIOUS = [

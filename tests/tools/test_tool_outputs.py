@@ -17,7 +17,7 @@ import pytest
 from tests.support.megatron_files import write_megatron
 from tests.support.runs import PARITY, train_in_ranks
 from trainer3d.checkpoint import store
-from trainer3d.tools import export_model, import_megatron, output, parity, plot_metrics, prepare_data
+from trainer3d.tools import export_model, import_megatron, output, parity, plot_metrics, prepare_data, score
 
 
 def _run(tool, argv, capsys):
@@ -40,6 +40,7 @@ TOOLS = {
     "export_model": (export_model, lambda out, tmp: [tmp / "checkpoint", out], True),
     "plot_metrics": (plot_metrics, lambda out, tmp: [_metrics(tmp / "run"), "--out", out], True),
     "parity": (parity, lambda out, tmp: ["parallel.dp=2", "--out", out], True),
+    "score": (score, lambda out, tmp: [tmp / "checkpoint", "--data", tmp / "val.bin", "--out", out], False),
 }
 
 
@@ -93,6 +94,17 @@ def test_import_megatron_never_writes_over_its_own_dataset(tmp_path, capsys):
         code, err = _run(import_megatron, [prefix, "--out", out, "--vocab-size", 100, "--eos-id", 0], capsys)
         assert code != 0 and "is also an input" in err, err
     assert {p: p.read_bytes() for p in before} == before
+
+
+def test_score_never_writes_over_its_data_or_into_its_model(tmp_path, capsys):
+    (tmp_path / "model").mkdir()
+    data = tmp_path / "val.bin"
+    data.write_bytes(b"ids")
+    for out in (data, tmp_path / "model" / "scores.jsonl"):
+        code, err = _run(score, [tmp_path / "model", "--data", data, "--out", out], capsys)
+        assert code == 2
+        _one_line(err, out)
+    assert data.read_bytes() == b"ids" and not any((tmp_path / "model").iterdir())
 
 
 def test_prepare_data_never_writes_inside_an_input_directory(tmp_path, capsys):

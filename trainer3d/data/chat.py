@@ -27,6 +27,10 @@ reasoning, say) is refused naming the record, as its mask would not be where its
 The whole text is tokenised once (ids as a model would read the whole conversation), and a
 token is the assistant's where its first character lies in an assistant span: a token that
 straddles a boundary (a merge across it) goes to the side it starts on.
+
+Each conversation is one document of the token file's document index (``prepare_chat``), so
+``data.document_mask`` keeps a packed conversation from attending to the one before it even
+where a template or a message holds the end-of-text token itself.
 """
 
 import collections
@@ -44,6 +48,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from trainer3d.config.jsonfile import read_json_object
+from trainer3d.data.doc_index import DocIndexWriter
 from trainer3d.data.documents import MAX_RECORD_BYTES, InputError, Progress, open_input
 from trainer3d.data.loss_mask import MaskHeader, MaskWriter
 from trainer3d.data.tokens import TokenHeader, TokenWriter
@@ -217,14 +222,16 @@ def _init_worker(template: ChatTemplate, tokenizer_json: str, eos_id: int, train
                    tokenizer=Tokenizer.from_str(tokenizer_json), eos_id=eos_id, train_on=train_on)
 
 
-def _encode_batch(batch: List[Conversation]) -> Tuple[np.ndarray, np.ndarray]:
-    """A batch's ids and mask, the end-of-document id (mask 0 unless --train-on all) after each."""
+def _encode_batch(batch: List[Conversation]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A batch's ids and mask, the end-of-document id (mask 0 unless --train-on all) after each
+    conversation, and where in the ids each conversation starts."""
     ids, masks = [], []
     for conversation in batch:
         i, m = encode_or_refuse(_WORKER["template"], _WORKER["tokenizer"], conversation, _WORKER["train_on"])
         ids += [i, np.asarray([_WORKER["eos_id"]])]
         masks += [m, np.asarray([_WORKER["train_on"] == "all"], dtype=np.uint8)]
-    return np.concatenate(ids), np.concatenate(masks)
+    starts = np.cumsum([0] + [len(i) + 1 for i in ids[:-2:2]])
+    return np.concatenate(ids), np.concatenate(masks), starts
 
 
 def _batches(items: Iterator[Conversation], size: int) -> Iterator[List[Conversation]]:
@@ -239,8 +246,8 @@ def _batches(items: Iterator[Conversation], size: int) -> Iterator[List[Conversa
 
 
 def encode_conversations(items: Iterator[Conversation], template: ChatTemplate, tokenizer_json: str, eos_id: int,
-                         train_on: str, workers: int) -> Iterator[Tuple[np.ndarray, np.ndarray]]:
-    """(ids, mask) of each batch of conversations, in input order, through ``workers`` processes
+                         train_on: str, workers: int) -> Iterator[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(ids, mask, conversation starts) of each batch of conversations, in input order, through ``workers`` processes
     (at most 2 * workers batches in flight, as trainer3d/data/prepare.py encodes text)."""
     args = (template, tokenizer_json, eos_id, train_on)
     batches = _batches(items, BATCH_CONVERSATIONS)
@@ -260,22 +267,25 @@ def encode_conversations(items: Iterator[Conversation], template: ChatTemplate, 
 
 def prepare_chat(items: Iterator[Conversation], out: Path, encoder, template: ChatTemplate, train_on: str,
                  workers: int = 1, vocab_size: Optional[int] = None) -> Tuple[TokenHeader, MaskHeader]:
-    """Render and encode ``items`` into the token file ``out`` and its loss mask beside it
-    (trainer3d/data/loss_mask.py); ``encoder`` is trainer3d/data/prepare.py's ``Encoder``."""
-    with TokenWriter(out, vocab_size or encoder.vocab_size, encoder.info, encoder.eos_id) as writer:
-        mask = MaskWriter(out, train_on)
-        try:
-            for ids, m in encode_conversations(items, template, encoder.tokenizer_json, encoder.eos_id, train_on,
-                                               workers):
+    """Render and encode ``items`` into the token file ``out``, its document index (each
+    conversation a document, trainer3d/data/doc_index.py: a template's own end-of-text token is
+    no boundary) and its loss mask (trainer3d/data/loss_mask.py), published in that order;
+    ``encoder`` is trainer3d/data/prepare.py's ``Encoder``."""
+    index, mask = DocIndexWriter(out), None
+    try:
+        with TokenWriter(out, vocab_size or encoder.vocab_size, encoder.info, encoder.eos_id) as writer:
+            mask = MaskWriter(out, train_on)
+            for ids, m, starts in encode_conversations(items, template, encoder.tokenizer_json, encoder.eos_id,
+                                                       train_on, workers):
+                index.add(writer.n_tokens + starts)
                 writer.write(ids)
                 mask.write(m)
             if writer.n_tokens == 0:
                 raise ValueError(f"{out}: the inputs hold no conversation")
-        except BaseException:
-            mask.abort()
-            raise
-    try:
+        index.close(writer.header)
         return writer.header, mask.publish(writer.header.sha256)
     except BaseException:
-        mask.abort()
+        index.abort()
+        if mask is not None:
+            mask.abort()
         raise

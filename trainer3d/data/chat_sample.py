@@ -29,7 +29,8 @@ SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 """ChatML (each turn ``<|im_start|>role\\ncontent<|im_end|>\\n``), the format SmolLM2's instruct models use."""
-SAMPLE_VERSION = 1
+SAMPLE_VERSION = 2
+"""Part of the cache's name: a change in what is rendered (the document index beside the ids) makes it anew."""
 
 
 def byte_alphabet() -> dict:
@@ -55,7 +56,7 @@ def byte_chat_tokenizer(directory: Path) -> Path:
 
 
 def chat_sample(cache_dir: str) -> Path:
-    """The built-in conversations as a token file with its loss mask, made once in ``cache_dir``."""
+    """The built-in conversations as a token file with its document index and loss mask, made once in ``cache_dir``."""
     digest = hashlib.sha256(SAMPLE.read_bytes() + CHATML.encode()).hexdigest()[:12]
     root = Path(cache_dir).expanduser() / f"chat-sample-v{SAMPLE_VERSION}-{digest}"
     path = bin_path(root / "chat.bin")

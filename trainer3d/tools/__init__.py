@@ -7,6 +7,7 @@
     export_model     trainer3d-export-model      a checkpoint -> a Hugging Face directory
     plot_metrics     trainer3d-plot-metrics      curves of runs (the ``plot`` extra)
     parity           trainer3d-parity            two layouts' per-step losses compared
+    score            trainer3d-score             per-document log-losses of a token file under a model
     gpu_check        trainer3d-gpu-check         a GPU node's first check: the GPU tier, resume, MFU, the planner
 
 Each is a ``main(argv=None) -> int`` over argparse; the developer's benchmarks stay in tools/bench/.

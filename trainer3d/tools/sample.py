@@ -65,15 +65,16 @@ class FileTokenizer:
         return self.tokenizer.decode(ids)
 
 
-def load_model(path: Path):
+def load_model(path: Path, prog: str = "sample"):
     """(model, what its training data records about tokens: DataTokens, empty for a Hugging Face directory,
-    the sliding attention window of a Hugging Face config.json or None)."""
+    the sliding attention window of a Hugging Face config.json or None); a refusal is one line
+    starting with ``prog`` (the tool's name; trainer3d/tools/score.py loads models here too)."""
     if (path / MARKER).exists():
         try:
             tensors = load_full_model(path)  # refuses a checkpoint that fails its checksums
             config = read_marker(path)["config"]
         except CheckpointError as err:
-            raise SystemExit(f"sample: {err}") from None
+            raise SystemExit(f"{prog}: {err}") from None
         model = Transformer(model_config_of(config))
         fill_parameters(model, lambda name, shape, shard: tensors[name])
         data = data_tokenizer(config)
@@ -85,10 +86,10 @@ def load_model(path: Path):
         hf_config = read_json(path / "config.json")
         cfg = model_config(hf_config)
     except (DirError, ValueError) as err:
-        raise SystemExit(f"sample: {path} is neither a trainer3d checkpoint nor a Hugging Face Llama directory:\n{err}") from None
+        raise SystemExit(f"{prog}: {path} is neither a trainer3d checkpoint nor a Hugging Face Llama directory:\n{err}") from None
     problems = weight_problems(path, cfg)
     if problems:
-        raise SystemExit("sample: " + "\n".join(problems))
+        raise SystemExit(f"{prog}: " + "\n".join(problems))
     model = Transformer(cfg)
     fill_parameters(model, HFSource(path, cfg))
     return model, DataTokens(), hf_config.get("sliding_window")
