@@ -15,8 +15,8 @@ import torch
 
 from trainer3d.config.schema import Config
 from trainer3d.config.schema_parallel import zero_shards
-from trainer3d.memory.states import (engine_model_state_bytes, format_bytes, paper_model_state_bytes,
-                                     rank_muon_mask, rank_parameter_shapes)
+from trainer3d.memory.moe import layout_model_state_bytes, rank_expert_mask
+from trainer3d.memory.states import format_bytes, paper_model_state_bytes, rank_muon_mask, rank_parameter_shapes
 from trainer3d.model.transformer import count_parameters
 from trainer3d.parallel.pipeline.stages import describe_stages
 from trainer3d.memory.peak import RankMemory, rank_memory
@@ -38,10 +38,11 @@ def memory_lines(cfg: Config) -> List[str]:
              f"  {'pp rank':>7}  {'parameters':>14}  {'this engine':>12}  {'ZeRO paper*':>12}  "
              f"params / grads / master / optimizer"]
     for pp_rank in range(p.pp):
-        shapes = rank_parameter_shapes(cfg, topo.rank(pp_rank, 0, 0, 0))
-        psi = sum(torch.Size(s).numel() for s in shapes)
-        engine = engine_model_state_bytes(shapes, shards, p.zero_stage, t.dtype, bucket, offload=p.offload_optimizer,
-                                          muon=rank_muon_mask(cfg, topo.rank(pp_rank, 0, 0, 0)))
+        rank = topo.rank(pp_rank, 0, 0, 0)
+        shapes, experts = rank_parameter_shapes(cfg, rank), rank_expert_mask(cfg, rank)
+        psi = sum(torch.Size(s).numel() // (p.ep if x else 1) for s, x in zip(shapes, experts))
+        engine = layout_model_state_bytes(shapes, experts, p.ep, shards, p.zero_stage, t.dtype, bucket,
+                                          offload=p.offload_optimizer, muon=rank_muon_mask(cfg, rank))
         paper = paper_model_state_bytes(psi, shards, p.zero_stage)
         terms = " / ".join(format_bytes(getattr(engine, k)) for k in ("params", "grads", "master", "optimizer"))
         lines.append(f"  {pp_rank:>7}  {psi:>14,}  {format_bytes(engine.total):>12}  {format_bytes(paper):>12}  {terms}"

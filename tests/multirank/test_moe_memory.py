@@ -1,0 +1,31 @@
+"""Mixture-of-experts memory: the model states and saved activations trainer3d/memory/ charges
+(states.py's shapes of both block kinds, moe.py's terms, peak.py's sums) held to the bytes real
+ranks hold and autograd saves (tests/support/moe_memory_ranks.py), to the byte."""
+
+import pytest
+
+from tests.support.harness import run_ranks
+from tests.support.moe_memory_ranks import measure, moe_config
+from trainer3d.config.validate import validate
+from trainer3d.memory.peak import rank_memory
+
+# Grouped by world size (one set of ranks each). Without expert parallelism a rank computes
+# exactly tokens x top_k routed slots whatever the routing, so both figures are exact.
+LAYOUTS = {
+    1: [dict(), dict(dtype="bf16", router="sigmoid_topk", zero=0)],
+    2: [dict(dp=2), dict(dp=2, zero=0, dtype="bf16"), dict(tp=2), dict(tp=2, sp=True, micro=1)],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_moe_states_and_saved_activations_are_the_accounting_to_the_byte(world):
+    layouts = LAYOUTS[world]
+    results = run_ranks(measure, world, layouts, timeout=600)
+    for i, layout in enumerate(layouts):
+        mem = rank_memory(validate(moe_config(**layout)), 0)
+        for got in (r[i] for r in results):
+            where = f"{layout} tp rank {got['tp_rank']} dp rank {got['dp_rank']}"
+            assert got["left"] == 0, where  # backward released every saved tensor
+            assert got["states"] == mem.states.total, (where, got["states"], mem.states)
+            assert got["peak"] == mem.activation_bytes, (where, got["peak"], mem.activations)
