@@ -7,7 +7,9 @@ import pytest
 from tests.support.harness import run_ranks
 from tests.support.moe_memory_ranks import measure, moe_config
 from trainer3d.config.validate import validate
+from trainer3d.memory.dry_run import describe_plan
 from trainer3d.memory.peak import rank_memory
+from trainer3d.memory.states import format_bytes
 
 # Grouped by world size (one set of ranks each). Without expert parallelism a rank computes
 # exactly tokens x top_k routed slots whatever the routing, so both figures are exact.
@@ -23,7 +25,14 @@ def test_moe_states_and_saved_activations_are_the_accounting_to_the_byte(world):
     layouts = LAYOUTS[world]
     results = run_ranks(measure, world, layouts, timeout=600)
     for i, layout in enumerate(layouts):
-        mem = rank_memory(validate(moe_config(**layout)), 0)
+        cfg = validate(moe_config(**layout))
+        mem = rank_memory(cfg, 0)
+        # the dry run prints this accounting: its saved-activation and model-state figures are the measured ones
+        lines = describe_plan(cfg).splitlines()
+        saved = next(line for line in lines if "activations (saved)" in line).split()
+        assert saved[-2:] == format_bytes(results[0][i]["peak"]).split(), (layout, saved)
+        states = next(line for line in lines if line.split()[:1] == ["0"] and "/" in line).split()
+        assert states[2:4] == format_bytes(results[0][i]["states"]).split(), (layout, states)
         for got in (r[i] for r in results):
             where = f"{layout} tp rank {got['tp_rank']} dp rank {got['dp_rank']}"
             assert got["left"] == 0, where  # backward released every saved tensor

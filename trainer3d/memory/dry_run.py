@@ -15,7 +15,10 @@ import torch
 
 from trainer3d.config.schema import Config
 from trainer3d.config.schema_parallel import zero_shards
-from trainer3d.memory.moe import layout_model_state_bytes, rank_expert_mask
+from trainer3d.memory.activations import Sizes, moe_layer_terms
+from trainer3d.memory.moe import layout_model_state_bytes, moe_layers, rank_expert_mask
+from trainer3d.model.moe import moe_layer
+from trainer3d.parallel.pipeline.stages import stages_of_rank
 from trainer3d.memory.states import format_bytes, paper_model_state_bytes, rank_muon_mask, rank_parameter_shapes
 from trainer3d.model.transformer import count_parameters
 from trainer3d.parallel.pipeline.stages import describe_stages
@@ -86,6 +89,7 @@ def peak_lines(cfg: Config) -> List[str]:
     first = topo.rank(worst.pp_rank, 0, 0, 0)
     lines.append(f"  worst: pp rank {worst.pp_rank} (global ranks {first}..{first + p.dp * p.cp * p.tp - 1}), "
                  f"{format_bytes(worst.total)} per rank")
+    lines += moe_lines(cfg, worst)
     if p.offload_optimizer:
         lines.append(f"  host memory (offloaded optimizer state), most on one rank: {format_bytes(max(m.host for m in mems))}")
     if any(m.staged for m in mems):  # trainer3d/memory/staged.py
@@ -93,6 +97,28 @@ def peak_lines(cfg: Config) -> List[str]:
                      f"{format_bytes(max(m.staged for m in mems))}, kept from the first save at step "
                      f"{cfg.checkpoint.every}")
     return lines
+
+
+def moe_lines(cfg: Config, worst: RankMemory) -> List[str]:
+    """What the MoE terms charge for the routed tokens (trainer3d/memory/moe.py): exact without
+    expert parallelism; with it the balanced expectation, and the dropless worst case beside it."""
+    p, moe = cfg.parallel, cfg.model.moe
+    if moe.num_experts == 0:
+        return []
+    blocks = sum(moe_layer(cfg.model, i) for i in range(cfg.model.n_layers))
+    line = (f"  MoE: {blocks} of {cfg.model.n_layers} blocks route each token to {moe.top_k} of {moe.num_experts} "
+            f"experts{f' ({moe.num_experts // p.ep} per rank, ep={p.ep})' if p.ep > 1 else ''}; ")
+    if p.ep == 1:
+        return [line + ("tokens x top_k slots per block" if moe.capacity_factor == 0 else
+                        "at most num_experts x capacity slots per block (capacity_factor), the bound charged")]
+    z = Sizes.of(cfg)
+    extra = 0
+    for stage in stages_of_rank(worst.pp_rank, p.pp, p.pp_virtual_stages):
+        per_block = sum(moe_layer_terms(z, worst=True).values()) - sum(moe_layer_terms(z).values())
+        extra += moe_layers(cfg, stage) * per_block * max(worst.in_flight, default=1)
+    return [line + "the slots an ep rank receives charged at the balanced expectation (as many as it sends)",
+            f"  MoE dropless worst case (every ep rank's tokens to one rank's experts): +{format_bytes(extra)} on "
+            f"pp rank {worst.pp_rank}"]
 
 
 def _flight(mem: RankMemory) -> str:
