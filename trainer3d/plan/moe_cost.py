@@ -5,8 +5,8 @@ Per MoE block and micro-batch on one rank, T the tokens it routes (s b, / t unde
 parallelism: tensor parallelism leaves the block whole, parallel/tensor/layers.py), S = T k
 routed slots (trainer3d/memory/moe.py ``MoESizes.slots``):
 
-    gemm        the router (h -> E) over T tokens; the routed experts as E grouped GEMMs of
-                S / E rows each (the balanced routing the aux loss aims at), three projections
+    gemm        the router (h -> E) over T tokens; the rank's E / ep experts as grouped GEMMs
+                of ep S / E rows each (the balanced routing the aux loss aims at), three projections
                 (h -> f, h -> f, f -> h); the shared experts (width f_s) over T tokens. The
                 FLOPs are the active parameters' (model/flops.py), so FLOPs and MFU count what a
                 token uses.
@@ -37,12 +37,12 @@ def moe_gemm_s(z: Sizes, device: Device) -> Tuple[float, float]:
     """(forward, backward) seconds of an MoE feed-forward's GEMMs on a GPU preset."""
     m, k = z.moe, device.kernels
     tokens = z.n_norm
-    slots = m.slots(tokens)
-    rows = -(-slots // m.experts)
+    slots, local = m.slots(tokens), m.experts // m.ep
+    rows = -(-slots * m.ep // m.experts)  # a local expert's share of the ep group's slots, balanced
     f, b = k.linear_s(tokens, z.h, m.experts, z.p)
     for n_in, n_out in ((z.h, m.ffn), (z.h, m.ffn), (m.ffn, z.h)):
         ef, eb = k.linear_s(rows, n_in, n_out, z.p)
-        f, b = f + m.experts * ef, b + m.experts * eb
+        f, b = f + local * ef, b + local * eb
         if m.shared_ffn:
             width_in, width_out = (n_in, m.shared_ffn) if n_in == z.h else (m.shared_ffn, n_out)
             sf, sb = k.linear_s(tokens, width_in, width_out, z.p)
