@@ -27,6 +27,9 @@ Per layer, with the flash kernel:
                                              each sequence its own positions)
 
 (the norm, RoPE and SwiGLU are autograd Functions that save no more: model/functional.py).
+A mixture-of-experts block replaces the SwiGLU term by its own (``moe_layer_terms``: the router,
+the tokens sorted by expert, the experts' projections per routed slot, the combine;
+trainer3d/memory/moe.py derives each).
 
 The math kernel keeps the attention probabilities instead (the paper's 5as^2b is our
 p as^2b/t) and 4 p sbh/t of copies of q, k, v and the output; activation checkpointing keeps only the block input

@@ -34,7 +34,6 @@ to this rank's experts (ep S, at most min(k, E / ep) slots per token), which the
 beside it.
 """
 
-import copy
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -174,10 +173,3 @@ def layout_model_state_bytes(shapes: Sequence[Tuple[int, ...]], experts: Sequenc
                                                  dp_rank % (shards // ep), offload, muon_local))
     return out
 
-
-def ep_config(cfg: Config, ep: int) -> Config:
-    """``cfg`` with ``parallel.ep`` set, unvalidated (the planner's and tests' way to ask
-    about expert parallelism before ``validate_moe`` accepts it)."""
-    out = copy.deepcopy(cfg)
-    out.parallel.ep = ep
-    return out
