@@ -41,3 +41,24 @@ def test_tiny_moe_composes_validates_and_is_small():
     with torch.device("meta"):
         built = sum(p.numel() for p in Transformer(cfg.model).parameters())
     assert built == _hand_count(64, 4, 4, 2, 16, 128, 257, 4, used=4) and 300_000 < built < 1_000_000
+
+
+def test_deepseekmoe_16b_has_the_published_parameter_counts():
+    """DeepSeekMoE 16B (arXiv:2401.06066, sec. 5: 16.4B parameters, 2.8B activated; the
+    embedding and output included): 28 blocks of 2048, 16 heads of 128; block 0 dense (FFN
+    10944), the 27 others 64 routed experts of 1408, top-6, beside 2 shared ones of 1408."""
+    cfg = _training(["model=deepseekmoe-16b"]).model
+    with torch.device("meta"):
+        built = sum(p.numel() for p in Transformer(cfg).parameters())
+    dim, vocab, layers, expert = 2048, 102400, 28, 3 * 2048 * 1408
+    attention, norms = 2048 * 128 * (16 + 16 + 16 + 16), 2 * dim
+    dense = attention + norms + 3 * dim * 10944
+    moe = attention + norms + dim * 64 + 2 * expert  # router, the shared experts
+
+    def total(used):
+        return dense + (layers - 1) * (moe + used * expert) + 2 * vocab * dim + dim
+
+    assert built == total(64) and count_parameters(cfg) == built
+    assert round(built / 1e9, 1) == 16.4 and round(total(6) / 1e9, 1) == 2.8
+    layers_active = sum(ffn_params(cfg, i, active=True) for i in range(cfg.n_layers))
+    assert count_parameters(cfg) - sum(ffn_params(cfg, i) for i in range(cfg.n_layers)) + layers_active == total(6)

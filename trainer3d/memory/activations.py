@@ -27,6 +27,9 @@ Per layer, with the flash kernel:
                                              each sequence its own positions)
 
 (the norm, RoPE and SwiGLU are autograd Functions that save no more: model/functional.py).
+A mixture-of-experts block replaces the SwiGLU term by its own (``moe_layer_terms``: the router,
+the tokens sorted by expert, the experts' projections per routed slot, the combine;
+trainer3d/memory/moe.py derives each).
 
 The math kernel keeps the attention probabilities instead (the paper's 5as^2b is our
 p as^2b/t) and 4 p sbh/t of copies of q, k, v and the output; activation checkpointing keeps only the block input
@@ -40,6 +43,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from trainer3d.config.schema import Config, ModelConfig
+from trainer3d.memory.moe import MoESizes, moe_ffn_terms
 from trainer3d.model.transformer import head_dim_of, kv_expanded
 
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -91,6 +95,8 @@ class Sizes:
     cuda: bool = False
     """The ranks run on CUDA: fp32 attention runs torch's memory-efficient kernel there, and
     grouped K/V are repeated to every head for it (model/transformer.py ``kv_expanded``)."""
+    moe: Optional[MoESizes] = None
+    """A mixture-of-experts model's MoE blocks (trainer3d/memory/moe.py); None: dense."""
 
     @classmethod
     def of(cls, cfg: Config, kernel: str = "flash", cuda: Optional[bool] = None) -> "Sizes":
@@ -100,7 +106,7 @@ class Sizes:
                    kv_heads=m.n_kv_heads, head_dim=head_dim(m), ffn=m.ffn_dim, vocab=m.vocab_size, t=p.tp,
                    sp=p.sequence_parallel, p=ACT_BYTES[cfg.train.dtype], kernel="flash" if p.cp > 1 else kernel,
                    cp=p.cp, loss_chunk=cfg.train.loss_chunk_tokens, documents=cfg.data.document_mask,
-                   loss_mask=cfg.data.loss_mask,
+                   loss_mask=cfg.data.loss_mask, moe=MoESizes.of(cfg),
                    cuda=config_on_cuda(cfg) if cuda is None else cuda)
 
     @property
@@ -177,6 +183,15 @@ def layer_terms(z: Sizes) -> Dict[str, int]:
     }
 
 
+def moe_layer_terms(z: Sizes, worst: bool = False) -> Dict[str, int]:
+    """An MoE block: the dense block's terms with its SwiGLU replaced by the mixture of experts
+    over the tokens the block routes on this rank (trainer3d/memory/moe.py); ``worst``: with
+    ep > 1, the dropless worst case of the slots its experts receive."""
+    terms = {name: value for name, value in layer_terms(z).items() if name != "swiglu"}
+    terms.update({f"moe.{name}": value for name, value in moe_ffn_terms(z.moe, z.n_norm, z.p, z.h, worst).items()})
+    return terms
+
+
 def recomputed_layer_terms(z: Sizes) -> Dict[str, int]:
     """With activation checkpointing a block keeps its input alone."""
     return {"block_input": z.hidden_bytes()}
@@ -241,10 +256,19 @@ def loss_transient_bytes(z: Sizes) -> int:
     return (z.p + exp) * rows * z.vocab_local + (FP32 + z.p) * z.vocab_local * z.h
 
 
-def chunk_terms(z: Sizes, n_layers: int, first: bool, last: bool, recompute: bool) -> Dict[str, int]:
-    """Saved bytes of one micro-batch through one pipeline chunk, term by term."""
-    layer = recomputed_layer_terms(z) if recompute else layer_terms(z)
-    terms = {f"layers.{name}": n_layers * value for name, value in layer.items()}
+def chunk_terms(z: Sizes, n_layers: int, first: bool, last: bool, recompute: bool, moe_layers: int = 0,
+                worst: bool = False) -> Dict[str, int]:
+    """Saved bytes of one micro-batch through one pipeline chunk of ``n_layers`` blocks, of
+    which ``moe_layers`` are mixtures of experts, term by term."""
+    if recompute:
+        kinds = [(recomputed_layer_terms(z), n_layers)]
+    else:
+        kinds = [(layer_terms(z), n_layers - moe_layers), (moe_layer_terms(z, worst) if moe_layers else {}, moe_layers)]
+    terms: Dict[str, int] = {}
+    for layer, count in kinds:
+        for name, value in layer.items():
+            if count:
+                terms[f"layers.{name}"] = terms.get(f"layers.{name}", 0) + count * value
     if first:
         terms.update(embedding_terms(z))
     if last:

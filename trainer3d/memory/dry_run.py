@@ -15,8 +15,11 @@ import torch
 
 from trainer3d.config.schema import Config
 from trainer3d.config.schema_parallel import zero_shards
-from trainer3d.memory.states import (engine_model_state_bytes, format_bytes, paper_model_state_bytes,
-                                     rank_muon_mask, rank_parameter_shapes)
+from trainer3d.memory.activations import Sizes, moe_layer_terms
+from trainer3d.memory.moe import layout_model_state_bytes, moe_layers, rank_expert_mask
+from trainer3d.model.moe import moe_layer
+from trainer3d.parallel.pipeline.stages import stages_of_rank
+from trainer3d.memory.states import format_bytes, paper_model_state_bytes, rank_muon_mask, rank_parameter_shapes
 from trainer3d.model.transformer import count_parameters
 from trainer3d.parallel.pipeline.stages import describe_stages
 from trainer3d.memory.peak import RankMemory, rank_memory
@@ -38,10 +41,11 @@ def memory_lines(cfg: Config) -> List[str]:
              f"  {'pp rank':>7}  {'parameters':>14}  {'this engine':>12}  {'ZeRO paper*':>12}  "
              f"params / grads / master / optimizer"]
     for pp_rank in range(p.pp):
-        shapes = rank_parameter_shapes(cfg, topo.rank(pp_rank, 0, 0, 0))
-        psi = sum(torch.Size(s).numel() for s in shapes)
-        engine = engine_model_state_bytes(shapes, shards, p.zero_stage, t.dtype, bucket, offload=p.offload_optimizer,
-                                          muon=rank_muon_mask(cfg, topo.rank(pp_rank, 0, 0, 0)))
+        rank = topo.rank(pp_rank, 0, 0, 0)
+        shapes, experts = rank_parameter_shapes(cfg, rank), rank_expert_mask(cfg, rank)
+        psi = sum(torch.Size(s).numel() // (p.ep if x else 1) for s, x in zip(shapes, experts))
+        engine = layout_model_state_bytes(shapes, experts, p.ep, shards, p.zero_stage, t.dtype, bucket,
+                                          offload=p.offload_optimizer, muon=rank_muon_mask(cfg, rank))
         paper = paper_model_state_bytes(psi, shards, p.zero_stage)
         terms = " / ".join(format_bytes(getattr(engine, k)) for k in ("params", "grads", "master", "optimizer"))
         lines.append(f"  {pp_rank:>7}  {psi:>14,}  {format_bytes(engine.total):>12}  {format_bytes(paper):>12}  {terms}"
@@ -85,6 +89,7 @@ def peak_lines(cfg: Config) -> List[str]:
     first = topo.rank(worst.pp_rank, 0, 0, 0)
     lines.append(f"  worst: pp rank {worst.pp_rank} (global ranks {first}..{first + p.dp * p.cp * p.tp - 1}), "
                  f"{format_bytes(worst.total)} per rank")
+    lines += moe_lines(cfg, worst)
     if p.offload_optimizer:
         lines.append(f"  host memory (offloaded optimizer state), most on one rank: {format_bytes(max(m.host for m in mems))}")
     if any(m.staged for m in mems):  # trainer3d/memory/staged.py
@@ -92,6 +97,28 @@ def peak_lines(cfg: Config) -> List[str]:
                      f"{format_bytes(max(m.staged for m in mems))}, kept from the first save at step "
                      f"{cfg.checkpoint.every}")
     return lines
+
+
+def moe_lines(cfg: Config, worst: RankMemory) -> List[str]:
+    """What the MoE terms charge for the routed tokens (trainer3d/memory/moe.py): exact without
+    expert parallelism; with it the balanced expectation, and the dropless worst case beside it."""
+    p, moe = cfg.parallel, cfg.model.moe
+    if moe.num_experts == 0:
+        return []
+    blocks = sum(moe_layer(cfg.model, i) for i in range(cfg.model.n_layers))
+    line = (f"  MoE: {blocks} of {cfg.model.n_layers} blocks route each token to {moe.top_k} of {moe.num_experts} "
+            f"experts{f' ({moe.num_experts // p.ep} per rank, ep={p.ep})' if p.ep > 1 else ''}; ")
+    if p.ep == 1:
+        return [line + ("tokens x top_k slots per block" if moe.capacity_factor == 0 else
+                        "at most num_experts x capacity slots per block (capacity_factor), the bound charged")]
+    z = Sizes.of(cfg)
+    extra = 0
+    for stage in stages_of_rank(worst.pp_rank, p.pp, p.pp_virtual_stages):
+        per_block = sum(moe_layer_terms(z, worst=True).values()) - sum(moe_layer_terms(z).values())
+        extra += moe_layers(cfg, stage) * per_block * max(worst.in_flight, default=1)
+    return [line + "the slots an ep rank receives charged at the balanced expectation (as many as it sends)",
+            f"  MoE dropless worst case (every ep rank's tokens to one rank's experts): +{format_bytes(extra)} on "
+            f"pp rank {worst.pp_rank}"]
 
 
 def _flight(mem: RankMemory) -> str:

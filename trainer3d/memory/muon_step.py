@@ -51,11 +51,11 @@ def layer_wise(cfg: Config) -> bool:
 
 
 def rank_muon_params(cfg: Config, layers: int) -> List[MuonParam]:
-    """The Muon parameters of a rank whose stages hold ``layers`` blocks (every block the same)."""
-    full = model_shapes(cfg.model, 1).block
-    local = model_shapes(cfg.model, cfg.parallel.tp).block
-    per_block = [(tuple(f), tuple(f) != tuple(s)) for f, s in zip(full, local) if len(f) >= 2]
-    return per_block * layers
+    """The Muon parameters of a rank whose stages hold ``layers`` blocks (blocks 0 .. layers - 1's
+    kinds: dense, or a mixture of experts)."""
+    full, local = model_shapes(cfg.model, 1), model_shapes(cfg.model, cfg.parallel.tp)
+    return [(tuple(f), tuple(f) != tuple(s)) for i in range(layers)
+            for f, s in zip(full.layer(cfg.model, i), local.layer(cfg.model, i)) if len(f) >= 2]
 
 
 def ns_shares(cfg: Config, params: List[MuonParam]) -> List[List[MuonParam]]:

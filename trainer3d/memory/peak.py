@@ -40,14 +40,15 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from trainer3d.memory.activations import (FP32, Sizes, chunk_terms, cp_document_pair_bytes, document_mask_terms,
-                                          layer_terms, loss_transient_bytes, peak_in_flight, schedule_ops, shared_terms)
+                                          layer_terms, loss_transient_bytes, moe_layer_terms, peak_in_flight,
+                                          schedule_ops, shared_terms)
 from trainer3d.config.schema import Config
 from trainer3d.config.schema_parallel import zero_shards
+from trainer3d.memory.moe import layout_model_state_bytes, moe_layers, stage_expert_mask
 from trainer3d.memory.muon_step import muon_step_bytes
 from trainer3d.memory.staged import staged_bytes
 from trainer3d.memory.startup import startup_bytes
-from trainer3d.memory.states import (BYTES, ModelStateBytes, engine_model_state_bytes, model_shapes,
-                                     stage_muon_mask, stage_parameter_shapes)
+from trainer3d.memory.states import BYTES, ModelStateBytes, model_shapes, stage_muon_mask, stage_parameter_shapes
 from trainer3d.parallel.pipeline.receive_count import receive_buffers_held
 from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
 
@@ -122,14 +123,15 @@ def _states_of(cfg: Config, stages: List[int]) -> ModelStateBytes:
     """Model states of these stages, cached on what they depend on (the planner asks often)."""
     p = cfg.parallel
     key = repr((sorted(vars(cfg.model).items()), p.tp, p.pp, p.pp_virtual_stages, p.pp_layers, zero_shards(p),
-                p.zero_stage, p.bucket_mb, cfg.train.dtype, stages, p.offload_optimizer, cfg.optim.name))
+                p.zero_stage, p.bucket_mb, cfg.train.dtype, stages, p.offload_optimizer, cfg.optim.name, p.ep))
     if key not in _STATES:
         shapes = [s for stage in stages for s in stage_parameter_shapes(cfg, stage)]
         bucket = max(1, int(p.bucket_mb * 2 ** 20) // 4)
         # ZeRO shards over dp x cp (the gradient-reduction group, trainer3d/parallel/topology.py), HSDP over dp_shard x cp
         muon = [m for stage in stages for m in stage_muon_mask(cfg, stage)] if cfg.optim.name == "muon" else None
-        _STATES[key] = engine_model_state_bytes(shapes, zero_shards(p), p.zero_stage, cfg.train.dtype, bucket,
-                                                offload=p.offload_optimizer, muon=muon)
+        experts = [x for stage in stages for x in stage_expert_mask(cfg, stage)]  # ep splits these (memory/moe.py)
+        _STATES[key] = layout_model_state_bytes(shapes, experts, p.ep, zero_shards(p), p.zero_stage, cfg.train.dtype,
+                                                bucket, offload=p.offload_optimizer, muon=muon)
     return _STATES[key]
 
 
@@ -142,7 +144,7 @@ def rank_memory(cfg: Config, pp_rank: int, kernel: str = "flash", cuda: Optional
     ranges = stage_layer_ranges(cfg.model.n_layers, last + 1, p.pp_layers)
     z = Sizes.of(cfg, kernel, cuda)
     recompute = t.activation_checkpointing
-    chunks = [chunk_terms(z, len(ranges[s]), s == 0, s == last, recompute) for s in stages]
+    chunks = [chunk_terms(z, len(ranges[s]), s == 0, s == last, recompute, moe_layers(cfg, s)) for s in stages]
     shared = [shared_terms(z, m, s == 0, s == last, p.pp) for s in stages]
     _, counts = _in_flight(cfg, pp_rank, [sum(c.values()) for c in chunks], [sum(s.values()) for s in shared])
     activations: Dict[str, int] = {}
@@ -193,7 +195,8 @@ def _transients(cfg: Config, z: Sizes, stages: List[int], last: int) -> Dict[str
     elif last in stages and z.p != FP32:  # the loss's gradient is its saved fp32 softmax, made in
         out["loss_backward"] = z.p * z.n * z.vocab_local  # place; 16-bit logits take a cast of it
     if t.activation_checkpointing:
-        out["recomputed_block"] = sum(layer_terms(z).values()) - z.hidden_bytes()
+        block = max(sum(layer_terms(z).values()), sum(moe_layer_terms(z).values()) if z.moe else 0)
+        out["recomputed_block"] = block - z.hidden_bytes()
         if z.documents:  # the micro-batch's mask, held by the blocks' Segments, not saved (model/documents.py)
             out.update(document_mask_terms(z))
     if z.documents and z.cp > 1:  # a chunk pair's mask and scores, one tile at a time
@@ -203,7 +206,7 @@ def _transients(cfg: Config, z: Sizes, stages: List[int], last: int) -> Dict[str
     b = BYTES[t.dtype]
     if p.zero_stage in (0, 1) and b != FP32:
         shapes = model_shapes(cfg.model, p.tp)
-        held = [*shapes.block, *(shapes.before if 0 in stages else ()), *(shapes.after if last in stages else ())]
+        held = [*shapes.block, *shapes.moe_block, *(shapes.before if 0 in stages else ()), *(shapes.after if last in stages else ())]
         out["low_precision_grad"] = b * max(_numel(s) for s in held)
     if p.zero_stage in (2, 3):
         out["fsdp_unit"] = _fsdp_unit_bytes(cfg, b)
@@ -218,7 +221,7 @@ def _fsdp_unit_bytes(cfg: Config, b: int) -> int:
     their all-gathers and the unit's scattered fp32 gradient shard before its copy down."""
     p = cfg.parallel
     shapes = model_shapes(cfg.model, p.tp)
-    block = sum(_numel(s) for s in shapes.block)
+    block = max(sum(_numel(s) for s in shapes.block), sum(_numel(s) for s in shapes.moe_block))
     root = sum(_numel(s) for s in (*shapes.before, *shapes.after))
     unit = max(block, root)
     gathered = 2 * b * unit if p.zero_stage == 3 else 0

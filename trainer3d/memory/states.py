@@ -57,6 +57,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from trainer3d.config.schema import Config, ModelConfig
+from trainer3d.model.moe import moe_layer
 from trainer3d.parallel.parallelize import build_meta_chunks
 from trainer3d.parallel.zero.buckets import plan_buckets
 from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
@@ -195,30 +196,55 @@ Shape = Tuple[int, ...]
 @dataclass(frozen=True)
 class ModelShapes:
     """One tp rank's parameter shapes in registration order: what is registered before the
-    blocks (the embedding), one block, what comes after them (final norm, head)."""
+    blocks (the embedding), a dense block, what comes after them (final norm, head), and for a
+    mixture-of-experts model an MoE block with which of its parameters are experts (the 3-D
+    weights expert parallelism splits: model/moe.py ``Experts``)."""
 
     before: Tuple[Shape, ...]
     block: Tuple[Shape, ...]
     after: Tuple[Shape, ...]
+    moe_block: Tuple[Shape, ...] = ()
+    moe_experts: Tuple[bool, ...] = ()
+
+    def layer(self, model: ModelConfig, index: int) -> Tuple[Shape, ...]:
+        """Block ``index``'s shapes (model/moe.py ``moe_layer`` says which kind it is)."""
+        return self.moe_block if moe_layer(model, index) else self.block
+
+    def layer_experts(self, model: ModelConfig, index: int) -> Tuple[bool, ...]:
+        """Which of ``layer(model, index)`` are expert weights."""
+        return self.moe_experts if moe_layer(model, index) else (False,) * len(self.block)
 
 
 _MODEL_SHAPES: Dict[Tuple[str, int], ModelShapes] = {}
 
 
+def _one_block(model: ModelConfig, tp: int, moe: bool) -> Dict[str, List[Tuple[str, Shape]]]:
+    cfg = Config(model=copy.deepcopy(model))
+    cfg.model.n_layers, cfg.parallel.tp = 1, tp
+    if moe:
+        cfg.model.moe.first_dense_layers = 0
+    else:
+        cfg.model.moe.num_experts = 0
+    (one_block,) = build_meta_chunks(cfg, planning_dims(cfg, 0))
+    parts: Dict[str, List[Tuple[str, Shape]]] = {"before": [], "block": [], "after": []}
+    for name, p in one_block.named_parameters():
+        part = "block" if name.startswith("layers.") else "after" if parts["block"] else "before"
+        parts[part].append((name, tuple(p.shape)))
+    return parts
+
+
 def model_shapes(model: ModelConfig, tp: int) -> ModelShapes:
     """The real model and tensor-parallel layers built on the meta device (no memory), with one
-    block: every block has the same shapes (a 70b meta build of all 80 takes seconds, and the
-    planner asks about thousands of layouts). Cached per model and tp."""
+    block of each kind: every dense block has the same shapes, every MoE block too (a 70b meta
+    build of all 80 takes seconds, and the planner asks about thousands of layouts). Cached
+    per model and tp."""
     key = (repr(sorted(vars(model).items())), tp)
     if key not in _MODEL_SHAPES:
-        cfg = Config(model=copy.deepcopy(model))
-        cfg.model.n_layers, cfg.parallel.tp = 1, tp
-        (one_block,) = build_meta_chunks(cfg, planning_dims(cfg, 0))
-        parts: Dict[str, List[Shape]] = {"before": [], "block": [], "after": []}
-        for name, p in one_block.named_parameters():
-            part = "block" if name.startswith("layers.") else "after" if parts["block"] else "before"
-            parts[part].append(tuple(p.shape))
-        _MODEL_SHAPES[key] = ModelShapes(**{k: tuple(v) for k, v in parts.items()})
+        parts = _one_block(model, tp, moe=False)
+        moe = _one_block(model, tp, moe=True)["block"] if model.moe.num_experts else []
+        _MODEL_SHAPES[key] = ModelShapes(**{k: tuple(s for _, s in v) for k, v in parts.items()},
+                                         moe_block=tuple(s for _, s in moe),
+                                         moe_experts=tuple(".experts." in n for n, _ in moe))
     return _MODEL_SHAPES[key]
 
 
@@ -232,7 +258,7 @@ def stage_parameter_shapes(cfg: Config, stage: int) -> List[Shape]:
     last = len(ranges) - 1
     # a tied head is the embedding matrix: the last stage keeps its own copy of it
     before = stage == 0 or (stage == last and cfg.model.tie_embeddings)
-    return [*(shapes.before if before else ()), *shapes.block * len(ranges[stage]),
+    return [*(shapes.before if before else ()), *(s for i in ranges[stage] for s in shapes.layer(cfg.model, i)),
             *(shapes.after if stage == last else ())]
 
 
@@ -246,7 +272,7 @@ def stage_muon_mask(cfg: Config, stage: int) -> Optional[List[bool]]:
     last = len(ranges) - 1
     before = stage == 0 or (stage == last and cfg.model.tie_embeddings)
     return [*([False] * len(shapes.before) if before else ()),
-            *[len(s) >= 2 for s in shapes.block] * len(ranges[stage]),
+            *(len(s) >= 2 for i in ranges[stage] for s in shapes.layer(cfg.model, i)),
             *([False] * len(shapes.after) if stage == last else ())]
 
 

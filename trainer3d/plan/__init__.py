@@ -1,5 +1,5 @@
 """The layout planner (``python -m trainer3d.plan``): which tp x pp x dp x micro-batch x ZeRO
-stage x sequence parallelism x recomputation x virtual stages fits a model on a cluster, and
+stage x sequence parallelism x recomputation x virtual stages (x expert parallelism for MoE) fits a model on a cluster, and
 which is fastest.
 
     settings.py    cluster.* and search.* on top of the training schema
@@ -11,9 +11,11 @@ which is fastest.
     step_time.py   the step-time model
     links.py       which link a group's collectives cross; what overlapping them costs the compute
     block_time.py  one block's forward and backward by term
+    moe_cost.py    an MoE block's extra terms: the experts' GEMMs, the all-to-alls, the experts' gradients
     kernels.py     GPU kernels by shape: GEMMs, attention, launches (with their sources)
     probe.py       the engine at a negligible size, for --calibrate's fixed costs
     search.py      enumerate, validate(), fit (trainer3d/memory/peak.py), time, rank
+    expert_search.py  the ep degrees tried, and the ep layouts validate() refuses until ep is built
     evaluate.py    plan.evaluate=true: one given layout, every term, a JSON last line
     report.py      the table and the training commands
     published.py   published large runs and the planner's prediction of each

@@ -24,8 +24,10 @@ from typing import Dict
 from trainer3d.config.schema import Config
 from trainer3d.memory.activations import FP32, Sizes
 from trainer3d.model.flops import layer_matmul_params
+from trainer3d.model.moe import ffn_params, moe_layer
 from trainer3d.plan.devices import Device
 from trainer3d.plan.kernels import block_ops
+from trainer3d.plan.moe_cost import moe_block_terms
 
 FWD_PASSES, BWD_PASSES = 2, 3
 
@@ -74,12 +76,23 @@ def tp_region_s(cfg: Config, device: Device, ranks_per_node: int) -> float:
     return all_reduce_s(z.p * z.n * z.h, cfg.parallel.tp, device.intra_gbps, device.latency(ranks_per_node))
 
 
-def block_time(cfg: Config, device: Device, ranks_per_node: int, attention: str = "flash") -> BlockTime:
-    """One block, forward and backward (recomputation is the caller's: a second forward)."""
+def block_time(cfg: Config, device: Device, ranks_per_node: int, attention: str = "flash",
+               moe: bool = False) -> BlockTime:
+    """One block, forward and backward (recomputation is the caller's: a second forward);
+    ``moe``: a mixture-of-experts block (plan/moe_cost.py)."""
     z = Sizes.of(cfg)
     region = tp_region_s(cfg, device, ranks_per_node)
     if device.kernels is None:
-        return _measured_rate_block(cfg, device, ranks_per_node, region)
+        block = _measured_rate_block(cfg, device, ranks_per_node, region, moe)
+    else:
+        block = _kernel_block(cfg, device, z, region, attention)
+    if moe:
+        block = BlockTime(*moe_block_terms(cfg, device, ranks_per_node, z, block.fwd, block.bwd))
+    return block
+
+
+def _kernel_block(cfg: Config, device: Device, z: Sizes, region: float, attention: str) -> BlockTime:
+    """A dense block by kernel on a GPU preset (the module docstring's terms)."""
     k, t = device.kernels, z.t
     linears = [(z.h, z.heads * z.head_dim // t), (z.h, z.kv_heads * z.head_dim // t),
                (z.h, z.kv_heads * z.head_dim // t), (z.heads * z.head_dim // t, z.h),
@@ -104,7 +117,22 @@ def block_time(cfg: Config, device: Device, ranks_per_node: int, attention: str 
     return BlockTime(fwd, bwd)
 
 
-def _measured_rate_block(cfg: Config, device: Device, ranks_per_node: int, region: float) -> BlockTime:
+def _block_flops(cfg: Config, z: Sizes, moe: bool) -> float:
+    """Model FLOPs of one block's forward on this tp rank: its attention's weights and scores
+    over t, and its feed-forward's (an MoE block's active weights: model/flops.py) over t for a
+    dense block, over the tokens it routes for an MoE block (not split over tp)."""
+    m = cfg.model
+    ffn = 3 * m.dim * m.ffn_dim
+    attention = layer_matmul_params(m, 0) - ffn_params(m, 0, active=True)
+    scores = 2 * z.s * z.cp * z.heads * z.head_dim  # a token attends over the whole sequence whichever cp rank holds it
+    if not moe:
+        return z.n * (2 * (attention + ffn) + scores) / z.t
+    first = next(i for i in range(m.n_layers) if moe_layer(m, i))
+    return z.n * (2 * attention + scores) / z.t + z.n_norm * 2 * ffn_params(m, first, active=True)
+
+
+def _measured_rate_block(cfg: Config, device: Device, ranks_per_node: int, region: float,
+                         moe: bool = False) -> BlockTime:
     """A device known by one matmul rate (CPUs, calibration files): the causal model FLOPs
     over that rate, the elementwise traffic at the measured elementwise rate (calibrate.py
     measures it against the same ``elementwise_bytes``), and the
@@ -113,8 +141,7 @@ def _measured_rate_block(cfg: Config, device: Device, ranks_per_node: int, regio
     speed = device.rank_speed(ranks_per_node)
     rate = device.matmul_tflops[cfg.train.dtype] * 1e12 * speed
     bw = (device.elementwise_gbps or device.memory_gbps) * 1e9 * speed
-    # a token attends over the whole sequence whichever cp rank holds it
-    flops = z.n * (2 * layer_matmul_params(cfg.model) + 2 * z.s * z.cp * z.heads * z.head_dim) / z.t
+    flops = _block_flops(cfg, z, moe)
     saved = elementwise_bytes(z)
     overhead = device.layer_overhead_us * 1e-6 / speed
     fwd = {"gemm": flops / rate, "elementwise": FWD_PASSES * saved / bw, "tp_comm": 2 * region,

@@ -13,7 +13,7 @@ from trainer3d.plan.search import Plan, SearchResult, command
 
 def _layout(plan_cfg) -> str:
     p, t = plan_cfg.parallel, plan_cfg.train
-    return (f"tp={p.tp}{f' cp={p.cp}' if p.cp > 1 else ''} pp={p.pp} dp={p.dp} micro={t.micro_batch_size} "
+    return (f"tp={p.tp}{f' cp={p.cp}' if p.cp > 1 else ''} pp={p.pp} dp={p.dp}{f' ep={p.ep}' if p.ep > 1 else ''} micro={t.micro_batch_size} "
             f"zero={p.zero_stage}" + (f" dp_shard={p.dp_shard}" if p.dp_shard is not None else "") + (" offload" if p.offload_optimizer else "")
             + (" sp" if p.sequence_parallel else "") + (" recompute" if t.activation_checkpointing else "")
             + (f" interleaved v={p.pp_virtual_stages}" if p.pp_virtual_stages > 1 else ""))
@@ -49,13 +49,15 @@ def summary_lines(cfg: PlanConfig, device: Device, result: SearchResult) -> List
 
 def table_lines(cfg: PlanConfig, plans: Sequence[Plan]) -> List[str]:
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
-    head = (f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'v':>2} {'dp':>5} {'micro':>5} {'accum':>5} {'zero':>4} {'sp':>3} "
+    moe = cfg.model.moe.num_experts > 0  # an ep column for mixture-of-experts models
+    head = (f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'v':>2} {'dp':>5}" + ("  ep" if moe else "") + f" {'micro':>5} {'accum':>5} {'zero':>4} {'sp':>3} "
             f"{'recomp':>6} {'peak':>10} {'step s':>8} {'bubble':>6} {'tokens/s':>11} {'TFLOP/s/rank':>12}")
     lines = [head]
     for i, plan in enumerate(plans, 1):
         p, t = plan.cfg.parallel, plan.cfg.train
         tflops = flops_per_token(plan.cfg.model, t.seq_len) * plan.tokens_per_s / world / 1e12
-        lines.append(f"{i:>3} {p.tp:>3} {p.cp:>3} {p.pp:>3} {p.pp_virtual_stages:>2} {p.dp:>5} {t.micro_batch_size:>5} "
+        lines.append(f"{i:>3} {p.tp:>3} {p.cp:>3} {p.pp:>3} {p.pp_virtual_stages:>2} {p.dp:>5}"
+                     + (f" {p.ep:>3}" if moe else "") + f" {t.micro_batch_size:>5} "
                      f"{t.grad_accum_steps:>5} {_zero(p):>4} {'y' if p.sequence_parallel else '-':>3} "
                      f"{'y' if t.activation_checkpointing else '-':>6} {format_bytes(plan.memory.total):>10} "
                      f"{plan.step.total:>8.3f} {plan.step.bubble / plan.step.total:>6.1%} "
@@ -63,9 +65,24 @@ def table_lines(cfg: PlanConfig, plans: Sequence[Plan]) -> List[str]:
     return lines
 
 
+def pending_lines(cfg: PlanConfig, device: Device, result: SearchResult, runnable: bool) -> List[str]:
+    """The fastest layouts with expert parallelism that validate() refuses until it is built
+    (plan/expert_search.py): what ep would give, with the best one's terms, never a command."""
+    pending = result.pending[:cfg.search.top]
+    if not pending:
+        return []
+    best = pending[0]
+    gain = (f"{best.tokens_per_s / result.plans[0].tokens_per_s:.2f}x the fastest runnable layout's tokens/s"
+            if runnable else "no layout fits without it")
+    return ["", f"with expert parallelism (parallel.ep > 1, refused by validate() until it is built): "
+            f"{len(result.pending):,} layout(s) would fit; the fastest, {_layout(best.cfg)}: {gain}",
+            *table_lines(cfg, pending), "", f"{_layout(best.cfg)} in detail:",
+            *memory_lines(best, device.usable_bytes(cfg.cluster.gpus_per_node)), *step_lines(best.step)]
+
+
 def report(cfg: PlanConfig, device: Device, result: SearchResult, user_overrides: Sequence[str]) -> str:
     top = result.plans[:cfg.search.top]
-    lines = summary_lines(cfg, device, result)
+    lines = summary_lines(cfg, device, result) + pending_lines(cfg, device, result, bool(top))
     if not top:
         lines.append("no layout fits: use more nodes, a smaller train.seq_len, or another cluster.gpu")
         return "\n".join(lines)

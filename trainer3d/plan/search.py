@@ -5,7 +5,7 @@ The space: tp over the divisors of the ranks per node (tensor parallelism stays 
 node, trainer3d/parallel/topology.py), for long sequences (``search.context_parallel_from``)
 cp over the powers of two that divide what is left, pp over the divisors of what is left
 then (at most one layer per stage), dp the rest; then micro-batch size, ZeRO stage, sequence parallelism (tp > 1),
-recomputation and the schedule (1F1B, or interleaved 1F1B with v chunks per rank when
+recomputation, expert parallelism for MoE models (plan/expert_search.py) and the schedule (1F1B, or interleaved 1F1B with v chunks per rank when
 pp > 1), and for ZeRO-2/3 hybrid sharding over the dp_shard groups that fit a node
 (``dp_shards``). Two of validate()'s rules shape the space instead of filtering it (ZeRO 2/3 only
 without a pipeline; at least one layer per stage), a layout over the device's memory is
@@ -24,6 +24,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from trainer3d.config.schema import Config, LauncherConfig
 from trainer3d.memory.peak import RankMemory, rank_memory
+from trainer3d.plan.expert_search import expert_parallel_sizes, pending_ep
 from trainer3d.plan.settings import PlanConfig
 from trainer3d.plan.devices import Device
 from trainer3d.plan.step_time import HostLink, StepTime, ranks_evaluated, step_time, tokens_per_s
@@ -64,6 +65,9 @@ class SearchResult:
     over_memory: int = 0
     closest_over: Optional[Tuple[float, Config, int]] = None
     """(bytes over, layout, pipeline rank) of the layout that misses by the least."""
+    pending: List[Plan] = field(default_factory=list)
+    """Layouts that fit with expert parallelism, which validate() refuses until it is built
+    (plan/expert_search.py ``pending_ep``), fastest first: an answer, not a command."""
 
 
 def _divisors(n: int) -> List[int]:
@@ -109,11 +113,12 @@ def candidates(cfg: PlanConfig, device: Device) -> Iterator[Config]:
                 for zero in (z for z in s.zero_stages if (pp == 1 or z < 2) and (world > tp * pp or z == 0)):
                     for sp in (s.sequence_parallel if tp > 1 else [False]):
                         for recompute in s.recompute:
-                            for (schedule, v), shard in ((sv, s) for sv in schedules
-                                                         for s in dp_shards(world // (tp * cp * pp), tp * cp, zero,
-                                                                            c.gpus_per_node)):
+                            dp = world // (tp * cp * pp)
+                            for (schedule, v), shard, ep in ((sv, s, e) for sv in schedules
+                                                             for s in dp_shards(dp, tp * cp, zero, c.gpus_per_node)
+                                                             for e in expert_parallel_sizes(m.moe.num_experts, dp * cp)):
                                 parallel = dataclasses.replace(
-                                    cfg.parallel, tp=tp, cp=cp, pp=pp, dp=world // (tp * cp * pp), zero_stage=zero,
+                                    cfg.parallel, tp=tp, cp=cp, pp=pp, dp=dp, zero_stage=zero, ep=ep,
                                     dp_shard=shard, sequence_parallel=sp, pp_schedule=schedule, pp_virtual_stages=v,
                                     pp_layers=None)
                                 train = dataclasses.replace(cfg.train, micro_batch_size=micro, grad_accum_steps=None,
@@ -190,6 +195,11 @@ def search(cfg: PlanConfig, device: Device) -> SearchResult:
             knob = (_KNOB.search(err.problems[0]) or _KNOB.search("layout.other")).group(1)
             result.refused[knob] += 1
             result.refusal_examples.setdefault(knob, err.problems[0])
+            ahead = pending_ep(candidate)
+            if ahead is not None:
+                plan = evaluate(ahead, device, c.gpus_per_node, backend, c.attention, link)
+                if plan.memory.total <= usable:
+                    result.pending.append(plan)
             continue
         plan = evaluate(valid, device, c.gpus_per_node, backend, c.attention, link)
         # a CPU node's ranks share one memory: moving state to the host frees nothing there
@@ -212,6 +222,7 @@ def search(cfg: PlanConfig, device: Device) -> SearchResult:
             continue
         result.plans.append(plan)
     result.plans.sort(key=lambda plan: (-plan.tokens_per_s, plan.memory.total))
+    result.pending.sort(key=lambda plan: (-plan.tokens_per_s, plan.memory.total))
     return result
 
 
@@ -228,6 +239,8 @@ def layout_overrides(cfg: Config) -> List[str]:
     out = [f"parallel.tp={p.tp}", f"parallel.pp={p.pp}", f"parallel.dp={p.dp}", f"parallel.zero_stage={p.zero_stage}"]
     if p.cp > 1:
         out.append(f"parallel.cp={p.cp}")
+    if p.ep > 1:
+        out.append(f"parallel.ep={p.ep}")
     if p.dp_shard is not None:
         out.append(f"parallel.dp_shard={p.dp_shard}")
     if p.sequence_parallel:

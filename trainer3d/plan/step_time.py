@@ -48,11 +48,13 @@ from typing import Dict, List, Optional, Tuple
 from trainer3d.memory.activations import FP32, Sizes
 from trainer3d.config.schema import Config
 from trainer3d.config.schema_parallel import zero_shards
+from trainer3d.memory.moe import moe_layers
 from trainer3d.memory.states import BYTES, ModelStateBytes
 from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
 from trainer3d.plan.block_time import all_reduce_s, block_time, tp_region_s
 from trainer3d.plan.devices import Device
 from trainer3d.plan.links import _link_gbps, overlap_cost
+from trainer3d.plan.moe_cost import expert_gradient_bytes
 from trainer3d.plan.muon_cost import muon_s
 
 ADAMW_BYTES = 36  # per owned element: read grad, moments, master/param; write moments, master/param (+16-bit copy)
@@ -179,12 +181,23 @@ def micro_batch_times(cfg: Config, device: Device, pp_rank: int, ranks_per_node:
     ranges = stage_layer_ranges(m.n_layers, last + 1, p.pp_layers)
     stages = stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages)
     layers = sum(len(ranges[s]) for s in stages)
-    terms = {name: layers * (block.fwd.get(name, 0.0) + block.bwd.get(name, 0.0)) for name in {*block.fwd, *block.bwd}}
-    fwd, bwd = layers * block.forward, layers * block.backward
+    experts = sum(moe_layers(cfg, s) for s in stages)  # MoE blocks among them (plan/moe_cost.py)
+    kinds = [(block, layers - experts)]
+    if experts:
+        moe = block_time(cfg, device, ranks_per_node, attention, moe=True)
+        if p.cp > 1:
+            moe.fwd["cp_comm"], moe.bwd["cp_comm"] = cp_fwd, cp_bwd
+        kinds.append((moe, experts))
+    terms: Dict[str, float] = {}
+    fwd = bwd = 0.0
+    for kind, count in kinds:
+        for name in {*kind.fwd, *kind.bwd}:
+            terms[name] = terms.get(name, 0.0) + count * (kind.fwd.get(name, 0.0) + kind.bwd.get(name, 0.0))
+        fwd, bwd = fwd + count * kind.forward, bwd + count * kind.backward
     if t.activation_checkpointing:
-        terms["recompute"] = layers * block.forward
-        bwd += layers * block.forward
-    tp = layers * (4 + 2 * t.activation_checkpointing) * region
+        terms["recompute"] = fwd
+        bwd += fwd
+    tp = (layers * (4 + 2 * t.activation_checkpointing) - experts * (2 + t.activation_checkpointing)) * region
     if 0 in stages:
         fwd += region
         tp += region
@@ -216,7 +229,7 @@ def _head_s(cfg: Config, device: Device, z: Sizes, ranks_per_node: int) -> Tuple
 
 
 def _dp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: RankTimes,
-                ranks_per_node: int, backend: str) -> float:
+                ranks_per_node: int, backend: str, pp_rank: int = 0) -> float:
     """The data-parallel communication one step waits for, plus what the part it overlaps
     with compute costs that compute (``overlap_cost``)."""
     p = cfg.parallel
@@ -229,7 +242,12 @@ def _dp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: Ran
     lat = device.latency(min(ranks_per_node, p.tp * p.pp * n))
     grads = states.grads
     scatter = p.zero_stage == 1 and backend == "nccl"
-    reduce = gather_s(grads, n, gbps, lat) if scatter else all_reduce_s(grads, n, gbps, lat)
+    dense, experts = expert_gradient_bytes(cfg, pp_rank, grads)  # ep: experts over dp x cp / ep (plan/moe_cost.py)
+    reduce = gather_s(dense, n, gbps, lat) if scatter else all_reduce_s(dense, n, gbps, lat)
+    if experts:
+        e_n = n // p.ep  # the expert-data-parallel group: every ep-th member of dp x cp, tp x ep ranks apart
+        e_gbps = _link_gbps(device, p.tp * n, ranks_per_node, max(1, min(e_n, ranks_per_node // (p.tp * p.ep))))
+        reduce += gather_s(experts, e_n, e_gbps, lat) if scatter else all_reduce_s(experts, e_n, e_gbps, lat)
     bucket_share = min(1.0, p.bucket_mb * 2 ** 20 / max(1, grads))
     last_bucket = reduce * bucket_share
     exposed = last_bucket + max(0.0, reduce - last_bucket - times.backward)
@@ -331,7 +349,7 @@ def step_time(cfg: Config, device: Device, states: Dict[int, ModelStateBytes], r
     slot = busy + 2 * v * hop
     fill = (p.pp - 1) / v
     optimizer = max(_optimizer_s(cfg, device, s) + muon_s(cfg, device, r, node_ranks) for r, s in states.items())
-    dp = max(_dp_exposed(cfg, device, s, times[r], ranks_per_node, backend) for r, s in states.items())
+    dp = max(_dp_exposed(cfg, device, s, times[r], ranks_per_node, backend, r) for r, s in states.items())
     if p.zero_stage >= 2:
         offload = max(fsdp_offload_s(cfg, s, times[r], node_ranks, link or HostLink()) for r, s in states.items())
     else:

@@ -51,14 +51,14 @@ class Estimate:
 
 
 def rank_parameters(cfg: Config, pp_rank: int) -> int:
-    """Parameters one tp rank of ``pp_rank`` holds, by arithmetic over one block's shapes."""
+    """Parameters one tp rank of ``pp_rank`` holds, by arithmetic over one block's shapes of each kind."""
     shapes = model_shapes(cfg.model, cfg.parallel.tp)
     ranges = stage_layer_ranges(cfg.model.n_layers, n_stages(cfg), cfg.parallel.pp_layers)
     last = len(ranges) - 1
-    before, block, after = (sum(prod(s) for s in part) for part in (shapes.before, shapes.block, shapes.after))
+    before, after = (sum(prod(s) for s in part) for part in (shapes.before, shapes.after))
     total = 0
     for stage in stages_of_rank(pp_rank, cfg.parallel.pp, cfg.parallel.pp_virtual_stages):
-        total += block * len(ranges[stage])
+        total += sum(prod(s) for i in ranges[stage] for s in shapes.layer(cfg.model, i))
         total += before if stage == 0 or (stage == last and cfg.model.tie_embeddings) else 0
         total += after if stage == last else 0
     return total
