@@ -1,7 +1,9 @@
 """kill -9 during a background write: a rank, or the whole job (the submitting process first,
 then every process it started, as a lost machine would). Nothing of the interrupted save is
 published, ``auto`` picks the checkpoint before it, and the restarted run ends as if nothing
-had happened.
+had happened. The restart is a plain one: it runs on forkserver ranks (tests/support/runs.py:
+train_in_ranks), which choose the checkpoint as the entry point's ranks do (checkpoint/choose.py);
+the entry point is under test for the kill, not for the restart.
 
 Rank 1's background write of the step-10 checkpoint stalls with its data files written and
 not yet read back (tests/support/plugins/stall_save, ``1:10:write``) while training goes on;
@@ -17,7 +19,7 @@ import pytest
 
 from tests.integration.test_checkpoint_resume import BASE, MODEL, assert_close, layout, losses_from
 from tests.support.background import Run
-from tests.support.runs import PARITY, read_metrics, reference_losses, run_train
+from tests.support.runs import PARITY, read_metrics, reference_losses, train_in_ranks
 from trainer3d.checkpoint import store
 
 PLUGIN = Path(__file__).resolve().parents[1] / "support" / "plugins" / "stall_save"
@@ -46,7 +48,7 @@ def test_kill_9_during_a_background_write_publishes_nothing(tmp_path, session_tm
     assert not store.step_dir(root, 10).exists()
     assert store.latest_complete(root)[0] == 5 and store.is_complete(store.step_dir(root, 5))[0]
     marker.unlink(missing_ok=True)
-    proc = run_train(run, [*args[:-1], "parallel.timeout_s=60"])  # no plugin: a plain restart
-    assert "step_00000005 at step 5" in proc.stdout, proc.stdout[-3000:]
+    stdout = train_in_ranks(run, [*args[:-1], "parallel.timeout_s=60"])  # no plugin: a plain restart
+    assert "step_00000005 at step 5" in stdout, stdout[-3000:]
     assert_close(losses_from(run, 0), reference_losses(session_tmp, [*PARITY, *MODEL]))
     assert not store.partial_dir(root, 10).exists()  # the stale partial save was cleaned up

@@ -1,6 +1,6 @@
-"""Checkpoints: exact resume, resharding, a kill mid-save, export. The kill and the refusal run
-``python -m trainer3d.train``; the other runs do its work on in-process ranks (tests/support/runs.py:
-train_in_ranks).
+"""Checkpoints: exact resume, resharding, a kill mid-save, export. The killed run and the refusal run
+``python -m trainer3d.train``; the other runs, the restart after the kill among them, do its work on
+in-process ranks (tests/support/runs.py: train_in_ranks).
 
 All runs use the PARITY settings (20 steps, global batch 16) and a model with 8 heads in 4
 kv-groups so that tp=4 can split it; losses after a resume are compared with the same
@@ -112,8 +112,8 @@ def test_kill_mid_save_keeps_the_previous_checkpoint(tmp_path, session_tmp):
     assert store.latest_complete(root)[0] == 5
     marker.unlink(missing_ok=True)
     # The restart picks step 5 and the run ends as if nothing had happened.
-    proc = run_train(run, [*args[:-1], "parallel.timeout_s=60"])
-    assert "resumed from" in proc.stdout and "step_00000005 at step 5" in proc.stdout
+    stdout = train_in_ranks(run, [*args[:-1], "parallel.timeout_s=60"])
+    assert "resumed from" in stdout and "step_00000005 at step 5" in stdout
     ref = reference_losses(session_tmp, [*PARITY, *MODEL])
     assert_close(losses_from(run, 0), ref)
     assert not store.partial_dir(root, 10).exists()  # the stale partial save was cleaned up

@@ -11,7 +11,7 @@ import traceback
 import pytest
 
 from tests.support.background import Run
-from tests.support.runs import read_metrics, run_train
+from tests.support.runs import read_metrics, train_in_ranks
 from trainer3d.checkpoint import store
 from trainer3d.observe.failure import RankFailed, headline, rank_failures
 
@@ -100,7 +100,9 @@ def test_a_disk_filling_during_a_background_write_keeps_the_last_good_checkpoint
     assert len(rows) > 8, "training went on while the step-8 save was being written"
     copy = tmp_path / "step_00000004"
     shutil.copytree(store.step_dir(disk, 4), copy)
-    run_train(tmp_path / "again", [*args[:1], "train.max_steps=8", *args[2:], f"train.resume={copy}",
-                                   "checkpoint.every=0", "checkpoint.save_final=false"])
+    # the resume happens on the ranks (checkpoint/manager.py), so it runs on forkserver ranks
+    # (tests/support/runs.py: train_in_ranks); the entry point is under test for the failed save
+    train_in_ranks(tmp_path / "again", [*args[:1], "train.max_steps=8", *args[2:], f"train.resume={copy}",
+                                        "checkpoint.every=0", "checkpoint.save_final=false"])
     again = read_metrics(tmp_path / "again")
     assert [r["loss"] for r in again] == [r["loss"] for r in rows[4:8]]

@@ -224,13 +224,15 @@ def _in_the_run(command: str, run, checkpoint, exports) -> str:
 @pytest.mark.timeout(900)
 def test_the_tools_after_a_run_run_as_documented(tmp_path):
     """Every documented export, sample and plot command, in that order (a sample may read an
-    export), on a two-step run of the tiny model: exit 0, and what each writes is there."""
-    from tests.support.runs import run_train
+    export), on a two-step run of the tiny model: exit 0, and what each writes is there. The
+    tools are under test, not the run that feeds them: it runs on forkserver ranks
+    (tests/support/runs.py: train_in_ranks)."""
+    from tests.support.runs import train_in_ranks
 
     run = tmp_path / "run"
-    run_train(run, ["parallel=single", "train.max_steps=2", "train.log_every=1", "train.seq_len=64",
-                    "train.micro_batch_size=2", "train.global_batch_size=4", "train.grad_accum_steps=null",
-                    "train.eval_every=0", "checkpoint.every=2"])
+    train_in_ranks(run, ["parallel=single", "train.max_steps=2", "train.log_every=1", "train.seq_len=64",
+                         "train.micro_batch_size=2", "train.global_batch_size=4", "train.grad_accum_steps=null",
+                         "train.eval_every=0", "checkpoint.every=2"])
     checkpoint = run / "checkpoints" / "step_00000002"
     assert checkpoint.is_dir()
     order = {"export_model": 0, "sample": 1, "plot_metrics": 2}
