@@ -11,6 +11,7 @@ import pytest
 from tests.support.background import Run, marked
 from trainer3d.launch.follow import Watch
 from trainer3d.rank.heartbeat import Heartbeat, HeartbeatReader
+from trainer3d.rank.job_token import TOKEN_VAR
 
 TIMEOUT_S = 20
 SMALL = ("parallel=dp2", "train.max_steps=100000", "train.log_every=1", "train.seq_len=64",
@@ -108,3 +109,27 @@ def test_heartbeat_tells_a_stopped_writer_from_a_live_one(tmp_path):
         live.stop()
         gone.stop()
     assert {b.state for b in reader.read().values()} == {"exited"}
+
+
+def test_a_killed_earlier_jobs_records_are_not_held_against_the_next_job(tmp_path, monkeypatch):
+    """A job killed with SIGKILL leaves its records "running"; the next job in the same run dir
+    (a restart) has ranks still importing, which write nothing yet. Its follower must not count
+    the dead job's silence against them (it did, and ended a restart whose rank 0 took 70 s to import)."""
+    monkeypatch.setenv(TOKEN_VAR, "killed-job")
+    _frozen_writer(tmp_path)  # never stopped: what SIGKILL leaves
+    blind = Watch(1, timeout_s=0.3, reader=HeartbeatReader(tmp_path, 1), stale_s=0.1)
+    marked = Watch(1, timeout_s=0.3, reader=HeartbeatReader(tmp_path, 1, job="next-job"), stale_s=0.1)
+    for watch in (blind, marked):
+        watch.judge()
+    time.sleep(0.5)
+    for watch in (blind, marked):
+        watch.judge()
+    assert blind.trouble_at is not None, "without the job's mark the leftover record reads as a hang"
+    assert marked.trouble_at is None and marked.beats == {}
+    monkeypatch.setenv(TOKEN_VAR, "next-job")
+    beat = _frozen_writer(tmp_path)  # the next job's rank 0 starts, then freezes: still caught
+    marked.judge()
+    time.sleep(0.5)
+    marked.judge()
+    assert set(marked.stale) == {0} and marked.trouble_at is not None
+    beat.stop()

@@ -13,6 +13,11 @@ when the job fails or stalls, the rank whose beat stopped is the cause and the r
 timing out in collectives are its victims. The follower (``trainer3d.launch.follow``) judges
 age by its own clock — when it last saw a beat counter change — so clocks of different
 nodes never need to agree.
+
+A record also names its job (``TRAINER3D_JOB``, trainer3d/rank/job_token.py): a job killed
+with SIGKILL leaves its records "running", and a follower of the next job in the same run
+dir (a restart after the kill) given its own job's mark ignores them, where it would
+otherwise count the dead job's silence against ranks still starting.
 """
 
 import json
@@ -23,6 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
+
+from trainer3d.rank.job_token import TOKEN_VAR
 
 BEAT_S = 1.0
 """Seconds between two writes of a rank's record."""
@@ -64,6 +71,7 @@ class Heartbeat:
     def _write(self, state: str) -> None:
         self._beats += 1
         record = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "attempt": attempt(),
+                  "job": os.environ.get(TOKEN_VAR),
                   "step": self.step, "state": state, "beat": self._beats, "time": time.time()}
         data = json.dumps(record).encode().ljust(RECORD_BYTES)
         os.pwrite(self._fd, data, 0)
@@ -106,10 +114,13 @@ class Beat:
 
 
 class HeartbeatReader:
-    """Follower side: the newest record of every rank, with the age of its beat by our clock."""
+    """Follower side: the newest record of every rank, with the age of its beat by our clock.
 
-    def __init__(self, directory: Path, num_ranks: int):
-        self.directory, self.num_ranks = Path(directory), num_ranks
+    ``job``: the followed job's mark; records another job wrote are not this job's ranks
+    (None: every record counts)."""
+
+    def __init__(self, directory: Path, num_ranks: int, job: Optional[str] = None):
+        self.directory, self.num_ranks, self.job = Path(directory), num_ranks, job
         self.beats: Dict[int, Beat] = {}
 
     def read(self) -> Dict[int, Beat]:
@@ -120,7 +131,7 @@ class HeartbeatReader:
                 record = json.loads((self.directory / f"rank{rank}").read_bytes().rstrip(b" \0") or b"null")
             except (OSError, ValueError):  # not written yet, or caught mid-write: keep the last one
                 continue
-            if not isinstance(record, dict):
+            if not isinstance(record, dict) or (self.job is not None and record.get("job") != self.job):
                 continue
             old = self.beats.get(rank)
             key = (record["pid"], record["beat"], record["state"])
