@@ -18,8 +18,13 @@ import transformers
 
 from tests.conftest import ROOT
 from tests.support.megatron_files import write_megatron
+from tests.support.runs import train_in_ranks
+from trainer3d.checkpoint import store
+from trainer3d.checkpoint.export import load_full_model, model_config_of
 from trainer3d.data.doc_index import index_header_path, index_path, write_doc_index
 from trainer3d.data.tokens import TokenizerInfo, read_header, write_token_file
+from trainer3d.model.init import fill_parameters
+from trainer3d.model.transformer import Transformer
 from trainer3d.tools import score
 
 VOCAB, EOS, SEQ = 64, 63, 32
@@ -147,3 +152,33 @@ def test_a_megatron_dataset_is_scored_by_its_own_index(tmp_path, hf_dir, capsys)
     assert [r["tokens"] for r in _lines(out)] == LENGTHS  # the inner end-of-document id cuts nothing
     np.testing.assert_allclose([r["nll"] for r in _lines(out)], [_hf_nll(model, d) for d in docs],
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_checkpoint_scores_as_its_own_model_and_refuses_another_tokenizers_data(tmp_path, capsys):
+    """A one-step run of a tiny model on a token file, its final checkpoint scored: each document
+    equals the checkpoint's weights in a plain Transformer over the document alone (the model's
+    own causal attention, no packing); a file of another tokenizer is refused naming both."""
+    docs = _documents()
+    data = _token_file(tmp_path, docs)
+    train_in_ranks(tmp_path / "run", ["parallel=single", "model=tiny", f"model.vocab_size={VOCAB}",
+                                      "model.max_seq_len=64", "data=tokens", f"data.path={data}",
+                                      "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=2",
+                                      "train.max_steps=1", "train.eval_every=0", "train.dtype=fp32"], timeout=540)
+    checkpoint = next((tmp_path / "run" / "checkpoints").glob("step_*"))
+    info = store.read_marker(checkpoint)
+    model = Transformer(model_config_of(info["config"]))
+    tensors = load_full_model(checkpoint)
+    fill_parameters(model, lambda name, shape, shard: tensors[name])
+    out = tmp_path / "c.jsonl"
+    _run(capsys, checkpoint, "--data", data, "--seq-len", SEQ, "--out", out)
+    with torch.no_grad():
+        ids = [torch.from_numpy(np.asarray(d, dtype=np.int64)) for d in docs if len(d) <= SEQ]
+        want = [float(F.cross_entropy(model(i[None])[0, :-1].float(), i[1:], reduction="sum")) for i in ids]
+    got = [r["nll"] for r in _lines(out) if r["tokens"] <= SEQ]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    other = write_token_file(tmp_path / "other.bin", np.concatenate(docs), VOCAB, TokenizerInfo("other", "y"), EOS)
+    with pytest.raises(SystemExit, match=rf"{other} was made with tokenizer other, but checkpoint {checkpoint} was "
+                                         r"trained on data of test: tokenise"):
+        score.main([str(checkpoint), "--data", str(other), "--out", str(tmp_path / "o.jsonl")])

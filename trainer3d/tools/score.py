@@ -68,17 +68,18 @@ def _config(path: Path):
 
 def memory_problem(path: Path, seq_len: Optional[int], available: Optional[int]) -> Optional[str]:
     """Why the model at ``path`` would not fit in ``available`` bytes, or None: fp32 weights held
-    twice while loading (the read tensors and the model), plus a window's logits three times."""
+    twice while loading (the read tensors and the model), plus a window's logits three times and
+    its dense document mask (seq^2 fp32, trainer3d/model/documents.py's CPU path)."""
     cfg = _config(path)
     if cfg is None or available is None:
         return None
-    params = count_parameters(cfg)
-    window = 3 * (seq_len or cfg.max_seq_len) * cfg.vocab_size * FP32
+    params, seq = count_parameters(cfg), seq_len or cfg.max_seq_len
+    window = (3 * seq * cfg.vocab_size + seq * seq) * FP32
     need = 2 * params * FP32 + window
     if need <= available:
         return None
     return (f"score: {path} has {params:,} parameters: scoring it in fp32 needs about {need / GIB:.1f} GiB "
-            f"(2 x {params:,} x 4 bytes while loading, {window / GIB:.1f} GiB for a window's logits), and this "
+            f"(2 x {params:,} x 4 bytes while loading, {window / GIB:.1f} GiB for a window's logits and mask), and this "
             f"machine has {available / GIB:.1f} GiB available; run it on a machine with that much free memory "
             f"(trainer3d-score runs one process; a smaller --seq-len only shrinks the logits)")
 
