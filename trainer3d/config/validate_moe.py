@@ -31,8 +31,7 @@ def moe_problems(cfg: Config) -> List[str]:
     if t.dtype == "fp16":
         problems.append("model.moe with train.dtype=fp16 is not supported (the aux loss's gradient does not "
                         "follow the dynamic loss scale); use train.dtype=bf16 or fp32")
-    unsupported = [(p.pp > 1, f"parallel.pp={p.pp}", "parallel.pp=1"),
-                   (p.cp > 1, f"parallel.cp={p.cp}", "parallel.cp=1"),
+    unsupported = [(p.cp > 1, f"parallel.cp={p.cp}", "parallel.cp=1"),
                    (p.ep > 1, f"parallel.ep={p.ep}", "parallel.ep=1"),
                    (p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage=0 or 1"),
                    (p.offload_optimizer, "parallel.offload_optimizer=true", "parallel.offload_optimizer=false"),
