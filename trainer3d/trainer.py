@@ -93,7 +93,8 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, dims, self.optimizer, self.timeouts)
         self.micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims, self.chunks), t.grad_accum_steps, self.optimizer,
                                          build_eval_loss_fn(cfg, dims, self.chunks), dims, cfg.data.loss_mask)
-        apply_moe_layout(self.chunks, cfg, dims)  # MoE losses' gradients scaled as MicroBatchLoss scales
+        # MoE losses' gradients scaled as MicroBatchLoss scales the loss, fp16's loss scale included
+        apply_moe_layout(self.chunks, cfg, dims, self.optimizer.scaler.scale if self.optimizer.scaler else None)
         self.aux_free = aux_free_bias(self.chunks, cfg, dims)
         """model.moe.balance=aux_free's bias update (parallel/expert/balance.py), else None."""
         self.checkpointer.buffers = moe_buffers(self.chunks)

@@ -54,16 +54,23 @@ from trainer3d.model.functional import swiglu_linear
 
 class _AuxLossGrad(torch.autograd.Function):
     """Identity on ``out``; backward also gives ``aux`` the gradient ``scale`` (Megatron-LM's
-    ``MoEAuxLossAutoScaler``). Nothing is saved: the scalar's gradient needs only its dtype."""
+    ``MoEAuxLossAutoScaler``), times ``loss_scale`` where given: fp16's dynamic loss scale, a
+    device tensor the optimizer updates only after the step's backwards (optim/mixed_precision.py),
+    so the aux loss's gradient is scaled as the language-model loss's and unscaled with it.
+    Nothing is saved for backward: the scalar's gradient needs only those factors."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float,
+                loss_scale: Optional[torch.Tensor]) -> torch.Tensor:
+        ctx.scale, ctx.loss_scale = scale, loss_scale
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        return grad_out, torch.full((), ctx.scale, dtype=torch.float32, device=grad_out.device), None
+        grad_aux = torch.full((), ctx.scale, dtype=torch.float32, device=grad_out.device)
+        if ctx.loss_scale is not None:
+            grad_aux = grad_aux * ctx.loss_scale.reshape(())
+        return grad_out, grad_aux, None, None
 
 
 def moe_layer(cfg: ModelConfig, index: int) -> bool:
@@ -138,7 +145,10 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts) if moe.balance == "aux_free" else None)
         self.aux_grad_scale = 1.0
         """The gradient the aux and z losses start backward from: the trainer's scale of a
-        micro-batch's loss (1 / grad_accum, times fp16's loss scale)."""
+        micro-batch's loss (1 / grad_accum; times cp: parallel/expert/tokens.py)."""
+        self.loss_scale: Optional[torch.Tensor] = None
+        """fp16's dynamic loss scale (the optimizer's scaler's tensor), which that gradient is
+        multiplied by in backward; None without one."""
         self.token_groups: List[dist.ProcessGroup] = []
         """The groups a micro-batch's tokens are split over (parallel/expert/tokens.py)."""
         self.token_ranks = 1
@@ -176,12 +186,22 @@ class MoE(nn.Module):
         out = torch.zeros_like(x).index_add_(0, token, y * gates.reshape(-1)[order, None].to(y.dtype))
         if self.shared is not None:
             out = out + self.shared(x)
+        return self._account(out, logits, scores, slots).view(shape)
+
+    # Eager under train.compile (parallel/compile.py): compiled, the aux and z losses lost their
+    # gradient (the router's gradient from them was zero under torch 2.13's dynamo, measured on
+    # CPU: tests/unit/test_moe.py), and the counts are module state a compiled graph would
+    # replay or bake in. The block's graph splits here; the losses' gradient reaches the
+    # router's logits through the split as any gradient does.
+    @torch.compiler.disable
+    def _account(self, out: torch.Tensor, logits, scores, slots) -> torch.Tensor:
+        """Record the step's counts and attach the balance losses' backward to ``out``."""
         if self._counted():
             self._count(torch.bincount(slots, minlength=self.num_experts))
-        aux = self._aux_losses(logits, scores, slots, x.shape[0]) if torch.is_grad_enabled() else None
+        aux = self._aux_losses(logits, scores, slots, out.shape[0]) if torch.is_grad_enabled() else None
         if aux is not None:
-            out = _AuxLossGrad.apply(out, aux, self.aux_grad_scale)
-        return out.view(shape)
+            out = _AuxLossGrad.apply(out, aux, self.aux_grad_scale, self.loss_scale)
+        return out
 
     def _drop_over_capacity(self, order: torch.Tensor, counts: torch.Tensor, tokens: int):
         """Keep each expert's first ``capacity`` slots (GShard, Lepikhin et al. 2021, sec. 2.2)."""
