@@ -224,7 +224,7 @@ def test_expert_init_is_a_row_range_of_one_draw():
     (["model.moe.num_experts=4", "model.moe.router=top1"], "model.moe.router"),
     (["model.moe.num_experts=-1"], "model.moe.num_experts"),
     (["model.moe.num_experts=4", "parallel.zero_stage=3"], "does not run with parallel.zero_stage=3 yet"),
-    (["model.moe.num_experts=4", "train.dtype=fp16"], "train.dtype=fp16"),
+    (["model.moe.num_experts=4", "parallel.offload_optimizer=true"], "parallel.offload_optimizer=true"),
 ])
 def test_bad_moe_config_names_the_knob(overrides, fragment):
     with pytest.raises(ConfigError) as err:
