@@ -188,11 +188,11 @@ class MoE(nn.Module):
             out = out + self.shared(x)
         return self._account(out, logits, scores, slots).view(shape)
 
-    # Eager under train.compile (parallel/compile.py): compiled, the aux and z losses lost their
-    # gradient (the router's gradient from them was zero under torch 2.13's dynamo, measured on
-    # CPU: tests/unit/test_moe.py), and the counts are module state a compiled graph would
-    # replay or bake in. The block's graph splits here; the losses' gradient reaches the
-    # router's logits through the split as any gradient does.
+    # Eager under train.compile (parallel/compile.py): compiled with the block, the aux and z
+    # losses' gradient does not reach the router (zero on CPU under torch 2.13's dynamo;
+    # tests/unit/test_moe.py holds the compiled block to eager), and the counts are module
+    # state a compiled graph would replay or bake in. The block's graph splits here; the
+    # losses' gradient reaches the router's logits through the split as any gradient does.
     @torch.compiler.disable
     def _account(self, out: torch.Tensor, logits, scores, slots) -> torch.Tensor:
         """Record the step's counts and attach the balance losses' backward to ``out``."""
