@@ -5,7 +5,7 @@ divided by S after it (optim/mixed_precision.py); the aux and z losses start the
 inside the blocks (model/moe.py, ``_AuxLossGrad``), so they must be multiplied by the same S.
 Scaling by a power of two is exact in floating point short of overflow and of values below
 fp16's normal range, so one step's unscaled router gradients at S = 2^10 and 2^14 agree up to
-the rounding of values below fp16's normal range (measured: max difference 1.3e-4 of the largest
+that rounding (measured: max difference 1.3e-4 of the largest
 gradient). Were the losses' gradient not multiplied by S, the router's gradient would carry
 2^-10 of the aux and z losses' part in one run and 2^-14 in the other (measured: 3.2e-2 of
 the largest gradient, with the loss scale left out of ``_AuxLossGrad``); the bound, 2e-3,
