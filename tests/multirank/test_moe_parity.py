@@ -70,34 +70,3 @@ def test_moe_pipeline_matches_single_process(tmp_path, session_tmp, layout):
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
     check_metrics(read_metrics(tmp_path), read_metrics(reference_dir(session_tmp, [*PARITY, *MOE])))
 
-
-LAYOUTS = {
-    # context parallelism: each cp rank routes its two chunks of every sequence; the counts
-    # are summed over cp and the losses' gradients start cp times larger (parallel/expert/tokens.py)
-    "cp2-ring": ("parallel.cp=2",),
-    "cp2-dp2-all_gather": ("parallel.cp=2", "parallel.dp=2", "parallel.cp_attention=all_gather"),
-    # recomputation: the sort, the grouped matmuls and, under sp, the counts' all-reduce run
-    # again in backward, where nothing is counted twice (check_metrics)
-    "tp2-sp-recompute": ("parallel.tp=2", "parallel.sequence_parallel=true", "train.activation_checkpointing=true"),
-}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_moe_context_parallel_and_recompute_match_single_process(tmp_path, session_tmp, name):
-    ref = reference_losses(session_tmp, [*PARITY, *MOE])
-    got = losses_in_ranks(tmp_path, [*PARITY, *MOE, "parallel=single", *LAYOUTS[name]], timeout=900)
-    print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
-    check_metrics(read_metrics(tmp_path), read_metrics(reference_dir(session_tmp, [*PARITY, *MOE])))
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1500)  # inductor compiles each rank's blocks: minutes on 2 loaded cores
-def test_compiled_moe_matches_eager_single_process(tmp_path, session_tmp):
-    """train.compile with MoE blocks (the experts and the balance losses' bookkeeping stay
-    eager: model/experts.py, model/moe.py) against the eager process, on dp2."""
-    ref = reference_losses(session_tmp, [*PARITY, *MOE])
-    got = losses_in_ranks(tmp_path, [*PARITY, *MOE, "parallel=single", "parallel.dp=2", "train.compile=true"],
-                          timeout=1200)
-    print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
-    check_metrics(read_metrics(tmp_path), read_metrics(reference_dir(session_tmp, [*PARITY, *MOE])))
