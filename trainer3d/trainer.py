@@ -44,6 +44,7 @@ from trainer3d.observe.profile import StepProfiler
 from trainer3d.observe.spikes import SpikeResponse, SpikeWatch, Verdict
 from trainer3d.observe.stragglers import StragglerWatch
 from trainer3d.optim.schedule import lr_at
+from trainer3d.parallel.expert.balance import aux_free_bias, moe_buffers
 from trainer3d.parallel.expert.tokens import apply_moe_layout
 from trainer3d.parallel.finalize import GradFinalizer
 from trainer3d.parallel.parallelize import build_eval_loss_fn, build_loss_fn, build_model_chunks, build_optimizer
@@ -92,7 +93,11 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, dims, self.optimizer, self.timeouts)
         self.micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims, self.chunks), t.grad_accum_steps, self.optimizer,
                                          build_eval_loss_fn(cfg, dims, self.chunks), dims, cfg.data.loss_mask)
-        apply_moe_layout(self.chunks, cfg, dims)  # MoE losses' gradients scaled as MicroBatchLoss scales
+        # MoE losses' gradients scaled as MicroBatchLoss scales the loss, fp16's loss scale included
+        apply_moe_layout(self.chunks, cfg, dims, self.optimizer.scaler.scale if self.optimizer.scaler else None)
+        self.aux_free = aux_free_bias(self.chunks, cfg, dims)
+        """model.moe.balance=aux_free's bias update (parallel/expert/balance.py), else None."""
+        self.checkpointer.buffers = moe_buffers(self.chunks)
         self.segments = segments_of(self.chunks)
         """The blocks' document segments (data.document_mask; model/documents.py), else None."""
         self.pipeline = _pipeline(self.chunks, self.micro_loss, cfg, dims, self.segments) if dims.pp > 1 else None
@@ -210,6 +215,8 @@ class Trainer:
         spiked = self.verdict is not None and self.verdict.reason is not None
         if not spiked or self.cfg.train.spike.policy == "warn":
             self.optimizer.step(lr)  # a skipped update leaves weights and moments (and step_count) as they were
+            if self.aux_free is not None:  # the routing bias too: it moves with the applied steps
+                self.aux_free.update()
         return loss, grad_norm, lr
 
     # ------------------------------------------------------------------ the loop

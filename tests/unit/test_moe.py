@@ -222,10 +222,9 @@ def test_expert_init_is_a_row_range_of_one_draw():
     (["model.moe.num_experts=4", "model.moe.top_k=5"], "model.moe.top_k=5 exceeds model.moe.num_experts=4"),
     (["model.moe.num_experts=4", "model.moe.first_dense_layers=4"], "model.moe.first_dense_layers=4 leaves no MoE"),
     (["model.moe.num_experts=4", "model.moe.router=top1"], "model.moe.router"),
-    (["model.moe.num_experts=4", "model.moe.balance=aux_free"], "model.moe.balance=aux_free is not wired"),
     (["model.moe.num_experts=-1"], "model.moe.num_experts"),
-    (["model.moe.num_experts=4", "parallel=tp2-pp2-dp2"], "does not run with parallel.pp=2 yet"),
-    (["model.moe.num_experts=4", "train.dtype=fp16"], "train.dtype=fp16"),
+    (["model.moe.num_experts=4", "parallel.zero_stage=3"], "does not run with parallel.zero_stage=3 yet"),
+    (["model.moe.num_experts=4", "parallel.offload_optimizer=true"], "parallel.offload_optimizer=true"),
 ])
 def test_bad_moe_config_names_the_knob(overrides, fragment):
     with pytest.raises(ConfigError) as err:
@@ -235,6 +234,11 @@ def test_bad_moe_config_names_the_knob(overrides, fragment):
 
 def test_moe_on_data_parallel_is_accepted():
     validate(make(["model.moe.num_experts=4", "model.moe.num_shared_experts=1", "parallel.zero_stage=1"]))
+
+
+def test_moe_on_the_pipeline_with_aux_free_is_accepted():
+    validate(make(["model.moe.num_experts=4", "model.moe.router=sigmoid_topk", "model.moe.balance=aux_free",
+                   "parallel=tp2-pp2-dp2"]))
 
 
 @pytest.mark.parametrize("start,end", [(0, 60), (7, 53), (20, 40), (3, 9), (21, 22), (25, 60)])
@@ -248,3 +252,36 @@ def test_checkpoint_pieces_of_a_3d_expert_weight_cover_a_flat_range(start, end):
         assert box.tolist() == list(range(piece.flat_start, piece.flat_start + piece.numel))
         covered += piece.numel
     assert covered == end - start
+
+
+def test_fp16_loss_scale_multiplies_the_aux_gradient():
+    """The aux and z losses' gradient follows fp16's dynamic loss scale (a device tensor read in
+    backward), as the language-model loss's does: times 8 with a scale of 8, unscaled by 1/8 after."""
+    cfg = config(aux_loss_coef=0.3, z_loss_coef=0.05)
+    grads = []
+    for scale in (None, torch.tensor([8.0])):
+        moe = block(cfg)
+        moe.aux_grad_scale, moe.loss_scale = 0.5, scale
+        x = torch.randn(4, 2, DIM, generator=torch.Generator().manual_seed(1))
+        out = moe(x)
+        out.backward(torch.zeros_like(out))  # the router's gradient is the aux and z losses' alone
+        grads.append(moe.router.weight.grad)
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[1], 8 * grads[0])
+
+
+@pytest.mark.slow
+def test_compiled_block_keeps_the_balance_losses_gradient():
+    """train.compile compiles each block (parallel/compile.py): the router's gradient from the
+    aux and z losses alone (zero output gradient) and with the output's are eager's."""
+    cfg = config(aux_loss_coef=0.3, z_loss_coef=0.05)
+    x = torch.randn(4, 2, DIM, generator=torch.Generator().manual_seed(1))
+    for grad in (torch.zeros, torch.ones):
+        eager, compiled = block(cfg), block(cfg)
+        compiled.compile()
+        for moe in (eager, compiled):
+            out = moe(x)
+            out.backward(grad(out.shape))
+        assert eager.router.weight.grad.abs().max() > 0
+        for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)

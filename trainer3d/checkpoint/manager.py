@@ -98,6 +98,9 @@ class Checkpointer:
         self.cfg, self.dims, self.timeouts = cfg, dims, timeouts
         self.optimizer = optimizer
         """Its state (the model's included) is what is saved and loaded."""
+        self.buffers: Dict[str, torch.Tensor] = {}
+        """Model buffers saved and loaded beside it, by 1-rank name (aux_free's routing biases:
+        ``moe_buffers``, parallel/expert/balance.py); set before the first load."""
         self.root = checkpoint_root(cfg)
         self.groups = SaveGroups.build(seconds(cfg.parallel.init_timeout_s), seconds(cfg.parallel.timeout_s))
         self.background = Background(self.groups, dims.rank, self._say, dims.device)
@@ -193,10 +196,11 @@ class Checkpointer:
 
     def _job(self, steps_done: int, staged: bool) -> SaveJob:
         if staged:
-            state = rank_state(self.optimizer, self.dims, self._staged_maker_for, stage=self._stage)
+            state = rank_state(self.optimizer, self.dims, self._staged_maker_for, stage=self._stage,
+                               buffers=self.buffers)
             self.staging.done()
         else:
-            state = rank_state(self.optimizer, self.dims, self.maker)
+            state = rank_state(self.optimizer, self.dims, self.maker, buffers=self.buffers)
         info = {"step": steps_done, "layout": layout_of(self.cfg), "dtype": self.cfg.train.dtype,
                 "config": scrub(dataclasses.asdict(self.cfg)), "saved_at": time.time(),
                 **marker_fields(self.cfg, steps_done, self.origin, self.resumed_from, self.data),
@@ -260,7 +264,7 @@ class Checkpointer:
         with _io(self.timeouts):
             while choice is not None:
                 same_world = choice.info.get("layout") == layout_of(self.cfg)
-                state = rank_state(self.optimizer, self.dims, self.maker, with_rng=same_world)
+                state = rank_state(self.optimizer, self.dims, self.maker, with_rng=same_world, buffers=self.buffers)
                 metadata = store.read_metadata(choice.path)
                 passes, notes = load_passes(state, metadata.state_dict_metadata)
                 problem = shared_problem(choice.path, choice.info["files"], passes, metadata, self.dims.rank,

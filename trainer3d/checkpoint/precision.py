@@ -39,6 +39,8 @@ def load_passes(state: Dict[str, object], saved: Iterable[str]) -> Tuple[List[Di
             second[MODEL + name] = value
         elif key.startswith("loss_scaler."):
             notes.append("the checkpoint has no fp16 loss scale: starting from train.loss_scale_init")
+        elif key.startswith("moe_bias."):  # trained with another model.moe.balance
+            notes.append("the checkpoint has no model.moe.balance=aux_free routing bias: starting it from zero")
         else:
             raise CheckpointError(f"the checkpoint has no {key!r}, which this run needs; "
                                   "resume with the model and train.dtype the checkpoint was saved with")

@@ -8,6 +8,8 @@ unpadded), whatever the layout that wrote it:
     optim.exp_avg_sq.<name>
     optim.master.<name>           fp32 master weights (bf16/fp16 training only)
     optim.step, loss_scaler.*     scalars, the same on every rank
+    moe_bias.<name>               model.moe.balance=aux_free's routing bias of each MoE block
+                                  (a buffer, replicated wherever its block is; model/moe.py)
     rng.rank<r>                   each rank's torch generator state (restored only when the
                                   world size is unchanged; training draws no random numbers,
                                   so this is for the record and for user code)
@@ -51,6 +53,9 @@ def _contiguous_stride(shape: Sequence[int]) -> Sequence[int]:
         acc *= size
     return tuple(reversed(stride))
 
+
+BIAS = "moe_bias."
+"""The key prefix of aux_free's routing biases."""
 
 Stage = Callable[[str, torch.Tensor], torch.Tensor]
 """(state key, tensor) -> the host copy a save writes (trainer3d/checkpoint/staging.py)."""
@@ -113,10 +118,13 @@ MakerFor = Callable[[str], PieceMaker]
 
 
 def rank_state(optimizer: ZeroOptimizer, dims: ParallelDims, maker_for: MakerFor,
-               with_rng: bool = True, stage: Optional[Stage] = None) -> Dict[str, object]:
+               with_rng: bool = True, stage: Optional[Stage] = None,
+               buffers: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, object]:
     """The DCP state dict of this rank: views of its storage (saving reads them, loading
     writes into them), or, with ``stage``, of host copies taken now (a save in the background).
-    Each piece is made by ``maker_for`` the device its tensor (or host copy) is on."""
+    Each piece is made by ``maker_for`` the device its tensor (or host copy) is on.
+    ``buffers``: the model's saved buffers by their 1-rank name (whole on every rank that
+    holds them; DCP writes one copy of a replicated plain tensor)."""
     copy: Stage = stage or (lambda key, tensor: tensor)
     state: Dict[str, object] = {}
     for view in optimizer.checkpoint_views():
@@ -127,6 +135,8 @@ def rank_state(optimizer: ZeroOptimizer, dims: ParallelDims, maker_for: MakerFor
             if piece is not None:
                 state[key] = piece
     state["optim.step"] = copy("optim.step", optimizer.step_count)
+    for name, tensor in (buffers or {}).items():
+        state[f"{BIAS}{name}"] = copy(f"{BIAS}{name}", tensor)
     if optimizer.scaler is not None:
         for name, tensor in optimizer.scaler.persistent().items():
             state[f"loss_scaler.{name}"] = copy(f"loss_scaler.{name}", tensor)

@@ -10,7 +10,7 @@ from trainer3d.config.schema import Config
 
 
 def moe_problems(cfg: Config) -> List[str]:
-    m, moe, p, t = cfg.model, cfg.model.moe, cfg.parallel, cfg.train
+    m, moe, p = cfg.model, cfg.model.moe, cfg.parallel
     if moe.num_experts == 0:
         if p.ep > 1:
             return [f"parallel.ep={p.ep} splits the experts of MoE blocks, and this model has none "
@@ -23,22 +23,11 @@ def moe_problems(cfg: Config) -> List[str]:
     if moe.first_dense_layers >= m.n_layers:
         problems.append(f"model.moe.first_dense_layers={moe.first_dense_layers} leaves no MoE block in "
                         f"model.n_layers={m.n_layers}; lower it, or set model.moe.num_experts=0 for a dense model")
-    if moe.balance == "aux_free":
-        problems.append("model.moe.balance=aux_free is not wired into training yet (its routing bias is "
-                        "neither updated from the global batch nor checkpointed); use aux_loss or none")
     # model.init_from: the experts come from a MixtralForCausalLM directory, whose config.json sets
     # model.moe (trainer3d/hf/check.py apply_init_from; a Llama's sets num_experts=0).
-    if t.dtype == "fp16":
-        problems.append("model.moe with train.dtype=fp16 is not supported (the aux loss's gradient does not "
-                        "follow the dynamic loss scale); use train.dtype=bf16 or fp32")
-    unsupported = [(p.pp > 1, f"parallel.pp={p.pp}", "parallel.pp=1"),
-                   (p.cp > 1, f"parallel.cp={p.cp}", "parallel.cp=1"),
-                   (p.ep > 1, f"parallel.ep={p.ep}", "parallel.ep=1"),
+    unsupported = [(p.ep > 1, f"parallel.ep={p.ep}", "parallel.ep=1"),
                    (p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage=0 or 1"),
-                   (p.offload_optimizer, "parallel.offload_optimizer=true", "parallel.offload_optimizer=false"),
-                   (t.activation_checkpointing, "train.activation_checkpointing=true",
-                    "train.activation_checkpointing=false"),
-                   (t.compile, "train.compile=true", "train.compile=false")]
+                   (p.offload_optimizer, "parallel.offload_optimizer=true", "parallel.offload_optimizer=false")]
     for refused, knob, fix in unsupported:
         if refused:
             problems.append(f"model.moe (num_experts={moe.num_experts}) does not run with {knob} yet "

@@ -93,6 +93,11 @@ class _GroupedSwiGLU(torch.autograd.Function):
         return grad_x, grad_w1, grad_w3, grad_w2, None
 
 
+# Eager under train.compile: torch 2.13's fake kernel of _grouped_mm takes bf16 only (the CUDA
+# kernel's rule: torch/_meta_registrations.py, ``_meta_grouped_mm_common``) while the CPU kernel
+# runs fp32, and the loop fallback reads the counts on the host (a data-dependent graph break).
+# The compiled block splits around the experts; both sides keep their eager numerics.
+@torch.compiler.disable
 def grouped_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
                    counts: torch.Tensor) -> torch.Tensor:
     """x (tokens, dim) sorted by expert, ``counts`` (E,) tokens per expert: (tokens, dim)."""

@@ -40,6 +40,7 @@ counts are summed over it, so f is the micro-batch's) and ``token_ranks`` (the t
 ``token_ranks`` times the local ones; P and the z-loss are local sums over all of them).
 """
 
+from contextlib import contextmanager
 from typing import List, Optional
 
 import torch
@@ -53,16 +54,23 @@ from trainer3d.model.functional import swiglu_linear
 
 class _AuxLossGrad(torch.autograd.Function):
     """Identity on ``out``; backward also gives ``aux`` the gradient ``scale`` (Megatron-LM's
-    ``MoEAuxLossAutoScaler``). Nothing is saved: the scalar's gradient needs only its dtype."""
+    ``MoEAuxLossAutoScaler``), times ``loss_scale`` where given: fp16's dynamic loss scale, a
+    device tensor the optimizer updates only after the step's backwards (optim/mixed_precision.py),
+    so the aux loss's gradient is scaled as the language-model loss's and unscaled with it.
+    Nothing is saved for backward: the scalar's gradient needs only those factors."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float,
+                loss_scale: Optional[torch.Tensor]) -> torch.Tensor:
+        ctx.scale, ctx.loss_scale = scale, loss_scale
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        return grad_out, torch.full((), ctx.scale, dtype=torch.float32, device=grad_out.device), None
+        grad_aux = torch.full((), ctx.scale, dtype=torch.float32, device=grad_out.device)
+        if ctx.loss_scale is not None:
+            grad_aux = grad_aux * ctx.loss_scale.reshape(())
+        return grad_out, grad_aux, None, None
 
 
 def moe_layer(cfg: ModelConfig, index: int) -> bool:
@@ -137,7 +145,10 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts) if moe.balance == "aux_free" else None)
         self.aux_grad_scale = 1.0
         """The gradient the aux and z losses start backward from: the trainer's scale of a
-        micro-batch's loss (1 / grad_accum, times fp16's loss scale)."""
+        micro-batch's loss (1 / grad_accum; times cp: parallel/expert/tokens.py)."""
+        self.loss_scale: Optional[torch.Tensor] = None
+        """fp16's dynamic loss scale (the optimizer's scaler's tensor), which that gradient is
+        multiplied by in backward; None without one."""
         self.token_groups: List[dist.ProcessGroup] = []
         """The groups a micro-batch's tokens are split over (parallel/expert/tokens.py)."""
         self.token_ranks = 1
@@ -148,6 +159,9 @@ class MoE(nn.Module):
         """The balance loss (coefficient not applied) of the last forward with a gradient."""
         self.step_aux: Optional[torch.Tensor] = None
         """The sum of those losses over this rank's forwards since ``take_counts``."""
+        self.counting = True
+        """Whether a forward with a gradient is one of the step's (``not_counted``: a pipeline
+        stage's shape inference runs the chunk once more on a stand-in micro-batch)."""
 
     def route(self, x: torch.Tensor):
         """Router logits (fp32), the chosen experts (T, k) and their gate weights (fp32)."""
@@ -172,12 +186,22 @@ class MoE(nn.Module):
         out = torch.zeros_like(x).index_add_(0, token, y * gates.reshape(-1)[order, None].to(y.dtype))
         if self.shared is not None:
             out = out + self.shared(x)
-        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:  # not a recompute in backward
+        return self._account(out, logits, scores, slots).view(shape)
+
+    # Eager under train.compile (parallel/compile.py): compiled with the block, the aux and z
+    # losses' gradient does not reach the router (zero on CPU under torch 2.13's dynamo;
+    # tests/unit/test_moe.py holds the compiled block to eager), and the counts are module
+    # state a compiled graph would replay or bake in. The block's graph splits here; the
+    # losses' gradient reaches the router's logits through the split as any gradient does.
+    @torch.compiler.disable
+    def _account(self, out: torch.Tensor, logits, scores, slots) -> torch.Tensor:
+        """Record the step's counts and attach the balance losses' backward to ``out``."""
+        if self._counted():
             self._count(torch.bincount(slots, minlength=self.num_experts))
-        aux = self._aux_losses(logits, scores, slots, x.shape[0]) if torch.is_grad_enabled() else None
+        aux = self._aux_losses(logits, scores, slots, out.shape[0]) if torch.is_grad_enabled() else None
         if aux is not None:
-            out = _AuxLossGrad.apply(out, aux, self.aux_grad_scale)
-        return out.view(shape)
+            out = _AuxLossGrad.apply(out, aux, self.aux_grad_scale, self.loss_scale)
+        return out
 
     def _drop_over_capacity(self, order: torch.Tensor, counts: torch.Tensor, tokens: int):
         """Keep each expert's first ``capacity`` slots (GShard, Lepikhin et al. 2021, sec. 2.2)."""
@@ -186,6 +210,11 @@ class MoE(nn.Module):
         experts = torch.repeat_interleave(torch.arange(self.num_experts, device=counts.device), counts)
         keep = torch.arange(order.numel(), device=order.device) - starts[experts] < capacity
         return order[keep], counts.clamp(max=capacity)
+
+    def _counted(self) -> bool:
+        """A forward of the step's own: with a gradient, not a recompute in backward (activation
+        checkpointing), not a pipeline's shape inference."""
+        return self.counting and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
 
     def _count(self, counts: torch.Tensor) -> None:
         self.step_counts = counts if self.step_counts is None else self.step_counts + counts
@@ -210,12 +239,19 @@ class MoE(nn.Module):
             probs = scores if self.router_kind == "softmax_topk" else scores / scores.sum(-1, keepdim=True)
             balance = self.num_experts * (f * probs.sum(0)).sum() / tokens
             self.last_aux_loss = balance.detach()
-            if torch._C._current_graph_task_id() == -1:  # not a recompute in backward
+            if self._counted():
                 self.step_aux = self.last_aux_loss if self.step_aux is None else self.step_aux + self.last_aux_loss
             terms.append(self.aux_loss_coef * balance)
         if self.z_loss_coef > 0:
             terms.append(self.z_loss_coef * logits.logsumexp(-1).square().sum() / tokens)
         return sum(terms) if terms else None
+
+    def reset_bias(self, device: torch.device) -> None:
+        """aux_free's bias at its start: zero and fp32 on ``device`` (after the model is
+        materialised from the meta device and cast, which leave a buffer unset and in the
+        parameters' dtype; DeepSeek-V3 keeps it apart from the model's precision)."""
+        if self.expert_bias is not None:
+            self.expert_bias = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
 
     @torch.no_grad()
     def update_bias(self, counts: torch.Tensor) -> None:
@@ -223,6 +259,18 @@ class MoE(nn.Module):
         (DeepSeek-V3 sec. 2.1.2: lowered for overloaded experts, raised for underloaded ones)."""
         load = counts.to(self.expert_bias.dtype)
         self.expert_bias.add_(self.bias_update_rate * torch.sign(load.mean() - load))
+
+
+@contextmanager
+def not_counted(blocks: List[MoE]):
+    """Forwards inside are no micro-batch of the step: their counts and losses are not recorded."""
+    for block in blocks:
+        block.counting = False
+    try:
+        yield
+    finally:
+        for block in blocks:
+            block.counting = True
 
 
 def moe_blocks(chunks) -> List[MoE]:

@@ -33,6 +33,7 @@ from torch import nn
 from trainer3d.config.schema import Config
 from trainer3d.hf.source import HFSource
 from trainer3d.model.init import ParameterSource, RandomInit, fill_parameters
+from trainer3d.model.moe import moe_blocks
 from trainer3d.model.transformer import Transformer
 from trainer3d.model.documents import apply_document_mask
 from trainer3d.parallel.compile import compile_blocks
@@ -92,6 +93,8 @@ def build_model_chunks(cfg: Config, dims: ParallelDims, initialise: bool = True)
         chunk.to(dtype=param_dtype(cfg))
         if not sharded:
             chunk.to_empty(device=materialise_device(cfg, dims))
+            for block in moe_blocks([chunk]):  # a resume loads the bias over it
+                block.reset_bias(materialise_device(cfg, dims))
             if source is None:
                 for param in chunk.parameters():
                     param.detach().zero_()

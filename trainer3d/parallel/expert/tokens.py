@@ -15,8 +15,9 @@ computes its share of the loss over its own tokens:
   starts backward cp times larger.
 """
 
-from typing import List
+from typing import List, Optional
 
+import torch
 from torch import nn
 
 from trainer3d.config.schema import Config
@@ -24,10 +25,12 @@ from trainer3d.model.moe import moe_blocks
 from trainer3d.parallel.topology import ParallelDims
 
 
-def apply_moe_layout(chunks: List[nn.Module], cfg: Config, dims: ParallelDims) -> None:
+def apply_moe_layout(chunks: List[nn.Module], cfg: Config, dims: ParallelDims,
+                     loss_scale: Optional[torch.Tensor] = None) -> None:
     """Give this rank's MoE blocks the groups their tokens are split over and the scale their
     losses' gradients start from (a micro-batch's loss is divided by grad_accum_steps:
-    parallel/pipeline/losses.py's ``MicroBatchLoss``)."""
+    parallel/pipeline/losses.py's ``MicroBatchLoss``), and fp16's dynamic ``loss_scale``
+    tensor, which ``MicroBatchLoss`` multiplies the loss by (None without fp16)."""
     groups, ranks = [], 1
     if cfg.parallel.sequence_parallel and dims.tp > 1:
         groups.append(dims.tp_group)
@@ -39,3 +42,4 @@ def apply_moe_layout(chunks: List[nn.Module], cfg: Config, dims: ParallelDims) -
         block.token_groups = groups
         block.token_ranks = ranks
         block.aux_grad_scale = dims.cp / cfg.train.grad_accum_steps
+        block.loss_scale = loss_scale

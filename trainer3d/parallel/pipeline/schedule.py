@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from trainer3d.config.schema import Config
+from trainer3d.model.moe import moe_blocks, not_counted
 from trainer3d.parallel.pipeline.bubble import StageClock, bubble_theory
 from trainer3d.parallel.pipeline.buffers import BoundedReceiveStage, ReceiveLedger
 from trainer3d.parallel.pipeline.losses import StepLosses
@@ -47,7 +48,10 @@ SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": S
 
 class TimedStage(BoundedReceiveStage):
     """A stage whose forward and backward compute count as busy time, and whose shape
-    inference's loss is not one of the step's (``StepLosses.not_recorded``).
+    inference's loss is not one of the step's (``StepLosses.not_recorded``), nor its MoE
+    blocks' routing counts and balance losses (model/moe.py ``not_counted``): torch runs the
+    chunk forward on micro-batch 0's copy, or on stand-in tensors of the received shapes
+    (torch/distributed/pipelining/stage.py, ``_forward_metadata_inference``).
 
     With document masking (``segments``, model/documents.py) the blocks read the segments of
     the micro-batch the schedule runs: set before each micro-batch's forward and again before
@@ -64,6 +68,10 @@ class TimedStage(BoundedReceiveStage):
     def _use_segments(self, chunk_id: int) -> None:
         if self.segments is not None:
             self.segments.set(self.step_segments[chunk_id])
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        with not_counted(moe_blocks([self.submod])):  # a forward on a stand-in micro-batch
+            return super()._prepare_forward_infra(*args, **kwargs)
 
     def _prepare_backward_infra(self, *args, **kwargs):
         with self.losses.not_recorded():

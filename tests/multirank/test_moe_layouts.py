@@ -1,0 +1,86 @@
+"""MoE under context parallelism, recomputation and compile trains the one-process model.
+
+A 2-layer MoE (4 experts, all active, a shared expert, aux and z losses weighted strongly
+enough that a wrong scale of their gradient shows in the loss) for 20 steps of 8 sequences x
+32 tokens, on Trainer ranks, against the eager single process of the same config: per-step
+losses within relative 1e-5, and every step's routed counts adding up to tokens x top_k per
+layer (a hand count: a recompute or a cp rank counted twice, or once too few, would not).
+Every expert takes every token (top_k = num_experts), as in test_moe_parity.py, so no
+near-tie of the router's scores can go another way in a layout (docs/moe.md).
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.support.harness import dims_for, run_ranks
+from trainer3d.config.schema import Config
+from trainer3d.config.validate import validate
+from trainer3d.trainer import Trainer
+
+STEPS, BATCH, SEQ, EXPERTS = 20, 8, 32, 4
+
+
+def _train(rank, world, run_dir, cp=1, dp=1, attention="ring", recompute=False, compile_=False, pp=1):
+    cfg = Config(run_dir=run_dir)
+    p = cfg.parallel
+    p.cp, p.dp, p.pp, p.cp_attention, p.timeout_s = cp, dp, pp, attention, 60
+    t = cfg.train
+    t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, t.seq_len = 2, BATCH, None, SEQ
+    t.max_steps, t.log_every, t.activation_checkpointing, t.compile = STEPS, 1, recompute, compile_
+    cfg.checkpoint.save_final = False
+    cfg.optim.lr, cfg.optim.warmup_steps = 1e-3, 5
+    cfg.model.n_layers = 2
+    m = cfg.model.moe
+    m.num_experts, m.top_k, m.expert_ffn_dim, m.num_shared_experts = EXPERTS, EXPERTS, 64, 1
+    m.aux_loss_coef, m.z_loss_coef = 0.1, 0.01
+    Trainer(validate(cfg), dims_for(dp=dp, cp=cp, pp=pp)).train()
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("moe-one-process")
+    run_ranks(_train, 1, str(run_dir), timeout=600)
+    return _rows(run_dir)
+
+
+LAYOUTS = {
+    # each cp rank routes its two chunks of every sequence: counts summed over cp, the losses'
+    # gradient started cp times larger (parallel/expert/tokens.py)
+    "cp2-ring": (2, dict(cp=2)),
+    "cp2-dp2-all_gather": (4, dict(cp=2, dp=2, attention="all_gather")),
+    # the sort, the grouped matmuls and the counts' all-reduce over cp run again in backward
+    "cp2-recompute": (2, dict(cp=2, recompute=True)),
+    # the blocks compiled; the experts and the losses' bookkeeping eager (model/moe.py)
+    "compile": (1, dict(compile_=True)),
+    # the first stage's blocks: their losses' gradient from the stage's own backward, and
+    # torch's shape-inference forward not counted (parallel/pipeline/schedule.py)
+    "pp2-1f1b": (2, dict(pp=2)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # compile: inductor on 2 loaded cores
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_moe_layout_matches_single_process(tmp_path, reference, name):
+    world, layout = LAYOUTS[name]
+    run_ranks(_train, world, str(tmp_path), *_args(layout), timeout=1200)
+    rows = _rows(tmp_path)
+    assert len(rows) == len(reference) == STEPS
+    worst = max(abs(r["loss"] - ref["loss"]) / ref["loss"] for r, ref in zip(rows, reference))
+    print(f"{name}: worst relative loss difference {worst:.1e}")
+    assert worst <= 1e-5
+    for row in rows:
+        for layer in range(2):
+            assert sum(row[f"moe_tokens/L{layer}/E{e}"] for e in range(EXPERTS)) == BATCH * SEQ * EXPERTS
+
+
+def _args(layout):
+    """``_train``'s positional arguments after the run dir (run_ranks passes no keywords)."""
+    return (layout.get("cp", 1), layout.get("dp", 1), layout.get("attention", "ring"),
+            layout.get("recompute", False), layout.get("compile_", False), layout.get("pp", 1))
