@@ -12,7 +12,7 @@ from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.memory.meter import SavedActivationMeter
 from trainer3d.memory.moe import (MoESizes, all_to_all_bytes, layout_model_state_bytes, moe_ffn_terms,
                                   stage_expert_mask)
-from trainer3d.memory.states import engine_model_state_bytes, stage_parameter_shapes
+from trainer3d.memory.states import engine_model_state_bytes, format_bytes, stage_parameter_shapes
 from trainer3d.model.moe import MoE
 from trainer3d.model.transformer import Transformer
 
@@ -106,3 +106,24 @@ def test_all_to_all_and_received_slots_by_hand():
     terms, worst = moe_ffn_terms(m, tokens, p, h), moe_ffn_terms(m, tokens, p, h, worst=True)
     assert worst["dispatched"] - terms["dispatched"] == (800 - 200) * p * h
     assert terms["experts"] == 2 * p * 200 * 8 + 8 * 2  # w1 x, w3 x; counts of the 2 local experts
+
+
+def test_dry_run_prints_the_dropless_worst_case_beside_the_balanced_charge_under_ep():
+    """tiny-moe (4 blocks, 4 experts, top-2, dim 64, expert width 128), dp=2, fp32, a micro-batch
+    of 2 x 32 tokens, ep = 2 set after validate() (which refuses ep until it is built): the
+    balanced charge is T k = 128 slots a block; the worst case 2 ranks x 64 tokens x min(2, 4/2)
+    = 256, each slot p (h + 2 f) bytes more in `dispatched` and `experts`."""
+    from tests.unit.test_presets import _training
+    from trainer3d.config.validate import validate
+    from trainer3d.memory.dry_run import moe_lines
+    from trainer3d.memory.peak import rank_memory
+
+    cfg = validate(_training(["model=tiny-moe", "parallel=dp2", "train.dtype=fp32", "train.micro_batch_size=2",
+                              "train.seq_len=32", "train.global_batch_size=8"]))
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=2))
+    mem = rank_memory(cfg, 0)
+    extra = 4 * (256 - 128) * 4 * (64 + 2 * 128)
+    lines = moe_lines(cfg, mem)
+    assert "balanced expectation" in lines[0] and "(2 per rank, ep=2)" in lines[0]
+    assert lines[1].endswith(f"+{format_bytes(extra)} on pp rank 0"), lines
+    assert mem.activations["layers.moe.dispatched"] == 4 * 128 * 4 * 64  # the balanced charge

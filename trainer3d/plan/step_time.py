@@ -244,16 +244,18 @@ def _dp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: Ran
     scatter = p.zero_stage == 1 and backend == "nccl"
     dense, experts = expert_gradient_bytes(cfg, pp_rank, grads)  # ep: experts over dp x cp / ep (plan/moe_cost.py)
     reduce = gather_s(dense, n, gbps, lat) if scatter else all_reduce_s(dense, n, gbps, lat)
+    e_n = n // p.ep  # the expert-data-parallel group: every ep-th member of dp x cp, tp x ep ranks apart
+    e_gbps = _link_gbps(device, p.tp * n, ranks_per_node, max(1, min(e_n, ranks_per_node // (p.tp * p.ep))))
     if experts:
-        e_n = n // p.ep  # the expert-data-parallel group: every ep-th member of dp x cp, tp x ep ranks apart
-        e_gbps = _link_gbps(device, p.tp * n, ranks_per_node, max(1, min(e_n, ranks_per_node // (p.tp * p.ep))))
         reduce += gather_s(experts, e_n, e_gbps, lat) if scatter else all_reduce_s(experts, e_n, e_gbps, lat)
     bucket_share = min(1.0, p.bucket_mb * 2 ** 20 / max(1, grads))
     last_bucket = reduce * bucket_share
     exposed = last_bucket + max(0.0, reduce - last_bucket - times.backward)
     hidden = reduce - exposed
     if p.zero_stage == 1:  # waited for bucket by bucket in the next first forward (parallel/zero/param_gather.py)
-        gather = gather_s(states.params, n, gbps, lat)
+        expert_params = experts // FP32 * BYTES[cfg.train.dtype]  # gathered over the expert-data-parallel group
+        gather = gather_s(states.params - expert_params, n, gbps, lat)
+        gather += gather_s(expert_params, e_n, e_gbps, lat) if experts else 0.0
         gather_exposed = gather * bucket_share + max(0.0, gather * (1 - bucket_share) - times.forward)
         exposed += gather_exposed
         hidden += gather - gather_exposed
