@@ -65,13 +65,13 @@ def test_the_masked_model_on_cuda_is_each_document_run_alone():
     torch.testing.assert_close(total, reference, rtol=1e-4, atol=0)
 
 
-def test_cp_document_masking_refuses_cuda_tensors():
-    """Under context parallelism the document-masked blocks run on CPU ranks only (their CUDA
-    kernels take no mask: trainer3d/parallel/context/documents.py); a rank that chose CUDA
-    itself (train.device=auto) is told so before any exchange, naming the knob."""
-    from trainer3d.parallel.context.attention import CPGroup, context_attention
+def test_cp_document_masked_blocks_on_cuda_equal_sdpa_with_the_mask():
+    """Under context parallelism a document-masked block runs the plain-torch kernel on the ranks'
+    device (trainer3d/parallel/context/documents.py): every rank of cp=2 simulated in this process
+    on the GPU, forward and backward, against SDPA on the whole sequence with the mask."""
+    from tests.support.cp_documents import cp_blocks_against_sdpa
 
-    q = torch.randn(1, 2, 8, 16, device="cuda")
-    cp = CPGroup(group=None, size=2, rank=0, mode="all_gather")
-    with pytest.raises(RuntimeError, match="parallel.cp=1"):
-        context_attention(q, q, q, cp, torch.zeros(1, 16, dtype=torch.int32, device="cuda"))
+    for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2)):
+        worst, computed = cp_blocks_against_sdpa(torch.device("cuda"), dtype)
+        assert worst < tol, (dtype, worst)
+        assert computed == {0: 4, 1: 5}, computed

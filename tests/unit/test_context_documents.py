@@ -1,12 +1,10 @@
 """Document masking under context parallelism, without ranks (trainer3d/parallel/context/documents.py):
 which chunk pairs a rank computes for known documents (a hand count), the merge of parts where
-a row saw nothing (log-sum-exp -inf) against softmax over the union of the keys, and the CUDA
-refusal's mechanism (a device, not a GPU)."""
+a row saw nothing (log-sum-exp -inf) against softmax over the union of the keys."""
 
-import pytest
 import torch
 
-from trainer3d.parallel.context.documents import Pair, causal_pairs, merge_documents_, pairs_to_compute, require_cpu
+from trainer3d.parallel.context.documents import Pair, causal_pairs, merge_documents_, pairs_to_compute
 
 
 def test_causal_pairs_of_cp2_by_hand():
@@ -49,7 +47,13 @@ def test_merge_of_parts_with_rows_that_saw_nothing():
     torch.testing.assert_close(acc_lse, torch.logsumexp(masked, -1), rtol=0, atol=1e-12)
 
 
-def test_cuda_refused_naming_the_knob():
-    require_cpu(torch.device("cpu"))
-    with pytest.raises(RuntimeError, match=r"data.document_mask=true with parallel.cp > 1 .* set parallel.cp=1"):
-        require_cpu(torch.device("cuda", 0))
+
+def test_every_rank_in_one_process_equals_sdpa_on_the_device_of_the_tensors():
+    """The path a CUDA rank takes too (tests/gpu/test_document_mask_gpu.py runs it on a GPU):
+    nothing in it is CPU-only."""
+    from tests.support.cp_documents import cp_blocks_against_sdpa
+
+    worst, computed = cp_blocks_against_sdpa(torch.device("cpu"), torch.float64)
+    assert worst < 1e-12 and computed == {0: 4, 1: 5}, (worst, computed)
+    worst, _ = cp_blocks_against_sdpa(torch.device("cpu"), torch.float32)
+    assert worst < 2e-5, worst

@@ -51,8 +51,6 @@ BAD = [
     (["parallel.cp=2", "parallel.tp=4", "parallel.dp=1", "parallel.sequence_parallel=true", "train.seq_len=36"],
      "18 tokens per cp rank is not divisible by parallel.tp=4"),
     (["parallel.cp_attention=ulysses"], "parallel.cp_attention=ulysses is not one of"),
-    (["data.document_mask=true", "parallel.cp=2", "parallel.dp=1", "train.device=cuda"],
-     "data.document_mask=true with parallel.cp=2 on CUDA"),
     (["launcher=slurm", "launcher.nodes=1", "launcher.tasks_per_node=2", "parallel.cp=2"],
      "but tp(1) * cp(2) * pp(1) * dp(2) = 4; set parallel.dp=1"),
     (["train.dtype=fp8"], "train.dtype=fp8 is not one of"),

@@ -246,7 +246,7 @@ class DataConfig:
     restart at each document (and at each window's start): boundaries from the token file's
     document index (<name>.docs, written by trainer3d-prepare-data), a Megatron dataset's .idx,
     or, for a token file without an index, its end-of-document id (docs/data.md). With
-    parallel.cp > 1 on CPU ranks only (docs/context_parallel.md)."""
+    parallel.cp > 1 each cp rank masks its blocks by the documents' ids (docs/context_parallel.md)."""
 
 
 @dataclass

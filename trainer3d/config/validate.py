@@ -336,10 +336,6 @@ def _check_data(cfg: Config, problems: List[str]) -> None:
                         "writes one) or data=chat_sample; the built-in corpus (data=stdlib) has none")
     if d.val_fraction > 0 and d.val_path:
         problems.append("data.val_fraction and data.val_path are both set; give one (or set data.val_fraction=0)")
-    if d.document_mask and cfg.parallel.cp > 1 and device_check.uses_cuda(cfg, cuda_visible=False):
-        problems.append(f"data.document_mask=true with parallel.cp={cfg.parallel.cp} on CUDA: context parallelism's "
-                        "fused CUDA kernels take no document mask (its masked blocks run on CPU ranks only); "
-                        "set parallel.cp=1 (tp, pp and dp take document masking on CUDA)")
     _check_eval(cfg, problems)
     _check_profile(cfg, problems)
     _check_step_lists(cfg, problems)

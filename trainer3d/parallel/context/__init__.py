@@ -18,7 +18,7 @@ load-balanced causal sharding — 2·cp chunks, rank i holds chunks i and 2·cp�
   send/recv (overlapped with the current block's compute), or all-gathered at once.
 - ``documents``: document masking (data.document_mask) across shards: which chunk pairs of a
   block any document spans (the others are skipped), their masked attention and a merge
-  that rows seeing nothing leave unchanged; CPU ranks only.
+  that rows seeing nothing leave unchanged (plain-torch kernels, on any device).
 - ``attention``: the exact causal attention across shards as one autograd Function (it
   saves q, k, v, the output and the log-sum-exp through ``ctx.save_for_backward``).
 - ``apply``: the wiring into the model (each block's attention core).

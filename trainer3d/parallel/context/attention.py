@@ -167,6 +167,4 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPG
                       ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The causal attention of this rank's queries over the whole sequence, q's layout; with
     ``ids`` (batch, whole window) document ids, within each document (CPU ranks: documents.py)."""
-    if ids is not None:
-        documents.require_cpu(q.device)
     return ContextAttentionFunction.apply(q, k, v, ids, cp, q.shape[-1] ** -0.5)

@@ -23,9 +23,11 @@ chunk). A query row that sees no key of a pair (its document starts after the ke
 gets out 0 and lse -inf from it, and ``merge_documents_`` gives such a part no weight (a
 plain log-sum-exp merge would compute exp(-inf - -inf), NaN, where nothing has been seen).
 
-CUDA: torch's fused kernels (fused.py) take only the causal flag, no per-element mask, so this
-path runs on CPU ranks only and a CUDA run is refused (trainer3d/config/validate.py before
-launch, ``require_cpu`` on a rank that chose CUDA itself).
+CUDA: torch's fused kernels (fused.py) take only the causal flag, no per-element mask, and
+FlexAttention's backward cannot start from the merged output and log-sum-exp the ring hands
+each block; so on CUDA too every computed pair runs the plain-torch kernel (torch ops on the
+ranks' device, a tile of rows at a time): exact, and slower than the fused kernels the
+unmasked ring uses (tests/gpu/test_document_mask_gpu.py holds it to SDPA on a GPU).
 """
 
 from dataclasses import dataclass
@@ -35,16 +37,6 @@ import torch
 
 from trainer3d.data.cp_sharding import chunks_of
 from trainer3d.parallel.context.kernels import math_backward, math_forward
-
-CUDA_REFUSAL = ("data.document_mask=true with parallel.cp > 1 runs on CPU ranks only: torch's fused CUDA "
-                "attention kernels take no document mask per block; on CUDA set parallel.cp=1 "
-                "(tp, pp and dp take document masking, FlexAttention on CUDA)")
-
-
-def require_cpu(device: torch.device) -> None:
-    if device.type == "cuda":
-        raise RuntimeError(CUDA_REFUSAL)
-
 
 @dataclass(frozen=True)
 class Pair:
