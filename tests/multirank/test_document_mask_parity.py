@@ -51,6 +51,7 @@ LAYOUTS = [
                  marks=pytest.mark.slow),
     pytest.param(("parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1", "train.activation_checkpointing=true"),
                  id="pp2-dp2-z1-recompute", marks=pytest.mark.slow),
+    pytest.param(("parallel.dp=2", "parallel.zero_stage=3"), id="dp2-z3", marks=pytest.mark.slow),
     # context parallelism (trainer3d/parallel/context/documents.py): each exchange, and beside dp
     pytest.param(("parallel.cp=2", "parallel.cp_attention=all_gather"), id="cp2-all_gather"),
     pytest.param(("parallel.cp=2",), id="cp2-ring", marks=pytest.mark.slow),
