@@ -31,9 +31,9 @@ def moe_problems(cfg: Config) -> List[str]:
     if t.dtype == "fp16":
         problems.append("model.moe with train.dtype=fp16 is not supported (the aux loss's gradient does not "
                         "follow the dynamic loss scale); use train.dtype=bf16 or fp32")
+    problems += expert_parallel_problems(cfg)
     unsupported = [(p.pp > 1, f"parallel.pp={p.pp}", "parallel.pp=1"),
                    (p.cp > 1, f"parallel.cp={p.cp}", "parallel.cp=1"),
-                   (p.ep > 1, f"parallel.ep={p.ep}", "parallel.ep=1"),
                    (p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage=0 or 1"),
                    (p.offload_optimizer, "parallel.offload_optimizer=true", "parallel.offload_optimizer=false"),
                    (t.activation_checkpointing, "train.activation_checkpointing=true",
@@ -43,4 +43,33 @@ def moe_problems(cfg: Config) -> List[str]:
         if refused:
             problems.append(f"model.moe (num_experts={moe.num_experts}) does not run with {knob} yet "
                             f"(docs/moe.md); set {fix}")
+    return problems
+
+
+def expert_parallel_problems(cfg: Config) -> List[str]:
+    """``parallel.ep`` > 1 (parallel/expert/): ep ranks out of dp x cp, each holding an equal
+    share of the experts, under the optimizers that keep expert parameters over their own group."""
+    moe, p = cfg.model.moe, cfg.parallel
+    if p.ep == 1:
+        return []
+    if p.ep < 1:
+        return [f"parallel.ep={p.ep} must be >= 1; set parallel.ep=1 for no expert parallelism"]
+    problems = []
+    dp_cp = p.dp * p.cp
+    if dp_cp % p.ep:
+        fits = [d for d in range(1, dp_cp + 1) if dp_cp % d == 0 and moe.num_experts % d == 0]
+        problems.append(f"parallel.ep={p.ep} does not divide parallel.dp x parallel.cp = {p.dp} x {p.cp} = {dp_cp} "
+                        f"(ep ranks are carved out of the data-parallel group); set parallel.ep to one of {fits} "
+                        "or raise parallel.dp")
+    if moe.num_experts % p.ep:
+        problems.append(f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.ep={p.ep} "
+                        "(each ep rank holds an equal share of the experts); choose an ep that divides it")
+    refused = [(p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage=0 or 1"),
+               (p.offload_optimizer, "parallel.offload_optimizer=true", "parallel.offload_optimizer=false"),
+               (cfg.optim.name == "muon", "optim.name=muon", "optim.name=adamw")]
+    for bad, knob, fix in refused:
+        if bad:
+            problems.append(f"parallel.ep={p.ep} does not run with {knob} (expert parameters keep their own "
+                            f"expert-dp group, which only ZeRO 0/1 with AdamW on the device follows: docs/moe.md); "
+                            f"set {fix} or parallel.ep=1")
     return problems
