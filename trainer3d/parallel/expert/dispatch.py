@@ -94,12 +94,22 @@ class ExpertParallelExperts(nn.Module):
         super().__init__()
         num, dim, ffn = experts.w1.shape[0], experts.w1.shape[1], experts.w1.shape[2]
         self.num_experts, self.ep, self.group = num, dims.ep, dims.ep_group
-        local = num // dims.ep
-        like = experts.w1
+        self.shard = TPShard(dim=0, rank=dims.ep_rank, size=dims.ep, full=num, expert=True)
+        local, like = num // dims.ep, experts.w1
         for name, shape in (("w1", (local, dim, ffn)), ("w3", (local, dim, ffn)), ("w2", (local, ffn, dim))):
-            param = nn.Parameter(torch.empty(shape, device=like.device, dtype=like.dtype))
-            param.tp_shard = TPShard(dim=0, rank=dims.ep_rank, size=dims.ep, full=num, expert=True)
-            setattr(self, name, param)
+            setattr(self, name, nn.Parameter(torch.empty(shape, device=like.device, dtype=like.dtype)))
+        self._mark()
+
+    def _mark(self) -> None:
+        for param in (self.w1, self.w3, self.w2):
+            param.tp_shard = self.shard
+
+    def _apply(self, fn, recurse=True):
+        # Module.to_empty (meta -> a device) replaces each Parameter object, dropping its
+        # attributes: the marks go back on after every conversion (as parallel/tensor/layers.py's)
+        super()._apply(fn, recurse)
+        self._mark()
+        return self
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (tokens, dim) sorted by expert, ``counts[e]`` of them for expert e of all E."""
