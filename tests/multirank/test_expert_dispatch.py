@@ -10,7 +10,6 @@ in tests/unit/test_moe.py). The saved tensors are the permutation only, seen by
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.support.harness import run_ranks
 from trainer3d.model.experts import grouped_swiglu

@@ -13,7 +13,9 @@ weights' update would be ep times too large or too small.
 import pytest
 
 from tests.multirank.test_moe_parity import MOE, check_metrics
-from tests.support.runs import PARITY, assert_parity, losses_in_ranks, read_metrics, reference_dir, reference_losses
+from tests.support.runs import (PARITY, assert_parity, losses_in_ranks, read_metrics, reference_dir, reference_losses,
+                                train_in_ranks)
+from trainer3d.checkpoint import store
 
 
 def _check(tmp_path, session_tmp, layout):
@@ -47,3 +49,28 @@ def test_tp2_dp2_ep2_sp_matches_single_process(tmp_path, session_tmp):
     group; the expert gradients are summed over tp after the expert-dp reduction."""
     _check(tmp_path, session_tmp, ["parallel.tp=2", "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1",
                                    "parallel.sequence_parallel=true"])
+
+
+@pytest.mark.slow
+def test_checkpoint_reshards_ep2_to_one_rank_and_back(tmp_path, session_tmp):
+    """dp2 ep2 (ZeRO-1) saves at step 5; one process resumes it (every expert whole) and saves at
+    10; dp2 ep2 resumes that to step 20: each link's losses those of the uninterrupted 1-rank run
+    (a misplaced expert slice or its AdamW moments would move the next step's loss by far more)."""
+    ref = reference_losses(session_tmp, [*PARITY, *MOE])
+    ep2 = ("parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1")
+    chain = [(ep2, None, 6), ((), 5, 11), (ep2, 10, 20)]
+    previous = None
+    for i, (layout, start, stop) in enumerate(chain):
+        run = tmp_path / f"run{i}"
+        resume = [f"train.resume={store.step_dir(previous / 'checkpoints', start)}"] if start else []
+        stdout = train_in_ranks(run, [*PARITY, *MOE, "parallel=single", *layout, "checkpoint.every=5",
+                                      "optim.decay_steps=15", f"train.max_steps={stop}", *resume])
+        rows = read_metrics(run)
+        first = start or 0
+        assert [r["step"] for r in rows] == list(range(first, stop))
+        if start:
+            assert "layout changed since the checkpoint" in stdout
+        got = [r["loss"] for r in rows]
+        worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref[first:stop]))
+        assert worst <= 1e-5, (i, worst, got, ref[first:stop])
+        previous = run
