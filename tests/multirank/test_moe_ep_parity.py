@@ -66,9 +66,9 @@ def test_checkpoint_reshards_ep2_to_one_rank_and_back(tmp_path, session_tmp):
     (a misplaced expert slice or its AdamW moments would move the next step's loss by far more)."""
     ref = reference_losses(session_tmp, [*PARITY, *MOE])
     ep2 = ("parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1")
-    chain = [(ep2, None, 6), ((), 5, 11), (ep2, 10, 20)]
+    chain = [(ep2, None, 6, None), ((), 5, 11, "ep 2 -> None"), (ep2, 10, 20, "ep None -> 2")]
     previous = None
-    for i, (layout, start, stop) in enumerate(chain):
+    for i, (layout, start, stop, change) in enumerate(chain):
         run = tmp_path / f"run{i}"
         resume = [f"train.resume={store.step_dir(previous / 'checkpoints', start)}"] if start else []
         stdout = train_in_ranks(run, [*PARITY, *MOE, "parallel=single", *layout, "checkpoint.every=5",
@@ -77,7 +77,7 @@ def test_checkpoint_reshards_ep2_to_one_rank_and_back(tmp_path, session_tmp):
         first = start or 0
         assert [r["step"] for r in rows] == list(range(first, stop))
         if start:
-            assert "layout changed since the checkpoint" in stdout
+            assert "layout changed since the checkpoint" in stdout and change in stdout
         got = [r["loss"] for r in rows]
         worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref[first:stop]))
         assert worst <= 1e-5, (i, worst, got, ref[first:stop])
