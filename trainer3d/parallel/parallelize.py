@@ -123,7 +123,7 @@ def build_optimizer(chunks: List[nn.Module], cfg: Config, dims: ParallelDims) ->
         # validate() refuses these with the reason (config/validate_optim.py); a caller that
         # skipped it gets no AdamW in Muon's place
         raise ValueError("optim.name=muon runs on parallel.zero_stage 0/1 without offload_optimizer")
-    if dims.ep > 1:
+    if dims.topo.ep > 1:
         if stage >= 2 or cfg.parallel.offload_optimizer or cfg.optim.name == "muon":
             # validate() refuses these with the reason (config/validate_moe.py)
             raise ValueError("parallel.ep > 1 runs on parallel.zero_stage 0/1 with AdamW, without offload_optimizer")

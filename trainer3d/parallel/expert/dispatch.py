@@ -127,7 +127,7 @@ class ExpertParallelExperts(nn.Module):
 def apply_expert_parallel(chunks: List[nn.Module], dims: ParallelDims) -> None:
     """Give every MoE block of ``chunks`` (on the meta device, before materialisation) this
     rank's slice of its experts and the all-to-all around them; nothing when ep == 1."""
-    if dims.ep == 1:
+    if dims.topo.ep == 1:
         return
     for block in moe_blocks(chunks):
         block.experts = ExpertParallelExperts(block.experts, dims)
