@@ -310,6 +310,7 @@ class Checkpointer:
             self._abandon_newer(choice)
         if not same_world:
             saved, now = choice.info.get("layout", {}), layout_of(self.cfg)
-            changes = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v)
+            changes = ", ".join(f"{k} {saved.get(k)} -> {now.get(k)}" for k in {**saved, **now}
+                                if saved.get(k) != now.get(k))
             self._say(f"layout changed since the checkpoint: {changes} (state resharded on load)")
         return choice.step

@@ -44,6 +44,8 @@ def layout_of(cfg: Config) -> dict:
     layout = {"world_size": world_size_of(cfg), **{k: getattr(p, k) for k in LAYOUT_KEYS}}
     if p.zero_stage >= 2 and p.dp_shard not in (None, p.dp):  # HSDP only: full sharding's marker unchanged
         layout["dp_shard"] = p.dp_shard
+    if p.ep > 1:  # expert parallelism only: a marker without experts split stays as it was
+        layout["ep"] = p.ep
     return layout
 
 

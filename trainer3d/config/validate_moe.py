@@ -25,11 +25,40 @@ def moe_problems(cfg: Config) -> List[str]:
                         f"model.n_layers={m.n_layers}; lower it, or set model.moe.num_experts=0 for a dense model")
     # model.init_from: the experts come from a MixtralForCausalLM directory, whose config.json sets
     # model.moe (trainer3d/hf/check.py apply_init_from; a Llama's sets num_experts=0).
-    unsupported = [(p.ep > 1, f"parallel.ep={p.ep}", "parallel.ep=1"),
-                   (p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage=0 or 1"),
+    problems += expert_parallel_problems(cfg)
+    unsupported = [(p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage=0 or 1"),
                    (p.offload_optimizer, "parallel.offload_optimizer=true", "parallel.offload_optimizer=false")]
     for refused, knob, fix in unsupported:
         if refused:
             problems.append(f"model.moe (num_experts={moe.num_experts}) does not run with {knob} yet "
                             f"(docs/moe.md); set {fix}")
+    return problems
+
+
+def expert_parallel_problems(cfg: Config) -> List[str]:
+    """``parallel.ep`` > 1 (parallel/expert/): ep ranks out of dp x cp, each holding an equal
+    share of the experts, under the optimizers that keep expert parameters over their own group."""
+    moe, p = cfg.model.moe, cfg.parallel
+    if p.ep == 1:
+        return []
+    if p.ep < 1:
+        return [f"parallel.ep={p.ep} must be >= 1; set parallel.ep=1 for no expert parallelism"]
+    problems = []
+    dp_cp = p.dp * p.cp
+    if dp_cp % p.ep:
+        fits = [d for d in range(1, dp_cp + 1) if dp_cp % d == 0 and moe.num_experts % d == 0]
+        problems.append(f"parallel.ep={p.ep} does not divide parallel.dp x parallel.cp = {p.dp} x {p.cp} = {dp_cp} "
+                        f"(ep ranks are carved out of the data-parallel group); set parallel.ep to one of {fits} "
+                        "or raise parallel.dp")
+    if moe.num_experts % p.ep:
+        problems.append(f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.ep={p.ep} "
+                        "(each ep rank holds an equal share of the experts); choose an ep that divides it")
+    refused = [(p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage=0 or 1"),
+               (p.offload_optimizer, "parallel.offload_optimizer=true", "parallel.offload_optimizer=false"),
+               (cfg.optim.name == "muon", "optim.name=muon", "optim.name=adamw")]
+    for bad, knob, fix in refused:
+        if bad:
+            problems.append(f"parallel.ep={p.ep} does not run with {knob} (expert parameters keep their own "
+                            f"expert-dp group, which only ZeRO 0/1 with AdamW on the device follows: docs/moe.md); "
+                            f"set {fix} or parallel.ep=1")
     return problems

@@ -40,12 +40,15 @@ _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped
 @dataclass(frozen=True)
 class TPShard:
     """This parameter holds slice ``rank`` of ``size`` equal slices along ``dim`` of a
-    tensor whose logical length along ``dim`` is ``full`` (before padding to size * local)."""
+    tensor whose logical length along ``dim`` is ``full`` (before padding to size * local).
+    ``expert``: the slice is an ep rank's experts (dim 0 of an MoE block's expert weights,
+    parallel/expert/dispatch.py), replicated over tp rather than split over it."""
 
     dim: int
     rank: int
     size: int
     full: int
+    expert: bool = False
 
     def bounds(self) -> Tuple[int, int, int]:
         """(start, stop, padding): this rank holds [start, stop) of the full tensor along
@@ -63,6 +66,18 @@ def mark_tp_shard(param: nn.Parameter, dim: int, rank: int, size: int, full: int
 
 def tp_shard_of(param: torch.Tensor) -> Optional[TPShard]:
     return getattr(param, "tp_shard", None)
+
+
+def split_over_tp(param: torch.Tensor) -> bool:
+    """Whether tp ranks hold different parts of ``param`` (an expert slice is the same on every tp rank)."""
+    shard = tp_shard_of(param)
+    return shard is not None and not shard.expert
+
+
+def is_expert_shard(param: torch.Tensor) -> bool:
+    """Whether ``param`` is one ep rank's slice of an MoE block's experts."""
+    shard = tp_shard_of(param)
+    return shard is not None and shard.expert
 
 
 def full_shape(local_shape: Sequence[int], shard: Optional[TPShard]) -> Tuple[int, ...]:

@@ -3,7 +3,8 @@
 Each optimizer wrapper knows which gradient elements this rank must count so that every
 element of the full model's gradient is counted exactly once over the world (a TP-
 replicated norm weight on tp rank 0 only; a gradient replicated over dp on one dp rank or
-its owning ZeRO shard). The sum of squares is reduced once over the default group; the
+its owning ZeRO shard; an expert-parallel slice of experts on one rank of its expert-dp group
+or its owning shard there: parallel/expert/optimizer.py). The sum of squares is reduced once over the default group; the
 clip coefficient stays a device tensor, so there is no host sync in the step.
 """
 
@@ -12,14 +13,15 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from trainer3d.model.init import tp_shard_of
+from trainer3d.model.init import split_over_tp
 from trainer3d.parallel import comm
 from trainer3d.parallel.topology import ParallelDims
 
 
 def counted_once_over_tp(param: torch.Tensor, dims: ParallelDims) -> bool:
-    """TP shards are distinct on every tp rank; replicated parameters are counted on tp rank 0."""
-    return tp_shard_of(param) is not None or dims.tp_rank == 0
+    """TP shards are distinct on every tp rank; replicated parameters (an ep rank's experts
+    among them: whole on every tp rank) are counted on tp rank 0."""
+    return split_over_tp(param) or dims.tp_rank == 0
 
 
 def sum_of_squares(tensors: List[torch.Tensor], device: torch.device) -> torch.Tensor:

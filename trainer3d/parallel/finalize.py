@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer3d.model.init import tp_shard_of
+from trainer3d.model.init import split_over_tp
 from trainer3d.parallel.tied import TiedEmbedding
 from trainer3d.parallel.topology import ParallelDims
 from trainer3d.parallel.zero.optimizer import ZeroOptimizer
@@ -32,10 +32,11 @@ class GradFinalizer:
                  sequence_parallel: bool):
         self.optimizer, self.dims = optimizer, dims
         # Under sequence parallelism every tp-replicated parameter (the norms) lives in a
-        # sequence-sharded region: each tp rank's gradient covers only its tokens.
+        # sequence-sharded region: each tp rank's gradient covers only its tokens (an ep rank's
+        # experts too: whole on every tp rank, fed by that tp rank's tokens).
         self.replicated: List[nn.Parameter] = []
         if sequence_parallel and dims.tp > 1:
-            self.replicated = [p for p in optimizer.parameters() if tp_shard_of(p) is None]
+            self.replicated = [p for p in optimizer.parameters() if not split_over_tp(p)]
         self.tied: Optional[TiedEmbedding] = TiedEmbedding.find(chunks, optimizer, dims)
 
     def finalize(self) -> None:

@@ -4,6 +4,8 @@
 1. build the full model on the meta device (no memory);
 2. pipeline: keep only this rank's stage(s) (parallel/pipeline/stages.py);
 3. tensor parallel: swap Linear/Embedding layers for sharded ones (parallel/tensor/layers.py);
+   expert parallel: each MoE block keeps this rank's slice of its experts, fed by all-to-all
+   (parallel/expert/dispatch.py);
 4. cast to the dtype the parameters are stored in (still on meta, so nothing is held in a
    wider dtype first: ``train.dtype``, or fp32 under FSDP, whose parameters are the master
    weights — optim/mixed_precision.py), materialise on this rank's device and fill from the
@@ -22,7 +24,7 @@
 8. torch.compile of each transformer block, if asked (parallel/compile.py).
 ``build_optimizer`` then wraps the chunks in the data-parallel optimizer (ZeRO stages 0/1:
 parallel/zero/flat.py, 2/3: parallel/zero/fsdp.py; offloaded: parallel/zero/offload.py,
-parallel/zero/fsdp_offload.py).
+parallel/zero/fsdp_offload.py; expert parallel: parallel/expert/optimizer.py).
 """
 
 from typing import Callable, List, Optional
@@ -38,6 +40,8 @@ from trainer3d.model.transformer import Transformer
 from trainer3d.model.documents import apply_document_mask
 from trainer3d.parallel.compile import compile_blocks
 from trainer3d.parallel.context.apply import apply_context_parallel
+from trainer3d.parallel.expert.dispatch import apply_expert_parallel
+from trainer3d.parallel.expert.optimizer import ExpertParallelOptimizer
 from trainer3d.parallel.zero.fsdp import FSDPOptimizer, shard_and_materialise
 from trainer3d.parallel.zero.optimizer import ZeroOptimizer
 from trainer3d.optim.mixed_precision import param_dtype
@@ -62,6 +66,7 @@ def build_meta_chunks(cfg: Config, dims: ParallelDims) -> List[nn.Module]:
     if dims.tp > 1:
         for chunk in chunks:
             apply_tensor_parallel(chunk, cfg, dims)
+    apply_expert_parallel(chunks, dims)
     return chunks
 
 
@@ -121,6 +126,11 @@ def build_optimizer(chunks: List[nn.Module], cfg: Config, dims: ParallelDims) ->
         # validate() refuses these with the reason (config/validate_optim.py); a caller that
         # skipped it gets no AdamW in Muon's place
         raise ValueError("optim.name=muon runs on parallel.zero_stage 0/1 without offload_optimizer")
+    if dims.topo.ep > 1:
+        if stage >= 2 or cfg.parallel.offload_optimizer or cfg.optim.name == "muon":
+            # validate() refuses these with the reason (config/validate_moe.py)
+            raise ValueError("parallel.ep > 1 runs on parallel.zero_stage 0/1 with AdamW, without offload_optimizer")
+        return ExpertParallelOptimizer(chunks, cfg, dims, sharded=stage == 1)
     if cfg.parallel.offload_optimizer and stage < 2:
         return OffloadedOptimizer(chunks, cfg, dims, sharded=stage == 1)
     if stage == 0:

@@ -48,6 +48,18 @@ a node where it fits. With 8 ranks, tp=2, dp=4, S=2 (pp=cp=1)::
 
     shard groups (4): [0,2] [1,3] [4,6] [5,7]
     replicate groups (4): [0,4] [1,5] [2,6] [3,7]
+
+Expert parallelism (``ep`` > 1, MoE models) carves the dp x cp group as Megatron-Core's
+expert-data-parallel scheme does (megatron/core/parallel_state.py, the expert groups): an ep
+group is ``ep`` neighbouring members of a dp x cp group (place ``dp_cp_rank`` in it, cp
+fastest), each holding num_experts / ep of every MoE block's routed experts; the expert-dp
+group joins the members at the same place of every ep group, which hold the same experts and
+reduce (and ZeRO-shard) their gradients. With 8 ranks, tp=2, dp=4, ep=2 (pp=cp=1)::
+
+    dp 0: [g0 g1]  dp 1: [g2 g3]  dp 2: [g4 g5]  dp 3: [g6 g7]
+
+    ep groups (4): [0,2] [1,3] [4,6] [5,7]
+    expert-dp groups (4): [0,4] [1,5] [2,6] [3,7]
 """
 
 import functools
@@ -78,6 +90,8 @@ class Topology:
     cp: int = 1
     dp_shard: Optional[int] = None
     """HSDP: FSDP2 shards over this many neighbouring dp ranks (None: all of dp)."""
+    ep: int = 1
+    """Expert parallelism: MoE experts split over this many neighbouring dp x cp ranks."""
 
     def __post_init__(self):
         for name in DIMS:
@@ -85,6 +99,8 @@ class Topology:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.dp_shard is not None and (self.dp_shard < 1 or self.dp % self.dp_shard):
             raise ValueError(f"dp_shard={self.dp_shard} must divide dp={self.dp}")
+        if self.ep < 1 or (self.dp * self.cp) % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp x cp = {self.dp * self.cp}")
 
     @classmethod
     def of(cls, parallel) -> "Topology":
@@ -92,7 +108,7 @@ class Topology:
         dp_shard only counts for FSDP2 (zero_stage 2/3), which validation enforces."""
         hsdp = parallel.zero_stage >= 2 and parallel.dp_shard not in (None, parallel.dp)
         return cls(tp=parallel.tp, pp=parallel.pp, dp=parallel.dp, cp=parallel.cp,
-                   dp_shard=parallel.dp_shard if hsdp else None)
+                   dp_shard=parallel.dp_shard if hsdp else None, ep=parallel.ep)
 
     @property
     def shard(self) -> int:
@@ -112,6 +128,20 @@ class Topology:
         """HSDP's replicate groups: one member of each replica, at the same place in it."""
         return [[self.rank(pp, r * self.shard + s, c, t) for r in range(self.dp // self.shard)]
                 for pp in range(self.pp) for s in range(self.shard) for c in range(self.cp) for t in range(self.tp)]
+
+    def _dp_cp_member(self, pp: int, i: int, tp: int) -> int:
+        """The rank at place ``i`` (cp fastest) of the dp x cp group of (pp, tp)."""
+        return self.rank(pp, i // self.cp, i % self.cp, tp)
+
+    def expert_groups(self) -> List[List[int]]:
+        """The ep groups: ``ep`` neighbouring members of each dp x cp group."""
+        return [[self._dp_cp_member(pp, g * self.ep + e, t) for e in range(self.ep)]
+                for pp in range(self.pp) for g in range(self.dp * self.cp // self.ep) for t in range(self.tp)]
+
+    def expert_dp_groups(self) -> List[List[int]]:
+        """The expert-dp groups: the member at one place of every ep group (the same experts)."""
+        return [[self._dp_cp_member(pp, g * self.ep + e, t) for g in range(self.dp * self.cp // self.ep)]
+                for pp in range(self.pp) for e in range(self.ep) for t in range(self.tp)]
 
     @property
     def world_size(self) -> int:
@@ -192,6 +222,10 @@ class ParallelDims:
     """The ranks gradients are averaged over, and ZeRO shards over: dp x cp (the dp group when cp == 1)."""
     hsdp_mesh: Optional[DeviceMesh] = None
     """HSDP's 2-D (replicate, shard) mesh over dp x cp; None without HSDP."""
+    ep_group: Optional[dist.ProcessGroup] = None
+    """The ranks this rank's MoE tokens are dispatched over (parallel/expert/); None when ep == 1."""
+    expert_dp_group: Optional[dist.ProcessGroup] = None
+    """The ranks holding this rank's experts, over which their gradients are reduced; None when ep == 1."""
 
     @classmethod
     def build(cls, topo: Topology, device: torch.device, tied_embeddings: bool = False,
@@ -224,6 +258,9 @@ class ParallelDims:
             dims.hsdp_mesh = flat._unflatten(0, (topo.dp // topo.shard, topo.shard * topo.cp),
                                              ("dp_replicate", shard_name))
             set_timeout([dims.hsdp_mesh[name].get_group() for name in ("dp_replicate", shard_name)], timeout_s)
+        if topo.ep > 1:
+            dims.ep_group = _my_group(topo.expert_groups(), dims.rank, timeout_s)
+            dims.expert_dp_group = _my_group(topo.expert_dp_groups(), dims.rank, timeout_s)
         if tied_embeddings and topo.pp > 1:
             dims.embedding_group = _my_group(topo.embedding_groups(), dims.rank, timeout_s)
             dims.embedding_dp_group = _my_group(topo.embedding_dp_groups(), dims.rank, timeout_s)
@@ -232,7 +269,7 @@ class ParallelDims:
     def groups(self) -> List[dist.ProcessGroup]:
         """Every group this rank's step communicates over, the default group included."""
         own = [self.tp_group, self.dp_group, self.pp_group, self.embedding_group, self.embedding_dp_group,
-               *((self.cp_group, self.dp_cp_group) if self.cp > 1 else ())]
+               *((self.cp_group, self.dp_cp_group) if self.cp > 1 else ()), self.ep_group, self.expert_dp_group]
         if self.hsdp_mesh is not None:
             own += [self.hsdp_mesh.get_group(0), self.hsdp_mesh.get_group(1)]
         return [dist.distributed_c10d._get_default_group()] + [g for g in own if g is not None]
@@ -254,6 +291,11 @@ class ParallelDims:
     # dp x cp, cp fastest, the order of the flattened ("dp", "cp") mesh.
     dp_cp = property(lambda self: self.topo.dp * self.topo.cp)
     dp_cp_rank = property(lambda self: self.coords.dp * self.topo.cp + self.coords.cp)
+    # Expert parallelism: dp_cp_rank = expert_dp_rank * ep + ep_rank.
+    ep = property(lambda self: self.topo.ep)
+    ep_rank = property(lambda self: self.dp_cp_rank % self.topo.ep)
+    expert_dp = property(lambda self: self.topo.dp * self.topo.cp // self.topo.ep)
+    expert_dp_rank = property(lambda self: self.dp_cp_rank // self.topo.ep)
 
     # FSDP2's shard group (dp_shard x cp under HSDP, else dp x cp) and this rank's place in it:
     # dp_cp_rank = replica * zero_shards + zero_shard_rank.

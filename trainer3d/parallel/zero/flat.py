@@ -23,9 +23,11 @@ Stages 0-3 implement the optimizer contract of parallel/zero/optimizer.py, the o
 checkpoints and metrics reach them.
 """
 
-from typing import Dict, List, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from trainer3d.config.schema import Config
@@ -57,32 +59,50 @@ def reduce_mode(cfg: Config, dp: comm.Collectives) -> str:
     return mode
 
 
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """The ranks holding the same parameters, whose gradients are averaged over it and whose
+    state ZeRO-1 shards over it: dp x cp for every parameter but expert-parallel experts,
+    which have the expert-dp group (parallel/expert/optimizer.py)."""
+
+    group: Optional[dist.ProcessGroup]
+    size: int
+    rank: int
+
+    @classmethod
+    def dp_cp(cls, dims: ParallelDims) -> "ReplicaGroup":
+        return cls(dims.dp_cp_group, dims.dp_cp, dims.dp_cp_rank)
+
+
 class FlatZeroOptimizer(ZeroOptimizer):
     """ZeRO stage 0 (``sharded=False``) or stage 1 (``sharded=True``) over flat buffers.
 
     ``overlap_gather``: stage 1 waits for each bucket's parameter all-gather in the next
     forward (param_gather.py) rather than at the end of ``step()``; off only to measure
-    what the overlap hides (tools/bench/zero.py).
+    what the overlap hides (tools/bench/zero.py). ``trains``: which of the chunks' parameters
+    it holds (all by default); ``replicas``: the group they are replicated over (dp x cp).
     """
 
     def __init__(self, chunks: List[nn.Module], cfg: Config, dims: ParallelDims, sharded: bool,
-                 overlap_gather: bool = True):
+                 overlap_gather: bool = True, trains: Optional[Callable[[nn.Parameter], bool]] = None,
+                 replicas: Optional[ReplicaGroup] = None):
         self.cfg, self.dims, self.sharded = cfg, dims, sharded
         self.shards_state = sharded
-        named = [(canonical_name(n), p) for chunk in chunks for n, p in chunk.named_parameters() if p.requires_grad]
+        self.replicas = rep = replicas or ReplicaGroup.dp_cp(dims)
+        named = [(canonical_name(n), p) for chunk in chunks for n, p in chunk.named_parameters()
+                 if p.requires_grad and (trains is None or trains(p))]
         self.names: Dict[nn.Parameter, str] = {p: n for n, p in named}
         dtype = DTYPES[cfg.train.dtype]
-        self.buffers = FlatBuffers([p for _, p in named], bucket_numel(cfg), dims.dp_cp if sharded else 1, dtype)
+        self.buffers = FlatBuffers([p for _, p in named], bucket_numel(cfg), rep.size if sharded else 1, dtype)
         # the buckets' collectives over dp, and the gradient norm's sum over the world (the dp
         # group's where that is the world), each built once (comm.collectives)
         largest = max(b.numel for b in self.buffers.buckets)
-        self.dp = (comm.collectives(dims.dp_cp_group, dims.device, largest) if dims.dp_cp > 1
-                   else comm.GroupCollectives(dims.dp_cp_group))
-        self.world = (self.dp if dims.dp_cp == dims.topo.world_size else
+        self.dp = (comm.collectives(rep.group, dims.device, largest) if rep.size > 1
+                   else comm.GroupCollectives(rep.group))
+        self.world = (self.dp if rep.size == dims.topo.world_size else
                       comm.collectives(None, dims.device, 64) if dims.topo.world_size > 1 else comm.GroupCollectives())
         mode = reduce_mode(cfg, self.dp) if sharded else "all_reduce"
-        self.reducer = GradReducer(self.buffers, self.dp, dims.dp_cp, dims.dp_cp_rank,
-                                   cfg.train.grad_accum_steps, mode)
+        self.reducer = GradReducer(self.buffers, self.dp, rep.size, rep.rank, cfg.train.grad_accum_steps, mode)
         # bf16/fp16: the linear layers' backward accumulates into the fp32 buffer (wgrad.py)
         self.wgrad_sink = low_precision_sink(self.buffers.params, self.buffers.grad_view, dtype)
         self.pieces = self._owned_pieces()
@@ -95,18 +115,18 @@ class FlatZeroOptimizer(ZeroOptimizer):
         self._owned_grads = [self.buffers.grad_buffer[lo:hi] for lo, hi in self.pieces]
         # Each gradient element counted once over the world: ZeRO-1 owners count their slices;
         # stage 0's replicas are identical, so dp rank 0 counts for all of them.
-        counts_here = sharded or dims.dp_cp_rank == 0
+        counts_here = sharded or rep.rank == 0
         self._counted = [g for s, g in zip(segments, self.adam.grad_views)
                          if counts_here and counted_once_over_tp(s.param, dims) and not is_tied_copy(s.name, dims)]
         self.deferred = None
-        if sharded and dims.dp_cp > 1 and overlap_gather:
+        if sharded and rep.size > 1 and overlap_gather:
             self.deferred = DeferredGather(chunks, {p: b.index for b in self.buffers.buckets for p in b.params})
 
     def _make_adam(self, segments: List[Segment], owned_numel: int):
         """The AdamW state of the owned pieces, on the device (parallel/zero/offload.py: on the host);
         with ``optim.name=muon``, Muon's for the blocks' matrices and AdamW's for the rest (muon.py)."""
         if self.cfg.optim.name == "muon":
-            dp = self.dp if self.sharded and self.dims.dp_cp > 1 else None
+            dp = self.dp if self.sharded and self.replicas.size > 1 else None
             return FlatMuonAdamW(segments, self.buffers, self.cfg, dp, self.pieces, self.dims.tp_group, self.names,
                                  self.dims.dp_cp_group)
         return FlatAdamW(segments, owned_numel, self.buffers.param_buffer, self.buffers.grad_buffer, self.cfg.optim)
@@ -116,8 +136,8 @@ class FlatZeroOptimizer(ZeroOptimizer):
             return [(0, self.buffers.numel)]
         out = []
         for b in self.buffers.buckets:
-            size = b.numel // self.dims.dp_cp
-            lo = b.start + self.dims.dp_cp_rank * size
+            size = b.numel // self.replicas.size
+            lo = b.start + self.replicas.rank * size
             out.append((lo, lo + size))
         return out
 
@@ -148,9 +168,16 @@ class FlatZeroOptimizer(ZeroOptimizer):
         (stage 0: all of it) holds the dp-averaged gradient, and the step reads it there."""
         return self.buffers.grad_view(param)
 
+    def local_sum_of_squares(self) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm (each element counted once over the world)."""
+        return sum_of_squares(self._counted, self.dims.device)
+
+    def owned_grads(self) -> List[torch.Tensor]:
+        """The gradient pieces this rank updates from (what clipping scales)."""
+        return self._owned_grads
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        local_sq = sum_of_squares(self._counted, self.dims.device)
-        norm = clip_by_global_norm_(local_sq, self._owned_grads, max_norm, self.world)
+        norm = clip_by_global_norm_(self.local_sum_of_squares(), self._owned_grads, max_norm, self.world)
         if self.scaler is not None:
             self.scaler.check(norm)  # an inf/nan anywhere makes the global norm non-finite
         return norm
@@ -168,7 +195,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
         """Stage 1: every bucket's parameters from their owners, in place in the flat buffer,
         launched in forward order (the embedding's bucket, laid out last, first); ``defer``:
         waited for where they are read (param_gather.py), else now."""
-        if not self.sharded or self.dims.dp_cp == 1:
+        if not self.sharded or self.replicas.size == 1:
             return
         flat, works = self.buffers.param_buffer, {}
         for b, (lo, hi) in reversed(list(zip(self.buffers.buckets, self.pieces))):

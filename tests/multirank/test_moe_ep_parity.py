@@ -1,0 +1,84 @@
+"""Expert parallelism trains the same MoE model as one process (docs/moe.md, "Expert parallelism").
+
+The tiny MoE of test_moe_parity.py (4 experts, all active, a shared expert, strong aux and z
+losses), 20 steps, per-step losses within rel 1e-5 of the 1-rank reference and the routing
+metrics checked against a hand count: every token goes to every expert, so each rank sends
+tokens to every ep peer and the choice cannot flip between layouts (test_moe_parity.py's
+comment: a top-k choice is discontinuous). The per-step gradient norm is held to one
+process's too: it is what shows a wrong scale of the expert gradients (summed over the ep group
+by the combine's backward, averaged over the expert-dp group, then 1 / ep:
+parallel/expert/optimizer.py). Without the 1 / ep, dp2 ep2's norm was 3.8e-3 off at step 0,
+while its loss moved only 2.7e-6 by step 4 (AdamW is nearly blind to a constant gradient scale).
+"""
+
+import pytest
+
+from tests.multirank.test_moe_parity import MOE, check_metrics
+from tests.support.runs import (PARITY, assert_parity, losses_in_ranks, read_metrics, reference_dir, reference_losses,
+                                train_in_ranks)
+from trainer3d.checkpoint import store
+
+
+def _check(tmp_path, session_tmp, layout):
+    ref = reference_losses(session_tmp, [*PARITY, *MOE])
+    got = losses_in_ranks(tmp_path, [*PARITY, *MOE, "parallel=single", *layout], timeout=900)
+    print(f"{' '.join(layout)}: worst relative loss difference {assert_parity(got, ref):.1e}")
+    rows, ref_rows = read_metrics(tmp_path), read_metrics(reference_dir(session_tmp, [*PARITY, *MOE]))
+    check_metrics(rows, ref_rows)
+    # The global gradient norm counts every expert element once (its expert-dp owner, tp rank 0):
+    # a slice counted twice or not at all moves it; above optim.grad_clip=1 it also scales the step.
+    for row, ref_row in zip(rows, ref_rows):
+        assert abs(row["grad_norm"] - ref_row["grad_norm"]) <= 1e-5 * ref_row["grad_norm"], (row, ref_row)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_dp2_ep2_matches_single_process(tmp_path, session_tmp, zero):
+    """Each rank holds 2 of the 4 experts; ZeRO-1 shards them over the expert-dp group (1 rank here)."""
+    _check(tmp_path, session_tmp, ["parallel.dp=2", "parallel.ep=2", f"parallel.zero_stage={zero}"])
+
+
+@pytest.mark.slow
+def test_dp4_ep4_matches_single_process(tmp_path, session_tmp):
+    """One expert per rank, four ranks' tokens each."""
+    _check(tmp_path, session_tmp, ["parallel.dp=4", "parallel.ep=4", "parallel.zero_stage=1"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [0, 1])
+def test_dp4_ep2_matches_single_process(tmp_path, session_tmp, zero):
+    """Expert-dp groups of 2: the expert gradients averaged there, ZeRO-1 shards over it, and
+    ZeRO-0's norm counts the experts on expert-dp rank 0 of each (both ep ranks' slices)."""
+    _check(tmp_path, session_tmp, ["parallel.dp=4", "parallel.ep=2", f"parallel.zero_stage={zero}"])
+
+
+@pytest.mark.slow
+def test_tp2_dp2_ep2_sp_matches_single_process(tmp_path, session_tmp):
+    """Sequence parallelism: each tp rank dispatches its sequence shard's tokens in its own ep
+    group; the expert gradients are summed over tp after the expert-dp reduction."""
+    _check(tmp_path, session_tmp, ["parallel.tp=2", "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1",
+                                   "parallel.sequence_parallel=true"])
+
+
+@pytest.mark.slow
+def test_checkpoint_reshards_ep2_to_one_rank_and_back(tmp_path, session_tmp):
+    """dp2 ep2 (ZeRO-1) saves at step 5; one process resumes it (every expert whole) and saves at
+    10; dp2 ep2 resumes that to step 20: each link's losses those of the uninterrupted 1-rank run
+    (a misplaced expert slice or its AdamW moments would move the next step's loss by far more)."""
+    ref = reference_losses(session_tmp, [*PARITY, *MOE])
+    ep2 = ("parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1")
+    chain = [(ep2, None, 6, None), ((), 5, 11, "ep 2 -> None"), (ep2, 10, 20, "ep None -> 2")]
+    previous = None
+    for i, (layout, start, stop, change) in enumerate(chain):
+        run = tmp_path / f"run{i}"
+        resume = [f"train.resume={store.step_dir(previous / 'checkpoints', start)}"] if start else []
+        stdout = train_in_ranks(run, [*PARITY, *MOE, "parallel=single", *layout, "checkpoint.every=5",
+                                      "optim.decay_steps=15", f"train.max_steps={stop}", *resume])
+        rows = read_metrics(run)
+        first = start or 0
+        assert [r["step"] for r in rows] == list(range(first, stop))
+        if start:
+            assert "layout changed since the checkpoint" in stdout and change in stdout
+        got = [r["loss"] for r in rows]
+        worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref[first:stop]))
+        assert worst <= 1e-5, (i, worst, got, ref[first:stop])
+        previous = run
