@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer3d.config.schema import ModelConfig
-from trainer3d.model.experts import grouped_swiglu
+from trainer3d.model.experts import eager_grouped_swiglu
 from trainer3d.model.functional import swiglu_linear
 
 
@@ -104,10 +104,11 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
+        self._grouped = eager_grouped_swiglu()
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (tokens, dim) sorted by expert, ``counts[e]`` of them expert e's."""
-        return grouped_swiglu(x, self.w1, self.w3, self.w2, counts)
+        return self._grouped(x, self.w1, self.w3, self.w2, counts)
 
 
 class SharedExperts(nn.Module):
@@ -143,6 +144,8 @@ class MoE(nn.Module):
             self.shared = SharedExperts(cfg.dim, moe.num_shared_experts * expert_ffn_dim(cfg))
         # aux_free's routing bias: state, not a parameter (no gradient; the optimizer never sees it).
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts) if moe.balance == "aux_free" else None)
+        # Wrapped here, not decorated: a decorator would import torch._dynamo at every start.
+        self._account = torch.compiler.disable(self._record_and_attach)
         self.aux_grad_scale = 1.0
         """The gradient the aux and z losses start backward from: the trainer's scale of a
         micro-batch's loss (1 / grad_accum; times cp: parallel/expert/tokens.py)."""
@@ -193,8 +196,7 @@ class MoE(nn.Module):
     # tests/unit/test_moe.py holds the compiled block to eager), and the counts are module
     # state a compiled graph would replay or bake in. The block's graph splits here; the
     # losses' gradient reaches the router's logits through the split as any gradient does.
-    @torch.compiler.disable
-    def _account(self, out: torch.Tensor, logits, scores, slots) -> torch.Tensor:
+    def _record_and_attach(self, out: torch.Tensor, logits, scores, slots) -> torch.Tensor:
         """Record the step's counts and attach the balance losses' backward to ``out``."""
         if self._counted():
             self._count(torch.bincount(slots, minlength=self.num_experts))

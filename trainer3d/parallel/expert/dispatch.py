@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer3d.model.experts import grouped_swiglu
+from trainer3d.model.experts import eager_grouped_swiglu
 from trainer3d.model.init import TPShard
 from trainer3d.model.moe import Experts, moe_blocks
 from trainer3d.parallel.topology import ParallelDims
@@ -98,6 +98,7 @@ class ExpertParallelExperts(nn.Module):
         local, like = num // dims.ep, experts.w1
         for name, shape in (("w1", (local, dim, ffn)), ("w3", (local, dim, ffn)), ("w2", (local, ffn, dim))):
             setattr(self, name, nn.Parameter(torch.empty(shape, device=like.device, dtype=like.dtype)))
+        self._grouped = eager_grouped_swiglu()
         self._mark()
 
     def _mark(self) -> None:
@@ -120,7 +121,7 @@ class ExpertParallelExperts(nn.Module):
         recv = received.sum(1).tolist()
         order = arrival_order(received)
         tokens = _Dispatch.apply(x, order, send, recv, self.group)
-        y = grouped_swiglu(tokens, self.w1, self.w3, self.w2, received.sum(0))
+        y = self._grouped(tokens, self.w1, self.w3, self.w2, received.sum(0))
         return _Combine.apply(y, order, send, recv, self.group)
 
 
