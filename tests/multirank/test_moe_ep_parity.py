@@ -82,3 +82,17 @@ def test_checkpoint_reshards_ep2_to_one_rank_and_back(tmp_path, session_tmp):
         worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref[first:stop]))
         assert worst <= 1e-5, (i, worst, got, ref[first:stop])
         previous = run
+
+
+@pytest.mark.slow
+def test_pp2_dp2_ep2_with_a_shared_expert_matches_single_process(tmp_path, session_tmp):
+    """Each pipeline stage's MoE blocks dispatch over their own ep group (the stage's dp pair);
+    the shared expert (MOE has one) stays with the dense parameters."""
+    _check(tmp_path, session_tmp, ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1"])
+
+
+@pytest.mark.slow
+def test_cp2_dp2_ep2_matches_single_process(tmp_path, session_tmp):
+    """ep groups carved out of dp x cp: a cp pair holds the two halves of a sequence's tokens and
+    dispatches them to each other's experts."""
+    _check(tmp_path, session_tmp, ["parallel.cp=2", "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1"])

@@ -30,7 +30,10 @@ class MoEStats:
         self.blocks = _layer_blocks(chunks)
         self.device = dims.device
         self.experts = cfg.model.moe.num_experts
-        self.micro_batches = dims.dp_cp * cfg.train.grad_accum_steps  # per step, over the world
+        # Micro-batches per step over the world: dp x grad_accum. A micro-batch's cp ranks (and
+        # tp ranks under sequence parallelism) each hold a share of its balance loss, computed over
+        # their own tokens, which the all-reduce adds up (parallel/expert/tokens.py).
+        self.micro_batches = dims.dp * cfg.train.grad_accum_steps
         # Every MoE layer's index, the same list on every rank (the all-reduce's rows).
         self.layers = [i for i in range(cfg.model.n_layers) if moe_layer(cfg.model, i)]
         self.counted = dims.tp_rank == 0 or cfg.parallel.sequence_parallel
