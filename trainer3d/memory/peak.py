@@ -138,7 +138,7 @@ def rank_memory(cfg: Config, pp_rank: int, kernel: str = "flash", cuda: Optional
     ranks run on CUDA (None: as the config says; trainer3d/memory/activations.py ``Sizes.of``)."""
     p, t = cfg.parallel, cfg.train
     last, m = n_stages(cfg) - 1, t.grad_accum_steps
-    stages = stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages)
+    stages = stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule)
     ranges = stage_layer_ranges(cfg.model.n_layers, last + 1, p.pp_layers)
     z = Sizes.of(cfg, kernel, cuda)
     recompute = t.activation_checkpointing

@@ -177,7 +177,7 @@ def micro_batch_times(cfg: Config, device: Device, pp_rank: int, ranks_per_node:
     region = tp_region_s(cfg, device, ranks_per_node)
     last = n_stages(cfg) - 1
     ranges = stage_layer_ranges(m.n_layers, last + 1, p.pp_layers)
-    stages = stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages)
+    stages = stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule)
     layers = sum(len(ranges[s]) for s in stages)
     terms = {name: layers * (block.fwd.get(name, 0.0) + block.bwd.get(name, 0.0)) for name in {*block.fwd, *block.bwd}}
     fwd, bwd = layers * block.forward, layers * block.backward

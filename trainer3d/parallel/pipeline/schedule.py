@@ -32,17 +32,22 @@ from typing import List, Optional
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from trainer3d.config.schema import Config
 from trainer3d.parallel.pipeline.bubble import StageClock, bubble_theory
 from trainer3d.parallel.pipeline.buffers import BoundedReceiveStage, ReceiveLedger
 from trainer3d.parallel.pipeline.losses import StepLosses
 from trainer3d.parallel.pipeline.stages import stages_of_rank
+from trainer3d.parallel.pipeline.weight_grad import backward_weight
 from trainer3d.parallel.topology import ParallelDims
 from trainer3d.config.validate import pipeline_micro_batch_problem
 
-SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B,
+             "zb1p": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+SINGLE_STAGE = ("1f1b", "gpipe")
+"""Schedules built on one stage per rank; the others take the rank's list of stages."""
 
 
 class TimedStage(BoundedReceiveStage):
@@ -79,6 +84,18 @@ class TimedStage(BoundedReceiveStage):
         with self.clock.busy():
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        self._use_segments(bwd_chunk_id)
+        with self.clock.busy():
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        """torch's, but the zero-bubble weight step through the gradient path (weight_grad.py)."""
+        if backward_type == "weight":
+            backward_weight(self.submod.parameters(), bwd_kwargs["param_groups"])
+            return (), None
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+
 
 class Pipeline:
     """This rank's stage(s) of the pipeline and the schedule that runs a step through them."""
@@ -89,7 +106,7 @@ class Pipeline:
         problem = pipeline_micro_batch_problem(p.pp_schedule, p.pp, self.n_micro)
         if problem:
             raise ValueError(problem)
-        stage_ids = stages_of_rank(dims.pp_rank, p.pp, p.pp_virtual_stages)
+        stage_ids = stages_of_rank(dims.pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule)
         if len(chunks) != len(stage_ids):
             raise ValueError(f"pp rank {dims.pp_rank} runs stages {stage_ids} but has {len(chunks)} chunks")
         n_stages = p.pp * p.pp_virtual_stages
@@ -103,10 +120,10 @@ class Pipeline:
         self.holds_last = n_stages - 1 in stage_ids
         schedule_cls = SCHEDULES[p.pp_schedule]
         loss_fn = self.clock.timed(micro_loss)
-        if p.pp_schedule == "interleaved_1f1b":
-            self.schedule = schedule_cls(self.stages, self.n_micro, loss_fn=loss_fn, scale_grads=False)
-        else:
+        if p.pp_schedule in SINGLE_STAGE:
             self.schedule = schedule_cls(self.stages[0], self.n_micro, loss_fn=loss_fn, scale_grads=False)
+        else:
+            self.schedule = schedule_cls(self.stages, self.n_micro, loss_fn=loss_fn, scale_grads=False)
         self.bubble_theory = bubble_theory(p.pp, self.n_micro, p.pp_virtual_stages)
 
     def _schedule_args(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]):
