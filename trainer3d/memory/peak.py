@@ -102,15 +102,15 @@ class RankMemory:
 
 
 @functools.lru_cache(maxsize=4096)
-def _interleaved_ops(pp: int, virtual: int, m: int, pp_rank: int):
-    return schedule_ops("interleaved_1f1b", pp, virtual, m, pp_rank)
+def _schedule_ops(schedule: str, pp: int, virtual: int, m: int, pp_rank: int):
+    return schedule_ops(schedule, pp, virtual, m, pp_rank)
 
 
 def _in_flight(cfg: Config, pp_rank: int, per_micro: List[int], per_step: List[int]) -> Tuple[int, List[int]]:
     """Peak saved bytes and micro-batches in flight per chunk (closed forms where there is one)."""
     p, m = cfg.parallel, cfg.train.grad_accum_steps
-    if p.pp > 1 and p.pp_schedule == "interleaved_1f1b":
-        return peak_in_flight(_interleaved_ops(p.pp, p.pp_virtual_stages, m, pp_rank), per_micro, per_step)
+    if p.pp > 1 and p.pp_schedule not in ("1f1b", "gpipe"):
+        return peak_in_flight(_schedule_ops(p.pp_schedule, p.pp, p.pp_virtual_stages, m, pp_rank), per_micro, per_step)
     count = 1 if p.pp == 1 else m if p.pp_schedule == "gpipe" else min(m, p.pp - pp_rank)
     return count * per_micro[0] + per_step[0], [count]
 

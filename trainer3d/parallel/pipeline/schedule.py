@@ -40,6 +40,7 @@ from trainer3d.parallel.pipeline.bubble import StageClock, bubble_theory
 from trainer3d.parallel.pipeline.buffers import BoundedReceiveStage, ReceiveLedger
 from trainer3d.parallel.pipeline.losses import StepLosses
 from trainer3d.parallel.pipeline.stages import stages_of_rank
+from trainer3d.parallel.pipeline.timeline import Action
 from trainer3d.parallel.pipeline.weight_grad import backward_weight
 from trainer3d.parallel.topology import ParallelDims
 from trainer3d.config.validate import pipeline_micro_batch_problem
@@ -59,12 +60,19 @@ class TimedStage(BoundedReceiveStage):
     its backward (which recomputes the forward under activation checkpointing), from the
     step's ``step_segments`` (grad_accum, micro_batch, seq)."""
 
-    def __init__(self, *args, clock: StageClock, losses: StepLosses, segments=None, **kwargs):
+    def __init__(self, *args, clock: StageClock, losses: StepLosses, segments=None, executed=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.clock = clock
         self.losses = losses
         self.segments = segments
         self.step_segments: Optional[torch.Tensor] = None
+        self.executed: List[Action] = executed if executed is not None else []
+        """The (kind, stage, micro-batch) compute actions this rank ran in the current step, in
+        order (timeline.py): F, B, or the zero-bubble halves I and W."""
+
+    def _record(self, kind: str, chunk_id: int) -> None:
+        if self.clock.in_step:
+            self.executed.append((kind, self.stage_index, chunk_id))
 
     def _use_segments(self, chunk_id: int) -> None:
         if self.segments is not None:
@@ -76,16 +84,19 @@ class TimedStage(BoundedReceiveStage):
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         self._use_segments(fwd_chunk_id)
+        self._record("F", fwd_chunk_id)
         with self.clock.busy():
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
-    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, full_backward: bool = True, **kwargs):
         self._use_segments(bwd_chunk_id)
+        self._record("B" if full_backward else "I", bwd_chunk_id)
         with self.clock.busy():
-            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+            return super().backward_one_chunk(bwd_chunk_id, *args, full_backward=full_backward, **kwargs)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
         self._use_segments(bwd_chunk_id)
+        self._record("W", bwd_chunk_id)
         with self.clock.busy():
             return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
@@ -113,8 +124,10 @@ class Pipeline:
         self.micro_loss = micro_loss
         self.clock = StageClock(dims.device)
         self.receive = ReceiveLedger()
+        self.executed: List[Action] = []
         self.stages = [TimedStage(chunk, stage, n_stages, dims.device, group=dims.pp_group, clock=self.clock,
-                                  losses=micro_loss.losses, ledger=self.receive, segments=segments)
+                                  losses=micro_loss.losses, ledger=self.receive, segments=segments,
+                                  executed=self.executed)
                        for chunk, stage in zip(chunks, stage_ids)]
         self.holds_first = 0 in stage_ids
         self.holds_last = n_stages - 1 in stage_ids
@@ -124,7 +137,7 @@ class Pipeline:
             self.schedule = schedule_cls(self.stages[0], self.n_micro, loss_fn=loss_fn, scale_grads=False)
         else:
             self.schedule = schedule_cls(self.stages, self.n_micro, loss_fn=loss_fn, scale_grads=False)
-        self.bubble_theory = bubble_theory(p.pp, self.n_micro, p.pp_virtual_stages)
+        self.bubble_theory = bubble_theory(p.pp, self.n_micro, p.pp_virtual_stages, p.pp_schedule)
 
     def _schedule_args(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]):
         """The schedule's positional inputs (first stage) and target (last stage), flattened to
@@ -162,6 +175,7 @@ class Pipeline:
         args, target = self._schedule_args(inputs, targets)
         self._set_segments(segments)
         recorded = len(self.micro_loss.losses)
+        self.executed.clear()
         self.clock.start_step()
         self.schedule.step(*args, target=target, return_outputs=False)
         self.clock.end_step()

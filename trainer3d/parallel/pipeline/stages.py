@@ -130,4 +130,4 @@ def describe_stages(cfg: Config) -> str:
     ranges = stage_layer_ranges(cfg.model.n_layers, n_stages(cfg), p.pp_layers)
     layers = ", ".join(f"stage {s} (pp rank {rank_of_stage(s, p.pp, p.pp_schedule)}): layers {r.start}-{r.stop - 1}" for s, r in enumerate(ranges))
     return (f"pipeline: {p.pp_schedule}, {len(ranges)} stages, {accum} micro-batches, "
-            f"bubble_theory {bubble_theory(p.pp, accum, p.pp_virtual_stages):.3f}\n  {layers}")
+            f"bubble_theory {bubble_theory(p.pp, accum, p.pp_virtual_stages, p.pp_schedule):.3f}\n  {layers}")
