@@ -62,15 +62,17 @@ def _zero_bubble_held(schedule: str, pp: int, virtual: int, m: int) -> Tuple[int
     communication (``pipeline_order_with_comms``): a buffer lives from its RECV_F or RECV_B to
     its micro-batch's B or W on that stage (buffers.py keeps both for the weight step). Stages
     next to each other on one rank (the tip of a V) pass tensors without a receive."""
-    from torch.distributed.pipelining.schedules import _ComputationType
+    from torch.distributed.pipelining.schedules import _add_send_recv, _ComputationType
 
-    from trainer3d.parallel.pipeline.timeline import torch_schedule
+    from trainer3d.parallel.pipeline.stages import rank_of_stage
+    from trainer3d.parallel.pipeline.timeline import torch_order
 
-    plan = torch_schedule(schedule, pp, virtual, m)
+    compute = {r: [a for a in actions if a is not None] for r, actions in torch_order(schedule, pp, virtual, m).items()}
+    with_comms = _add_send_recv(compute, lambda stage: rank_of_stage(stage, pp, schedule), pp * virtual)
     held = []
     for rank in range(pp):
         live, peak = set(), 0
-        for a in plan.pipeline_order_with_comms[rank]:
+        for a in (sub for top in with_comms[rank] for sub in (top.sub_actions or (top,))):  # DualPipeV's F;B pairs
             kind = a.computation_type
             if kind in (_ComputationType.RECV_F, _ComputationType.RECV_B):
                 live.add((kind, a.stage_index, a.microbatch_index))

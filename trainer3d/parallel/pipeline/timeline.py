@@ -49,13 +49,31 @@ def torch_schedule(schedule: str, pp: int, v: int, m: int):
     return SCHEDULES[schedule](_fake_stages(schedule, pp, v), m, loss_fn=lambda out, target: out, scale_grads=False)
 
 
+def torch_order(schedule: str, pp: int, v: int, m: int) -> dict:
+    """torch's ``pipeline_order`` (every rank's actions, with its idle slots as None), from the
+    schedule class's own functions run on a stand-in holding the attributes they read: the
+    class's constructor would also plan every communication, which takes seconds for the
+    hundreds of micro-batches the planner tries (its refusals stay ``torch_schedule``'s)."""
+    from trainer3d.parallel.pipeline.schedule import SCHEDULES
+    cls = SCHEDULES[schedule]
+    if schedule not in ZERO_BUBBLE:
+        return torch_schedule(schedule, pp, v, m).pipeline_order
+    rounds = max(1, m // pp)
+    plan = SimpleNamespace(pp_group_size=pp, n_local_stages=v, _n_microbatches=m, num_stages=pp * v,
+                           _num_stages=pp * v, number_of_rounds=rounds, microbatches_per_round=m // rounds)
+    plan.pipeline_order = {rank: cls._calculate_single_rank_operations(plan, rank) for rank in range(pp)}
+    if schedule == "zb1p":
+        plan.pipeline_order = cls._add_bubbles_to_actions(plan, pp * v)
+    return plan.pipeline_order
+
+
 @functools.lru_cache(maxsize=256)
 def schedule_actions(schedule: str, pp: int, v: int, m: int) -> Dict[int, Tuple[Action, ...]]:
     """Every pp rank's compute actions, in torch 2.13's order, for ``m`` micro-batches."""
     if schedule in ("1f1b", "gpipe"):
         return {r: _single_stage(schedule, pp, m, r) for r in range(pp)}
     out = {}
-    for rank, actions in torch_schedule(schedule, pp, v, m).pipeline_order.items():
+    for rank, actions in torch_order(schedule, pp, v, m).items():
         flat = []
         for a in actions:
             if a is None:
