@@ -155,3 +155,20 @@ def schedule_bubble(schedule: str, pp: int, v: int, m: int) -> float:
     if pp == 1:
         return 0.0
     return simulate(schedule_actions(schedule, pp, v, m), v).bubble()
+
+
+def render(timeline: Timeline, v: int) -> str:
+    """A text picture of ``timeline``: one row per rank, one 3-character cell per 1/v unit of time
+    (a forward of one stage), each cell the action's kind and micro-batch (``F3``; a rank's later
+    stage in lower case, ``f3``), ``.`` where the rank is idle. docs/parallelism.md shows them."""
+    width = round(timeline.makespan * v)
+    rows = []
+    for rank, spans in sorted(timeline.spans.items()):
+        cells = [" . "] * width
+        first_stage = min(stage for _, _, (_, stage, _) in spans)
+        for start, end, (kind, stage, mb) in spans:
+            label = kind if stage == first_stage else kind.lower()
+            for c in range(round(start * v), round(end * v)):
+                cells[c] = f"{label}{mb % 100:<2}"
+        rows.append(f"rank {rank} |{''.join(cells)}|")
+    return "\n".join(rows)
