@@ -7,7 +7,8 @@ import functools
 from types import SimpleNamespace
 from typing import Tuple
 
-from trainer3d.parallel.pipeline.timeline import ZERO_BUBBLE
+from trainer3d.parallel.pipeline.placement import rank_of_stage
+from trainer3d.parallel.pipeline.timeline import ZERO_BUBBLE, torch_order
 
 
 def receive_buffers_held(schedule: str, pp: int, virtual: int, m: int, pp_rank: int) -> int:
@@ -63,9 +64,6 @@ def _zero_bubble_held(schedule: str, pp: int, virtual: int, m: int) -> Tuple[int
     its micro-batch's B or W on that stage (buffers.py keeps both for the weight step). Stages
     next to each other on one rank (the tip of a V) pass tensors without a receive."""
     from torch.distributed.pipelining.schedules import _add_send_recv, _ComputationType
-
-    from trainer3d.parallel.pipeline.stages import rank_of_stage
-    from trainer3d.parallel.pipeline.timeline import torch_order
 
     compute = {r: [a for a in actions if a is not None] for r, actions in torch_order(schedule, pp, virtual, m).items()}
     with_comms = _add_send_recv(compute, lambda stage: rank_of_stage(stage, pp, schedule), pp * virtual)

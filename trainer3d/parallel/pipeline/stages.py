@@ -36,7 +36,7 @@ from torch import nn
 
 from trainer3d.config.schema import Config
 from trainer3d.parallel.pipeline.bubble import bubble_theory
-from trainer3d.config.schema_parallel import V_SCHEDULES
+from trainer3d.parallel.pipeline.placement import rank_of_stage, stages_of_rank  # noqa: F401  (re-exported)
 from trainer3d.parallel.topology import ParallelDims
 
 
@@ -63,20 +63,6 @@ def stage_layer_ranges(n_layers: int, n_stages: int, pp_layers: Optional[Sequenc
         ranges.append(range(start, start + count))
         start += count
     return ranges
-
-
-def stages_of_rank(pp_rank: int, pp: int, virtual_stages: int = 1, schedule: str = "1f1b") -> List[int]:
-    """The stage indices pp rank ``pp_rank`` runs, in order: r, r + pp, ... (or r, 2 pp - 1 - r in a V)."""
-    if schedule in V_SCHEDULES:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(virtual_stages)]
-
-
-def rank_of_stage(stage: int, pp: int, schedule: str = "1f1b") -> int:
-    """The pp rank that runs ``stage`` (the inverse of ``stages_of_rank``)."""
-    if schedule in V_SCHEDULES and stage >= pp:
-        return 2 * pp - 1 - stage
-    return stage % pp
 
 
 def n_stages(cfg: Config) -> int:

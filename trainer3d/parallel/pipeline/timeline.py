@@ -24,29 +24,39 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Dict, List, Tuple
 
+from trainer3d.parallel.pipeline.placement import stages_of_rank
+
 Action = Tuple[str, int, int]
 """(kind, stage, micro-batch): kind F, B, I or W."""
 
 ZERO_BUBBLE = ("zb1p", "zbv", "dualpipev")
+TORCH_CLASSES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+                 "zb1p": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                 "dualpipev": "ScheduleDualPipeV"}
+"""``parallel.pp_schedule`` -> the torch.distributed.pipelining class that runs it."""
 COST = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}
 
 
 def _fake_stages(schedule: str, pp: int, v: int) -> list:
     """Enough of rank 0's PipelineStages for torch's schedule constructors (which compute every
     rank's list)."""
-    from trainer3d.parallel.pipeline.stages import stages_of_rank
     return [SimpleNamespace(num_stages=pp * v, group_size=pp, group_rank=0, stage_index=s, submod=None)
             for s in stages_of_rank(0, pp, v, schedule)]
+
+
+def torch_class(schedule: str):
+    """torch's class of ``schedule`` (parallel/pipeline/schedule.py builds it)."""
+    # Imported here: torch.distributed.pipelining imports torch._dynamo (1-2 s of a process's
+    # start), and the planner and every rank's memory estimate import this module.
+    import torch.distributed.pipelining as pipelining
+    return getattr(pipelining, TORCH_CLASSES[schedule])
 
 
 @functools.lru_cache(maxsize=64)
 def torch_schedule(schedule: str, pp: int, v: int, m: int):
     """torch's multi-stage schedule object for rank 0, built without a process group: its
     ``pipeline_order`` (and ``pipeline_order_with_comms``) hold every rank's actions."""
-    # Imported here: torch.distributed.pipelining imports torch._dynamo (1-2 s of a process's
-    # start), and the planner imports this module.
-    from trainer3d.parallel.pipeline.schedule import SCHEDULES
-    return SCHEDULES[schedule](_fake_stages(schedule, pp, v), m, loss_fn=lambda out, target: out, scale_grads=False)
+    return torch_class(schedule)(_fake_stages(schedule, pp, v), m, loss_fn=lambda out, target: out, scale_grads=False)
 
 
 def torch_order(schedule: str, pp: int, v: int, m: int) -> dict:
@@ -54,8 +64,7 @@ def torch_order(schedule: str, pp: int, v: int, m: int) -> dict:
     schedule class's own functions run on a stand-in holding the attributes they read: the
     class's constructor would also plan every communication, which takes seconds for the
     hundreds of micro-batches the planner tries (its refusals stay ``torch_schedule``'s)."""
-    from trainer3d.parallel.pipeline.schedule import SCHEDULES
-    cls = SCHEDULES[schedule]
+    cls = torch_class(schedule)
     if schedule not in ZERO_BUBBLE:
         return torch_schedule(schedule, pp, v, m).pipeline_order
     rounds = max(1, m // pp)
