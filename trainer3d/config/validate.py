@@ -186,6 +186,12 @@ def _check_pipeline(cfg: Config, problems: List[str]) -> None:
     if p.pp_virtual_stages > 1 and p.pp_schedule in ("1f1b", "gpipe"):
         problems.append(f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs parallel.pp_schedule="
                         "interleaved_1f1b, zb1p, zbv or dualpipev (or set pp_virtual_stages=1)")
+    if p.pp > 1 and p.pp_schedule in ("zb1p", *V_SCHEDULES) and t.compile:
+        # The input step keeps the graph for the weight step (retain_graph), which compiled
+        # backwards with donated buffers refuse: pytorch/pytorch#161904 (open).
+        problems.append(f"train.compile=true cannot run with parallel.pp_schedule={p.pp_schedule}: torch's "
+                        "zero-bubble input/weight split re-runs a compiled block's backward (pytorch/pytorch#161904); "
+                        "set train.compile=false or parallel.pp_schedule=1f1b/interleaved_1f1b")
     if p.pp > 1 and p.pp_schedule in V_SCHEDULES:
         if p.pp_virtual_stages != 2:
             problems.append(f"parallel.pp_schedule={p.pp_schedule} places exactly 2 stages per rank in a V; "
