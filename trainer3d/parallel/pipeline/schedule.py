@@ -1,4 +1,6 @@
-"""Pipeline parallelism: a step's micro-batches through 1F1B, GPipe or interleaved 1F1B.
+"""Pipeline parallelism: a step's micro-batches through 1F1B, GPipe, interleaved 1F1B or the
+zero-bubble zb1p, zbv and dualpipev (their weight step through weight_grad.py; zbv and dualpipev
+on two stages per rank in a V, placement.py).
 
 The schedules are torch.distributed.pipelining's (tests/multirank/test_pipeline.py holds their losses
 and gradients to a single process). This module builds them over ``dims.pp_group`` and guards their
