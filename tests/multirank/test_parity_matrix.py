@@ -23,6 +23,11 @@ EIGHT_LAYERS = ("model.n_layers=8", "optim.lr=1e-3")
 # tests/multirank/test_muon.py). Newton-Schulz in fp32: in bf16 a last-bit difference of a
 # gradient flips roundings of the whole update, and no two layouts would agree to 1e-5. A
 # model of 2 layers at dim 64 keeps the four cases' runs and their one reference short.
+# Zero-bubble schedules (docs/parallelism.md): the weight step apart from the input step, through
+# the ZeRO buckets' hooks (parallel/pipeline/weight_grad.py). zbv and dualpipev: 2 stages per rank in a V.
+ZBV = ("parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2")
+DUALPIPEV = ("parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2")
+ZB1P = ("parallel.pp_schedule=zb1p",)
 MUON = ("optim=muon", "optim.muon.ns_dtype=fp32", "model.dim=64", "model.ffn_dim=192", "model.n_layers=2")
 
 
@@ -43,6 +48,12 @@ MATRIX = [
     case(2, 1, 4, zero=1, extra=("parallel.sequence_parallel=true",), id="tp2-pp1-dp4-z1-sp"),
     case(2, 2, 2, zero=1, extra=("parallel.sequence_parallel=true",), id="tp2-pp2-dp2-z1-sp"),
     case(2, 2, 2, zero=1, extra=("train.activation_checkpointing=true",), id="tp2-pp2-dp2-z1-recompute"),
+    case(1, 2, 1, extra=ZBV, id="tp1-pp2-dp1-zbv"),
+    case(1, 2, 2, zero=1, extra=DUALPIPEV, id="tp1-pp2-dp2-z1-dualpipev"),
+    case(2, 2, 1, extra=(*ZB1P, "parallel.pp_virtual_stages=2"), id="tp2-pp2-dp1-zb1p-v2"),
+    case(1, 4, 1, model=EIGHT_LAYERS, extra=(*ZBV, "train.activation_checkpointing=true"), id="tp1-pp4-dp1-zbv-recompute"),
+    case(1, 4, 1, model=EIGHT_LAYERS, extra=DUALPIPEV, id="tp1-pp4-dp1-dualpipev"),
+    case(1, 4, 1, model=EIGHT_LAYERS, extra=(*ZB1P, "parallel.pp_virtual_stages=2"), id="tp1-pp4-dp1-zb1p-v2"),
     case(1, 2, 1, model=MUON, id="muon-tp1-pp2-dp1"),
     case(1, 1, 2, zero=1, model=MUON, id="muon-tp1-pp1-dp2-z1"),
     case(2, 1, 1, model=MUON, extra=("parallel.sequence_parallel=true",), id="muon-tp2-pp1-dp1-sp"),

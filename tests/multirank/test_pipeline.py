@@ -15,7 +15,10 @@ from trainer3d.model.transformer import Transformer, cross_entropy_loss
 from trainer3d.parallel.parallelize import build_model_chunks, build_optimizer
 from trainer3d.memory.meter import SavedActivationMeter
 from trainer3d.parallel.pipeline.receive_count import receive_buffers_held
-from trainer3d.parallel.pipeline.schedule import SCHEDULES, Pipeline
+from trainer3d.parallel.pipeline.bubble import bubble_theory
+from trainer3d.parallel.pipeline.schedule import SCHEDULES, SINGLE_STAGE, Pipeline
+from trainer3d.parallel.pipeline.stages import rank_of_stage, stages_of_rank
+from trainer3d.parallel.pipeline.timeline import schedule_actions, simulate
 from trainer3d.parallel.pipeline.losses import MicroBatchLoss
 
 TINY = ModelConfig(dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50, max_seq_len=16)
@@ -45,7 +48,8 @@ def _pipeline(cfg, dims, chunks=None):
 
 
 def pipelined_steps(rank, world, pp, schedule, virtual_stages, n_micro):
-    """Two steps on the same batch without zeroing: the gradient must be twice one step's."""
+    """Two steps on the same batch without zeroing: the gradient must be twice one step's.
+    Also the compute actions the rank ran in its last step, in order."""
     cfg = _cfg(pp, schedule, virtual_stages, n_micro)
     chunks, micro_loss, pipe = _pipeline(cfg, dims_for(pp=pp))
     x, y = _batch(n_micro)
@@ -55,7 +59,7 @@ def pipelined_steps(rank, world, pp, schedule, virtual_stages, n_micro):
         losses.append([loss.item() for loss in micro_loss.losses.values()])
         micro_loss.pop_mean()
     grads = {n: p.grad.numpy().copy() for c in chunks for n, p in c.named_parameters()}
-    return losses, grads
+    return losses, grads, tuple(pipe.executed)
 
 
 def reference_steps(n_micro):
@@ -74,7 +78,8 @@ def reference_steps(n_micro):
 
 
 CASES = [("1f1b", 2, 1, 4), ("gpipe", 2, 1, 3), ("interleaved_1f1b", 2, 2, 3),
-         ("1f1b", 4, 1, 5), ("gpipe", 4, 1, 2), ("interleaved_1f1b", 4, 2, 6)]
+         ("1f1b", 4, 1, 5), ("gpipe", 4, 1, 2), ("interleaved_1f1b", 4, 2, 6),
+         ("zbv", 2, 2, 3), ("dualpipev", 2, 2, 4), ("zb1p", 2, 2, 4), ("zbv", 4, 2, 8)]
 
 
 @pytest.mark.parametrize("schedule,pp,virtual_stages,n_micro", CASES, ids=[f"{c[0]}-pp{c[1]}-m{c[3]}" for c in CASES])
@@ -82,16 +87,27 @@ def test_pipelined_losses_and_grads_equal_one_process(schedule, pp, virtual_stag
     torch.set_num_threads(1)
     results = run_ranks(pipelined_steps, pp, pp, schedule, virtual_stages, n_micro, timeout=300)
     ref_losses, ref_grads = reference_steps(n_micro)
-    # Losses exist on the last stage only, exactly one per micro-batch (no shape-inference extra).
-    assert all(losses == [[], []] for losses, _ in results[:-1])
-    np.testing.assert_allclose(results[-1][0], ref_losses, rtol=1e-6)
+    # Losses exist on the last stage's rank only (rank 0 in a V), exactly one per micro-batch
+    # (no shape-inference extra).
+    owner = rank_of_stage(pp * virtual_stages - 1, pp, schedule)
+    assert all(r[0] == [[], []] for rank, r in enumerate(results) if rank != owner)
+    np.testing.assert_allclose(results[owner][0], ref_losses, rtol=1e-6)
     grads = {}
-    for _, rank_grads in results:
+    for _, rank_grads, _ in results:
         assert not set(rank_grads) & set(grads), "a parameter on two stages"
         grads.update(rank_grads)
     assert set(grads) == set(ref_grads)
     for name, ref in ref_grads.items():
         np.testing.assert_allclose(grads[name], ref, rtol=1e-5, atol=1e-8, err_msg=name)
+    # The order the stages ran is the order the planner reasons about (timeline.py), and the
+    # bubble of that executed order with unit costs is the planner's.
+    executed = {rank: r[2] for rank, r in enumerate(results)}
+    assert executed == schedule_actions(schedule, pp, virtual_stages, n_micro)
+    bubble = simulate(executed, virtual_stages).bubble()
+    if schedule == "interleaved_1f1b":  # the exact idle share of an ideal interleaved step (bubble.py)
+        assert bubble == pytest.approx((pp - 1) / (virtual_stages * n_micro + pp - 1), rel=1e-12)
+    else:  # 1F1B and GPipe: the textbook (p - 1) / (m + p - 1); zero-bubble: the planner's figure
+        assert bubble == pytest.approx(bubble_theory(pp, n_micro, virtual_stages, schedule), rel=1e-12)
 
 
 def test_too_few_micro_batches_fail_before_any_send():
@@ -158,13 +174,13 @@ def _stock_receive_bytes(chunks, cfg, dims, x, y) -> int:
     """torch's own PipelineStage on the same chunks: the bytes its receive buffers hold after a step."""
     p = cfg.parallel
     n_stages = p.pp * p.pp_virtual_stages
-    stages = [PipelineStage(c, dims.pp_rank + k * p.pp, n_stages, dims.device, group=dims.pp_group)
-              for k, c in enumerate(chunks)]
+    ids = stages_of_rank(dims.pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule)
+    stages = [PipelineStage(c, s, n_stages, dims.device, group=dims.pp_group) for s, c in zip(ids, chunks)]
     schedule = SCHEDULES[p.pp_schedule]
     loss = lambda out, target: cross_entropy_loss(out, target) / cfg.train.grad_accum_steps  # noqa: E731
-    run = schedule(stages if p.pp_schedule == "interleaved_1f1b" else stages[0], cfg.train.grad_accum_steps,
+    run = schedule(stages[0] if p.pp_schedule in SINGLE_STAGE else stages, cfg.train.grad_accum_steps,
                    loss_fn=loss, scale_grads=False)
-    first, last = dims.pp_rank == 0, dims.pp_rank == p.pp - 1
+    first, last = 0 in ids, n_stages - 1 in ids
     run.step(*((x.flatten(0, 1),) if first else ()), target=y.flatten(0, 1) if last else None)
     infos = [i for s in stages for recv in (*s.args_recv_info.values(), *s.grad_recv_info.values()) for i in recv]
     return sum(i.buffer.untyped_storage().nbytes() for i in infos if i.buffer is not None)
@@ -185,7 +201,8 @@ def receive_buffers(rank, world, pp, schedule, virtual_stages, n_micro):
 
 
 @pytest.mark.parametrize("schedule,pp,virtual_stages,n_micro",
-                         [("1f1b", 4, 1, 16), ("gpipe", 2, 1, 6), ("interleaved_1f1b", 4, 2, 8)])
+                         [("1f1b", 4, 1, 16), ("gpipe", 2, 1, 6), ("interleaved_1f1b", 4, 2, 8),
+                          ("zbv", 2, 2, 6), ("dualpipev", 2, 2, 6), ("zb1p", 2, 2, 6)])
 def test_receive_buffers_are_held_for_the_micro_batches_in_flight_only(schedule, pp, virtual_stages, n_micro):
     """1F1B: stage s holds an input buffer for each of its min(m, pp - s) micro-batches in
     flight and one output-gradient buffer during a backward; GPipe holds all m inputs;
@@ -196,12 +213,13 @@ def test_receive_buffers_are_held_for_the_micro_batches_in_flight_only(schedule,
     results = run_ranks(receive_buffers, pp, pp, schedule, virtual_stages, n_micro, timeout=300)
     for stage, (peak, left, stock) in enumerate(results):
         print(f"{schedule} pp{pp} m{n_micro} stage {stage}: peak {peak:,} B, torch's stage {stock:,} B")
-        if schedule != "interleaved_1f1b":  # the closed form, by hand
+        if schedule in ("1f1b", "gpipe"):  # the closed form, by hand
             in_flight = n_micro if schedule == "gpipe" else min(n_micro, pp - stage)
             assert peak == hidden * ((stage > 0) * in_flight + (stage < pp - 1)), (stage, peak)
         assert peak == hidden * receive_buffers_held(schedule, pp, virtual_stages, n_micro, stage), (stage, peak)
         assert left == 0, "every receive buffer is freed by the end of the step"
-        chunks = [stage + k * pp for k in range(virtual_stages)]
+        chunks = stages_of_rank(stage, pp, virtual_stages, schedule)
         last = pp * virtual_stages - 1
-        assert stock == hidden * n_micro * sum((s > 0) + (s < last) for s in chunks), (stage, stock)
+        if schedule in ("1f1b", "gpipe", "interleaved_1f1b"):  # torch's stage: one of each per micro-batch
+            assert stock == hidden * n_micro * sum((s > 0) + (s < last) for s in chunks), (stage, stock)
         assert peak < stock or schedule == "gpipe", (stage, peak, stock)  # GPipe really holds them all

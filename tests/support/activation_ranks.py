@@ -56,6 +56,7 @@ def _batch(cfg: Config, first: bool, last: bool):
 
 
 def measure(rank: int, world: int, layouts: List[dict]) -> List[dict]:
+    from trainer3d.config.schema_parallel import V_SCHEDULES
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer
@@ -67,7 +68,7 @@ def measure(rank: int, world: int, layouts: List[dict]) -> List[dict]:
     out = []
     for layout in layouts:
         cfg = layout_config(**layout)
-        dims = dims_for(tp=cfg.parallel.tp, pp=cfg.parallel.pp)
+        dims = dims_for(tp=cfg.parallel.tp, pp=cfg.parallel.pp, v_shape=cfg.parallel.pp_schedule in V_SCHEDULES)
         chunks = build_model_chunks(cfg, dims)
         optimizer = build_optimizer(chunks, cfg, dims)
         micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims, chunks), cfg.train.grad_accum_steps, optimizer)

@@ -21,6 +21,8 @@ DEFERRED = {
     ("trainer3d.parallel.pipeline.receive_count", "torch.distributed.pipelining"): "as above: only an interleaved "
     "pp layout's memory count walks torch's schedule; the planner and every rank import the count",
     ("trainer3d.parallel.pipeline.receive_count", "torch.distributed.pipelining.schedules"): "the same",
+    ("trainer3d.parallel.pipeline.timeline", "torch.distributed.pipelining"): "as above: only a zero-bubble or "
+    "interleaved layout's bubble and memory walk torch's action lists; the planner imports the timeline",
     ("trainer3d.model.documents", "torch.nn.attention.flex_attention"): "imports torch._dynamo, 1-2 s of CPU at "
     "every rank's start: only data.document_mask on CUDA (and its tests) runs FlexAttention",
     ("trainer3d.cpu.build", "torch.utils"): "the compiler driver, needed only where a C++ source is first "

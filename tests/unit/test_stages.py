@@ -9,7 +9,9 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleIn
 from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.model.transformer import Transformer
 from trainer3d.parallel.pipeline.bubble import StageClock, bubble_theory
-from trainer3d.parallel.pipeline.stages import split_into_stages, stage_layer_ranges, stages_of_rank
+from trainer3d.parallel.pipeline.schedule import SCHEDULES, SINGLE_STAGE
+from trainer3d.parallel.pipeline.stages import rank_of_stage, split_into_stages, stage_layer_ranges, stages_of_rank
+from trainer3d.parallel.pipeline.timeline import schedule_bubble, simulate, torch_schedule
 from trainer3d.config.validate import pipeline_micro_batch_problem
 
 
@@ -53,6 +55,20 @@ def test_interleaved_assignment_matches_torch():
         for rank in range(pp):
             assert stages_of_rank(rank, pp, v) == sorted(s for s, r in torch_map.items() if r == rank)
     assert stages_of_rank(1, 4, 2) == [1, 5]
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_assignment_matches_torch(schedule):
+    """zbv and dualpipev: rank r runs stages r and 2 pp - 1 - r, torch's "v" mapping; the last
+    stage (head and loss) is on rank 0, with the first."""
+    from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
+
+    for pp in (2, 3, 4):
+        torch_map = generate_stage_to_rank_mapping(pp, 2 * pp, style="v")
+        for rank in range(pp):
+            assert sorted(stages_of_rank(rank, pp, 2, schedule)) == sorted(s for s, r in torch_map.items() if r == rank)
+        assert all(rank_of_stage(s, pp, schedule) == r for s, r in torch_map.items())
+    assert stages_of_rank(0, 4, 2, schedule) == [0, 7] and stages_of_rank(3, 4, 2, schedule) == [3, 4]
 
 
 def _cfg(n_layers=8, pp=2, v=1, pp_layers=None):
@@ -105,6 +121,8 @@ def _torch_accepts(schedule, pp, v, n):
     try:
         if schedule == "interleaved_1f1b":
             ScheduleInterleaved1F1B(_fake_stages(pp, v), n, loss_fn=lambda o, t: o, scale_grads=False)
+        elif schedule in SCHEDULES and schedule not in SINGLE_STAGE:  # zero-bubble: timeline.py's stand-ins
+            torch_schedule.__wrapped__(schedule, pp, v, n)
         else:
             cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
             cls(_fake_stages(pp, 1)[0], n, loss_fn=lambda o, t: o, scale_grads=False)
@@ -114,7 +132,8 @@ def _torch_accepts(schedule, pp, v, n):
 
 
 @pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 1),
-                                        ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)])
+                                        ("interleaved_1f1b", 2), ("interleaved_1f1b", 3), ("zb1p", 1), ("zb1p", 2),
+                                        ("zbv", 2), ("dualpipev", 2)])
 def test_micro_batch_rule_matches_torch(schedule, v):
     """Validation refuses exactly the micro-batch counts torch's schedule refuses."""
     for pp in (2, 3, 4, 8):
@@ -139,6 +158,26 @@ def test_bubble_theory():
     assert bubble_theory(4, 4) == pytest.approx(3 / 7)
     assert bubble_theory(4, 32) == pytest.approx(3 / 35)
     assert bubble_theory(4, 8, virtual_stages=2) == pytest.approx(3 / 22)
+
+
+def test_unit_cost_bubble_of_each_schedule_by_hand():
+    """timeline.simulate on torch's action lists, against counts made by hand. 1F1B and GPipe,
+    pp=2, m=4: 5 slots of F + B (3 units), 4 busy: 1/5. Interleaved, pp=2, v=2, m=4: the exact
+    (p - 1) / (v m + p - 1) = 1/9. ZB-V, pp=2, m=4: rank 0's 24 half-unit actions (12 units)
+    end at 12.5 on both ranks (rank 1 starts its first F at 0.5): 0.5 / 12.5 = 0.04."""
+    assert schedule_bubble("1f1b", 2, 1, 4) == pytest.approx(1 / 5)
+    assert schedule_bubble("gpipe", 2, 1, 4) == pytest.approx(1 / 5)
+    assert schedule_bubble("interleaved_1f1b", 2, 2, 4) == pytest.approx(1 / 9)
+    assert schedule_bubble("zbv", 2, 2, 4) == pytest.approx(0.5 / 12.5)
+    for pp, m in [(4, 8), (4, 16), (8, 32)]:  # zero-bubble fills what 1F1B leaves idle
+        assert schedule_bubble("zbv", pp, 2, m) < schedule_bubble("interleaved_1f1b", pp, 2, m) \
+            < schedule_bubble("1f1b", pp, 1, m) == pytest.approx(bubble_theory(pp, m))
+        assert bubble_theory(pp, m, 2, "zbv") == schedule_bubble("zbv", pp, 2, m)
+
+
+def test_simulate_refuses_an_order_that_deadlocks():
+    with pytest.raises(ValueError, match="deadlocks"):
+        simulate({0: (("B", 0, 0), ("F", 0, 0)), 1: (("F", 1, 0), ("B", 1, 0))}, 1)
 
 
 def test_stage_clock_counts_only_busy_work():

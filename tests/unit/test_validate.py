@@ -68,11 +68,24 @@ BAD = [
     (["parallel.zero_reduce=broadcast"], "parallel.zero_reduce=broadcast is not one of"),
     (["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
       "train.micro_batch_size=1", "train.global_batch_size=5"], "train.grad_accum_steps=5 does not fit interleaved_1f1b"),
+    (["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=zbv", "train.micro_batch_size=1",
+      "train.global_batch_size=4"], "parallel.pp_schedule=zbv places exactly 2 stages per rank in a V; set "
+     "parallel.pp_virtual_stages=2"),
+    (["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2",
+      "train.micro_batch_size=1", "train.global_batch_size=3"], "train.grad_accum_steps>=4"),
+    (["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2",
+      "model.tie_embeddings=true", "train.micro_batch_size=1", "train.global_batch_size=4"], "model.tie_embeddings=false"),
+    (["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=zb1p", "parallel.pp_virtual_stages=2",
+      "train.compile=true", "train.micro_batch_size=1", "train.global_batch_size=4"], "set train.compile=false"),
 ]
 
 # What torch 2.13 runs although an earlier rule refused it (tests/unit/test_stages.py checks the rule
 # against torch's own schedule classes).
 GOOD_PIPELINES = [
+    ["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2",
+     "train.micro_batch_size=1", "train.global_batch_size=1"],
+    ["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2",
+     "train.micro_batch_size=1", "train.global_batch_size=4"],
     ["parallel.pp=4", "parallel.dp=1", "parallel.pp_schedule=gpipe", "train.micro_batch_size=8", "train.global_batch_size=16"],
     ["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
      "train.micro_batch_size=1", "train.global_batch_size=3"],

@@ -84,7 +84,7 @@ CHOICES: Dict[str, Tuple[object, ...]] = {
     "model.rope_scaling.type": ("none", "llama3"),
     "model.moe.router": ("softmax_topk", "sigmoid_topk"),
     "model.moe.balance": ("aux_loss", "aux_free", "none"),
-    "parallel.pp_schedule": ("1f1b", "gpipe", "interleaved_1f1b"),
+    "parallel.pp_schedule": ("1f1b", "gpipe", "interleaved_1f1b", "zb1p", "zbv", "dualpipev"),
     "parallel.cp_attention": ("ring", "all_gather"),
     "parallel.zero_reduce": ("auto", "all_reduce", "reduce_scatter"),
     "parallel.backend": ("auto", "gloo", "nccl"),

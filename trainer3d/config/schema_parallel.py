@@ -8,6 +8,10 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 
+V_SCHEDULES = ("zbv", "dualpipev")
+"""Pipeline schedules that place two stages per rank in a V (trainer3d/parallel/pipeline/stages.py)."""
+
+
 @dataclass
 class ParallelConfig:
     """The layout. World size = tp * cp * pp * dp; rank order is TP fastest, then CP, then DP, then PP."""
@@ -47,9 +51,12 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Shard norm regions along the sequence across tp (needs tp > 1)."""
     pp_schedule: str = "1f1b"
-    """1f1b | gpipe | interleaved_1f1b."""
+    """1f1b | gpipe | interleaved_1f1b | zb1p | zbv | dualpipev. The last three are zero-bubble
+    schedules (weight gradients computed apart from input gradients, filling the bubble;
+    docs/parallelism.md): zb1p interleaves ``pp_virtual_stages`` stages per rank as
+    interleaved_1f1b does, zbv and dualpipev place exactly 2 per rank in a V."""
     pp_virtual_stages: int = 1
-    """Model chunks per pipeline rank (interleaved_1f1b only)."""
+    """Model chunks per pipeline rank (interleaved_1f1b and zb1p: any; zbv and dualpipev: 2)."""
     pp_layers: Optional[List[int]] = None
     """Layers per stage, e.g. [3, 5]; default: as even as possible."""
     bucket_mb: float = 25.0

@@ -11,6 +11,7 @@ from typing import List, Optional
 
 from trainer3d.config import device as device_check
 from trainer3d.config.schema import RUN_NAME, Config, TrainConfig
+from trainer3d.config.schema_parallel import V_SCHEDULES
 from trainer3d.config.knobs import choice_problems, expand_paths, range_problems
 from trainer3d.config.validate_moe import moe_problems
 from trainer3d.config.validate_optim import optim_problems
@@ -184,9 +185,23 @@ def consistent_batch(cfg: Config) -> str:
 
 def _check_pipeline(cfg: Config, problems: List[str]) -> None:
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    if p.pp_virtual_stages > 1 and p.pp_schedule != "interleaved_1f1b":
-        problems.append(f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs "
-                        "parallel.pp_schedule=interleaved_1f1b (or set pp_virtual_stages=1)")
+    if p.pp_virtual_stages > 1 and p.pp_schedule in ("1f1b", "gpipe"):
+        problems.append(f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs parallel.pp_schedule="
+                        "interleaved_1f1b, zb1p, zbv or dualpipev (or set pp_virtual_stages=1)")
+    if p.pp > 1 and p.pp_schedule in ("zb1p", *V_SCHEDULES) and t.compile:
+        # The input step keeps the graph for the weight step (retain_graph), which compiled
+        # backwards with donated buffers refuse: pytorch/pytorch#161904 (open).
+        problems.append(f"train.compile=true cannot run with parallel.pp_schedule={p.pp_schedule}: torch's "
+                        "zero-bubble input/weight split re-runs a compiled block's backward (pytorch/pytorch#161904); "
+                        "set train.compile=false or parallel.pp_schedule=1f1b/interleaved_1f1b")
+    if p.pp > 1 and p.pp_schedule in V_SCHEDULES:
+        if p.pp_virtual_stages != 2:
+            problems.append(f"parallel.pp_schedule={p.pp_schedule} places exactly 2 stages per rank in a V; "
+                            f"set parallel.pp_virtual_stages=2 (is {p.pp_virtual_stages})")
+        if m.tie_embeddings:
+            problems.append(f"parallel.pp_schedule={p.pp_schedule} puts the first and the last stage on one "
+                            "rank, where trainer3d does not tie their embeddings yet; set model.tie_embeddings="
+                            "false or parallel.pp_schedule=interleaved_1f1b/zb1p")
     stages = p.pp * p.pp_virtual_stages
     if m.n_layers < stages:
         problems.append(f"model.n_layers={m.n_layers} < pp({p.pp}) * pp_virtual_stages({p.pp_virtual_stages}) "
@@ -212,9 +227,12 @@ def pipeline_micro_batch_problem(schedule: str, pp: int, n_micro: int) -> Option
     n_micro 1..9, virtual stages 1..3; every other combination matched one process):
     - 1f1b: Schedule1F1B raises for n_micro < stages (each stage needs one in flight);
     - gpipe: any n_micro >= 1;
-    - interleaved_1f1b: ScheduleInterleaved1F1B runs rounds = max(1, n_micro // pp) of
-      equal size, so n_micro must be a multiple of the rounds (below pp is fine; pp=2: 5
-      is refused, 3 and 6 run). Independent of the virtual stages per rank.
+    - interleaved_1f1b and zb1p: ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble run
+      rounds = max(1, n_micro // pp) of equal size, so n_micro must be a multiple of the rounds
+      (below pp is fine; pp=2: 5 is refused, 3 and 6 run). Independent of the virtual stages.
+    - zbv: any n_micro >= 1 (ScheduleZBVZeroBubble plans max(2 pp - 1, n_micro) and drops the
+      micro-batches beyond n_micro);
+    - dualpipev: ScheduleDualPipeV raises for n_micro < 2 pp (its stages).
     The pipeline checks this again at run time (parallel/pipeline/schedule.py).
     """
     if pp <= 1:
@@ -223,13 +241,16 @@ def pipeline_micro_batch_problem(schedule: str, pp: int, n_micro: int) -> Option
         return (f"train.grad_accum_steps={n_micro} < parallel.pp={pp}: 1f1b needs at least one "
                 f"micro-batch per stage in flight; set train.grad_accum_steps>={pp} "
                 "(or parallel.pp_schedule=gpipe)")
-    if schedule == "interleaved_1f1b":
+    if schedule == "dualpipev" and n_micro < 2 * pp:
+        return (f"train.grad_accum_steps={n_micro} < 2 * parallel.pp={2 * pp}: dualpipev needs at least one "
+                f"micro-batch per stage (2 per rank); set train.grad_accum_steps>={2 * pp}")
+    if schedule in ("interleaved_1f1b", "zb1p"):
         rounds = max(1, n_micro // pp)
         if n_micro % rounds:
             fits = [n for n in range(1, 2 * n_micro + pp) if n % max(1, n // pp) == 0]
             below = max(n for n in fits if n < n_micro)
             above = min(n for n in fits if n > n_micro)
-            return (f"train.grad_accum_steps={n_micro} does not fit interleaved_1f1b on parallel.pp={pp}: "
+            return (f"train.grad_accum_steps={n_micro} does not fit {schedule} on parallel.pp={pp}: "
                     f"torch runs {rounds} rounds of equal size (grad_accum_steps // pp), and {n_micro} "
                     f"is not a multiple of {rounds}; set train.grad_accum_steps={below} or {above}")
     return None

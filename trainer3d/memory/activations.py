@@ -45,6 +45,8 @@ import torch
 from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.memory.moe import MoESizes, moe_ffn_terms
 from trainer3d.model.transformer import head_dim_of, kv_expanded
+from trainer3d.parallel.pipeline.stages import stages_of_rank
+from trainer3d.parallel.pipeline.timeline import ZERO_BUBBLE, schedule_actions
 
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ATTENTION_KERNELS = ("flash", "math")
@@ -326,10 +328,17 @@ def schedule_ops(schedule: str, pp: int, virtual: int, m: int, pp_rank: int) -> 
       (``_get_warmup_ops``), then one forward and one backward in turn; forwards walk the
       local chunks round by round, backwards in reverse (``forward_stage_index`` /
       ``backward_stage_index`` of ``ScheduleInterleaved1F1B``).
+    - zb1p, zbv, dualpipev: torch's own action lists (parallel/pipeline/timeline.py); a
+      micro-batch's activations stay until its weight step W, which reads them after the
+      input step I (``retain_graph``: parallel/pipeline/weight_grad.py), so W counts as 'B'.
     Without a pipeline every micro-batch runs forward and backward before the next one.
     """
     if pp == 1:
         return [op for _ in range(m) for op in (("F", 0), ("B", 0))]
+    if schedule in ZERO_BUBBLE:
+        local = stages_of_rank(pp_rank, pp, virtual, schedule)
+        return [("F" if kind == "F" else "B", local.index(stage))
+                for kind, stage, _ in schedule_actions(schedule, pp, virtual, m)[pp_rank] if kind in ("F", "B", "W")]
     if schedule == "gpipe":
         return [("F", 0)] * m + [("B", 0)] * m
     if schedule == "1f1b":

@@ -103,15 +103,15 @@ class RankMemory:
 
 
 @functools.lru_cache(maxsize=4096)
-def _interleaved_ops(pp: int, virtual: int, m: int, pp_rank: int):
-    return schedule_ops("interleaved_1f1b", pp, virtual, m, pp_rank)
+def _schedule_ops(schedule: str, pp: int, virtual: int, m: int, pp_rank: int):
+    return schedule_ops(schedule, pp, virtual, m, pp_rank)
 
 
 def _in_flight(cfg: Config, pp_rank: int, per_micro: List[int], per_step: List[int]) -> Tuple[int, List[int]]:
     """Peak saved bytes and micro-batches in flight per chunk (closed forms where there is one)."""
     p, m = cfg.parallel, cfg.train.grad_accum_steps
-    if p.pp > 1 and p.pp_schedule == "interleaved_1f1b":
-        return peak_in_flight(_interleaved_ops(p.pp, p.pp_virtual_stages, m, pp_rank), per_micro, per_step)
+    if p.pp > 1 and p.pp_schedule not in ("1f1b", "gpipe"):
+        return peak_in_flight(_schedule_ops(p.pp_schedule, p.pp, p.pp_virtual_stages, m, pp_rank), per_micro, per_step)
     count = 1 if p.pp == 1 else m if p.pp_schedule == "gpipe" else min(m, p.pp - pp_rank)
     return count * per_micro[0] + per_step[0], [count]
 
@@ -140,7 +140,7 @@ def rank_memory(cfg: Config, pp_rank: int, kernel: str = "flash", cuda: Optional
     ranks run on CUDA (None: as the config says; trainer3d/memory/activations.py ``Sizes.of``)."""
     p, t = cfg.parallel, cfg.train
     last, m = n_stages(cfg) - 1, t.grad_accum_steps
-    stages = stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages)
+    stages = stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule)
     ranges = stage_layer_ranges(cfg.model.n_layers, last + 1, p.pp_layers)
     z = Sizes.of(cfg, kernel, cuda)
     recompute = t.activation_checkpointing

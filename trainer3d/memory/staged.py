@@ -33,7 +33,7 @@ def _shapes(cfg: Config, pp_rank: int) -> Tuple[List[Tuple[int, ...]], List[bool
     p, last = cfg.parallel, n_stages(cfg) - 1
     tied_copies = len(model_shapes(cfg.model, p.tp).before) if cfg.model.tie_embeddings and pp_rank > 0 else 0
     shapes, kept = [], []
-    for stage in stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages):
+    for stage in stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule):
         part = stage_parameter_shapes(cfg, stage)
         shapes += part
         kept += [not (stage == last and i < tied_copies) for i in range(len(part))]

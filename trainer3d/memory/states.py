@@ -280,7 +280,7 @@ def rank_parameter_shapes(cfg: Config, rank: int) -> List[Tuple[int, ...]]:
     """Shapes of the parameters global ``rank`` holds, in registration order (its stages, TP-sharded)."""
     p = cfg.parallel
     pp_rank = Topology.of(p).coords(rank).pp
-    return [s for stage in stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages) for s in stage_parameter_shapes(cfg, stage)]
+    return [s for stage in stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule) for s in stage_parameter_shapes(cfg, stage)]
 
 
 def rank_muon_mask(cfg: Config, rank: int) -> Optional[List[bool]]:
@@ -289,7 +289,7 @@ def rank_muon_mask(cfg: Config, rank: int) -> Optional[List[bool]]:
     if cfg.optim.name != "muon":
         return None
     pp_rank = Topology.of(p).coords(rank).pp
-    return [m for stage in stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages) for m in stage_muon_mask(cfg, stage)]
+    return [m for stage in stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule) for m in stage_muon_mask(cfg, stage)]
 
 
 # ------------------------------------------------------------------ the paper's Table 1

@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from trainer3d.config.schema_parallel import V_SCHEDULES
 from trainer3d.parallel.timeouts import group_timeout_s, seconds, set_timeout
 
 DIMS = ("pp", "dp", "cp", "tp")  # slowest to fastest
@@ -92,6 +93,8 @@ class Topology:
     """HSDP: FSDP2 shards over this many neighbouring dp ranks (None: all of dp)."""
     ep: int = 1
     """Expert parallelism: MoE experts split over this many neighbouring dp x cp ranks."""
+    v_shape: bool = False
+    """Two pipeline stages per rank placed in a V (``V_SCHEDULES``): the last stage is on pp rank 0."""
 
     def __post_init__(self):
         for name in DIMS:
@@ -108,7 +111,13 @@ class Topology:
         dp_shard only counts for FSDP2 (zero_stage 2/3), which validation enforces."""
         hsdp = parallel.zero_stage >= 2 and parallel.dp_shard not in (None, parallel.dp)
         return cls(tp=parallel.tp, pp=parallel.pp, dp=parallel.dp, cp=parallel.cp,
-                   dp_shard=parallel.dp_shard if hsdp else None, ep=parallel.ep)
+                   dp_shard=parallel.dp_shard if hsdp else None, ep=parallel.ep,
+                   v_shape=parallel.pp_schedule in V_SCHEDULES)
+
+    @property
+    def last_pp_rank(self) -> int:
+        """The pp rank of the last stage (head and loss): pp - 1, or 0 in a V."""
+        return 0 if self.v_shape else self.pp - 1
 
     @property
     def shard(self) -> int:
@@ -317,7 +326,7 @@ class ParallelDims:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.topo.pp - 1
+        return self.pp_rank == self.topo.last_pp_rank
 
 
 def _my_group(groups: List[List[int]], rank: int, timeout_s: float) -> Optional[dist.ProcessGroup]:

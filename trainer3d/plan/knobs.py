@@ -34,6 +34,8 @@ PLAN_FLAG_LISTS = ("search.sequence_parallel", "search.recompute")
 PLAN_CHOICES: Dict[str, Tuple[str, ...]] = {
     "cluster.attention": ("flash", "math"), "cluster.backend": ("auto", "nccl", "gloo"),
 }
+SEARCHED_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipev")
+"""What ``search.schedules`` may hold (GPipe is never proposed: see ``SearchConfig.virtual_stages``)."""
 PLAN_FREE_TEXT = ("cluster.gpu", "cluster.calibration")
 """Checked by ``trainer3d.plan.devices.device_for`` (a preset's name, or a calibration file)."""
 
@@ -57,4 +59,7 @@ def plan_problems(cfg: PlanConfig) -> List[str]:
     for knob, choices in PLAN_CHOICES.items():
         if get(cfg, knob) not in choices:
             problems.append(f"{knob}={get(cfg, knob)} is not one of {', '.join(choices)}")
+    schedules = list(cfg.search.schedules)
+    if not schedules or set(schedules) - set(SEARCHED_SCHEDULES):
+        problems.append(f"search.schedules={schedules}: give a non-empty list of {', '.join(SEARCHED_SCHEDULES)}")
     return problems

@@ -32,7 +32,7 @@ def rank_layers(cfg: Config, pp_rank: int) -> int:
     """The blocks pipeline rank ``pp_rank``'s stages hold."""
     p = cfg.parallel
     ranges = stage_layer_ranges(cfg.model.n_layers, n_stages(cfg), p.pp_layers)
-    return sum(len(ranges[s]) for s in stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages))
+    return sum(len(ranges[s]) for s in stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule))
 
 
 def muon_s(cfg: Config, device: Device, pp_rank: int, ranks_per_node: int) -> float:

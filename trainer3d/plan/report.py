@@ -1,6 +1,6 @@
 """The planner's output: what was searched, the fastest layouts that fit, their commands."""
 
-from typing import List, Sequence
+from typing import Dict, List, Sequence
 
 from trainer3d.memory.states import format_bytes
 from trainer3d.model.flops import flops_per_token
@@ -16,7 +16,8 @@ def _layout(plan_cfg) -> str:
     return (f"tp={p.tp}{f' cp={p.cp}' if p.cp > 1 else ''} pp={p.pp} dp={p.dp}{f' ep={p.ep}' if p.ep > 1 else ''} micro={t.micro_batch_size} "
             f"zero={p.zero_stage}" + (f" dp_shard={p.dp_shard}" if p.dp_shard is not None else "") + (" offload" if p.offload_optimizer else "")
             + (" sp" if p.sequence_parallel else "") + (" recompute" if t.activation_checkpointing else "")
-            + (f" interleaved v={p.pp_virtual_stages}" if p.pp_virtual_stages > 1 else ""))
+            + (f" interleaved v={p.pp_virtual_stages}" if p.pp_virtual_stages > 1 and p.pp_schedule == "interleaved_1f1b"
+               else f" {p.pp_schedule} v={p.pp_virtual_stages}" if p.pp > 1 and p.pp_schedule != "1f1b" else ""))
 
 
 def _zero(p) -> str:
@@ -80,6 +81,26 @@ def pending_lines(cfg: PlanConfig, device: Device, result: SearchResult, runnabl
             *memory_lines(best, device.usable_bytes(cfg.cluster.gpus_per_node)), *step_lines(best.step)]
 
 
+def schedule_lines(plans: Sequence[Plan]) -> List[str]:
+    """With a pipeline schedule other than 1F1B searched: the fastest fitting layout of each
+    schedule (pipelined layouts only), fastest first, and how far each is behind the winner."""
+    best: Dict[str, Plan] = {}
+    for plan in plans:  # fastest first
+        p = plan.cfg.parallel
+        if p.pp > 1:
+            best.setdefault(p.pp_schedule, plan)
+    if len(best) < 2:
+        return []
+    ranked = sorted(best.values(), key=lambda plan: -plan.tokens_per_s)
+    lines = ["fastest pipelined layout of each schedule:",
+             f"  {'schedule':<17} {'tokens/s':>11} {'vs best':>8} {'bubble':>6} {'peak':>10}  layout"]
+    for plan in ranked:
+        lines.append(f"  {plan.cfg.parallel.pp_schedule:<17} {plan.tokens_per_s:>11,.0f} "
+                     f"{plan.tokens_per_s / ranked[0].tokens_per_s - 1:>+8.1%} {plan.step.bubble / plan.step.total:>6.1%} "
+                     f"{format_bytes(plan.memory.total):>10}  {_layout(plan.cfg)}")
+    return lines
+
+
 def report(cfg: PlanConfig, device: Device, result: SearchResult, user_overrides: Sequence[str]) -> str:
     top = result.plans[:cfg.search.top]
     lines = summary_lines(cfg, device, result) + pending_lines(cfg, device, result, bool(top))
@@ -87,6 +108,9 @@ def report(cfg: PlanConfig, device: Device, result: SearchResult, user_overrides
         lines.append("no layout fits: use more nodes, a smaller train.seq_len, or another cluster.gpu")
         return "\n".join(lines)
     lines += ["", *table_lines(cfg, top), ""]
+    by_schedule = schedule_lines(result.plans)
+    if by_schedule:
+        lines += [*by_schedule, ""]
     lines += [f"{i:>3}  {command(plan.cfg, user_overrides)}" for i, plan in enumerate(top, 1)]
     lines += ["", f"#1 in detail ({_layout(top[0].cfg)}; plan.evaluate=true with its command's overrides prints "
               "the same):", *memory_lines(top[0], device.usable_bytes(cfg.cluster.gpus_per_node)),

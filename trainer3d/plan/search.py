@@ -5,8 +5,9 @@ The space: tp over the divisors of the ranks per node (tensor parallelism stays 
 node, trainer3d/parallel/topology.py), for long sequences (``search.context_parallel_from``)
 cp over the powers of two that divide what is left, pp over the divisors of what is left
 then (at most one layer per stage), dp the rest; then micro-batch size, ZeRO stage, sequence parallelism (tp > 1),
-recomputation, expert parallelism for MoE models (plan/expert_search.py) and the schedule (1F1B, or interleaved 1F1B with v chunks per rank when
-pp > 1), and for ZeRO-2/3 hybrid sharding over the dp_shard groups that fit a node
+recomputation, expert parallelism for MoE models (plan/expert_search.py) and the schedule (1F1B, or
+interleaved 1F1B with v chunks per rank when pp > 1, and the zero-bubble schedules named in
+``search.schedules``), and for ZeRO-2/3 hybrid sharding over the dp_shard groups that fit a node
 (``dp_shards``). Two of validate()'s rules shape the space instead of filtering it (ZeRO 2/3 only
 without a pipeline; at least one layer per stage), a layout over the device's memory is
 tried once more with its optimizer offloaded to the host (``search.offload``; ZeRO-2/3: FSDP2's
@@ -107,8 +108,7 @@ def candidates(cfg: PlanConfig, device: Device) -> Iterator[Config]:
     splits = [(t, k) for t in _divisors(c.gpus_per_node) for k in context_parallel_sizes(cfg, world // t)]
     for tp, cp in splits:
         for pp in (d for d in _divisors(world // (tp * cp)) if d <= m.n_layers):
-            schedules = [("1f1b", 1)] + [("interleaved_1f1b", v) for v in s.virtual_stages
-                                         if v > 1 and pp > 1 and pp * v <= m.n_layers]
+            schedules = pipeline_schedules(s.schedules, s.virtual_stages, pp, m.n_layers)
             for micro in s.micro_batch_sizes:
                 for zero in (z for z in s.zero_stages if (pp == 1 or z < 2) and (world > tp * pp or z == 0)):
                     for sp in (s.sequence_parallel if tp > 1 else [False]):
@@ -124,6 +124,26 @@ def candidates(cfg: PlanConfig, device: Device) -> Iterator[Config]:
                                 train = dataclasses.replace(cfg.train, micro_batch_size=micro, grad_accum_steps=None,
                                                             activation_checkpointing=recompute)
                                 yield dataclasses.replace(base, parallel=parallel, train=train)
+
+
+def pipeline_schedules(names: Sequence[str], virtual: Sequence[int], pp: int, n_layers: int) -> List[Tuple[str, int]]:
+    """(schedule, stages per rank) pairs tried: 1F1B as the one-stage case; with a pipeline,
+    interleaved_1f1b and zb1p at each v > 1 of ``virtual`` (zb1p at v = 1 too), zbv and
+    dualpipev at v = 2, within one layer per stage."""
+    out = [("1f1b", 1)]
+    if pp == 1:
+        return out
+    for name in names:
+        if name in ("zbv", "dualpipev"):
+            vs = [2]
+        elif name == "zb1p":
+            vs = list(virtual)
+        elif name == "interleaved_1f1b":
+            vs = [v for v in virtual if v > 1]
+        else:
+            vs = []
+        out += [(name, v) for v in vs if pp * v <= n_layers and (name, v) not in out]
+    return out
 
 
 def dp_shards(dp: int, tp_cp: int, zero: int, ranks_per_node: int) -> List[Optional[int]]:

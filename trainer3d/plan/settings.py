@@ -53,8 +53,11 @@ class SearchConfig:
     micro_batch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     zero_stages: List[int] = field(default_factory=lambda: [0, 1, 2, 3])
     virtual_stages: List[int] = field(default_factory=lambda: [1, 2, 4])
-    """Model chunks per pipeline rank; above 1 with interleaved_1f1b. (GPipe is never proposed:
-    it has 1F1B's bubble and holds every micro-batch's activations.)"""
+    """Model chunks per pipeline rank; above 1 with interleaved_1f1b and zb1p. (GPipe is never
+    proposed: it has 1F1B's bubble and holds every micro-batch's activations.)"""
+    schedules: List[str] = field(default_factory=lambda: ["1f1b", "interleaved_1f1b"])
+    """Pipeline schedules tried (pp > 1): 1f1b, interleaved_1f1b, and the zero-bubble zb1p, zbv,
+    dualpipev (zbv and dualpipev with 2 stages per rank; docs/planning.md compares them)."""
     sequence_parallel: List[bool] = field(default_factory=lambda: [False, True])
     recompute: List[bool] = field(default_factory=lambda: [False, True])
     offload: bool = True

@@ -50,7 +50,9 @@ from trainer3d.config.schema import Config
 from trainer3d.config.schema_parallel import zero_shards
 from trainer3d.memory.moe import moe_layers
 from trainer3d.memory.states import BYTES, ModelStateBytes
+from trainer3d.parallel.pipeline.bubble import bubble_theory
 from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
+from trainer3d.parallel.pipeline.timeline import ZERO_BUBBLE
 from trainer3d.plan.block_time import all_reduce_s, block_time, tp_region_s
 from trainer3d.plan.devices import Device
 from trainer3d.plan.links import _link_gbps, overlap_cost
@@ -179,7 +181,7 @@ def micro_batch_times(cfg: Config, device: Device, pp_rank: int, ranks_per_node:
     region = tp_region_s(cfg, device, ranks_per_node)
     last = n_stages(cfg) - 1
     ranges = stage_layer_ranges(m.n_layers, last + 1, p.pp_layers)
-    stages = stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages)
+    stages = stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule)
     layers = sum(len(ranges[s]) for s in stages)
     experts = sum(moe_layers(cfg, s) for s in stages)  # MoE blocks among them (plan/moe_cost.py)
     kinds = [(block, layers - experts)]
@@ -350,6 +352,11 @@ def step_time(cfg: Config, device: Device, states: Dict[int, ModelStateBytes], r
         hop = z.hidden_bytes() / (gbps * 1e9) + (device.latency(node_ranks) + device.pipeline_action(node_ranks)) * 1e-6
     slot = busy + 2 * v * hop
     fill = (p.pp - 1) / v
+    if p.pp > 1 and p.pp_schedule in ZERO_BUBBLE:
+        # The idle share b of torch's own action lists with unit costs (timeline.py, which the
+        # executed order is held to): the step spans m slots / (1 - b), m of them busy.
+        b = bubble_theory(p.pp, m, v, p.pp_schedule)
+        fill = m * b / (1 - b)
     optimizer = max(_optimizer_s(cfg, device, s) + muon_s(cfg, device, r, node_ranks) for r, s in states.items())
     dp = max(_dp_exposed(cfg, device, s, times[r], ranks_per_node, backend, r) for r, s in states.items())
     if p.zero_stage >= 2:

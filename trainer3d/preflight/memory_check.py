@@ -57,7 +57,7 @@ def rank_parameters(cfg: Config, pp_rank: int) -> int:
     last = len(ranges) - 1
     before, after = (sum(prod(s) for s in part) for part in (shapes.before, shapes.after))
     total = 0
-    for stage in stages_of_rank(pp_rank, cfg.parallel.pp, cfg.parallel.pp_virtual_stages):
+    for stage in stages_of_rank(pp_rank, cfg.parallel.pp, cfg.parallel.pp_virtual_stages, cfg.parallel.pp_schedule):
         total += sum(prod(s) for i in ranges[stage] for s in shapes.layer(cfg.model, i))
         total += before if stage == 0 or (stage == last and cfg.model.tie_embeddings) else 0
         total += after if stage == last else 0

@@ -26,6 +26,8 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from trainer3d.parallel.pipeline.timeline import ZERO_BUBBLE, schedule_bubble
+
 
 def stamp(cuda: bool):
     """A point in time on this rank's work: a CUDA event recorded on the current stream (read
@@ -47,8 +49,11 @@ def seconds_between(cuda: bool, start, end) -> float:
     return end - start
 
 
-def bubble_theory(pp: int, n_micro: int, virtual_stages: int = 1) -> float:
-    """The idle fraction of an ideal pipeline step: (p - 1) / (v (m + p - 1))."""
+def bubble_theory(pp: int, n_micro: int, virtual_stages: int = 1, schedule: str = "1f1b") -> float:
+    """The idle fraction of an ideal pipeline step: (p - 1) / (v (m + p - 1)); for the zero-bubble
+    schedules, that of torch's own action lists run with unit costs (timeline.py)."""
+    if schedule in ZERO_BUBBLE:
+        return schedule_bubble(schedule, pp, virtual_stages, n_micro)
     return (pp - 1) / (virtual_stages * (n_micro + pp - 1))
 
 
@@ -69,6 +74,10 @@ class StageClock:
 
     def _seconds(self, start, end) -> float:
         return seconds_between(self.cuda, start, end)
+
+    @property
+    def in_step(self) -> bool:
+        return self._step_start is not None
 
     def start_step(self) -> None:
         self._busy = []

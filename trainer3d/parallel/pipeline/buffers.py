@@ -60,6 +60,10 @@ class ReceiveLedger:
         return buffer
 
     def free(self, buffer: torch.Tensor) -> None:
+        """Give back a buffer ``allocate`` made; any other tensor (a V schedule hands a stage's
+        output to the next stage on the same rank without a receive) is left alone."""
+        if id(buffer) not in self._held:
+            return
         self._forget(id(buffer))
         buffer.untyped_storage().resize_(0)
 
@@ -135,6 +139,15 @@ class BoundedReceiveStage(PipelineStage):
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args, full_backward: bool = True, **kwargs):
         super().backward_one_chunk(bwd_chunk_id, *args, full_backward=full_backward, **kwargs)
-        self._release(self.grad_recv_info, bwd_chunk_id)
+        # A zero-bubble input step (full_backward=False) leaves the weight step to come, which reads
+        # both: the input activation (saved by the first block) and the output gradient (the
+        # gradient torch keeps for the last node before the output is that very buffer; on the
+        # first stage torch runs the whole backward then).
         if full_backward:
+            self._release(self.grad_recv_info, bwd_chunk_id)
             self._release(self.args_recv_info, bwd_chunk_id)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+        self._release(self.grad_recv_info, bwd_chunk_id)
+        self._release(self.args_recv_info, bwd_chunk_id)

@@ -7,6 +7,9 @@ import functools
 from types import SimpleNamespace
 from typing import Tuple
 
+from trainer3d.parallel.pipeline.placement import rank_of_stage
+from trainer3d.parallel.pipeline.timeline import ZERO_BUBBLE, torch_order
+
 
 def receive_buffers_held(schedule: str, pp: int, virtual: int, m: int, pp_rank: int) -> int:
     """The most receive buffers (one hidden state each) pp rank ``pp_rank`` holds at once.
@@ -19,6 +22,8 @@ def receive_buffers_held(schedule: str, pp: int, virtual: int, m: int, pp_rank: 
         return 0
     if schedule == "interleaved_1f1b":
         return _interleaved_held(pp, virtual, m)[pp_rank]
+    if schedule in ZERO_BUBBLE:
+        return _zero_bubble_held(schedule, pp, virtual, m)[pp_rank]
     in_flight = m if schedule == "gpipe" else min(m, pp - pp_rank)
     return (pp_rank > 0) * in_flight + (pp_rank < pp - 1)
 
@@ -48,5 +53,29 @@ def _interleaved_held(pp: int, virtual: int, m: int) -> Tuple[int, ...]:
                 peak = max(peak, live)
             elif a.computation_type == _ComputationType.FULL_BACKWARD:
                 live -= (a.stage_index > 0) + (a.stage_index < last)
+        held.append(peak)
+    return tuple(held)
+
+
+@functools.lru_cache(maxsize=256)
+def _zero_bubble_held(schedule: str, pp: int, virtual: int, m: int) -> Tuple[int, ...]:
+    """Per rank, the peak count of receive buffers over torch's action lists with their
+    communication (``pipeline_order_with_comms``): a buffer lives from its RECV_F or RECV_B to
+    its micro-batch's B or W on that stage (buffers.py keeps both for the weight step). Stages
+    next to each other on one rank (the tip of a V) pass tensors without a receive."""
+    from torch.distributed.pipelining.schedules import _add_send_recv, _ComputationType
+
+    compute = {r: [a for a in actions if a is not None] for r, actions in torch_order(schedule, pp, virtual, m).items()}
+    with_comms = _add_send_recv(compute, lambda stage: rank_of_stage(stage, pp, schedule), pp * virtual)
+    held = []
+    for rank in range(pp):
+        live, peak = set(), 0
+        for a in (sub for top in with_comms[rank] for sub in (top.sub_actions or (top,))):  # DualPipeV's F;B pairs
+            kind = a.computation_type
+            if kind in (_ComputationType.RECV_F, _ComputationType.RECV_B):
+                live.add((kind, a.stage_index, a.microbatch_index))
+                peak = max(peak, len(live))
+            elif kind in (_ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_WEIGHT):
+                live = {b for b in live if (b[1], b[2]) != (a.stage_index, a.microbatch_index)}
         held.append(peak)
     return tuple(held)

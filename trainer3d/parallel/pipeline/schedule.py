@@ -1,4 +1,6 @@
-"""Pipeline parallelism: a step's micro-batches through 1F1B, GPipe or interleaved 1F1B.
+"""Pipeline parallelism: a step's micro-batches through 1F1B, GPipe, interleaved 1F1B or the
+zero-bubble zb1p, zbv and dualpipev (their weight step through weight_grad.py; zbv and dualpipev
+on two stages per rank in a V, placement.py).
 
 The schedules are torch.distributed.pipelining's (tests/multirank/test_pipeline.py holds their losses
 and gradients to a single process). This module builds them over ``dims.pp_group`` and guards their
@@ -32,7 +34,8 @@ from typing import List, Optional
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from trainer3d.config.schema import Config
 from trainer3d.model.moe import moe_blocks, not_counted
@@ -40,10 +43,15 @@ from trainer3d.parallel.pipeline.bubble import StageClock, bubble_theory
 from trainer3d.parallel.pipeline.buffers import BoundedReceiveStage, ReceiveLedger
 from trainer3d.parallel.pipeline.losses import StepLosses
 from trainer3d.parallel.pipeline.stages import stages_of_rank
+from trainer3d.parallel.pipeline.timeline import Action
+from trainer3d.parallel.pipeline.weight_grad import backward_weight
 from trainer3d.parallel.topology import ParallelDims
 from trainer3d.config.validate import pipeline_micro_batch_problem
 
-SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B,
+             "zb1p": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+SINGLE_STAGE = ("1f1b", "gpipe")
+"""Schedules built on one stage per rank; the others take the rank's list of stages."""
 
 
 class TimedStage(BoundedReceiveStage):
@@ -58,12 +66,19 @@ class TimedStage(BoundedReceiveStage):
     its backward (which recomputes the forward under activation checkpointing), from the
     step's ``step_segments`` (grad_accum, micro_batch, seq)."""
 
-    def __init__(self, *args, clock: StageClock, losses: StepLosses, segments=None, **kwargs):
+    def __init__(self, *args, clock: StageClock, losses: StepLosses, segments=None, executed=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.clock = clock
         self.losses = losses
         self.segments = segments
         self.step_segments: Optional[torch.Tensor] = None
+        self.executed: List[Action] = executed if executed is not None else []
+        """The (kind, stage, micro-batch) compute actions this rank ran in the current step, in
+        order (timeline.py): F, B, or the zero-bubble halves I and W."""
+
+    def _record(self, kind: str, chunk_id: int) -> None:
+        if self.clock.in_step:
+            self.executed.append((kind, self.stage_index, chunk_id))
 
     def _use_segments(self, chunk_id: int) -> None:
         if self.segments is not None:
@@ -79,13 +94,28 @@ class TimedStage(BoundedReceiveStage):
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         self._use_segments(fwd_chunk_id)
+        self._record("F", fwd_chunk_id)
         with self.clock.busy():
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
-    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, full_backward: bool = True, **kwargs):
         self._use_segments(bwd_chunk_id)
+        self._record("B" if full_backward else "I", bwd_chunk_id)
         with self.clock.busy():
-            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+            return super().backward_one_chunk(bwd_chunk_id, *args, full_backward=full_backward, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        self._use_segments(bwd_chunk_id)
+        self._record("W", bwd_chunk_id)
+        with self.clock.busy():
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        """torch's, but the zero-bubble weight step through the gradient path (weight_grad.py)."""
+        if backward_type == "weight":
+            backward_weight(self.submod.parameters(), bwd_kwargs["param_groups"])
+            return (), None
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
 
 class Pipeline:
@@ -97,25 +127,27 @@ class Pipeline:
         problem = pipeline_micro_batch_problem(p.pp_schedule, p.pp, self.n_micro)
         if problem:
             raise ValueError(problem)
-        stage_ids = stages_of_rank(dims.pp_rank, p.pp, p.pp_virtual_stages)
+        stage_ids = stages_of_rank(dims.pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule)
         if len(chunks) != len(stage_ids):
             raise ValueError(f"pp rank {dims.pp_rank} runs stages {stage_ids} but has {len(chunks)} chunks")
         n_stages = p.pp * p.pp_virtual_stages
         self.micro_loss = micro_loss
         self.clock = StageClock(dims.device)
         self.receive = ReceiveLedger()
+        self.executed: List[Action] = []
         self.stages = [TimedStage(chunk, stage, n_stages, dims.device, group=dims.pp_group, clock=self.clock,
-                                  losses=micro_loss.losses, ledger=self.receive, segments=segments)
+                                  losses=micro_loss.losses, ledger=self.receive, segments=segments,
+                                  executed=self.executed)
                        for chunk, stage in zip(chunks, stage_ids)]
         self.holds_first = 0 in stage_ids
         self.holds_last = n_stages - 1 in stage_ids
         schedule_cls = SCHEDULES[p.pp_schedule]
         loss_fn = self.clock.timed(micro_loss)
-        if p.pp_schedule == "interleaved_1f1b":
-            self.schedule = schedule_cls(self.stages, self.n_micro, loss_fn=loss_fn, scale_grads=False)
-        else:
+        if p.pp_schedule in SINGLE_STAGE:
             self.schedule = schedule_cls(self.stages[0], self.n_micro, loss_fn=loss_fn, scale_grads=False)
-        self.bubble_theory = bubble_theory(p.pp, self.n_micro, p.pp_virtual_stages)
+        else:
+            self.schedule = schedule_cls(self.stages, self.n_micro, loss_fn=loss_fn, scale_grads=False)
+        self.bubble_theory = bubble_theory(p.pp, self.n_micro, p.pp_virtual_stages, p.pp_schedule)
 
     def _schedule_args(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]):
         """The schedule's positional inputs (first stage) and target (last stage), flattened to
@@ -153,6 +185,7 @@ class Pipeline:
         args, target = self._schedule_args(inputs, targets)
         self._set_segments(segments)
         recorded = len(self.micro_loss.losses)
+        self.executed.clear()
         self.clock.start_step()
         self.schedule.step(*args, target=target, return_outputs=False)
         self.clock.end_step()

@@ -1,6 +1,6 @@
 """Which layers each pipeline stage holds, and cutting the meta-device model into stages.
 
-A pipeline of ``pp`` ranks with ``v`` virtual stages per rank (interleaved 1F1B) has
+A pipeline of ``pp`` ranks with ``v`` virtual stages per rank (interleaved 1F1B, zb1p) has
 ``pp * v`` stages; stage ``s`` runs on pp rank ``s % pp``, so rank ``r`` holds stages
 ``r, r + pp, r + 2 pp, ...`` (Narayanan et al. 2021, "Efficient Large-Scale Language
 Model Training on GPU Clusters", sec. 2.2; torch's interleaved schedules expect exactly
@@ -10,6 +10,19 @@ this order). With pp=2, v=2 and 8 layers::
     rank:     0        1        0        1
     layers:   0-1      2-3      4-5      6-7
     also:     embedding                  final norm, head, loss
+
+The V schedules (``zbv``, ``dualpipev``: Qi et al. 2024, "Zero Bubble Pipeline Parallelism",
+sec. 6; DeepSeek-V3 report sec. 3.2.1) place two stages per rank in a V: stage ``s < pp`` on
+rank ``s`` and stage ``2 pp - 1 - s`` on rank ``s`` too (torch's ``generate_stage_to_rank_mapping``
+with ``style="v"``, torch/distributed/pipelining/schedules.py). With pp=2, 8 layers::
+
+    stage:    0        1        2        3
+    rank:     0        1        1        0
+    layers:   0-1      2-3      4-5      6-7
+    also:     embedding                  final norm, head, loss
+
+so the first and the last stage share rank 0: the loss is computed there, next to the
+embedding.
 
 The layer ranges are a pure function (``stage_layer_ranges``) that the dry-run plan and
 the tests use without processes; ``split_into_stages`` applies it to the full model built
@@ -23,6 +36,7 @@ from torch import nn
 
 from trainer3d.config.schema import Config
 from trainer3d.parallel.pipeline.bubble import bubble_theory
+from trainer3d.parallel.pipeline.placement import rank_of_stage, stages_of_rank  # noqa: F401  (re-exported)
 from trainer3d.parallel.topology import ParallelDims
 
 
@@ -49,11 +63,6 @@ def stage_layer_ranges(n_layers: int, n_stages: int, pp_layers: Optional[Sequenc
         ranges.append(range(start, start + count))
         start += count
     return ranges
-
-
-def stages_of_rank(pp_rank: int, pp: int, virtual_stages: int = 1) -> List[int]:
-    """The stage indices pp rank ``pp_rank`` runs, in execution order: r, r + pp, ..."""
-    return [pp_rank + k * pp for k in range(virtual_stages)]
 
 
 def n_stages(cfg: Config) -> int:
@@ -93,7 +102,7 @@ def split_into_stages(model: nn.Module, cfg: Config, dims: ParallelDims) -> List
     """
     p = cfg.parallel
     ranges = stage_layer_ranges(cfg.model.n_layers, n_stages(cfg), p.pp_layers)
-    stages = stages_of_rank(dims.pp_rank, p.pp, p.pp_virtual_stages)
+    stages = stages_of_rank(dims.pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule)
     chunks = []
     for i, stage in enumerate(stages):
         chunk = model if i == len(stages) - 1 else copy.deepcopy(model)
@@ -105,6 +114,6 @@ def describe_stages(cfg: Config) -> str:
     """The dry-run plan's pipeline line: schedule, micro-batches, each stage's layers and rank."""
     p, accum = cfg.parallel, cfg.train.grad_accum_steps
     ranges = stage_layer_ranges(cfg.model.n_layers, n_stages(cfg), p.pp_layers)
-    layers = ", ".join(f"stage {s} (pp rank {s % p.pp}): layers {r.start}-{r.stop - 1}" for s, r in enumerate(ranges))
+    layers = ", ".join(f"stage {s} (pp rank {rank_of_stage(s, p.pp, p.pp_schedule)}): layers {r.start}-{r.stop - 1}" for s, r in enumerate(ranges))
     return (f"pipeline: {p.pp_schedule}, {len(ranges)} stages, {accum} micro-batches, "
-            f"bubble_theory {bubble_theory(p.pp, accum, p.pp_virtual_stages):.3f}\n  {layers}")
+            f"bubble_theory {bubble_theory(p.pp, accum, p.pp_virtual_stages, p.pp_schedule):.3f}\n  {layers}")

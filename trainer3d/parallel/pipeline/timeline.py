@@ -1,0 +1,183 @@
+"""A pipeline schedule's action lists, and the timeline they make with unit costs.
+
+torch's schedules are lists of actions per rank (``pipeline_order``: F, the forward of one
+micro-batch on one stage; B, its whole backward; or, for the zero-bubble schedules, I, the
+input-gradient half, and W, the weight-gradient half; torch/distributed/pipelining/
+schedules.py). ``schedule_actions`` takes them from torch's own schedule classes, so the
+planner reasons about the very order a run executes; ``Pipeline`` (schedule.py) records the
+order its stages actually ran (``executed``), which tests/multirank/test_pipeline_bubble.py
+holds to this one.
+
+``simulate`` runs the lists on an ideal machine: every rank executes its list in order, an
+action starts when its rank is free and its inputs exist (F after the previous stage's F of
+that micro-batch, I/B after the next stage's I/B, W after its own I), communication is free.
+Costs in one unit per layer-chunk: F = 1, I = 1, W = 1, B = I + W = 2 (Qi et al. 2024, "Zero
+Bubble Pipeline Parallelism", sec. 2 takes T_F = T_B = T_W as its reference case). A rank with
+``v`` stages runs each at 1/v of its layers, so costs are divided by v. The bubble is the idle
+share of the step, averaged over ranks: ``1 - busy / makespan``. For 1F1B and GPipe it is
+(p - 1) / (m + p - 1), the textbook figure (bubble.py); for the others it is whatever torch's
+order leaves, which no closed formula has to match.
+"""
+
+import functools
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Dict, List, Tuple
+
+from trainer3d.parallel.pipeline.placement import stages_of_rank
+
+Action = Tuple[str, int, int]
+"""(kind, stage, micro-batch): kind F, B, I or W."""
+
+ZERO_BUBBLE = ("zb1p", "zbv", "dualpipev")
+TORCH_CLASSES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+                 "zb1p": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                 "dualpipev": "ScheduleDualPipeV"}
+"""``parallel.pp_schedule`` -> the torch.distributed.pipelining class that runs it."""
+COST = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}
+
+
+def _fake_stages(schedule: str, pp: int, v: int) -> list:
+    """Enough of rank 0's PipelineStages for torch's schedule constructors (which compute every
+    rank's list)."""
+    return [SimpleNamespace(num_stages=pp * v, group_size=pp, group_rank=0, stage_index=s, submod=None)
+            for s in stages_of_rank(0, pp, v, schedule)]
+
+
+def torch_class(schedule: str):
+    """torch's class of ``schedule`` (parallel/pipeline/schedule.py builds it)."""
+    # Imported here: torch.distributed.pipelining imports torch._dynamo (1-2 s of a process's
+    # start), and the planner and every rank's memory estimate import this module.
+    import torch.distributed.pipelining as pipelining
+    return getattr(pipelining, TORCH_CLASSES[schedule])
+
+
+@functools.lru_cache(maxsize=64)
+def torch_schedule(schedule: str, pp: int, v: int, m: int):
+    """torch's multi-stage schedule object for rank 0, built without a process group: its
+    ``pipeline_order`` (and ``pipeline_order_with_comms``) hold every rank's actions."""
+    return torch_class(schedule)(_fake_stages(schedule, pp, v), m, loss_fn=lambda out, target: out, scale_grads=False)
+
+
+def torch_order(schedule: str, pp: int, v: int, m: int) -> dict:
+    """torch's ``pipeline_order`` (every rank's actions, with its idle slots as None), from the
+    schedule class's own functions run on a stand-in holding the attributes they read: the
+    class's constructor would also plan every communication, which takes seconds for the
+    hundreds of micro-batches the planner tries (its refusals stay ``torch_schedule``'s)."""
+    cls = torch_class(schedule)
+    if schedule not in ZERO_BUBBLE:
+        return torch_schedule(schedule, pp, v, m).pipeline_order
+    rounds = max(1, m // pp)
+    plan = SimpleNamespace(pp_group_size=pp, n_local_stages=v, _n_microbatches=m, num_stages=pp * v,
+                           _num_stages=pp * v, number_of_rounds=rounds, microbatches_per_round=m // rounds)
+    plan.pipeline_order = {rank: cls._calculate_single_rank_operations(plan, rank) for rank in range(pp)}
+    if schedule == "zb1p":
+        plan.pipeline_order = cls._add_bubbles_to_actions(plan, pp * v)
+    return plan.pipeline_order
+
+
+@functools.lru_cache(maxsize=256)
+def schedule_actions(schedule: str, pp: int, v: int, m: int) -> Dict[int, Tuple[Action, ...]]:
+    """Every pp rank's compute actions, in torch 2.13's order, for ``m`` micro-batches."""
+    if schedule in ("1f1b", "gpipe"):
+        return {r: _single_stage(schedule, pp, m, r) for r in range(pp)}
+    out = {}
+    for rank, actions in torch_order(schedule, pp, v, m).items():
+        flat = []
+        for a in actions:
+            if a is None:
+                continue
+            for sub in (a.sub_actions or (a,)):  # DualPipeV's overlapped F and B run one after the other
+                flat.append((str(sub.computation_type.value), sub.stage_index, sub.microbatch_index))
+        out[rank] = tuple(flat)
+    return out
+
+
+def _single_stage(schedule: str, pp: int, m: int, rank: int) -> Tuple[Action, ...]:
+    """Schedule1F1B's and ScheduleGPipe's order (they keep no action list in torch 2.13): GPipe
+    all forwards then all backwards; 1F1B pp - rank warm-up forwards, then one B one F, then B."""
+    if schedule == "gpipe":
+        return tuple([("F", rank, i) for i in range(m)] + [("B", rank, i) for i in range(m)])
+    warm = min(m, pp - rank)
+    order = [("F", rank, i) for i in range(warm)]
+    for i in range(m):
+        order.append(("B", rank, i))
+        if warm + i < m:
+            order.append(("F", rank, warm + i))
+    return tuple(order)
+
+
+@dataclass
+class Timeline:
+    spans: Dict[int, List[Tuple[float, float, Action]]]
+    """Per rank, (start, end, action) in its execution order."""
+    makespan: float
+
+    def bubble(self) -> float:
+        """Idle share of the step, averaged over the ranks."""
+        idle = [1.0 - sum(e - s for s, e, _ in spans) / self.makespan for spans in self.spans.values()]
+        return sum(idle) / len(idle)
+
+
+def simulate(actions: Dict[int, Tuple[Action, ...]], v: int) -> Timeline:
+    """Run the per-rank lists with unit costs divided by ``v`` (see the module docstring)."""
+    done: Dict[Action, float] = {}
+    n_stages = v * len(actions)
+    pos = {r: 0 for r in actions}
+    free = {r: 0.0 for r in actions}
+    spans: Dict[int, List[Tuple[float, float, Action]]] = {r: [] for r in actions}
+    while any(pos[r] < len(actions[r]) for r in actions):
+        progressed = False
+        for r, todo in actions.items():
+            while pos[r] < len(todo):
+                kind, stage, mb = todo[pos[r]]
+                inputs = [next((done[a] for a in alternatives if a in done), None)
+                          for alternatives in _dependencies(kind, stage, mb, n_stages)]
+                if None in inputs:
+                    break
+                start = max([free[r], *inputs])
+                end = start + COST[kind] / v
+                done[(kind, stage, mb)] = end
+                spans[r].append((start, end, (kind, stage, mb)))
+                free[r], pos[r] = end, pos[r] + 1
+                progressed = True
+        if not progressed:
+            stuck = {r: actions[r][pos[r]] for r in actions if pos[r] < len(actions[r])}
+            raise ValueError(f"schedule deadlocks at {stuck}")
+    return Timeline(spans, max(free.values()))
+
+
+def _dependencies(kind: str, stage: int, mb: int, n_stages: int) -> List[List[Action]]:
+    """Alternatives per input: any one action of each inner list satisfies it."""
+    if kind == "F":
+        return [[("F", stage - 1, mb)]] if stage > 0 else []
+    if kind in ("I", "B"):
+        deps = [[("F", stage, mb)]]
+        if stage < n_stages - 1:
+            deps.append([("I", stage + 1, mb), ("B", stage + 1, mb)])
+        return deps
+    return [[("I", stage, mb)]]  # W
+
+
+def schedule_bubble(schedule: str, pp: int, v: int, m: int) -> float:
+    """The idle share of an ideal step of torch's ``schedule`` (the planner's and the tests' figure)."""
+    if pp == 1:
+        return 0.0
+    return simulate(schedule_actions(schedule, pp, v, m), v).bubble()
+
+
+def render(timeline: Timeline, v: int) -> str:
+    """A text picture of ``timeline``: one row per rank, one 3-character cell per 1/v unit of time
+    (a forward of one stage), each cell the action's kind and micro-batch (``F3``; a rank's later
+    stage in lower case, ``f3``), ``.`` where the rank is idle. docs/parallelism.md shows them."""
+    width = round(timeline.makespan * v)
+    rows = []
+    for rank, spans in sorted(timeline.spans.items()):
+        cells = [" . "] * width
+        first_stage = min(stage for _, _, (_, stage, _) in spans)
+        for start, end, (kind, stage, mb) in spans:
+            label = kind if stage == first_stage else kind.lower()
+            for c in range(round(start * v), round(end * v)):
+                cells[c] = f"{label}{mb % 100:<2}"
+        rows.append(f"rank {rank} |{''.join(cells)}|")
+    return "\n".join(rows)
