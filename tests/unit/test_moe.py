@@ -225,6 +225,8 @@ def test_expert_init_is_a_row_range_of_one_draw():
     (["model.moe.num_experts=-1"], "model.moe.num_experts"),
     (["model.moe.num_experts=4", "parallel.zero_stage=3"], "does not run with parallel.zero_stage=3 yet"),
     (["model.moe.num_experts=4", "parallel.offload_optimizer=true"], "parallel.offload_optimizer=true"),
+    (["model.moe.num_experts=4", "parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=zbv",
+      "parallel.pp_virtual_stages=2", "model.tie_embeddings=false"], "does not run with parallel.pp_schedule=zbv yet"),
 ])
 def test_bad_moe_config_names_the_knob(overrides, fragment):
     with pytest.raises(ConfigError) as err:

@@ -26,7 +26,9 @@ def moe_problems(cfg: Config) -> List[str]:
     # model.init_from: the experts come from a MixtralForCausalLM directory, whose config.json sets
     # model.moe (trainer3d/hf/check.py apply_init_from; a Llama's sets num_experts=0).
     problems += expert_parallel_problems(cfg)
-    unsupported = [(p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage=0 or 1"),
+    unsupported = [(p.pp > 1 and p.pp_schedule in ("zb1p", "zbv", "dualpipev"),
+                    f"parallel.pp_schedule={p.pp_schedule}", "parallel.pp_schedule=1f1b or interleaved_1f1b"),
+                   (p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage=0 or 1"),
                    (p.offload_optimizer, "parallel.offload_optimizer=true", "parallel.offload_optimizer=false")]
     for refused, knob, fix in unsupported:
         if refused:
