@@ -3,7 +3,6 @@ backward per MoE block, over the ep group's links), the experts' gradient reduct
 dp x cp / ep, FLOPs from active parameters, and ep in the search (plan/moe_cost.py,
 plan/expert_search.py)."""
 
-import dataclasses
 
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -12,7 +11,7 @@ from tests.conftest import CONF_DIR
 from trainer3d.config.validate import validate
 from trainer3d.plan.block_time import block_time
 from trainer3d.plan.devices import PRESETS
-from trainer3d.plan.expert_search import expert_parallel_sizes, pending_ep
+from trainer3d.plan.expert_search import expert_parallel_sizes
 from trainer3d.plan.moe_cost import all_to_all_s, expert_gradient_bytes
 from trainer3d.plan.search import search
 from trainer3d.plan.step_time import micro_batch_times
@@ -26,13 +25,12 @@ def _compose(name, *overrides):
 
 
 def _mixtral(tp=1, dp=8, ep=1, micro=1, seq=4096, sp=False):
-    """A validated Mixtral layout at ep = 1, then ep set (validate() refuses ep > 1 until it is built)."""
+    """A validated Mixtral layout."""
     cfg = _compose("config", "model=mixtral-8x7b", "parallel=single", "run_dir=.", "launcher.folder=.", "train.dtype=bf16",
-                   f"parallel.tp={tp}", f"parallel.dp={dp}", f"parallel.sequence_parallel={str(sp).lower()}",
-                   f"train.micro_batch_size={micro}", f"train.seq_len={seq}", f"train.global_batch_size={micro * dp}",
-                   "train.grad_accum_steps=null")
-    cfg = validate(cfg)
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=ep))
+                   f"parallel.tp={tp}", f"parallel.dp={dp}", f"parallel.ep={ep}",
+                   f"parallel.sequence_parallel={str(sp).lower()}", f"train.micro_batch_size={micro}",
+                   f"train.seq_len={seq}", f"train.global_batch_size={micro * dp}", "train.grad_accum_steps=null")
+    return validate(cfg)
 
 
 def test_all_to_all_moves_the_routed_slots_bound_for_other_ranks_over_the_ep_groups_link():
@@ -84,18 +82,13 @@ def test_ep_sizes_divide_the_group_and_the_experts():
     assert expert_parallel_sizes(64, 12) == [1, 2, 4]
 
 
-def test_search_tries_ep_and_reports_what_validate_refuses_for_now_apart():
-    """tiny-moe on one CPU node of 4 ranks: ep 2 and 4 candidates are made; validate() refuses
-    them until expert parallelism is built, so they are counted as refused and reported as
-    pending, each the ep = 1 layout valid with ep set."""
+def test_search_tries_every_ep_that_divides_the_group_and_the_experts():
+    """tiny-moe (4 experts) on one CPU node of 4 ranks: layouts with ep 1, 2 and 4 are plans,
+    each one validate() accepts (ep divides dp x cp, ZeRO 0/1)."""
     cfg = _compose("plan", "model=tiny-moe", "cluster.nodes=1", "cluster.gpus_per_node=4", "cluster.gpu=cpu",
                    "train.global_batch_size=16", "train.seq_len=64", "search.micro_batch_sizes=[1,2]")
     result = search(cfg, PRESETS["cpu"])
-    assert result.plans and all(plan.cfg.parallel.ep == 1 for plan in result.plans)
-    eps = {plan.cfg.parallel.ep for plan in result.pending}
-    assert eps == {2, 4}, eps
-    for plan in result.pending:
+    assert {plan.cfg.parallel.ep for plan in result.plans} == {1, 2, 4}
+    for plan in result.plans:
         p = plan.cfg.parallel
         assert (p.dp * p.cp) % p.ep == 0 and p.zero_stage <= 1
-        assert pending_ep(plan.cfg) is not None
-    assert result.refused["model.moe"] > 0

@@ -66,21 +66,6 @@ def table_lines(cfg: PlanConfig, plans: Sequence[Plan]) -> List[str]:
     return lines
 
 
-def pending_lines(cfg: PlanConfig, device: Device, result: SearchResult, runnable: bool) -> List[str]:
-    """The fastest layouts with expert parallelism that validate() refuses until it is built
-    (plan/expert_search.py): what ep would give, with the best one's terms, never a command."""
-    pending = result.pending[:cfg.search.top]
-    if not pending:
-        return []
-    best = pending[0]
-    gain = (f"{best.tokens_per_s / result.plans[0].tokens_per_s:.2f}x the fastest runnable layout's tokens/s"
-            if runnable else "no layout fits without it")
-    return ["", f"with expert parallelism (parallel.ep > 1, refused by validate() until it is built): "
-            f"{len(result.pending):,} layout(s) would fit; the fastest, {_layout(best.cfg)}: {gain}",
-            *table_lines(cfg, pending), "", f"{_layout(best.cfg)} in detail:",
-            *memory_lines(best, device.usable_bytes(cfg.cluster.gpus_per_node)), *step_lines(best.step)]
-
-
 def schedule_lines(plans: Sequence[Plan]) -> List[str]:
     """With a pipeline schedule other than 1F1B searched: the fastest fitting layout of each
     schedule (pipelined layouts only), fastest first, and how far each is behind the winner."""
@@ -103,7 +88,7 @@ def schedule_lines(plans: Sequence[Plan]) -> List[str]:
 
 def report(cfg: PlanConfig, device: Device, result: SearchResult, user_overrides: Sequence[str]) -> str:
     top = result.plans[:cfg.search.top]
-    lines = summary_lines(cfg, device, result) + pending_lines(cfg, device, result, bool(top))
+    lines = summary_lines(cfg, device, result)
     if not top:
         lines.append("no layout fits: use more nodes, a smaller train.seq_len, or another cluster.gpu")
         return "\n".join(lines)

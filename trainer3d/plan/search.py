@@ -25,7 +25,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from trainer3d.config.schema import Config, LauncherConfig
 from trainer3d.memory.peak import RankMemory, rank_memory
-from trainer3d.plan.expert_search import expert_parallel_sizes, pending_ep
+from trainer3d.plan.expert_search import expert_parallel_sizes
 from trainer3d.plan.settings import PlanConfig
 from trainer3d.plan.devices import Device
 from trainer3d.plan.step_time import HostLink, StepTime, ranks_evaluated, step_time, tokens_per_s
@@ -66,9 +66,6 @@ class SearchResult:
     over_memory: int = 0
     closest_over: Optional[Tuple[float, Config, int]] = None
     """(bytes over, layout, pipeline rank) of the layout that misses by the least."""
-    pending: List[Plan] = field(default_factory=list)
-    """Layouts that fit with expert parallelism, which validate() refuses until it is built
-    (plan/expert_search.py ``pending_ep``), fastest first: an answer, not a command."""
 
 
 def _divisors(n: int) -> List[int]:
@@ -215,11 +212,6 @@ def search(cfg: PlanConfig, device: Device) -> SearchResult:
             knob = (_KNOB.search(err.problems[0]) or _KNOB.search("layout.other")).group(1)
             result.refused[knob] += 1
             result.refusal_examples.setdefault(knob, err.problems[0])
-            ahead = pending_ep(candidate)
-            if ahead is not None:
-                plan = evaluate(ahead, device, c.gpus_per_node, backend, c.attention, link)
-                if plan.memory.total <= usable:
-                    result.pending.append(plan)
             continue
         plan = evaluate(valid, device, c.gpus_per_node, backend, c.attention, link)
         # a CPU node's ranks share one memory: moving state to the host frees nothing there
@@ -242,7 +234,6 @@ def search(cfg: PlanConfig, device: Device) -> SearchResult:
             continue
         result.plans.append(plan)
     result.plans.sort(key=lambda plan: (-plan.tokens_per_s, plan.memory.total))
-    result.pending.sort(key=lambda plan: (-plan.tokens_per_s, plan.memory.total))
     return result
 
 
