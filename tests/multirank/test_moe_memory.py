@@ -12,10 +12,13 @@ from trainer3d.memory.peak import rank_memory
 from trainer3d.memory.states import format_bytes
 
 # Grouped by world size (one set of ranks each). Without expert parallelism a rank computes
-# exactly tokens x top_k routed slots whatever the routing, so both figures are exact.
+# exactly tokens x top_k routed slots whatever the routing, so both figures are exact. With
+# ep the slots a rank receives depend on every rank's routing: routed to all 4 experts
+# (top_k=4), each rank receives exactly the balanced expectation the estimate charges.
 LAYOUTS = {
     1: [dict(), dict(dtype="bf16", router="sigmoid_topk", zero=0)],
-    2: [dict(dp=2), dict(dp=2, zero=0, dtype="bf16"), dict(tp=2), dict(tp=2, sp=True, micro=1)],
+    2: [dict(dp=2), dict(dp=2, zero=0, dtype="bf16"), dict(tp=2), dict(tp=2, sp=True, micro=1),
+        dict(dp=2, ep=2, top_k=4), dict(dp=2, ep=2, top_k=4, zero=0)],
 }
 
 

@@ -12,8 +12,8 @@ from trainer3d.parallel.topology import ParallelDims, Topology
 
 
 def dims_for(tp: int = 1, pp: int = 1, dp: int = 1, tied_embeddings: bool = False, cp: int = 1,
-             v_shape: bool = False) -> ParallelDims:
+             v_shape: bool = False, ep: int = 1) -> ParallelDims:
     """This rank's ParallelDims on CPU (call inside a rank); ``v_shape``: a V schedule's placement
-    (the last stage on pp rank 0)."""
-    return ParallelDims.build(Topology(tp=tp, pp=pp, dp=dp, cp=cp, v_shape=v_shape), torch.device("cpu"),
+    (the last stage on pp rank 0); ``ep``: expert parallelism's groups."""
+    return ParallelDims.build(Topology(tp=tp, pp=pp, dp=dp, cp=cp, v_shape=v_shape, ep=ep), torch.device("cpu"),
                               tied_embeddings)

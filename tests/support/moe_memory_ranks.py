@@ -29,12 +29,13 @@ MODEL.moe.z_loss_coef = 1e-3
 SEQ = 16
 
 
-def moe_config(tp=1, dp=1, sp=False, zero=1, dtype="fp32", micro=2, accum=2, router="softmax_topk") -> Config:
+def moe_config(tp=1, dp=1, sp=False, zero=1, dtype="fp32", micro=2, accum=2, router="softmax_topk", ep=1,
+               top_k=2) -> Config:
     cfg = Config()
     cfg.model = copy.deepcopy(MODEL)
-    cfg.model.moe.router = router
+    cfg.model.moe.router, cfg.model.moe.top_k = router, top_k
     p, t = cfg.parallel, cfg.train
-    p.tp, p.dp, p.sequence_parallel, p.zero_stage, p.bucket_mb = tp, dp, sp, zero, 0.01
+    p.tp, p.dp, p.sequence_parallel, p.zero_stage, p.bucket_mb, p.ep = tp, dp, sp, zero, 0.01, ep
     t.micro_batch_size, t.grad_accum_steps, t.global_batch_size = micro, accum, micro * accum * dp
     t.seq_len, t.seed, t.dtype, t.loss_chunk_tokens = SEQ, 3, dtype, 0
     return cfg
@@ -50,7 +51,7 @@ def measure(rank: int, world: int, layouts: List[dict]) -> List[dict]:
     out = []
     for layout in layouts:
         cfg = moe_config(**layout)
-        dims = dims_for(tp=cfg.parallel.tp, dp=cfg.parallel.dp)
+        dims = dims_for(tp=cfg.parallel.tp, dp=cfg.parallel.dp, ep=cfg.parallel.ep)
         chunks = build_model_chunks(cfg, dims)
         apply_moe_layout(chunks, cfg, dims)
         optimizer = build_optimizer(chunks, cfg, dims)

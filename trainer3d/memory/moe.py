@@ -18,6 +18,8 @@ activation bytes; each storage once, as ``saved_tensors_hooks`` see it
     experts         2 p R f + 8 E/ep    w1 x and w3 x (model/experts.py) and the experts' token counts
     combine         2 p S h + p S        the experts' outputs (with ep the returning all-to-all's
                                  output), their gate-weighted copy index_add_ keeps, the gates column
+    ep_order        8 R          with ep: the permutation of the received slots into expert order
+                                 (int64; the dispatching and the combining all-to-all keep the one tensor)
     shared          2 p T f_s    the shared experts' w1 x and w3 x (their input is the block's, counted)
     aux_loss        4 E (+ 4 T)  the expert shares f (sigmoid_topk: the scores' row sums)
     z_loss          4 T E + 4 T  fp32 logits and their logsumexp
@@ -103,6 +105,8 @@ def moe_ffn_terms(m: MoESizes, tokens: int, p: int, h: int, worst: bool = False)
         "experts": 2 * p * r * m.ffn + INT64 * (e // m.ep),
         "combine": 2 * p * s * h + p * s,
     }
+    if m.ep > 1:
+        terms["ep_order"] = INT64 * r
     if m.shared_ffn:
         terms["shared_experts"] = 2 * p * t * m.shared_ffn
     if m.aux_loss:
