@@ -144,8 +144,10 @@ class MoE(nn.Module):
             self.shared = SharedExperts(cfg.dim, moe.num_shared_experts * expert_ffn_dim(cfg))
         # aux_free's routing bias: state, not a parameter (no gradient; the optimizer never sees it).
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts) if moe.balance == "aux_free" else None)
-        # Wrapped here, not decorated: a decorator would import torch._dynamo at every start.
-        self._account = torch.compiler.disable(self._record_and_attach)
+        # Wrapped here, not decorated: a decorator would import torch._dynamo at every start. The
+        # function, not a bound method: a deep copy of the block (parallel/pipeline/stages.py
+        # copies the model for each chunk of an interleaved rank) must record into itself.
+        self._account = torch.compiler.disable(MoE._record_and_attach)
         self.aux_grad_scale = 1.0
         """The gradient the aux and z losses start backward from: the trainer's scale of a
         micro-batch's loss (1 / grad_accum; times cp: parallel/expert/tokens.py)."""
@@ -189,7 +191,7 @@ class MoE(nn.Module):
         out = torch.zeros_like(x).index_add_(0, token, y * gates.reshape(-1)[order, None].to(y.dtype))
         if self.shared is not None:
             out = out + self.shared(x)
-        return self._account(out, logits, scores, slots).view(shape)
+        return self._account(self, out, logits, scores, slots).view(shape)
 
     # Eager under train.compile (parallel/compile.py): compiled with the block, the aux and z
     # losses' gradient does not reach the router (zero on CPU under torch 2.13's dynamo;
