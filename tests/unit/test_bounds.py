@@ -24,7 +24,7 @@ from tests.unit.test_validate import make
 from trainer3d import train
 from trainer3d.config.knobs import PATHS, get, path_problems
 from trainer3d.config.schema import BlendSource
-from trainer3d.plan.knobs import (PLAN_CHOICES, PLAN_FLAG_LISTS, PLAN_FREE_TEXT, PLAN_LISTS, PLAN_RANGES,
+from trainer3d.plan.knobs import (PLAN_CHOICE_LISTS, PLAN_CHOICES, PLAN_FLAG_LISTS, PLAN_FREE_TEXT, PLAN_LISTS, PLAN_RANGES,
                                   plan_problems)
 from trainer3d.plan.settings import ClusterConfig, SearchConfig
 
@@ -93,7 +93,7 @@ def _leaves(schema, prefix):
 
 
 def test_every_planner_knob_has_a_range_or_choices():
-    tables = (PLAN_RANGES, PLAN_LISTS, PLAN_FLAG_LISTS, PLAN_CHOICES, PLAN_FREE_TEXT)
+    tables = (PLAN_RANGES, PLAN_LISTS, PLAN_FLAG_LISTS, PLAN_CHOICES, PLAN_CHOICE_LISTS, PLAN_FREE_TEXT)
     unchecked = [knob for schema, prefix in ((ClusterConfig, "cluster."), (SearchConfig, "search."))
                  for knob, hint in _leaves(schema, prefix)
                  if hint is not bool and not any(knob in table for table in tables)]

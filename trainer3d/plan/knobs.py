@@ -36,6 +36,8 @@ PLAN_CHOICES: Dict[str, Tuple[str, ...]] = {
 }
 SEARCHED_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipev")
 """What ``search.schedules`` may hold (GPipe is never proposed: see ``SearchConfig.virtual_stages``)."""
+PLAN_CHOICE_LISTS: Dict[str, Tuple[str, ...]] = {"search.schedules": SEARCHED_SCHEDULES}
+"""List knobs of choices: not empty, each element one of its choices."""
 PLAN_FREE_TEXT = ("cluster.gpu", "cluster.calibration")
 """Checked by ``trainer3d.plan.devices.device_for`` (a preset's name, or a calibration file)."""
 
@@ -59,7 +61,8 @@ def plan_problems(cfg: PlanConfig) -> List[str]:
     for knob, choices in PLAN_CHOICES.items():
         if get(cfg, knob) not in choices:
             problems.append(f"{knob}={get(cfg, knob)} is not one of {', '.join(choices)}")
-    schedules = list(cfg.search.schedules)
-    if not schedules or set(schedules) - set(SEARCHED_SCHEDULES):
-        problems.append(f"search.schedules={schedules}: give a non-empty list of {', '.join(SEARCHED_SCHEDULES)}")
+    for knob, choices in PLAN_CHOICE_LISTS.items():
+        values = list(get(cfg, knob))
+        if not values or set(values) - set(choices):
+            problems.append(f"{knob}={values}: give a non-empty list of {', '.join(choices)}")
     return problems
