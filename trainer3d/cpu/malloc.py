@@ -7,7 +7,10 @@ trims the top of its heap whenever more than twice that is free there. A CPU ste
 and frees tensors of hundreds of KiB to tens of MiB hundreds of times, so each one arrives as
 zeroed pages through a page fault per 4 KiB (docs/performance.md has what that costs a step of
 the DeepSpeed pair's model, tools/bench/deepspeed_pair.py). Raising both thresholds makes freed
-blocks reusable; the process holds its peak heap between steps, which every step reaches again.
+blocks reusable; the process holds its heap between steps, which every step reaches again. The
+heap settles above the step's peak (freed blocks split by small allocations must coalesce before
+a large one fits them again): four 40 MiB tensors a step settled at 0.5-0.7 GiB of heap after 3
+to 5 steps (tests/unit/test_cpu_malloc.py's pattern).
 This is the glibc side of what CPU-training launchers do with jemalloc or tcmalloc
 (torch.backends.xeon.run_cpu ``--enable-jemalloc``/``--enable-tcmalloc``).
 
