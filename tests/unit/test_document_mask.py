@@ -1,6 +1,8 @@
 """Document masking in one process: the model's masked loss against each document run alone,
 and the segments the loader gives a window (from the index, or end-of-document ids)."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -66,6 +68,19 @@ def test_positions_restart_at_each_document():
     segments = Segments()
     segments.set(torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 2]]))
     assert segments.positions(torch.device("cpu")).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2], [0, 0, 1, 2, 3, 4, 0, 1]]
+
+
+def test_a_deep_copied_model_reads_its_own_segments():
+    """An interleaved rank's chunks are deep copies of the model (parallel/pipeline/stages.py):
+    each copy's blocks must read the copy's segments, not the original's (a bound method kept
+    by the compile boundary would still read the original's)."""
+    original = build()
+    apply_document_mask([original])
+    clone = copy.deepcopy(original)
+    original.document_segments.set(segments_of_lengths([4, 4]).unsqueeze(0))
+    clone.document_segments.set(segments_of_lengths([2, 6]).unsqueeze(0))
+    core = clone.layers["0"].attention.core
+    assert core.positions(8, torch.device("cpu")).tolist() == [[0, 1, 0, 1, 2, 3, 4, 5]]
 
 
 def test_the_mask_is_one_tensor_saved_once_for_every_block():

@@ -141,16 +141,18 @@ class DocumentAttention(CausalAttention):
         # The segments' caches are Python state, which dynamo would guard on and re-trace per
         # micro-batch: under train.compile the rest of the block compiles around these two.
         # Wrapped here, not as decorators, which would import torch._dynamo at every start
-        # (as trainer3d/parallel/context/apply.py does for its exchange).
-        self._positions = torch.compiler.disable(self._segment_positions)
-        self._attend = torch.compiler.disable(self._document_attention)
+        # (as trainer3d/parallel/context/apply.py does for its exchange). Functions, not bound
+        # methods: a deep copy of the block (parallel/pipeline/stages.py copies the model for each
+        # chunk of an interleaved rank) must read its own segments (model/moe.py does the same).
+        self._positions = torch.compiler.disable(DocumentAttention._segment_positions)
+        self._attend = torch.compiler.disable(DocumentAttention._document_attention)
 
     def positions(self, seq: int, device: torch.device) -> torch.Tensor:
         """(batch, seq): each sequence its own positions (model/transformer.py ``Attention`` rotates per token)."""
-        return self._positions(device)
+        return self._positions(self, device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self._attend(q, k, v)
+        return self._attend(self, q, k, v)
 
     def _segment_positions(self, device: torch.device) -> torch.Tensor:
         return self.segments.positions(device)
