@@ -26,7 +26,9 @@ LAYOUTS = {
         dict(tp=2, pp=2, schedule="interleaved_1f1b", virtual=2, accum=4, recompute=True),
         dict(tp=2, pp=2, micro=1, chunk=0),
         dict(pp=4, micro=1, accum=5), dict(tp=4, sp=True, recompute=True, kernel="math"),
-        dict(pp=4, schedule="interleaved_1f1b", virtual=2, accum=8, dtype="bf16")],
+        dict(pp=4, schedule="interleaved_1f1b", virtual=2, accum=8, dtype="bf16"),
+        dict(pp=4, schedule="zbv", virtual=2, accum=8, micro=1),
+        dict(tp=2, pp=2, schedule="zb1p", virtual=2, accum=4, recompute=True, sp=True)],
 }
 
 
