@@ -113,7 +113,7 @@ def moe_lines(cfg: Config, worst: RankMemory) -> List[str]:
                         "at most num_experts x capacity slots per block (capacity_factor), the bound charged")]
     z = Sizes.of(cfg)
     extra = 0
-    for stage in stages_of_rank(worst.pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule):
+    for stage in stages_of_rank(worst.pp_rank, p.pp, p.pp_virtual_stages):
         per_block = sum(moe_layer_terms(z, worst=True).values()) - sum(moe_layer_terms(z).values())
         extra += moe_layers(cfg, stage) * per_block * max(worst.in_flight, default=1)
     return [line + "the slots an ep rank receives charged at the balanced expectation (as many as it sends)",
