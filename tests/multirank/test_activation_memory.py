@@ -86,3 +86,18 @@ def test_interleaved_order_runs_every_micro_batch_once_forward_then_backward(pp,
                 if c == chunk:
                     alive += 1 if kind == "F" else -1
                     assert alive >= 0, (rank, chunk, ops)
+
+
+@pytest.mark.parametrize("schedule,pp,m", [("zbv", 2, 4), ("dualpipev", 2, 4), ("zb1p", 2, 4), ("zbv", 4, 8)])
+def test_zero_bubble_order_holds_each_micro_batch_from_its_forward_to_its_weight_step(schedule, pp, m):
+    """Each local chunk runs m forwards and m W (or B) steps, never releasing a micro-batch it
+    does not hold; the input steps I release nothing (trainer3d/memory/in_flight.py)."""
+    for rank in range(pp):
+        ops = schedule_ops(schedule, pp, 2, m, rank)
+        for chunk in range(2):
+            kinds = [k for k, c in ops if c == chunk]
+            assert kinds.count("F") == m and kinds.count("B") == m, (rank, chunk, kinds)
+            alive = 0
+            for kind in kinds:
+                alive += 1 if kind == "F" else -1
+                assert alive >= 0, (rank, chunk, kinds)
