@@ -1,5 +1,5 @@
-"""Activation memory: what one micro-batch leaves saved for backward, term by term, and how
-many micro-batches a pipeline stage holds at once.
+"""Activation memory: what one micro-batch leaves saved for backward, term by term (how many
+micro-batches a pipeline stage holds at once is trainer3d/memory/in_flight.py).
 
 Saved activations are the tensors autograd keeps from forward to backward, each storage
 counted once (views share it); ``trainer3d/memory/meter.py`` measures exactly
@@ -36,17 +36,14 @@ p as^2b/t) and 4 p sbh/t of copies of q, k, v and the output; activation checkpo
 (p sbh, /t with SP) and recomputes the rest in backward (trainer3d/parallel/recompute.py).
 """
 
-from collections import defaultdict
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional
 
 import torch
 
 from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.memory.moe import MoESizes, moe_ffn_terms
 from trainer3d.model.transformer import head_dim_of, kv_expanded
-from trainer3d.parallel.pipeline.stages import stages_of_rank
-from trainer3d.parallel.pipeline.timeline import ZERO_BUBBLE, schedule_actions
 
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ATTENTION_KERNELS = ("flash", "math")
@@ -313,67 +310,3 @@ def cp_document_pair_bytes(z: Sizes) -> int:
     chunk = z.s // 2
     rows = min(CP_TILE, chunk)
     return z.b * rows * chunk * (1 + 4 * FP32 * (z.heads // z.t))
-
-
-# ------------------------------------------------------------------ micro-batches in flight
-
-def schedule_ops(schedule: str, pp: int, virtual: int, m: int, pp_rank: int) -> List[Tuple[str, int]]:
-    """The forward ('F') and backward ('B') order of local chunk indices on ``pp_rank``, as
-    torch.distributed.pipelining 2.13 runs it (torch/distributed/pipelining/schedules.py):
-
-    - gpipe: every forward, then every backward;
-    - 1f1b: min(m, pp - rank) warm-up forwards, then one backward and one forward in turn
-      (``Schedule1F1B._step_microbatches``);
-    - interleaved_1f1b: (v - 1) * mb_per_round + 2 (pp - 1 - rank) warm-up forwards
-      (``_get_warmup_ops``), then one forward and one backward in turn; forwards walk the
-      local chunks round by round, backwards in reverse (``forward_stage_index`` /
-      ``backward_stage_index`` of ``ScheduleInterleaved1F1B``).
-    - zb1p, zbv, dualpipev: torch's own action lists (parallel/pipeline/timeline.py); a
-      micro-batch's activations stay until its weight step W, which reads them after the
-      input step I (``retain_graph``: parallel/pipeline/weight_grad.py), so W counts as 'B'.
-    Without a pipeline every micro-batch runs forward and backward before the next one.
-    """
-    if pp == 1:
-        return [op for _ in range(m) for op in (("F", 0), ("B", 0))]
-    if schedule in ZERO_BUBBLE:
-        local = stages_of_rank(pp_rank, pp, virtual, schedule)
-        return [("F" if kind == "F" else "B", local.index(stage))
-                for kind, stage, _ in schedule_actions(schedule, pp, virtual, m)[pp_rank] if kind in ("F", "B", "W")]
-    if schedule == "gpipe":
-        return [("F", 0)] * m + [("B", 0)] * m
-    if schedule == "1f1b":
-        warmup = min(pp - pp_rank, m)
-        steady = [op for _ in range(m - warmup) for op in (("B", 0), ("F", 0))]
-        return [("F", 0)] * warmup + steady + [("B", 0)] * warmup
-    if schedule != "interleaved_1f1b":
-        raise ValueError(f"pipeline schedule {schedule!r}")
-    per_round = m // max(1, m // pp)
-    total = virtual * m
-    warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - pp_rank), total)
-    fwd = [(k // per_round) % virtual for k in range(total)]
-    bwd = [virtual - 1 - ((k - warmup) // per_round) % virtual for k in range(warmup, warmup + total)]
-    ops = [("F", c) for c in fwd[:warmup]]
-    for k in range(total - warmup):
-        ops += [("F", fwd[warmup + k]), ("B", bwd[k])]
-    return ops + [("B", c) for c in bwd[total - warmup:]]
-
-
-def peak_in_flight(ops: Sequence[Tuple[str, int]], per_micro: Sequence[int], per_step: Sequence[int]
-                   ) -> Tuple[int, List[int]]:
-    """The most bytes alive over ``ops``, and each chunk's micro-batches in flight then.
-
-    ``per_micro[c]``: what one micro-batch leaves on local chunk c until its backward;
-    ``per_step[c]``: what chunk c keeps while any of its micro-batches is in flight.
-    """
-    alive: Dict[int, int] = defaultdict(int)
-    live, best, at = 0, 0, [0] * len(per_micro)
-    for kind, chunk in ops:
-        step = 1 if kind == "F" else -1
-        before = alive[chunk]
-        alive[chunk] += step
-        live += step * per_micro[chunk]
-        if (before == 0) != (alive[chunk] == 0):  # the chunk's first micro-batch arrived or its last left
-            live += step * per_step[chunk]
-        if live > best:
-            best, at = live, [alive[c] for c in range(len(per_micro))]
-    return best, at

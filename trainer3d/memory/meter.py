@@ -78,7 +78,12 @@ class SavedActivationMeter:
         if key in self._skip or tensor.device.type == "meta" or key == 0:
             return tensor
         self.storages.hold(key, storage.nbytes())
-        saved = _Saved(tensor)
+        # detached: a saved output (SDPA's out and log-sum-exp) would otherwise hold its own
+        # grad_fn, a node -> saved -> tensor -> node cycle that only running the node breaks
+        # (torch/autograd/graph.py, ``saved_tensors_hooks``: "the return value of pack_hook
+        # cannot hold a reference to the input tensor"); a zero-bubble weight step never runs
+        # the nodes between its intermediates, so their graph would outlive the step.
+        saved = _Saved(tensor.detach())
         weakref.finalize(saved, self.storages.release, key)
         return saved
 

@@ -8,7 +8,8 @@
                                ZeRO-2/3 the parameter and gradient shards as well)
          + saved activations   what autograd keeps for backward, at the schedule's peak:
                                per micro-batch (trainer3d/memory/activations.py) x the micro-batches
-                               in flight (tests/multirank/test_activation_memory.py measures both)
+                               in flight (trainer3d/memory/in_flight.py; tests/multirank/
+                               test_activation_memory.py measures both)
          + pipeline buffers    receive buffers for the micro-batches in flight only: an input
                                activation per in-flight micro-batch and an output gradient
                                during a backward (trainer3d/parallel/pipeline/receive_count.py,
@@ -35,13 +36,12 @@ planner keeps a per-device reserve for them. ZeRO 0/1 need no bucket buffers (bu
 slices of the flat buffers, reduced and gathered in place).
 """
 
-import functools
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 from trainer3d.memory.activations import (FP32, Sizes, chunk_terms, cp_document_pair_bytes, document_mask_terms,
-                                          layer_terms, loss_transient_bytes, moe_layer_terms, peak_in_flight,
-                                          schedule_ops, shared_terms)
+                                          layer_terms, loss_transient_bytes, moe_layer_terms, shared_terms)
+from trainer3d.memory.in_flight import in_flight
 from trainer3d.config.schema import Config
 from trainer3d.config.schema_parallel import zero_shards
 from trainer3d.memory.moe import layout_model_state_bytes, moe_layers, stage_expert_mask
@@ -102,20 +102,6 @@ class RankMemory:
         return max(self.states.host, self.startup_host) if self.states.host else 0
 
 
-@functools.lru_cache(maxsize=4096)
-def _schedule_ops(schedule: str, pp: int, virtual: int, m: int, pp_rank: int):
-    return schedule_ops(schedule, pp, virtual, m, pp_rank)
-
-
-def _in_flight(cfg: Config, pp_rank: int, per_micro: List[int], per_step: List[int]) -> Tuple[int, List[int]]:
-    """Peak saved bytes and micro-batches in flight per chunk (closed forms where there is one)."""
-    p, m = cfg.parallel, cfg.train.grad_accum_steps
-    if p.pp > 1 and p.pp_schedule not in ("1f1b", "gpipe"):
-        return peak_in_flight(_schedule_ops(p.pp_schedule, p.pp, p.pp_virtual_stages, m, pp_rank), per_micro, per_step)
-    count = 1 if p.pp == 1 else m if p.pp_schedule == "gpipe" else min(m, p.pp - pp_rank)
-    return count * per_micro[0] + per_step[0], [count]
-
-
 _STATES: Dict[str, ModelStateBytes] = {}
 
 
@@ -146,7 +132,7 @@ def rank_memory(cfg: Config, pp_rank: int, kernel: str = "flash", cuda: Optional
     recompute = t.activation_checkpointing
     chunks = [chunk_terms(z, len(ranges[s]), s == 0, s == last, recompute, moe_layers(cfg, s)) for s in stages]
     shared = [shared_terms(z, m, s == 0, s == last, p.pp) for s in stages]
-    _, counts = _in_flight(cfg, pp_rank, [sum(c.values()) for c in chunks], [sum(s.values()) for s in shared])
+    _, counts = in_flight(cfg, pp_rank, [sum(c.values()) for c in chunks], [sum(s.values()) for s in shared])
     activations: Dict[str, int] = {}
     for per_micro, per_step, n in zip(chunks, shared, counts):
         for name, value in per_micro.items():

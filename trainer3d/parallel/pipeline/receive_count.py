@@ -62,11 +62,19 @@ def _zero_bubble_held(schedule: str, pp: int, virtual: int, m: int) -> Tuple[int
     """Per rank, the peak count of receive buffers over torch's action lists with their
     communication (``pipeline_order_with_comms``): a buffer lives from its RECV_F or RECV_B to
     its micro-batch's B or W on that stage (buffers.py keeps both for the weight step). Stages
-    next to each other on one rank (the tip of a V) pass tensors without a receive."""
-    from torch.distributed.pipelining.schedules import _add_send_recv, _ComputationType
+    next to each other on one rank (the tip of a V) pass tensors without a receive.
 
-    compute = {r: [a for a in actions if a is not None] for r, actions in torch_order(schedule, pp, virtual, m).items()}
-    with_comms = _add_send_recv(compute, lambda stage: rank_of_stage(stage, pp, schedule), pp * virtual)
+    The order is lowered as the runtime lowers it (``_prepare_schedule_with_comms``, torch 2.13
+    schedules.py): UNSHARD/RESHARD and REDUCE_GRAD first, then the receives, whose places
+    ``_add_send_recv`` finds by simulating every rank's progress one action at a time, so the
+    added actions move them (zbv pp4 m8, rank 0: two gradient receives posted ahead at the
+    end of the step, three buffers held, not two)."""
+    from torch.distributed.pipelining.schedules import (_add_reduce_grad, _add_send_recv, _add_unshard_reshard,
+                                                        _ComputationType)
+
+    lowered = {r: _add_reduce_grad(_add_unshard_reshard(actions), m)
+               for r, actions in torch_order(schedule, pp, virtual, m).items()}
+    with_comms = _add_send_recv(lowered, lambda stage: rank_of_stage(stage, pp, schedule), pp * virtual)
     held = []
     for rank in range(pp):
         live, peak = set(), 0

@@ -24,6 +24,12 @@ parameter and micro-batch, and wgrad.py's sink sees its weight's node executed a
 accumulates. The I step never runs those nodes (``autograd.grad`` to the inputs), so nothing
 is counted or accumulated twice. The first stage has no input gradient to compute: torch
 runs its whole backward at W (``backward_weight_one_chunk``), an ordinary ``autograd.backward``.
+
+Memory: the graph I retained lives until W. The nodes W runs free their saved tensors as they
+run (no ``retain_graph``); the ones it never runs (the attention kernel and RoPE, which lead
+to no weight) go when W drops the intermediates, the graph's last reference (I detached the
+stage output). A micro-batch's activations are therefore held from its forward to its W,
+and none outlive the step (trainer3d/memory/in_flight.py counts them so).
 """
 
 from typing import Any, Dict, Iterable, List
