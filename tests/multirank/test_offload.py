@@ -59,7 +59,7 @@ MIXED = ("train.max_steps=12", "train.log_every=1", "train.seq_len=32", "train.m
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # two runs, each bounded by losses_in_ranks's own 900 s (pyproject's 600 s cut them short under load)
+@pytest.mark.timeout(1800)  # two runs, each bounded by losses_in_ranks (900 s); pyproject's 600 s cut them short
 @pytest.mark.parametrize("stage", [1, 3])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_mixed_precision_offload_follows_the_device_step(tmp_path, dtype, stage):
