@@ -102,11 +102,12 @@ def test_llama3_frequencies_equal_transformers():
 # ----------------------------------------------------------------------------- through the entry point
 
 COMMON = ("train.max_steps=20", "train.log_every=1", "train.seq_len=64", "train.micro_batch_size=2",
-          "train.global_batch_size=16", "train.grad_accum_steps=null", "optim.warmup_steps=5",
-          "parallel.timeout_s=120",
-          # beta1=0 leaves each step's gradient in exp_avg, no clipping keeps it raw: the
-          # checkpoint after step 1 holds the first step's gradient, as the engine computed it.
-          "optim.beta1=0.0", "optim.grad_clip=0", "checkpoint.every=1", "checkpoint.keep=20")
+          "train.global_batch_size=8", "train.grad_accum_steps=null", "optim.warmup_steps=5",
+          "parallel.timeout_s=120")
+# beta1=0 leaves the step's gradient in exp_avg, no clipping keeps it raw: the checkpoint of a
+# one-step run holds the first step's gradient, as the engine computed it. (A one-step run of
+# its own costs less than a save after every step of the 20-step run.)
+FIRST_STEP = ("train.max_steps=1", "optim.beta1=0.0", "optim.grad_clip=0")
 LAYOUTS = {"1x1x1": ("parallel=single",),
            # reduce_scatter: each rank's gradient is valid only where it owns it (NCCL's default;
            # gloo defaults to all_reduce), the harder case for summing the tied copies.
@@ -117,12 +118,13 @@ LAYOUTS = {"1x1x1": ("parallel=single",),
 def runs(tmp_path_factory):
     """A tied GQA Llama with rope scaling and a vocabulary tp=2 pads (301), trained 20 steps
     from model.init_from in one process and in tp2 x pp2 x dp2 with ZeRO-1 (in-process ranks:
-    tests/support/runs.py train_in_ranks)."""
+    tests/support/runs.py train_in_ranks), and one step of each with its gradient kept."""
     root = tmp_path_factory.mktemp("hf-runs")
     out = {"hf": make_hf(root / "hf", tie_word_embeddings=True, rope_scaling=LLAMA3, num_hidden_layers=4)}
     for name, layout in LAYOUTS.items():
-        out[name] = root / name
+        out[name], out[f"{name}-first"] = root / name, root / f"{name}-first"
         train_in_ranks(out[name], [*COMMON, f"model.init_from={out['hf']}", *layout])
+        train_in_ranks(out[f"{name}-first"], [*COMMON, *FIRST_STEP, f"model.init_from={out['hf']}", *layout])
     return out
 
 
@@ -138,13 +140,14 @@ def test_first_step_loss_and_gradients_equal_transformers(runs, layout):
     from tests.unit.test_validate import make
 
     data, _ = build_readers(validate(make([*COMMON, "parallel=single"])), dp=1, dp_rank=0)
-    inputs, targets = (t.flatten(0, 1) for t in data.batch(0))  # the step's global batch: 16 sequences
+    inputs, targets = (t.flatten(0, 1) for t in data.batch(0))  # the step's global batch: 8 sequences
     model = hf_model(runs["hf"])
     loss = F.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten())
     loss.backward()
     expected = {from_hf(n): p.grad for n, p in model.named_parameters()}
     got_loss = read_metrics(runs[layout])[0]["loss"]
-    grads = load_full_model(store.step_dir(runs[layout] / "checkpoints", 1), prefix="optim.exp_avg.")
+    assert read_metrics(runs[f"{layout}-first"])[0]["loss"] == got_loss, "the one-step run is the run's first step"
+    grads = load_full_model(store.step_dir(runs[f"{layout}-first"] / "checkpoints", 1), prefix="optim.exp_avg.")
     assert set(grads) == set(expected), "one gradient per parameter; the tied embedding once"
     worst = max(_rel(grads[n], expected[n]) for n in expected)
     print(f"{layout}: loss rel diff {abs(got_loss - loss.item()) / loss.item():.1e}, worst gradient rel diff {worst:.1e}")

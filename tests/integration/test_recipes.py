@@ -1,12 +1,15 @@
 """The laptop recipes train: the real SmolLM2-135M on the recipes' own layout (two CPU ranks,
-ZeRO-3), through the entry point, shortened to a few small steps."""
+ZeRO-3), shortened to a few small steps. What is under test is the recipes' config, so the
+entry point's work runs on ranks forked from the harness's forkserver (tests/support/runs.py
+train_in_ranks: the same compose, validate, data check and TrainTask); the launcher that
+starts fresh interpreters has its own tests in tests/integration."""
 
 import math
 
 import numpy as np
 import pytest
 
-from tests.support.runs import configure, read_metrics, run_train
+from tests.support.runs import configure, read_metrics, train_in_ranks
 from trainer3d.data.chat_sample import chat_sample
 from trainer3d.data.doc_index import document_starts
 from trainer3d.data.tokenfile import TokenFile
@@ -17,7 +20,7 @@ SHORT = ("train.max_steps=2", "train.seq_len=32", "train.micro_batch_size=2", "t
 
 @pytest.mark.slow
 def test_smollm2_135m_laptop_recipe_trains(tmp_path):
-    run_train(tmp_path, ["experiment=smollm2-135m-laptop", *SHORT], timeout=540)
+    train_in_ranks(tmp_path, ["experiment=smollm2-135m-laptop", *SHORT], timeout=540)
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
@@ -45,7 +48,7 @@ def test_sft_recipe_trains_on_the_assistants_tokens(tmp_path):
     tokens = TokenFile.open(chat_sample(cfg.data.cache_dir))
     starts = document_starts(tokens)  # the index, not the end-of-document fallback (None)
     assert starts is not None and len(starts) == int((np.asarray(tokens.tokens) == tokens.header.eos_id).sum())
-    run_train(tmp_path, overrides, timeout=840)
+    train_in_ranks(tmp_path, overrides, timeout=840)
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(8))
     losses = [r["loss"] for r in rows]
