@@ -28,6 +28,10 @@ EIGHT_LAYERS = ("model.n_layers=8", "optim.lr=1e-3")
 ZBV = ("parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2")
 DUALPIPEV = ("parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2")
 ZB1P = ("parallel.pp_schedule=zb1p",)
+# A V's tied embedding: the first and the last stage on pp rank 0 share one Parameter (parallel/
+# tied.py), accumulated by both stages' backwards and W steps, held once in the ZeRO buffers.
+# The gentler lr of tests/multirank/test_offload.py's tied case.
+TIED = ("model.tie_embeddings=true", "optim.lr=1e-3")
 MUON = ("optim=muon", "optim.muon.ns_dtype=fp32", "model.dim=64", "model.ffn_dim=192", "model.n_layers=2")
 
 
@@ -54,6 +58,8 @@ MATRIX = [
     case(1, 4, 1, model=EIGHT_LAYERS, extra=(*ZBV, "train.activation_checkpointing=true"), id="tp1-pp4-dp1-zbv-recompute"),
     case(1, 4, 1, model=EIGHT_LAYERS, extra=DUALPIPEV, id="tp1-pp4-dp1-dualpipev"),
     case(1, 4, 1, model=EIGHT_LAYERS, extra=(*ZB1P, "parallel.pp_virtual_stages=2"), id="tp1-pp4-dp1-zb1p-v2"),
+    case(1, 2, 1, model=TIED, extra=ZBV, id="tp1-pp2-dp1-zbv-tied"),
+    case(1, 2, 2, zero=1, model=TIED, extra=DUALPIPEV, id="tp1-pp2-dp2-z1-dualpipev-tied"),
     case(1, 2, 1, model=MUON, id="muon-tp1-pp2-dp1"),
     case(1, 1, 2, zero=1, model=MUON, id="muon-tp1-pp1-dp2-z1"),
     case(2, 1, 1, model=MUON, extra=("parallel.sequence_parallel=true",), id="muon-tp2-pp1-dp1-sp"),

@@ -8,11 +8,28 @@ import sys
 
 from tests.conftest import ROOT
 
+TAB10 = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
+"""matplotlib's first colours, in the order a figure's curves (or stacked areas) take them."""
+
+
+def _drawn(png, series: int, alpha: float = 1.0) -> None:
+    """``png`` is a PNG on which each of the first ``series`` colours (drawn with ``alpha`` over
+    white) covers at least a curve's worth of pixels (a line across the axes, not only its
+    legend's swatch): an image of empty axes, or none, fails."""
+    from matplotlib import colors, image
+
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = image.imread(png)[:, :, :3]
+    for hex_colour in TAB10[:series]:
+        want = [alpha * c + (1 - alpha) for c in colors.to_rgb(hex_colour)]
+        near = (abs(pixels - want).max(axis=2) < 0.03).sum()
+        assert near > 400, (png.name, hex_colour, int(near))
+
 
 def _fake_run(path, scale, overrides, val_every=0, goodput=False):
     (path / ".hydra").mkdir(parents=True)
     (path / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
-    rows = [{"step": s, "loss": scale * (5.0 - s / 10), "tokens_per_s": 1000.0 + s, "lr": 1e-3} for s in range(30)]
+    rows = [{"step": s, "loss": scale * (5.0 - s / 10), "tokens_per_s": scale * 1000.0 + s, "lr": 1e-3} for s in range(30)]
     for row in rows[val_every - 1::val_every] if val_every else ():
         row["val_loss"] = row["loss"] + 0.1
     if goodput:
@@ -30,8 +47,7 @@ def test_plot_two_runs(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     for name in ("loss.png", "throughput.png"):
-        png = (tmp_path / "plots" / name).read_bytes()
-        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+        _drawn(tmp_path / "plots" / name, series=2)
     assert not (tmp_path / "plots" / "mfu.png").exists()
     assert not (tmp_path / "plots" / "goodput.png").exists()  # neither run logged goodput's parts
 
@@ -41,8 +57,8 @@ def test_goodput_plot_of_runs_that_logged_it(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(tmp_path / "a"),
                            "--out", str(tmp_path / "plots")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    png = (tmp_path / "plots" / "goodput.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000 and "goodput.png" in proc.stdout
+    _drawn(tmp_path / "plots" / "goodput.png", series=3, alpha=0.8)  # compute, bubble, communication (no stall)
+    assert "goodput.png" in proc.stdout
 
 
 def test_sweep_dir_and_missing_input(tmp_path):
@@ -71,7 +87,7 @@ def test_validation_loss_is_drawn_and_labels_say_what_differs(tmp_path):
                            str(tmp_path / "b"), "--out", str(tmp_path / "plots")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert (tmp_path / "plots" / "val_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    _drawn(tmp_path / "plots" / "val_loss.png", series=2)
 
 
 def test_without_matplotlib_it_names_the_extra(tmp_path):

@@ -41,7 +41,7 @@ DEFERRED_MODULES = {  # every import of the module may sit in a function, for th
 # floors.
 MAY_IMPORT: Dict[str, Set[str]] = {
     "train": {"launch", "rank", "preflight", "checkpoint", "memory", "hf", "config"},  # the entry point
-    "tools": {"plan", "checkpoint", "hf", "data", "model", "config"},  # the user tools (gpu_check runs the planner)
+    "tools": {"plan", "parallel", "checkpoint", "hf", "data", "model", "config"},  # the user tools (gpu_check runs the planner; plot_schedule draws the pipeline's action lists)
     "launch": {"rank", "config"},  # the submitting process
     "rank": {"trainer", "plan", "checkpoint", "observe", "parallel", "cpu", "config"},  # the rank's process
     "trainer": {"checkpoint", "observe", "parallel", "optim", "data", "model", "config"},  # the loop

@@ -73,8 +73,6 @@ BAD = [
      "parallel.pp_virtual_stages=2"),
     (["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2",
       "train.micro_batch_size=1", "train.global_batch_size=3"], "train.grad_accum_steps>=4"),
-    (["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2",
-      "model.tie_embeddings=true", "train.micro_batch_size=1", "train.global_batch_size=4"], "model.tie_embeddings=false"),
     (["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=zb1p", "parallel.pp_virtual_stages=2",
       "train.compile=true", "train.micro_batch_size=1", "train.global_batch_size=4"], "set train.compile=false"),
 ]

@@ -1,7 +1,7 @@
 """Optional dependencies, one pyproject.toml extra per documented feature, and the one line a
 missing one gives (the pip command that installs it) instead of a ModuleNotFoundError.
 
-    pip install 'trainer3d[plot]'          tools/plot_metrics.py (matplotlib)
+    pip install 'trainer3d[plot]'          tools/plot_metrics.py, tools/plot_schedule.py (matplotlib)
     pip install 'trainer3d[tensorboard]'   logger=tensorboard (docs/metrics.md)
     pip install 'trainer3d[all]'           every one of them
 

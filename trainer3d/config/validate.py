@@ -190,7 +190,11 @@ def _check_pipeline(cfg: Config, problems: List[str]) -> None:
                         "interleaved_1f1b, zb1p, zbv or dualpipev (or set pp_virtual_stages=1)")
     if p.pp > 1 and p.pp_schedule in ("zb1p", *V_SCHEDULES) and t.compile:
         # The input step keeps the graph for the weight step (retain_graph), which compiled
-        # backwards with donated buffers refuse: pytorch/pytorch#161904 (open).
+        # backwards with donated buffers refuse: pytorch/pytorch#161904 (open). Without donated
+        # buffers it runs, but a compiled block's backward is one autograd node computing input
+        # and weight gradients together: the I step runs it whole and the W step runs it whole
+        # again (twice per micro-batch), more compute than the bubble it fills. Splitting the
+        # compiled backward into dI and dW graphs is what a compiled zero-bubble step needs.
         problems.append(f"train.compile=true cannot run with parallel.pp_schedule={p.pp_schedule}: torch's "
                         "zero-bubble input/weight split re-runs a compiled block's backward (pytorch/pytorch#161904); "
                         "set train.compile=false or parallel.pp_schedule=1f1b/interleaved_1f1b")
@@ -198,10 +202,6 @@ def _check_pipeline(cfg: Config, problems: List[str]) -> None:
         if p.pp_virtual_stages != 2:
             problems.append(f"parallel.pp_schedule={p.pp_schedule} places exactly 2 stages per rank in a V; "
                             f"set parallel.pp_virtual_stages=2 (is {p.pp_virtual_stages})")
-        if m.tie_embeddings:
-            problems.append(f"parallel.pp_schedule={p.pp_schedule} puts the first and the last stage on one "
-                            "rank, where trainer3d does not tie their embeddings yet; set model.tie_embeddings="
-                            "false or parallel.pp_schedule=interleaved_1f1b/zb1p")
     stages = p.pp * p.pp_virtual_stages
     if m.n_layers < stages:
         problems.append(f"model.n_layers={m.n_layers} < pp({p.pp}) * pp_virtual_stages({p.pp_virtual_stages}) "

@@ -42,6 +42,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from trainer3d.config.schema import Config
 from trainer3d.memory.states import ModelStateBytes, engine_model_state_bytes, model_shapes
 from trainer3d.model.moe import expert_ffn_dim, moe_layer
+from trainer3d.parallel.pipeline.placement import holds_embedding
 from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
 from trainer3d.parallel.topology import Topology
 
@@ -136,7 +137,7 @@ def stage_expert_mask(cfg: Config, stage: int) -> List[bool]:
     ranges = stage_layer_ranges(cfg.model.n_layers, n_stages(cfg), cfg.parallel.pp_layers)
     shapes = model_shapes(cfg.model, cfg.parallel.tp)
     last = len(ranges) - 1
-    before = stage == 0 or (stage == last and cfg.model.tie_embeddings)
+    before = holds_embedding(stage, len(ranges), cfg.model.tie_embeddings, cfg.parallel.pp, cfg.parallel.pp_schedule)
     return [*([False] * len(shapes.before) if before else ()),
             *(x for i in ranges[stage] for x in shapes.layer_experts(cfg.model, i)),
             *([False] * len(shapes.after) if stage == last else ())]

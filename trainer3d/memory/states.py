@@ -60,6 +60,7 @@ from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.model.moe import moe_layer
 from trainer3d.parallel.parallelize import build_meta_chunks
 from trainer3d.parallel.zero.buckets import plan_buckets
+from trainer3d.parallel.pipeline.placement import holds_embedding
 from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
 from trainer3d.parallel.topology import ParallelDims, Topology
 
@@ -256,8 +257,8 @@ def stage_parameter_shapes(cfg: Config, stage: int) -> List[Shape]:
     ranges = stage_layer_ranges(cfg.model.n_layers, n_stages(cfg), cfg.parallel.pp_layers)
     shapes = model_shapes(cfg.model, cfg.parallel.tp)
     last = len(ranges) - 1
-    # a tied head is the embedding matrix: the last stage keeps its own copy of it
-    before = stage == 0 or (stage == last and cfg.model.tie_embeddings)
+    # a tied head is the embedding matrix: the last stage keeps its own copy of it (off a V's rank 0)
+    before = holds_embedding(stage, len(ranges), cfg.model.tie_embeddings, cfg.parallel.pp, cfg.parallel.pp_schedule)
     return [*(shapes.before if before else ()), *(s for i in ranges[stage] for s in shapes.layer(cfg.model, i)),
             *(shapes.after if stage == last else ())]
 
@@ -270,7 +271,7 @@ def stage_muon_mask(cfg: Config, stage: int) -> Optional[List[bool]]:
     ranges = stage_layer_ranges(cfg.model.n_layers, n_stages(cfg), cfg.parallel.pp_layers)
     shapes = model_shapes(cfg.model, cfg.parallel.tp)
     last = len(ranges) - 1
-    before = stage == 0 or (stage == last and cfg.model.tie_embeddings)
+    before = holds_embedding(stage, len(ranges), cfg.model.tie_embeddings, cfg.parallel.pp, cfg.parallel.pp_schedule)
     return [*([False] * len(shapes.before) if before else ()),
             *(len(s) >= 2 for i in ranges[stage] for s in shapes.layer(cfg.model, i)),
             *([False] * len(shapes.after) if stage == last else ())]

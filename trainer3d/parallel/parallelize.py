@@ -48,6 +48,7 @@ from trainer3d.optim.mixed_precision import param_dtype
 from trainer3d.parallel.recompute import checkpoint_layers
 from trainer3d.parallel.pipeline.stages import split_into_stages
 from trainer3d.parallel.tensor.layers import apply_tensor_parallel
+from trainer3d.parallel.tied import share_embedding
 from trainer3d.parallel.tensor.loss import chunked_loss_fn, vocab_parallel_loss_fn
 from trainer3d.parallel.tensor.loss_sum import head_loss_sum, logits_loss_sum
 from trainer3d.parallel.wgrad import route_linear_layers
@@ -105,6 +106,7 @@ def build_model_chunks(cfg: Config, dims: ParallelDims, initialise: bool = True)
                     param.detach().zero_()
             else:
                 fill_parameters(chunk, source)
+    share_embedding(chunks)  # a V's first and last stage on this rank: one tied Parameter
     if cfg.data.document_mask:
         apply_document_mask(chunks)
     apply_context_parallel(chunks, dims, cfg.parallel.cp_attention)  # document-masked after apply_document_mask

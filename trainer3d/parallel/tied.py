@@ -24,9 +24,16 @@ from (``optimizer.grad(param)``):
 Counted once: the global gradient norm skips the last stage's copy (``is_tied_copy``), and
 checkpoints store the first stage's copy only (``drop_tied_copies``), under the embedding's
 own name, which any layout loads into both copies.
+
+A V schedule (``zbv``, ``dualpipev``: parallel/pipeline/placement.py) puts the first and the
+last stage on pp rank 0, so there is no second rank to sum with: ``share_embedding`` points the
+last chunk's head at the first chunk's embedding module, one Parameter as in a one-process
+tied model. Both stages' backwards (and W steps) accumulate into its one ``.grad``; the ZeRO
+buffers hold it once and its bucket waits for both stages' micro-batches (parallel/zero/
+flat.py); it is in no embedding group (parallel/topology.py) and no copy.
 """
 
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,6 +44,15 @@ from trainer3d.parallel.zero.optimizer import ZeroOptimizer
 from trainer3d.parallel.topology import ParallelDims
 
 TIED = "tok_embeddings.weight"
+
+
+def share_embedding(chunks: List[nn.Module]) -> None:
+    """Make every later chunk of this rank that holds the embedding (as its tied head's weight)
+    use the first one's module itself; a no-op unless two chunks hold it (a V's pp rank 0)."""
+    holders = [c for c in chunks if getattr(c, "tok_embeddings", None) is not None]
+    for chunk in holders[1:]:
+        chunk.tok_embeddings = holders[0].tok_embeddings
+        chunk.tie_weights()
 
 
 def is_tied_copy(name: str, dims: ParallelDims) -> bool:

@@ -187,15 +187,16 @@ class Topology:
         return [seen[k] for k in sorted(seen)]
 
     def embedding_groups(self) -> List[List[int]]:
-        """(first stage, last stage) of each (dp, cp, tp) column; none without a pipeline."""
-        if self.pp == 1:
+        """(first stage, last stage) of each (dp, cp, tp) column; none without a pipeline, nor in
+        a V, whose two ends share one rank and one Parameter (trainer3d/parallel/tied.py)."""
+        if self.pp == 1 or self.v_shape:
             return []
         return [[self.rank(0, d, c, t), self.rank(self.pp - 1, d, c, t)]
                 for d in range(self.dp) for c in range(self.cp) for t in range(self.tp)]
 
     def embedding_dp_groups(self) -> List[List[int]]:
         """The first and last stage's ranks of every dp and cp rank, one group per tp rank."""
-        if self.pp == 1:
+        if not self.embedding_groups():
             return []
         return [[self.rank(s, d, c, t) for s in (0, self.pp - 1) for d in range(self.dp) for c in range(self.cp)]
                 for t in range(self.tp)]
@@ -270,7 +271,7 @@ class ParallelDims:
         if topo.ep > 1:
             dims.ep_group = _my_group(topo.expert_groups(), dims.rank, timeout_s)
             dims.expert_dp_group = _my_group(topo.expert_dp_groups(), dims.rank, timeout_s)
-        if tied_embeddings and topo.pp > 1:
+        if tied_embeddings and topo.embedding_groups():
             dims.embedding_group = _my_group(topo.embedding_groups(), dims.rank, timeout_s)
             dims.embedding_dp_group = _my_group(topo.embedding_dp_groups(), dims.rank, timeout_s)
         return dims

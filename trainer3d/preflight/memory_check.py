@@ -34,6 +34,7 @@ from trainer3d.config.schema_parallel import zero_shards
 from trainer3d.config.device import uses_cuda
 from trainer3d.memory.peak import rank_memory
 from trainer3d.memory.states import BYTES, format_bytes, model_shapes
+from trainer3d.parallel.pipeline.placement import holds_embedding
 from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
 
 KNOB = "launcher.check_memory=false"
@@ -59,7 +60,8 @@ def rank_parameters(cfg: Config, pp_rank: int) -> int:
     total = 0
     for stage in stages_of_rank(pp_rank, cfg.parallel.pp, cfg.parallel.pp_virtual_stages, cfg.parallel.pp_schedule):
         total += sum(prod(s) for i in ranges[stage] for s in shapes.layer(cfg.model, i))
-        total += before if stage == 0 or (stage == last and cfg.model.tie_embeddings) else 0
+        tied, pp, schedule = cfg.model.tie_embeddings, cfg.parallel.pp, cfg.parallel.pp_schedule
+        total += before if holds_embedding(stage, len(ranges), tied, pp, schedule) else 0
         total += after if stage == last else 0
     return total
 

@@ -16,6 +16,14 @@ def stages_of_rank(pp_rank: int, pp: int, virtual_stages: int = 1, schedule: str
     return [pp_rank + k * pp for k in range(virtual_stages)]
 
 
+def holds_embedding(stage: int, n_stages: int, tied: bool, pp: int, schedule: str = "1f1b") -> bool:
+    """Whether pipeline ``stage`` holds an embedding matrix of its own: the first stage, and the
+    last one too when the head is tied to it, unless a V puts the last stage on the first
+    stage's rank, where both share one Parameter (trainer3d/parallel/tied.py)."""
+    last = n_stages - 1
+    return stage == 0 or (stage == last and tied and rank_of_stage(last, pp, schedule) != 0)
+
+
 def rank_of_stage(stage: int, pp: int, schedule: str = "1f1b") -> int:
     """The pp rank that runs ``stage`` (the inverse of ``stages_of_rank``)."""
     if schedule in V_SCHEDULES and stage >= pp:

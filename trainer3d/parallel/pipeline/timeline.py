@@ -16,7 +16,8 @@ Bubble Pipeline Parallelism", sec. 2 takes T_F = T_B = T_W as its reference case
 ``v`` stages runs each at 1/v of its layers, so costs are divided by v. The bubble is the idle
 share of the step, averaged over ranks: ``1 - busy / makespan``. For 1F1B and GPipe it is
 (p - 1) / (m + p - 1), the textbook figure (bubble.py); for the others it is whatever torch's
-order leaves, which no closed formula has to match.
+order leaves, which no closed formula has to match. trainer3d/tools/plot_schedule.py draws the
+timelines (docs/parallelism.md shows them).
 """
 
 import functools
@@ -165,19 +166,3 @@ def schedule_bubble(schedule: str, pp: int, v: int, m: int) -> float:
         return 0.0
     return simulate(schedule_actions(schedule, pp, v, m), v).bubble()
 
-
-def render(timeline: Timeline, v: int) -> str:
-    """A text picture of ``timeline``: one row per rank, one 3-character cell per 1/v unit of time
-    (a forward of one stage), each cell the action's kind and micro-batch (``F3``; a rank's later
-    stage in lower case, ``f3``), ``.`` where the rank is idle. docs/parallelism.md shows them."""
-    width = round(timeline.makespan * v)
-    rows = []
-    for rank, spans in sorted(timeline.spans.items()):
-        cells = [" . "] * width
-        first_stage = min(stage for _, _, (_, stage, _) in spans)
-        for start, end, (kind, stage, mb) in spans:
-            label = kind if stage == first_stage else kind.lower()
-            for c in range(round(start * v), round(end * v)):
-                cells[c] = f"{label}{mb % 100:<2}"
-        rows.append(f"rank {rank} |{''.join(cells)}|")
-    return "\n".join(rows)

@@ -23,7 +23,8 @@ Overlap: each parameter's post-accumulate hook fires once per micro-batch backwa
 when wgrad.py left it nothing to accumulate). A bucket
 is launched (an async all-reduce or reduce-scatter over dp, averaging) the moment every one
 of its parameters has received its last micro-batch's gradient of the step (each chunk
-sees ``grad_accum_steps`` micro-batches, whatever the pipeline schedule), so the
+sees ``grad_accum_steps`` micro-batches, whatever the pipeline schedule; a parameter two of
+the rank's chunks share, a V's tied embedding, is accumulated by both), so the
 reduction of the head's bucket runs while backward is still in the lower layers.
 ``finish`` launches any bucket a hook did not (a parameter unused in forward) and waits.
 """
@@ -129,11 +130,13 @@ class GradReducer:
     """
 
     def __init__(self, buffers: FlatBuffers, group: comm.Collectives, dp: int, dp_rank: int, micro_batches: int,
-                 mode: str):
+                 mode: str, uses: Optional[Sequence[int]] = None):
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"mode={mode}")
         self.buffers, self.group, self.dp, self.dp_rank = buffers, group, dp, dp_rank
         self.micro_batches, self.mode = micro_batches, mode
+        self.expected = [micro_batches * u for u in (uses or [1] * len(buffers.params))]
+        """Per parameter, its accumulations a step: micro-batches x the chunks using it."""
         self.in_place = buffers.param_dtype == torch.float32
         # Decided once: each parameter's gradient view and bucket, looked up by its index in the
         # hook (a Tensor hashes in Python: a dict keyed by parameters costs a call per lookup).
@@ -172,7 +175,7 @@ class GradReducer:
             view.add_(grad)
             p.grad = view if self.in_place else None
         self.counts[i] += 1
-        if self.counts[i] == self.micro_batches:
+        if self.counts[i] == self.expected[i]:
             bucket = self._bucket_of[i]
             bucket.pending -= 1
             if bucket.pending == 0:

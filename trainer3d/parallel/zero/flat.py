@@ -91,6 +91,14 @@ class FlatZeroOptimizer(ZeroOptimizer):
         self.replicas = rep = replicas or ReplicaGroup.dp_cp(dims)
         named = [(canonical_name(n), p) for chunk in chunks for n, p in chunk.named_parameters()
                  if p.requires_grad and (trains is None or trains(p))]
+        # A parameter two chunks share (a V's tied embedding, parallel/tied.py) is held once and
+        # accumulated by each chunk's backward.
+        first: Dict[nn.Parameter, str] = {}
+        uses: Dict[nn.Parameter, int] = {}
+        for n, p in named:
+            first.setdefault(p, n)
+            uses[p] = uses.get(p, 0) + 1
+        named = [(n, p) for p, n in first.items()]
         self.names: Dict[nn.Parameter, str] = {p: n for n, p in named}
         dtype = DTYPES[cfg.train.dtype]
         self.buffers = FlatBuffers([p for _, p in named], bucket_numel(cfg), rep.size if sharded else 1, dtype)
@@ -102,7 +110,8 @@ class FlatZeroOptimizer(ZeroOptimizer):
         self.world = (self.dp if rep.size == dims.topo.world_size else
                       comm.collectives(None, dims.device, 64) if dims.topo.world_size > 1 else comm.GroupCollectives())
         mode = reduce_mode(cfg, self.dp) if sharded else "all_reduce"
-        self.reducer = GradReducer(self.buffers, self.dp, rep.size, rep.rank, cfg.train.grad_accum_steps, mode)
+        self.reducer = GradReducer(self.buffers, self.dp, rep.size, rep.rank, cfg.train.grad_accum_steps, mode,
+                                   [uses[p] for p in self.buffers.params])
         # bf16/fp16: the linear layers' backward accumulates into the fp32 buffer (wgrad.py)
         self.wgrad_sink = low_precision_sink(self.buffers.params, self.buffers.grad_view, dtype)
         self.pieces = self._owned_pieces()
