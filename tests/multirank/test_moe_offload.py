@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from tests.multirank.test_moe_parity import MOE, check_metrics
+from tests.support.harness import run_ranks
 from tests.support.runs import (PARITY, assert_parity, losses_in_ranks, read_metrics, reference_dir, reference_losses,
                                 train_in_ranks)
 from trainer3d.checkpoint import store
@@ -94,3 +95,49 @@ def test_offloaded_ep2_checkpoint_resumes_bit_for_bit_and_reshards_to_one_rank(t
     worst = max(abs(a - b) / abs(b) for a, b in zip(one, ref[10:]))
     print(f"resumed on one process: worst relative loss difference {worst:.1e}")
     assert len(one) == 10 and worst <= 1e-5, (one, ref[10:])
+
+
+def _moments_after_one_step(rank, world):
+    """dp2 ep2 ZeRO-1 fp32 on the memory tests' model, one step with and without offload from the
+    same batch: each rank's AdamW first moments by checkpoint key (exp_avg = (1 - beta1) g)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tests.support.harness import dims_for
+    from tests.support.moe_memory_ranks import moe_config
+    from trainer3d.parallel.expert.tokens import apply_moe_layout
+    from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer
+    from trainer3d.trainer import MicroBatchLoss, Trainer
+
+    out = []
+    for offload in (False, True):
+        cfg = moe_config(dp=2, ep=2, top_k=4, offload=offload)
+        dims = dims_for(dp=2, ep=2)
+        chunks = build_model_chunks(cfg, dims)
+        apply_moe_layout(chunks, cfg, dims)
+        opt = build_optimizer(chunks, cfg, dims)
+        trainer = SimpleNamespace(pipeline=None, chunks=chunks, segments=None,
+                                  micro_loss=MicroBatchLoss(build_loss_fn(cfg, dims, chunks), 2, opt))
+        rows = torch.randint(0, cfg.model.vocab_size, (2, 2, 17), generator=torch.Generator().manual_seed(rank))
+        opt.zero_grad()
+        Trainer.forward_backward(trainer, rows[..., :-1], rows[..., 1:])
+        opt.reduce_gradients()
+        opt.clip_grad_norm(0.0)
+        opt.step(1e-3)
+        out.append({f"{v.name} {v.start}": v.tensors["exp_avg"].clone() for v in opt.checkpoint_views()
+                    if "exp_avg" in v.tensors})
+    return out
+
+
+def test_offloaded_expert_gradients_carry_the_1_over_ep_scale():
+    """The host steps read the experts' gradients scaled by 1 / ep (each bucket is scaled as its
+    reduction is launched, before its copy leaves): after one step the offloaded first moments
+    equal the device step's, experts and dense alike (a copy taken before the scale makes the
+    experts' twice as large; the loss would hardly show it, AdamW being nearly scale-blind)."""
+    import torch
+
+    for rank, (plain, offloaded) in enumerate(run_ranks(_moments_after_one_step, 2, timeout=600)):
+        assert plain.keys() == offloaded.keys() and any(".experts." in k for k in plain), rank
+        for key, value in plain.items():
+            torch.testing.assert_close(offloaded[key], value, rtol=1e-6, atol=0, msg=f"rank {rank} {key}")
