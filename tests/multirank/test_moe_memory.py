@@ -15,10 +15,13 @@ from trainer3d.memory.states import format_bytes
 # exactly tokens x top_k routed slots whatever the routing, so both figures are exact. With
 # ep the slots a rank receives depend on every rank's routing: routed to all 4 experts
 # (top_k=4), each rank receives exactly the balanced expectation the estimate charges.
+# With parallel.offload_optimizer the host bytes (both halves' under ep) are held to the
+# accounting's ``host`` and the device's to its total, which then holds no master or moment.
 LAYOUTS = {
-    1: [dict(), dict(dtype="bf16", router="sigmoid_topk", zero=0)],
+    1: [dict(), dict(dtype="bf16", router="sigmoid_topk", zero=0), dict(dtype="bf16", zero=0, offload=True)],
     2: [dict(dp=2), dict(dp=2, zero=0, dtype="bf16"), dict(tp=2), dict(tp=2, sp=True, micro=1),
-        dict(dp=2, ep=2, top_k=4), dict(dp=2, ep=2, top_k=4, zero=0)],
+        dict(dp=2, ep=2, top_k=4), dict(dp=2, ep=2, top_k=4, zero=0), dict(dp=2, offload=True),
+        dict(dp=2, ep=2, top_k=4, offload=True), dict(dp=2, ep=2, top_k=4, zero=0, dtype="bf16", offload=True)],
 }
 
 
@@ -40,4 +43,6 @@ def test_moe_states_and_saved_activations_are_the_accounting_to_the_byte(world):
             where = f"{layout} tp rank {got['tp_rank']} dp rank {got['dp_rank']}"
             assert got["left"] == 0, where  # backward released every saved tensor
             assert got["states"] == mem.states.total, (where, got["states"], mem.states)
+            assert got["host"] == mem.states.host, (where, got["host"], mem.states)
+            assert (got["host"] > 0) == layout.get("offload", False), where
             assert got["peak"] == mem.activation_bytes, (where, got["peak"], mem.activations)

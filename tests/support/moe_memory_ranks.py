@@ -4,7 +4,8 @@ real recipe (dense and MoE blocks mixed), its optimizer and loss, driven by
 
 Each rank returns, per layout: its tp and dp ranks, the model-state bytes it holds after the
 steps (trainer3d/observe/telemetry.py ``model_state_bytes``: parameters, gradients and every
-tensor the optimizer declares) and the peak bytes autograd saved for backward in the measured
+tensor the optimizer declares), split into the device's and, with ``parallel.offload_optimizer``,
+the host's (the tensors each offloaded optimizer's ``HostAdamW`` allocated), and the peak bytes autograd saved for backward in the measured
 step (``SavedActivationMeter``), with what was left saved after it.
 tests/multirank/test_moe_memory.py holds them to trainer3d/memory/ (states.py, moe.py, peak.py).
 """
@@ -30,15 +31,26 @@ SEQ = 16
 
 
 def moe_config(tp=1, dp=1, sp=False, zero=1, dtype="fp32", micro=2, accum=2, router="softmax_topk", ep=1,
-               top_k=2) -> Config:
+               top_k=2, offload=False) -> Config:
     cfg = Config()
     cfg.model = copy.deepcopy(MODEL)
     cfg.model.moe.router, cfg.model.moe.top_k = router, top_k
     p, t = cfg.parallel, cfg.train
     p.tp, p.dp, p.sequence_parallel, p.zero_stage, p.bucket_mb, p.ep = tp, dp, sp, zero, 0.01, ep
+    p.offload_optimizer = offload
     t.micro_batch_size, t.grad_accum_steps, t.global_batch_size = micro, accum, micro * accum * dp
     t.seq_len, t.seed, t.dtype, t.loss_chunk_tokens = SEQ, 3, dtype, 0
     return cfg
+
+
+def host_bytes(optimizer) -> int:
+    """Bytes of the host tensors of an offloaded optimizer (both halves of an expert-parallel
+    one: parallel/expert/optimizer.py ``parts``); 0 without offload."""
+    from trainer3d.observe.telemetry import storage_bytes
+    from trainer3d.parallel.zero.offload import OffloadedOptimizer
+
+    parts = [o for o in getattr(optimizer, "parts", (optimizer,)) if isinstance(o, OffloadedOptimizer)]
+    return storage_bytes([t for o in parts for t in o.adam.host_tensors()])
 
 
 def measure(rank: int, world: int, layouts: List[dict]) -> List[dict]:
@@ -72,6 +84,8 @@ def measure(rank: int, world: int, layouts: List[dict]) -> List[dict]:
             Trainer.forward_backward(trainer, inputs, targets)
         optimizer.reduce_gradients()
         optimizer.step(1e-3)
-        out.append({"tp_rank": dims.tp_rank, "dp_rank": dims.dp_rank, "states": model_state_bytes(chunks, optimizer),
+        host = host_bytes(optimizer)
+        out.append({"tp_rank": dims.tp_rank, "dp_rank": dims.dp_rank,
+                    "states": model_state_bytes(chunks, optimizer) - host, "host": host,
                     "peak": meter.peak_bytes, "left": meter.live_bytes})
     return out

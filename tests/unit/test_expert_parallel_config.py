@@ -52,7 +52,9 @@ MOE = ["model.moe.num_experts=4", "model.moe.top_k=2"]
     (["model.moe.num_experts=6", "parallel.ep=4", "parallel.dp=4"],
      "model.moe.num_experts=6 is not divisible by parallel.ep=4"),
     (["parallel.ep=2", "parallel.zero_stage=2"], "parallel.ep=2 does not run with parallel.zero_stage=2"),
-    (["parallel.ep=2", "parallel.offload_optimizer=true"], "parallel.ep=2 does not run with parallel.offload_optimizer=true"),
+    (["parallel.ep=2", "parallel.zero_stage=3", "parallel.offload_optimizer=true"],
+     "parallel.ep=2 does not run with parallel.zero_stage=3"),
+    (["parallel.ep=2", "train.dtype=fp16"], "parallel.ep=2 does not run with train.dtype=fp16"),
     (["parallel.ep=2", "optim=muon"], "parallel.ep=2 does not run with optim.name=muon"),
 ])
 def test_impossible_ep_is_refused_naming_the_knob(overrides, fragment):
@@ -60,6 +62,13 @@ def test_impossible_ep_is_refused_naming_the_knob(overrides, fragment):
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_ep_with_optimizer_offload_is_accepted(zero):
+    """ZeRO-Offload of both halves (parallel/expert/optimizer.py): tests/multirank/test_moe_offload.py."""
+    cfg = validate(make([*MOE, "parallel.ep=2", f"parallel.zero_stage={zero}", "parallel.offload_optimizer=true"]))
+    assert cfg.parallel.offload_optimizer and cfg.parallel.ep == 2
 
 
 def test_ep_within_dp_is_accepted_and_recorded_in_the_layout():

@@ -28,8 +28,7 @@ def moe_problems(cfg: Config) -> List[str]:
     problems += expert_parallel_problems(cfg)
     unsupported = [(p.pp > 1 and p.pp_schedule in ("zb1p", "zbv", "dualpipev"),
                     f"parallel.pp_schedule={p.pp_schedule}", "parallel.pp_schedule=1f1b or interleaved_1f1b"),
-                   (p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage=0 or 1"),
-                   (p.offload_optimizer, "parallel.offload_optimizer=true", "parallel.offload_optimizer=false")]
+                   (p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage=0 or 1")]
     for refused, knob, fix in unsupported:
         if refused:
             problems.append(f"model.moe (num_experts={moe.num_experts}) does not run with {knob} yet "
@@ -55,12 +54,15 @@ def expert_parallel_problems(cfg: Config) -> List[str]:
     if moe.num_experts % p.ep:
         problems.append(f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.ep={p.ep} "
                         "(each ep rank holds an equal share of the experts); choose an ep that divides it")
+    # ZeRO 0/1 with AdamW, on the device or offloaded (parallel/expert/optimizer.py), keep the
+    # expert parameters over their own expert-dp group; FSDP2 and Muon's sharding do not, and
+    # fp16's one loss scale is not shared by its two halves.
     refused = [(p.zero_stage >= 2, f"parallel.zero_stage={p.zero_stage}", "parallel.zero_stage=0 or 1"),
-               (p.offload_optimizer, "parallel.offload_optimizer=true", "parallel.offload_optimizer=false"),
-               (cfg.optim.name == "muon", "optim.name=muon", "optim.name=adamw")]
+               (cfg.optim.name == "muon", "optim.name=muon", "optim.name=adamw"),
+               (cfg.train.dtype == "fp16", "train.dtype=fp16", "train.dtype=bf16 or fp32")]
     for bad, knob, fix in refused:
         if bad:
             problems.append(f"parallel.ep={p.ep} does not run with {knob} (expert parameters keep their own "
-                            f"expert-dp group, which only ZeRO 0/1 with AdamW on the device follows: docs/moe.md); "
-                            f"set {fix} or parallel.ep=1")
+                            f"expert-dp group, which only ZeRO 0/1 with AdamW in bf16 or fp32 follows, offloaded "
+                            f"or not: docs/moe.md); set {fix} or parallel.ep=1")
     return problems

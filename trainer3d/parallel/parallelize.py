@@ -129,9 +129,9 @@ def build_optimizer(chunks: List[nn.Module], cfg: Config, dims: ParallelDims) ->
         # skipped it gets no AdamW in Muon's place
         raise ValueError("optim.name=muon runs on parallel.zero_stage 0/1 without offload_optimizer")
     if dims.topo.ep > 1:
-        if stage >= 2 or cfg.parallel.offload_optimizer or cfg.optim.name == "muon":
+        if stage >= 2 or cfg.optim.name == "muon":
             # validate() refuses these with the reason (config/validate_moe.py)
-            raise ValueError("parallel.ep > 1 runs on parallel.zero_stage 0/1 with AdamW, without offload_optimizer")
+            raise ValueError("parallel.ep > 1 runs on parallel.zero_stage 0/1 with AdamW")
         return ExpertParallelOptimizer(chunks, cfg, dims, sharded=stage == 1)
     if cfg.parallel.offload_optimizer and stage < 2:
         return OffloadedOptimizer(chunks, cfg, dims, sharded=stage == 1)

@@ -130,13 +130,17 @@ class GradReducer:
     """
 
     def __init__(self, buffers: FlatBuffers, group: comm.Collectives, dp: int, dp_rank: int, micro_batches: int,
-                 mode: str, uses: Optional[Sequence[int]] = None):
+                 mode: str, uses: Optional[Sequence[int]] = None, scale: float = 1.0):
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"mode={mode}")
         self.buffers, self.group, self.dp, self.dp_rank = buffers, group, dp, dp_rank
         self.micro_batches, self.mode = micro_batches, mode
         self.expected = [micro_batches * u for u in (uses or [1] * len(buffers.params))]
         """Per parameter, its accumulations a step: micro-batches x the chunks using it."""
+        self.scale = scale
+        """A factor on every gradient before its reduction (expert parallelism's 1 / ep:
+        parallel/expert/optimizer.py), so whatever reads the reduced gradients, on the device or
+        the copies an offloaded step takes to the host, reads them scaled."""
         self.in_place = buffers.param_dtype == torch.float32
         # Decided once: each parameter's gradient view and bucket, looked up by its index in the
         # hook (a Tensor hashes in Python: a dict keyed by parameters costs a call per lookup).
@@ -185,8 +189,10 @@ class GradReducer:
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
         self.launch_order.append(bucket.index)
+        flat = self.buffers.grad_buffer[bucket.start:bucket.end]
+        if self.scale != 1.0:
+            flat.mul_(self.scale)
         if self.dp > 1:
-            flat = self.buffers.grad_buffer[bucket.start:bucket.end]
             if self.mode == "all_reduce":
                 bucket.work = self.group.all_reduce_avg(flat)
             else:

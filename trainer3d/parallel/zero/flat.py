@@ -80,12 +80,14 @@ class FlatZeroOptimizer(ZeroOptimizer):
     ``overlap_gather``: stage 1 waits for each bucket's parameter all-gather in the next
     forward (param_gather.py) rather than at the end of ``step()``; off only to measure
     what the overlap hides (tools/bench/zero.py). ``trains``: which of the chunks' parameters
-    it holds (all by default); ``replicas``: the group they are replicated over (dp x cp).
+    it holds (all by default); ``replicas``: the group they are replicated over (dp x cp);
+    ``grad_factor``: what the gradients are multiplied by before their average over it
+    (the experts' 1 / ep: parallel/expert/optimizer.py).
     """
 
     def __init__(self, chunks: List[nn.Module], cfg: Config, dims: ParallelDims, sharded: bool,
                  overlap_gather: bool = True, trains: Optional[Callable[[nn.Parameter], bool]] = None,
-                 replicas: Optional[ReplicaGroup] = None):
+                 replicas: Optional[ReplicaGroup] = None, grad_factor: float = 1.0):
         self.cfg, self.dims, self.sharded = cfg, dims, sharded
         self.shards_state = sharded
         self.replicas = rep = replicas or ReplicaGroup.dp_cp(dims)
@@ -111,7 +113,7 @@ class FlatZeroOptimizer(ZeroOptimizer):
                       comm.collectives(None, dims.device, 64) if dims.topo.world_size > 1 else comm.GroupCollectives())
         mode = reduce_mode(cfg, self.dp) if sharded else "all_reduce"
         self.reducer = GradReducer(self.buffers, self.dp, rep.size, rep.rank, cfg.train.grad_accum_steps, mode,
-                                   [uses[p] for p in self.buffers.params])
+                                   [uses[p] for p in self.buffers.params], grad_factor)
         # bf16/fp16: the linear layers' backward accumulates into the fp32 buffer (wgrad.py)
         self.wgrad_sink = low_precision_sink(self.buffers.params, self.buffers.grad_view, dtype)
         self.pieces = self._owned_pieces()

@@ -237,8 +237,10 @@ class OffloadedOptimizer(FlatZeroOptimizer):
     """ZeRO stage 0 or 1 with the optimizer state and step on the host (``parallel.offload_optimizer``)."""
 
     def __init__(self, chunks: List[nn.Module], cfg: Config, dims: ParallelDims, sharded: bool,
-                 overlap_gather: bool = True):
-        super().__init__(chunks, cfg, dims, sharded, overlap_gather)
+                 overlap_gather: bool = True, **part):
+        # ``part``: FlatZeroOptimizer's trains / replicas / grad_factor, for the two halves of an
+        # expert-parallel layout (parallel/expert/optimizer.py)
+        super().__init__(chunks, cfg, dims, sharded, overlap_gather, **part)
         self.to_host = GradsToHost(self.reducer, self.adam)
         self._grad_scale: Optional[torch.Tensor] = None
         """This step's divisor of the gradients (device): 1 / (clip coefficient x inverse loss scale)."""
@@ -258,8 +260,15 @@ class OffloadedOptimizer(FlatZeroOptimizer):
         self.to_host.again([s for s in self.adam.segments if s.param in changed])
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        norm, self._grad_scale = clip_divisor(sum_of_squares(self._counted, self.dims.device), max_norm, self.scaler)
+        norm, divisor = clip_divisor(sum_of_squares(self._counted, self.dims.device), max_norm, self.scaler)
+        self.divide_grads_by(divisor)
         return norm
+
+    def divide_grads_by(self, divisor: Optional[torch.Tensor]) -> None:
+        """This step's divisor of the gradients (a device scalar; None: 1), applied by the host
+        kernel as it reads them: set by ``clip_grad_norm``, or by an optimizer whose one norm
+        spans this one and another (parallel/expert/optimizer.py)."""
+        self._grad_scale = divisor
 
     def _scalars_on_host(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """This step's gradient divisor and fp16 skip flag, read by the host (after the gradients)."""
