@@ -5,7 +5,9 @@
 own modules, ``schema_model`` (``model.*``, rotary scaling) and ``schema_parallel``
 (``parallel.*``); ``knobs`` every field's range or choices;
 ``validate`` the rules of a layout as a pure function, run in the submitting process and
-naming the knob to change; ``jsonfile`` the size-bounded reader of JSON objects the run did
+naming the knob to change, with the rules of one concern each in ``validate_pipeline``
+(``parallel.pp*``, and the batch set a refusal proposes), ``validate_data``, ``validate_moe``
+and ``validate_optim``; ``jsonfile`` the size-bounded reader of JSON objects the run did
 not write (token headers, Hugging Face config and index files); ``rows`` the one reader of
 metrics.jsonl, which skips a torn last line as a resume does; ``secrets`` the redaction of
 credentials, by key and by value, from every record of a config (.hydra/, markers, wandb);
