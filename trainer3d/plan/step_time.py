@@ -45,18 +45,13 @@ from trainer3d.parallel.pipeline.bubble import bubble_theory
 from trainer3d.parallel.pipeline.timeline import ZERO_BUBBLE
 from trainer3d.plan.block_time import all_reduce_s
 from trainer3d.plan.devices import Device
-from trainer3d.plan.links import _link_gbps, overlap_cost
+from trainer3d.plan.links import _link_gbps, gather_s, overlap_cost
 from trainer3d.plan.micro_batch_time import RankTimes, micro_batch_times
 from trainer3d.plan.moe_cost import expert_gradient_bytes
 from trainer3d.plan.muon_cost import muon_s
 from trainer3d.plan.offload_cost import HostLink, fsdp_offload_s, offload_s
 
 ADAMW_BYTES = 36  # per owned element: read grad, moments, master/param; write moments, master/param (+16-bit copy)
-
-
-def gather_s(nbytes: float, n: int, gbps: float, latency_us: float) -> float:
-    """An all-gather into (or a reduce-scatter out of) ``nbytes``."""
-    return 0.0 if n == 1 else (n - 1) / n * nbytes / (gbps * 1e9) + (n - 1) * latency_us * 1e-6
 
 
 def unit_gathers_s(nbytes: float, units: int, n: int, gbps: float, latency_us: float) -> float:
