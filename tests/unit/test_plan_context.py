@@ -70,7 +70,7 @@ def test_the_ring_hides_its_hops_behind_the_fused_kernels_time_on_gpus():
     import dataclasses
 
     from trainer3d.memory.activations import Sizes
-    from trainer3d.plan.step_time import _cp_exposed
+    from trainer3d.plan.micro_batch_time import _cp_exposed
 
     slow = dataclasses.replace(device_for("h100-sxm"), intra_gbps=1.0, inter_gbps=1.0)
     cfg = Config()

@@ -8,7 +8,8 @@ from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.memory.states import ModelStateBytes
 from trainer3d.plan.devices import device_for
 from trainer3d.plan.search import dp_shards, layout_overrides
-from trainer3d.plan.step_time import RankTimes, _dp_exposed
+from trainer3d.plan.micro_batch_time import RankTimes
+from trainer3d.plan.step_time import _dp_exposed
 
 LAYERS, SHARD_ELEMENTS = 4, 10 ** 8  # one rank's padded shard (``ModelStateBytes.sharded``) at each layout
 

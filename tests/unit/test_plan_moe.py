@@ -14,7 +14,7 @@ from trainer3d.plan.devices import PRESETS
 from trainer3d.plan.expert_search import expert_parallel_sizes
 from trainer3d.plan.moe_cost import all_to_all_s, expert_gradient_bytes
 from trainer3d.plan.search import search
-from trainer3d.plan.step_time import micro_batch_times
+from trainer3d.plan.micro_batch_time import micro_batch_times
 
 H100 = PRESETS["h100-sxm"]
 

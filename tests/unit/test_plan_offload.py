@@ -14,7 +14,8 @@ from trainer3d.config.schema import Config
 from trainer3d.memory.states import ModelStateBytes, engine_model_state_bytes
 from trainer3d.plan.devices import device_for
 from trainer3d.plan.search import command, evaluate, host_link, search
-from trainer3d.plan.step_time import HostLink, RankTimes, fsdp_offload_s, offload_s
+from trainer3d.plan.micro_batch_time import RankTimes
+from trainer3d.plan.offload_cost import HostLink, fsdp_offload_s, offload_s
 from trainer3d.config.validate import validate
 
 SHAPES, DP = [(64, 32), (32,), (128, 32)], 4  # 6,176 elements: no padding at dp 4, one bucket

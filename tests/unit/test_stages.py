@@ -12,7 +12,7 @@ from trainer3d.parallel.pipeline.bubble import StageClock, bubble_theory
 from trainer3d.parallel.pipeline.schedule import SCHEDULES, SINGLE_STAGE
 from trainer3d.parallel.pipeline.stages import rank_of_stage, split_into_stages, stage_layer_ranges, stages_of_rank
 from trainer3d.parallel.pipeline.timeline import schedule_bubble, simulate, torch_schedule
-from trainer3d.config.validate import pipeline_micro_batch_problem
+from trainer3d.config.validate_pipeline import pipeline_micro_batch_problem
 
 
 def counts(ranges):

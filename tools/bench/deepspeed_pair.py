@@ -90,7 +90,8 @@ def run_trainer3d(steps: int, warmup: int, root: Path = ROOT) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         overrides = trainer3d_overrides(steps, run_dir)
-        schemas = [f for f in (root / "trainer3d" / "config" / "schema.py", root / "trainer3d" / "config.py") if f.exists()]
+        schemas = [*(root / "trainer3d" / "config").glob("schema*.py"), root / "trainer3d" / "config.py"]
+        schemas = [f for f in schemas if f.exists()]
         if not any("eval_every" in f.read_text(errors="replace") for f in schemas):
             overrides.remove("train.eval_every=0")  # a revision from before evaluation
         cmd = [sys.executable, "-m", "trainer3d.train", *overrides]

@@ -90,7 +90,7 @@ from trainer3d.parallel.pipeline.schedule import Pipeline  # noqa: E402
 from trainer3d.parallel.pipeline.stages import stages_of_rank  # noqa: E402
 from trainer3d.parallel.topology import ParallelDims, Topology  # noqa: E402
 from trainer3d.trainer import MicroBatchLoss  # noqa: E402
-from trainer3d.config.validate import pipeline_micro_batch_problem  # noqa: E402
+from trainer3d.config.validate_pipeline import pipeline_micro_batch_problem  # noqa: E402
 
 MODEL = ModelConfig(name="bench", dim=256, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=768,
                     vocab_size=257, max_seq_len=128)

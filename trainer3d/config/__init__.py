@@ -1,11 +1,14 @@
 """Compose and validate: what a run is, before anything starts.
 
 ``schema`` holds the typed dataclasses Hydra's ConfigStore registers (every field documented;
-``conf/`` only selects and overrides them) and re-exports the two sections kept in their
-own modules, ``schema_model`` (``model.*``, rotary scaling) and ``schema_parallel``
-(``parallel.*``); ``knobs`` every field's range or choices;
+``conf/`` only selects and overrides them), joining and re-exporting the sections kept in
+their own modules: ``schema_model`` (``model.*``, rotary scaling), ``schema_parallel``
+(``parallel.*``), ``schema_train`` (``train.*``, ``optim.*``) and ``schema_run`` (``data.*``,
+``launcher.*``, ``logger.*``, ``checkpoint.*``); ``knobs`` every field's range or choices;
 ``validate`` the rules of a layout as a pure function, run in the submitting process and
-naming the knob to change; ``jsonfile`` the size-bounded reader of JSON objects the run did
+naming the knob to change, with the rules of one concern each in ``validate_pipeline``
+(``parallel.pp*``, and the batch set a refusal proposes), ``validate_data``, ``validate_moe``
+and ``validate_optim``; ``jsonfile`` the size-bounded reader of JSON objects the run did
 not write (token headers, Hugging Face config and index files); ``rows`` the one reader of
 metrics.jsonl, which skips a torn last line as a resume does; ``secrets`` the redaction of
 credentials, by key and by value, from every record of a config (.hydra/, markers, wandb);

@@ -17,7 +17,7 @@ so tools/prepare_data.py records the boundaries it writes, as Megatron-LM's ``.i
 token file's scan) and refuses a mismatch naming the file and the fix. A Megatron-LM dataset
 read in place has its boundaries from its own ``.idx`` (``DocumentStream.offsets``); a token
 file without an index (made before the index existed) falls back to the end-of-document id:
-``document_starts`` says which, and the loader (trainer3d/data/documents_loader.py) uses it.
+``document_starts`` says which, and the windows' segments (trainer3d/data/segments.py) use it.
 """
 
 import hashlib

@@ -8,7 +8,9 @@ which is fastest.
     calibrate.py   --calibrate: this machine's matmul rate, memory bandwidth, collectives
     calibrate_ranks.py  the processes --calibrate measures the node with (they import torch alone)
     calibrate_gpu.py  --calibrate on CUDA: the GPU's preset with its matmul rate and bandwidth measured
-    step_time.py   the step-time model
+    step_time.py   the step-time model: the pipeline's slots and bubble, data-parallel communication, optimizer
+    micro_batch_time.py  one micro-batch's forward and backward on a pipeline rank, by term
+    offload_cost.py  the offloaded optimizer's term
     links.py       which link a group's collectives cross; what overlapping them costs the compute
     block_time.py  one block's forward and backward by term
     moe_cost.py    an MoE block's extra terms: the experts' GEMMs, the all-to-alls, the experts' gradients

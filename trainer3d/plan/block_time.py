@@ -15,7 +15,7 @@ On a GPU preset (``Device.kernels``, trainer3d/plan/kernels.py):
                  longer of its kernels and their launches)
 
 Elsewhere (CPUs, a calibration file) the block's matmuls run at the one measured rate and
-its dispatch costs ``layer_overhead_us`` (step_time.py's docstring).
+its dispatch costs ``layer_overhead_us`` (micro_batch_time.py's docstring).
 """
 
 from dataclasses import dataclass, field

@@ -1,8 +1,13 @@
 """How the GPUs' links carry a parallel group's collectives, for the step-time model
-(step_time.py): which link a group crosses, and what a collective overlapped with compute
-costs that compute."""
+(step_time.py): which link a group crosses, what a ring all-gather over it takes (shared
+with muon_cost.py), and what a collective overlapped with compute costs that compute."""
 
 from trainer3d.plan.devices import Device
+
+
+def gather_s(nbytes: float, n: int, gbps: float, latency_us: float) -> float:
+    """A ring all-gather into (or a reduce-scatter out of) ``nbytes``."""
+    return 0.0 if n == 1 else (n - 1) / n * nbytes / (gbps * 1e9) + (n - 1) * latency_us * 1e-6
 
 
 def _link_gbps(device: Device, span: int, ranks_per_node: int, members_per_node: int = 1) -> float:

@@ -18,14 +18,9 @@ from trainer3d.memory.muon_step import layer_wise, ns_shares, rank_muon_params
 from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
 from trainer3d.parallel.zero.muon import ns_cost, ns_flops
 from trainer3d.plan.devices import Device
-from trainer3d.plan.links import _link_gbps
+from trainer3d.plan.links import _link_gbps, gather_s
 
 __all__ = ["muon_s", "ns_flops", "rank_layers"]
-
-
-def _gather_s(nbytes: float, n: int, gbps: float, latency_us: float) -> float:
-    """A ring all-gather into ``nbytes`` (step_time.py's ``gather_s``, which imports this module)."""
-    return 0.0 if n == 1 else (n - 1) / n * nbytes / (gbps * 1e9) + (n - 1) * latency_us * 1e-6
 
 
 def rank_layers(cfg: Config, pp_rank: int) -> int:
@@ -53,7 +48,7 @@ def muon_s(cfg: Config, device: Device, pp_rank: int, ranks_per_node: int) -> fl
     if p.zero_stage == 1 and n > 1:
         gbps = _link_gbps(device, p.tp * n, ranks_per_node, min(n, max(1, ranks_per_node // p.tp)))
         rounds = 2 if layer_wise(cfg) else 1  # the look-ahead's gather, and the results' broadcasts
-        seconds += rounds * _gather_s(4 * elements / p.tp, n, gbps, lat)
+        seconds += rounds * gather_s(4 * elements / p.tp, n, gbps, lat)
     if p.tp > 1:
-        seconds += _gather_s(4 * elements, p.tp, _link_gbps(device, p.tp, ranks_per_node), lat)
+        seconds += gather_s(4 * elements, p.tp, _link_gbps(device, p.tp, ranks_per_node), lat)
     return seconds

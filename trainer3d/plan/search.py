@@ -28,7 +28,8 @@ from trainer3d.memory.peak import RankMemory, rank_memory
 from trainer3d.plan.expert_search import expert_parallel_sizes
 from trainer3d.plan.settings import PlanConfig
 from trainer3d.plan.devices import Device
-from trainer3d.plan.step_time import HostLink, StepTime, ranks_evaluated, step_time, tokens_per_s
+from trainer3d.plan.offload_cost import HostLink
+from trainer3d.plan.step_time import StepTime, ranks_evaluated, step_time, tokens_per_s
 from trainer3d.config.validate import ConfigError, validate
 
 GiB = 2 ** 30

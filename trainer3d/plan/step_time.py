@@ -1,16 +1,8 @@
 """Predicted time of one training step of a validated layout on a Device.
 
-Per micro-batch, on a pipeline rank (its chunks' blocks; the embedding on the first stage,
-the final norm, head and loss on the last), each block's forward and backward by term
-(block_time.py): on GPU presets its GEMMs by shape, the attention kernel, elementwise
-traffic, tensor-parallel collectives and the host's launches beyond the device's time
-(trainer3d/plan/kernels.py, with the published figures they come from); on CPUs and
-calibrated machines the causal model FLOPs at the measured rate, the elementwise traffic
-at the measured rate and the measured dispatch overhead. With recomputation the backward
-runs the blocks' forward again. With context parallelism each block adds the ring's
-exchange where it is longer than the attention it hides behind: cp − 1 hops of a key/value
-block (backward: the blocks and their fp32 gradients, one more hop; ring attention,
-trainer3d/parallel/context/).
+The slowest pipeline rank's micro-batch, forward and backward by term, is micro_batch_time.py's;
+the offloaded optimizer's term is offload_cost.py's; this module puts them together with the
+pipeline's fill and drain, the data-parallel communication and the optimizer:
 
     step = (m + (p - 1) / v) x (slowest rank's forward + backward + 2 v hand-overs, each a
                                               send and the schedule's host time per action)
@@ -43,54 +35,29 @@ cores (CPUs) a step also takes at least the node's total work over the node's th
 """
 
 from dataclasses import dataclass, field, fields
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 from trainer3d.memory.activations import FP32, Sizes
 from trainer3d.config.schema import Config
 from trainer3d.config.schema_parallel import zero_shards
-from trainer3d.memory.moe import moe_layers
 from trainer3d.memory.states import BYTES, ModelStateBytes
 from trainer3d.parallel.pipeline.bubble import bubble_theory
-from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
 from trainer3d.parallel.pipeline.timeline import ZERO_BUBBLE
-from trainer3d.plan.block_time import all_reduce_s, block_time, tp_region_s
+from trainer3d.plan.block_time import all_reduce_s
 from trainer3d.plan.devices import Device
-from trainer3d.plan.links import _link_gbps, overlap_cost
+from trainer3d.plan.links import _link_gbps, gather_s, overlap_cost
+from trainer3d.plan.micro_batch_time import RankTimes, micro_batch_times
 from trainer3d.plan.moe_cost import expert_gradient_bytes
 from trainer3d.plan.muon_cost import muon_s
+from trainer3d.plan.offload_cost import HostLink, fsdp_offload_s, offload_s
 
 ADAMW_BYTES = 36  # per owned element: read grad, moments, master/param; write moments, master/param (+16-bit copy)
-HOST_ADAMW_BYTES = 32  # the host kernel: read master, grad, moments; write them back (the gradient divided in place)
-
-
-@dataclass(frozen=True)
-class HostLink:
-    """What the offloaded optimizer's time depends on (``cluster.pcie_gb_s``, ``cluster.host_memory_gb_s``)."""
-
-    pcie_gbps: float = 25.0
-    host_gbps: float = 200.0
-
-
-def gather_s(nbytes: float, n: int, gbps: float, latency_us: float) -> float:
-    """An all-gather into (or a reduce-scatter out of) ``nbytes``."""
-    return 0.0 if n == 1 else (n - 1) / n * nbytes / (gbps * 1e9) + (n - 1) * latency_us * 1e-6
 
 
 def unit_gathers_s(nbytes: float, units: int, n: int, gbps: float, latency_us: float) -> float:
     """All-gathers (or reduce-scatters) of ``nbytes`` in ``units`` collectives, one per
     sharded unit: the bytes once, the ring's hops once per unit."""
     return 0.0 if n == 1 else gather_s(nbytes, n, gbps, 0.0) + units * (n - 1) * latency_us * 1e-6
-
-
-@dataclass
-class RankTimes:
-    """One micro-batch on one pipeline rank, seconds."""
-
-    forward: float
-    backward: float
-    tp_comm: float
-    terms: Dict[str, float] = field(default_factory=dict)
-    """forward + backward by term (block_time.py's, ``recompute``, ``head``)."""
 
 
 @dataclass
@@ -144,90 +111,6 @@ class StepTime:
     @property
     def total(self) -> float:
         return max(self.critical_path, self.node_bound) + self.dp_comm + self.optimizer + self.offload + self.host
-
-
-def _cp_exposed(cfg: Config, z: Sizes, device: Device, ranks_per_node: int) -> Tuple[float, float]:
-    """(forward, backward) seconds per block of the ring's hops not hidden behind attention:
-    a hop carries this rank's keys and values (backward: and their fp32 gradients) while one
-    block of attention computes (a causal half-square of the local queries on local keys): on
-    GPU presets at the fused kernel's rate, as the ring runs torch's flash/memory-efficient
-    kernels on CUDA (trainer3d/parallel/context/kernels.py ``block_kernel``)."""
-    p = cfg.parallel
-    if p.cp == 1:
-        return 0.0, 0.0
-    rate = device.matmul_tflops[cfg.train.dtype] * 1e12 * device.rank_speed(ranks_per_node)
-    lat = device.latency(ranks_per_node)
-    gbps = _link_gbps(device, p.tp * p.cp, ranks_per_node)
-    kv = 2 * z.n * z.kv_heads // p.tp * z.head_dim
-    hop = z.p * kv / (gbps * 1e9) + lat * 1e-6
-    grad_hop = (z.p + FP32) * kv / (gbps * 1e9) + lat * 1e-6
-    if device.kernels is not None:  # GPU presets: the ring's blocks run torch's fused kernels (flash)
-        block_attention = device.kernels.attention_s("flash", z.b, z.s, z.heads // p.tp, z.head_dim, z.p)[0]
-    else:
-        block_attention = 2 * z.n * z.s * z.heads // p.tp * z.head_dim / rate  # QK^T and PV, half masked
-    fwd = (p.cp - 1) * max(0.0, hop - block_attention)
-    bwd = (p.cp - 1) * max(0.0, grad_hop - 2 * block_attention) + FP32 * kv / (gbps * 1e9) + lat * 1e-6
-    return fwd, bwd
-
-
-def micro_batch_times(cfg: Config, device: Device, pp_rank: int, ranks_per_node: int,
-                      attention: str = "flash") -> RankTimes:
-    p, t, m = cfg.parallel, cfg.train, cfg.model
-    z = Sizes.of(cfg)
-    block = block_time(cfg, device, ranks_per_node, attention)
-    cp_fwd, cp_bwd = _cp_exposed(cfg, z, device, ranks_per_node)
-    if p.cp > 1:
-        block.fwd["cp_comm"], block.bwd["cp_comm"] = cp_fwd, cp_bwd
-    region = tp_region_s(cfg, device, ranks_per_node)
-    last = n_stages(cfg) - 1
-    ranges = stage_layer_ranges(m.n_layers, last + 1, p.pp_layers)
-    stages = stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule)
-    layers = sum(len(ranges[s]) for s in stages)
-    experts = sum(moe_layers(cfg, s) for s in stages)  # MoE blocks among them (plan/moe_cost.py)
-    kinds = [(block, layers - experts)]
-    if experts:
-        moe = block_time(cfg, device, ranks_per_node, attention, moe=True)
-        if p.cp > 1:
-            moe.fwd["cp_comm"], moe.bwd["cp_comm"] = cp_fwd, cp_bwd
-        kinds.append((moe, experts))
-    terms: Dict[str, float] = {}
-    fwd = bwd = 0.0
-    for kind, count in kinds:
-        for name in {*kind.fwd, *kind.bwd}:
-            terms[name] = terms.get(name, 0.0) + count * (kind.fwd.get(name, 0.0) + kind.bwd.get(name, 0.0))
-        fwd, bwd = fwd + count * kind.forward, bwd + count * kind.backward
-    if t.activation_checkpointing:
-        terms["recompute"] = fwd
-        bwd += fwd
-    tp = (layers * (4 + 2 * t.activation_checkpointing) - experts * (2 + t.activation_checkpointing)) * region
-    if 0 in stages:
-        fwd += region
-        tp += region
-        terms["tp_comm"] += region
-    if last in stages:
-        head_f, head_b = _head_s(cfg, device, z, ranks_per_node)
-        lat = device.latency(ranks_per_node)
-        loss = 3 * all_reduce_s(FP32 * z.n, p.tp, device.intra_gbps, lat)
-        fwd += head_f + loss
-        bwd += head_b + region
-        tp += loss + region
-        terms["head"] = head_f + head_b
-        terms["tp_comm"] += loss + region
-    return RankTimes(forward=fwd, backward=bwd, tp_comm=tp, terms=terms)
-
-
-def _head_s(cfg: Config, device: Device, z: Sizes, ranks_per_node: int) -> Tuple[float, float]:
-    """The output head's matmuls and the fp32 logits' elementwise passes (2 forward, 3 back)."""
-    logits = FP32 * z.n * z.vocab_local
-    if device.kernels is not None:
-        f, b = device.kernels.linear_s(z.n, z.h, z.vocab_local, z.p)
-        bw = device.kernels.hbm_gbps * 1e9
-        return f + 2 * logits / bw, b + 3 * logits / bw
-    speed = device.rank_speed(ranks_per_node)
-    rate = device.matmul_tflops[cfg.train.dtype] * 1e12 * speed
-    bw = (device.elementwise_gbps or device.memory_gbps) * 1e9 * speed
-    head = 2 * z.n * z.h * z.vocab_local / rate
-    return head + 2 * logits / bw, 2 * head + 3 * logits / bw
 
 
 def _dp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: RankTimes,
@@ -290,47 +173,6 @@ def _fsdp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: R
     m = t.grad_accum_steps
     hidden = m * (gather + bwd_gather + scatter - fwd_exposed - bwd_exposed)
     return m * (fwd_exposed + bwd_exposed) + gather / units + overlap_cost(device, hidden)
-
-
-def offload_s(cfg: Config, states: ModelStateBytes, backward: float, node_ranks: int, link: HostLink) -> float:
-    """One rank's offloaded-optimizer time per step not hidden (parallel/zero/offload.py): each
-    bucket's owned fp32 gradients leave as its reduction is launched, during the last
-    micro-batch's backward but for the last bucket; the host AdamW over the owned elements at
-    this rank's share of the host bandwidth; the updated ``train.dtype`` slice back before
-    the all-gather."""
-    owned = states.offloaded
-    if not owned:
-        return 0.0
-    b = BYTES[cfg.train.dtype]
-    pcie = link.pcie_gbps * 1e9
-    to_host = FP32 * owned / pcie
-    share = min(1.0, cfg.parallel.bucket_mb * 2 ** 20 / max(1, states.grads))
-    exposed = to_host * share + max(0.0, to_host * (1 - share) - backward)
-    cast = (FP32 + b) if b != FP32 else 0  # the bf16/fp16 copy for the way back, made on the host
-    host_step = (HOST_ADAMW_BYTES + cast) * owned / (link.host_gbps * 1e9 / node_ranks)
-    return exposed + host_step + b * owned / pcie
-
-
-def fsdp_offload_s(cfg: Config, states: ModelStateBytes, times: RankTimes, node_ranks: int,
-                   link: HostLink) -> float:
-    """One rank's ZeRO-2/3 offload time per step not hidden (parallel/zero/fsdp_offload.py):
-    each micro-batch copies every unit's fp32 shard up before its all-gather (stage 3: again
-    for backward), overlapped with the micro-batch's compute, and every reduce-scattered fp32
-    gradient shard down. The first micro-batch's copies down overlap its backward (pinned,
-    non-blocking); a later one's block the host, which adds it into the gradient it holds
-    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, ``foreach_reduce``): that copy
-    and the sum (12 bytes of host traffic an element) are exposed. Then the host AdamW over the
-    real rows at this rank's share of the host bandwidth."""
-    if not states.offloaded:
-        return 0.0
-    m, pcie = cfg.train.grad_accum_steps, link.pcie_gbps * 1e9
-    host = link.host_gbps * 1e9 / node_ranks
-    shard = FP32 * states.sharded
-    up = (2 if cfg.parallel.zero_stage == 3 else 1) * shard / pcie
-    down = shard / pcie
-    per_micro = max(0.0, up - times.forward - times.backward)
-    accumulate = (m - 1) * (down + 3 * shard / host)
-    return m * per_micro + max(0.0, down - times.backward) + accumulate + HOST_ADAMW_BYTES * states.offloaded / host
 
 
 def step_time(cfg: Config, device: Device, states: Dict[int, ModelStateBytes], ranks_per_node: int,

@@ -46,7 +46,7 @@ from trainer3d.parallel.pipeline.stages import stages_of_rank
 from trainer3d.parallel.pipeline.timeline import Action
 from trainer3d.parallel.pipeline.weight_grad import backward_weight
 from trainer3d.parallel.topology import ParallelDims
-from trainer3d.config.validate import pipeline_micro_batch_problem
+from trainer3d.config.validate_pipeline import pipeline_micro_batch_problem
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "zb1p": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}

@@ -5,8 +5,8 @@ micro-batch on one stage; B, its whole backward; or, for the zero-bubble schedul
 input-gradient half, and W, the weight-gradient half; torch/distributed/pipelining/
 schedules.py). ``schedule_actions`` takes them from torch's own schedule classes, so the
 planner reasons about the very order a run executes; ``Pipeline`` (schedule.py) records the
-order its stages actually ran (``executed``), which tests/multirank/test_pipeline_bubble.py
-holds to this one.
+order its stages actually ran (``executed``), which tests/multirank/test_pipeline.py
+(``test_pipelined_losses_and_grads_equal_one_process``) holds to this one.
 
 ``simulate`` runs the lists on an ideal machine: every rank executes its list in order, an
 action starts when its rank is free and its inputs exist (F after the previous stage's F of

@@ -1,13 +1,16 @@
 """The optimizer contract: everything the trainer, checkpoints and metrics may ask of the
 data-parallel optimizer, whichever ZeRO stage implements it.
 
-Four implementations, which ``parallel/parallelize.py`` chooses from ``parallel.zero_stage`` and
-``parallel.offload_optimizer``: stages 0/1 (``FlatZeroOptimizer``, parallel/zero/flat.py: flat
-buffers, bucketed reduction; ``ReplicatedOptimizer`` and ``ShardedOptimizer``), their offloaded
-form (``OffloadedOptimizer``, parallel/zero/offload.py: fp32 state and the AdamW step on the
-host), stages 2/3 (``FSDPOptimizer``, parallel/zero/fsdp.py: FSDP2) and theirs
-(``OffloadedFSDPOptimizer``, parallel/zero/fsdp_offload.py: FSDP2's CPU offload). Code outside
-those modules reaches an optimizer through these methods only.
+Five implementations, which ``parallel/parallelize.py`` (``build_optimizer``) chooses from
+``parallel.zero_stage``, ``parallel.offload_optimizer`` and ``parallel.ep``: stages 0/1
+(``FlatZeroOptimizer``, parallel/zero/flat.py: flat buffers, bucketed reduction;
+``ReplicatedOptimizer`` and ``ShardedOptimizer``; AdamW, or with ``optim.name=muon`` Muon for
+the blocks' matrices), their offloaded form (``OffloadedOptimizer``, parallel/zero/offload.py:
+fp32 state and the AdamW step on the host), stages 2/3 (``FSDPOptimizer``, parallel/zero/fsdp.py:
+FSDP2) and theirs (``OffloadedFSDPOptimizer``, parallel/zero/fsdp_offload.py: FSDP2's CPU
+offload), and under expert parallelism stages 0/1 twice over (``ExpertParallelOptimizer``,
+parallel/expert/optimizer.py: the dense parameters over dp x cp, the experts' slices over their
+expert-dp group). Code outside those modules reaches an optimizer through these methods only.
 
 One step, as trainer3d/trainer.py runs it::
 
@@ -63,7 +66,8 @@ class StateView:
 
 
 class ZeroOptimizer(ABC):
-    """AdamW with fp32 state over this rank's model chunks, data-parallel over ``dims.dp_cp_group`` (dp x cp)."""
+    """The step's optimizer (AdamW, or Muon and AdamW) with fp32 state over this rank's model chunks,
+    data-parallel over ``dims.dp_cp_group`` (dp x cp; expert slices over their expert-dp group)."""
 
     step_count: torch.Tensor
     """Optimizer steps taken (a device scalar; skipped fp16 steps do not count)."""
