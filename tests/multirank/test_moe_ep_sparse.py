@@ -6,10 +6,11 @@ choice"). A layout's reduction order is fixed, so a run is not random; it is bri
 such ties. This case has no near-tie by construction: a tiny Mixtral (4 experts, top-2,
 transformers' own ``MixtralForCausalLM``, imported by ``model.init_from``) whose token embeddings
 carry a routing code, two coordinates of +-CODE set by bits 0 and 1 of the token id, and whose
-routers read that code (ROUTER on those coordinates, expert e at the angle e x 90 degrees), so
-every token's two chosen experts lead the other two by about half the probability mass, while
-the rest of the hidden state moves the logits by a few hundredths. Different tokens choose
-different pairs, so each rank's counts per expert differ and so do the all-to-all's sizes.
+routers read that code (ROUTER on those coordinates, expert e at the angle e x 90 degrees):
+after the norm the code is about +-5.6, so the two experts a code points at lead the other two
+by about 22 in the logits, far more than the rest of the hidden state moves them in 20 steps
+(a weight of 0.5 was not: the second layer's margin closed to 4e-4 by step 15). Different tokens
+choose different pairs, so each rank's counts per expert differ and so do the all-to-all's sizes.
 
 The test does not rely on the argument alone: it replays every step's routing on the 1-process
 run's weights of that step (a checkpoint each step) and its global batch, checks the smallest
@@ -35,7 +36,7 @@ from trainer3d.model.moe import moe_blocks
 from trainer3d.model.transformer import Transformer
 
 EXPERTS, TOP_K, DIM, STEPS = 4, 2, 64, 20
-CODE, ROUTER = 1.0, 0.5  # the code's size in the embeddings, the routers' weight on it
+CODE, ROUTER = 1.0, 2.0  # the code's size in the embeddings, the routers' weight on it
 HF = dict(hidden_size=DIM, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
           vocab_size=301, max_position_embeddings=256, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
           router_aux_loss_coef=0.02)
@@ -99,7 +100,8 @@ def runs(tmp_path_factory):
     hf = make_coded_mixtral(root / "hf")
     common = (*RUN, f"model.init_from={hf}", "parallel=single")
     out = {"hf": hf, "single": root / "single"}
-    out["losses/single"] = losses_in_ranks(out["single"], [*common, "checkpoint.every=1"], timeout=900)
+    out["losses/single"] = losses_in_ranks(out["single"], [*common, "checkpoint.every=1", f"checkpoint.keep={STEPS}"],
+                                            timeout=900)
     for name, layout in LAYOUTS.items():
         out[name] = root / name
         out[f"losses/{name}"] = losses_in_ranks(out[name], [*common, *layout], timeout=900)
