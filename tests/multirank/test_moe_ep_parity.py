@@ -96,3 +96,14 @@ def test_cp2_dp2_ep2_matches_single_process(tmp_path, session_tmp):
     """ep groups carved out of dp x cp: a cp pair holds the two halves of a sequence's tokens and
     dispatches them to each other's experts."""
     _check(tmp_path, session_tmp, ["parallel.cp=2", "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # 8 ranks on 2 cores
+def test_tp2_pp2_dp2_ep2_sp_matches_single_process(tmp_path, session_tmp):
+    """All three dimensions with ep (8 ranks): each stage's tp column dispatches its sequence
+    shard over its own ep group (the stage's dp pair at its tp rank), and the expert gradients
+    are summed over tp, averaged over expert-dp and scaled by 1 / ep on each stage apart."""
+    _check(tmp_path, session_tmp, ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "parallel.ep=2",
+                                   "parallel.zero_stage=1", "parallel.sequence_parallel=true"])
+

@@ -19,7 +19,10 @@ initialisation see the 1-rank model's tensors, this rank's slice of dim 0 marked
    receiving no token is an empty group;
 4. combine: the inverse permutation and the reverse all-to-all, back in the block's order.
 
-Backward is the same two all-to-alls with the split sizes swapped. ``_Dispatch`` and
+Backward is the same two all-to-alls with the split sizes swapped. Under ``train.compile`` all
+four steps run eagerly between the block's compiled pieces: step 1 reads the counts on the host,
+a data-dependent break dynamo cannot compile through, and the all-to-alls are autograd Functions
+over a c10d group, as tensor parallelism's are (parallel/compile.py). ``_Dispatch`` and
 ``_Combine`` save only the permutation (int64, one per received token) through
 ``ctx.save_for_backward``, where trainer3d/memory/meter.py sees it.
 """
@@ -99,6 +102,11 @@ class ExpertParallelExperts(nn.Module):
         for name, shape in (("w1", (local, dim, ffn)), ("w3", (local, dim, ffn)), ("w2", (local, ffn, dim))):
             setattr(self, name, nn.Parameter(torch.empty(shape, device=like.device, dtype=like.dtype)))
         self._grouped = eager_grouped_swiglu()
+        # Wrapped here, not decorated (a decorator imports torch._dynamo at every start:
+        # tests/unit/test_import_cost.py); the function, not a bound method, so a deep copy of
+        # the block (an interleaved rank's chunks: parallel/pipeline/stages.py) dispatches
+        # through its own weights, as model/moe.py's ``_account`` does.
+        self._exchange = torch.compiler.disable(_exchange)
         self._mark()
 
     def _mark(self) -> None:
@@ -114,15 +122,20 @@ class ExpertParallelExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (tokens, dim) sorted by expert, ``counts[e]`` of them for expert e of all E."""
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=self.group)
-        received = received.view(self.ep, -1)
-        send = counts.view(self.ep, -1).sum(1).tolist()
-        recv = received.sum(1).tolist()
-        order = arrival_order(received)
-        tokens = _Dispatch.apply(x, order, send, recv, self.group)
-        y = self._grouped(tokens, self.w1, self.w3, self.w2, received.sum(0))
-        return _Combine.apply(y, order, send, recv, self.group)
+        return self._exchange(self, x, counts)
+
+
+def _exchange(experts: ExpertParallelExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Steps 1-4 of the module docstring for ``experts``' ep group."""
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=experts.group)
+    received = received.view(experts.ep, -1)
+    send = counts.view(experts.ep, -1).sum(1).tolist()
+    recv = received.sum(1).tolist()
+    order = arrival_order(received)
+    tokens = _Dispatch.apply(x, order, send, recv, experts.group)
+    y = experts._grouped(tokens, experts.w1, experts.w3, experts.w2, received.sum(0))
+    return _Combine.apply(y, order, send, recv, experts.group)
 
 
 def apply_expert_parallel(chunks: List[nn.Module], dims: ParallelDims) -> None:
