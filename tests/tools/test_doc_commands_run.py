@@ -75,6 +75,8 @@ NOT_RUN = [  # the first pattern a command matches gives the reason it is only p
     (r"data\.path=|data\.blend=|web_text_document|web/|src/ docs/", "needs the user's data"),
     (r"-m trainer3d\.plan --calibrate$", "minutes: every probe up to 8 ranks (the run tier runs --max-ranks 2 --quick)"),
     (r"tools/bench/", "a benchmark: minutes (tests/tools smoke-runs each at its smallest size)"),
+    (r"tools/plot_schedule\.py .*--out docs/", "redraws docs/'s pictures: tests/tools/test_plot_schedule.py runs the tool "
+     "into a scratch folder and reads each image back against torch's action lists"),
     (r"tools/parity\.py", "two training runs: minutes (tests/tools/test_parity_tool.py runs it small)"),
     (r"-m trainer3d\.tools\.prepare_data$", "the module form of tools/prepare_data.py, run above"),
     (r"-m trainer3d\.tools\.provenance$", "needs a run's checkpoints: tests/multirank/test_provenance.py runs it "
