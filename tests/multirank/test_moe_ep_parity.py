@@ -107,3 +107,14 @@ def test_tp2_pp2_dp2_ep2_sp_matches_single_process(tmp_path, session_tmp):
     _check(tmp_path, session_tmp, ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "parallel.ep=2",
                                    "parallel.zero_stage=1", "parallel.sequence_parallel=true"])
 
+
+
+@pytest.mark.slow
+def test_interleaved_pp2_dp2_ep2_with_recompute_matches_single_process(tmp_path, session_tmp):
+    """Two virtual stages a rank, each with its own copy of the MoE blocks (parallel/pipeline/
+    stages.py deep-copies the model), dispatching over the stage's ep pair; activation
+    checkpointing re-runs each block's forward, dispatch included, in backward, so the all-to-alls
+    run again there and a block's counts and balance loss must be recorded once, not twice."""
+    _check(tmp_path, session_tmp, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
+                                   "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1",
+                                   "train.activation_checkpointing=true"])
