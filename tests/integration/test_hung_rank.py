@@ -133,3 +133,43 @@ def test_a_killed_earlier_jobs_records_are_not_held_against_the_next_job(tmp_pat
     marked.judge()
     assert set(marked.stale) == {0} and marked.trouble_at is not None
     beat.stop()
+
+
+def test_a_lost_nodes_records_are_not_held_against_the_resubmitted_slurm_job(tmp_path, monkeypatch):
+    """Under Slurm a lost node's ranks leave their records "running"; the resubmitted job (same
+    run dir, a new Slurm job id, its ranks still importing) is followed by its Slurm id, which
+    every task's environment has whatever the sbatch template exports. (Without it the follower
+    cancelled the resubmission 24 s after it started on a loaded machine: tests/slurm/
+    test_slurm_two_nodes.py's lost node.)"""
+    monkeypatch.delenv(TOKEN_VAR, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "100")
+    _frozen_writer(tmp_path)  # the lost node's rank
+    marked = Watch(1, timeout_s=0.3, reader=HeartbeatReader(tmp_path, 1, slurm_job="101"), stale_s=0.1)
+    marked.judge()
+    time.sleep(0.5)
+    marked.judge()
+    assert marked.trouble_at is None and marked.beats == {}
+    monkeypatch.setenv("SLURM_JOB_ID", "101")
+    beat = _frozen_writer(tmp_path)  # the new job's rank starts, then freezes: still caught
+    marked.judge()
+    time.sleep(0.5)
+    marked.judge()
+    assert set(marked.stale) == {0} and marked.trouble_at is not None
+    beat.stop()
+
+
+def test_the_longest_record_overwrites_a_longer_one_whole(tmp_path, monkeypatch):
+    """A record is padded to a fixed size, so the next (shorter) one leaves no tail of it: the
+    longest host name Linux allows, a job mark and a Slurm array job's id still fit."""
+    import socket
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "n" * 64)
+    monkeypatch.setenv(TOKEN_VAR, "f" * 32)
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "123456789")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "4095")
+    beat = Heartbeat(tmp_path, 0, interval_s=0.05)
+    beat.step, beat._beats = 10 ** 9, 10 ** 9
+    beat.start()  # "running" with the longest counts
+    beat.stop()  # then "exited": one byte shorter
+    record = HeartbeatReader(tmp_path, 1, job="f" * 32, slurm_job="123456789_4095").read()[0]
+    assert record.state == "exited" and record.step == 10 ** 9

@@ -128,16 +128,17 @@ class Watch:
 
 def follow(job: submitit.Job, timeout_s: float, heartbeats: Optional[Path] = None,
            end: Optional[Callable[[], None]] = None, running: Optional[Callable[[], bool]] = None,
-           job_token: Optional[str] = None) -> int:
+           job_token: Optional[str] = None, slurm_job: Optional[str] = None) -> int:
     """Echo rank 0's progress until every task ends; on a failure, end the job and explain.
 
     ``heartbeats``: the job's heartbeat directory, if its ranks write one. ``end``: how to end
     the job (default: submitit's cancel). ``running``: whether the job's ranks run now (not
     queued), asked only while no rank beats; None: always (local processes). ``job_token``: the
-    job's ``TRAINER3D_JOB`` mark, so that a killed earlier job's heartbeats are not read as this one's."""
+    job's ``TRAINER3D_JOB`` mark, ``slurm_job`` its Slurm job id: a killed earlier job's heartbeats
+    (a lost node's, in the same run dir) are not read as this one's."""
     tail = _Tail(job.task(0).paths.stdout)
-    watch = Watch(job.num_tasks, timeout_s, HeartbeatReader(heartbeats, job.num_tasks, job_token) if heartbeats else None,
-                  running or (lambda: True))
+    reader = HeartbeatReader(heartbeats, job.num_tasks, job_token, slurm_job) if heartbeats else None
+    watch = Watch(job.num_tasks, timeout_s, reader, running or (lambda: True))
     cancelled, silent = False, None
     while not job.done():
         tail.echo()

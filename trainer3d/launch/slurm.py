@@ -262,7 +262,8 @@ def launch_slurm(cfg: Config, task=None) -> int:
 def follow_slurm(job: submitit.Job, timeout_s: float, run_dir: Optional[Path] = None) -> int:
     """``follow`` plus Slurm's own verdict when the job ended without every rank's result."""
     beats = heartbeat_dir(str(run_dir)) if run_dir is not None else None
-    status = follow(job, timeout_s, beats, end=lambda: cancel_and_wait(job), running=lambda: job.state == "RUNNING")
+    status = follow(job, timeout_s, beats, end=lambda: cancel_and_wait(job), running=lambda: job.state == "RUNNING",
+                    slurm_job=str(job.job_id))
     if status:
         state = _final_state(job)
         print(f"  Slurm state: {state}; details: sacct -j {job.job_id} -o JobID,State,ExitCode,Elapsed; "

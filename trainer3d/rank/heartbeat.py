@@ -17,7 +17,10 @@ nodes never need to agree.
 A record also names its job (``TRAINER3D_JOB``, trainer3d/rank/job_token.py): a job killed
 with SIGKILL leaves its records "running", and a follower of the next job in the same run
 dir (a restart after the kill) given its own job's mark ignores them, where it would
-otherwise count the dead job's silence against ranks still starting.
+otherwise count the dead job's silence against ranks still starting. Under Slurm the record
+also names the Slurm job (``slurm_job``, from the rank's own environment, which every Slurm
+task has whatever the sbatch template exports): the ranks of a lost node leave their records
+"running", and the follower of the resubmitted job reads only its own job's.
 """
 
 import json
@@ -36,11 +39,20 @@ BEAT_S = 1.0
 STALE_S = 10.0
 """A running rank whose beat has not changed for this long is stopped, frozen, dead or unreachable
 (ten missed beats: far beyond a thread's scheduling delay on a loaded machine)."""
-RECORD_BYTES = 256
+RECORD_BYTES = 512
+"""Every record is padded to this size, so a shorter one overwrites a longer one whole: the
+longest (a 64-byte host name, Linux's HOST_NAME_MAX; a 32-digit job mark; a Slurm array job's
+id) is about 320 bytes."""
 
 
 def heartbeat_dir(run_dir: str) -> Path:
     return Path(run_dir) / "heartbeat"
+
+
+def slurm_job() -> Optional[str]:
+    """This process's Slurm job as submitit names it (``<array>_<task>`` in an array), or None."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID")
 
 
 def attempt() -> int:
@@ -71,7 +83,7 @@ class Heartbeat:
     def _write(self, state: str) -> None:
         self._beats += 1
         record = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "attempt": attempt(),
-                  "job": os.environ.get(TOKEN_VAR),
+                  "job": os.environ.get(TOKEN_VAR), "slurm_job": slurm_job(),
                   "step": self.step, "state": state, "beat": self._beats, "time": time.time()}
         data = json.dumps(record).encode().ljust(RECORD_BYTES)
         os.pwrite(self._fd, data, 0)
@@ -116,11 +128,11 @@ class Beat:
 class HeartbeatReader:
     """Follower side: the newest record of every rank, with the age of its beat by our clock.
 
-    ``job``: the followed job's mark; records another job wrote are not this job's ranks
-    (None: every record counts)."""
+    ``job``: the followed job's mark, ``slurm_job`` its Slurm job id; records another job wrote
+    are not this job's ranks (None: every record counts)."""
 
-    def __init__(self, directory: Path, num_ranks: int, job: Optional[str] = None):
-        self.directory, self.num_ranks, self.job = Path(directory), num_ranks, job
+    def __init__(self, directory: Path, num_ranks: int, job: Optional[str] = None, slurm_job: Optional[str] = None):
+        self.directory, self.num_ranks, self.job, self.slurm_job = Path(directory), num_ranks, job, slurm_job
         self.beats: Dict[int, Beat] = {}
 
     def read(self) -> Dict[int, Beat]:
@@ -131,7 +143,7 @@ class HeartbeatReader:
                 record = json.loads((self.directory / f"rank{rank}").read_bytes().rstrip(b" \0") or b"null")
             except (OSError, ValueError):  # not written yet, or caught mid-write: keep the last one
                 continue
-            if not isinstance(record, dict) or (self.job is not None and record.get("job") != self.job):
+            if not isinstance(record, dict) or not self._ours(record):
                 continue
             old = self.beats.get(rank)
             key = (record["pid"], record["beat"], record["state"])
@@ -141,6 +153,10 @@ class HeartbeatReader:
                                     seen_change=now if changed else old.seen_change)
         newest = max((b.attempt for b in self.beats.values()), default=0)
         return {r: b for r, b in self.beats.items() if b.attempt == newest}
+
+    def _ours(self, record: dict) -> bool:
+        return ((self.job is None or record.get("job") == self.job)
+                and (self.slurm_job is None or record.get("slurm_job") == self.slurm_job))
 
     def stale(self, now: Optional[float] = None, after_s: float = STALE_S) -> Dict[int, Beat]:
         """Running ranks of the newest attempt whose beat stopped ``after_s`` ago or more."""
