@@ -135,8 +135,10 @@ class GradReducer:
             raise ValueError(f"mode={mode}")
         self.buffers, self.group, self.dp, self.dp_rank = buffers, group, dp, dp_rank
         self.micro_batches, self.mode = micro_batches, mode
-        self.expected = [micro_batches * u for u in (uses or [1] * len(buffers.params))]
-        """Per parameter, its accumulations a step: micro-batches x the chunks using it."""
+        self.expected = [None if micro_batches is None else micro_batches * u
+                         for u in (uses or [1] * len(buffers.params))]
+        """Per parameter, its accumulations a step: micro-batches x the chunks using it (None where
+        the count is not known: no bucket launches in backward, all reduce at ``finish``)."""
         self.scale = scale
         """A factor on every gradient before its reduction (expert parallelism's 1 / ep:
         parallel/expert/optimizer.py), so whatever reads the reduced gradients, on the device or
