@@ -62,6 +62,13 @@ def _frozen_writer(tmp_path):
     return beat
 
 
+def _judge_over(watch, seconds):
+    """The follower's view now and ``seconds`` later (a beat silent that long is seen stale)."""
+    watch.judge()
+    time.sleep(seconds)
+    watch.judge()
+
+
 def test_a_lone_silent_rank_is_trouble_once_its_silence_passes_the_timeout(tmp_path):
     beat = _frozen_writer(tmp_path)
     watch = Watch(1, timeout_s=0.3, reader=HeartbeatReader(tmp_path, 1), stale_s=0.1)
@@ -78,9 +85,7 @@ def test_a_lone_silent_rank_of_a_queued_job_is_no_trouble_until_it_runs_a_timeou
     beat = _frozen_writer(tmp_path)
     queued = [True]
     watch = Watch(1, timeout_s=0.3, reader=HeartbeatReader(tmp_path, 1), running=lambda: not queued[0], stale_s=0.1)
-    watch.judge()
-    time.sleep(0.5)
-    watch.judge()
+    _judge_over(watch, 0.5)
     assert set(watch.stale) == {0} and watch.trouble_at is None, "queued: its silence is not held against it"
     queued[0] = False
     watch.judge()
@@ -128,9 +133,7 @@ def test_a_killed_earlier_jobs_records_are_not_held_against_the_next_job(tmp_pat
     assert marked.trouble_at is None and marked.beats == {}
     monkeypatch.setenv(TOKEN_VAR, "next-job")
     beat = _frozen_writer(tmp_path)  # the next job's rank 0 starts, then freezes: still caught
-    marked.judge()
-    time.sleep(0.5)
-    marked.judge()
+    _judge_over(marked, 0.5)
     assert set(marked.stale) == {0} and marked.trouble_at is not None
     beat.stop()
 
@@ -145,15 +148,11 @@ def test_a_lost_nodes_records_are_not_held_against_the_resubmitted_slurm_job(tmp
     monkeypatch.setenv("SLURM_JOB_ID", "100")
     _frozen_writer(tmp_path)  # the lost node's rank
     marked = Watch(1, timeout_s=0.3, reader=HeartbeatReader(tmp_path, 1, slurm_job="101"), stale_s=0.1)
-    marked.judge()
-    time.sleep(0.5)
-    marked.judge()
+    _judge_over(marked, 0.5)
     assert marked.trouble_at is None and marked.beats == {}
     monkeypatch.setenv("SLURM_JOB_ID", "101")
     beat = _frozen_writer(tmp_path)  # the new job's rank starts, then freezes: still caught
-    marked.judge()
-    time.sleep(0.5)
-    marked.judge()
+    _judge_over(marked, 0.5)
     assert set(marked.stale) == {0} and marked.trouble_at is not None
     beat.stop()
 
