@@ -34,3 +34,22 @@ def test_compiled_tp2_pp2_dp2_zero1_sp_recompute_matches_the_uncompiled_single_p
     with torch.device("meta"):
         expected = {f"model.{n}" for n, _ in Transformer(ModelConfig()).named_parameters()}
     assert model_keys == expected
+
+
+# Zero-bubble schedules compile the model's operators, not whole blocks (parallel/compile.py):
+# the input and weight steps each run their half of every backward.
+ZERO_BUBBLE = [
+    pytest.param(("parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2"), id="zbv-pp2"),
+    pytest.param(("parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=zb1p", "parallel.pp_virtual_stages=2",
+                  "parallel.sequence_parallel=true", "train.activation_checkpointing=true"),
+                 id="zb1p-pp2-v2-tp2-sp-recompute"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("layout", ZERO_BUBBLE)
+def test_compiled_zero_bubble_matches_the_uncompiled_single_process(tmp_path, session_tmp, layout):
+    ref = reference_losses(session_tmp, PARITY)
+    got = losses_in_ranks(tmp_path, [*PARITY, "parallel=single", *layout, "train.compile=true"], timeout=1200)
+    print(f"worst relative loss difference {assert_parity(got, ref):.1e}")

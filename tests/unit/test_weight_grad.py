@@ -4,13 +4,17 @@ and then ``backward_weight`` per micro-batch; its gradients must equal an ordina
 (the reference), and the ZeRO buckets' post-accumulate hook must count every parameter once per
 micro-batch, so that every bucket launches inside backward (parallel/zero/buckets.py)."""
 
+from collections import Counter
+
 import pytest
 import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from trainer3d.config.schema import ModelConfig
+from trainer3d.model import functional
 from trainer3d.model.init import init_parameters
 from trainer3d.model.transformer import Transformer
+from trainer3d.parallel.compile import compile_operators
 from trainer3d.parallel.pipeline.stages import keep_stage, stage_layer_ranges
 from trainer3d.parallel.pipeline.weight_grad import backward_weight
 from trainer3d.parallel.wgrad import low_precision_sink, route_linear_layers
@@ -90,3 +94,87 @@ def test_torch_weight_step_bypasses_the_hooks():
     assert reducer.launched_in_backward == 0 and set(reducer.counts) == {0}
     with pytest.raises(RuntimeError):
         run_split(middle_stage(torch.bfloat16), micro_batches(torch.bfloat16), stage_backward_weight, torch.bfloat16)
+
+
+def record_backward_halves(monkeypatch, phase):
+    """(phase, operator, gradients asked) of every backward operator call of model/functional.py's
+    Functions: RMSNorm's (need_x, need_weight), SwiGLU's (need_prod: w2's weight half,
+    need_inputs), RoPE's backward (sign -1). Each call goes on to the real operator."""
+    calls = []
+    for name in ("rms_norm_backward", "swiglu_backward", "rotary"):
+        def spy(*args, compiled=False, real=getattr(functional, name), name=name):
+            if name != "rotary" or args[3] == -1:
+                calls.append((phase[0], name, tuple(args[-2:]) if name != "rotary" else (), compiled))
+            return real(*args, compiled=compiled)
+        monkeypatch.setattr(functional, name, spy)
+    return calls
+
+
+def count_compiled_nodes(stage, phase) -> Counter:
+    """Runs of AOTAutograd's compiled backward nodes in each phase, by a pre-hook on every
+    ``CompiledFunctionBackward`` node of each forward's graph."""
+    runs = Counter()
+
+    def hook_graph(module, args, out):
+        seen, todo = set(), [out.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if "CompiledFunction" in node.name():
+                node.register_prehook(lambda grads: runs.update([phase[0]]))
+            todo.extend(fn for fn, _ in node.next_functions)
+
+    stage.register_forward_hook(hook_graph)
+    return runs
+
+
+def saved_bytes(stage, x) -> int:
+    """Bytes the stage's forward saves for backward, as ``saved_tensors_hooks`` sees them."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        stage(x.clone().requires_grad_())
+    return total
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-operators"])
+def test_input_and_weight_steps_each_compute_their_half_once(compiled, monkeypatch):
+    """Under a zero-bubble schedule (parallel/compile.py's ``compile_operators`` with
+    ``train.compile``), I computes the input half of each operator's backward and W the weight half,
+    once per micro-batch each, and W runs no compiled node. Whole-block compile fails it: its one
+    compiled node per block runs in W again. The gradients are an ordinary eager backward's, and
+    compiled operators save what the eager block saves."""
+    batches = micro_batches(torch.float32)
+    ref, _, ref_dx = run_split(middle_stage(torch.float32), batches, None, torch.float32)
+    stage = middle_stage(torch.float32)
+    if compiled:
+        assert compile_operators([stage]) == 4  # the block's two norms, attention (RoPE), SwiGLU
+    phase = ["I"]
+    calls = record_backward_halves(monkeypatch, phase)
+    compiled_runs = count_compiled_nodes(stage, phase)
+
+    def weight_step(weights, groups):
+        phase[0] = "W"
+        backward_weight(weights, groups)
+        phase[0] = "I"
+
+    buffers, _, dx = run_split(stage, batches, weight_step, torch.float32)
+    # by hand, per micro-batch: two norms, one SwiGLU, RoPE on q and k
+    want = Counter({("I", "rms_norm_backward", (True, False), compiled): 2 * MICRO,
+                    ("W", "rms_norm_backward", (False, True), compiled): 2 * MICRO,
+                    ("I", "swiglu_backward", (False, True), compiled): MICRO,
+                    ("W", "swiglu_backward", (True, False), compiled): MICRO,
+                    ("I", "rotary", (), compiled): 2 * MICRO})
+    assert Counter(calls) == want
+    assert compiled_runs["W"] == 0, "W re-ran a compiled backward"
+    torch.testing.assert_close(buffers.grad_buffer, ref.grad_buffer, rtol=1e-5, atol=1e-7)
+    for got, want_dx in zip(dx, ref_dx):
+        torch.testing.assert_close(got, want_dx, rtol=1e-5, atol=1e-7)
+    assert saved_bytes(stage, batches[0][0]) == saved_bytes(middle_stage(torch.float32), batches[0][0])

@@ -1,9 +1,9 @@
 """The rules of ``parallel.pp*`` (docs/parallelism.md), part of ``validate``
 (trainer3d/config/validate.py).
 
-Which schedules take virtual stages, what torch's schedules refuse (compiled blocks under the
-zero-bubble split, tied embeddings on a V, too few micro-batches), the stages' layers; and the
-one micro x accum x dp set a refusal proposes, which the batch rules share.
+Which schedules take virtual stages, what torch's schedules refuse (a V's stages per rank, too
+few micro-batches), the stages' layers; and the one micro x accum x dp set a refusal proposes,
+which the batch rules share.
 """
 
 from typing import List, Optional
@@ -18,16 +18,6 @@ def pipeline_problems(cfg: Config) -> List[str]:
     if p.pp_virtual_stages > 1 and p.pp_schedule in ("1f1b", "gpipe"):
         problems.append(f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs parallel.pp_schedule="
                         "interleaved_1f1b, zb1p, zbv or dualpipev (or set pp_virtual_stages=1)")
-    if p.pp > 1 and p.pp_schedule in ("zb1p", *V_SCHEDULES) and t.compile:
-        # The input step keeps the graph for the weight step (retain_graph), which compiled
-        # backwards with donated buffers refuse: pytorch/pytorch#161904 (open). Without donated
-        # buffers it runs, but a compiled block's backward is one autograd node computing input
-        # and weight gradients together: the I step runs it whole and the W step runs it whole
-        # again (twice per micro-batch), more compute than the bubble it fills. Splitting the
-        # compiled backward into dI and dW graphs is what a compiled zero-bubble step needs.
-        problems.append(f"train.compile=true cannot run with parallel.pp_schedule={p.pp_schedule}: torch's "
-                        "zero-bubble input/weight split re-runs a compiled block's backward (pytorch/pytorch#161904); "
-                        "set train.compile=false or parallel.pp_schedule=1f1b/interleaved_1f1b")
     if p.pp > 1 and p.pp_schedule in V_SCHEDULES:
         if p.pp_virtual_stages != 2:
             problems.append(f"parallel.pp_schedule={p.pp_schedule} places exactly 2 stages per rank in a V; "

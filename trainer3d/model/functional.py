@@ -21,7 +21,16 @@ The elementwise work of each Function is an operator of the ``trainer3d`` librar
 here by its composition of torch operators, for every device (``CompositeExplicitAutograd``).
 A device may bring a kernel of its own for an operator without the model knowing it
 (trainer3d/cpu/ops.py registers fused CPU kernels); the Functions reach the operators through
-one seam, ``_operator``.
+one seam, ``_operator``. Under a zero-bubble pipeline schedule with ``train.compile``, inductor
+is that kernel: the seam calls the composition compiled by ``torch.compile`` (``compiled=True``,
+set per module by parallel/compile.py), while the Functions, and so the autograd graph and what
+it saves, stay those above.
+
+Each backward computes only the gradients its backward pass runs on: ``ctx.needs_input_grad`` is
+fixed at forward, so it also asks the autograd engine which of its inputs' nodes this pass
+executes (``_needed``). A zero-bubble schedule's input step asks for the stage input's gradient
+alone and its weight step for the weights' alone (parallel/pipeline/weight_grad.py): RMSNorm and
+SwiGLU then compute the input half in the one and the weight half in the other, not both twice.
 """
 
 from typing import Any, Callable, Dict, Optional
@@ -47,26 +56,57 @@ COMPOSITIONS: Dict[str, Callable] = {}
 that has no kernel of its own for it."""
 _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter, float, int, bool))
 """The argument types the operators take as they are (any other, such as DTensor, runs the composition)."""
+_COMPILED: Dict[str, Callable] = {}
+"""Each composition under ``torch.compile``, made on first use (dynamo is imported only by runs that compile)."""
+
+
+def _compiled(name: str) -> Callable:
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(COMPOSITIONS[name])
+    return _COMPILED[name]
+
+
+def _needed(ctx, count: int):
+    """Which of a Function's first ``count`` inputs get a gradient from this backward: those that
+    need one and, outside torch.compile (dynamo cannot trace the engine's query; a compiled graph
+    computes every gradient anyway), whose node the engine executes in this backward pass."""
+    needs = ctx.needs_input_grad[:count]
+    if torch.compiler.is_compiling():
+        return needs
+    return tuple(need and _executes(node) for need, (node, _) in zip(needs, ctx.next_functions))
+
+
+def _executes(node) -> bool:
+    """Whether the running backward pass executes ``node`` (or captures its gradient)."""
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        # torch refuses to answer for a leaf that ``autograd.grad`` captures ("A leaf node was
+        # passed to _will_engine_execute_node", torch/csrc/autograd/init.cpp): a leaf is in an
+        # autograd.grad pass only as one of its inputs, whose gradient is wanted (the pipeline
+        # stage's received input in the input step).
+        return True
 
 
 def _operator(schema: str, composition: Callable) -> Callable:
     """Define ``torch.ops.trainer3d.<name>`` by ``schema`` and ``composition``; return the seam
     the Functions call it through. The seam runs the composition itself inside torch.compile
     (which fuses it; the operator would be opaque to it) and for a tensor subclass such as
-    DTensor (which has no sharding rule for the operator)."""
+    DTensor (which has no sharding rule for the operator); ``compiled=True`` calls the
+    composition compiled on its own (a kernel of inductor's) instead of the operator."""
     name = schema.split("(", 1)[0]
     LIBRARY.define(schema)
     LIBRARY.impl(name, composition, "CompositeExplicitAutograd")
     COMPOSITIONS[name] = composition
     op = getattr(torch.ops.trainer3d, name).default
 
-    def call(*args):
+    def call(*args, compiled: bool = False):
         if torch.compiler.is_compiling():
             return composition(*args)
         for t in args:
             if type(t) not in _PLAIN:
                 return composition(*args)
-        return op(*args)
+        return _compiled(name)(*args) if compiled else op(*args)
 
     return call
 
@@ -105,19 +145,21 @@ class _RMSNorm(torch.autograd.Function):
     """y = (x / rms(x)) * weight, normalised in fp32."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        y, rstd = rms_norm_forward(x, weight, eps)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, compiled: bool) -> torch.Tensor:
+        y, rstd = rms_norm_forward(x, weight, eps, compiled=compiled)
         ctx.save_for_backward(x, weight, rstd)
+        ctx.compiled = compiled
         return y
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        return (*rms_norm_backward(grad_y, x, weight, rstd, *ctx.needs_input_grad[:2]), None)
+        return (*rms_norm_backward(grad_y, x, weight, rstd, *_needed(ctx, 2), compiled=ctx.compiled), None, None)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _RMSNorm.apply(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, compiled: bool = False) -> torch.Tensor:
+    """(x / rms(x)) * weight; ``compiled``: its elementwise work as inductor's kernels (module docstring)."""
+    return _RMSNorm.apply(x, weight, eps, compiled)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
@@ -148,19 +190,20 @@ class _Rotary(torch.autograd.Function):
     """x cos + rotate_half(x) sin in fp32, x: (seq, batch, heads, head_dim), tables (seq, head_dim)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, compiled: bool) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
-        return rotary(x, cos, sin, 1)
+        ctx.compiled = compiled
+        return rotary(x, cos, sin, 1, compiled=compiled)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        return rotary(grad_y, cos, sin, -1), None, None
+        return rotary(grad_y, cos, sin, -1, compiled=ctx.compiled), None, None, None
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, compiled: bool = False) -> torch.Tensor:
     """Rotate pairs (i, i + head_dim/2) of x: (seq, batch, heads, head_dim) by the fp32 tables."""
-    return _Rotary.apply(x, cos, sin)
+    return _Rotary.apply(x, cos, sin, compiled)
 
 
 def _swiglu_backward(grad_prod: torch.Tensor, a: torch.Tensor, b: torch.Tensor, need_prod: bool,
@@ -192,21 +235,20 @@ class _SwiGLULinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor,
-                sink: Optional[Any]) -> torch.Tensor:
+                sink: Optional[Any], compiled: bool) -> torch.Tensor:
         ctx.save_for_backward(a, b, weight)
-        ctx.sink = sink
+        ctx.sink, ctx.compiled = sink, compiled
         ctx.main_grad = sink.views[weight] if sink is not None else None
-        return F.linear(swiglu_forward(a, b), weight)
+        return F.linear(swiglu_forward(a, b, compiled=compiled), weight)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         a, b, weight = ctx.saved_tensors
         grad_2d = grad_y.reshape(-1, grad_y.shape[-1])
-        need_inputs = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        need_weight = ctx.needs_input_grad[2] and (
-            ctx.sink is None or torch._C._will_engine_execute_node(ctx.next_functions[2][0]))  # see wgrad.linear
+        need_a, need_b, need_weight = _needed(ctx, 3)
+        need_inputs = need_a or need_b
         grad_prod = grad_2d.mm(weight).view(a.shape) if need_inputs else a  # a: unread where not asked
-        prod, grad_a, grad_b = swiglu_backward(grad_prod, a, b, need_weight, need_inputs)
+        prod, grad_a, grad_b = swiglu_backward(grad_prod, a, b, need_weight, need_inputs, compiled=ctx.compiled)
         grad_weight = None
         if need_weight:
             prod_2d = prod.view(-1, b.shape[-1])
@@ -214,14 +256,15 @@ class _SwiGLULinear(torch.autograd.Function):
                 grad_weight = grad_2d.t().mm(prod_2d)
             else:
                 ctx.sink.accumulate(ctx.main_grad, grad_2d, prod_2d)
-        return grad_a, grad_b, grad_weight, None
+        return grad_a, grad_b, grad_weight, None, None
 
 
-def swiglu_linear(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(F.silu(a) * b, weight)`` (SwiGLU's w2 applied to its gate), saving a and b only."""
+def swiglu_linear(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+    """``F.linear(F.silu(a) * b, weight)`` (SwiGLU's w2 applied to its gate), saving a and b only;
+    ``compiled``: the gate's elementwise work as inductor's kernels (module docstring)."""
     sink = getattr(weight, SINK, None)
     # Inside a compiled block the compiler owns the buffers (and cannot trace the sink's engine query).
     if sink is not None and (not torch.is_grad_enabled() or not weight.requires_grad
                              or torch.compiler.is_compiling()):
         sink = None
-    return _SwiGLULinear.apply(a, b, weight, sink)
+    return _SwiGLULinear.apply(a, b, weight, sink, compiled)

@@ -34,6 +34,10 @@ from trainer3d.model.moe import MoE, ffn_params, moe_layer
 
 
 class RMSNorm(nn.Module):
+    compile_operators = False
+    """Run the elementwise operators as torch.compile'd kernels (set from outside by
+    parallel/compile.py; also on ``Attention`` and ``FeedForward``)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -41,7 +45,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalised in fp32 whatever the activation dtype; keeps x and 1/rms (functional.py).
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.compile_operators)
 
 
 def head_dim_of(cfg: ModelConfig) -> int:
@@ -138,10 +142,12 @@ def rotate_per_token(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
     cos, sin = rotary_cos_sin(seq * batch, attn.head_dim, attn.rope_theta, q.device, attn.rope_scaling,
                               positions.t().reshape(-1))
     rows = [t.reshape(seq * batch, 1, *t.shape[2:]) for t in (q, k)]
-    return tuple(apply_rotary(r, cos, sin).view(t.shape) for r, t in zip(rows, (q, k)))
+    return tuple(apply_rotary(r, cos, sin, attn.compile_operators).view(t.shape) for r, t in zip(rows, (q, k)))
 
 
 class Attention(nn.Module):
+    compile_operators = False  # as RMSNorm's
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = head_dim_of(cfg)
@@ -163,7 +169,7 @@ class Attention(nn.Module):
             q, k = rotate_per_token(q, k, positions, self)
         else:
             cos, sin = rotary_cos_sin(seq, self.head_dim, self.rope_theta, x.device, self.rope_scaling, positions)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = (apply_rotary(t, cos, sin, self.compile_operators) for t in (q, k))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # views (batch, heads, seq, head_dim)
         out = self.core(q, k, v)
         # Back to (seq, batch, heads x head_dim): a view where the kernel writes its output in
@@ -177,6 +183,8 @@ class FeedForward(nn.Module):
     sums partial products over ranks (a row-parallel one, parallel/tensor/layers.py) does
     it in its ``reduce``, which its own forward calls after the same matmul."""
 
+    compile_operators = False  # as RMSNorm's
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
@@ -187,7 +195,7 @@ class FeedForward(nn.Module):
         a, b = self.w1(x), self.w3(x)
         if isinstance(self.w2.weight, DTensor):  # torch's own tensor parallelism: w2's hooks shard and reduce
             return self.w2(F.silu(a) * b)
-        out = swiglu_linear(a, b, self.w2.weight)
+        out = swiglu_linear(a, b, self.w2.weight, self.compile_operators)
         reduce = getattr(self.w2, "reduce", None)
         return reduce(out) if reduce is not None else out
 

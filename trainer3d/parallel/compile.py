@@ -1,5 +1,6 @@
 """``train.compile=true``: torch.compile each transformer block, as torchtitan does
-(torchtitan/models/llama3/infra/parallelize.py, ``apply_compile``).
+(torchtitan/models/llama3/infra/parallelize.py, ``apply_compile``); under a zero-bubble
+pipeline schedule, the model's elementwise operators instead.
 
 Per block rather than the whole model: every block has the same code and shapes, so
 dynamo traces one and reuses it for the rest, and compile time does not grow with depth;
@@ -13,11 +14,27 @@ compiled pieces.
 ``Module.compile`` compiles in place: the block stays the same module, so parameter names
 (``layers.7.attention.wq.weight``), the checkpoint keys and the optimizer's view of the
 parameters do not change (``torch.compile(block)`` would wrap it and insert ``_orig_mod.``).
+
+Zero-bubble schedules (zb1p, zbv, dualpipev) split each backward into an input step (I) and a
+weight step (W) over the same graph (parallel/pipeline/weight_grad.py). A compiled block's
+backward is one autograd node (AOTAutograd's ``CompiledFunction``) that computes the input and
+the weight gradients together: I would run it whole and W whole again, and the I step's
+``retain_graph`` is refused outright by compiled backwards with donated buffers
+(pytorch/pytorch#161904). There ``compile_operators`` keeps every autograd node eager and
+compiles what runs inside them: RMSNorm's, RoPE's and SwiGLU's elementwise work
+(model/functional.py's operators, forward and backward), each composition compiled on its own
+by inductor. Each of those Functions' backward asks the engine which gradients its pass needs,
+so I computes input halves and W weight halves only, the linear layers' matmuls split by
+autograd as in eager, and what backward saves is what the eager model saves (the memory
+accounting holds unchanged). What it gives up against whole-block compile is fusion across the
+operators (a residual add into the next norm, the reshapes around attention).
 """
 
 from typing import List
 
 from torch import nn
+
+from trainer3d.parallel.pipeline.timeline import ZERO_BUBBLE
 
 
 def compile_blocks(chunks: List[nn.Module]) -> int:
@@ -28,3 +45,23 @@ def compile_blocks(chunks: List[nn.Module]) -> int:
             block.compile()
             count += 1
     return count
+
+
+def compile_operators(chunks: List[nn.Module]) -> int:
+    """Make every module of ``chunks`` with elementwise operators (``compile_operators`` in
+    model/transformer.py: the norms, attention's RoPE, SwiGLU) run them compiled; returns how many."""
+    count = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            if hasattr(module, "compile_operators"):
+                module.compile_operators = True
+                count += 1
+    return count
+
+
+def apply_compile(chunks: List[nn.Module], pp: int, schedule: str) -> int:
+    """``train.compile``: the operators under a zero-bubble schedule (module docstring), else
+    every block; returns how many modules were compiled or set."""
+    if pp > 1 and schedule in ZERO_BUBBLE:
+        return compile_operators(chunks)
+    return compile_blocks(chunks)

@@ -21,7 +21,8 @@
 6. per-layer activation checkpointing, if asked;
 7. bf16/fp16: the linear layers compute through ``parallel/wgrad.py``'s ``linear``, whose
    backward accumulates weight gradients into the optimizer's fp32 buffer;
-8. torch.compile of each transformer block, if asked (parallel/compile.py).
+8. torch.compile of each transformer block, if asked; under a zero-bubble schedule of the
+   model's elementwise operators instead (parallel/compile.py).
 ``build_optimizer`` then wraps the chunks in the data-parallel optimizer (ZeRO stages 0/1:
 parallel/zero/flat.py, 2/3: parallel/zero/fsdp.py; offloaded: parallel/zero/offload.py,
 parallel/zero/fsdp_offload.py; expert parallel: parallel/expert/optimizer.py).
@@ -38,7 +39,7 @@ from trainer3d.model.init import ParameterSource, RandomInit, fill_parameters
 from trainer3d.model.moe import moe_blocks
 from trainer3d.model.transformer import Transformer
 from trainer3d.model.documents import apply_document_mask
-from trainer3d.parallel.compile import compile_blocks
+from trainer3d.parallel.compile import apply_compile
 from trainer3d.parallel.context.apply import apply_context_parallel
 from trainer3d.parallel.expert.dispatch import apply_expert_parallel
 from trainer3d.parallel.expert.optimizer import ExpertParallelOptimizer
@@ -115,7 +116,7 @@ def build_model_chunks(cfg: Config, dims: ParallelDims, initialise: bool = True)
     if param_dtype(cfg) != torch.float32:
         route_linear_layers(chunks)
     if cfg.train.compile:
-        compile_blocks(chunks)
+        apply_compile(chunks, dims.pp, cfg.parallel.pp_schedule)
     if sharded:  # refuses pp > 1, as validate() does before launch
         shard_and_materialise(chunks[0], cfg, dims, source, materialise_device(cfg, dims))
     return chunks
