@@ -103,7 +103,8 @@ def record_backward_halves(monkeypatch, phase):
     calls = []
     for name in ("rms_norm_backward", "swiglu_backward", "rotary"):
         def spy(*args, compiled=False, real=getattr(functional, name), name=name):
-            if name != "rotary" or args[3] == -1:
+            # not while dynamo traces a whole block: it would graph-break on the side effect
+            if not torch.compiler.is_compiling() and (name != "rotary" or args[3] == -1):
                 calls.append((phase[0], name, tuple(args[-2:]) if name != "rotary" else (), compiled))
             return real(*args, compiled=compiled)
         monkeypatch.setattr(functional, name, spy)
@@ -144,7 +145,8 @@ def saved_bytes(stage, x) -> int:
     return total
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-operators"])
+@pytest.mark.parametrize("compiled", [pytest.param(False, id="eager"),
+                                      pytest.param(True, id="compiled-operators", marks=pytest.mark.slow)])  # inductor: ~1 min
 def test_input_and_weight_steps_each_compute_their_half_once(compiled, monkeypatch):
     """Under a zero-bubble schedule (parallel/compile.py's ``compile_operators`` with
     ``train.compile``), I computes the input half of each operator's backward and W the weight half,
@@ -172,8 +174,8 @@ def test_input_and_weight_steps_each_compute_their_half_once(compiled, monkeypat
                     ("I", "swiglu_backward", (False, True), compiled): MICRO,
                     ("W", "swiglu_backward", (True, False), compiled): MICRO,
                     ("I", "rotary", (), compiled): 2 * MICRO})
+    assert compiled_runs["W"] == 0, f"W re-ran a compiled backward: {compiled_runs}"
     assert Counter(calls) == want
-    assert compiled_runs["W"] == 0, "W re-ran a compiled backward"
     torch.testing.assert_close(buffers.grad_buffer, ref.grad_buffer, rtol=1e-5, atol=1e-7)
     for got, want_dx in zip(dx, ref_dx):
         torch.testing.assert_close(got, want_dx, rtol=1e-5, atol=1e-7)
