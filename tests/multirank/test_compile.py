@@ -8,7 +8,7 @@ import torch.distributed.checkpoint as dcp
 from tests.support.runs import PARITY, assert_parity, losses_in_ranks, reference_losses
 from trainer3d.config.schema import ModelConfig
 from trainer3d.model.transformer import Transformer
-from trainer3d.parallel.compile import compile_blocks
+from trainer3d.parallel.compile import apply_compile, compile_blocks
 
 
 def test_compile_is_in_place_and_keeps_parameter_names():
@@ -53,3 +53,19 @@ def test_compiled_zero_bubble_matches_the_uncompiled_single_process(tmp_path, se
     ref = reference_losses(session_tmp, PARITY)
     got = losses_in_ranks(tmp_path, [*PARITY, "parallel=single", *layout, "train.compile=true"], timeout=1200)
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
+
+
+def test_zero_bubble_schedules_compile_the_operators_and_leave_the_blocks_eager():
+    """Under zb1p, zbv and dualpipev ``apply_compile`` sets every module with elementwise operators
+    (2 norms, attention, feed-forward per block, and the final norm) and compiles no block; other
+    schedules compile every block and set no module."""
+    cfg = ModelConfig()
+    for pp, schedule, blocks in ((2, "zbv", False), (2, "zb1p", False), (2, "dualpipev", False),
+                                 (2, "1f1b", True), (2, "interleaved_1f1b", True), (1, "zbv", True)):
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        count = apply_compile([model], pp, schedule)
+        compiled = [b._compiled_call_impl is not None for b in model.layers.values()]  # Module.compile's
+        flagged = [m for m in model.modules() if getattr(m, "compile_operators", False)]
+        assert compiled == [blocks] * cfg.n_layers, schedule
+        assert (count, len(flagged)) == ((cfg.n_layers, 0) if blocks else (4 * cfg.n_layers + 1,) * 2), schedule

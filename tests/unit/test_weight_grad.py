@@ -101,13 +101,17 @@ def record_backward_halves(monkeypatch, phase):
     Functions: RMSNorm's (need_x, need_weight), SwiGLU's (need_prod: w2's weight half,
     need_inputs), RoPE's backward (sign -1). Each call goes on to the real operator."""
     calls = []
-    for name in ("rms_norm_backward", "swiglu_backward", "rotary"):
-        def spy(*args, compiled=False, real=getattr(functional, name), name=name):
+
+    def spy(name, real):
+        def call(*args, compiled=False):
             # not while dynamo traces a whole block: it would graph-break on the side effect
             if not torch.compiler.is_compiling() and (name != "rotary" or args[3] == -1):
                 calls.append((phase[0], name, tuple(args[-2:]) if name != "rotary" else (), compiled))
             return real(*args, compiled=compiled)
-        monkeypatch.setattr(functional, name, spy)
+        return call
+
+    for name in ("rms_norm_backward", "swiglu_backward", "rotary"):
+        monkeypatch.setattr(functional, name, spy(name, getattr(functional, name)))
     return calls
 
 
