@@ -99,7 +99,9 @@ class TrainConfig:
     """auto | cpu | cuda. auto is cuda when launcher.gpus_per_node > 0, cpu for a Slurm job
     without GPUs, else cuda where a GPU is visible (checked before launch); one rank per GPU."""
     compile: bool = False
-    """torch.compile each transformer block (after tensor parallelism, before pipeline staging)."""
+    """torch.compile each transformer block (after tensor parallelism, before pipeline staging);
+    under parallel.pp_schedule=zb1p, zbv or dualpipev the model's elementwise operators instead
+    (trainer3d/parallel/compile.py)."""
     loss_chunk_tokens: int = 256
     """The last stage applies the head inside the loss, this many tokens at a time, so no more
     than this many rows of logits exist at once (parallel/tensor/loss.py; docs/memory.md);
