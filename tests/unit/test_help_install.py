@@ -3,6 +3,7 @@ value, valid values and docstring; the installed ``trainer3d`` command runs from
 directory, also from a non-editable install that carries conf/ inside the package, and so do
 the user tools' commands (``trainer3d-prepare-data`` ...)."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -95,12 +96,33 @@ def test_a_non_editable_install_carries_conf_and_every_cpp_source(tmp_path):
                           env=dict(os.environ, PYTHONPATH=str(target)))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0] == str(target / "trainer3d" / "conf")
-    env = dict(os.environ, PYTHONPATH=str(target))
-    for command in (["trainer3d", "--help"], ["trainer3d-prepare-data", "--help"], ["trainer3d-plot-metrics", "--help"],
-                    ["trainer3d-plan", "--help"]):  # the console scripts pip wrote, run from elsewhere
-        proc = subprocess.run([sys.executable, str(target / "bin" / command[0]), *command[1:]], capture_output=True,
-                              text=True, timeout=120, cwd=tmp_path, env=env)
-        assert proc.returncode == 0 and "usage:" in proc.stdout, (command, proc.stderr)
-    proc = subprocess.run([sys.executable, "-m", "trainer3d.tools.sample", "--help"], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path, env=env)
-    assert proc.returncode == 0 and "--prompt" in proc.stdout, proc.stderr
+    # The console scripts pip wrote and the sample tool's module, run from elsewhere in one fresh
+    # process (each as its own __main__, as Python runs a script): one import of torch, not five.
+    scripts = [[str(target / "bin" / name), "--help"] for name in
+               ("trainer3d", "trainer3d-prepare-data", "trainer3d-plot-metrics", "trainer3d-plan")]
+    proc = subprocess.run([sys.executable, "-c", HELPS, json.dumps([*scripts, ["-m", "trainer3d.tools.sample", "--help"]])],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(target)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 5, proc.stdout[-3000:]
+    for command, (code, out) in zip(scripts, (r["run"] for r in results[:4])):
+        assert code == 0 and "usage:" in out, (command, out[-2000:])
+    code, out = results[4]["run"]
+    assert code == 0 and "--prompt" in out, out[-2000:]
+
+
+HELPS = """
+import contextlib, io, json, runpy, sys
+for argv in json.loads(sys.argv[1]):
+    sys.argv, out, code = list(argv), io.StringIO(), 0
+    with contextlib.redirect_stdout(out):
+        try:
+            if argv[0] == "-m":
+                sys.argv = argv[1:]
+                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(argv[0], run_name="__main__")
+        except SystemExit as exit:
+            code = exit.code or 0
+    print(json.dumps({"run": [code, out.getvalue()]}))
+"""
