@@ -24,6 +24,7 @@ A command that is neither run here nor given a reason in ``NOT_RUN`` fails
 either run or says why not.
 """
 
+import json
 import os
 import re
 import shlex
@@ -122,11 +123,14 @@ def _run(command: str, cwd, timeout: int):
     """``command`` as a user types it (``python`` is this interpreter), from ``cwd``."""
     args = shlex.split(os.path.expandvars(command))
     args[0] = sys.executable
-    env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     if args[1].startswith("tools/"):
         args[1] = str(ROOT / args[1])
-    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_env())
+
+
+def _env() -> dict:
+    return dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 
 RUNS = [(page, c, kind_of(c)[1]) for page, c in documented()
@@ -208,19 +212,28 @@ def test_the_tools_after_a_run_run_as_documented(tmp_path):
     commands = sorted(((page, c) for page, c in documented() if kind_of(c) == ("run", "after_a_run")),
                       key=lambda pc: (pc[0], order[tool(pc[1])]))
     assert {tool(c) for _, c in commands} == set(order), commands
+    runs = []
     for page, documented_command in commands:  # each page's exports apart: a page samples its own
         command = _in_the_run(documented_command, run, checkpoint, tmp_path / "exports" / Path(page).stem)
         if "sample.py" in command:  # a short budget: 8 new tokens (the default and the pages' 200: minutes here)
             command = re.sub(r" --max-new-tokens \d+", "", command) + " --max-new-tokens 8"
-        proc = _run(command, tmp_path, timeout=600)
-        assert proc.returncode == 0, f"`{documented_command}` as `{command}` exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+        runs.append((documented_command, command))
+    # one fresh process runs the tools one after another, each as ``python tools/X.py`` runs it
+    # (tests/support/run_scripts.py): torch imported once, not once per command
+    entries = [[str(ROOT / shlex.split(c)[1]), shlex.split(os.path.expandvars(c))[2:]] for _, c in runs]
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "run_scripts.py"), json.dumps(entries)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=_env())
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert proc.returncode == 0 and len(results) == len(runs), proc.stderr[-3000:]
+    for (documented_command, command), result in zip(runs, results):
+        assert result["code"] == 0, f"`{documented_command}` as `{command}` exited {result['code']}:\n{result['stderr'][-3000:]}"
         if "export_model" in command:
             out = Path(shlex.split(command)[3])
             assert (out / "config.json").is_file() and list(out.glob("*.safetensors")), sorted(out.iterdir())
         elif "sample.py" in command:
             prompt = shlex.split(command)[shlex.split(command).index("--prompt") + 1]
-            assert proc.stdout.startswith(prompt), proc.stdout[:500]
+            assert result["stdout"].startswith(prompt), result["stdout"][:500]
         else:
             out = Path(shlex.split(command)[shlex.split(command).index("--out") + 1])
             assert out.is_absolute() or (tmp_path / out).is_dir()
-            assert list((tmp_path / out).glob("*.png")), proc.stdout[-2000:]
+            assert list((tmp_path / out).glob("*.png")), result["stdout"][-2000:]

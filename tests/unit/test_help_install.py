@@ -92,37 +92,21 @@ def test_a_non_editable_install_carries_conf_and_every_cpp_source(tmp_path):
     run = ("import sys; sys.argv = ['trainer3d', 'dry_run=true', 'parallel=single', 'hydra.run.dir=run']; "
            "from trainer3d.config.conf_dir import CONF_DIR; print(CONF_DIR); "
            "from trainer3d.train import main; main()")  # what the console script does
+    env = dict(os.environ, PYTHONPATH=str(target))
     proc = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env=dict(os.environ, PYTHONPATH=str(target)))
+                          env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0] == str(target / "trainer3d" / "conf")
     # The console scripts pip wrote and the sample tool's module, run from elsewhere in one fresh
-    # process (each as its own __main__, as Python runs a script): one import of torch, not five.
-    scripts = [[str(target / "bin" / name), "--help"] for name in
+    # process (tests/support/run_scripts.py): one import of torch, not five.
+    scripts = [[str(target / "bin" / name), ["--help"]] for name in
                ("trainer3d", "trainer3d-prepare-data", "trainer3d-plot-metrics", "trainer3d-plan")]
-    proc = subprocess.run([sys.executable, "-c", HELPS, json.dumps([*scripts, ["-m", "trainer3d.tools.sample", "--help"]])],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(target)))
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "run_scripts.py"),
+                           json.dumps([*scripts, ["-m trainer3d.tools.sample", ["--help"]]])],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
     assert len(results) == 5, proc.stdout[-3000:]
-    for command, (code, out) in zip(scripts, (r["run"] for r in results[:4])):
-        assert code == 0 and "usage:" in out, (command, out[-2000:])
-    code, out = results[4]["run"]
-    assert code == 0 and "--prompt" in out, out[-2000:]
-
-
-HELPS = """
-import contextlib, io, json, runpy, sys
-for argv in json.loads(sys.argv[1]):
-    sys.argv, out, code = list(argv), io.StringIO(), 0
-    with contextlib.redirect_stdout(out):
-        try:
-            if argv[0] == "-m":
-                sys.argv = argv[1:]
-                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-            else:
-                runpy.run_path(argv[0], run_name="__main__")
-        except SystemExit as exit:
-            code = exit.code or 0
-    print(json.dumps({"run": [code, out.getvalue()]}))
-"""
+    for (script, _), result in zip(scripts, results):
+        assert result["code"] == 0 and "usage:" in result["stdout"], (script, result["stderr"][-2000:])
+    assert results[4]["code"] == 0 and "--prompt" in results[4]["stdout"], results[4]["stderr"][-2000:]
