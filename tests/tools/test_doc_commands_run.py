@@ -6,9 +6,10 @@ config's validation, the planner in process); this tier runs the ones a CPU can,
 types them, in a fresh process from a scratch directory holding the tiny inputs the test made:
 
 - ``--help`` of the entry points;
-- ``python -m trainer3d.plan ...``: the search or ``plan.evaluate=true``'s evaluation, its
-  exit status and its proposed commands; where the page prints the output under the command,
-  every line shown is a line the command prints (dates, times and job ids masked);
+- ``python -m trainer3d.plan ...`` on the default model (no ``model=`` or ``experiment=``): the entry point's
+  search or refusal, its exit status and its proposed commands; a named model's search is
+  tests/unit/test_doc_commands.py's, run once in process with the page's printed output
+  checked (dates, times and job ids masked);
 - ``python -m trainer3d.plan --calibrate --max-ranks 2 --quick --out FILE``: the smallest calibration,
   its file read back by the planner as ``cluster.gpu=calibrated``;
 - ``python -m trainer3d.train ... dry_run=true`` without a user's model or data: the dry run;
@@ -23,6 +24,7 @@ A command that is neither run here nor given a reason in ``NOT_RUN`` fails
 either run or says why not.
 """
 
+import json
 import os
 import re
 import shlex
@@ -33,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.unit.test_doc_commands import _commands_of
+from tests.unit.test_doc_commands import _commands_of, assert_shows, shown_output
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +57,7 @@ PY = r"^(?:\.venv/bin/)?python3? "
 RUN = {  # what runs for real here: a pattern of the command -> how it is run (below)
     "help": re.compile(PY + r"-m trainer3d\.(?:train|plan) --help$"),
     "calibrate": re.compile(PY + r"-m trainer3d\.plan --calibrate --max-ranks 2 --quick --out \S+$"),
-    "plan": re.compile(PY + r"-m trainer3d\.plan(?:$| (?!--)(?!.*data\.path=/))"),
+    "plan": re.compile(PY + r"-m trainer3d\.plan(?:$| (?!--)(?!.*\b(?:model|experiment)=))"),
     "print_config": re.compile(PY + r"-m trainer3d\.train --cfg job$"),
     "dry_run": re.compile(PY + r"-m trainer3d\.train (?!.*(?:init_from|data\.path|launcher=slurm))"
                           r".*\bdry_run=true\b"),
@@ -63,6 +65,8 @@ RUN = {  # what runs for real here: a pattern of the command -> how it is run (b
     "after_a_run": re.compile(PY + r"tools/(?:export_model|sample|plot_metrics)\.py (?:outputs/|exported/|llama-ft/)"),
 }
 NOT_RUN = [  # the first pattern a command matches gives the reason it is only parsed
+    (r"-m trainer3d\.plan (?!--).*\b(?:model|experiment)=", "a named model's search: tests/unit/test_doc_commands.py runs it in process "
+     "with every check, its printed output too (one run per command; this tier runs the entry point on the default model)"),
     (r"^python3 -m venv|pip install", "set-up: tests/unit/test_help_install.py installs the package"),
     (r"-m pytest", "the suite itself"),
     (r"^tensorboard ", "TensorBoard's own command"),
@@ -119,48 +123,14 @@ def _run(command: str, cwd, timeout: int):
     """``command`` as a user types it (``python`` is this interpreter), from ``cwd``."""
     args = shlex.split(os.path.expandvars(command))
     args[0] = sys.executable
-    env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     if args[1].startswith("tools/"):
         args[1] = str(ROOT / args[1])
-    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_env())
 
 
-SHOWN = re.compile(r"```bash\n(.*?)```\n```\n(.*?)```", re.S)
-MASK = [re.compile(r"\d{4}-\d\d-\d\d[ T/]\d\d[:-]\d\d(?:[:-]\d\d)?"), re.compile(r"\bjob \d+")]
-"""What legitimately differs between the printed example and a run: dates and times, job ids."""
-
-
-def shown_output(command: str):
-    """The output a page prints under ``command`` (a plain fence right after its bash fence), or None."""
-    for page in PAGES:
-        for given, shown in SHOWN.findall(page.read_text()):
-            if " ".join(given.replace("\\\n", " ").split()) == command:
-                return shown
-    return None
-
-
-def assert_shows(shown: str, printed: str) -> None:
-    """Every line of the example (but its ``...`` elisions) is a line of the output, in order,
-    once dates, times and job ids are masked."""
-    def masked(line):
-        for pattern in MASK:
-            line = pattern.sub("<masked>", line)
-        return line.rstrip()
-    lines = iter(masked(line) for line in printed.splitlines())
-    for want in (masked(line) for line in shown.splitlines()):
-        if want.strip() in ("", "...") or want.strip().startswith("..."):
-            continue
-        assert any(line == want for line in lines), f"the page shows a line the command no longer prints:\n{want}"
-
-
-def test_the_output_check_catches_a_drifted_figure():
-    printed = "searched 10 layouts\n  1   2 70.96 GiB\n  2   4 73.79 GiB\nstep time 46.98 s:\n"
-    assert_shows("searched 10 layouts\n  ...\nstep time 46.98 s:", printed)
-    with pytest.raises(AssertionError):
-        assert_shows("searched 10 layouts\n  1   2 75.96 GiB", printed)
-    with pytest.raises(AssertionError):  # in another order
-        assert_shows("step time 46.98 s:\nsearched 10 layouts", printed)
+def _env() -> dict:
+    return dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 
 RUNS = [(page, c, kind_of(c)[1]) for page, c in documented()
@@ -242,19 +212,28 @@ def test_the_tools_after_a_run_run_as_documented(tmp_path):
     commands = sorted(((page, c) for page, c in documented() if kind_of(c) == ("run", "after_a_run")),
                       key=lambda pc: (pc[0], order[tool(pc[1])]))
     assert {tool(c) for _, c in commands} == set(order), commands
+    runs = []
     for page, documented_command in commands:  # each page's exports apart: a page samples its own
         command = _in_the_run(documented_command, run, checkpoint, tmp_path / "exports" / Path(page).stem)
         if "sample.py" in command:  # a short budget: 8 new tokens (the default and the pages' 200: minutes here)
             command = re.sub(r" --max-new-tokens \d+", "", command) + " --max-new-tokens 8"
-        proc = _run(command, tmp_path, timeout=600)
-        assert proc.returncode == 0, f"`{documented_command}` as `{command}` exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+        runs.append((documented_command, command))
+    # one fresh process runs the tools one after another, each as ``python tools/X.py`` runs it
+    # (tests/support/run_scripts.py): torch imported once, not once per command
+    entries = [[str(ROOT / shlex.split(c)[1]), shlex.split(os.path.expandvars(c))[2:]] for _, c in runs]
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "run_scripts.py"), json.dumps(entries)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=_env())
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert proc.returncode == 0 and len(results) == len(runs), proc.stderr[-3000:]
+    for (documented_command, command), result in zip(runs, results):
+        assert result["code"] == 0, f"`{documented_command}` as `{command}` exited {result['code']}:\n{result['stderr'][-3000:]}"
         if "export_model" in command:
             out = Path(shlex.split(command)[3])
             assert (out / "config.json").is_file() and list(out.glob("*.safetensors")), sorted(out.iterdir())
         elif "sample.py" in command:
             prompt = shlex.split(command)[shlex.split(command).index("--prompt") + 1]
-            assert proc.stdout.startswith(prompt), proc.stdout[:500]
+            assert result["stdout"].startswith(prompt), result["stdout"][:500]
         else:
             out = Path(shlex.split(command)[shlex.split(command).index("--out") + 1])
             assert out.is_absolute() or (tmp_path / out).is_dir()
-            assert list((tmp_path / out).glob("*.png")), proc.stdout[-2000:]
+            assert list((tmp_path / out).glob("*.png")), result["stdout"][-2000:]

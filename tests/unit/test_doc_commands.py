@@ -210,10 +210,50 @@ def _run_help(command: str) -> None:
     assert proc.returncode == 0 and " = " in proc.stdout, f"`{command}`: {proc.stderr[-2000:]}"
 
 
+SHOWN = re.compile(r"```bash\n(.*?)```\n```\n(.*?)```", re.S)
+MASK = [re.compile(r"\d{4}-\d\d-\d\d[ T/]\d\d[:-]\d\d(?:[:-]\d\d)?"), re.compile(r"\bjob \d+")]
+"""What legitimately differs between the printed example and a run: dates and times, job ids."""
+
+
+def shown_output(command: str):
+    """The output a page prints under ``command`` (a plain fence right after its bash fence), or None."""
+    for page in PAGES:
+        for given, shown in SHOWN.findall(page.read_text()):
+            if " ".join(given.replace("\\\n", " ").split()) == command:
+                return shown
+    return None
+
+
+def assert_shows(shown: str, printed: str) -> None:
+    """Every line of the example (but its ``...`` elisions) is a line of the output, in order,
+    once dates, times and job ids are masked."""
+    def masked(line):
+        for pattern in MASK:
+            line = pattern.sub("<masked>", line)
+        return line.rstrip()
+    lines = iter(masked(line) for line in printed.splitlines())
+    for want in (masked(line) for line in shown.splitlines()):
+        if want.strip() in ("", "...") or want.strip().startswith("..."):
+            continue
+        assert any(line == want for line in lines), f"the page shows a line the command no longer prints:\n{want}"
+
+
+def test_the_output_check_catches_a_drifted_figure():
+    printed = "searched 10 layouts\n  1   2 70.96 GiB\n  2   4 73.79 GiB\nstep time 46.98 s:\n"
+    assert_shows("searched 10 layouts\n  ...\nstep time 46.98 s:", printed)
+    with pytest.raises(AssertionError):
+        assert_shows("searched 10 layouts\n  1   2 75.96 GiB", printed)
+    with pytest.raises(AssertionError):  # in another order
+        assert_shows("step time 46.98 s:\nsearched 10 layouts", printed)
+
+
 @pytest.mark.parametrize("page, command", [pc for pc in documented_commands(PLAN) if "--calibrate" not in pc[1]],
                          ids=_ids)
 def test_every_documented_plan_command_runs(page, command, tmp_path):
-    """The planner for real, in this process: its search (or plan.evaluate=true's evaluation)."""
+    """The planner for real, in this process: its search (or plan.evaluate=true's evaluation);
+    where the page prints the output under the command, every line shown is a line it prints.
+    One run per command: tests/tools/test_doc_commands_run.py runs the entry point itself
+    (``python -m trainer3d.plan`` in a fresh process) on the default model only."""
     from trainer3d.plan.devices import device_for
     from trainer3d.plan.evaluate import evaluate_report
     from trainer3d.plan.knobs import plan_problems
@@ -238,6 +278,9 @@ def test_every_documented_plan_command_runs(page, command, tmp_path):
         pytest.fail(f"{page}: `{command}` is refused as printed:\n" + "\n".join(err.problems))
     # an answer: commands to run, or an evaluation
     assert "python -m trainer3d.train" in text or cfg.plan.evaluate, text
+    shown = shown_output(command)
+    if shown is not None:
+        assert_shows(shown, text)
 
 
 TOOL_COMMANDS = [pc for pc in documented_commands(TOOL)] + [pc for pc in documented_commands(PLAN)

@@ -3,6 +3,7 @@ value, valid values and docstring; the installed ``trainer3d`` command runs from
 directory, also from a non-editable install that carries conf/ inside the package, and so do
 the user tools' commands (``trainer3d-prepare-data`` ...)."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -91,16 +92,21 @@ def test_a_non_editable_install_carries_conf_and_every_cpp_source(tmp_path):
     run = ("import sys; sys.argv = ['trainer3d', 'dry_run=true', 'parallel=single', 'hydra.run.dir=run']; "
            "from trainer3d.config.conf_dir import CONF_DIR; print(CONF_DIR); "
            "from trainer3d.train import main; main()")  # what the console script does
+    env = dict(os.environ, PYTHONPATH=str(target))
     proc = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env=dict(os.environ, PYTHONPATH=str(target)))
+                          env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0] == str(target / "trainer3d" / "conf")
-    env = dict(os.environ, PYTHONPATH=str(target))
-    for command in (["trainer3d", "--help"], ["trainer3d-prepare-data", "--help"], ["trainer3d-plot-metrics", "--help"],
-                    ["trainer3d-plan", "--help"]):  # the console scripts pip wrote, run from elsewhere
-        proc = subprocess.run([sys.executable, str(target / "bin" / command[0]), *command[1:]], capture_output=True,
-                              text=True, timeout=120, cwd=tmp_path, env=env)
-        assert proc.returncode == 0 and "usage:" in proc.stdout, (command, proc.stderr)
-    proc = subprocess.run([sys.executable, "-m", "trainer3d.tools.sample", "--help"], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path, env=env)
-    assert proc.returncode == 0 and "--prompt" in proc.stdout, proc.stderr
+    # The console scripts pip wrote and the sample tool's module, run from elsewhere in one fresh
+    # process (tests/support/run_scripts.py): one import of torch, not five.
+    scripts = [[str(target / "bin" / name), ["--help"]] for name in
+               ("trainer3d", "trainer3d-prepare-data", "trainer3d-plot-metrics", "trainer3d-plan")]
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "run_scripts.py"),
+                           json.dumps([*scripts, ["-m trainer3d.tools.sample", ["--help"]]])],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(results) == 5, proc.stdout[-3000:]
+    for (script, _), result in zip(scripts, results):
+        assert result["code"] == 0 and "usage:" in result["stdout"], (script, result["stderr"][-2000:])
+    assert results[4]["code"] == 0 and "--prompt" in results[4]["stdout"], results[4]["stderr"][-2000:]

@@ -224,3 +224,20 @@ def test_meter_counts_saved_tensors_once_until_backward_frees_them():
         assert meter.live_bytes == x.nbytes + h.nbytes == 16 * 64 * 4 + 16 * 32 * 4
         y.backward()
     assert meter.live_bytes == 0 and meter.peak_bytes == x.nbytes + h.nbytes
+
+
+@pytest.mark.parametrize("schedule, virtual", [("zbv", 2), ("dualpipev", 2), ("zb1p", 1), ("zb1p", 3)])
+def test_the_one_pass_unshard_reshard_lowering_is_torchs(schedule, virtual):
+    """receive_count.with_unshard_reshard against torch's own ``_add_unshard_reshard`` on every
+    rank's actions, with prefetch windows below, at and above the rank's stage count (torch's
+    own called at and below it; DualPipeV's overlapped F;B pairs included)."""
+    from torch.distributed.pipelining.schedules import _add_unshard_reshard
+
+    from trainer3d.parallel.pipeline.receive_count import with_unshard_reshard
+    from trainer3d.parallel.pipeline.timeline import torch_order
+
+    for pp, m in [(2, 3), (4, 8), (3, 12)]:
+        for rank, actions in torch_order(schedule, pp, virtual, m).items():
+            for window in (1, 2, 3, 4):
+                assert with_unshard_reshard(list(actions), window) == _add_unshard_reshard(list(actions), window), \
+                    (pp, m, rank, window)

@@ -1,0 +1,51 @@
+"""Run scripts and modules to their end, one after another, in this one process.
+
+    python tests/support/run_scripts.py '[["tools/sample.py", ["ckpt/", "--greedy"]], ["-m trainer3d.plan", ["--help"]]]'
+
+Each entry is a script path (run as ``python SCRIPT`` runs it: as ``__main__``, its folder first
+on sys.path) or ``-m MODULE``, and its arguments. Prints one JSON object per entry:
+``{"code": exit status, "stdout": ..., "stderr": ...}``; an exception other than SystemExit is
+exit status 1 with its traceback on stderr, as Python reports it. torch is imported once for all
+the entries, not once per process (a second or more each on a loaded 2-core machine).
+"""
+
+import contextlib
+import io
+import json
+import os
+import runpy
+import sys
+import traceback
+
+
+def run(target: str, args) -> dict:
+    module = target[3:] if target.startswith("-m ") else None
+    sys.argv = [module or target, *args]
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            if module:
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            else:
+                sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+                try:
+                    runpy.run_path(target, run_name="__main__")
+                finally:
+                    sys.path.pop(0)
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+            if isinstance(exit_.code, str):
+                print(exit_.code, file=sys.stderr)
+        except Exception:  # noqa: BLE001 (reported as the interpreter reports it)
+            traceback.print_exc()
+            code = 1
+    return {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+def main() -> None:
+    for target, args in json.loads(sys.argv[1]):
+        print(json.dumps(run(target, args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
