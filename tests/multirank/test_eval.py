@@ -6,7 +6,8 @@ The PARITY runs (20 steps, fp32) evaluate 2 global batches of the built-in corpu
 tail (conf/data/stdlib.yaml: data.val_fraction) after steps 10 and 20. Each layout's
 val_loss must equal the single process's (relative 1e-5), and its training losses must
 equal those of the same run without evaluation: the forward-only passes leave the model,
-its gradients and the optimizer untouched.
+its gradients and the optimizer untouched. The tp2 x pp2 x dp2 run is also the parity
+matrix's default-layout row (tests/multirank/test_parity_matrix.py): one run, both checks.
 """
 
 import math

@@ -41,8 +41,10 @@ def case(tp, pp, dp, zero=0, model=(), extra=(), slow=True, id=None):
                         marks=[pytest.mark.slow] if slow else [])
 
 
+# tp2 x pp2 x dp2 with ZeRO-0 (the default layout) is the run of tests/multirank/test_eval.py's
+# test_val_loss_tp2_pp2_dp2, which holds its training losses to this reference the same way
+# (20 steps, relative 1e-5; its evaluations leave training untouched, as its first test shows).
 MATRIX = [
-    case(2, 2, 2, zero=0, slow=False),
     case(2, 2, 2, zero=1),
     case(1, 2, 4, zero=1),
     case(4, 2, 1, model=KV4),

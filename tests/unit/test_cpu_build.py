@@ -5,6 +5,7 @@ a marker file stands in for another user's code)."""
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,3 +119,48 @@ def test_a_library_someone_else_could_write_is_not_loaded(tmp_path, monkeypatch,
     built = out.stdout.strip()
     assert built != "None" and not built.startswith(str(tmp_path)), built  # a private build instead
     assert "building into the private directory" in out.stderr and str(tmp_path) in out.stderr, out.stderr
+
+
+def _tool_that_logs(bin_dir, tool: str, real: str, log) -> str:
+    path = bin_dir / tool
+    path.write_text(f'#!/bin/sh\necho {tool} >> "{log}"\nexec "{real}" "$@"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.timeout(400)
+def test_a_finished_build_loads_in_a_fresh_process_without_the_compiler_and_a_changed_source_rebuilds(
+        tmp_path, monkeypatch):
+    """A fresh process loads what an earlier one built without starting the compiler or ninja
+    (torch's ``load`` starts both in every fresh process); a changed source, and a library
+    another builder replaced, are built again."""
+    started = tmp_path / "started"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    ninja = shutil.which("ninja") or os.path.join(os.path.dirname(sys.executable), "ninja")
+    monkeypatch.setenv("CXX", _tool_that_logs(bin_dir, "c++", compiler(), started))
+    _tool_that_logs(bin_dir, "ninja", ninja, started)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    source = tmp_path / "barrier.cpp"
+    source.write_text(SOURCE.read_text())
+
+    def build(fresh: bool) -> str:
+        code = ("from trainer3d.cpu.build import Build; from pathlib import Path; "
+                f"print(Build('t3d_test_stamp', Path({str(source)!r}), ['-O2'], 'test build', 'none', str).get())")
+        if not fresh:
+            return Build("t3d_test_stamp", source, ["-O2"], "test build", "none", str).get()
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    first = build(fresh=False)
+    assert first.endswith(".so") and {"c++", "ninja"} <= set(started.read_text().split())
+    started.unlink()
+    assert build(fresh=True) == first and not started.exists(), "a finished build started the compiler or ninja again"
+    source.write_text(source.read_text() + "\n// changed\n")
+    second = build(fresh=False)
+    assert second.endswith(".so") and "c++" in started.read_text().split()  # built again
+    started.unlink()
+    os.utime(second)  # another builder's library in its place (one that keeps no stamp)
+    assert build(fresh=True).endswith(".so") and "ninja" in started.read_text().split()

@@ -18,6 +18,8 @@ the callers then run torch's operators (or gloo) instead, with the same results.
 
 import atexit
 import ctypes
+import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -25,6 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
+
+import torch
 
 from trainer3d.cpu.build_dir import held as build_lock
 from trainer3d.cpu.build_dir import unsafe as build_dir_unsafe
@@ -37,20 +41,64 @@ def compiler() -> Optional[str]:
     return shutil.which(os.environ.get("CXX", "c++"))
 
 
+STAMP_NAME = "trainer3d.built"
+"""The record of a finished build in its directory: what it was built from (``build_key``) and
+the library it left."""
+
+
+def build_key(source: Path, flags: List[str], ldflags: List[str], python_module: bool) -> str:
+    """What a build depends on, as a digest: the source's text, the flags, the compiler, and the
+    torch and Python it was built for (the host AdamW compiles against torch's headers). A
+    header the source includes from the system is not in it: after a compiler or library
+    upgrade that keeps the compiler's path, delete the build directory to rebuild."""
+    digest = hashlib.sha256(source.read_bytes())
+    for part in (*flags, "|", *ldflags, str(python_module), str(compiler()), torch.__version__,
+                 os.path.dirname(torch.__file__), sys.version):
+        digest.update(b"\0" + part.encode())
+    return digest.hexdigest()
+
+
+def _identity(path: str) -> str:
+    """A library file's identity: a rebuild (by any builder, one that keeps no stamp too)
+    replaces the file and changes it."""
+    st = os.stat(path)
+    return f"{st.st_ino} {st.st_size} {st.st_mtime_ns}"
+
+
+def _built(build_dir: Path, key: str) -> Optional[str]:
+    """The library a finished build of ``key`` left in ``build_dir``, unchanged since, or None."""
+    try:
+        found, path, identity = (build_dir / STAMP_NAME).read_text().split("\n")
+        unchanged = _identity(path) == identity
+    except (OSError, ValueError):
+        return None
+    return path if found == key and Path(path).parent == build_dir and unchanged else None
+
+
+def _load_built(path: str, python_module: bool) -> Any:
+    """What ``cpp_extension.load`` returns for a library it built: the module, else the path."""
+    if not python_module:
+        return path
+    spec = importlib.util.spec_from_file_location(Path(path).name.split(".")[0], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def cpp_extension_load(name: str, source: Path, flags: List[str], python_module: bool) -> Any:
     """``torch.utils.cpp_extension.load`` of one source: the module (``python_module``), else
-    the path of the shared library it built and loaded."""
+    the path of the shared library it built and loaded.
+
+    A build this machine finished already is loaded straight from its directory: torch's
+    ``load`` in a fresh process rewrites its ninja file and starts the compiler and ninja to find
+    nothing to do (seconds per rank on a busy host, paid by every rank of every job); the stamp
+    of a finished build (``STAMP_NAME``) says which library answers ``build_key``."""
     from torch.utils import cpp_extension
 
     if compiler() is None:
         raise RuntimeError("no C++ compiler (c++ or $CXX) on PATH")
-    # ninja (a dependency) installs its binary beside this interpreter, which a venv used
-    # without activating has off PATH; torch's build looks for it on PATH.
-    path = os.environ.get("PATH", "")
-    scripts = os.path.dirname(sys.executable)
-    if shutil.which("ninja") is None and scripts:
-        os.environ["PATH"] = scripts + os.pathsep + path
     ldflags = ["-fopenmp"] if "-fopenmp" in flags else []
+    key = build_key(source, flags, ldflags, python_module)
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))  # made if missing
     why = build_dir_unsafe(build_dir)
     if why:
@@ -61,13 +109,40 @@ def cpp_extension_load(name: str, source: Path, flags: List[str], python_module:
                     name, why, private)
         build_dir = private
         atexit.register(shutil.rmtree, private, ignore_errors=True)  # loaded libraries stay mapped
+    with build_lock(build_dir, shared=True):  # no builder replaces the library while it loads
+        built = _built(build_dir, key)
+        if built:
+            return _load_built(built, python_module)
+    with build_lock(build_dir):
+        return _build(name, source, flags, ldflags, python_module, build_dir, key)
+
+
+def _build(name: str, source: Path, flags: List[str], ldflags: List[str], python_module: bool,
+           build_dir: Path, key: str) -> Any:
+    """``cpp_extension.load`` under the build lock, and the stamp of what it built."""
+    from torch.utils import cpp_extension
+
+    built = _built(build_dir, key)  # by another process while this one waited for the lock
+    if built:
+        return _load_built(built, python_module)
+    (build_dir / STAMP_NAME).unlink(missing_ok=True)
+    # ninja (a dependency) installs its binary beside this interpreter, which a venv used
+    # without activating has off PATH; torch's build looks for it on PATH.
+    path = os.environ.get("PATH", "")
+    scripts = os.path.dirname(sys.executable)
+    if shutil.which("ninja") is None and scripts:
+        os.environ["PATH"] = scripts + os.pathsep + path
     try:
-        with build_lock(build_dir):
-            return cpp_extension.load(name, [str(source)], extra_cflags=flags, extra_ldflags=ldflags,
-                                      build_directory=str(build_dir), is_python_module=python_module,
-                                      verbose=False)
+        loaded = cpp_extension.load(name, [str(source)], extra_cflags=flags, extra_ldflags=ldflags,
+                                    build_directory=str(build_dir), is_python_module=python_module,
+                                    verbose=False)
     finally:
         os.environ["PATH"] = path
+    stamp = build_dir / f"{STAMP_NAME}.{os.getpid()}"
+    library = loaded.__file__ if python_module else loaded
+    stamp.write_text(f"{key}\n{library}\n{_identity(library)}")
+    os.replace(stamp, build_dir / STAMP_NAME)  # whole or absent to a reader
+    return loaded
 
 
 class Build:

@@ -37,16 +37,17 @@ class BuildBusy(RuntimeError):
 
 
 @contextlib.contextmanager
-def held(build_dir: Path) -> Iterator[None]:
+def held(build_dir: Path, shared: bool = False) -> Iterator[None]:
     """Hold ``build_dir``'s flock for the block (waiting ``WAIT_S`` at most), and clear the
-    torch ``lock`` a dead builder left."""
+    torch ``lock`` a dead builder left; ``shared``: a reader's lock (many at once, none while a
+    builder holds it), which leaves torch's lock alone."""
     path, wait_s = build_dir / LOCK_NAME, WAIT_S
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
@@ -54,11 +55,12 @@ def held(build_dir: Path) -> Iterator[None]:
                     raise BuildBusy(f"{path} is held by a build still running (pid {holder}) after {wait_s:.0f} s; "
                                     f"wait for it, or end that process (its lock goes with it)") from None
                 time.sleep(POLL_S)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        # Every trainer3d builder holds the flock while torch's own lock exists, so one found
-        # now was left by a builder that died (torch would wait on it for ever).
-        (build_dir / "lock").unlink(missing_ok=True)
+        if not shared:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            # Every trainer3d builder holds the flock while torch's own lock exists, so one
+            # found now was left by a builder that died (torch would wait on it for ever).
+            (build_dir / "lock").unlink(missing_ok=True)
         yield
     finally:
         os.close(fd)  # drops the flock

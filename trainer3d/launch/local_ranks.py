@@ -30,9 +30,12 @@ import torch.distributed as dist
 def _context():
     """One forkserver per process, started on first use."""
     ctx = mp.get_context("forkserver")
-    # The engine imports pipelining (and with it torch._dynamo) only for a pp > 1 layout; its
-    # ranks here run every layout and compile, so the server pays for them once.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "trainer3d.rank.task", "torch.distributed.pipelining"])
+    # The engine imports pipelining (and with it torch._dynamo) only for a pp > 1 layout, and
+    # torch's C++ builder (with setuptools: 0.3-0.5 s of CPU) where it first loads a CPU
+    # library (trainer3d/cpu/build.py); its ranks here run every layout, so the server pays
+    # for them once. The libraries themselves load in each rank (a test may take one away).
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "trainer3d.rank.task", "torch.distributed.pipelining",
+                                "torch.utils.cpp_extension"])
     return ctx
 
 
