@@ -37,12 +37,11 @@ def test_compiled_tp2_pp2_dp2_zero1_sp_recompute_matches_the_uncompiled_single_p
 
 
 # Zero-bubble schedules compile the model's operators, not whole blocks (parallel/compile.py):
-# the input and weight steps each run their half of every backward.
+# the input and weight steps each run their half of every backward. One case in the suite (a
+# compiled run costs minutes of inductor on 2 cores); zb1p pp2 v2 x tp2 with sp and recompute,
+# compiled, measured 2.4e-7 through the same losses_in_ranks (docs/parallelism.md).
 ZERO_BUBBLE = [
     pytest.param(("parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2"), id="zbv-pp2"),
-    pytest.param(("parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=zb1p", "parallel.pp_virtual_stages=2",
-                  "parallel.sequence_parallel=true", "train.activation_checkpointing=true"),
-                 id="zb1p-pp2-v2-tp2-sp-recompute"),
 ]
 
 
