@@ -36,23 +36,6 @@ def test_the_lock_names_its_holder_and_dies_with_it(tmp_path):
             RunDirLock(str(tmp_path)).check_free()
 
 
-@pytest.mark.slow
-def test_a_second_run_on_the_same_run_dir_is_refused_before_launch(tmp_path):
-    run_dir = tmp_path / "run"
-    with Run(run_dir, SMALL) as first:
-        first.wait_for("| loss ")
-        jobs_before = sorted(p.name for p in (run_dir / "submitit").iterdir())
-        second = subprocess.run([sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run_dir}", *SMALL],
-                                capture_output=True, text=True, timeout=300)
-        assert second.returncode == 2, second.stdout + second.stderr
-        assert f"in use by another run (pid {first.proc.pid} on host" in second.stderr, second.stderr
-        assert "job " in second.stderr and "started " in second.stderr
-        assert sorted(p.name for p in (run_dir / "submitit").iterdir()) == jobs_before, "nothing was launched"
-        first.proc.send_signal(signal.SIGTERM)
-        assert first.wait(timeout=120) == 128 + signal.SIGTERM
-    assert os.path.exists(run_dir / "run.lock")
-
-
 def test_a_rank_holding_the_run_dir_keeps_it_busy_after_its_submitter_died(tmp_path):
     """What a local rank does (runlock.join), in a process whose submitter record names a dead pid."""
     lock = RunDirLock(str(tmp_path)).acquire()
@@ -73,13 +56,22 @@ def test_a_rank_holding_the_run_dir_keeps_it_busy_after_its_submitter_died(tmp_p
 
 
 @pytest.mark.slow
-def test_a_job_never_outlives_its_submitter_and_holds_its_run_dir_while_it_lives(tmp_path):
-    """kill -9 of the submitting process: its ranks hold the run dir until they are gone, then
-    stop at a step boundary, save and exit on their own; nothing is left running."""
+def test_a_second_run_is_refused_while_the_first_lives_and_its_job_never_outlives_its_submitter(tmp_path):
+    """One running job, two checks in turn. A second start on its run dir is refused before it
+    launches anything, naming the holder. Then kill -9 of the first run's submitting process (no
+    handler runs): its ranks hold the run dir until they are gone, then stop at a step boundary,
+    save and exit on their own; nothing is left running."""
     run_dir = tmp_path / "run"
     overrides = [*SMALL, "checkpoint.every=1000000", "parallel.timeout_s=60"]
     with Run(run_dir, overrides) as run:
         run.wait_for("| loss ", count=2)
+        jobs_before = sorted(p.name for p in (run_dir / "submitit").iterdir())
+        second = subprocess.run([sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run_dir}", *overrides],
+                                capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert f"in use by another run (pid {run.proc.pid} on host" in second.stderr, second.stderr
+        assert "job " in second.stderr and "started " in second.stderr
+        assert sorted(p.name for p in (run_dir / "submitit").iterdir()) == jobs_before, "nothing was launched"
         run.proc.send_signal(signal.SIGKILL)
         run.proc.wait()
         with pytest.raises(RunDirBusy, match=rf"pid {run.proc.pid} on host .*, which has exited; its processes "
@@ -91,6 +83,7 @@ def test_a_job_never_outlives_its_submitter_and_holds_its_run_dir_while_it_lives
         assert marked(run.mark) == [], "the job outlived its submitting process"
     saved = store.published(run_dir / "checkpoints")
     assert len(saved) == 1 and store.is_complete(saved[0][1]) == (True, ""), saved
+    assert os.path.exists(run_dir / "run.lock")
     RunDirLock(str(run_dir)).check_free()
 
 
