@@ -12,8 +12,11 @@ import time
 import pytest
 
 from tests.support.background import Run, marked
-from tests.support.runs import run_train
+from tests.support.runs import configure, run_train
+from trainer3d import train
 from trainer3d.checkpoint import store
+from trainer3d.rank.master_port import local_port
+from trainer3d.rank.resume import COMMAND_VAR
 from trainer3d.rank.runlock import RunDirBusy, RunDirLock
 
 SMALL = ("parallel=single", "train.max_steps=100000", "train.log_every=1", "train.seq_len=64",
@@ -95,8 +98,14 @@ def test_a_refused_second_start_writes_nothing_into_the_running_runs_dirs(tmp_pa
     """The running run's recorded config (.hydra/), its logs and lock record are what they were
     after a second start in the same run dir is refused: every check comes before any write."""
     run_dir = tmp_path / "run"
-    first = run_train(run_dir, [*SMALL, "train.max_steps=1", "checkpoint.save_final=false"])
-    assert first.returncode == 0
+    # The first run in place: one interpreter is the entry point and the rank (what it leaves is
+    # the setting here; the second start, through the local launcher, is under test).
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(local_port()), PYTHONUNBUFFERED="1")
+    first = subprocess.run([sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run_dir}", "launcher=inplace",
+                            *SMALL, "train.max_steps=1", "checkpoint.save_final=false"], capture_output=True,
+                           text=True, timeout=600, env=env)
+    assert first.returncode == 0 and (run_dir / ".hydra").is_dir(), first.stderr[-3000:]
     with RunDirLock(str(run_dir)):  # the first run, still running
         before = _tree(run_dir)
         second = run_train(run_dir, [*SMALL, "train.max_steps=2", "train.seed=7"], expect_ok=False)
@@ -104,11 +113,13 @@ def test_a_refused_second_start_writes_nothing_into_the_running_runs_dirs(tmp_pa
         assert _tree(run_dir) == before
 
 
-def test_the_lock_covers_a_checkpoint_dir_outside_the_run_dir(tmp_path):
-    """Two runs with their own run dirs and one checkpoint.dir: the second is refused, naming it."""
+def test_the_lock_covers_a_checkpoint_dir_outside_the_run_dir(tmp_path, capsys, monkeypatch):
+    """Two runs with their own run dirs and one checkpoint.dir: the second is refused, naming it.
+    The entry point's ``run`` in this process, on the config Hydra composes for that command line."""
+    monkeypatch.setenv(COMMAND_VAR, "")  # run() records the resume command here; restored after
     shared = tmp_path / "shared"
+    cfg = configure(tmp_path / "b", [*SMALL, "train.max_steps=1", f"checkpoint.dir={shared}"])
     with RunDirLock(str(shared)):  # held by a run whose checkpoint.dir it is
-        second = run_train(tmp_path / "b", [*SMALL, "train.max_steps=1", f"checkpoint.dir={shared}"],
-                           expect_ok=False)
-    assert second.returncode == 2, second.stderr
-    assert f"checkpoint dir {shared} (checkpoint.dir) is in use by another run" in second.stderr, second.stderr
+        assert train.run(cfg) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint dir {shared} (checkpoint.dir) is in use by another run" in err, err
