@@ -5,9 +5,11 @@ had happened. The restart is a plain one: it runs on forkserver ranks (tests/sup
 train_in_ranks), which choose the checkpoint as the entry point's ranks do (checkpoint/choose.py);
 the entry point is under test for the kill, not for the restart.
 
-Rank 1's background write of the step-10 checkpoint stalls with its data files written and
-not yet read back (tests/support/plugins/stall_save, ``1:10:write``) while training goes on;
-the kill comes when the loop has reached the next save (step 15), which waits for it.
+Rank 1's background write of the step-4 checkpoint stalls with its data files written and
+not yet read back (tests/support/plugins/stall_save, ``1:4:write``) while training goes on;
+the kill comes when the loop has reached the next save (step 6), which waits for it. The run
+stops at step 8 on the learning-rate schedule of the 20-step reference (``KILL_RUN``), so the
+restart's losses are compared with the reference's first 8.
 """
 
 import os
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_checkpoint_resume import BASE, MODEL, assert_close, layout, losses_from
+from tests.integration.test_checkpoint_resume import BASE, KILL_RUN, MODEL, assert_close, layout, losses_from
 from tests.support.background import Run
 from tests.support.runs import PARITY, read_metrics, reference_losses, train_in_ranks
 from trainer3d.checkpoint import store
@@ -29,26 +31,26 @@ PLUGIN = Path(__file__).resolve().parents[1] / "support" / "plugins" / "stall_sa
 @pytest.mark.parametrize("victim", ["rank", "job"])
 def test_kill_9_during_a_background_write_publishes_nothing(tmp_path, session_tmp, victim):
     run, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    args = [*BASE, *layout(1, 1, 2), "checkpoint.every=5", "train.max_steps=20", "parallel.timeout_s=20"]
-    env = dict(os.environ, TRAINER3D_TEST_STALL_SAVE="1:10:write", WANDB_MODE="offline",
+    args = [*BASE, *layout(1, 1, 2), *KILL_RUN, "parallel.timeout_s=20"]
+    env = dict(os.environ, TRAINER3D_TEST_STALL_SAVE="1:4:write", WANDB_MODE="offline",
                PYTHONPATH=os.pathsep.join(filter(None, [str(PLUGIN), os.environ.get("PYTHONPATH")])))
     with Run(run, args, env=env) as job:
         marker = root / "stalled-rank1"
         deadline = time.time() + 300
-        while not (marker.exists() and (run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 15):
-            assert time.time() < deadline and job.proc.poll() is None, f"no stalled write at step 15:\n{job.text()}"
+        while not (marker.exists() and (run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 6):
+            assert time.time() < deadline and job.proc.poll() is None, f"no stalled write at step 6:\n{job.text()}"
             time.sleep(0.2)
-        assert not store.step_dir(root, 10).exists(), "published before rank 1's files were read back"
+        assert not store.step_dir(root, 4).exists(), "published before rank 1's files were read back"
         if victim == "rank":
             os.kill(int(marker.read_text()), signal.SIGKILL)
             assert job.wait(timeout=300) != 0, job.text()
         else:
             os.kill(job.proc.pid, signal.SIGKILL)
             job.kill_leftovers()
-    assert not store.step_dir(root, 10).exists()
-    assert store.latest_complete(root)[0] == 5 and store.is_complete(store.step_dir(root, 5))[0]
+    assert not store.step_dir(root, 4).exists()
+    assert store.latest_complete(root)[0] == 2 and store.is_complete(store.step_dir(root, 2))[0]
     marker.unlink(missing_ok=True)
     stdout = train_in_ranks(run, [*args[:-1], "parallel.timeout_s=60"])  # no plugin: a plain restart
-    assert "step_00000005 at step 5" in stdout, stdout[-3000:]
-    assert_close(losses_from(run, 0), reference_losses(session_tmp, [*PARITY, *MODEL]))
-    assert not store.partial_dir(root, 10).exists()  # the stale partial save was cleaned up
+    assert "step_00000002 at step 2" in stdout, stdout[-3000:]
+    assert_close(losses_from(run, 0), reference_losses(session_tmp, [*PARITY, *MODEL])[:8])
+    assert not store.partial_dir(root, 4).exists()  # the stale partial save was cleaned up

@@ -22,6 +22,9 @@ from trainer3d.checkpoint import store
 
 MODEL = ("model.n_heads=8", "model.n_kv_heads=4")
 BASE = (*PARITY, *MODEL, "parallel=single", "checkpoint.keep=10")
+KILL_RUN = ("checkpoint.every=2", "train.max_steps=8", f"optim.decay_steps={20 - 5}")
+"""A killed run's settings: a save every 2 steps, stopped at step 8 on the learning-rate schedule
+of the 20-step reference (PARITY: 5 steps of warm-up), whose first 8 losses the restart is held to."""
 
 
 def layout(tp, pp, dp, zero=0):
@@ -90,9 +93,9 @@ def test_reshard_chain_with_tp_changes(tmp_path, session_tmp):
 @pytest.mark.slow
 def test_kill_mid_save_keeps_the_previous_checkpoint(tmp_path, session_tmp):
     run = tmp_path / "run"
-    args = [*BASE, *layout(1, 1, 2), "checkpoint.every=5", "train.max_steps=20", "parallel.timeout_s=20"]
-    plugin = Path(__file__).resolve().parents[1] / "support" / "plugins" / "stall_save"  # its sitecustomize stalls rank 1 in the step-10 save
-    env = dict(os.environ, TRAINER3D_TEST_STALL_SAVE="1:10", WANDB_MODE="offline",
+    args = [*BASE, *layout(1, 1, 2), *KILL_RUN, "parallel.timeout_s=20"]
+    plugin = Path(__file__).resolve().parents[1] / "support" / "plugins" / "stall_save"  # its sitecustomize stalls rank 1 in the step-4 save
+    env = dict(os.environ, TRAINER3D_TEST_STALL_SAVE="1:4", WANDB_MODE="offline",
                PYTHONPATH=os.pathsep.join(filter(None, [str(plugin), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run}", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -100,7 +103,7 @@ def test_kill_mid_save_keeps_the_previous_checkpoint(tmp_path, session_tmp):
     deadline = time.time() + 300
     while not marker.exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
-    assert marker.exists(), "rank 1 never reached the step-10 save"
+    assert marker.exists(), "rank 1 never reached the step-4 save"
     time.sleep(0.5)
     os.kill(int(marker.read_text()), signal.SIGKILL)  # rank 1 dies after writing, before publication
     out, _ = proc.communicate(timeout=300)
@@ -108,15 +111,15 @@ def test_kill_mid_save_keeps_the_previous_checkpoint(tmp_path, session_tmp):
     root = run / "checkpoints"
     # Never published; rank 0 removes the partial directory of the failed save when it gets
     # the chance before the job is ended (and a stale one is removed by the next save).
-    assert not store.step_dir(root, 10).exists()
-    assert store.latest_complete(root)[0] == 5
+    assert not store.step_dir(root, 4).exists()
+    assert store.latest_complete(root)[0] == 2
     marker.unlink(missing_ok=True)
-    # The restart picks step 5 and the run ends as if nothing had happened.
+    # The restart picks step 2 and the run ends as if nothing had happened.
     stdout = train_in_ranks(run, [*args[:-1], "parallel.timeout_s=60"])
-    assert "resumed from" in stdout and "step_00000005 at step 5" in stdout
+    assert "resumed from" in stdout and "step_00000002 at step 2" in stdout
     ref = reference_losses(session_tmp, [*PARITY, *MODEL])
-    assert_close(losses_from(run, 0), ref)
-    assert not store.partial_dir(root, 10).exists()  # the stale partial save was cleaned up
+    assert_close(losses_from(run, 0), ref[:8])
+    assert not store.partial_dir(root, 4).exists()  # the stale partial save was cleaned up
 
 
 def test_exported_weights_give_the_same_loss_in_the_1_rank_model(tmp_path):

@@ -11,7 +11,9 @@ from tests.support.background import Run, marked
 from trainer3d.launch.interrupt import JobSignals, end_processes
 from trainer3d.rank.job_token import new_token, processes_with_token
 
-SMALL = ("parallel=dp2", "train.max_steps=100000", "train.log_every=1", "train.seq_len=64",
+# One rank: the launcher ends the job's processes by their mark (trainer3d/rank/job_token.py), one
+# rank or many alike; the ranks' agreed stop at a step boundary is tests/integration/test_terminal.py's.
+SMALL = ("parallel=single", "train.max_steps=100000", "train.log_every=1", "train.seq_len=64",
          "train.micro_batch_size=2", "train.global_batch_size=16", "train.grad_accum_steps=null",
          "parallel.timeout_s=60")
 
@@ -22,7 +24,7 @@ def test_a_signal_to_the_submitting_process_ends_every_rank_and_child(tmp_path, 
     with Run(tmp_path / "run", SMALL, spawn_child=True) as run:
         run.wait_for("| loss ")
         started = marked(run.mark)
-        assert len(started) >= 6, "submitting process + controller + 2 ranks + 2 grandchildren"
+        assert len(started) >= 4, "submitting process + controller + a rank + its grandchild"
         sent = time.monotonic()
         run.proc.send_signal(sig)
         code = run.wait(timeout=120)

@@ -1,5 +1,5 @@
-"""A run's identity, through the entry point: a stopped sweep point's resume command resumes
-that point (run here), a rollback to an older checkpoint sets the abandoned newer ones aside so
+"""A run's identity, through the entry point: a sweep's points are wandb runs of one group, and
+a stopped sweep point's resume command resumes that point (run here), a rollback to an older checkpoint sets the abandoned newer ones aside so
 ``auto`` never takes them, ranks started in place agree on one run dir or are refused, and a
 resume with another global batch continues after the samples the checkpoint consumed."""
 
@@ -14,6 +14,7 @@ import yaml
 from tests.conftest import ROOT
 from tests.integration.test_runlock import SMALL
 from tests.support.runs import configure, train_in_ranks
+from tests.support.wandb_records import read_run, run_files
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.choose import choose
 from trainer3d.rank.resume import resume_command
@@ -23,21 +24,29 @@ TINY = ("model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads
 
 
 @pytest.mark.slow
-def test_a_sweep_points_resume_command_resumes_that_point(tmp_path):
-    sweep = tmp_path / "sweep"
-    argv = ["/x/trainer3d/train.py", "-m", f"hydra.sweep.dir={sweep}", *SMALL, *TINY, "train.max_steps=2"]
+def test_a_sweeps_points_are_wandb_runs_of_one_group_and_a_points_resume_command_resumes_it(tmp_path):
+    """One sweep of two points through the entry point, logging to wandb offline: each point is a
+    wandb run of its own, in one group named after the sweep's directory; point 0's resume
+    command (the one its stop line prints) resumes that point, in that point's directory."""
+    sweep = tmp_path / "sweep-42"
+    argv = ["/x/trainer3d/train.py", "-m", f"hydra.sweep.dir={sweep}", *SMALL, *TINY, "train.max_steps=2",
+            "parallel.dp=1,2", "logger=wandb", "logger.mode=offline"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline")
     proc = subprocess.run([sys.executable, "-m", "trainer3d.train", *argv[1:]], capture_output=True, text=True,
-                          timeout=900, cwd=tmp_path, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                          timeout=900, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    point = sweep / "0"  # -m without a list: a sweep of one point, half the cost of two
+    runs = [read_run(f) for point in ("0", "1") for f in run_files(sweep / point)]
+    assert len({r["run"].run_id for r in runs}) == 2
+    assert {r["run"].run_group for r in runs} == {"sweep-42"}
+    point = sweep / "0"
     overrides = yaml.safe_load((point / ".hydra" / "overrides.yaml").read_text())  # Hydra's overrides.task
     cfg = configure(point, [o for o in overrides if not o.startswith("hydra.")])
     command = shlex.split(resume_command(cfg, argv, overrides))
     resumed = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, timeout=900,
-                             cwd=tmp_path, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                             cwd=tmp_path, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {store.step_dir(point / 'checkpoints', 2)} at step 2" in resumed.stdout, resumed.stdout
-    assert not (tmp_path / "multirun").exists() and sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0"]
+    assert not (tmp_path / "multirun").exists() and sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
 
 
 @pytest.mark.slow

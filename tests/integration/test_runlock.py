@@ -12,8 +12,11 @@ import time
 import pytest
 
 from tests.support.background import Run, marked
-from tests.support.runs import run_train
+from tests.support.runs import configure, run_train
+from trainer3d import train
 from trainer3d.checkpoint import store
+from trainer3d.rank.master_port import local_port
+from trainer3d.rank.resume import COMMAND_VAR
 from trainer3d.rank.runlock import RunDirBusy, RunDirLock
 
 SMALL = ("parallel=single", "train.max_steps=100000", "train.log_every=1", "train.seq_len=64",
@@ -36,23 +39,6 @@ def test_the_lock_names_its_holder_and_dies_with_it(tmp_path):
             RunDirLock(str(tmp_path)).check_free()
 
 
-@pytest.mark.slow
-def test_a_second_run_on_the_same_run_dir_is_refused_before_launch(tmp_path):
-    run_dir = tmp_path / "run"
-    with Run(run_dir, SMALL) as first:
-        first.wait_for("| loss ")
-        jobs_before = sorted(p.name for p in (run_dir / "submitit").iterdir())
-        second = subprocess.run([sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run_dir}", *SMALL],
-                                capture_output=True, text=True, timeout=300)
-        assert second.returncode == 2, second.stdout + second.stderr
-        assert f"in use by another run (pid {first.proc.pid} on host" in second.stderr, second.stderr
-        assert "job " in second.stderr and "started " in second.stderr
-        assert sorted(p.name for p in (run_dir / "submitit").iterdir()) == jobs_before, "nothing was launched"
-        first.proc.send_signal(signal.SIGTERM)
-        assert first.wait(timeout=120) == 128 + signal.SIGTERM
-    assert os.path.exists(run_dir / "run.lock")
-
-
 def test_a_rank_holding_the_run_dir_keeps_it_busy_after_its_submitter_died(tmp_path):
     """What a local rank does (runlock.join), in a process whose submitter record names a dead pid."""
     lock = RunDirLock(str(tmp_path)).acquire()
@@ -73,13 +59,22 @@ def test_a_rank_holding_the_run_dir_keeps_it_busy_after_its_submitter_died(tmp_p
 
 
 @pytest.mark.slow
-def test_a_job_never_outlives_its_submitter_and_holds_its_run_dir_while_it_lives(tmp_path):
-    """kill -9 of the submitting process: its ranks hold the run dir until they are gone, then
-    stop at a step boundary, save and exit on their own; nothing is left running."""
+def test_a_second_run_is_refused_while_the_first_lives_and_its_job_never_outlives_its_submitter(tmp_path):
+    """One running job, two checks in turn. A second start on its run dir is refused before it
+    launches anything, naming the holder. Then kill -9 of the first run's submitting process (no
+    handler runs): its ranks hold the run dir until they are gone, then stop at a step boundary,
+    save and exit on their own; nothing is left running."""
     run_dir = tmp_path / "run"
     overrides = [*SMALL, "checkpoint.every=1000000", "parallel.timeout_s=60"]
     with Run(run_dir, overrides) as run:
         run.wait_for("| loss ", count=2)
+        jobs_before = sorted(p.name for p in (run_dir / "submitit").iterdir())
+        second = subprocess.run([sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run_dir}", *overrides],
+                                capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert f"in use by another run (pid {run.proc.pid} on host" in second.stderr, second.stderr
+        assert "job " in second.stderr and "started " in second.stderr
+        assert sorted(p.name for p in (run_dir / "submitit").iterdir()) == jobs_before, "nothing was launched"
         run.proc.send_signal(signal.SIGKILL)
         run.proc.wait()
         with pytest.raises(RunDirBusy, match=rf"pid {run.proc.pid} on host .*, which has exited; its processes "
@@ -91,6 +86,7 @@ def test_a_job_never_outlives_its_submitter_and_holds_its_run_dir_while_it_lives
         assert marked(run.mark) == [], "the job outlived its submitting process"
     saved = store.published(run_dir / "checkpoints")
     assert len(saved) == 1 and store.is_complete(saved[0][1]) == (True, ""), saved
+    assert os.path.exists(run_dir / "run.lock")
     RunDirLock(str(run_dir)).check_free()
 
 
@@ -102,8 +98,14 @@ def test_a_refused_second_start_writes_nothing_into_the_running_runs_dirs(tmp_pa
     """The running run's recorded config (.hydra/), its logs and lock record are what they were
     after a second start in the same run dir is refused: every check comes before any write."""
     run_dir = tmp_path / "run"
-    first = run_train(run_dir, [*SMALL, "train.max_steps=1", "checkpoint.save_final=false"])
-    assert first.returncode == 0
+    # The first run in place: one interpreter is the entry point and the rank (what it leaves is
+    # the setting here; the second start, through the local launcher, is under test).
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(local_port()), PYTHONUNBUFFERED="1")
+    first = subprocess.run([sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run_dir}", "launcher=inplace",
+                            *SMALL, "train.max_steps=1", "checkpoint.save_final=false"], capture_output=True,
+                           text=True, timeout=600, env=env)
+    assert first.returncode == 0 and (run_dir / ".hydra").is_dir(), first.stderr[-3000:]
     with RunDirLock(str(run_dir)):  # the first run, still running
         before = _tree(run_dir)
         second = run_train(run_dir, [*SMALL, "train.max_steps=2", "train.seed=7"], expect_ok=False)
@@ -111,11 +113,13 @@ def test_a_refused_second_start_writes_nothing_into_the_running_runs_dirs(tmp_pa
         assert _tree(run_dir) == before
 
 
-def test_the_lock_covers_a_checkpoint_dir_outside_the_run_dir(tmp_path):
-    """Two runs with their own run dirs and one checkpoint.dir: the second is refused, naming it."""
+def test_the_lock_covers_a_checkpoint_dir_outside_the_run_dir(tmp_path, capsys, monkeypatch):
+    """Two runs with their own run dirs and one checkpoint.dir: the second is refused, naming it.
+    The entry point's ``run`` in this process, on the config Hydra composes for that command line."""
+    monkeypatch.setenv(COMMAND_VAR, "")  # run() records the resume command here; restored after
     shared = tmp_path / "shared"
+    cfg = configure(tmp_path / "b", [*SMALL, "train.max_steps=1", f"checkpoint.dir={shared}"])
     with RunDirLock(str(shared)):  # held by a run whose checkpoint.dir it is
-        second = run_train(tmp_path / "b", [*SMALL, "train.max_steps=1", f"checkpoint.dir={shared}"],
-                           expect_ok=False)
-    assert second.returncode == 2, second.stderr
-    assert f"checkpoint dir {shared} (checkpoint.dir) is in use by another run" in second.stderr, second.stderr
+        assert train.run(cfg) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint dir {shared} (checkpoint.dir) is in use by another run" in err, err
