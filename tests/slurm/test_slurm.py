@@ -1,10 +1,12 @@
 """The Slurm launcher against a real cluster on this machine (slurm/cluster.sh): jobs, sweeps,
 preemption requeue with resume, errors, and the users' own sbatch template."""
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -44,45 +46,73 @@ def local_run(tmp_path_factory):
     return losses(run)
 
 
-def test_job_through_slurm_matches_the_local_run(slurm_cluster, tmp_path, local_run):
-    proc = train(slurm_cluster, tmp_path / "run", *SMALL, *PP2, f"train.max_steps={STEPS}", "launcher=slurm",
-                 "launcher.wait=true")
+@contextlib.contextmanager
+def following(env, run_dir: Path, *overrides):
+    """``train(..., launcher.wait=true)`` in a thread while the test acts on the job; yields a dict
+    that holds the finished process as ``proc`` after the block. A block that raises cancels the
+    job first, so its follower returns instead of outliving the test."""
+    follow = {}
+    waiter = threading.Thread(target=lambda: follow.update(proc=train(env, run_dir, *overrides, "launcher.wait=true")))
+    waiter.start()
+    try:
+        yield follow
+    except BaseException:
+        record = run_dir / "slurm_job.json"
+        if record.exists():
+            subprocess.run(["scancel", json.loads(record.read_text())["job_id"]], env=env, capture_output=True)
+        raise
+    finally:
+        waiter.join(timeout=600)
+
+
+def job_id(run_dir: Path, timeout: float = 300) -> str:
+    """The Slurm job id the submitting process wrote to ``slurm_job.json``, once it has."""
+    record, deadline = run_dir / "slurm_job.json", time.monotonic() + timeout
+    while not record.exists():
+        assert time.monotonic() < deadline, "no job submitted"
+        time.sleep(0.5)
+    return json.loads(record.read_text())["job_id"]
+
+
+def wait_rows(run: Path, n: int, timeout: float = 300) -> None:
+    """Until ``metrics.jsonl`` holds ``n`` rows (a resumed attempt first cuts it back to its step)."""
+    deadline = time.monotonic() + timeout
+    while not (run / "metrics.jsonl").exists() or len(read_metrics(run)) < n:
+        assert time.monotonic() < deadline, f"the job did not reach step {n}"
+        time.sleep(0.5)
+
+
+def rank0_log(run: Path, job: str) -> str:
+    """Rank 0's log of every attempt of ``job`` (its stderr, then its stdout: each appended to by a requeued attempt)."""
+    return "".join(p.read_text(errors="replace") for p in sorted((run / "submitit").glob(f"{job}_0_log.*")))
+
+
+# One job for two claims (each a run of its own before: the same overrides, the same losses to
+# reproduce): a job submitted and followed through Slurm (launcher.wait=true) matches the local
+# run, and USR2 twice requeues it twice and it resumes exactly, the follower following it through.
+@pytest.mark.slow
+def test_job_through_slurm_requeued_twice_on_usr2_matches_the_local_run(slurm_cluster, tmp_path, local_run):
+    run = tmp_path / "run"
+    with following(slurm_cluster, run, *SMALL, *PP2, f"train.max_steps={STEPS}", "launcher=slurm") as follow:
+        job = job_id(run)
+        for i, at in enumerate((10, 20)):
+            wait_rows(run, at)
+            subprocess.run(["scancel", "--signal=USR2", job], check=True, env=slurm_cluster)
+            deadline = time.monotonic() + 300  # wait for the requeued attempt to resume
+            while rank0_log(run, job).count("resumed from") < i + 1:
+                assert time.monotonic() < deadline, f"no resume after signal {i + 1}:\n{rank0_log(run, job)[-3000:]}"
+                time.sleep(1)
+    deadline = time.monotonic() + 600
+    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, env=slurm_cluster).stdout.strip():
+        assert time.monotonic() < deadline
+        time.sleep(2)
+    proc = follow["proc"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "submitted Slurm job" in proc.stdout and f"step {STEPS}/{STEPS}" in proc.stdout
-    record = json.loads((tmp_path / "run" / "slurm_job.json").read_text())
-    assert record["num_tasks"] == 2
-    assert losses(tmp_path / "run") == local_run  # same layout, same numbers
-
-
-@pytest.mark.slow
-def test_usr2_twice_requeues_twice_and_resumes_exactly(slurm_cluster, tmp_path, local_run):
-    run = tmp_path / "run"
-    proc = train(slurm_cluster, run, *SMALL, *PP2, f"train.max_steps={STEPS}", "launcher=slurm",
-                 "launcher.wait=false")
-    assert proc.returncode == 0, proc.stderr
-    job = json.loads((run / "slurm_job.json").read_text())["job_id"]
-    for i, at in enumerate((10, 20)):
-        deadline = time.time() + 300
-        while len(read_metrics(run)) < at if (run / "metrics.jsonl").exists() else True:
-            assert time.time() < deadline, f"the job did not reach step {at}"
-            time.sleep(0.5)
-        subprocess.run(["scancel", "--signal=USR2", job], check=True, env=slurm_cluster)
-        deadline = time.time() + 300  # wait for the requeued attempt to resume
-        while "resumed from" not in _rank0_log(run, job).split("requeuing")[-1] or \
-                _rank0_log(run, job).count("resumed from") < i + 1:
-            assert time.time() < deadline, f"no resume after signal {i + 1}:\n{_rank0_log(run, job)[-3000:]}"
-            time.sleep(1)
-    deadline = time.time() + 600
-    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, env=slurm_cluster).stdout.strip():
-        assert time.time() < deadline
-        time.sleep(2)
-    log = _rank0_log(run, job)
+    assert json.loads((run / "slurm_job.json").read_text())["num_tasks"] == 2
+    log = rank0_log(run, job)
     assert log.count(REQUEUE_ASKED) == 2 and log.count("resumed from") == 2, log[-3000:]
-    assert losses(run) == local_run
-
-
-def _rank0_log(run: Path, job: str) -> str:
-    return "".join(p.read_text(errors="replace") for p in sorted((run / "submitit").glob(f"{job}_0_log.*")))
+    assert losses(run) == local_run  # same layout, same numbers
 
 
 def test_two_point_sweep_runs_as_two_jobs(slurm_cluster, tmp_path):
