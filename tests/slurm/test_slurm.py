@@ -1,7 +1,6 @@
 """The Slurm launcher against a real cluster on this machine (slurm/cluster.sh): jobs, sweeps,
 preemption requeue with resume, errors, and the users' own sbatch template."""
 
-import contextlib
 import json
 import os
 import subprocess
@@ -46,40 +45,51 @@ def local_run(tmp_path_factory):
     return losses(run)
 
 
-@contextlib.contextmanager
-def following(env, run_dir: Path, *overrides):
-    """``train(..., launcher.wait=true)`` in a thread while the test acts on the job; yields a dict
-    that holds the finished process as ``proc`` after the block. A block that raises cancels the
-    job first, so its follower returns instead of outliving the test."""
-    follow = {}
-    waiter = threading.Thread(target=lambda: follow.update(proc=train(env, run_dir, *overrides, "launcher.wait=true")))
-    waiter.start()
-    try:
-        yield follow
-    except BaseException:
-        record = run_dir / "slurm_job.json"
-        if record.exists():
-            subprocess.run(["scancel", json.loads(record.read_text())["job_id"]], env=env, capture_output=True)
-        raise
-    finally:
-        waiter.join(timeout=600)
+class Followed:
+    """``train(..., launcher.wait=true)`` in a thread while the test acts on the job; ``proc`` is
+    the finished submitting process once the ``with`` block has ended. A block that raises
+    cancels the job first, so its follower returns instead of outliving the test."""
+
+    def __init__(self, env, run_dir: Path, *overrides):
+        self.env, self.run, self.proc = env, run_dir, None
+        self._thread = threading.Thread(target=self._train, args=overrides)
+
+    def _train(self, *overrides):
+        self.proc = train(self.env, self.run, *overrides, "launcher.wait=true")
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, kind, *_):
+        if kind is not None and (self.run / "slurm_job.json").exists():
+            subprocess.run(["scancel", self.job()], env=self.env, capture_output=True)
+        self._thread.join(timeout=600)
+
+    def until(self, ready, what: str, timeout: float = 300) -> None:
+        """Poll ``ready()``; fail once ``timeout`` passed or the followed job ended without it."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            ended = self.proc is not None
+            assert not ended and time.monotonic() < deadline, (
+                f"{what}: not seen ({'the job ended first' if ended else f'not within {timeout:.0f} s'})\n"
+                + (self.proc.stdout[-2000:] + self.proc.stderr[-2000:] if ended else ""))
+            time.sleep(0.5)
+
+    def job(self) -> str:
+        """The Slurm job id the submitting process wrote to ``slurm_job.json``."""
+        self.until(lambda: (self.run / "slurm_job.json").exists(), "the job's submission")
+        return json.loads((self.run / "slurm_job.json").read_text())["job_id"]
+
+    def rows(self, n: int) -> None:
+        """Until ``metrics.jsonl`` holds ``n`` rows (a resumed attempt first cuts it back to its step)."""
+        self.until(lambda: _complete_rows(self.run / "metrics.jsonl") >= n, f"step {n}")
 
 
-def job_id(run_dir: Path, timeout: float = 300) -> str:
-    """The Slurm job id the submitting process wrote to ``slurm_job.json``, once it has."""
-    record, deadline = run_dir / "slurm_job.json", time.monotonic() + timeout
-    while not record.exists():
-        assert time.monotonic() < deadline, "no job submitted"
-        time.sleep(0.5)
-    return json.loads(record.read_text())["job_id"]
-
-
-def wait_rows(run: Path, n: int, timeout: float = 300) -> None:
-    """Until ``metrics.jsonl`` holds ``n`` rows (a resumed attempt first cuts it back to its step)."""
-    deadline = time.monotonic() + timeout
-    while not (run / "metrics.jsonl").exists() or len(read_metrics(run)) < n:
-        assert time.monotonic() < deadline, f"the job did not reach step {n}"
-        time.sleep(0.5)
+def _complete_rows(path: Path) -> int:
+    """Rows of a metrics.jsonl rank 0 may be writing (a line without its end is not one yet)."""
+    text = path.read_text() if path.exists() else ""
+    return sum(1 for line in text.splitlines() if line.rstrip().endswith("}"))
 
 
 def rank0_log(run: Path, job: str) -> str:
@@ -87,26 +97,23 @@ def rank0_log(run: Path, job: str) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted((run / "submitit").glob(f"{job}_0_log.*")))
 
 
-# One job for two claims (each a run of its own before: the same overrides, the same losses to
-# reproduce): a job submitted and followed through Slurm (launcher.wait=true) matches the local
-# run, and USR2 twice requeues it twice and it resumes exactly, the follower following it through.
+# One job for two claims about the same run (same overrides, same losses to reproduce): a job
+# submitted and followed through Slurm (launcher.wait=true) matches the local run, and USR2 twice
+# requeues it twice and it resumes exactly, the follower following it through both requeues.
 @pytest.mark.slow
 def test_job_through_slurm_requeued_twice_on_usr2_matches_the_local_run(slurm_cluster, tmp_path, local_run):
     run = tmp_path / "run"
-    with following(slurm_cluster, run, *SMALL, *PP2, f"train.max_steps={STEPS}", "launcher=slurm") as follow:
-        job = job_id(run)
+    with Followed(slurm_cluster, run, *SMALL, *PP2, f"train.max_steps={STEPS}", "launcher=slurm") as followed:
+        job = followed.job()
         for i, at in enumerate((10, 20)):
-            wait_rows(run, at)
+            followed.rows(at)
             subprocess.run(["scancel", "--signal=USR2", job], check=True, env=slurm_cluster)
-            deadline = time.monotonic() + 300  # wait for the requeued attempt to resume
-            while rank0_log(run, job).count("resumed from") < i + 1:
-                assert time.monotonic() < deadline, f"no resume after signal {i + 1}:\n{rank0_log(run, job)[-3000:]}"
-                time.sleep(1)
+            followed.until(lambda i=i: rank0_log(run, job).count("resumed from") > i, f"the resume after signal {i + 1}")
     deadline = time.monotonic() + 600
     while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, env=slurm_cluster).stdout.strip():
         assert time.monotonic() < deadline
         time.sleep(2)
-    proc = follow["proc"]
+    proc = followed.proc
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "submitted Slurm job" in proc.stdout and f"step {STEPS}/{STEPS}" in proc.stdout
     assert json.loads((run / "slurm_job.json").read_text())["num_tasks"] == 2

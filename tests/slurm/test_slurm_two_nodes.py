@@ -13,7 +13,7 @@ import pytest
 from tests.support.runs import train_in_ranks
 from trainer3d.rank.preemption import REQUEUE_ASKED
 from tests.support.slurm_cluster import SCRIPT
-from tests.slurm.test_slurm import SMALL, following, job_id, losses, rank0_log, train, wait_rows
+from tests.slurm.test_slurm import SMALL, Followed, losses, rank0_log, train
 
 # On the worker that runs test_slurm.py, after or before it (tests/conftest.py: xdist_scope).
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -68,33 +68,29 @@ def _checkpoints(run: Path):
     return sorted(p.name for p in (run / "checkpoints").glob("step_*") if not p.name.endswith(".partial"))
 
 
-# One job for two claims (each a job of its own before: the same layout, overrides and losses):
-# preemption requeues it and it resumes across both nodes, the follower following it through
-# the requeue; then a lost node ends the resumed job, named, and a resubmission resumes it.
+# One job for two claims about the same run (same layout, overrides and losses): preemption
+# requeues it and it resumes across both nodes, the follower following it through the requeue;
+# then a lost node ends the resumed job, named, and a resubmission resumes it.
+@pytest.mark.timeout(900)  # two attempts and a resubmission: up to ~400 s on a loaded machine, near pytest's 600 s
 def test_preemption_resumes_across_both_nodes_and_a_lost_node_ends_the_job_named(two_nodes, tmp_path, local_runs):
     run = tmp_path / "run"
     overrides = (*SMALL, *LAYOUTS["tp2-pp2"], STEPS, *TWO_NODES, "checkpoint.every=5")
-    with following(two_nodes, run, *overrides) as follow:
-        job = job_id(run)
-        wait_rows(run, 8)
+    with Followed(two_nodes, run, *overrides) as followed:
+        job = followed.job()
+        followed.rows(8)
         subprocess.run(["scancel", "--signal=USR2", job], check=True, env=two_nodes)
-        deadline = time.monotonic() + 300
-        while "resumed from" not in rank0_log(run, job):
-            assert time.monotonic() < deadline, f"no resume after the signal:\n{rank0_log(run, job)[-3000:]}"
-            time.sleep(1)
+        followed.until(lambda: "resumed from" in rank0_log(run, job), "the resume after the signal")
         stopped = int(rank0_log(run, job).split(REQUEUE_ASKED)[0].rsplit("stopped after step ", 1)[1].split()[0])
         # The resumed attempt publishes a checkpoint of its own (checkpoint.every=5) before the node
         # is lost, so the resubmission resumes past steps only the resumed attempt trained.
-        deadline = time.monotonic() + 300
-        while not any(int(name[len("step_"):]) > stopped for name in _checkpoints(run)):
-            assert time.monotonic() < deadline, f"no checkpoint after step {stopped} in the resumed attempt"
-            time.sleep(0.5)
+        followed.until(lambda: any(int(name[len("step_"):]) > stopped for name in _checkpoints(run)),
+                       f"a checkpoint after step {stopped} in the resumed attempt")
         lost = time.monotonic()
         subprocess.run(["bash", str(SCRIPT), "kill-node", "t3d-n2"], check=True, env=two_nodes, capture_output=True)
         time.sleep(2)  # the node reboots: its slurmd comes back, its ranks do not
         subprocess.run(["bash", str(SCRIPT), "start-node", "t3d-n2"], check=True, env=two_nodes, capture_output=True)
     took = time.monotonic() - lost
-    proc = follow["proc"]
+    proc = followed.proc
     print(f"stopped after step {stopped}; lost node to job end: {took:.1f} s with parallel.timeout_s=30")
     assert REQUEUE_ASKED in proc.stdout and "resumed from" in proc.stdout, proc.stdout[-3000:]
     headline = [line for line in proc.stderr.splitlines() if "failed:" in line]
