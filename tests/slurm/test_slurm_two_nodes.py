@@ -5,16 +5,15 @@ resumes from the last checkpoint."""
 
 import json
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.support.runs import read_metrics, train_in_ranks
+from tests.support.runs import train_in_ranks
 from trainer3d.rank.preemption import REQUEUE_ASKED
 from tests.support.slurm_cluster import SCRIPT
-from tests.slurm.test_slurm import SMALL, losses, train
+from tests.slurm.test_slurm import SMALL, Followed, losses, rank0_log, train
 
 # On the worker that runs test_slurm.py, after or before it (tests/conftest.py: xdist_scope).
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -55,8 +54,8 @@ def _hosts(run: Path):
     return sorted(json.loads((run / "heartbeat" / f"rank{r}").read_bytes())["host"] for r in range(4))
 
 
-# tp2 x pp2 across the nodes is run by the two tests after this one (preemption, lost node),
-# each held to the same hosts and the same losses.
+# tp2 x pp2 across the nodes is the job of the test after this one (preemption, then a lost node),
+# held to the same hosts and the same losses.
 def test_two_nodes_match_the_local_run(two_nodes, tmp_path, local_runs):
     run = tmp_path / "run"
     proc = train(two_nodes, run, *SMALL, *LAYOUTS["tp2-dp2"], STEPS, *TWO_NODES, "launcher.wait=true")
@@ -65,54 +64,43 @@ def test_two_nodes_match_the_local_run(two_nodes, tmp_path, local_runs):
     assert losses(run) == local_runs["tp2-dp2"]
 
 
-def _wait_rows(run: Path, n: int, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not (run / "metrics.jsonl").exists() or len(read_metrics(run)) < n:
-        assert time.monotonic() < deadline, f"the job did not reach step {n}"
-        time.sleep(0.5)
+def _checkpoints(run: Path):
+    return sorted(p.name for p in (run / "checkpoints").glob("step_*") if not p.name.endswith(".partial"))
 
 
-def test_preemption_requeues_and_resumes_across_both_nodes(two_nodes, tmp_path, local_runs):
+# One job for two claims about the same run (same layout, overrides and losses): preemption
+# requeues it and it resumes across both nodes, the follower following it through the requeue;
+# then a lost node ends the resumed job, named, and a resubmission resumes it.
+@pytest.mark.timeout(900)  # two attempts and a resubmission: up to ~400 s on a loaded machine, near pytest's 600 s
+def test_preemption_resumes_across_both_nodes_and_a_lost_node_ends_the_job_named(two_nodes, tmp_path, local_runs):
     run = tmp_path / "run"
-    follow = {}
-    waiter = threading.Thread(target=lambda: follow.update(proc=train(
-        two_nodes, run, *SMALL, *LAYOUTS["tp2-pp2"], STEPS, *TWO_NODES, "launcher.wait=true")))
-    waiter.start()
-    _wait_rows(run, 8)
-    job = json.loads((run / "slurm_job.json").read_text())["job_id"]
-    subprocess.run(["scancel", "--signal=USR2", job], check=True, env=two_nodes)
-    waiter.join(timeout=600)
-    proc = follow["proc"]
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "resumed from" in proc.stdout and REQUEUE_ASKED in proc.stdout, proc.stdout[-3000:]
-    assert _hosts(run) == ["t3d-n1", "t3d-n1", "t3d-n2", "t3d-n2"]
-    assert losses(run) == local_runs["tp2-pp2"]
-
-
-def test_a_lost_node_ends_the_job_named_and_a_resubmission_resumes(two_nodes, tmp_path, local_runs):
-    run = tmp_path / "run"
-    overrides = (*SMALL, *LAYOUTS["tp2-pp2"], STEPS, *TWO_NODES, "checkpoint.every=5", "launcher.wait=true")
-    follow = {}
-    waiter = threading.Thread(target=lambda: follow.update(proc=train(two_nodes, run, *overrides)))
-    waiter.start()
-    _wait_rows(run, 12)
-    lost = time.monotonic()
-    subprocess.run(["bash", str(SCRIPT), "kill-node", "t3d-n2"], check=True, env=two_nodes, capture_output=True)
-    time.sleep(2)  # the node reboots: its slurmd comes back, its ranks do not
-    subprocess.run(["bash", str(SCRIPT), "start-node", "t3d-n2"], check=True, env=two_nodes, capture_output=True)
-    waiter.join(timeout=600)
+    overrides = (*SMALL, *LAYOUTS["tp2-pp2"], STEPS, *TWO_NODES, "checkpoint.every=5")
+    with Followed(two_nodes, run, *overrides) as followed:
+        job = followed.job()
+        followed.rows(8)
+        subprocess.run(["scancel", "--signal=USR2", job], check=True, env=two_nodes)
+        followed.until(lambda: "resumed from" in rank0_log(run, job), "the resume after the signal")
+        stopped = int(rank0_log(run, job).split(REQUEUE_ASKED)[0].rsplit("stopped after step ", 1)[1].split()[0])
+        # The resumed attempt publishes a checkpoint of its own (checkpoint.every=5) before the node
+        # is lost, so the resubmission resumes past steps only the resumed attempt trained.
+        followed.until(lambda: any(int(name[len("step_"):]) > stopped for name in _checkpoints(run)),
+                       f"a checkpoint after step {stopped} in the resumed attempt")
+        lost = time.monotonic()
+        subprocess.run(["bash", str(SCRIPT), "kill-node", "t3d-n2"], check=True, env=two_nodes, capture_output=True)
+        time.sleep(2)  # the node reboots: its slurmd comes back, its ranks do not
+        subprocess.run(["bash", str(SCRIPT), "start-node", "t3d-n2"], check=True, env=two_nodes, capture_output=True)
     took = time.monotonic() - lost
-    proc = follow["proc"]
-    print(f"lost node to job end: {took:.1f} s with parallel.timeout_s=30")
+    proc = followed.proc
+    print(f"stopped after step {stopped}; lost node to job end: {took:.1f} s with parallel.timeout_s=30")
+    assert REQUEUE_ASKED in proc.stdout and "resumed from" in proc.stdout, proc.stdout[-3000:]
     headline = [line for line in proc.stderr.splitlines() if "failed:" in line]
     assert proc.returncode == 1 and len(headline) == 1, proc.stderr[-3000:]
     assert "node t3d-n2 stopped responding: ranks 2, 3" in headline[0], proc.stderr[-3000:]
     assert took < 2 * 30, "one parallel.timeout_s at most (the slack is for a loaded machine)"
-    # The newest published checkpoint when the node died: step 10 after 12 rows, or a later one
-    # where a loaded machine let the job run on before the kill landed.
-    newest = sorted(p.name for p in (run / "checkpoints").glob("step_*") if not p.name.endswith(".partial"))[-1]
-    assert newest >= "step_00000010", newest
-    again = train(two_nodes, run, *overrides)  # train.resume=auto: the newest checkpoint
+    newest = _checkpoints(run)[-1]  # the newest published when the node died: the resumed attempt's
+    assert newest > f"step_{stopped:08d}" and newest >= "step_00000010", (stopped, newest)
+    again = train(two_nodes, run, *overrides, "launcher.wait=true")  # train.resume=auto: the newest checkpoint
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "resumed from" in again.stdout and newest in again.stdout, (newest, again.stdout[-3000:])
+    assert _hosts(run) == ["t3d-n1", "t3d-n1", "t3d-n2", "t3d-n2"]
     assert losses(run) == local_runs["tp2-pp2"]
