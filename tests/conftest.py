@@ -37,8 +37,18 @@ from tests.support.slurm_cluster import slurm_cluster  # noqa: E402,F401  (sessi
 
 def pytest_collection_modifyitems(config, items):
     """The slow tests first (the order is otherwise kept): on two xdist workers the long ones
-    then start early, instead of one worker finishing a long test alone at the end."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    then start early, instead of one worker finishing a long test alone at the end. A file
+    with a module fixture moves whole, where any of its tests is slow: split in two, its
+    fixture would be set up twice (torn down when the file's first part ends)."""
+    slow_files = {item.nodeid.split("::", 1)[0] for item in items if item.get_closest_marker("slow")}
+
+    def quick(item) -> bool:
+        path = item.nodeid.split("::", 1)[0]
+        if xdist_scope(path) and path in slow_files:
+            return False
+        return item.get_closest_marker("slow") is None
+
+    items.sort(key=quick)
 
 
 def _defines_module_fixture(path: Path) -> bool:
