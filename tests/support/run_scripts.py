@@ -18,20 +18,26 @@ import sys
 import traceback
 
 
-def run(target: str, args) -> dict:
+def run_as_main(target: str, args) -> None:
+    """Run ``target`` (a script's path, or ``-m MODULE``) with ``args`` as ``python`` runs it:
+    as ``__main__``, ``sys.argv`` set, a script's folder first on ``sys.path`` (tool_args.py too)."""
     module = target[3:] if target.startswith("-m ") else None
     sys.argv = [module or target, *args]
+    if module:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+    try:
+        runpy.run_path(target, run_name="__main__")
+    finally:
+        sys.path.pop(0)
+
+
+def run(target: str, args) -> dict:
     out, err, code = io.StringIO(), io.StringIO(), 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            if module:
-                runpy.run_module(module, run_name="__main__", alter_sys=True)
-            else:
-                sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-                try:
-                    runpy.run_path(target, run_name="__main__")
-                finally:
-                    sys.path.pop(0)
+            run_as_main(target, args)
         except SystemExit as exit_:
             code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
             if isinstance(exit_.code, str):

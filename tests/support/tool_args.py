@@ -14,9 +14,9 @@ import argparse
 import contextlib
 import io
 import json
-import os
-import runpy
 import sys
+
+from run_scripts import run_as_main  # this folder, first on sys.path for a script run by its path
 
 
 class Parsed(Exception):
@@ -41,19 +41,10 @@ def _patch_argparse() -> None:
 
 
 def check(target: str, args) -> dict:
-    module = target[3:] if target.startswith("-m ") else None
-    sys.argv = [module or target, *args]
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            if module:
-                runpy.run_module(module, run_name="__main__", alter_sys=True)
-            else:
-                sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-                try:
-                    runpy.run_path(target, run_name="__main__")
-                finally:
-                    sys.path.pop(0)
+            run_as_main(target, args)
     except Parsed:
         return {"ok": True, "error": ""}
     except SystemExit as exit_:
