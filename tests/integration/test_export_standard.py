@@ -6,9 +6,11 @@ byte-level corpus; tools/export_model.py writes each under umask 022. transforme
 independent reader) must then load the tokenizer with ``AutoTokenizer`` (special tokens
 from the run's ids), the model with ``AutoModelForCausalLM``, and generate; tools/sample.py
 must give transformers' greedy ids, and refuse in one line a model whose vocabulary the
-tokenizer it would use does not fit.
+tokenizer it would use does not fit. The tools run as ``python tools/X.py`` runs them, the
+exports in one process and the samples in another (tests/support/run_scripts.py).
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -30,6 +32,8 @@ TRAIN = (f"train.max_steps={STEPS}", "train.log_every=10", "train.seq_len=64", "
          "train.global_batch_size=8", "train.grad_accum_steps=null", "optim.warmup_steps=2", "optim.lr=3e-3",
          "model.dim=64", "model.n_layers=2", "model.ffn_dim=128", "model.max_seq_len=64",
          f"checkpoint.every={STEPS}", "parallel=single")
+PROMPT = "def split(self, text):\n    "
+RUN_SCRIPTS = ROOT / "tests" / "support" / "run_scripts.py"
 # ASCII text (every BPE token decodes to whole characters): a handful of Python modules.
 SOURCES = ["json/encoder.py", "json/decoder.py", "textwrap.py", "string.py", "shlex.py"]
 
@@ -39,9 +43,22 @@ def tool(*args, umask=None) -> subprocess.CompletedProcess:
                           preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
 
 
+def tools_in_one_process(entries, umask=None) -> list:
+    """Each (script, args) run to its end as ``python SCRIPT ARGS`` runs it, all in one fresh
+    process (tests/support/run_scripts.py: torch and transformers imported once, not once per
+    tool); one {"code", "stdout", "stderr"} per entry."""
+    proc = tool(RUN_SCRIPTS, json.dumps([[script, [str(a) for a in args]] for script, args in entries]),
+                umask=umask)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(results) == len(entries), proc.stdout[-3000:]
+    return results
+
+
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
-    """{"bpe": export dir, "bytes": export dir, "data": the BPE token file}."""
+    """{"bpe": export dir, "bytes": export dir, "data": the BPE token file, "bare": the BPE export
+    without its tokenizer, "sampled": tools/sample.py's results, by sample_commands' names}."""
     root = tmp_path_factory.mktemp("export-standard")
     texts = root / "texts"
     texts.mkdir()
@@ -51,15 +68,32 @@ def exports(tmp_path_factory):
         (texts / name.replace("/", "_")).write_text(text.encode("ascii", errors="ignore").decode())
     proc = tool("tools/prepare_data.py", "--out", root / "bpe.bin", "--train-tokenizer", 512, texts)
     assert proc.returncode == 0, proc.stderr
-    out = {"data": root / "bpe.bin"}
+    out = {"data": root / "bpe.bin", "bare": root / "bare"}
     for name, data in (("bpe", ("data=tokens", f"data.path={root / 'bpe.bin'}", "model.vocab_size=512")),
                        ("bytes", ())):
         train_in_ranks(root / name, [*TRAIN, *data])
         out[name] = root / f"{name}-export"
-        proc = tool("tools/export_model.py", store.step_dir(root / name / "checkpoints", STEPS), out[name],
-                    umask=0o022)
-        assert proc.returncode == 0, proc.stderr
+    exported = tools_in_one_process([("tools/export_model.py", [store.step_dir(root / name / "checkpoints", STEPS),
+                                                                out[name]]) for name in ("bpe", "bytes")], umask=0o022)
+    for result in exported:
+        assert result["code"] == 0, result["stderr"][-3000:]
+    shutil.copytree(out["bpe"], out["bare"])  # byte-level ids would be noise to this model
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (out["bare"] / name).unlink()
+    samples = sample_commands(out)
+    results = tools_in_one_process([("tools/sample.py", args) for args in samples.values()])
+    out["sampled"] = dict(zip(samples, results))
     return out
+
+
+def sample_commands(out) -> dict:
+    """tools/sample.py's commands the tests check, by name."""
+    greedy = ("--prompt", PROMPT, "--greedy", "--max-new-tokens", 24, "--show-ids")
+    bpe_tokenizer = ("--tokenizer", out["bpe"] / "tokenizer.json")
+    return {"bpe": (out["bpe"], *greedy), "bytes": (out["bytes"], *greedy),
+            "bare": (out["bare"], "--prompt", "def "),
+            "bytes+bpe tokenizer": (out["bytes"], "--prompt", "def ", *bpe_tokenizer),
+            "bare+bpe tokenizer": (out["bare"], "--prompt", "def ", "--greedy", "--max-new-tokens", 4, *bpe_tokenizer)}
 
 
 def _greedy(export: Path, prompt: str, n: int):
@@ -83,7 +117,7 @@ def test_export_loads_with_auto_classes_and_generates(exports, name):
     eos = read_header(exports["data"]).eos_id if name == "bpe" else EOF_TOKEN
     generation = read_json(export / "generation_config.json")
     assert (generation["eos_token_id"], generation["pad_token_id"]) == (eos, eos)
-    prompt = "def split(self, text):\n    "
+    prompt = PROMPT
     tokenizer, new = _greedy(export, prompt, 24)
     assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (eos, eos)
     assert tokenizer.eos_token == "<|endoftext|>"
@@ -93,28 +127,22 @@ def test_export_loads_with_auto_classes_and_generates(exports, name):
     print(f"{name}: {prompt + text!r}")
     assert new and "\ufffd" not in text, "ASCII training text decodes to whole characters"
     # tools/sample.py reads the same directory: transformers' greedy ids (up to an eos it stops at) and text.
-    proc = tool("tools/sample.py", export, "--prompt", prompt, "--greedy", "--max-new-tokens", 24, "--show-ids")
-    assert proc.returncode == 0, proc.stderr
-    ours = [int(i) for i in proc.stdout.splitlines()[-1].split()]
+    sampled = exports["sampled"][name]
+    assert sampled["code"] == 0, sampled["stderr"]
+    ours = [int(i) for i in sampled["stdout"].splitlines()[-1].split()]
     assert ours == new[:len(ours)] and (len(ours) == len(new) or ours[-1] == eos)
-    assert proc.stdout.startswith(prompt + tokenizer.decode(ours, skip_special_tokens=True) + "\n")
+    assert sampled["stdout"].startswith(prompt + tokenizer.decode(ours, skip_special_tokens=True) + "\n")
 
 
 @pytest.mark.slow
-def test_sample_refuses_a_tokenizer_that_does_not_fit_the_model(exports, tmp_path):
-    bare = tmp_path / "bare"  # the BPE export without its tokenizer: byte-level ids would be noise
-    shutil.copytree(exports["bpe"], bare)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (bare / name).unlink()
-    proc = tool("tools/sample.py", bare, "--prompt", "def ")
-    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "vocabulary (512) is not byte-level" in proc.stderr and "--tokenizer" in proc.stderr
+def test_sample_refuses_a_tokenizer_that_does_not_fit_the_model(exports):
+    sampled = exports["sampled"]
+    bare = sampled["bare"]  # the BPE export without its tokenizer: byte-level ids would be noise
+    assert bare["code"] != 0 and len(bare["stderr"].strip().splitlines()) == 1, bare["stderr"]
+    assert "vocabulary (512) is not byte-level" in bare["stderr"] and "--tokenizer" in bare["stderr"]
     # The byte-level model given the 512-id BPE: ids past its 257.
-    proc = tool("tools/sample.py", exports["bytes"], "--prompt", "def ", "--tokenizer",
-                exports["bpe"] / "tokenizer.json")
-    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "has 512 ids but the model's vocabulary is 257" in proc.stderr and "--tokenizer" in proc.stderr
+    wrong = sampled["bytes+bpe tokenizer"]
+    assert wrong["code"] != 0 and len(wrong["stderr"].strip().splitlines()) == 1, wrong["stderr"]
+    assert "has 512 ids but the model's vocabulary is 257" in wrong["stderr"] and "--tokenizer" in wrong["stderr"]
     # Given the right one, the bare export samples.
-    proc = tool("tools/sample.py", bare, "--prompt", "def ", "--greedy", "--max-new-tokens", 4, "--tokenizer",
-                exports["bpe"] / "tokenizer.json")
-    assert proc.returncode == 0, proc.stderr
+    assert sampled["bare+bpe tokenizer"]["code"] == 0, sampled["bare+bpe tokenizer"]["stderr"]
