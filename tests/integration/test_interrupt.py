@@ -1,6 +1,8 @@
-"""Class: the submitting process is told to stop. SIGTERM, SIGINT or SIGHUP to
-``python -m trainer3d.train`` ends the whole local job — every rank and every process a rank
-started, even one in a session of its own — prints one line and exits 128 + the signal."""
+"""Class: the submitting process is told to stop. SIGTERM to ``python -m trainer3d.train`` ends
+the whole local job — every rank and every process a rank started, even one in a session of its
+own — prints one line and exits 128 + the signal. SIGINT and SIGHUP take the same path
+(trainer3d/launch/interrupt.py: JobSignals); they come from a terminal, to its whole foreground
+group, and tests/integration/test_terminal.py sends them so, with the same checks."""
 
 import signal
 import time
@@ -19,8 +21,8 @@ SMALL = ("parallel=single", "train.max_steps=100000", "train.log_every=1", "trai
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
-def test_a_signal_to_the_submitting_process_ends_every_rank_and_child(tmp_path, sig):
+def test_a_signal_to_the_submitting_process_ends_every_rank_and_child(tmp_path):
+    sig = signal.SIGTERM
     with Run(tmp_path / "run", SMALL, spawn_child=True) as run:
         run.wait_for("| loss ")
         started = marked(run.mark)

@@ -1,7 +1,9 @@
 """Class: interrupts from a terminal save. On a real pseudo-terminal, Ctrl-C (SIGINT to the
 whole foreground process group, from the line discipline) and a hang-up (SIGHUP to the whole
 group, as the shell relays it) do not kill the ranks on the spot: they take the agreed stop at
-a step boundary, save a checkpoint, and the run exits 130 / 129 with one line."""
+a step boundary, save a checkpoint, and the run exits 130 / 129 with one line, leaving nothing
+running: each rank starts a grandchild in a session of its own, out of the terminal's reach,
+which the launcher ends too (SIGTERM to the submitting process alone: test_interrupt.py)."""
 
 import fcntl
 import os
@@ -16,7 +18,7 @@ import uuid
 import pytest
 
 from tests.conftest import ROOT
-from tests.support.background import MARK, marked
+from tests.support.background import MARK, marked, spawning_child
 from trainer3d.checkpoint import store
 
 SMALL = ("parallel=dp2", "train.max_steps=100000", "train.log_every=1", "train.seq_len=64",
@@ -31,7 +33,8 @@ class Terminal:
     def __init__(self, run_dir, overrides):
         self.mark = uuid.uuid4().hex
         self.master, slave = os.openpty()
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **{MARK: self.mark})
+        env = spawning_child(dict(os.environ, PYTHONUNBUFFERED="1", **{MARK: self.mark}),
+                             run_dir.parent / f"site-{self.mark}")
 
         def controlling_terminal():
             os.setsid()
@@ -86,6 +89,8 @@ def test_a_terminal_interrupt_stops_every_rank_at_a_step_boundary_with_a_checkpo
     term = Terminal(run_dir, SMALL)
     try:
         term.wait_for("| loss ", count=2)
+        started = marked(term.mark)
+        assert len(started) >= 6, "submitting process + controller + 2 ranks + their grandchildren"
         if sig == signal.SIGINT:
             os.write(term.master, b"\x03")  # Ctrl-C: the line discipline signals the foreground group
         else:
@@ -94,7 +99,7 @@ def test_a_terminal_interrupt_stops_every_rank_at_a_step_boundary_with_a_checkpo
         time.sleep(0.5)
         left = marked(term.mark)
         assert code == 128 + sig, term.text()
-        assert left == [], f"still running: {left}\n{term.text()}"
+        assert left == [], f"still running: {left} of {started}\n{term.text()}"
         said = [line for line in term.text().splitlines() if f"{sig.name}: ending job" in line]
         assert len(said) == 1, term.text()
         assert "Traceback" not in term.text(), term.text()

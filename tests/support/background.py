@@ -3,9 +3,9 @@
 Every process the run starts inherits a test-chosen mark in its environment
 (``T3D_TEST_MARK``), so ``marked(mark)`` finds them all — the submitting process, submitit's
 controller, every rank and anything a rank started — independently of how trainer3d
-tracks them. ``SPAWN_CHILD`` makes every rank start a detached grandchild (its own
-session, ``sleep``) through a sitecustomize module: a child that outlives its rank unless
-the launcher ends it too.
+tracks them. ``Run(..., spawn_child=True)`` (``spawning_child`` for another starter) makes
+every rank start a detached grandchild (its own session, ``sleep``) through a sitecustomize
+module: a child that outlives its rank unless the launcher ends it too.
 """
 
 import os
@@ -51,6 +51,14 @@ def environ_of(pid: int) -> Dict[str, str]:
     return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
 
 
+def spawning_child(env: Dict[str, str], site: Path) -> Dict[str, str]:
+    """``env`` with a sitecustomize module first on PYTHONPATH (written into the new folder
+    ``site``) through which every rank started with it starts a detached grandchild."""
+    site.mkdir(parents=True)
+    (site / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+    return dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")])))
+
+
 class Run:
     """``python -m trainer3d.train`` in its own session, stdout and stderr collected as they come."""
 
@@ -59,10 +67,7 @@ class Run:
         self.mark = uuid.uuid4().hex
         env = dict(env or os.environ, PYTHONUNBUFFERED="1", **{MARK: self.mark})
         if spawn_child:
-            site = Path(run_dir).parent / f"site-{self.mark}"
-            site.mkdir(parents=True)
-            (site / "sitecustomize.py").write_text(_SITECUSTOMIZE)
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+            env = spawning_child(env, Path(run_dir).parent / f"site-{self.mark}")
         cmd = [sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run_dir}", *overrides]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, start_new_session=True)
