@@ -31,7 +31,8 @@ PLUGIN = Path(__file__).resolve().parents[1] / "support" / "plugins" / "stall_sa
 @pytest.mark.parametrize("victim", ["rank", "job"])
 def test_kill_9_during_a_background_write_publishes_nothing(tmp_path, session_tmp, victim):
     run, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    args = [*BASE, *layout(1, 1, 2), *KILL_RUN, "parallel.timeout_s=20"]
+    # Rank 1 killed: the follower ends the job once its heartbeat has been silent parallel.timeout_s.
+    args = [*BASE, *layout(1, 1, 2), *KILL_RUN, "parallel.timeout_s=12"]
     env = dict(os.environ, TRAINER3D_TEST_STALL_SAVE="1:4:write", WANDB_MODE="offline",
                PYTHONPATH=os.pathsep.join(filter(None, [str(PLUGIN), os.environ.get("PYTHONPATH")])))
     with Run(run, args, env=env) as job:

@@ -93,7 +93,8 @@ def test_reshard_chain_with_tp_changes(tmp_path, session_tmp):
 @pytest.mark.slow
 def test_kill_mid_save_keeps_the_previous_checkpoint(tmp_path, session_tmp):
     run = tmp_path / "run"
-    args = [*BASE, *layout(1, 1, 2), *KILL_RUN, "parallel.timeout_s=20"]
+    # Rank 1 killed: the follower ends the job once its heartbeat has been silent parallel.timeout_s.
+    args = [*BASE, *layout(1, 1, 2), *KILL_RUN, "parallel.timeout_s=12"]
     plugin = Path(__file__).resolve().parents[1] / "support" / "plugins" / "stall_save"  # its sitecustomize stalls rank 1 in the step-4 save
     env = dict(os.environ, TRAINER3D_TEST_STALL_SAVE="1:4", WANDB_MODE="offline",
                PYTHONPATH=os.pathsep.join(filter(None, [str(plugin), os.environ.get("PYTHONPATH")])))

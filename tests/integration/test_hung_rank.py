@@ -41,8 +41,10 @@ def test_a_stopped_rank_ends_the_job_within_one_timeout_and_is_named(tmp_path):
 
 @pytest.mark.slow
 def test_a_one_rank_job_that_stops_is_ended_and_named(tmp_path):
-    """No peer beats beside it: the follower still sees the silence (it needed a second rank)."""
-    overrides = ("parallel=single", *SMALL[1:])
+    """No peer beats beside it: the follower still sees the silence (it needed a second rank).
+    Nothing here is timed, so the job waits out a shorter timeout than the test above (which holds
+    the job's end to under two of them): still past a heartbeat's staleness (STALE_S, 10 s)."""
+    overrides = ("parallel=single", *SMALL[1:-1], "parallel.timeout_s=12")
     with Run(tmp_path / "run", overrides) as run:
         run.wait_for("| loss ", count=2)
         os.kill(run.rank_pid(0), signal.SIGSTOP)

@@ -20,7 +20,10 @@ from trainer3d.rank.task import run_rank
 from trainer3d.parallel.pipeline.schedule import Pipeline
 from trainer3d.config.validate import validate
 
-TIMEOUT_S = 20  # also bounds the rendezvous: leave room for 4 ranks importing torch on 2 busy cores
+# The step's collective timeout, which the stuck stage's peers wait out once (start-up has its own,
+# parallel.init_timeout_s): a healthy step of this run takes well under a second on an idle
+# machine, so 12 s leaves a loaded one ten times that and more.
+TIMEOUT_S = 12
 
 
 def _config(tmp_path, overrides):
