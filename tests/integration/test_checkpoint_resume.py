@@ -46,18 +46,19 @@ def assert_close(got, ref, tol=REL_TOL):
 
 
 def test_resume_continues_exactly(tmp_path):
+    """8 steps, a save at 4 (the run compares with itself, not with the 20-step reference)."""
     run = tmp_path / "run"
-    args = [*BASE, *layout(1, 2, 2, zero=1), "checkpoint.every=10"]
+    args = [*BASE, *layout(1, 2, 2, zero=1), "train.max_steps=8", "checkpoint.every=4"]
     train_in_ranks(run, args)
     uninterrupted = losses_from(run, 0)
-    # A restart after step 10: the step-20 checkpoint and the rows of steps 10+ never happened.
+    # A restart after step 4: the step-8 checkpoint and the rows of steps 4+ never happened.
     import shutil
-    shutil.rmtree(store.step_dir(run / "checkpoints", 20))
+    shutil.rmtree(store.step_dir(run / "checkpoints", 8))
     stdout = train_in_ranks(run, args)
-    assert f"resumed from {store.step_dir(run / 'checkpoints', 10)} at step 10" in stdout
+    assert f"resumed from {store.step_dir(run / 'checkpoints', 4)} at step 4" in stdout
     resumed = losses_from(run, 0)
-    assert resumed[:10] == uninterrupted[:10]  # rows before the resume kept
-    assert resumed[10:] == uninterrupted[10:], "same layout: the resumed run is bit-identical"
+    assert resumed[:4] == uninterrupted[:4]  # rows before the resume kept
+    assert resumed[4:] == uninterrupted[4:], "same layout: the resumed run is bit-identical"
 
 
 @pytest.mark.slow
@@ -132,8 +133,9 @@ def test_exported_weights_give_the_same_loss_in_the_1_rank_model(tmp_path):
     from trainer3d.config.validate import validate
     from tests.unit.test_validate import make
 
-    run = tmp_path / "run"
-    train_in_ranks(run, [*BASE, *layout(2, 2, 1), "checkpoint.every=10"])
+    run = tmp_path / "run"  # step 10's checkpoint and its loss: the run stops there
+    train_in_ranks(run, [*BASE, *layout(2, 2, 1), "checkpoint.every=10", "train.max_steps=11",
+                         "checkpoint.save_final=false"])
     rows = read_metrics(run)
     out = tmp_path / "export"
     proc = subprocess.run([sys.executable, "tools/export_model.py", str(store.step_dir(run / "checkpoints", 10)),

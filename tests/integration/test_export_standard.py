@@ -77,7 +77,7 @@ def exports(tmp_path_factory):
                                                                 out[name]]) for name in ("bpe", "bytes")], umask=0o022)
     for result in exported:
         assert result["code"] == 0, result["stderr"][-3000:]
-    shutil.copytree(out["bpe"], out["bare"])  # byte-level ids would be noise to this model
+    shutil.copytree(out["bpe"], out["bare"])  # without its tokenizer: byte-level ids would be noise to it
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (out["bare"] / name).unlink()
     samples = sample_commands(out)
