@@ -1,7 +1,8 @@
 """Mixed-precision resume: the fp32 master weights and the fp16 loss scale come back exactly.
 
-Each case trains 8 steps on 2 gloo ranks with the trainer itself (no launcher), saving at
-step 4, then a second run resumes from that checkpoint and trains steps 4-7. Both runs have
+Each case trains 6 steps on 2 gloo ranks with the trainer itself (no launcher), one
+micro-batch per rank and step, saving at step 3, then a second run resumes from that
+checkpoint and trains steps 3-5. Both runs have
 the same layout, so the resumed one must be bit-identical to the uninterrupted one: every
 loss, every fp32 master weight, Adam moment and the loss scaler at the end. What would
 differ if the checkpoint lost them: masters rebuilt from the bf16/fp16 parameters round
@@ -20,14 +21,14 @@ from trainer3d.config.schema import Config
 from trainer3d.trainer import Trainer
 from trainer3d.config.validate import validate
 
-STEPS, SAVE_AT = 8, 4
+STEPS, SAVE_AT = 6, 3
 
 
 def _config(run_dir: str, dtype: str, zero_stage: int, resume: str) -> Config:
     cfg = Config(run_dir=run_dir)
     cfg.parallel.dp, cfg.parallel.zero_stage, cfg.parallel.timeout_s = 2, zero_stage, 60
     t = cfg.train
-    t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, t.seq_len = 2, 8, None, 32
+    t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, t.seq_len = 2, 4, None, 32
     t.max_steps, t.log_every, t.dtype, t.resume, t.loss_scale_init = STEPS, 1, dtype, resume, 2.0 ** 20
     cfg.checkpoint.every, cfg.checkpoint.keep = SAVE_AT, 4
     return validate(cfg)

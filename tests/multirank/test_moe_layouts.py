@@ -27,7 +27,9 @@ def _train(rank, world, run_dir, cp=1, dp=1, attention="ring", recompute=False, 
     p = cfg.parallel
     p.cp, p.dp, p.pp, p.ep, p.cp_attention, p.timeout_s = cp, dp, pp, ep, attention, 60
     t = cfg.train
-    t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, t.seq_len = 2, BATCH, None, SEQ
+    # micro-batches of 4: two per step on one rank (one per dp rank), each a round of the
+    # layout's collectives; the tokens a step trains are the same at any split
+    t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, t.seq_len = 4, BATCH, None, SEQ
     t.max_steps, t.log_every, t.activation_checkpointing, t.compile = STEPS, 1, recompute, compile_
     cfg.checkpoint.save_final = False
     cfg.optim.lr, cfg.optim.warmup_steps = 1e-3, 5

@@ -78,7 +78,8 @@ def test_mixed_precision_offload_follows_the_device_step(tmp_path, dtype, stage)
             assert [r[key] for r in rows_off] == [r[key] for r in rows_plain], key
 
 
-STEPS, SAVE_AT = 8, 4
+# One micro-batch per rank and step: a resume restores state, whatever a step accumulates.
+STEPS, SAVE_AT = 6, 3
 
 
 def _config(run_dir: str, dtype: str, offload: bool, resume: str, steps: int, stage: int) -> Config:
@@ -86,7 +87,7 @@ def _config(run_dir: str, dtype: str, offload: bool, resume: str, steps: int, st
     cfg.parallel.dp, cfg.parallel.zero_stage, cfg.parallel.timeout_s = 2, stage, 60
     cfg.parallel.offload_optimizer = offload
     t = cfg.train
-    t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, t.seq_len = 2, 8, None, 32
+    t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, t.seq_len = 2, 4, None, 32
     t.max_steps, t.log_every, t.dtype, t.resume = steps, 1, dtype, resume
     cfg.checkpoint.every, cfg.checkpoint.keep = SAVE_AT, 4
     return validate(cfg)
@@ -113,7 +114,7 @@ def _train(rank, world, run_dir, dtype, offload, resume, steps, stage):
                          ids=["z1-bf16-offload-to-device", "z1-bf16-device-to-offload", "z1-fp32-device-to-offload",
                               "z3-fp32-offload-to-device", "z3-fp32-device-to-offload", "z3-bf16-offload-to-device"])
 def test_checkpoint_resumes_across_offload(tmp_path, stage, dtype, saved_with):
-    """dp2 saved after 4 steps by one mode and resumed by the other: the loaded parameters,
+    """dp2 saved after 3 steps by one mode and resumed by the other: the loaded parameters,
     fp32 masters (ZeRO-1 bf16; under FSDP the fp32 parameter shards are the masters) and
     moments are bit for bit what the saver held, under the same keys, and the resumed steps
     follow the saver's uninterrupted run (fp32 ZeRO-1: the host masters are taken from the

@@ -28,7 +28,9 @@ def _cfg(run_dir, tp, pp, dp, batch, steps, resume):
     p.tp, p.pp, p.dp, p.timeout_s = tp, pp, dp, 120
     cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.ffn_dim = 32, 2, 2, 2, 64
     t = cfg.train
-    t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, t.seq_len = 1, batch, None, 16
+    # two sequences a micro-batch (fewer rounds of collectives) where no pipeline needs
+    # grad_accum_steps >= pp: one a micro-batch there
+    t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, t.seq_len = 2 if pp == 1 else 1, batch, None, 16
     t.max_steps, t.log_every, t.eval_every, t.resume = steps, 1, 0, resume
     t.skip_steps = [SKIPPED] if steps > SKIPPED else []
     cfg.checkpoint.async_save = False

@@ -83,8 +83,8 @@ LAYOUTS = [
                   "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2", "model.n_layers=4",
                   "model.tie_embeddings=true", "train.activation_checkpointing=true"],
                  id="bf16-tp2-sp-pp2-interleaved-tied-recompute"),
-    pytest.param(["train.dtype=fp16", "parallel.dp=2", "parallel.zero_stage=1", "optim.grad_clip=0.5"],
-                 id="fp16-dp2-zero1-clip"),
+    pytest.param(["train.dtype=fp16", "parallel.dp=2", "parallel.zero_stage=1", "optim.grad_clip=0.5",
+                  "train.global_batch_size=8"], id="fp16-dp2-zero1-clip"),
     pytest.param(["train.dtype=bf16", "train.compile=true"], id="bf16-compile"),  # compiled blocks: autograd's path
 ]
 
@@ -92,7 +92,11 @@ LAYOUTS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", LAYOUTS)
 def test_low_precision_losses_identical_to_autograds_weight_gradients(tmp_path, overrides):
-    common = [*PARITY, "parallel=single", "train.max_steps=6", *overrides]
+    # Two micro-batches per rank (the second adds to the first's fp32 gradient) over 3 steps (the
+    # later steps' losses follow the earlier steps' updates): a micro-batch is a round of every
+    # collective on these ranks, and more of them test nothing more.
+    common = [*PARITY, "parallel=single", "train.max_steps=3", "train.global_batch_size=4", "optim.warmup_steps=1",
+              *overrides]
     sink_cfg, plain_cfg = (configure(tmp_path / name, common) for name in ("sink", "plain"))
     p = sink_cfg.parallel
     run_ranks(_train_sink_then_plain, p.tp * p.pp * p.dp, sink_cfg, plain_cfg, str(tmp_path / "store"),

@@ -7,8 +7,15 @@ layout of the rank it runs in.
 
 import torch
 
-from trainer3d.launch.local_ranks import run_ranks  # noqa: F401  (the tests' entry point)
+from trainer3d.launch.local_ranks import preload, run_ranks  # noqa: F401  (the tests' entry point)
 from trainer3d.parallel.topology import ParallelDims, Topology
+
+# A rank unpickles its function by name, importing the test module it lives in, and with it
+# pytest, xdist and the session's conftest (tests/support/runs.py imports them): the forkserver
+# imports them once per session instead of every rank of every run (pytest alone is ~0.1 s of
+# CPU a rank). pytest imports every test module before the first test runs, so this module's
+# import comes before the server starts.
+preload("pytest", "tests.conftest", "tests.support.runs")
 
 
 def dims_for(tp: int = 1, pp: int = 1, dp: int = 1, tied_embeddings: bool = False, cp: int = 1,

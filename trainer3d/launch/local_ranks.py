@@ -26,16 +26,27 @@ import torch
 import torch.distributed as dist
 
 
+# The engine imports pipelining (and with it torch._dynamo) only for a pp > 1 layout, and
+# torch's C++ builder (with setuptools: 0.3-0.5 s of CPU) where it first loads a CPU
+# library (trainer3d/cpu/build.py); its ranks here run every layout, so the server pays
+# for them once. The libraries themselves load in each rank (a test may take one away).
+_PRELOAD = ["torch", "torch.distributed", "trainer3d.rank.task", "torch.distributed.pipelining",
+            "torch.utils.cpp_extension"]
+
+
+def preload(*modules: str) -> None:
+    """Have the forkserver import ``modules`` too, once, before it forks a rank: the modules a
+    caller's rank functions live in import them again in every rank otherwise, as each rank
+    unpickles its function by name (a test module's ``import pytest``). Takes effect where it
+    is called before this process's first ``run_ranks``, which starts the server."""
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+
+
 @functools.lru_cache(maxsize=None)
 def _context():
     """One forkserver per process, started on first use."""
     ctx = mp.get_context("forkserver")
-    # The engine imports pipelining (and with it torch._dynamo) only for a pp > 1 layout, and
-    # torch's C++ builder (with setuptools: 0.3-0.5 s of CPU) where it first loads a CPU
-    # library (trainer3d/cpu/build.py); its ranks here run every layout, so the server pays
-    # for them once. The libraries themselves load in each rank (a test may take one away).
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "trainer3d.rank.task", "torch.distributed.pipelining",
-                                "torch.utils.cpp_extension"])
+    ctx.set_forkserver_preload(list(_PRELOAD))
     return ctx
 
 
