@@ -37,14 +37,14 @@ from trainer3d.rank.threads import set_host_threads
 
 @functools.lru_cache(maxsize=None)
 def skip_exit_collection() -> None:
-    """At this process's exit, no collection over what is alive then (once per process).
+    """At this process's exit, no garbage collection over what is alive then (once per process).
 
-    Python ends by collecting garbage over every object still alive (Py_FinalizeEx): with torch
-    and the engine imported, seconds of CPU in every rank and launcher (docs/performance.md). ``gc.freeze()`` moves them to the permanent generation,
-    which collections skip (https://docs.python.org/3/library/gc.html#gc.freeze); as the last
-    exit handler (atexit runs them last-registered first) it comes after every other one,
-    wandb's finish and the CPU build's clean-up included; modules are still torn down, so
-    what they hold is still closed and flushed."""
+    Python's finalization collects over every object still alive (``Py_FinalizeEx``): with
+    torch and the engine imported, a cost in CPU to every rank and launcher
+    (docs/performance.md). An exit handler runs ``gc.freeze()``, which moves them to the
+    permanent generation that collections skip (https://docs.python.org/3/library/gc.html#gc.freeze).
+    It changes nothing the other exit handlers do (wandb's finish, the CPU build's clean-up),
+    and modules are still torn down after them, so what they hold is still closed and flushed."""
     atexit.register(gc.freeze)
 
 
