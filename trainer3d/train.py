@@ -34,7 +34,7 @@ from trainer3d.preflight.refusal import refused_before_launch, report
 from trainer3d.preflight.rundir import write_record
 from trainer3d.rank.resume import remember_command
 from trainer3d.rank.runlock import RunDirBusy, RunDirLock
-from trainer3d.rank.task import TrainTask, in_distributed_env
+from trainer3d.rank.task import TrainTask, in_distributed_env, skip_exit_collection
 
 def resolve(dcfg: DictConfig) -> Config:
     """The composed config as plain dataclasses, interpolations resolved (picklable).
@@ -196,6 +196,7 @@ def _main(dcfg: DictConfig) -> int:
 
 
 def main() -> None:
+    skip_exit_collection()
     if wants_help(sys.argv[1:]):  # every knob with its default, range and docstring (Hydra's page lists groups only)
         print_help("python -m trainer3d.train", "config", Config, sys.argv[1:])
         sys.exit(0)  # as argparse's --help

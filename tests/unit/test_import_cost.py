@@ -2,8 +2,10 @@
 interpreter per rank, and each pays for its imports (tests/README.md, "What each tier costs").
 
 torch.distributed.pipelining imports torch._dynamo, and torch._inductor's config pulls in
-inductor: seconds of CPU that only a pp > 1 layout, cp > 1 or ``train.compile`` uses. The
-ranks ``--calibrate`` spawns import torch alone (trainer3d/plan/calibrate_ranks.py)."""
+inductor: seconds of CPU that only a pp > 1 layout, cp > 1 or ``train.compile`` uses;
+torch.distributed.checkpoint, torch.distributed.tensor and torch.distributed.fsdp import sympy,
+which only a save, a load or ZeRO-2/3 needs (docs/performance.md, "A process's start and
+exit"). The ranks ``--calibrate`` spawns import torch alone (trainer3d/plan/calibrate_ranks.py)."""
 
 import json
 import os
@@ -20,15 +22,31 @@ import trainer3d.plan.calibrate_ranks
 ranks = loaded(["trainer3d.plan.calibrate", "trainer3d.plan.search", "trainer3d.model", "hydra"])
 import trainer3d.train
 import trainer3d.rank.task
-entry = loaded(["torch._dynamo", "torch._inductor", "torch.distributed.pipelining"])
-print(json.dumps({"ranks": ranks, "entry": entry}))
+entry = loaded(["torch._dynamo", "torch._inductor", "torch.distributed.pipelining", "sympy", "torch.distributed.tensor",
+                "torch.distributed.checkpoint", "torch.distributed.fsdp", "trainer3d.trainer", "trainer3d.plan.search"])
+import torch
+from trainer3d.config.schema import ModelConfig
+from trainer3d.model.transformer import Transformer
+with torch.device("meta"):
+    Transformer(ModelConfig())  # the tiny model
+entry += loaded(["torch._dynamo"])
+import atexit, gc
+trainer3d.rank.task.skip_exit_collection()
+frozen_before = gc.get_freeze_count()
+atexit._run_exitfuncs()
+print(json.dumps({"ranks": ranks, "entry": entry, "frozen": [frozen_before, gc.get_freeze_count() > 10000]}))
 """
 
 
 def test_a_rank_and_the_launcher_import_no_compiler_or_pipelining():
+    """Nor does either import DCP, DTensor or FSDP2 (which bring sympy), the loop or the
+    planner's search: a rank imports those as it runs (trainer3d/rank/task.py ``run_rank``), DCP
+    where a checkpoint is saved or read, FSDP2 for ZeRO-2/3. Building a model on the meta
+    device (every rank, the memory estimate) imports no torch._dynamo. At exit, once the exit
+    handlers have run, what is alive is frozen, so Python's last collection skips it."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.splitlines()[-1])
-    assert found == {"ranks": [], "entry": []}, found
+    assert found == {"ranks": [], "entry": [], "frozen": [0, True]}, found

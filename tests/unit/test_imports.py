@@ -27,6 +27,14 @@ DEFERRED = {
     "every rank's start: only data.document_mask on CUDA (and its tests) runs FlexAttention",
     ("trainer3d.cpu.build", "torch.utils"): "the compiler driver, needed only where a C++ source is first "
     "built (the CPU kernels, the shared-memory barrier, the host AdamW kernel)",
+    ("trainer3d.rank.task", "trainer3d.trainer"): "the launcher imports the rank's body to pickle TrainTask; "
+    "only a rank runs the loop, which imports DCP (DTensor, sympy: seconds of CPU)",
+    ("trainer3d.rank.task", "trainer3d.plan.predict"): "the same: only a rank asks the planner for its step",
+    ("trainer3d.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"): "DCP imports DTensor and "
+    "sympy: only reading a checkpoint's metadata needs its classes; the launcher lists checkpoints",
+    ("trainer3d.checkpoint.metadata", "torch.distributed.checkpoint.metadata"): "the same (and a type hint)",
+    ("trainer3d.parallel.zero.fsdp", "torch.distributed.fsdp"): "imports DTensor and sympy: only ZeRO-2/3 "
+    "shards with FSDP2; every rank, the launcher and the planner import the module",
 }
 DEFERRED_MODULES = {  # every import of the module may sit in a function, for the reason given
     "tools.bench.hotpath": "imports trainer3d from the revision it measures, put on sys.path at run time",

@@ -21,11 +21,12 @@ import pickle
 import pickletools
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                                                   TensorProperties, TensorStorageMetadata)
+
+if TYPE_CHECKING:  # the checks import it where they run (check_shape)
+    from torch.distributed.checkpoint.metadata import Metadata
 
 _DCP = "torch.distributed.checkpoint"
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
@@ -56,7 +57,7 @@ class _Unpickler(pickle.Unpickler):
         raise MetadataError("it holds a persistent id, which checkpoint metadata never holds")
 
 
-def unpickle(data: bytes) -> Metadata:
+def unpickle(data: bytes) -> "Metadata":
     """The metadata in ``data``, or MetadataError (never anything a pickle could make happen)."""
     try:
         for opcode, _, _ in pickletools.genops(data):
@@ -83,6 +84,12 @@ def _sizes(value, key: str) -> None:
 
 def check_shape(metadata) -> None:
     """Every field of ``metadata`` is of the type and range DCP's FileSystemWriter writes."""
+    # Here, not at the top: torch.distributed.checkpoint imports DTensor and sympy (about two
+    # seconds of CPU), which the launcher and the tools that only list or choose checkpoints skip.
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                       TensorProperties, TensorStorageMetadata)
+
     _require(type(metadata) is Metadata, f"it holds a {type(metadata).__name__}, not DCP's Metadata")
     _require(isinstance(metadata.state_dict_metadata, dict), "its state_dict_metadata is not a dict")
     for key, entry in metadata.state_dict_metadata.items():
@@ -114,6 +121,6 @@ def check_shape(metadata) -> None:
              "its storage_meta is malformed")
 
 
-def read(path: Path) -> Metadata:
+def read(path: Path) -> "Metadata":
     """The checked metadata of the checkpoint directory ``path`` (MetadataError, OSError)."""
     return unpickle((Path(path) / ".metadata").read_bytes())

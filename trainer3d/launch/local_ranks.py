@@ -5,7 +5,7 @@
 The benchmarks in tools/ and the multi-rank tests use it to exercise the engine's pieces on
 real process groups without the launcher. ``fn(rank, world_size, *args)`` must be a
 module-level function (it is pickled by name). Ranks are forked from a forkserver that has
-torch and the engine (trainer3d.rank.task: the trainer, FSDP, DTensor; and pipelining) imported
+torch and the engine (trainer3d.rank.task, the trainer, FSDP, DTensor and pipelining) imported
 already, so a rank starts in milliseconds instead of the seconds those imports cost. The first rank that raises makes ``run_ranks`` raise with that
 rank's traceback and the others are killed; a run that outlives ``timeout`` is killed and
 reported, never left hanging.
@@ -26,12 +26,13 @@ import torch
 import torch.distributed as dist
 
 
-# The engine imports pipelining (and with it torch._dynamo) only for a pp > 1 layout, and
-# torch's C++ builder (with setuptools: 0.3-0.5 s of CPU) where it first loads a CPU
-# library (trainer3d/cpu/build.py); its ranks here run every layout, so the server pays
-# for them once. The libraries themselves load in each rank (a test may take one away).
-_PRELOAD = ["torch", "torch.distributed", "trainer3d.rank.task", "torch.distributed.pipelining",
-            "torch.utils.cpp_extension"]
+# The engine imports the loop (with DCP) only as a rank runs, FSDP2 only for ZeRO-2/3,
+# pipelining (and with it torch._dynamo) only for a pp > 1 layout, and torch's C++ builder
+# (with setuptools: 0.3-0.5 s of CPU) where it first loads a CPU library
+# (trainer3d/cpu/build.py); its ranks here run every layout, so the server pays for them
+# once. The libraries themselves load in each rank (a test may take one away).
+_PRELOAD = ["torch", "torch.distributed", "trainer3d.rank.task", "trainer3d.trainer", "torch.distributed.fsdp",
+            "torch.distributed.pipelining", "torch.utils.cpp_extension"]
 
 
 def preload(*modules: str) -> None:

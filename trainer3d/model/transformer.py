@@ -21,12 +21,12 @@ view) and the logits are returned as a batch-first view of the sequence-first re
 """
 
 import math
+import sys
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from trainer3d.config.schema import ModelConfig, RopeScalingConfig
 from trainer3d.model.functional import apply_rotary, rms_norm, swiglu_linear
@@ -193,11 +193,20 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, b = self.w1(x), self.w3(x)
-        if isinstance(self.w2.weight, DTensor):  # torch's own tensor parallelism: w2's hooks shard and reduce
+        if _is_dtensor(self.w2.weight):  # torch's own tensor parallelism: w2's hooks shard and reduce
             return self.w2(F.silu(a) * b)
         out = swiglu_linear(a, b, self.w2.weight, self.compile_operators)
         reduce = getattr(self.w2, "reduce", None)
         return reduce(out) if reduce is not None else out
+
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor, without importing torch.distributed.tensor: that import
+    pulls sympy (about a second of CPU in every process that imports the model), and no tensor
+    can be a DTensor before it is imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 class Block(nn.Module):
@@ -214,6 +223,17 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x))
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+def _embedding(rows: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding(rows, dim)``; on the meta device without its N(0, 1) draw, which makes no
+    values there and whose meta implementation (``torch._refs.normal``, behind
+    ``torch._disable_dynamo``) imports torch._dynamo: seconds of CPU in every process that
+    builds a meta model (every rank, the launcher's memory estimate, the planner). A meta draw
+    leaves the random generators untouched, so a built model's values are the same."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+    return nn.Embedding(rows, dim)
 
 
 class Transformer(nn.Module):
@@ -236,7 +256,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embeds_tokens = True
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings = _embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)

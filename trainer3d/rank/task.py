@@ -8,7 +8,10 @@ hanging it for gloo's default 30 minutes. Then the trainer runs; after an agreed
 requeues or exits (trainer3d/rank/preemption.py). The submitting side is trainer3d/launch/.
 """
 
+import atexit
 import dataclasses
+import functools
+import gc
 import os
 import sys
 from typing import Optional
@@ -23,7 +26,6 @@ from trainer3d.cpu.malloc import keep_freed_memory
 from trainer3d.observe.failure import rank_failures
 from trainer3d.parallel.timeouts import seconds
 from trainer3d.parallel.topology import ParallelDims, Topology
-from trainer3d.plan.predict import predict_step
 from trainer3d.rank.heartbeat import Heartbeat, heartbeat_dir
 from trainer3d.rank.master_port import job_port
 from trainer3d.rank.owner import watch_owner
@@ -31,7 +33,19 @@ from trainer3d.rank.preemption import leave
 from trainer3d.rank.runlock import RunDirBusy, RunDirLock, run_dirs
 from trainer3d.rank.runlock import join as join_run_dir
 from trainer3d.rank.threads import set_host_threads
-from trainer3d.trainer import Trainer
+
+
+@functools.lru_cache(maxsize=None)
+def skip_exit_collection() -> None:
+    """At this process's exit, no garbage collection over what is alive then (once per process).
+
+    Python's finalization collects over every object still alive (``Py_FinalizeEx``): with
+    torch and the engine imported, a cost in CPU to every rank and launcher
+    (docs/performance.md). An exit handler runs ``gc.freeze()``, which moves them to the
+    permanent generation that collections skip (https://docs.python.org/3/library/gc.html#gc.freeze).
+    It changes nothing the other exit handlers do (wandb's finish, the CPU build's clean-up),
+    and modules are still torn down after them, so what they hold is still closed and flushed."""
+    atexit.register(gc.freeze)
 
 
 def in_distributed_env() -> bool:
@@ -70,6 +84,11 @@ def run_rank(cfg: Config, heartbeat: Optional[Heartbeat] = None, lock_run_dir: b
 
     ``lock_run_dir``: rank 0 takes the run dir's lock (Slurm and in-place runs, where no
     submitting process holds it); every rank fails alike when another run holds it."""
+    # Here, not at the top: the submitting process imports this module to pickle TrainTask, and
+    # only a rank trains; the loop imports DCP (with DTensor and sympy) and the planner's search.
+    from trainer3d.plan.predict import predict_step
+    from trainer3d.trainer import Trainer
+
     device = init_distributed(cfg)
     lock = None
     try:
@@ -137,6 +156,7 @@ class TrainTask:
         self.lock_run_dir = lock_run_dir
 
     def __call__(self):
+        skip_exit_collection()
         export_rank_env()
         owner = watch_owner()  # a local job: stop when the submitting process or the controller is gone
         heartbeat = Heartbeat(heartbeat_dir(self.cfg.run_dir), int(os.environ.get("RANK", "0"))).start()

@@ -43,11 +43,10 @@ same rows of a replicated parameter, so summing their gradient shards over tp
 """
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from trainer3d.config.schema import Config
 from trainer3d.model.init import ParameterSource, canonical_name, full_shape, mark_tp_shard, tp_shard_of
@@ -58,12 +57,17 @@ from trainer3d.parallel.zero.optimizer import StateView, ZeroOptimizer
 from trainer3d.optim.mixed_precision import DTYPES, make_loss_scaler
 from trainer3d.parallel.topology import ParallelDims
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import OffloadPolicy
 
-def offload_policy(cfg: Config, dims: ParallelDims) -> OffloadPolicy:
+
+def offload_policy(cfg: Config, dims: ParallelDims) -> "OffloadPolicy":
     """``parallel.offload_optimizer``: FSDP2 keeps the sharded parameters, their gradients (and
     so the optimizer, which allocates its state like them) in host memory, pinned on CUDA
     (parallel/zero/fsdp_offload.py). On CPU ranks host and device are one memory and the policy
     moves nothing; the same code path runs."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy  # lazy: see shard_model
+
     if cfg.parallel.offload_optimizer:
         return CPUOffloadPolicy(pin_memory=dims.device.type == "cuda")
     return OffloadPolicy()
@@ -71,6 +75,10 @@ def offload_policy(cfg: Config, dims: ParallelDims) -> OffloadPolicy:
 
 def shard_model(model: nn.Module, cfg: Config, dims: ParallelDims) -> None:
     """fp32 master parameters sharded over dp; compute in ``train.dtype``; tp marks kept."""
+    # Here, not at the top: torch.distributed.fsdp imports DTensor and sympy (about a second of
+    # CPU), which only ZeRO-2/3 uses; every rank, the launcher and the planner import this module.
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     marks = {name: tp_shard_of(p) for name, p in model.named_parameters()}
     compute = DTYPES[cfg.train.dtype]
     policy = MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute,
@@ -140,6 +148,8 @@ class FSDPOptimizer(ZeroOptimizer):
     def __init__(self, chunks: List[nn.Module], cfg: Config, dims: ParallelDims):
         if len(chunks) != 1 or dims.pp != 1:
             raise ValueError(f"parallel.zero_stage={cfg.parallel.zero_stage} needs parallel.pp=1")
+        from torch.distributed.fsdp import FSDPModule  # lazy: see shard_model
+
         if not isinstance(chunks[0], FSDPModule):
             raise ValueError("ZeRO-2/3 shards the model as it is built: build it with "
                              "trainer3d.parallel.parallelize.build_model_chunks")
