@@ -3,9 +3,11 @@ point, the other layouts on in-process ranks: tests/support/runs.py train_in_ran
 
 import pytest
 
-from tests.support.runs import PARITY, assert_parity, losses, losses_in_ranks, read_metrics, reference_losses
+from tests.support.runs import (PARITY, assert_parity, losses, losses_in_ranks, parity_micro_batches, read_metrics,
+                                reference_losses)
 
-# PARITY has global batch 16 of micro-batches of 2: grad_accum 8 with dp=1, 4 with dp=2.
+# PARITY's global batch of 16: the entry point's run (pp2 1f1b) takes it in micro-batches of 2
+# (grad_accum 8), the in-process runs in parity_micro_batches' count (one per stage, pp).
 # pp=4 x 2 virtual stages needs a layer per stage. At the default lr the 8-layer tiny model is
 # chaotic under PARITY (loss spikes; even dp=2 drifts 2.7e-3 from one process by step 20, a
 # reduction-order difference of 1e-7 amplified), so its runs, reference included, use a gentler lr
@@ -33,8 +35,9 @@ def test_pp_matches_single_process(tmp_path, session_tmp, pp, schedule, extra, m
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
     rows = read_metrics(tmp_path)
     virtual = 2 if extra else 1
-    for row in rows:
-        assert row["bubble_theory"] == pytest.approx((pp - 1) / (virtual * (8 + pp - 1)))
+    m = 8 if run is losses else parity_micro_batches(pp, 1, schedule)
+    for row in rows:  # (pp - 1) / (v (m + pp - 1)): Narayanan et al. 2021, section 2.2
+        assert row["bubble_theory"] == pytest.approx((pp - 1) / (virtual * (m + pp - 1)))
         assert row["bubble"] > 0  # measured: every stage waits on its neighbour some of the step
 
 
@@ -42,7 +45,8 @@ def test_pp2_dp2_matches_single_process(tmp_path, session_tmp):
     ref = reference_losses(session_tmp, PARITY)
     got = losses_in_ranks(tmp_path, [*PARITY, "parallel=single", "parallel.pp=2", "parallel.dp=2"])
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
-    assert all(row["bubble_theory"] == pytest.approx(1 / 5) for row in read_metrics(tmp_path))  # m = 4
+    assert parity_micro_batches(2, 2, "1f1b") == 2
+    assert all(row["bubble_theory"] == pytest.approx(1 / 3) for row in read_metrics(tmp_path))  # m = 2
 
 
 def test_uneven_split_matches_single_process(tmp_path, session_tmp):

@@ -5,17 +5,16 @@ The tiny model has 4 heads and 2 kv-heads, which tp=4 cannot split; tp=4 runs (a
 1-rank reference) use 8 heads and 4 kv-heads at the same width, so grouped-query attention
 is exercised at every tp. The byte-level vocabulary (257) is odd: it is padded at every tp.
 
-tp=4 runs (and their reference) take the global batch of 16 in 2 micro-batches of 8 rather
-than 8 of 2: every micro-batch costs ~13 collectives, and 4 gloo ranks sharing 2 cores wait
-for each other on every one (a tp=4 step of 8 micro-batches took 1.1 s, one process 0.07 s).
-The accumulation over micro-batches is the same code at any count.
+The in-process runs take the global batch of 16 in 2 micro-batches of 8 (tests/support/runs.py:
+parity_micro_batches): every micro-batch costs ~13 collectives, and 4 gloo ranks sharing 2 cores
+wait for each other on every one; 2 micro-batches still accumulate.
 """
 
 import pytest
 
 from tests.support.runs import PARITY, assert_parity, losses, losses_in_ranks, reference_losses
 
-TP4 = ("model.n_heads=8", "model.n_kv_heads=4", "train.micro_batch_size=8")  # the model and batch of tp=4 (above)
+TP4 = ("model.n_heads=8", "model.n_kv_heads=4")  # the model of tp=4 (above)
 
 
 def _check(tmp_path, session_tmp, model, layout):

@@ -12,6 +12,19 @@ conf/ with the same overrides, ``model.init_from``, ``validate``, ``check_data``
 ``TrainTask`` on every rank — with the ranks forked from the harness's forkserver (torch and
 the engine imported once per session) instead of fresh interpreters started by submitit.
 The layouts' parity tests use it; the launcher itself keeps its own end-to-end tests.
+
+How a parity run splits its global batch is decided here, once (``parity_micro_batches``): a
+step's cost on CPU ranks follows its micro-batches (each is a round of collectives the ranks wait
+on each other for), not its tokens, so a run that starts with ``PARITY`` and does not choose its
+own split takes the 16 sequences in the fewest micro-batches per rank that still exercise what
+it proves: 2 where pp = 1 (gradient accumulation across micro-batches, ZeRO-2/3's and offload's
+included), one per stage in flight where pp > 1 (the schedule's pipe filled once; dualpipev's
+two stages per rank: 2 pp), never more than PARITY's micro-batch of 2 gives. The 1-rank reference
+takes 2 micro-batches of 8: fp32's loss of a global batch does not depend on its split beyond
+reduction order (~1e-7), so one reference per model and data serves every layout. It is applied
+in ``configure`` (every in-process run, references included) rather than in ``PARITY`` because
+the split depends on the layout the test adds after it; ``run_train`` (the entry point's own
+tests) takes PARITY as it reads.
 """
 
 import contextlib
@@ -35,6 +48,7 @@ from trainer3d.hf.check import apply_init_from
 from trainer3d.rank.task import TrainTask
 from trainer3d.launch.local_ranks import run_ranks
 from trainer3d.config.validate import validate, world_size_of
+from trainer3d.config.validate_pipeline import pipeline_micro_batch_problem
 
 
 # Small enough for 2 cores: 20 steps of 16 sequences x 64 tokens, loss logged every step.
@@ -43,6 +57,29 @@ PARITY = ("train.max_steps=20", "train.log_every=1", "train.seq_len=64", "train.
           "parallel.timeout_s=60")
 
 REL_TOL = 1e-5
+PARITY_GLOBAL_BATCH, PARITY_MICRO_BATCH = 16, 2
+_SPLIT_KNOBS = ("train.micro_batch_size=", "train.grad_accum_steps=", "train.global_batch_size=")
+
+
+def chooses_split(overrides: Sequence[str]) -> bool:
+    """Whether ``overrides`` are a PARITY run that leaves its split to ``parity_micro_batches``:
+    they start with PARITY and no later one sets the micro-batch, accumulation or global batch
+    (a test that does sets it on purpose: a schedule's count, activation memory per micro-batch)."""
+    rest = overrides[len(PARITY):]
+    return tuple(overrides[:len(PARITY)]) == PARITY and not any(o.startswith(_SPLIT_KNOBS) for o in rest)
+
+
+def parity_micro_batches(pp: int, dp: int, schedule: str) -> int:
+    """Micro-batches per rank per step of a PARITY run on ``pp`` x ``dp`` (module docstring)."""
+    per_rank = PARITY_GLOBAL_BATCH // dp
+    most = per_rank // PARITY_MICRO_BATCH
+    if pp == 1:
+        want = 2
+    else:  # the pipe filled once, or the schedule's own floor where it is higher (validate_pipeline.py)
+        want = next(n for n in range(pp, 2 * pp + 1) if pipeline_micro_batch_problem(schedule, pp, n) is None)
+    fits = [n for n in range(want, most + 1) if per_rank % n == 0
+            and pipeline_micro_batch_problem(schedule, pp, n) is None]
+    return fits[0] if fits else most
 
 
 class RunFailed(AssertionError):
@@ -66,6 +103,9 @@ def configure(run_dir: Path, overrides: Sequence[str]) -> Config:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         dcfg = compose(config_name="config", overrides=[*overrides, f"run_dir={run_dir}",
                                                         f"launcher.folder={Path(run_dir) / 'submitit'}"])
+    if chooses_split(overrides):
+        p = dcfg.parallel
+        dcfg.train.micro_batch_size = PARITY_GLOBAL_BATCH // (p.dp * parity_micro_batches(p.pp, p.dp, p.pp_schedule))
     cfg = OmegaConf.to_object(dcfg)
     if cfg.model.init_from:
         cfg = apply_init_from(cfg, [o.split("=", 1)[0][len("model."):] for o in overrides if o.startswith("model.")])
