@@ -110,14 +110,15 @@ def _zero_bubble_held(schedule: str, pp: int, virtual: int, m: int) -> Tuple[int
     with_comms = _add_send_recv(lowered, lambda stage: rank_of_stage(stage, pp, schedule), pp * virtual)
     held = []
     for rank in range(pp):
-        live, peak = set(), 0
+        live, count, peak = {}, 0, 0  # (stage, micro-batch) -> the kinds of buffer received for it
         for a in (sub for top in with_comms[rank] for sub in (top.sub_actions or (top,))):  # DualPipeV's F;B pairs
-            kind = a.computation_type
-            if kind in (_ComputationType.RECV_F, _ComputationType.RECV_B):
-                live.add((kind, a.stage_index, a.microbatch_index))
-                peak = max(peak, len(live))
+            kind, key = a.computation_type, (a.stage_index, a.microbatch_index)
+            if kind in (_ComputationType.RECV_F, _ComputationType.RECV_B) and kind not in live.setdefault(key, set()):
+                live[key].add(kind)
+                count += 1
+                peak = max(peak, count)
             elif kind in (_ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_WEIGHT):
-                live = {b for b in live if (b[1], b[2]) != (a.stage_index, a.microbatch_index)}
+                count -= len(live.pop(key, ()))
         held.append(peak)
     return tuple(held)
 
