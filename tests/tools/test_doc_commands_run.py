@@ -163,26 +163,8 @@ def test_documented_command_runs(page, command, how, scratch, tmp_path):
     elif how == "prepare_data":
         assert (scratch / "data" / "notes.bin").stat().st_size > 0
     elif how == "calibrate":
-        # the file read back by the planner, in this process (the "plan" runs above start its entry point)
-        overrides = ["cluster.gpu=calibrated", f"cluster.calibration={out}"]
-        assert "python -m trainer3d.train" in _plan_in_process(overrides)
-
-
-def _plan_in_process(overrides) -> str:
-    """What ``python -m trainer3d.plan OVERRIDES`` prints, searched in this process
-    (trainer3d/plan/__main__.py's steps)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from trainer3d.plan.devices import device_for
-    from trainer3d.plan.report import report
-    from trainer3d.plan.search import search
-    from trainer3d.plan.settings import PlanConfig  # noqa: F401  (registers the schema)
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = OmegaConf.to_object(compose(config_name="plan", overrides=overrides))
-    device = device_for(cfg.cluster.gpu, cfg.cluster.calibration)
-    return report(cfg, device, search(cfg, device), overrides)
+        check = _run(f"python -m trainer3d.plan cluster.gpu=calibrated cluster.calibration={out}", scratch, 600)
+        assert check.returncode == 0 and "python -m trainer3d.train" in check.stdout, check.stderr[-3000:]
 
 
 @pytest.mark.timeout(600)
