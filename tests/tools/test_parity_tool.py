@@ -3,14 +3,13 @@
 The correct check runs both layouts once (a module fixture); the planted-bug check compares
 with that check's one-process run (``--reuse-b``): the bug lives on rank 1 only."""
 
-import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from tests.conftest import ROOT
+from tests.support import run_scripts
 
 COMMON = "train.seq_len=64 train.micro_batch_size=2 train.global_batch_size=8 optim.warmup_steps=2 parallel.timeout_s=60"
 
@@ -33,15 +32,27 @@ PLANTED = textwrap.dedent("""
 """)
 
 
-def _parity(tmp_path, layout, *extra, planted=False, steps=20):
+# The tool is under test, not the layout (tests/multirank holds dp2 to one process over 20+ steps):
+# a few steps show a per-step table, a PASS, and the planted bug from its first update (step 1) on.
+STEPS = 4
+
+
+def _parity(tmp_path, layout, *extra, planted=False, steps=STEPS):
+    """tools/parity.py run to its end in this process as ``python tools/parity.py`` runs it (the
+    tool is a launcher: its runs are processes of their own, which import the planted module)."""
     (tmp_path / "site").mkdir(exist_ok=True)
     (tmp_path / "site" / "sitecustomize.py").write_text(PLANTED)
-    env = dict(os.environ, PYTHONPATH=str(tmp_path / "site"), WANDB_MODE="offline")
-    if planted:
-        env["TRAINER3D_PLANTED_BUG"] = "1"
-    cmd = [sys.executable, str(ROOT / "tools" / "parity.py"), layout, "--common", COMMON,
-           "--steps", str(steps), "--out", str(tmp_path / "runs"), *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    args = [layout, "--common", COMMON, "--steps", str(steps), "--out", str(tmp_path / "runs"), *extra]
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", str(tmp_path / "site"))
+        env.setenv("WANDB_MODE", "offline")
+        if planted:
+            env.setenv("TRAINER3D_PLANTED_BUG", "1")
+        else:
+            env.delenv("TRAINER3D_PLANTED_BUG", raising=False)
+        env.chdir(tmp_path)
+        done = run_scripts.run(str(ROOT / "tools" / "parity.py"), args)
+    return subprocess.CompletedProcess(args, done["code"], done["stdout"], done["stderr"])
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +69,7 @@ def test_parity_tool_passes_a_correct_layout(correct_check):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[-1].startswith("max relative difference") and lines[-1].endswith("PASS")
-    assert sum(line.split()[0].isdigit() for line in lines if line.strip()) == 20  # one row per step
+    assert sum(line.split()[0].isdigit() for line in lines if line.strip()) == STEPS  # one row per step
     assert "A | step" in proc.stdout and "B | step" in proc.stdout  # progress of the runs is shown
     assert (root / "runs" / "parity.txt").read_text().strip().endswith("PASS")
 

@@ -9,6 +9,7 @@ must be created.
 
 import dataclasses
 import errno
+import json
 import math
 import os
 import subprocess
@@ -136,14 +137,26 @@ def test_the_training_knobs_are_checked_for_the_planner_too():
     assert any(p.startswith("optim.lr=nan") for p in plan_problems(cfg))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("override,line", [
+BAD_CLUSTERS = [
     ("cluster.gpus_per_node=0", "trainer3d.plan: cluster.gpus_per_node=0 must be in [1, 1025)"),
     ("cluster.host_memory_gb=nan", "trainer3d.plan: cluster.host_memory_gb=nan must be in (0, 1.04858e+06)"),
-])
-def test_the_planner_refuses_a_bad_cluster_before_searching(override, line):
+]
+
+
+@pytest.fixture(scope="module")
+def planner_refusals():
+    """``python -m trainer3d.plan OVERRIDE`` of each BAD_CLUSTERS entry, one after another in one
+    fresh process (tests/support/run_scripts.py): exit status and output of each."""
+    entries = [["-m trainer3d.plan", [override]] for override, _ in BAD_CLUSTERS]
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "run_scripts.py"), json.dumps(entries)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_CLUSTERS)), ids=[o for o, _ in BAD_CLUSTERS])
+def test_the_planner_refuses_a_bad_cluster_before_searching(case, planner_refusals):
     """Without the table: "searched 0 layouts ... no layout fits" (gpus_per_node=0), a search over NaN."""
-    proc = subprocess.run([sys.executable, "-m", "trainer3d.plan", override], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.splitlines() == [line], proc.stderr
+    out, line = planner_refusals[case], BAD_CLUSTERS[case][1]
+    assert out["code"] == 2 and "Traceback" not in out["stderr"], out["stderr"]
+    assert out["stderr"].splitlines() == [line], out["stderr"]

@@ -3,26 +3,19 @@ nearest known ones (trainer3d/config/command_line.py), alike for ``python -m tra
 ``python -m trainer3d.plan`` and the parity tool. Hydra's own refusal of the same command line
 is a multi-line page ending in its HYDRA_FULL_ERROR hint, with exit status 1."""
 
+import json
 import subprocess
 import sys
 
 import pytest
 
-TRAIN = [sys.executable, "-m", "trainer3d.train"]
-PLAN = [sys.executable, "-m", "trainer3d.plan"]
-PARITY = [sys.executable, "-m", "trainer3d.tools.parity"]
+from tests.conftest import ROOT
 
+TRAIN = ["-m", "trainer3d.train"]
+PLAN = ["-m", "trainer3d.plan"]
+PARITY = ["-m", "trainer3d.tools.parity"]
 
-def _refusal(cmd, tmp_path):
-    out = subprocess.run([*cmd], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    lines = out.stderr.strip().splitlines()
-    assert out.returncode == 2 and len(lines) == 1, (out.returncode, out.stderr)
-    assert lines[0].startswith("trainer3d: config error: ") and "HYDRA_FULL_ERROR" not in out.stderr
-    assert not (tmp_path / "outputs").exists()  # refused before Hydra made a run directory
-    return lines[0]
-
-
-@pytest.mark.parametrize("cmd, wanted", [
+REFUSALS = [
     ([*TRAIN, "optim.lrr=1e-3"], "optim.lrr is not a knob of this config; did you mean optim.lr"),
     ([*TRAIN, "-m", "train.max_stepz=3,4"], "train.max_stepz is not a knob of this config; did you mean train.max_steps"),
     ([*TRAIN, "parallel=tp3"], "parallel=tp3 is not an option of parallel; the options are: dp2, single, tp2-pp2-dp2"),
@@ -32,9 +25,31 @@ def _refusal(cmd, tmp_path):
     ([*PLAN, "parallel=tp3"], "parallel=tp3 is not an option of parallel"),
     ([*PARITY, "parallel.tpp=2", "--out", "parity"], "layout A: parallel.tpp is not a knob of this config; "
                                                      "did you mean parallel.tp"),
-])
-def test_a_command_line_refusal_is_one_line_with_exit_2_and_a_suggestion(cmd, wanted, tmp_path):
-    assert wanted in _refusal(cmd, tmp_path)
+]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """Every command line of REFUSALS run as ``python -m MODULE ARGS`` runs it, one after another
+    in one fresh process (tests/support/run_scripts.py: torch imported once, not eight times),
+    from an empty directory: each one's exit status and output, and that directory."""
+    cwd = tmp_path_factory.mktemp("refusals")
+    entries = [[f"-m {cmd[1]}", cmd[2:]] for cmd, _ in REFUSALS]
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "run_scripts.py"), json.dumps(entries)],
+                          capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines()], cwd
+
+
+@pytest.mark.parametrize("case", range(len(REFUSALS)), ids=[w for _, w in REFUSALS])
+def test_a_command_line_refusal_is_one_line_with_exit_2_and_a_suggestion(case, refused):
+    results, cwd = refused
+    out, wanted = results[case], REFUSALS[case][1]
+    lines = out["stderr"].strip().splitlines()
+    assert out["code"] == 2 and len(lines) == 1, (out["code"], out["stderr"])
+    assert lines[0].startswith("trainer3d: config error: ") and "HYDRA_FULL_ERROR" not in out["stderr"]
+    assert wanted in lines[0]
+    assert not (cwd / "outputs").exists()  # each refused before Hydra made a run directory
 
 
 def test_hydras_own_refusal_of_the_same_key_is_a_page_with_exit_1(tmp_path):

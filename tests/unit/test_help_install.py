@@ -22,15 +22,26 @@ from trainer3d.plan.settings import PlanConfig
 CONSOLE = Path(sys.executable).parent / "trainer3d"
 
 
-def _help(module: str, *args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", module, *args, "--help"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+ASKED = [("trainer3d.train",), ("trainer3d.plan",), ("trainer3d.train", "model=7b")]
+"""The ``python -m MODULE [OVERRIDES] --help`` command lines these tests read."""
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict:
+    """What each ASKED command line prints, all run one after another in one fresh process
+    (tests/support/run_scripts.py, as ``python -m`` runs a module: torch imported once)."""
+    entries = [[f"-m {module}", [*args, "--help"]] for module, *args in ASKED]
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "run_scripts.py"), json.dumps(entries)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["code"] for r in results] == [0] * len(ASKED), [r["stderr"] for r in results]
+    return {asked: r["stdout"] for asked, r in zip(ASKED, results)}
 
 
 @pytest.mark.parametrize("module, schema", [("trainer3d.train", Config), ("trainer3d.plan", PlanConfig)])
-def test_help_lists_every_knob_with_its_value_range_and_docstring(module, schema):
-    text = _help(module)
+def test_help_lists_every_knob_with_its_value_range_and_docstring(module, schema, helps):
+    text = helps[(module,)]
     lines = text.splitlines()
     for knob, _ in _leaves(schema):
         assert any(line.startswith(f"  {knob} = ") for line in lines), f"{knob} missing from --help"
@@ -42,8 +53,8 @@ def test_help_lists_every_knob_with_its_value_range_and_docstring(module, schema
     assert "  model: " in text and "tiny" in text  # the config groups and their options
 
 
-def test_help_shows_values_under_the_given_overrides():
-    assert "  model.dim = 4096 (>= 1)" in _help("trainer3d.train", "model=7b").splitlines()
+def test_help_shows_values_under_the_given_overrides(helps):
+    assert "  model.dim = 4096 (>= 1)" in helps[("trainer3d.train", "model=7b")].splitlines()
 
 
 def test_field_docs_are_the_schemas_docstrings():

@@ -241,3 +241,43 @@ def test_the_one_pass_unshard_reshard_lowering_is_torchs(schedule, virtual):
             for window in (1, 2, 3, 4):
                 assert with_unshard_reshard(list(actions), window) == _add_unshard_reshard(list(actions), window), \
                     (pp, m, rank, window)
+
+
+def test_the_one_pass_interleaved_receive_count_is_torchs():
+    """receive_count's interleaved 1F1B count against the count over torch's own
+    ``_add_send_recv`` (torch 2.13 schedules.py) on every rank, for pp 2-5, 2-4 chunks per rank
+    and every micro-batch count validate() lets ScheduleInterleaved1F1B run up to 3 pp + 2
+    (below pp, equal rounds, and counts that are not multiples of pp)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+    from torch.distributed.pipelining.schedules import _add_send_recv, _ComputationType as C
+
+    from trainer3d.config.validate_pipeline import pipeline_micro_batch_problem
+    from trainer3d.parallel.pipeline.receive_count import receive_buffers_held
+
+    def torch_count(pp, virtual, m):
+        plan = SimpleNamespace(n_local_stages=virtual, microbatches_per_round=m // max(1, m // pp),
+                               pp_group_size=pp, _n_microbatches=m)
+        compute = {r: [a for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(plan, r) if a]
+                   for r in range(pp)}
+        held = []
+        for actions in _add_send_recv(compute, lambda stage: stage % pp, pp * virtual).values():
+            live = peak = 0
+            for a in actions:  # a buffer: from its receive to its micro-batch's backward on that stage
+                live += a.computation_type in (C.RECV_F, C.RECV_B)
+                peak = max(peak, live)
+                if a.computation_type == C.FULL_BACKWARD:
+                    live -= (a.stage_index > 0) + (a.stage_index < pp * virtual - 1)
+            held.append(peak)
+        return held
+
+    compared = 0
+    for pp in range(2, 6):
+        for virtual in range(2, 5):
+            for m in range(1, 3 * pp + 3):
+                if pipeline_micro_batch_problem("interleaved_1f1b", pp, m) is None:
+                    ours = [receive_buffers_held("interleaved_1f1b", pp, virtual, m, r) for r in range(pp)]
+                    assert ours == torch_count(pp, virtual, m), (pp, virtual, m)
+                    compared += 1
+    assert compared == 3 * (6 + 8 + 10 + 13)  # 3 chunk counts x the runnable counts of pp 2, 3, 4, 5

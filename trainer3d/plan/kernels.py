@@ -139,6 +139,7 @@ class Kernels:
         return fwd, bwd
 
 
+@functools.lru_cache(maxsize=4096)  # a search asks for the same few GEMM shapes per layout
 def waves(m: int, n: int, sms: int, batch: int = 1) -> float:
     """Share of the SMs' tile slots doing work, the best tile shape's."""
     best = 0.0
