@@ -154,12 +154,15 @@ def test_a_large_pinned_buffer_takes_the_bytes_it_asks_for():
     import sys
     size = 65 * 2 ** 20 + 4096
     code = ("import sys, torch; from trainer3d.config.device import exact_pinned_sizes; "
-            "sys.argv[1] == 'exact' and exact_pinned_sizes(); torch.cuda.init(); "
+            "changed = sys.argv[1] == 'exact' and exact_pinned_sizes(); torch.cuda.init(); "
             f"t = torch.empty({size}, dtype=torch.uint8, pin_memory=True); "
-            "print(torch.cuda.host_memory_stats()['allocated_bytes.current'])")
-    got = {}
+            "print(changed, torch.cuda.host_memory_stats()['allocated_bytes.current'])")
+    got, changed = {}, {}
     for mode in ("exact", "rounded"):
         out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr
-        got[mode] = int(out.stdout.split()[-1])
+        changed[mode], got[mode] = out.stdout.split()[-2] == "True", int(out.stdout.split()[-1])
+    if not changed["exact"]:  # torch 2.11 refuses the key: its allocator keeps rounding
+        assert got == {"exact": 128 * 2 ** 20, "rounded": 128 * 2 ** 20}, got
+        pytest.skip(f"torch {torch.__version__} has no pinned_max_round_threshold_mb: pinned buffers round up")
     assert got == {"exact": size, "rounded": 128 * 2 ** 20}, got

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.unit.test_validate import make
-from trainer3d.config.device import DeviceError, cuda_index, machine_problems, rank_device, uses_cuda
+from trainer3d.config.device import (DeviceError, cuda_index, exact_pinned_sizes, machine_problems, rank_device,
+                                     uses_cuda)
 from trainer3d.launch.slurm import slurm_parameters
 from trainer3d.config.validate import ConfigError, validate
 
@@ -151,6 +152,26 @@ def test_pinned_buffers_are_not_rounded_to_a_power_of_two(env, changed, settings
                          env={**clean, **env})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(changed), repr(settings)]
+
+
+def test_a_torch_that_refuses_the_pinned_threshold_keeps_its_rounding(monkeypatch):
+    """torch 2.11 has the allocator setter but refuses the key (seen on the first GPU run,
+    docs/gpu.md): every CUDA rank ran ``exact_pinned_sizes`` first and died of it. The refusal of
+    that key leaves the rounding as it was; any other refusal still raises."""
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+
+    def refuses(message):
+        def setter(settings):
+            raise ValueError(message)
+        return setter
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", refuses(
+        "Unrecognized key 'pinned_max_round_threshold_mb' in Accelerator allocator config."), raising=False)
+    assert exact_pinned_sizes() is False
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", refuses("Unrecognized key 'other'"),
+                        raising=False)
+    with pytest.raises(ValueError, match="other"):
+        exact_pinned_sizes()
 
 
 def test_rank_bound_to_one_gpu_by_slurm_takes_cuda_0(monkeypatch):

@@ -29,6 +29,7 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from trainer3d.config.schema import Config, ModelConfig  # noqa: E402
+from trainer3d.model.documents import segments_of  # noqa: E402
 from trainer3d.parallel.finalize import GradFinalizer  # noqa: E402
 from trainer3d.parallel.parallelize import build_loss_fn, build_model_chunks, build_optimizer  # noqa: E402
 from trainer3d.memory.meter import SavedActivationMeter  # noqa: E402
@@ -58,7 +59,7 @@ def run_point(cfg: Config, dims: ParallelDims) -> int:
     optimizer = build_optimizer(chunks, cfg, dims)
     grads = GradFinalizer(chunks, optimizer, dims, cfg.parallel.sequence_parallel)
     micro_loss = MicroBatchLoss(build_loss_fn(cfg, dims, chunks), cfg.train.grad_accum_steps, optimizer)
-    trainer = SimpleNamespace(pipeline=None, chunks=chunks, micro_loss=micro_loss)
+    trainer = SimpleNamespace(pipeline=None, chunks=chunks, micro_loss=micro_loss, segments=segments_of(chunks))
     t = cfg.train
     rows = torch.randint(0, cfg.model.vocab_size, (t.grad_accum_steps, t.micro_batch_size, t.seq_len + 1),
                          device=dims.device)

@@ -156,10 +156,16 @@ def exact_pinned_sizes() -> bool:
     Rounded, a 17 GiB state would pin 32 GiB, past what the memory check and the planner count
     as host memory. A threshold given in ``PYTORCH_ALLOC_CONF`` or ``PYTORCH_CUDA_ALLOC_CONF``
     is the user's and stays, and the user's other settings are given again with it (the
-    setter parses a whole setting string); a torch without the setter keeps its rounding."""
+    setter parses a whole setting string); a torch without the setter or the key (2.11 refuses
+    it: found on the first GPU run, docs/gpu.md) keeps its rounding."""
     given = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if "pinned_max_round_threshold_mb" in given or setter is None:
         return False
-    setter(",".join(filter(None, [given, f"pinned_max_round_threshold_mb:{PINNED_ROUNDING_MB}"])))
+    try:
+        setter(",".join(filter(None, [given, f"pinned_max_round_threshold_mb:{PINNED_ROUNDING_MB}"])))
+    except ValueError as e:  # torch 2.11 has the setter but not this key: "Unrecognized key ..."
+        if "pinned_max_round_threshold_mb" not in str(e):
+            raise
+        return False
     return True

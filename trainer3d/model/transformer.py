@@ -200,7 +200,6 @@ class FeedForward(nn.Module):
         return reduce(out) if reduce is not None else out
 
 
-
 def _is_dtensor(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a DTensor, without importing torch.distributed.tensor: that import
     pulls sympy (about a second of CPU in every process that imports the model), and no tensor
