@@ -30,9 +30,13 @@ import torch.distributed as dist
 # pipelining (and with it torch._dynamo) only for a pp > 1 layout, and torch's C++ builder
 # (with setuptools: 0.3-0.5 s of CPU) where it first loads a CPU library
 # (trainer3d/cpu/build.py); its ranks here run every layout, so the server pays for them
-# once. The libraries themselves load in each rank (a test may take one away).
-_PRELOAD = ["torch", "torch.distributed", "trainer3d.rank.task", "trainer3d.trainer", "torch.distributed.fsdp",
-            "torch.distributed.pipelining", "torch.utils.cpp_extension"]
+# once. The libraries themselves load in each rank (a test may take one away). The rank's body
+# imports the planner's step (trainer3d/rank/task.py) and the pipeline's schedules as it runs,
+# and numpy imports numpy.ma on the sampler's first ``numpy.unique``: ~0.8 s of CPU a rank
+# where the server has not.
+_PRELOAD = ["torch", "torch.distributed", "trainer3d.rank.task", "trainer3d.trainer", "trainer3d.plan.predict",
+            "trainer3d.parallel.pipeline.schedule", "torch.distributed.fsdp", "torch.distributed.pipelining",
+            "torch.utils.cpp_extension", "numpy.ma"]
 
 
 def preload(*modules: str) -> None:
