@@ -5,6 +5,7 @@ rank, not the ranks that timed out waiting for it (per-rank heartbeats, trainer3
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -174,3 +175,62 @@ def test_the_longest_record_overwrites_a_longer_one_whole(tmp_path, monkeypatch)
     beat.stop()  # then "exited": one byte shorter
     record = HeartbeatReader(tmp_path, 1, job="f" * 32, slurm_job="123456789_4095").read()[0]
     assert record.state == "exited" and record.step == 10 ** 9
+
+
+def _beating_child(directory, rank):
+    """A real process beating as rank ``rank`` (its own pid in the record), until it is killed."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            Heartbeat(directory, rank, interval_s=0.05).start()
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 30
+    while not (directory / f"rank{rank}").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return pid
+
+
+@pytest.mark.parametrize("reaped", [True, False], ids=["gone", "zombie"])
+def test_a_killed_local_rank_is_trouble_at_once_and_named_dead(tmp_path, reaped):
+    """SIGKILL leaves the record "running" (no exit mark): on this host its pid tells the follower
+    the rank is dead now, long before its beat would pass the timeout; a Slurm node's pid is not
+    looked up (pids_here=False), so there only the silence counts."""
+    pid = _beating_child(tmp_path, 0)
+    here = Watch(1, timeout_s=60, reader=HeartbeatReader(tmp_path, 1), pids_here=True)
+    remote = Watch(1, timeout_s=60, reader=HeartbeatReader(tmp_path, 1))
+    here.judge()
+    assert here.trouble_at is None and here.dead == {}, "alive and beating"
+    os.kill(pid, signal.SIGKILL)
+    if reaped:
+        os.waitpid(pid, 0)
+    else:  # killed, not yet reaped by its parent (submitit's controller polls its tasks)
+        while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.01)
+    for watch in (here, remote):
+        watch.judge()
+    assert set(here.dead) == {0} and here.trouble_at is not None and here.settled()
+    assert remote.dead == {} and remote.trouble_at is None
+    if not reaped:
+        os.waitpid(pid, 0)
+
+
+def test_after_trouble_a_rank_beating_now_is_not_waited_for_but_an_aging_one_is(tmp_path):
+    """A peer's error is trouble; the follower then ends the job once every rank is accounted for.
+    A rank whose beat changed just now is alive (waiting cannot make it the stopped rank); one whose
+    beat has stopped but is not yet stale may be the stopped rank behind the error: wait for it."""
+    live = Heartbeat(tmp_path, 1, interval_s=0.05).start()
+    watch = Watch(2, timeout_s=60, reader=HeartbeatReader(tmp_path, 2), stale_s=10.0, fresh_s=1.0)
+    try:
+        watch.outcomes = {0: ("error", "RuntimeError: Timed out"), 1: None}
+        watch.judge()
+        time.sleep(0.2)
+        watch.judge()
+        assert watch.trouble_at is not None and watch.settled(), "rank 1 beats: nothing to wait for"
+        live._stopped.set()  # its beat stops, the record still says "running"
+        live._thread.join()
+        _judge_over(watch, 1.5)
+        assert watch.stale == {} and not watch.settled(), "aging, not yet stale: it may be the cause"
+    finally:
+        live.stop()

@@ -94,7 +94,7 @@ def _local_job(cfg: Config, lock: RunDirLock) -> int:
               f"logs in {cfg.launcher.folder}", flush=True)
         try:
             signals.arm()
-            status = follow(job, p.timeout_s, heartbeat_dir(cfg.run_dir), end=end, job_token=token)
+            status = follow(job, p.timeout_s, heartbeat_dir(cfg.run_dir), end=end, job_token=token, pids_here=True)
         except Interrupted as sig:
             wait_s = cfg.launcher.signal_delay_s
             _say(f"trainer3d: {sig.name}: ending job {job.job_id}: its {world} rank(s) stop at the next step "
