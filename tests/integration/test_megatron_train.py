@@ -1,14 +1,16 @@
 """Training reads a Megatron-LM indexed dataset in place (``data.path=PREFIX data.eos_id=…``):
-through the real entry point, it trains step for step as the same layout does on a token file
-holding the same documents, each followed by the end-of-document id — that
-file written here by hand from the documents, not by the code under test."""
+it trains step for step as the same layout does on a token file holding the same documents,
+each followed by the end-of-document id — that file written here by hand from the documents,
+not by the code under test. Both runs do the entry point's work on an in-process rank
+(tests/support/runs.py: ``train_in_ranks`` composes, validates and checks the data as
+``python -m trainer3d.train`` does); the launcher's own tests are its processes'."""
 
 import numpy as np
 import pytest
 
 from tests.conftest import ROOT
 from tests.support.megatron_files import write_megatron
-from tests.support.runs import PARITY, assert_parity, losses_in_ranks, run_train, train_losses
+from tests.support.runs import PARITY, assert_parity, losses_in_ranks
 from trainer3d.data import BYTE_VOCAB, TokenizerInfo, write_token_file
 
 EOS = BYTE_VOCAB - 1  # the byte-level end of document: model=tiny embeds 257 ids
@@ -24,15 +26,14 @@ def _documents():
     return docs
 
 
-@pytest.mark.slow  # two 20-step runs, one through the launcher (~1 min on 2 busy cores)
+@pytest.mark.slow  # two 20-step runs
 def test_a_megatron_dataset_trains_in_place_as_its_token_file(tmp_path):
     docs = _documents()
     write_megatron(tmp_path / "src_text_document", docs, np.uint16)
     stream = np.concatenate([np.concatenate([np.asarray(s, dtype=np.int64) for s in doc] + [[EOS]]) for doc in docs])
     write_token_file(tmp_path / "ref.bin", stream, BYTE_VOCAB, TokenizerInfo("byte-level", "by-hand"), EOS)
     common = [*PARITY, "data=tokens", f"data.cache_dir={tmp_path / 'cache'}"]
-    run_dir = tmp_path / "in_place"
-    run_train(run_dir, [*common, f"data.path={tmp_path / 'src_text_document'}", f"data.eos_id={EOS}",
-                        "parallel=single"])
+    in_place = losses_in_ranks(tmp_path / "in_place", [*common, f"data.path={tmp_path / 'src_text_document'}",
+                                                       f"data.eos_id={EOS}", "parallel=single"])
     reference = losses_in_ranks(tmp_path / "ref", [*common, f"data.path={tmp_path / 'ref.bin'}", "parallel=single"])
-    assert_parity(train_losses(run_dir), reference)  # 20 steps
+    assert_parity(in_place, reference)  # 20 steps
