@@ -1,13 +1,14 @@
-"""The local launcher with real submitit processes: failures end the job, with the cause shown."""
+"""The local launcher with real submitit processes: the ranks meet on the port chosen for them;
+failures end the job, with the cause shown (the failing ranks' bodies: tests/support/failing_ranks.py)."""
 
 import datetime
 import os
-import time
 
 import pytest
 import submitit
 import torch.distributed as dist
 
+from tests.support.failing_ranks import exit_on_rank_1, hang_on_rank_1, raise_on_rank_1
 from trainer3d.launch.follow import follow
 from trainer3d.rank.job_token import new_token
 from trainer3d.launch.local import submit_with_token
@@ -26,28 +27,6 @@ def report_port():
     port = int(os.environ["MASTER_PORT"])
     dist.barrier()
     return rank, port
-
-
-def raise_on_rank_1():
-    rank = _init()
-    if rank == 1:
-        raise ValueError("boom on rank 1")
-    time.sleep(0.5)
-    dist.barrier()  # rank 0 waits for a peer that is gone
-
-
-def exit_on_rank_1():
-    rank = _init()
-    if rank == 1:
-        os._exit(3)  # dies without a word (OOM killer, segfault)
-    dist.barrier()
-
-
-def hang_on_rank_1():
-    rank = _init()
-    if rank == 1:
-        time.sleep(3600)  # alive but stuck
-    dist.barrier()
 
 
 def _submit(tmp_path, fn, tasks=2):
