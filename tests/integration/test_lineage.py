@@ -27,10 +27,12 @@ TINY = ("model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads
 def test_a_sweeps_points_are_wandb_runs_of_one_group_and_a_points_resume_command_resumes_it(tmp_path):
     """One sweep of two points through the entry point, logging to wandb offline: each point is a
     wandb run of its own, in one group named after the sweep's directory; point 0's resume
-    command (the one its stop line prints) resumes that point, in that point's directory."""
+    command (the one its stop line prints) resumes that point, in that point's directory. The
+    points differ by seed on one rank each (one wandb run however many ranks a run has:
+    test_metrics.py's 4-rank run)."""
     sweep = tmp_path / "sweep-42"
     argv = ["/x/trainer3d/train.py", "-m", f"hydra.sweep.dir={sweep}", *SMALL, *TINY, "train.max_steps=2",
-            "parallel.dp=1,2", "logger=wandb", "logger.mode=offline"]
+            "train.seed=1,2", "logger=wandb", "logger.mode=offline"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline")
     proc = subprocess.run([sys.executable, "-m", "trainer3d.train", *argv[1:]], capture_output=True, text=True,
                           timeout=900, cwd=tmp_path, env=env)
