@@ -281,3 +281,43 @@ def test_the_one_pass_interleaved_receive_count_is_torchs():
                     assert ours == torch_count(pp, virtual, m), (pp, virtual, m)
                     compared += 1
     assert compared == 3 * (6 + 8 + 10 + 13)  # 3 chunk counts x the runnable counts of pp 2, 3, 4, 5
+
+
+def test_the_zero_bubble_receive_count_is_torchs():
+    """receive_count's zero-bubble count against the count over torch's own ``_add_send_recv``
+    (torch 2.13 schedules.py) on the same lowered lists, every rank, for ZBV, DualPipeV and
+    ZB1P (1-3 stages a rank), pp 2-4 and every micro-batch count validate() lets them run up to
+    2 pp + 2 (fewer than pp, equal rounds, and counts that are not multiples of pp)."""
+    from torch.distributed.pipelining.schedules import _add_reduce_grad, _add_send_recv, _ComputationType as C
+
+    from trainer3d.config.validate_pipeline import pipeline_micro_batch_problem
+    from trainer3d.parallel.pipeline.placement import rank_of_stage
+    from trainer3d.parallel.pipeline.receive_count import receive_buffers_held, with_unshard_reshard
+    from trainer3d.parallel.pipeline.timeline import torch_order
+
+    def torch_count(schedule, pp, virtual, m):
+        lowered = {r: _add_reduce_grad(with_unshard_reshard(actions), m)
+                   for r, actions in torch_order(schedule, pp, virtual, m).items()}
+        held = []
+        for actions in _add_send_recv(lowered, lambda s: rank_of_stage(s, pp, schedule), pp * virtual).values():
+            live, count, peak = {}, 0, 0  # a buffer: from its receive to its micro-batch's B or W on that stage
+            for a in (sub for top in actions for sub in (top.sub_actions or (top,))):
+                kind, key = a.computation_type, (a.stage_index, a.microbatch_index)
+                if kind in (C.RECV_F, C.RECV_B) and kind not in live.setdefault(key, set()):
+                    live[key].add(kind)
+                    count += 1
+                    peak = max(peak, count)
+                elif kind in (C.FULL_BACKWARD, C.BACKWARD_WEIGHT):
+                    count -= len(live.pop(key, ()))
+            held.append(peak)
+        return held
+
+    compared = 0
+    for schedule, chunks in [("zbv", [2]), ("dualpipev", [2]), ("zb1p", [1, 2, 3])]:
+        for pp in range(2, 5):
+            for virtual in chunks:
+                for m in [m for m in range(1, 2 * pp + 3) if pipeline_micro_batch_problem(schedule, pp, m) is None]:
+                    assert [receive_buffers_held(schedule, pp, virtual, m, r) for r in range(pp)] == \
+                        torch_count(schedule, pp, virtual, m), (schedule, pp, virtual, m)
+                    compared += 1
+    assert compared == (6 + 8 + 10) + (3 + 3 + 3) + 3 * (5 + 7 + 9)  # zbv, dualpipev (m >= 2 pp), zb1p x 3

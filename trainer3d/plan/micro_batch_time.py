@@ -83,7 +83,7 @@ def micro_batch_times(cfg: Config, device: Device, pp_rank: int, ranks_per_node:
     terms: Dict[str, float] = {}
     fwd = bwd = 0.0
     for kind, count in kinds:
-        for name in {*kind.fwd, *kind.bwd}:
+        for name in {**kind.fwd, **kind.bwd}:  # dict order: a set's would vary with the string hash seed
             terms[name] = terms.get(name, 0.0) + count * (kind.fwd.get(name, 0.0) + kind.bwd.get(name, 0.0))
         fwd, bwd = fwd + count * kind.forward, bwd + count * kind.backward
     if t.activation_checkpointing:

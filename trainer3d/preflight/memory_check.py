@@ -32,6 +32,7 @@ import torch
 from trainer3d.config.schema import Config
 from trainer3d.config.schema_parallel import zero_shards
 from trainer3d.config.device import uses_cuda
+from trainer3d.memory.moe import moe_layers
 from trainer3d.memory.peak import rank_memory
 from trainer3d.memory.states import BYTES, format_bytes, model_shapes
 from trainer3d.parallel.pipeline.placement import holds_embedding
@@ -56,10 +57,12 @@ def rank_parameters(cfg: Config, pp_rank: int) -> int:
     shapes = model_shapes(cfg.model, cfg.parallel.tp)
     ranges = stage_layer_ranges(cfg.model.n_layers, n_stages(cfg), cfg.parallel.pp_layers)
     last = len(ranges) - 1
-    before, after = (sum(prod(s) for s in part) for part in (shapes.before, shapes.after))
+    before, after, dense, moe = (sum(prod(s) for s in part)
+                                 for part in (shapes.before, shapes.after, shapes.block, shapes.moe_block))
     total = 0
     for stage in stages_of_rank(pp_rank, cfg.parallel.pp, cfg.parallel.pp_virtual_stages, cfg.parallel.pp_schedule):
-        total += sum(prod(s) for i in ranges[stage] for s in shapes.layer(cfg.model, i))
+        experts = moe_layers(cfg, stage) if cfg.model.moe.num_experts else 0  # a dense model: no walk of its layers
+        total += experts * moe + (len(ranges[stage]) - experts) * dense
         tied, pp, schedule = cfg.model.tie_embeddings, cfg.parallel.pp, cfg.parallel.pp_schedule
         total += before if holds_embedding(stage, len(ranges), tied, pp, schedule) else 0
         total += after if stage == last else 0

@@ -103,24 +103,74 @@ def _zero_bubble_held(schedule: str, pp: int, virtual: int, m: int) -> Tuple[int
     ``_add_send_recv`` finds by simulating every rank's progress one action at a time, so the
     added actions move them (zbv pp4 m8, rank 0: two gradient receives posted ahead at the
     end of the step, three buffers held, not two)."""
-    from torch.distributed.pipelining.schedules import _add_reduce_grad, _add_send_recv, _ComputationType
+    from torch.distributed.pipelining.schedules import _add_reduce_grad
 
     lowered = {r: _add_reduce_grad(with_unshard_reshard(actions), m)
                for r, actions in torch_order(schedule, pp, virtual, m).items()}
-    with_comms = _add_send_recv(lowered, lambda stage: rank_of_stage(stage, pp, schedule), pp * virtual)
-    held = []
-    for rank in range(pp):
-        live, count, peak = {}, 0, 0  # (stage, micro-batch) -> the kinds of buffer received for it
-        for a in (sub for top in with_comms[rank] for sub in (top.sub_actions or (top,))):  # DualPipeV's F;B pairs
-            kind, key = a.computation_type, (a.stage_index, a.microbatch_index)
-            if kind in (_ComputationType.RECV_F, _ComputationType.RECV_B) and kind not in live.setdefault(key, set()):
-                live[key].add(kind)
-                count += 1
-                peak = max(peak, count)
-            elif kind in (_ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_WEIGHT):
-                count -= len(live.pop(key, ()))
-        held.append(peak)
-    return tuple(held)
+    return _sweep_comms(lowered, lambda stage: rank_of_stage(stage, pp, schedule), pp * virtual)
+
+
+def _sweep_comms(lowered: dict, rank_of, n_stages: int) -> Tuple[int, ...]:
+    """``_add_send_recv``'s sweeps (torch 2.13 schedules.py), counting the buffers as it places
+    the receives: each sweep offers every rank, in rank order, its next action, which runs once
+    its inputs have been sent; each send appends its receive to the receiving rank's list at
+    that moment. torch asks that of a set of the rank's own actions and receives, building an
+    ``_Action`` per question, then lists the receives for a second pass to count; an input
+    sent is its producing action having run on whichever rank (a receive exists exactly when
+    the two stages sit on two ranks), so one set of the actions run answers it here, and the
+    count is kept as the receives are placed.
+    """
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    last = n_stages - 1
+    ran = set()  # (computation type, stage, micro-batch) of every action run so far
+    live = {r: {} for r in lowered}  # per rank: (stage, micro-batch) -> the kinds of receive held
+    count, peak = dict.fromkeys(lowered, 0), dict.fromkeys(lowered, 0)
+
+    def ready(a) -> bool:
+        kind, stage, mb = a.computation_type, a.stage_index, a.microbatch_index
+        if kind is C.FORWARD and stage != 0:
+            return (C.FORWARD, stage - 1, mb) in ran
+        if kind in (C.BACKWARD_INPUT, C.FULL_BACKWARD) and stage != last:
+            return (C.BACKWARD_INPUT, stage + 1, mb) in ran or (C.FULL_BACKWARD, stage + 1, mb) in ran
+        return True
+
+    def receive(kind, stage: int, mb: int) -> None:
+        rank = rank_of(stage)
+        held = live[rank].setdefault((stage, mb), set())
+        if kind not in held:
+            held.add(kind)
+            count[rank] += 1
+            peak[rank] = max(peak[rank], count[rank])
+
+    def run(rank: int, a) -> None:
+        kind, stage, mb = a.computation_type, a.stage_index, a.microbatch_index
+        ran.add((kind, stage, mb))
+        if kind in (C.FULL_BACKWARD, C.BACKWARD_WEIGHT):
+            count[rank] -= len(live[rank].pop((stage, mb), ()))
+        if kind is C.FORWARD and stage != last and rank_of(stage + 1) != rank:
+            receive(C.RECV_F, stage + 1, mb)
+        elif kind in (C.BACKWARD_INPUT, C.FULL_BACKWARD) and stage != 0 and rank_of(stage - 1) != rank:
+            receive(C.RECV_B, stage - 1, mb)
+
+    next_of = dict.fromkeys(lowered, 0)
+    pending = sorted(r for r in lowered if lowered[r])
+    while pending:
+        progress = False
+        for rank in pending:
+            action = lowered[rank][next_of[rank]]
+            if action is not None:  # UNSHARD, RESHARD and REDUCE_GRAD take their sweep, always ready
+                subs = action.sub_actions if action.sub_actions is not None else (action,)
+                if not all(ready(a) for a in subs):
+                    continue
+                for a in subs:  # DualPipeV's F;B pairs: both checked before either runs
+                    run(rank, a)
+            next_of[rank] += 1
+            progress = True
+        if not progress:
+            raise AssertionError("zero-bubble schedule: no rank can take its next action")
+        pending = [r for r in pending if next_of[r] < len(lowered[r])]
+    return tuple(peak[r] for r in sorted(lowered))
 
 
 def with_unshard_reshard(actions: list, window: int = 3) -> list:
