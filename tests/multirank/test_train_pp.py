@@ -3,18 +3,16 @@ point, the other layouts on in-process ranks: tests/support/runs.py train_in_ran
 
 import pytest
 
-from tests.support.runs import (PARITY, PARITY_GLOBAL_BATCH, assert_parity, losses, losses_in_ranks,
-                                parity_micro_batches, read_metrics, reference_losses)
+from tests.support.runs import (PARITY, assert_parity, losses, losses_in_ranks, parity_micro_batches, read_metrics,
+                                reference_losses)
 
-# PARITY's global batch of 16 in parity_micro_batches' count (one per stage, pp), the entry
-# point's run (pp2 1f1b, the pipeline family's one run of the launcher) included: the launch is
-# what it proves, and each micro-batch is a round of sends its ranks wait on each other for.
+# PARITY's global batch of 16: the entry point's run (pp2 1f1b) takes it in micro-batches of 2
+# (grad_accum 8), the in-process runs in parity_micro_batches' count (one per stage, pp).
 # pp=4 x 2 virtual stages needs a layer per stage. At the default lr the 8-layer tiny model is
 # chaotic under PARITY (loss spikes; even dp=2 drifts 2.7e-3 from one process by step 20, a
 # reduction-order difference of 1e-7 amplified), so its runs, reference included, use a gentler lr
 # (then dp=2, pp=2 and interleaved pp=4 all stay within 1.2e-7).
 EIGHT_LAYERS = ("model.n_layers=8", "optim.lr=1e-3")
-NO_FINAL_SAVE = "checkpoint.save_final=false"  # nothing reads the entry point's last checkpoint here
 
 # pp=4 with 1F1B trains in tests/multirank/test_parity_matrix.py's tp2 x pp4 case; here pp=4 runs
 # GPipe and the interleaved schedule, a middle stage's sends and receives both ways in each.
@@ -32,15 +30,13 @@ CASES = [
 @pytest.mark.parametrize("pp,schedule,extra,model", CASES)
 def test_pp_matches_single_process(tmp_path, session_tmp, pp, schedule, extra, model):
     ref = reference_losses(session_tmp, [*PARITY, *model])
-    m = parity_micro_batches(pp, 1, schedule)
-    layout = [*PARITY, *model, "parallel=single", f"parallel.pp={pp}", f"parallel.pp_schedule={schedule}", *extra]
-    if (pp, schedule) == (2, "1f1b"):
-        got = losses(tmp_path, [*layout, f"train.micro_batch_size={PARITY_GLOBAL_BATCH // m}", NO_FINAL_SAVE])
-    else:
-        got = losses_in_ranks(tmp_path, layout)
+    run = losses if (pp, schedule) == (2, "1f1b") else losses_in_ranks
+    got = run(tmp_path, [*PARITY, *model, "parallel=single", f"parallel.pp={pp}",
+                         f"parallel.pp_schedule={schedule}", *extra])
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
     rows = read_metrics(tmp_path)
     virtual = 2 if extra else 1
+    m = 8 if run is losses else parity_micro_batches(pp, 1, schedule)
     for row in rows:  # (pp - 1) / (v (m + pp - 1)): Narayanan et al. 2021, section 2.2
         assert row["bubble_theory"] == pytest.approx((pp - 1) / (virtual * (m + pp - 1)))
         assert row["bubble"] > 0  # measured: every stage waits on its neighbour some of the step

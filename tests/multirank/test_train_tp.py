@@ -1,11 +1,6 @@
 """Tensor parallelism: same per-step loss as one process (tp2 through the real entry point,
 the other layouts on in-process ranks: tests/support/runs.py train_in_ranks).
 
-tp2's entry-point run is the tensor-parallel family's one run of the launcher (local submitit
-ranks, each a fresh interpreter); it takes the global batch in the in-process runs' 2
-micro-batches of 8, not PARITY's 8 of 2: the launch is what it proves, and a micro-batch's
-collectives cost its ranks a wait for a core each on a 2-core machine.
-
 The tiny model has 4 heads and 2 kv-heads, which tp=4 cannot split; tp=4 runs (and their
 1-rank reference) use 8 heads and 4 kv-heads at the same width, so grouped-query attention
 is exercised at every tp. The byte-level vocabulary (257) is odd: it is padded at every tp.
@@ -24,11 +19,8 @@ TP4 = ("model.n_heads=8", "model.n_kv_heads=4")  # the model of tp=4 (above)
 
 def _check(tmp_path, session_tmp, model, layout):
     ref = reference_losses(session_tmp, [*PARITY, *model])
-    if layout == ("parallel.tp=2",):
-        got = losses(tmp_path, [*PARITY, *model, "parallel=single", *layout, "train.micro_batch_size=8",
-                                "checkpoint.save_final=false"])  # nothing reads its last checkpoint
-    else:
-        got = losses_in_ranks(tmp_path, [*PARITY, *model, "parallel=single", *layout])
+    run = losses if layout == ("parallel.tp=2",) else losses_in_ranks
+    got = run(tmp_path, [*PARITY, *model, "parallel=single", *layout])
     worst = assert_parity(got, ref)
     print(f"{' '.join(layout)}: worst relative loss difference {worst:.2e}")
 
