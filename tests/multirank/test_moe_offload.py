@@ -63,38 +63,45 @@ def test_pp2_dp2_ep2_offload_matches_single_process(tmp_path, session_tmp):
 @pytest.mark.slow
 def test_bf16_ep2_offload_follows_the_device_step(tmp_path):
     """bf16 dp2 ep2 ZeRO-1 with and without offload: the same arithmetic (the host divides by the
-    clip coefficient where the device multiplies), so the losses stay within bf16's rounding."""
+    clip coefficient where the device multiplies), so the losses stay within bf16's rounding.
+    One micro-batch of 8 per rank: the host step runs once a step whatever the step accumulated
+    (the fp32 cases above accumulate two)."""
     base = [*PARITY, *MOE, "parallel=single", "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1",
-            "train.dtype=bf16", "train.max_steps=12", SMALL_BUCKETS]
+            "train.dtype=bf16", "train.max_steps=12", "train.micro_batch_size=8", "checkpoint.save_final=false",
+            SMALL_BUCKETS]
     plain = losses_in_ranks(tmp_path / "plain", base)
     offloaded = losses_in_ranks(tmp_path / "offload", [*base, OFFLOAD])
     np.testing.assert_allclose(offloaded, plain, rtol=1e-3)
     assert offloaded[-1] < offloaded[0] - 1.0
 
 
+RESUME_AT = 15
+
+
 @pytest.mark.slow
 def test_offloaded_ep2_checkpoint_resumes_bit_for_bit_and_reshards_to_one_rank(tmp_path, session_tmp):
-    """dp2 ep2 ZeRO-1 offloaded runs 20 steps, saving every 5. Resumed at step 5 in the same
+    """dp2 ep2 ZeRO-1 offloaded runs 20 steps, saving at step 15 only. Resumed there in the same
     layout, its losses are the uninterrupted run's bit for bit (the host masters, both halves'
-    moments and the step count all came back); one process without offload resumed at step 10
+    moments and the step count all came back); one process without offload resumed there too
     (every expert whole, the moments read from the ep ranks' host shards) follows the 1-rank
-    reference within rel 1e-5."""
+    reference within rel 1e-5. Each resume trains the last 5 steps: the state after 15 steps
+    holds every moment a later step reads, and nothing reads a final checkpoint."""
+    no_final = "checkpoint.save_final=false"
     ep2 = [*PARITY, *MOE, "parallel=single", "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1", OFFLOAD,
-           "checkpoint.every=5", "checkpoint.keep=4"]
-    full = losses_in_ranks(tmp_path / "full", ep2)
-    saved = tmp_path / "full" / "checkpoints"
-    train_in_ranks(tmp_path / "resumed", [*ep2, f"train.resume={store.step_dir(saved, 5)}"])
+           no_final]
+    full = losses_in_ranks(tmp_path / "full", [*ep2, f"checkpoint.every={RESUME_AT}"])
+    saved = store.step_dir(tmp_path / "full" / "checkpoints", RESUME_AT)
+    train_in_ranks(tmp_path / "resumed", [*ep2, f"train.resume={saved}"])
     rows = read_metrics(tmp_path / "resumed")
-    assert [r["step"] for r in rows] == list(range(5, 20))
-    assert [r["loss"] for r in rows] == full[5:]
-    stdout = train_in_ranks(tmp_path / "one", [*PARITY, *MOE, "parallel=single",
-                                               f"train.resume={store.step_dir(saved, 10)}"])
+    assert [r["step"] for r in rows] == list(range(RESUME_AT, 20))
+    assert [r["loss"] for r in rows] == full[RESUME_AT:]
+    stdout = train_in_ranks(tmp_path / "one", [*PARITY, *MOE, "parallel=single", no_final, f"train.resume={saved}"])
     assert "layout changed since the checkpoint" in stdout
     one = [r["loss"] for r in read_metrics(tmp_path / "one")]
     ref = reference_losses(session_tmp, [*PARITY, *MOE])
-    worst = max(abs(a - b) / abs(b) for a, b in zip(one, ref[10:]))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(one, ref[RESUME_AT:]))
     print(f"resumed on one process: worst relative loss difference {worst:.1e}")
-    assert len(one) == 10 and worst <= 1e-5, (one, ref[10:])
+    assert len(one) == 20 - RESUME_AT and worst <= 1e-5, (one, ref[RESUME_AT:])
 
 
 def _moments_after_one_step(rank, world):

@@ -2,8 +2,8 @@
 parallel/zero/fsdp_offload.py for ZeRO 2/3) trains the model one process trains, and its
 checkpoints are the ones training without it writes.
 
-fp32: pp2 x dp2 (also with tied embeddings, whose two copies' gradients are summed after
-they left for the host), tp2 x dp2 (sequence parallel, whose norms' gradients change so too)
+fp32: pp2 x dp2 with tied embeddings (whose two copies' gradients are summed after they left
+for the host), tp2 x dp2 (sequence parallel, whose norms' gradients change so too)
 and one rank (ZeRO-0) with offload match the 1-rank reference per step (relative 1e-5, 20
 steps, tests/support/runs.py: PARITY); so do ZeRO-3 on dp2 and ZeRO-2 on tp2 x dp2 (FSDP2 over
 the tp slices, sequence parallel) with their shards on the host. bf16 and fp16 with offload
@@ -29,11 +29,13 @@ SMALL_BUCKETS = "parallel.bucket_mb=0.05"  # dozens of buckets: most copies leav
 
 TIED = ("model.tie_embeddings=true", "optim.lr=1e-3")  # a gentler lr: at 3e-3 the tied model amplifies 1e-7 into 5e-5 in any layout
 LAYOUTS = [
-    pytest.param((), ("parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1", SMALL_BUCKETS), id="pp2-dp2-z1"),
     pytest.param((), ("parallel.tp=2", "parallel.dp=2", "parallel.zero_stage=1", "parallel.sequence_parallel=true"),
                  id="tp2-dp2-z1-sp"),
-    # the embedding's two copies (first and last stage) summed after their gradients left
-    pytest.param(TIED, ("parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1"), id="pp2-dp2-z1-tied"),
+    # each stage's buckets leaving during its backward, and the embedding's two copies (first and
+    # last stage) summed after their gradients left: pp's one case, tied, as an untied run has
+    # nothing of its own for offload to get wrong
+    pytest.param(TIED, ("parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1", SMALL_BUCKETS),
+                 id="pp2-dp2-z1-tied"),
     # stage 0 on one rank: the whole state offloaded, every bucket's copy all of it
     pytest.param((), ("parallel.zero_stage=0", SMALL_BUCKETS), id="single-z0"),
     # FSDP2's CPUOffloadPolicy: parameter, gradient and optimizer shards on the host
@@ -51,11 +53,14 @@ def test_offload_matches_single_process(tmp_path, session_tmp, model, layout):
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
 
 
-# 12 steps of 8 sequences x 32 tokens: the fp16 runs skip their first 4 steps and one more
-# later (2^20 overflows), and the loss still falls by more than 1.
-MIXED = ("train.max_steps=12", "train.log_every=1", "train.seq_len=32", "train.micro_batch_size=2",
+# 8 steps of 8 sequences x 32 tokens, one micro-batch per rank (the host step's arithmetic runs
+# once a step whatever the step accumulated; the fp32 layouts above accumulate two): fp16 from a
+# loss scale of 2^17 skips its first step and two later ones (ZeRO-1's run), and the loss still
+# falls by more than 1.
+LOSS_SCALE_INIT = 2 ** 17
+MIXED = ("train.max_steps=8", "train.log_every=1", "train.seq_len=32", "train.micro_batch_size=4",
          "train.global_batch_size=8", "train.grad_accum_steps=null", "optim.warmup_steps=5", "parallel.timeout_s=60",
-         "parallel=single", "parallel.dp=2", SMALL_BUCKETS)
+         "parallel=single", "parallel.dp=2", "checkpoint.save_final=false", SMALL_BUCKETS)
 
 
 @pytest.mark.slow
@@ -65,8 +70,8 @@ MIXED = ("train.max_steps=12", "train.log_every=1", "train.seq_len=32", "train.m
 def test_mixed_precision_offload_follows_the_device_step(tmp_path, dtype, stage):
     """The same run with and without offload: per-step losses within bf16's rounding of one
     another (they differ only in dividing vs multiplying by the clip coefficient), and fp16's
-    loss scale and skipped steps identical (2^20 to start: the first steps overflow)."""
-    base = [*MIXED, f"parallel.zero_stage={stage}", f"train.dtype={dtype}", "train.loss_scale_init=1048576"]
+    loss scale and skipped steps identical (2^17 to start: the first step overflows)."""
+    base = [*MIXED, f"parallel.zero_stage={stage}", f"train.dtype={dtype}", f"train.loss_scale_init={LOSS_SCALE_INIT}"]
     plain = losses_in_ranks(tmp_path / "plain", base)
     offloaded = losses_in_ranks(tmp_path / "offload", [*base, OFFLOAD])
     np.testing.assert_allclose(offloaded, plain, rtol=1e-3)
@@ -78,18 +83,21 @@ def test_mixed_precision_offload_follows_the_device_step(tmp_path, dtype, stage)
             assert [r[key] for r in rows_off] == [r[key] for r in rows_plain], key
 
 
-# One micro-batch per rank and step: a resume restores state, whatever a step accumulates.
-STEPS, SAVE_AT = 6, 3
+# One micro-batch per rank and step: a resume restores state, whatever a step accumulates. The
+# resumed run's first step reads the loaded parameters, its second the loaded moments and masters;
+# checkpoint.every=SAVE_AT saves no more before STEPS.
+STEPS, SAVE_AT = 5, 3
 
 
-def _config(run_dir: str, dtype: str, offload: bool, resume: str, steps: int, stage: int) -> Config:
+def _config(run_dir: str, dtype: str, offload: bool, resume: str, stage: int) -> Config:
+    """A run from the start saves at SAVE_AT, the one checkpoint anything reads; a resumed run saves nothing."""
     cfg = Config(run_dir=run_dir)
     cfg.parallel.dp, cfg.parallel.zero_stage, cfg.parallel.timeout_s = 2, stage, 60
     cfg.parallel.offload_optimizer = offload
     t = cfg.train
     t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, t.seq_len = 2, 4, None, 32
-    t.max_steps, t.log_every, t.dtype, t.resume = steps, 1, dtype, resume
-    cfg.checkpoint.every, cfg.checkpoint.keep = SAVE_AT, 4
+    t.max_steps, t.log_every, t.dtype, t.resume = STEPS, 1, dtype, resume
+    cfg.checkpoint.every, cfg.checkpoint.save_final = (SAVE_AT if resume == "never" else 0), False
     return validate(cfg)
 
 
@@ -98,14 +106,21 @@ def _state(opt):
             for v in opt.checkpoint_views() for kind, t in v.tensors.items()}
 
 
-def _train(rank, world, run_dir, dtype, offload, resume, steps, stage):
-    """Train to ``steps``; this rank's state by checkpoint key as built (or loaded) and at the end."""
-    trainer = Trainer(_config(run_dir, dtype, offload, resume, steps, stage), dims_for(dp=world))
+def _train(rank, world, run_dir, dtype, offload, resume, stage):
+    """Train to STEPS; this rank's state by checkpoint key as built (or loaded), and as each save
+    of the run left it, by step (the save's own state: taken once the save has copied it)."""
+    trainer = Trainer(_config(run_dir, dtype, offload, resume, stage), dims_for(dp=world))
     kind = OffloadedOptimizer if stage < 2 else OffloadedFSDPOptimizer
     assert isinstance(trainer.optimizer, kind) == offload
-    loaded = _state(trainer.optimizer)
+    loaded, saved, save = _state(trainer.optimizer), {}, trainer.save_checkpoint
+
+    def save_and_keep(step, background=None):
+        save(step, background)
+        saved[step] = _state(trainer.optimizer)
+
+    trainer.save_checkpoint = save_and_keep
     trainer.train()
-    return loaded, _state(trainer.optimizer)
+    return loaded, saved
 
 
 @pytest.mark.slow
@@ -114,17 +129,18 @@ def _train(rank, world, run_dir, dtype, offload, resume, steps, stage):
                          ids=["z1-bf16-offload-to-device", "z1-bf16-device-to-offload", "z1-fp32-device-to-offload",
                               "z3-fp32-offload-to-device", "z3-fp32-device-to-offload", "z3-bf16-offload-to-device"])
 def test_checkpoint_resumes_across_offload(tmp_path, stage, dtype, saved_with):
-    """dp2 saved after 3 steps by one mode and resumed by the other: the loaded parameters,
-    fp32 masters (ZeRO-1 bf16; under FSDP the fp32 parameter shards are the masters) and
-    moments are bit for bit what the saver held, under the same keys, and the resumed steps
-    follow the saver's uninterrupted run (fp32 ZeRO-1: the host masters are taken from the
-    loaded parameters; ZeRO-3: the shards are loaded where they live, host or device)."""
-    saver, full_dir, resumed_dir = tmp_path / "saver", tmp_path / "full", tmp_path / "resumed"
-    saved = run_ranks(_train, 2, str(saver), dtype, saved_with, "never", SAVE_AT, stage, timeout=600)
-    run_ranks(_train, 2, str(full_dir), dtype, saved_with, "never", STEPS, stage, timeout=600)
+    """dp2 trained 5 steps by one mode, saving after 3, and resumed there by the other: the loaded
+    parameters, fp32 masters (ZeRO-1 bf16; under FSDP the fp32 parameter shards are the masters)
+    and moments are bit for bit what the saver held, under the same keys, and the resumed steps
+    follow the saver's own (fp32 ZeRO-1: the host masters are taken from the loaded parameters;
+    ZeRO-3: the shards are loaded where they live, host or device)."""
+    full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
+    full = run_ranks(_train, 2, str(full_dir), dtype, saved_with, "never", stage, timeout=600)
     resumed = run_ranks(_train, 2, str(resumed_dir), dtype, not saved_with,
-                        str(store.step_dir(saver / "checkpoints", SAVE_AT)), STEPS, stage, timeout=600)
-    for rank, ((_, at_save), (loaded, _)) in enumerate(zip(saved, resumed)):
+                        str(store.step_dir(full_dir / "checkpoints", SAVE_AT)), stage, timeout=600)
+    for rank, ((_, saves), (loaded, resaved)) in enumerate(zip(full, resumed)):
+        assert list(saves) == [SAVE_AT] and resaved == {}, rank
+        at_save = saves[SAVE_AT]
         assert at_save.keys() == loaded.keys(), rank
         assert any(k.startswith("master ") for k in loaded) == (dtype == "bf16" and stage == 1), rank
         for key, value in at_save.items():
