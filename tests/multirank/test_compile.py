@@ -5,10 +5,16 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.support.runs import PARITY, assert_parity, losses_in_ranks, reference_losses
+from tests.support.compiled import compiled_losses_in_ranks
+from tests.support.runs import PARITY, assert_parity, reference_losses
 from trainer3d.config.schema import ModelConfig
+from trainer3d.launch.local_ranks import preload
 from trainer3d.model.transformer import Transformer
 from trainer3d.parallel.compile import apply_compile, compile_blocks
+
+# Every compiled rank imports inductor (about 2 s of CPU each); the harness's forkserver imports
+# it once instead, for every compiled run of the session (this file's and the other files').
+preload("torch._inductor.compile_fx")
 
 
 def test_compile_is_in_place_and_keeps_parameter_names():
@@ -27,8 +33,11 @@ def test_compiled_tp2_pp2_dp2_zero1_sp_recompute_matches_the_uncompiled_single_p
     ref = reference_losses(session_tmp, PARITY)
     layout = ("parallel=tp2-pp2-dp2", "parallel.zero_stage=1", "parallel.sequence_parallel=true",
               "train.activation_checkpointing=true", "train.compile=true")
-    got = losses_in_ranks(tmp_path, [*PARITY, *layout], timeout=1200)
+    got, graphs = compiled_losses_in_ranks(tmp_path, [*PARITY, *layout], timeout=1200)
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
+    # Every block has the same code and shapes: each rank traces one block's graph and reuses it
+    # for the others, so inductor builds one forward and one backward graph per rank.
+    assert graphs == [2] * 8, graphs
     saved = dcp.FileSystemReader(str(tmp_path / "checkpoints" / "step_00000020")).read_metadata()
     model_keys = {k for k in saved.state_dict_metadata if k.startswith("model.")}
     with torch.device("meta"):
@@ -50,8 +59,10 @@ ZERO_BUBBLE = [
 @pytest.mark.parametrize("layout", ZERO_BUBBLE)
 def test_compiled_zero_bubble_matches_the_uncompiled_single_process(tmp_path, session_tmp, layout):
     ref = reference_losses(session_tmp, PARITY)
-    got = losses_in_ranks(tmp_path, [*PARITY, "parallel=single", *layout, "train.compile=true"], timeout=1200)
+    got, graphs = compiled_losses_in_ranks(tmp_path, [*PARITY, "parallel=single", *layout, "train.compile=true"],
+                                           timeout=1200)
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
+    assert all(graphs), f"inductor graphs per rank: {graphs}"  # the operators ran compiled on every rank
 
 
 def test_zero_bubble_schedules_compile_the_operators_and_leave_the_blocks_eager():

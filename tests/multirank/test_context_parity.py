@@ -7,6 +7,7 @@ compile; and a checkpoint of a cp layout resumed in one process."""
 
 import pytest
 
+from tests.support.compiled import compiled_losses_in_ranks
 from tests.support.runs import PARITY, assert_parity, losses_in_ranks, read_metrics, reference_losses, train_in_ranks
 from trainer3d.checkpoint import store
 
@@ -46,8 +47,9 @@ def test_cp2_with_recompute_and_compile_matches_single_process(tmp_path, session
     the cp attention (which it leaves eager)."""
     ref = reference_losses(session_tmp, PARITY)
     layout = ("parallel=single", "parallel.cp=2", "train.activation_checkpointing=true", "train.compile=true")
-    got = losses_in_ranks(tmp_path, [*PARITY, *layout], timeout=1200)
+    got, graphs = compiled_losses_in_ranks(tmp_path, [*PARITY, *layout], timeout=1200)
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
+    assert all(graphs), f"inductor graphs per rank: {graphs}"  # the blocks ran compiled on both ranks
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import random
 import pytest
 
 from tests.conftest import ROOT
+from tests.support.compiled import compiled_losses_in_ranks
 from tests.support.runs import PARITY, assert_parity, losses_in_ranks, once_per_session, reference_losses
 from trainer3d.data import prepare
 from trainer3d.data.documents import Piece
@@ -87,6 +88,7 @@ def test_document_masked_cp2_with_compile_matches_single_process(tmp_path, sessi
     positions (left eager: trainer3d/parallel/context/apply.py)."""
     data = document_data(session_tmp)
     ref = reference_losses(session_tmp, [*PARITY, *data])
-    got = losses_in_ranks(tmp_path, [*PARITY, *data, "parallel=single", "parallel.cp=2", "train.compile=true"],
-                          timeout=1200)
+    got, graphs = compiled_losses_in_ranks(
+        tmp_path, [*PARITY, *data, "parallel=single", "parallel.cp=2", "train.compile=true"], timeout=1200)
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
+    assert all(graphs), f"inductor graphs per rank: {graphs}"  # the blocks ran compiled on both ranks

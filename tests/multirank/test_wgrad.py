@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
+from tests.support.compiled import inductor_graphs
 from tests.support.runs import PARITY, _train_rank, configure, train_losses
 from trainer3d.launch.local_ranks import run_ranks
 from trainer3d.parallel.wgrad import MainGradSink, route_linear_layers
@@ -76,6 +77,7 @@ def _train_sink_then_plain(rank: int, world_size: int, sink_cfg, plain_cfg, stor
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     zero.low_precision_sink = lambda *args: None
     _train_rank(rank, world_size, plain_cfg)
+    return inductor_graphs()
 
 
 LAYOUTS = [
@@ -99,10 +101,11 @@ def test_low_precision_losses_identical_to_autograds_weight_gradients(tmp_path, 
               *overrides]
     sink_cfg, plain_cfg = (configure(tmp_path / name, common) for name in ("sink", "plain"))
     p = sink_cfg.parallel
-    run_ranks(_train_sink_then_plain, p.tp * p.pp * p.dp, sink_cfg, plain_cfg, str(tmp_path / "store"),
-              timeout=900, pg_timeout_s=p.timeout_s)
+    graphs = run_ranks(_train_sink_then_plain, p.tp * p.pp * p.dp, sink_cfg, plain_cfg, str(tmp_path / "store"),
+                       timeout=900, pg_timeout_s=p.timeout_s)
     got = {name: train_losses(tmp_path / name) for name in ("sink", "plain")}
     assert got["sink"] == got["plain"], got
+    assert all(graphs) == sink_cfg.train.compile, f"inductor graphs per rank: {graphs}"  # compiled where asked
     assert got["sink"][-1] < got["sink"][0]
 
 

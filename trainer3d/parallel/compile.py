@@ -7,9 +7,19 @@ dynamo traces one and reuses it for the rest, and compile time does not grow wit
 the pieces between blocks (embedding, head, the loss, the pipeline's sends) stay eager.
 It runs after tensor parallelism and activation checkpointing have been applied to the
 blocks and before the pipeline schedule and the optimizer see them (FSDP wraps compiled
-blocks). Tensor parallelism's collectives are autograd Functions over c10d process groups,
-which dynamo does not trace: they split a block's graph and run eagerly between its
-compiled pieces.
+blocks). Dynamo traces tensor parallelism's collectives into the block's graph as functional
+collectives that name the tp group (``_c10d_functional.all_gather_into_tensor(x, 2, "17")``:
+one graph per block, no break), so the ranks of one tp group build the same graph and the ranks
+of the other tp groups each their own; context parallelism's exchange stays eager
+(``torch.compiler.disable``, parallel/context/apply.py) and the block compiles around it.
+
+What a rank pays, once: dynamo's trace, AOTAutograd's joint graph and partition, and inductor's
+lowering and code, every rank for itself. The C++ of a kernel is compiled once per host and cache
+directory: inductor takes a file lock per kernel source and skips a build whose library exists
+(torch/_inductor/codecache.py, ``CppCodeCache.load_async``), so ranks building the same kernel
+wait for the first one's build and load it. A rank that finds its whole graph in inductor's FX
+graph cache skips the lowering and code only (docs/performance.md has the figures), so ranks
+are not made to wait on each other's compiles.
 
 ``Module.compile`` compiles in place: the block stays the same module, so parameter names
 (``layers.7.attention.wq.weight``), the checkpoint keys and the optimizer's view of the
@@ -30,10 +40,13 @@ accounting holds unchanged). What it gives up against whole-block compile is fus
 operators (a residual add into the next norm, the reshapes around attention).
 """
 
+import functools
 from typing import List
 
+import torch
 from torch import nn
 
+from trainer3d.parallel.context.apply import ContextAttention
 from trainer3d.parallel.pipeline.timeline import ZERO_BUBBLE
 
 
@@ -42,9 +55,28 @@ def compile_blocks(chunks: List[nn.Module]) -> int:
     count = 0
     for chunk in chunks:
         for block in chunk.layers.values():
-            block.compile()
+            if isinstance(block.forward, functools.partial) and _runs_eager_part(block):
+                _compile_inside_recomputation(block)
+            else:
+                block.compile()
             count += 1
     return count
+
+
+def _runs_eager_part(block: nn.Module) -> bool:
+    """Whether ``block`` holds context parallelism's attention, which dynamo must leave eager."""
+    return any(isinstance(m, ContextAttention) for m in block.modules())
+
+
+def _compile_inside_recomputation(block: nn.Module) -> None:
+    """A recomputed block (parallel/recompute.py: ``forward`` is the checkpoint's partial) with an
+    eager part: dynamo traces ``checkpoint`` as one higher-order operator whose body may not break
+    its graph, so compiling the whole block falls back to running all of it eagerly (no graph
+    at all: tests/multirank/test_context_parity.py counts them). The block's own forward is
+    compiled instead, inside the eager checkpoint, breaking its graph around the eager part; the
+    checkpoint keeps the block's input only and replays the compiled forward in backward."""
+    recompute = block.forward
+    block.forward = functools.partial(recompute.func, torch.compile(recompute.args[0]), *recompute.args[1:])
 
 
 def compile_operators(chunks: List[nn.Module]) -> int:
