@@ -25,6 +25,12 @@ reduction order (~1e-7), so one reference per model and data serves every layout
 in ``configure`` (every in-process run, references included) rather than in ``PARITY`` because
 the split depends on the layout the test adds after it; ``run_train`` (the entry point's own
 tests) takes PARITY as it reads.
+
+A PARITY run on in-process ranks saves no final checkpoint unless it says
+``checkpoint.save_final=...`` itself (``skips_final_checkpoint``, also in ``configure``): most
+compare losses only, and the final DCP save is a fixed cost of every run (about a tenth of a
+20-step 8-rank run's CPU); the checkpoints a run saves every ``checkpoint.every`` steps are
+untouched, and a test that reads the last one asks for it (``checkpoint.save_final=true``).
 """
 
 import contextlib
@@ -69,6 +75,14 @@ def chooses_split(overrides: Sequence[str]) -> bool:
     return tuple(overrides[:len(PARITY)]) == PARITY and not any(o.startswith(_SPLIT_KNOBS) for o in rest)
 
 
+def skips_final_checkpoint(overrides: Sequence[str]) -> bool:
+    """Whether ``overrides`` are a PARITY run that saves no final checkpoint (module docstring):
+    they start with PARITY and none sets ``checkpoint.save_final`` (a test that reads the final
+    checkpoint asks for it: ``checkpoint.save_final=true``)."""
+    return (tuple(overrides[:len(PARITY)]) == PARITY
+            and not any(o.startswith("checkpoint.save_final=") for o in overrides))
+
+
 def parity_micro_batches(pp: int, dp: int, schedule: str) -> int:
     """Micro-batches per rank per step of a PARITY run on ``pp`` x ``dp`` (module docstring)."""
     per_rank = PARITY_GLOBAL_BATCH // dp
@@ -106,6 +120,8 @@ def configure(run_dir: Path, overrides: Sequence[str]) -> Config:
     if chooses_split(overrides):
         p = dcfg.parallel
         dcfg.train.micro_batch_size = PARITY_GLOBAL_BATCH // (p.dp * parity_micro_batches(p.pp, p.dp, p.pp_schedule))
+    if skips_final_checkpoint(overrides):
+        dcfg.checkpoint.save_final = False
     cfg = OmegaConf.to_object(dcfg)
     if cfg.model.init_from:
         cfg = apply_init_from(cfg, [o.split("=", 1)[0][len("model."):] for o in overrides if o.startswith("model.")])
