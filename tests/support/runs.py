@@ -26,11 +26,13 @@ in ``configure`` (every in-process run, references included) rather than in ``PA
 the split depends on the layout the test adds after it; ``run_train`` (the entry point's own
 tests) takes PARITY as it reads.
 
-A PARITY run on in-process ranks saves no final checkpoint unless it says
-``checkpoint.save_final=...`` itself (``skips_final_checkpoint``, also in ``configure``): most
-compare losses only, and the final DCP save is a fixed cost of every run (about a tenth of a
-20-step 8-rank run's CPU); the checkpoints a run saves every ``checkpoint.every`` steps are
-untouched, and a test that reads the last one asks for it (``checkpoint.save_final=true``).
+Two fixed costs of a run that no parity check reads are left out of a PARITY run on in-process
+ranks, also in ``configure`` (``PARITY_RUN_DEFAULTS``), unless its overrides set the knob: the
+final checkpoint (a DCP save on every rank, about a tenth of a 20-step 8-rank run's CPU; the
+checkpoints saved every ``checkpoint.every`` steps are untouched, and a test that reads the last
+one says ``checkpoint.save_final=true``), and rank 0's measurement of the CPU's matmul rate that
+the MFU column is divided by (trainer3d/observe/telemetry.py ``measured_peak_tflops``: ~0.2
+s of CPU), which ``train.peak_tflops`` replaces by a given figure.
 """
 
 import contextlib
@@ -75,12 +77,17 @@ def chooses_split(overrides: Sequence[str]) -> bool:
     return tuple(overrides[:len(PARITY)]) == PARITY and not any(o.startswith(_SPLIT_KNOBS) for o in rest)
 
 
-def skips_final_checkpoint(overrides: Sequence[str]) -> bool:
-    """Whether ``overrides`` are a PARITY run that saves no final checkpoint (module docstring):
-    they start with PARITY and none sets ``checkpoint.save_final`` (a test that reads the final
-    checkpoint asks for it: ``checkpoint.save_final=true``)."""
-    return (tuple(overrides[:len(PARITY)]) == PARITY
-            and not any(o.startswith("checkpoint.save_final=") for o in overrides))
+# What a PARITY run on in-process ranks leaves out unless it sets the knob itself (module docstring).
+PARITY_RUN_DEFAULTS = {"checkpoint.save_final": False, "train.peak_tflops": 1.0}
+
+
+def parity_run_defaults(overrides: Sequence[str]) -> dict:
+    """``PARITY_RUN_DEFAULTS`` that ``overrides`` leave to ``configure``: none unless they start
+    with PARITY, then those of the knobs no override sets (``checkpoint.save_final=true`` in a
+    test that reads the final checkpoint)."""
+    if tuple(overrides[:len(PARITY)]) != PARITY:
+        return {}
+    return {k: v for k, v in PARITY_RUN_DEFAULTS.items() if not any(o.startswith(f"{k}=") for o in overrides)}
 
 
 def parity_micro_batches(pp: int, dp: int, schedule: str) -> int:
@@ -120,8 +127,8 @@ def configure(run_dir: Path, overrides: Sequence[str]) -> Config:
     if chooses_split(overrides):
         p = dcfg.parallel
         dcfg.train.micro_batch_size = PARITY_GLOBAL_BATCH // (p.dp * parity_micro_batches(p.pp, p.dp, p.pp_schedule))
-    if skips_final_checkpoint(overrides):
-        dcfg.checkpoint.save_final = False
+    for knob, value in parity_run_defaults(overrides).items():
+        OmegaConf.update(dcfg, knob, value)
     cfg = OmegaConf.to_object(dcfg)
     if cfg.model.init_from:
         cfg = apply_init_from(cfg, [o.split("=", 1)[0][len("model."):] for o in overrides if o.startswith("model.")])
