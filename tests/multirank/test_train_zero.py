@@ -8,7 +8,8 @@ bf16/fp16 train (the loss falls as fp32's does); fp16 reports its loss scale and
 
 import pytest
 
-from tests.support.runs import PARITY, assert_parity, losses_in_ranks, read_metrics, reference_losses, train_in_ranks
+from tests.support.runs import (PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, read_metrics, reference_losses,
+                                train_in_ranks)
 
 SMALL_BUCKETS = "parallel.bucket_mb=0.05"  # ~13k fp32 elements: dozens of buckets on the tiny model
 LAYOUTS = [
@@ -27,14 +28,14 @@ LAYOUTS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[" ".join(o.split(".")[-1] for o in lay) for lay in LAYOUTS])
 def test_zero_matches_single_process(tmp_path, session_tmp, layout):
-    ref = reference_losses(session_tmp, PARITY)
-    assert_parity(losses_in_ranks(tmp_path, [*PARITY, "parallel=single", *layout]), ref)
+    ref = reference_losses(session_tmp, [*PARITY, *TWO_LAYERS])
+    assert_parity(losses_in_ranks(tmp_path, [*PARITY, *TWO_LAYERS, "parallel=single", *layout]), ref)
 
 
 @pytest.mark.slow
 def test_bf16_trains_like_fp32(tmp_path, session_tmp):
-    ref = reference_losses(session_tmp, PARITY)
-    got = losses_in_ranks(tmp_path, [*PARITY, "parallel=single", "parallel.zero_stage=1", "parallel.dp=2",
+    ref = reference_losses(session_tmp, [*PARITY, *TWO_LAYERS])
+    got = losses_in_ranks(tmp_path, [*PARITY, *TWO_LAYERS, "parallel=single", "parallel.zero_stage=1", "parallel.dp=2",
                                      "train.dtype=bf16"])
     assert got[-1] < got[0] - 1.5
     assert got[-1] == pytest.approx(ref[-1], rel=0.1)

@@ -64,6 +64,13 @@ PARITY = ("train.max_steps=20", "train.log_every=1", "train.seq_len=64", "train.
           "train.global_batch_size=16", "train.grad_accum_steps=null", "optim.warmup_steps=5",
           "parallel.timeout_s=60")
 
+# The model of parity cases that split it into at most two pipeline stages (and no virtual ones):
+# conf/model/tiny.yaml with 2 layers instead of 4, one per stage at pp2. Every layer is a round of
+# tensor-parallel collectives and a share of the ZeRO buckets per micro-batch: a 20-step 8-rank
+# tp2·pp2·dp2 run costs ~40 % less CPU, while a layout fault shows the same in one layer as in
+# four. Its own shared reference, as every model's (``reference_losses``).
+TWO_LAYERS = ("model.n_layers=2",)
+
 REL_TOL = 1e-5
 PARITY_GLOBAL_BATCH, PARITY_MICRO_BATCH = 16, 2
 _SPLIT_KNOBS = ("train.micro_batch_size=", "train.grad_accum_steps=", "train.global_batch_size=")
