@@ -4,6 +4,7 @@ the entry point's work without an interpreter per rank).
 fp32: every stage's per-step loss equals the single-process run's (relative 1e-5, 20 steps),
 stages 2 and 3 also over tensor-parallel slices (tp2 x dp2).
 bf16/fp16 train (the loss falls as fp32's does); fp16 reports its loss scale and skipped steps.
+Every run trains tests/support/runs.py's TWO_LAYERS (no pipeline here).
 """
 
 import pytest
@@ -46,7 +47,7 @@ def test_fp16_skips_overflowing_steps_and_says_so(tmp_path):
     """Starting from a loss scale of 2^20 the first steps overflow: each is skipped on every
     rank, reported in metrics.jsonl and the progress line, and halves the scale."""
     steps = 12
-    stdout = train_in_ranks(tmp_path, [*PARITY, "parallel=single", "parallel.zero_stage=1", "parallel.dp=2",
+    stdout = train_in_ranks(tmp_path, [*PARITY, *TWO_LAYERS, "parallel=single", "parallel.zero_stage=1", "parallel.dp=2",
                                        "train.dtype=fp16", f"train.max_steps={steps}", "train.log_every=4",
                                        "train.loss_scale_init=1048576"])
     rows = read_metrics(tmp_path)
