@@ -66,9 +66,9 @@ PARITY = ("train.max_steps=20", "train.log_every=1", "train.seq_len=64", "train.
 
 # The model of parity cases that split it into at most two pipeline stages (and no virtual ones):
 # conf/model/tiny.yaml with 2 layers instead of 4, one per stage at pp2. Every layer is a round of
-# tensor-parallel collectives and a share of the ZeRO buckets per micro-batch: a 20-step 8-rank
-# tp2·pp2·dp2 run costs ~40 % less CPU, while a layout fault shows the same in one layer as in
-# four. Its own shared reference, as every model's (``reference_losses``).
+# tensor-parallel collectives and a share of the ZeRO buckets per micro-batch: the ranks of a
+# 20-step 8-rank tp2·pp2·dp2 run take ~40 % less CPU (tests/README.md), while a layout's fault
+# shows in one layer as in four. Its own shared reference, as every model's (``reference_losses``).
 TWO_LAYERS = ("model.n_layers=2",)
 
 REL_TOL = 1e-5
