@@ -8,7 +8,7 @@ compile; and a checkpoint of a cp layout resumed in one process."""
 import pytest
 
 from tests.support.compiled import compiled_losses_in_ranks
-from tests.support.runs import PARITY, assert_parity, losses_in_ranks, read_metrics, reference_losses, train_in_ranks
+from tests.support.runs import PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, read_metrics, reference_losses, train_in_ranks
 from trainer3d.checkpoint import store
 
 GQA = ("model.n_heads=4", "model.n_kv_heads=2")
@@ -21,15 +21,17 @@ def case(cp, tp=1, pp=1, dp=1, zero=0, model=(), extra=(), slow=True, id=None):
                         marks=[pytest.mark.slow] if slow else [])
 
 
+# Layouts of at most two pipeline stages train TWO_LAYERS (tests/support/runs.py); the interleaved
+# one (4 stages) the tiny model's 4 layers.
 MATRIX = [
-    case(2, slow=False),
-    case(2, extra=("parallel.cp_attention=all_gather",), id="cp2-all_gather"),
-    case(4, model=GQA, id="cp4-gqa"),
-    case(2, tp=2, pp=2, extra=("parallel.sequence_parallel=true",), id="cp2-tp2-pp2-sp"),
+    case(2, model=TWO_LAYERS, slow=False),
+    case(2, model=TWO_LAYERS, extra=("parallel.cp_attention=all_gather",), id="cp2-all_gather"),
+    case(4, model=(*GQA, *TWO_LAYERS), id="cp4-gqa"),
+    case(2, tp=2, pp=2, model=TWO_LAYERS, extra=("parallel.sequence_parallel=true",), id="cp2-tp2-pp2-sp"),
     case(2, pp=2, extra=("parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"),
          id="cp2-pp2-interleaved"),
-    case(2, dp=2, zero=1),
-    case(2, dp=1, zero=3, id="cp2-z3-fsdp2"),
+    case(2, dp=2, zero=1, model=TWO_LAYERS),
+    case(2, dp=1, zero=3, model=TWO_LAYERS, id="cp2-z3-fsdp2"),
 ]
 
 
@@ -56,11 +58,11 @@ def test_cp2_with_recompute_and_compile_matches_single_process(tmp_path, session
 def test_checkpoint_of_cp2_dp2_zero1_resumes_in_one_process(tmp_path, session_tmp):
     """cp is not in the saved state: a checkpoint written by cp2 x dp2 with ZeRO-1 (optimizer
     state sharded over dp x cp = 4) loads into one process, which trains on as the reference."""
-    ref = reference_losses(session_tmp, [*PARITY, *GQA])
+    ref = reference_losses(session_tmp, [*PARITY, *GQA, *TWO_LAYERS])
     first, second = tmp_path / "cp2", tmp_path / "single"
-    train_in_ranks(first, [*PARITY, *GQA, "parallel=single", "parallel.cp=2", "parallel.dp=2",
+    train_in_ranks(first, [*PARITY, *GQA, *TWO_LAYERS, "parallel=single", "parallel.cp=2", "parallel.dp=2",
                            "parallel.zero_stage=1", "checkpoint.every=10"])
-    stdout = train_in_ranks(second, [*PARITY, *GQA, "parallel=single",
+    stdout = train_in_ranks(second, [*PARITY, *GQA, *TWO_LAYERS, "parallel=single",
                                      f"train.resume={store.step_dir(first / 'checkpoints', 10)}"])
     assert "layout changed since the checkpoint" in stdout and "cp 2 -> 1" in stdout
     rows = read_metrics(second)

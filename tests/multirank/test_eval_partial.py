@@ -31,7 +31,9 @@ N_TOKENS, SEQ = 150_000, 64
 FRACTIONS = {0.01: 23, 0.0025: 5}  # val_fraction: windows, by the hand count above
 # Micro-batches of 2 on purpose (not tests/support/runs.py: parity_micro_batches): the padding
 # of the last evaluation batch falls across several micro-batches per rank (comments below).
-RUN = ("train.max_steps=2", "train.eval_every=2", "optim.warmup_steps=1", "train.micro_batch_size=2")
+# by_hand reads the final checkpoint, which a PARITY run saves only when asked (tests/support/runs.py).
+RUN = ("train.max_steps=2", "train.eval_every=2", "optim.warmup_steps=1", "train.micro_batch_size=2",
+       "checkpoint.save_final=true")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from trainer3d.parallel.parallelize import build_model_chunks, build_optimizer
 from trainer3d.parallel.topology import ParallelDims, Topology
 from trainer3d.parallel.zero.flat import bucket_numel
 from tests.integration.test_checkpoint_resume import BASE, MODEL, assert_close
-from tests.support.runs import (PARITY, assert_parity, losses_in_ranks, read_metrics, reference_dir, reference_losses,
+from tests.support.runs import (PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, read_metrics, reference_dir, reference_losses,
                                 train_in_ranks)
 from trainer3d.checkpoint import store
 
@@ -35,12 +35,12 @@ LAYOUTS = [
 @pytest.mark.timeout(1800)  # 4-8 gloo ranks on 2 loaded cores
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[" ".join(o.split(".")[-1] for o in lay) for lay in LAYOUTS])
 def test_hsdp_matches_single_process(tmp_path, session_tmp, layout):
-    ref = reference_losses(session_tmp, PARITY)
-    assert_parity(losses_in_ranks(tmp_path, [*PARITY, "parallel=single", *layout]), ref)
+    ref = reference_losses(session_tmp, [*PARITY, *TWO_LAYERS])
+    assert_parity(losses_in_ranks(tmp_path, [*PARITY, *TWO_LAYERS, "parallel=single", *layout]), ref)
     # the replicas' shards are counted once in the global norm: a double count is sqrt(2) apart,
     # the order of sums ~1e-5 (1.2e-5 measured at step 7 of dp4 S=2), so 1e-4 tells them apart
     norms = [r["grad_norm"] for r in read_metrics(tmp_path)]
-    ref_norms = [r["grad_norm"] for r in read_metrics(reference_dir(session_tmp, PARITY))]
+    ref_norms = [r["grad_norm"] for r in read_metrics(reference_dir(session_tmp, [*PARITY, *TWO_LAYERS]))]
     assert norms == pytest.approx(ref_norms, rel=1e-4)
 
 

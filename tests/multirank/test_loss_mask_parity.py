@@ -14,13 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.runs import PARITY, assert_parity, configure, losses_in_ranks, reference_losses
+from tests.support.runs import PARITY, TWO_LAYERS, assert_parity, configure, losses_in_ranks, reference_losses
 from trainer3d.data.loader import build_readers
 from trainer3d.data.loss_mask import IGNORE_INDEX
 from trainer3d.parallel.parallelize import build_model_chunks
 from trainer3d.parallel.topology import ParallelDims, Topology
 
-SFT = ("data=chat_sample", "model=tiny", "model.vocab_size=259")
+SFT = ("data=chat_sample", "model=tiny", "model.vocab_size=259", *TWO_LAYERS)  # every case: at most two stages
 
 
 def _sft(session_tmp):

@@ -13,18 +13,19 @@ while its loss moved only 2.7e-6 by step 4 (AdamW is nearly blind to a constant 
 
 import pytest
 
-from tests.multirank.test_moe_parity import MOE, check_metrics
+from tests.multirank.test_moe_parity import MOE, MOE_TWO_LAYERS, check_metrics
 from tests.support.runs import (PARITY, assert_parity, losses_in_ranks, read_metrics, reference_dir, reference_losses,
                                 train_in_ranks)
 from trainer3d.checkpoint import store
 
 
-def _check(tmp_path, session_tmp, layout):
-    ref = reference_losses(session_tmp, [*PARITY, *MOE])
-    got = losses_in_ranks(tmp_path, [*PARITY, *MOE, "parallel=single", *layout], timeout=900)
+def _check(tmp_path, session_tmp, layout, model=MOE_TWO_LAYERS, n_layers=2):
+    """``layout`` against the 1-rank run of ``model`` (the 4-layer MOE where 4 stages need it)."""
+    ref = reference_losses(session_tmp, [*PARITY, *model])
+    got = losses_in_ranks(tmp_path, [*PARITY, *model, "parallel=single", *layout], timeout=900)
     print(f"{' '.join(layout)}: worst relative loss difference {assert_parity(got, ref):.1e}")
-    rows, ref_rows = read_metrics(tmp_path), read_metrics(reference_dir(session_tmp, [*PARITY, *MOE]))
-    check_metrics(rows, ref_rows)
+    rows, ref_rows = read_metrics(tmp_path), read_metrics(reference_dir(session_tmp, [*PARITY, *model]))
+    check_metrics(rows, ref_rows, n_layers)
     # The global gradient norm counts every expert element once (its expert-dp owner, tp rank 0):
     # a slice counted twice or not at all moves it; above optim.grad_clip=1 it also scales the step.
     for row, ref_row in zip(rows, ref_rows):
@@ -64,14 +65,14 @@ def test_checkpoint_reshards_ep2_to_one_rank_and_back(tmp_path, session_tmp):
     """dp2 ep2 (ZeRO-1) saves at step 5; one process resumes it (every expert whole) and saves at
     10; dp2 ep2 resumes that to step 20: each link's losses those of the uninterrupted 1-rank run
     (a misplaced expert slice or its AdamW moments would move the next step's loss by far more)."""
-    ref = reference_losses(session_tmp, [*PARITY, *MOE])
+    ref = reference_losses(session_tmp, [*PARITY, *MOE_TWO_LAYERS])
     ep2 = ("parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1")
     chain = [(ep2, None, 6, None), ((), 5, 11, "ep 2 -> None"), (ep2, 10, 20, "ep None -> 2")]
     previous = None
     for i, (layout, start, stop, change) in enumerate(chain):
         run = tmp_path / f"run{i}"
         resume = [f"train.resume={store.step_dir(previous / 'checkpoints', start)}"] if start else []
-        stdout = train_in_ranks(run, [*PARITY, *MOE, "parallel=single", *layout, "checkpoint.every=5",
+        stdout = train_in_ranks(run, [*PARITY, *MOE_TWO_LAYERS, "parallel=single", *layout, "checkpoint.every=5",
                                       "optim.decay_steps=15", f"train.max_steps={stop}", *resume])
         rows = read_metrics(run)
         first = start or 0
@@ -117,4 +118,4 @@ def test_interleaved_pp2_dp2_ep2_with_recompute_matches_single_process(tmp_path,
     run again there and a block's counts and balance loss must be recorded once, not twice."""
     _check(tmp_path, session_tmp, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
                                    "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1",
-                                   "train.activation_checkpointing=true"])
+                                   "train.activation_checkpointing=true"], model=MOE, n_layers=4)

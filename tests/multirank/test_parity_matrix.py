@@ -10,7 +10,7 @@ itself runs layouts in tests/multirank/test_train_tp.py (tp2), test_train_dp.py 
 
 import pytest
 
-from tests.support.runs import PARITY, assert_parity, losses_in_ranks, reference_losses
+from tests.support.runs import PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, reference_losses
 
 # tp=4 needs kv-heads divisible by 4: 8 heads in 4 kv groups (grouped-query attention at every
 # tp). The 4-heads/4-kv variant at lr 3e-3 is chaotic under PARITY: at tp4 x pp2 its
@@ -41,19 +41,21 @@ def case(tp, pp, dp, zero=0, model=(), extra=(), slow=True, id=None):
                         marks=[pytest.mark.slow] if slow else [])
 
 
+# Layouts of at most two stages train TWO_LAYERS (tests/support/runs.py), the deeper ones 4 or 8 layers.
 # tp2 x pp2 x dp2 with ZeRO-0 (the default layout) is the run of tests/multirank/test_eval.py's
 # test_val_loss_tp2_pp2_dp2, which holds its training losses to this reference the same way
 # (20 steps, relative 1e-5; its evaluations leave training untouched, as its first test shows).
 MATRIX = [
-    case(2, 2, 2, zero=1),
-    case(1, 2, 4, zero=1),
+    case(2, 2, 2, zero=1, model=TWO_LAYERS),
+    case(1, 2, 4, zero=1, model=TWO_LAYERS),
     case(4, 2, 1, model=KV4),
     case(2, 4, 1),
     case(1, 4, 2, model=EIGHT_LAYERS, extra=("parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"),
          id="tp1-pp4-dp2-interleaved"),
-    case(2, 1, 4, zero=1, extra=("parallel.sequence_parallel=true",), id="tp2-pp1-dp4-z1-sp"),
-    case(2, 2, 2, zero=1, extra=("parallel.sequence_parallel=true",), id="tp2-pp2-dp2-z1-sp"),
-    case(2, 2, 2, zero=1, extra=("train.activation_checkpointing=true",), id="tp2-pp2-dp2-z1-recompute"),
+    case(2, 1, 4, zero=1, model=TWO_LAYERS, extra=("parallel.sequence_parallel=true",), id="tp2-pp1-dp4-z1-sp"),
+    case(2, 2, 2, zero=1, model=TWO_LAYERS, extra=("parallel.sequence_parallel=true",), id="tp2-pp2-dp2-z1-sp"),
+    case(2, 2, 2, zero=1, model=TWO_LAYERS, extra=("train.activation_checkpointing=true",),
+         id="tp2-pp2-dp2-z1-recompute"),
     case(1, 2, 1, extra=ZBV, id="tp1-pp2-dp1-zbv"),
     case(1, 2, 2, zero=1, extra=DUALPIPEV, id="tp1-pp2-dp2-z1-dualpipev"),
     case(2, 2, 1, extra=(*ZB1P, "parallel.pp_virtual_stages=2"), id="tp2-pp2-dp1-zb1p-v2"),

@@ -2,7 +2,7 @@
 
 import torch
 
-from tests.support.runs import PARITY, assert_parity, losses_in_ranks, reference_losses
+from tests.support.runs import PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, reference_losses
 from trainer3d.config.schema import ModelConfig
 from trainer3d.model.init import init_parameters
 from trainer3d.model.transformer import Transformer, cross_entropy_loss
@@ -51,7 +51,7 @@ def test_checkpoint_layers_is_idempotent():
 
 
 def test_recompute_with_pipeline_and_dp_matches_single_process(tmp_path, session_tmp):
-    ref = reference_losses(session_tmp, PARITY)
-    got = losses_in_ranks(tmp_path, [*PARITY, "parallel=single", "parallel.pp=2", "parallel.dp=2",
+    ref = reference_losses(session_tmp, [*PARITY, *TWO_LAYERS])
+    got = losses_in_ranks(tmp_path, [*PARITY, *TWO_LAYERS, "parallel=single", "parallel.pp=2", "parallel.dp=2",
                                      "parallel.zero_stage=1", "train.activation_checkpointing=true"])
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")

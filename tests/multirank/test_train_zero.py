@@ -4,11 +4,13 @@ the entry point's work without an interpreter per rank).
 fp32: every stage's per-step loss equals the single-process run's (relative 1e-5, 20 steps),
 stages 2 and 3 also over tensor-parallel slices (tp2 x dp2).
 bf16/fp16 train (the loss falls as fp32's does); fp16 reports its loss scale and skipped steps.
+Every run trains tests/support/runs.py's TWO_LAYERS (no pipeline here).
 """
 
 import pytest
 
-from tests.support.runs import PARITY, assert_parity, losses_in_ranks, read_metrics, reference_losses, train_in_ranks
+from tests.support.runs import (PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, read_metrics, reference_losses,
+                                train_in_ranks)
 
 SMALL_BUCKETS = "parallel.bucket_mb=0.05"  # ~13k fp32 elements: dozens of buckets on the tiny model
 LAYOUTS = [
@@ -27,14 +29,14 @@ LAYOUTS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[" ".join(o.split(".")[-1] for o in lay) for lay in LAYOUTS])
 def test_zero_matches_single_process(tmp_path, session_tmp, layout):
-    ref = reference_losses(session_tmp, PARITY)
-    assert_parity(losses_in_ranks(tmp_path, [*PARITY, "parallel=single", *layout]), ref)
+    ref = reference_losses(session_tmp, [*PARITY, *TWO_LAYERS])
+    assert_parity(losses_in_ranks(tmp_path, [*PARITY, *TWO_LAYERS, "parallel=single", *layout]), ref)
 
 
 @pytest.mark.slow
 def test_bf16_trains_like_fp32(tmp_path, session_tmp):
-    ref = reference_losses(session_tmp, PARITY)
-    got = losses_in_ranks(tmp_path, [*PARITY, "parallel=single", "parallel.zero_stage=1", "parallel.dp=2",
+    ref = reference_losses(session_tmp, [*PARITY, *TWO_LAYERS])
+    got = losses_in_ranks(tmp_path, [*PARITY, *TWO_LAYERS, "parallel=single", "parallel.zero_stage=1", "parallel.dp=2",
                                      "train.dtype=bf16"])
     assert got[-1] < got[0] - 1.5
     assert got[-1] == pytest.approx(ref[-1], rel=0.1)
@@ -45,7 +47,7 @@ def test_fp16_skips_overflowing_steps_and_says_so(tmp_path):
     """Starting from a loss scale of 2^20 the first steps overflow: each is skipped on every
     rank, reported in metrics.jsonl and the progress line, and halves the scale."""
     steps = 12
-    stdout = train_in_ranks(tmp_path, [*PARITY, "parallel=single", "parallel.zero_stage=1", "parallel.dp=2",
+    stdout = train_in_ranks(tmp_path, [*PARITY, *TWO_LAYERS, "parallel=single", "parallel.zero_stage=1", "parallel.dp=2",
                                        "train.dtype=fp16", f"train.max_steps={steps}", "train.log_every=4",
                                        "train.loss_scale_init=1048576"])
     rows = read_metrics(tmp_path)

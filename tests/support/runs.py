@@ -25,6 +25,14 @@ reduction order (~1e-7), so one reference per model and data serves every layout
 in ``configure`` (every in-process run, references included) rather than in ``PARITY`` because
 the split depends on the layout the test adds after it; ``run_train`` (the entry point's own
 tests) takes PARITY as it reads.
+
+Two fixed costs of a run that no parity check reads are left out of a PARITY run on in-process
+ranks, also in ``configure`` (``PARITY_RUN_DEFAULTS``), unless its overrides set the knob: the
+final checkpoint (a DCP save on every rank, about a tenth of a 20-step 8-rank run's CPU; the
+checkpoints saved every ``checkpoint.every`` steps are untouched, and a test that reads the last
+one says ``checkpoint.save_final=true``), and rank 0's measurement of the CPU's matmul rate that
+the MFU column is divided by (trainer3d/observe/telemetry.py ``measured_peak_tflops``: ~0.2
+s of CPU), which ``train.peak_tflops`` replaces by a given figure.
 """
 
 import contextlib
@@ -56,6 +64,13 @@ PARITY = ("train.max_steps=20", "train.log_every=1", "train.seq_len=64", "train.
           "train.global_batch_size=16", "train.grad_accum_steps=null", "optim.warmup_steps=5",
           "parallel.timeout_s=60")
 
+# The model of parity cases that split it into at most two pipeline stages (and no virtual ones):
+# conf/model/tiny.yaml with 2 layers instead of 4, one per stage at pp2. Every layer is a round of
+# tensor-parallel collectives and a share of the ZeRO buckets per micro-batch: the ranks of a
+# 20-step 8-rank tp2·pp2·dp2 run take ~40 % less CPU (tests/README.md), while a layout's fault
+# shows in one layer as in four. Its own shared reference, as every model's (``reference_losses``).
+TWO_LAYERS = ("model.n_layers=2",)
+
 REL_TOL = 1e-5
 PARITY_GLOBAL_BATCH, PARITY_MICRO_BATCH = 16, 2
 _SPLIT_KNOBS = ("train.micro_batch_size=", "train.grad_accum_steps=", "train.global_batch_size=")
@@ -67,6 +82,19 @@ def chooses_split(overrides: Sequence[str]) -> bool:
     (a test that does sets it on purpose: a schedule's count, activation memory per micro-batch)."""
     rest = overrides[len(PARITY):]
     return tuple(overrides[:len(PARITY)]) == PARITY and not any(o.startswith(_SPLIT_KNOBS) for o in rest)
+
+
+# What a PARITY run on in-process ranks leaves out unless it sets the knob itself (module docstring).
+PARITY_RUN_DEFAULTS = {"checkpoint.save_final": False, "train.peak_tflops": 1.0}
+
+
+def parity_run_defaults(overrides: Sequence[str]) -> dict:
+    """``PARITY_RUN_DEFAULTS`` that ``overrides`` leave to ``configure``: none unless they start
+    with PARITY, then those of the knobs no override sets (``checkpoint.save_final=true`` in a
+    test that reads the final checkpoint)."""
+    if tuple(overrides[:len(PARITY)]) != PARITY:
+        return {}
+    return {k: v for k, v in PARITY_RUN_DEFAULTS.items() if not any(o.startswith(f"{k}=") for o in overrides)}
 
 
 def parity_micro_batches(pp: int, dp: int, schedule: str) -> int:
@@ -106,6 +134,8 @@ def configure(run_dir: Path, overrides: Sequence[str]) -> Config:
     if chooses_split(overrides):
         p = dcfg.parallel
         dcfg.train.micro_batch_size = PARITY_GLOBAL_BATCH // (p.dp * parity_micro_batches(p.pp, p.dp, p.pp_schedule))
+    for knob, value in parity_run_defaults(overrides).items():
+        OmegaConf.update(dcfg, knob, value)
     cfg = OmegaConf.to_object(dcfg)
     if cfg.model.init_from:
         cfg = apply_init_from(cfg, [o.split("=", 1)[0][len("model."):] for o in overrides if o.startswith("model.")])

@@ -205,7 +205,7 @@ def test_an_export_over_an_earlier_one_is_refused_or_replaces_it_whole(tmp_path,
     holds exactly what the same export writes into an empty directory (no stale index or shard
     of the earlier one, which transformers would follow)."""
     run = tmp_path / "run"
-    train_in_ranks(run, [*PARITY, "train.max_steps=1", "parallel=single"])  # its final checkpoint
+    train_in_ranks(run, [*PARITY, "train.max_steps=1", "parallel=single", "checkpoint.save_final=true"])  # read below
     checkpoint = store.step_dir(run / "checkpoints", 1)
     out, fresh = tmp_path / "export", tmp_path / "fresh"
     code, err = _run(export_model, [checkpoint, out, "--format", "trainer3d", "--max-shard-gb", 0.0005], capsys)

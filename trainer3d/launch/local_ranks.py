@@ -33,10 +33,12 @@ import torch.distributed as dist
 # once. The libraries themselves load in each rank (a test may take one away). The rank's body
 # imports the planner's step (trainer3d/rank/task.py) and the pipeline's schedules as it runs,
 # and numpy imports numpy.ma on the sampler's first ``numpy.unique``: ~0.8 s of CPU a rank
-# where the server has not.
+# where the server has not; torch.save and torch.load import torch.utils.serialization on first
+# use (torch/serialization.py).
+# tests/multirank/test_rank_imports.py holds a rank to importing nothing as it trains.
 _PRELOAD = ["torch", "torch.distributed", "trainer3d.rank.task", "trainer3d.trainer", "trainer3d.plan.predict",
             "trainer3d.parallel.pipeline.schedule", "torch.distributed.fsdp", "torch.distributed.pipelining",
-            "torch.utils.cpp_extension", "numpy.ma"]
+            "torch.utils.cpp_extension", "numpy.ma", "torch.utils.serialization"]
 
 
 def preload(*modules: str) -> None:
