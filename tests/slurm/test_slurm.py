@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.support.runs import read_metrics, train_in_ranks
+from tests.slurm.conftest import losses
+from tests.support.runs import read_metrics
 from trainer3d.rank.preemption import REQUEUE_ASKED
 
 # One worker runs every Slurm test, one at a time (tests/conftest.py: xdist_scope): they share
@@ -22,7 +23,9 @@ pytestmark = pytest.mark.slurm
 SMALL = ("train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=16", "train.grad_accum_steps=null",
          "optim.warmup_steps=5", "train.log_every=1", "parallel.timeout_s=60", "parallel=single")
 PP2 = ("parallel.pp=2",)  # two pipeline stages, two tasks (dp and tp through Slurm: test_slurm_two_nodes.py)
-STEPS = 30  # room for two requeues ten steps apart; parity needs 20
+STEPS = 20  # parity needs 20: room for two requeues GAP steps into their attempts
+GAP = 5  # steps each attempt trains before its signal: its stop (a step or two after) leaves room for the next
+CHECKPOINT_EVERY = 5  # the first signal lands as the step-5 save is written in the background
 
 
 def train(env, run_dir: Path, *overrides, timeout=600):
@@ -30,19 +33,10 @@ def train(env, run_dir: Path, *overrides, timeout=600):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
-def losses(run_dir: Path):
-    rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(len(rows))), "one row per step: none lost, none repeated"
-    return [r["loss"] for r in rows]
-
-
-@pytest.fixture(scope="module")
-def local_run(tmp_path_factory):
-    """The pp2 run on local ranks (in-process: tests/support/runs.py train_in_ranks): what every
-    Slurm run must reproduce."""
-    run = tmp_path_factory.mktemp("local") / "run"
-    train_in_ranks(run, [*SMALL, *PP2, f"train.max_steps={STEPS}"])
-    return losses(run)
+@pytest.fixture
+def local_run(local_losses):
+    """The pp2 run on local ranks (tests/slurm/conftest.py): what the requeued job must reproduce."""
+    return local_losses((*SMALL, *PP2, f"train.max_steps={STEPS}"))
 
 
 class Followed:
@@ -97,29 +91,35 @@ def rank0_log(run: Path, job: str) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted((run / "submitit").glob(f"{job}_0_log.*")))
 
 
-# One job for two claims about the same run (same overrides, same losses to reproduce): a job
-# submitted and followed through Slurm (launcher.wait=true) matches the local run, and USR2 twice
-# requeues it twice and it resumes exactly, the follower following it through both requeues.
+# One job for three claims about the same run (same overrides, same losses to reproduce): a job
+# submitted and followed through Slurm (launcher.wait=true) matches the local run; USR2 twice,
+# each GAP steps into an attempt with background saves every CHECKPOINT_EVERY steps, requeues it
+# twice and it resumes exactly, no step lost or repeated; the follower follows it through both
+# requeues. (tools/bench/preemption_chaos.py runs the same drill more times and times it.)
 @pytest.mark.slow
 def test_job_through_slurm_requeued_twice_on_usr2_matches_the_local_run(slurm_cluster, tmp_path, local_run):
     run = tmp_path / "run"
-    with Followed(slurm_cluster, run, *SMALL, *PP2, f"train.max_steps={STEPS}", "launcher=slurm") as followed:
+    stops = [0]
+    with Followed(slurm_cluster, run, *SMALL, *PP2, f"train.max_steps={STEPS}", f"checkpoint.every={CHECKPOINT_EVERY}",
+                  "launcher=slurm") as followed:
         job = followed.job()
-        for i, at in enumerate((10, 20)):
-            followed.rows(at)
+        for i in range(2):
+            followed.rows(stops[-1] + GAP)
             subprocess.run(["scancel", "--signal=USR2", job], check=True, env=slurm_cluster)
             followed.until(lambda i=i: rank0_log(run, job).count("resumed from") > i, f"the resume after signal {i + 1}")
+            stops.append(int(rank0_log(run, job).split(REQUEUE_ASKED)[i].rsplit("stopped after step ", 1)[1].split()[0]))
+    assert stops[1] >= GAP and stops[2] >= stops[1] + GAP, stops  # each stop after GAP steps of its own attempt
     deadline = time.monotonic() + 600
     while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, env=slurm_cluster).stdout.strip():
         assert time.monotonic() < deadline
-        time.sleep(2)
+        time.sleep(1)
     proc = followed.proc
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "submitted Slurm job" in proc.stdout and f"step {STEPS}/{STEPS}" in proc.stdout
     assert json.loads((run / "slurm_job.json").read_text())["num_tasks"] == 2
     log = rank0_log(run, job)
     assert log.count(REQUEUE_ASKED) == 2 and log.count("resumed from") == 2, log[-3000:]
-    assert losses(run) == local_run  # same layout, same numbers
+    assert losses(run) == local_run  # same layout, same numbers, every step once
 
 
 def test_two_point_sweep_runs_as_two_jobs(slurm_cluster, tmp_path):
@@ -157,13 +157,29 @@ def test_a_job_failing_on_the_cluster_shows_the_failing_rank(slurm_cluster, tmp_
     assert "planted failure on rank 1" in out and "rank 1" in out, out[-3000:]
 
 
+def finished(env, job: str, timeout: float = 600) -> str:
+    """Poll ``scontrol show job`` until the job ends; its ExitCode. Not ``sbatch --wait``: that
+    sleeps 2, 8, then 32 s between its looks (src/sbatch/sbatch.c, _job_wait), so a 20 s job is
+    seen done at 42 s. The record stays in slurmctld for MinJobAge (slurm/cluster.sh)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        show = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, env=env).stdout
+        fields = dict(f.split("=", 1) for f in show.split() if "=" in f)
+        if fields.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return fields["ExitCode"]
+        assert time.monotonic() < deadline, f"job {job} not ended within {timeout:.0f} s: {show}"
+        time.sleep(0.5)
+
+
 def test_own_sbatch_template_trains_with_srun(slurm_cluster, tmp_path):
     env = dict(slurm_cluster, TRAINER3D_PYTHON=sys.executable)
-    proc = subprocess.run(["sbatch", "--parsable", "--wait", f"--output={tmp_path}/slurm-%j.out", f"--chdir={ROOT}",
+    proc = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/slurm-%j.out", f"--chdir={ROOT}",
                            str(ROOT / "slurm" / "train.sbatch"), *SMALL, "parallel.dp=2", "train.max_steps=4",
                            f"hydra.run.dir={tmp_path}/run"],
-                          capture_output=True, text=True, timeout=600, env=env)
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
     job = proc.stdout.strip().split(";")[0]
-    out = (tmp_path / f"slurm-{job}.out").read_text() if job else ""
-    assert proc.returncode == 0, proc.stderr + out[-3000:]
+    code = finished(slurm_cluster, job)
+    out = (tmp_path / f"slurm-{job}.out").read_text()
+    assert code == "0:0", f"exit code {code}\n" + out[-3000:]
     assert len(read_metrics(tmp_path / "run")) == 4 and "step 4/4" in out

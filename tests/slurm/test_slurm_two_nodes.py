@@ -1,7 +1,8 @@
 """Two compute nodes (slurm/cluster.sh: each slurmd in network + UTS namespaces of its own):
-a 2 nodes x 2 tasks job through the real entry point equals the local run; preemption
-requeues and resumes across both nodes; a lost node ends the job, named, and a resubmission
-resumes from the last checkpoint."""
+a 2 nodes x 2 tasks job (tp2 within each node, dp2 across them) through the real entry point
+equals the local run; a pp2 job, one stage on each node, requeues on preemption and resumes
+across both nodes, a lost node ends it, named, and a resubmission resumes it from the last
+checkpoint to the local run's losses."""
 
 import json
 import subprocess
@@ -10,30 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.runs import train_in_ranks
 from trainer3d.rank.preemption import REQUEUE_ASKED
 from tests.support.slurm_cluster import SCRIPT
-from tests.slurm.test_slurm import SMALL, Followed, losses, rank0_log, train
+from tests.slurm.test_slurm import PP2, SMALL, Followed, losses, rank0_log, train
 
 # On the worker that runs test_slurm.py, after or before it (tests/conftest.py: xdist_scope).
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-TWO_NODES = ("launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=2", "parallel.timeout_s=30")
-LAYOUTS = {"tp2-pp2": ("parallel.tp=2", "parallel.pp=2", "parallel.dp=1"),  # pp across the nodes
-           "tp2-dp2": ("parallel.tp=2", "parallel.pp=1", "parallel.dp=2")}  # dp across the nodes
+TWO_NODES = ("launcher=slurm", "launcher.nodes=2", "parallel.timeout_s=30")
+TP2_DP2 = ("parallel.tp=2", "parallel.pp=1", "parallel.dp=2")  # two tasks a node: tp within it, dp across
 STEPS = "train.max_steps=20"
-
-
-@pytest.fixture(scope="module")
-def local_runs(tmp_path_factory):
-    """The same layouts on local ranks (in-process: tests/support/runs.py train_in_ranks): what the
-    two-node jobs must reproduce, step for step."""
-    out = {}
-    for name, layout in LAYOUTS.items():
-        run = tmp_path_factory.mktemp("local") / name
-        train_in_ranks(run, [*SMALL, *layout, STEPS, "parallel.timeout_s=30"])
-        out[name] = losses(run)
-    return out
+# What the two-node jobs must reproduce, step for step: the same layouts on local ranks
+# (tests/slurm/conftest.py local_losses; pp2's is test_slurm.py's too, trained once).
+TP2_DP2_LOCAL, PP2_LOCAL = (*SMALL, *TP2_DP2, STEPS), (*SMALL, *PP2, STEPS)
 
 
 @pytest.fixture
@@ -50,18 +40,18 @@ def two_nodes(slurm_cluster):
     return slurm_cluster
 
 
-def _hosts(run: Path):
-    return sorted(json.loads((run / "heartbeat" / f"rank{r}").read_bytes())["host"] for r in range(4))
+def _hosts(run: Path, ranks: int):
+    return sorted(json.loads((run / "heartbeat" / f"rank{r}").read_bytes())["host"] for r in range(ranks))
 
 
-# tp2 x pp2 across the nodes is the job of the test after this one (preemption, then a lost node),
-# held to the same hosts and the same losses.
-def test_two_nodes_match_the_local_run(two_nodes, tmp_path, local_runs):
+# pp2 across the nodes is the job of the test after this one (preemption, then a lost node),
+# held to its hosts and its local run's losses the same way.
+def test_two_nodes_match_the_local_run(two_nodes, tmp_path, local_losses):
     run = tmp_path / "run"
-    proc = train(two_nodes, run, *SMALL, *LAYOUTS["tp2-dp2"], STEPS, *TWO_NODES, "launcher.wait=true")
+    proc = train(two_nodes, run, *SMALL, *TP2_DP2, STEPS, *TWO_NODES, "launcher.tasks_per_node=2", "launcher.wait=true")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert _hosts(run) == ["t3d-n1", "t3d-n1", "t3d-n2", "t3d-n2"], "two ranks on each node"
-    assert losses(run) == local_runs["tp2-dp2"]
+    assert _hosts(run, 4) == ["t3d-n1", "t3d-n1", "t3d-n2", "t3d-n2"], "two ranks on each node"
+    assert losses(run) == local_losses(TP2_DP2_LOCAL)
 
 
 def _checkpoints(run: Path):
@@ -72,9 +62,9 @@ def _checkpoints(run: Path):
 # requeues it and it resumes across both nodes, the follower following it through the requeue;
 # then a lost node ends the resumed job, named, and a resubmission resumes it.
 @pytest.mark.timeout(900)  # two attempts and a resubmission: up to ~400 s on a loaded machine, near pytest's 600 s
-def test_preemption_resumes_across_both_nodes_and_a_lost_node_ends_the_job_named(two_nodes, tmp_path, local_runs):
+def test_preemption_resumes_across_both_nodes_and_a_lost_node_ends_the_job_named(two_nodes, tmp_path, local_losses):
     run = tmp_path / "run"
-    overrides = (*SMALL, *LAYOUTS["tp2-pp2"], STEPS, *TWO_NODES, "checkpoint.every=5")
+    overrides = (*SMALL, *PP2, STEPS, *TWO_NODES, "launcher.tasks_per_node=1", "checkpoint.every=5")
     with Followed(two_nodes, run, *overrides) as followed:
         job = followed.job()
         followed.rows(8)
@@ -95,12 +85,12 @@ def test_preemption_resumes_across_both_nodes_and_a_lost_node_ends_the_job_named
     assert REQUEUE_ASKED in proc.stdout and "resumed from" in proc.stdout, proc.stdout[-3000:]
     headline = [line for line in proc.stderr.splitlines() if "failed:" in line]
     assert proc.returncode == 1 and len(headline) == 1, proc.stderr[-3000:]
-    assert "node t3d-n2 stopped responding: ranks 2, 3" in headline[0], proc.stderr[-3000:]
+    assert "node t3d-n2 stopped responding: ranks 1 " in headline[0], proc.stderr[-3000:]
     assert took < 2 * 30, "one parallel.timeout_s at most (the slack is for a loaded machine)"
     newest = _checkpoints(run)[-1]  # the newest published when the node died: the resumed attempt's
     assert newest > f"step_{stopped:08d}" and newest >= "step_00000010", (stopped, newest)
     again = train(two_nodes, run, *overrides, "launcher.wait=true")  # train.resume=auto: the newest checkpoint
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "resumed from" in again.stdout and newest in again.stdout, (newest, again.stdout[-3000:])
-    assert _hosts(run) == ["t3d-n1", "t3d-n1", "t3d-n2", "t3d-n2"]
-    assert losses(run) == local_runs["tp2-pp2"]
+    assert _hosts(run, 2) == ["t3d-n1", "t3d-n2"], "one stage on each node"
+    assert losses(run) == local_losses(PP2_LOCAL)

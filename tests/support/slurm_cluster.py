@@ -49,5 +49,10 @@ def slurm_cluster(tmp_path_factory, request):
         pytest.skip(f"no Slurm cluster here: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, f"slurm/cluster.sh start failed:\n{proc.stderr[-4000:]}"
     env = dict(os.environ, SLURM_CONF=str(state / "etc" / "slurm.conf"))
+    # Every node of the dev cluster is this machine: a rank alone on its node would size its
+    # threads from all the machine's cores (trainer3d/rank/threads.py) beside the other node's
+    # ranks and stall at each OpenMP region. One thread each, as under two xdist workers
+    # (tests/conftest.py); sbatch passes the submitting environment on to the ranks.
+    env.setdefault("OMP_NUM_THREADS", "1")
     yield env
     subprocess.run(["bash", str(SCRIPT), "stop"], capture_output=True, text=True, timeout=300, env=env)

@@ -223,12 +223,23 @@ def queue_state(job_id: str) -> str:
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
 
 
+ACCOUNTING_LAG_S = 15.0
+"""How long ``cancel_and_wait`` asks sacct for a cancelled job's end (slurmdbd records it a few
+seconds after squeue drops it; a cluster without accounting never does)."""
+
+
 def cancel_and_wait(job: submitit.Job, wait_s: float = 120) -> None:
-    """scancel, then wait (bounded) until squeue no longer lists the job: its ranks are gone."""
+    """scancel, then wait (bounded) until squeue no longer lists the job: its ranks are gone;
+    then (at most ACCOUNTING_LAG_S) until sacct has its end too, so that ``job.done()`` says so
+    at once. submitit asks sacct at most every half of the job's age (submitit/core/core.py,
+    InfoWatcher), and a rank killed without a result (a lost node) leaves done() to sacct."""
     subprocess.run(["scancel", str(job.job_id)], capture_output=True, timeout=60)
     deadline = time.monotonic() + wait_s
     while queue_state(job.job_id) and time.monotonic() < deadline:
-        time.sleep(1)
+        time.sleep(0.5)
+    deadline = min(deadline, time.monotonic() + ACCOUNTING_LAG_S)
+    while not job.watcher.is_done(job.job_id, mode="force") and time.monotonic() < deadline:
+        time.sleep(0.5)
 
 
 def launch_slurm(cfg: Config, task=None) -> int:
