@@ -216,21 +216,32 @@ def test_a_killed_local_rank_is_trouble_at_once_and_named_dead(tmp_path, reaped)
         os.waitpid(pid, 0)
 
 
-def test_after_trouble_a_rank_beating_now_is_not_waited_for_but_an_aging_one_is(tmp_path):
+def test_after_trouble_a_rank_beating_since_is_not_waited_for_but_one_silent_since_is(tmp_path):
     """A peer's error is trouble; the follower then ends the job once every rank is accounted for.
-    A rank whose beat changed just now is alive (waiting cannot make it the stopped rank); one whose
-    beat has stopped but is not yet stale may be the stopped rank behind the error: wait for it."""
+    A rank seen beating after the trouble began is alive (waiting cannot make it the stopped rank).
+    One whose last beat came before it, however recent (a lost node's rank beat a moment before
+    its peer's connection was reset), may be the cause behind the error: wait for it to go stale."""
     live = Heartbeat(tmp_path, 1, interval_s=0.05).start()
-    watch = Watch(2, timeout_s=60, reader=HeartbeatReader(tmp_path, 2), stale_s=10.0, fresh_s=1.0)
+    watch = Watch(2, timeout_s=60, reader=HeartbeatReader(tmp_path, 2), stale_s=10.0)
     try:
+        _judge_over(watch, 0.2)
+        assert watch.trouble_at is None and watch.beats[1].age(time.monotonic()) < 1.0, "beating, no trouble"
         watch.outcomes = {0: ("error", "RuntimeError: Timed out"), 1: None}
         watch.judge()
         time.sleep(0.2)
         watch.judge()
-        assert watch.trouble_at is not None and watch.settled(), "rank 1 beats: nothing to wait for"
-        live._stopped.set()  # its beat stops, the record still says "running"
-        live._thread.join()
-        _judge_over(watch, 1.5)
-        assert watch.stale == {} and not watch.settled(), "aging, not yet stale: it may be the cause"
+        assert watch.trouble_at is not None and watch.settled(), "rank 1 beat since: nothing to wait for"
     finally:
         live.stop()
+    lost = Heartbeat(tmp_path, 1, interval_s=0.05).start()
+    watch = Watch(2, timeout_s=60, reader=HeartbeatReader(tmp_path, 2), stale_s=10.0)
+    try:
+        _judge_over(watch, 0.2)
+        lost._stopped.set()  # its beat stops, the record still says "running": a node lost
+        lost._thread.join()
+        watch.judge()  # its last beat seen, a moment before the peer's error
+        watch.outcomes = {0: ("error", "RuntimeError: Connection reset by peer"), 1: None}
+        _judge_over(watch, 1.5)
+        assert watch.stale == {} and not watch.settled(), "silent since before the error: it may be the cause"
+    finally:
+        lost.stop()

@@ -83,4 +83,6 @@ def test_auto_saves_at_the_steps_it_printed(tmp_path):
     assert {every for every, _, _ in plans} == {"7", "10"}, plans  # the intervals the scaled figures give
     got, want = _expected_saves(results[0]["out"])
     assert got == want and len(got) >= 3, results[0]["out"]
-    assert [s for s, _ in store.published(tmp_path / "checkpoints")] == [at for at, _ in saves]
+    # an interval's save can land on the last step: the end's save of that step is the same one
+    # (Checkpointer.save waits for it), so each step is published once
+    assert [s for s, _ in store.published(tmp_path / "checkpoints")] == list(dict.fromkeys(at for at, _ in saves))

@@ -80,7 +80,9 @@ class AutoInterval:
             return f"checkpoint.every=auto: no step timed yet; next save at step {self.next_at}"
         tau = daly(m.stall_s, self.mtbf_s)
         optimum = max(1, round(tau / m.step_s))
-        self.every = max(optimum, math.ceil(m.write_s / m.step_s))
+        # steps a write spans, rounding noise dropped (a write of 10 steps measured as 10.000000000000002
+        # still fits in 10)
+        self.every = max(optimum, math.ceil(round(m.write_s / m.step_s, 9)))
         self.next_at = max(last_saved + self.every, steps_done + 1)
         by_write = self.every > optimum
         why = (f"a background save takes {m.write_s:.2f} s and the next must not wait for it" if by_write else

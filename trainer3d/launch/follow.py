@@ -7,11 +7,11 @@ and on this host /proc shows it gone: killed, out of memory, crashed outside Pyt
 rank whose heartbeat stopped for longer than ``parallel.timeout_s`` while the job runs: beside
 ranks that still beat, or alone (a one-rank job, or every rank frozen, is ended too: no peer is
 needed to see it). Then the follower takes its diagnosis and ends the job once every rank is
-accounted for — a result, an exit, a stale beat, a process seen gone, or a beat still fresh (a
-rank alive now: waiting longer cannot make it the cause) — or after ``SETTLE_S``: the one case
-that waits is a rank whose beat is aging but not yet stale (it may be the stopped rank behind
-the others' timeouts; a stopped or frozen process's beat goes stale within ``STALE_S``), or a
-rank that never beat. It does not wait for the victims to time out a second time. So a rank
+accounted for — a result, an exit, a stale beat, a process seen gone, or a beat seen after the
+trouble began (a rank alive since: waiting longer cannot make it the cause) — or after
+``SETTLE_S``: the one case that waits is a rank whose last beat came before the trouble and is
+not yet stale (it may be the stopped rank, or a lost node's, behind the others' errors; a beat
+seen just before the trouble is no sign of life after it), or a rank that never beat. It does not wait for the victims to time out a second time. So a rank
 stopped with SIGSTOP ends the job about one ``parallel.timeout_s`` after it stopped, a killed
 local rank ends it at once, and the report names them rather than the ranks that timed out
 waiting for them.
@@ -31,13 +31,10 @@ from typing import Callable, Dict, List, Optional
 
 import submitit
 
-from trainer3d.rank.heartbeat import BEAT_S, STALE_S, Beat, HeartbeatReader
+from trainer3d.rank.heartbeat import STALE_S, Beat, HeartbeatReader
 
 POLL_S = 0.5
 SETTLE_S = STALE_S + 2.0
-FRESH_S = 3 * BEAT_S
-"""A beat that changed this recently (three beats of the writer's period, by this process's
-clock, which polls every ``POLL_S``) is a rank alive now."""
 _OWN_PREFIX = "trainer3d.observe.failure.RankFailed: "
 _DIED = "exited without a result (killed, out of memory, or crashed outside Python)"
 
@@ -114,7 +111,6 @@ class Watch:
     running: Callable[[], bool] = lambda: True
     """Whether the job's ranks are running now (Slurm: the job's state; a pending requeue is not)."""
     stale_s: float = STALE_S
-    fresh_s: float = FRESH_S
     pids_here: bool = False
     """Whether a record's pid is a process this one can look up in /proc (a local job: same host,
     same pid namespace); a Slurm node's pid is read only as words in the report."""
@@ -175,17 +171,18 @@ class Watch:
         """Trouble seen, and every rank accounted for (module docstring), or SETTLE_S passed."""
         if self.trouble_at is None:
             return False
-        now = time.monotonic()
-        if now - self.trouble_at >= SETTLE_S:
+        if time.monotonic() - self.trouble_at >= SETTLE_S:
             return True
-        return all(self._known(t, now) for t in range(self.num_tasks))
+        return all(self._known(t) for t in range(self.num_tasks))
 
-    def _known(self, rank: int, now: float) -> bool:
+    def _known(self, rank: int) -> bool:
         """Whether waiting can tell more about ``rank``: not once it has a result, has exited,
-        went stale, is seen dead, or beat just now (alive: it is no stopped rank's silence)."""
+        went stale, is seen dead, or beat after the trouble began (alive since: no stopped rank's
+        silence). A beat seen before it proves nothing: a rank killed with its node a moment
+        before a peer's connection was reset beat a moment before too."""
         beat = self.beats.get(rank)
         return (self.outcomes.get(rank) is not None or rank in self.stale or rank in self.dead
-                or (beat is not None and (beat.state == "exited" or beat.age(now) < self.fresh_s)))
+                or (beat is not None and (beat.state == "exited" or beat.seen_change > self.trouble_at)))
 
 
 def follow(job: submitit.Job, timeout_s: float, heartbeats: Optional[Path] = None,
