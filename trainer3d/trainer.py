@@ -156,7 +156,7 @@ class Trainer:
         if self.pipeline is not None:
             self.pipeline.report_to(metrics)
         self.stragglers = StragglerWatch(t, dims, (lambda: self.pipeline.clock.last_busy) if self.pipeline else None)
-        metrics.add_reduced(self.stragglers.read)
+        metrics.add_gathered(self.stragglers)
         self.moe_stats = MoEStats(self.chunks, cfg, dims) if cfg.model.moe.num_experts else None
         if self.moe_stats is not None:
             metrics.add_reduced(self.moe_stats.read)
@@ -295,10 +295,9 @@ class Trainer:
         if self.evaluator is not None and self.evaluator.due(step + 1):
             self.evaluate(step)
         if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
-            self.metrics.flush()
-            self.nonfinite.check()
+            self.metrics.flush(also=(self.nonfinite,))  # the non-finite check rides in the metrics' all-gather
         if self.checkpointer.due(step + 1):
-            self.nonfinite.check()  # never a checkpoint of weights trained on a non-finite loss
+            self.nonfinite.check()  # never a checkpoint of weights trained on a non-finite loss (checked: no collective)
             self.save_checkpoint(step + 1)
         else:
             self.checkpointer.poll()  # a save in the background that finished: noticed on every rank alike

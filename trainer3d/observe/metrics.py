@@ -1,9 +1,14 @@
 """Step metrics: kept on the device between logging intervals, reduced once per interval.
 
 Every step's loss and gradient norm stay device tensors; every ``train.log_every`` steps
-(and at the end) they are stacked and reduced to rank 0 — the only host-device sync of the
-loop: one sum-reduce of the per-step values (loss, and the columns averaged over ranks:
-pipeline bubble, communication time) and one max-reduce of the per-rank figures (memory).
+(and at the end) they are stacked and gathered — the only host-device sync of the loop, and
+one collective: a single all-gather of one float64 vector per rank holding the per-step values
+that are summed over ranks (loss, and the columns averaged over ranks: pipeline bubble,
+communication time), the per-rank figures whose maximum is written (memory), and the parts of
+its riders (``add_gathered``: the straggler watch's per-rank step times; the non-finite check
+passed to ``flush``). The straggler watch needs every rank's values on rank 0 anyway, so the
+sums and maxima are taken from the gathered rows instead of in reductions of their own, and
+the interval's bookkeeping costs one collective launch, not four.
 Rank 0 then writes one JSON object per step to ``<run_dir>/metrics.jsonl``, hands the same
 rows to the sinks (wandb), and prints one progress line.
 
@@ -33,7 +38,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, TextIO
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, TextIO
 
 import torch
 import torch.distributed as dist
@@ -64,6 +69,17 @@ def mfu_text(mfu: Optional[float], peak_tflops: Optional[float]) -> str:
         return f"{100 * mfu:.1f}%"
     return (f">100% ({100 * mfu:.0f}% of a peak of {peak_tflops:.3g} TFLOP/s, which is low: measured at "
             "start-up under contention, or train.peak_tflops set low)")
+
+
+class Gathered(Protocol):
+    """A rider of the metrics' all-gather (``MetricsLogger.add_gathered``, ``flush(also=...)``)."""
+
+    def mine(self) -> torch.Tensor:
+        """This rank's values: a 1-D tensor, as long on every rank (it may be empty)."""
+
+    def take(self, rows: torch.Tensor) -> Dict[str, List[Optional[float]]]:
+        """Every rank: the gathered values, (world, len(mine())); returns columns of metrics.jsonl
+        (rank 0's are written; {} for none)."""
 
 
 class MetricsLogger:
@@ -97,6 +113,7 @@ class MetricsLogger:
         """``with metrics.comm(): <a communication call>`` inside a step (trainer3d/observe/telemetry.py)."""
         self._columns: Dict[str, Callable[[], List[float]]] = {"comm_s": self.comm.pop}
         self._reduced: List[Callable[[], Dict[str, List[float]]]] = []
+        self._gathered: List[Gathered] = []
         self.constants: Dict[str, float] = {"bubble": 0.0, "bubble_theory": 0.0,
                                             **(prediction.columns() if prediction else {})}
         """Values written unchanged into every row (``set_constant``: e.g. the pipeline's bubble_theory)."""
@@ -153,6 +170,12 @@ class MetricsLogger:
         communicate; trainer3d/observe/moe.py), and rank 0's columns are written as they are."""
         self._reduced.append(read)
 
+    def add_gathered(self, rider: Gathered) -> None:
+        """Per-rank values that ride in the flush's all-gather (trainer3d/observe/stragglers.py):
+        at each flush every rank calls ``rider.mine()``, then ``rider.take(rows)`` with every
+        rank's, before rank 0 writes the rows with the columns it returns."""
+        self._gathered.append(rider)
+
     def set_constant(self, name: str, value: float) -> None:
         """A value written unchanged into every row."""
         self.constants[name] = value
@@ -192,25 +215,33 @@ class MetricsLogger:
     def _per_rank(self) -> Dict[str, float]:
         return {"mem_state_bytes": float(self.state_bytes()), **process_memory(self.dims.device)}
 
-    def flush(self) -> Optional[dict]:
-        """Reduce the interval's metrics to rank 0 and write them; returns rank 0's last row."""
+    def flush(self, also: Sequence[Gathered] = ()) -> Optional[dict]:
+        """Gather the interval's metrics and write them on rank 0; returns rank 0's last row.
+        ``also``: riders of this flush's all-gather alone, taken after the rows are written (the
+        non-finite check of a logging step, trainer3d/observe/nonfinite.py: it may raise)."""
         if not self._steps:
+            for rider in also:  # nothing of the metrics to gather: the riders still meet
+                rider.take(_all_gather(rider.mine()))
             return self.last
-        packed = torch.stack(self._losses)
-        device = packed.device
+        losses = torch.stack(self._losses)
+        device, n = losses.device, len(self._steps)
         val = torch.stack([self._val.get(s, torch.zeros((), device=device)) for s in self._steps])
-        # One sum-reduce for the per-step values: (steps, 2 + columns).
-        extra = [torch.tensor(read(), dtype=packed.dtype, device=device) for read in self._columns.values()]
-        packed = torch.stack([packed, val, *extra], dim=1)
-        dist.reduce(packed, dst=0)
-        reduced = {name: values for read in self._reduced for name, values in read().items()}
+        # Summed over ranks: (steps, 2 + columns).
+        extra = [torch.tensor(read(), dtype=losses.dtype, device=device) for read in self._columns.values()]
+        summed = torch.stack([losses, val, *extra], dim=1).double()
         per_rank = self._per_rank()
         peaks = torch.tensor(list(per_rank.values()), dtype=torch.float64, device=device)
-        dist.reduce(peaks, dst=0, op=dist.ReduceOp.MAX)
+        riders = [*self._gathered, *also]
+        parts = [summed.flatten(), peaks, *(rider.mine().to(device=device, dtype=torch.float64) for rider in riders)]
+        rows = _all_gather(torch.cat(parts))
+        rows = list(rows.split([p.numel() for p in parts], dim=1))
+        reduced = {name: values for rider, part in zip(self._gathered, rows[2:]) for name, values in rider.take(part).items()}
+        reduced.update({name: values for read in self._reduced for name, values in read().items()})
         now = time.perf_counter()
-        elapsed, n = now - self._interval_start, len(self._steps)
+        elapsed = now - self._interval_start
         self._interval_start = now
         if self.dims.rank == 0:
+            packed = rows[0].sum(0).reshape(n, -1)
             losses = (packed[:, 0] / self.dims.dp_cp).tolist()  # every dp and cp rank's mean, as many tokens each
             norms = torch.stack(self._norms).tolist()
             columns = {name: (packed[:, i + 2] / self.world_size).tolist() for i, name in enumerate(self._columns)}
@@ -219,9 +250,11 @@ class MetricsLogger:
             columns.update(reduced)
             if self._extras[0]:
                 columns.update({k: torch.stack([e[k] for e in self._extras]).tolist() for k in self._extras[0]})
-            memory = dict(zip(per_rank, [int(v) for v in peaks.tolist()]))
+            memory = dict(zip(per_rank, [int(v) for v in rows[1].amax(0).tolist()]))
             self._write(losses, norms, elapsed / n, columns, memory, val)
         self._steps, self._losses, self._norms, self._lrs, self._extras, self._val = [], [], [], [], [], {}
+        for rider, part in zip(also, rows[2 + len(self._gathered):]):
+            rider.take(part)
         return self.last
 
     def _throughput(self, step_time: float) -> Dict[str, float]:
@@ -309,3 +342,10 @@ class MetricsLogger:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
+
+
+def _all_gather(mine: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``mine`` (1-D, as long on every rank), stacked: (world, len)."""
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    return torch.stack(rows)

@@ -3,9 +3,11 @@
 Each step keeps its loss (on the ranks that compute it) and its global gradient norm (the
 same on every rank: it comes from one all-reduce), device scalars the metrics keep too; no
 operator runs then. At a check the steps kept since the last one are tested in one pass
-(stacked, ``isfinite``), the first non-finite step is all-reduced and read where the
-loop syncs anyway — at the logging interval, and before a checkpoint is written, so a
-checkpoint never holds weights after a non-finite step. fp16 steps whose gradients
+(stacked, ``isfinite``), the first non-finite step is reduced over the ranks and read where
+the loop syncs anyway — at the logging interval, riding in the metrics' all-gather
+(trainer3d/observe/metrics.py ``flush(also=...)``), and before a checkpoint is written (an
+all-reduce of its own, skipped where no step was kept since the last check: every rank keeps
+the same steps), so a checkpoint never holds weights after a non-finite step. fp16 steps whose gradients
 overflow are the loss scaler's business (skipped, the scale halved): there only a
 non-finite loss counts.
 
@@ -14,7 +16,7 @@ the message below and a non-zero exit, no checkpoint is saved) | continue (rank 
 warning line per check that finds a new non-finite step, and the run goes on).
 """
 
-from typing import List
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -60,10 +62,28 @@ class NonFiniteWatch:
 
     def check(self) -> None:
         """Every rank at the same steps: raise NonFiniteLoss if any rank saw a non-finite step
-        (with ``continue``: warn on rank 0 and watch for the next one)."""
+        (with ``continue``: warn on rank 0 and watch for the next one). No collective where no
+        step was kept since the last check (the same on every rank)."""
+        if not self._steps:
+            return
         first = self.first_bad()
         dist.all_reduce(first, op=dist.ReduceOp.MIN)
-        step = int(first.item())
+        self._settle(int(first.item()))
+
+    def mine(self) -> torch.Tensor:
+        """``check`` as a rider of the metrics' all-gather: this rank's first non-finite step
+        since the last check (inf: none), as float64."""
+        first = self.first_bad()
+        return torch.where(first == NEVER, torch.full((1,), float("inf"), dtype=torch.float64, device=first.device),
+                           first.double().reshape(1))
+
+    def take(self, rows: torch.Tensor) -> Dict[str, list]:
+        """Every rank, with every rank's ``mine()``: ``check``'s verdict (no columns)."""
+        first = rows.min().item()
+        self._settle(NEVER if first == float("inf") else int(first))
+        return {}
+
+    def _settle(self, step: int) -> None:
         if step == NEVER:
             return
         if self.action == "continue":

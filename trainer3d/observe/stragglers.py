@@ -21,8 +21,9 @@ judged.
 
 Cost: the times are marks on the host clock (CPU, where ops run synchronously) or CUDA events
 recorded on the current stream (read only at the logging interval, when the metrics are read
-anyway, so no extra sync); every ``train.log_every`` steps one all-gather of (steps x 2)
-numbers per rank brings them to rank 0, which judges and prints. Background: a straggler
+anyway, so no extra sync); every ``train.log_every`` steps the (steps x 2) numbers of each rank
+ride in the metrics' one all-gather (trainer3d/observe/metrics.py ``add_gathered``) to rank 0,
+which judges and prints. Background: a straggler
 detector of the same shape (per-rank op timings compared over ranks, a slowdown ratio) is
 Megatron-LM's ``megatron/training/straggler_detector.py``.
 """
@@ -99,8 +100,8 @@ class StragglerDetector:
 
 class StragglerWatch:
     """``start()`` before the step's forward, ``backward_done()`` after its last backward,
-    ``end()`` after the gradient norm; ``read`` is the metrics' reduced columns
-    (``MetricsLogger.add_reduced``), called on every rank at each flush."""
+    ``end()`` after the gradient norm; ``mine``/``take`` ride in the metrics' all-gather
+    (``MetricsLogger.add_gathered``) at each flush, on every rank."""
 
     def __init__(self, t: TrainConfig, dims: ParallelDims, stage_busy: Optional[Callable[[], list]] = None):
         """``stage_busy``: the last step's busy intervals of this rank's pipeline stage (None
@@ -156,20 +157,21 @@ class StragglerWatch:
         self._steps = []
         return out
 
-    def read(self) -> Dict[str, List[Optional[float]]]:
-        """Every rank: gather the interval's times; rank 0 judges them, prints whom it names
-        and returns the columns of metrics.jsonl (others: {})."""
+    def mine(self) -> torch.Tensor:
+        """This rank's (compute, wait) seconds of each step since the last flush, flattened."""
         if not self.on:
+            return torch.zeros(0, dtype=torch.float64, device=self.dims.device)
+        return torch.tensor(self._times(), dtype=torch.float64, device=self.dims.device).reshape(-1)
+
+    def take(self, rows: torch.Tensor) -> Dict[str, List[Optional[float]]]:
+        """Every rank, with every rank's ``mine()`` (world, steps x 2): rank 0 judges them, prints
+        whom it names and returns the columns of metrics.jsonl (others: {})."""
+        if not self.on or self.dims.rank != 0:
             return {}
-        mine = torch.tensor(self._times(), dtype=torch.float64, device=self.dims.device).reshape(-1, 2)
-        gathered = [torch.empty_like(mine) for _ in range(self.dims.topo.world_size)]
-        dist.all_gather(gathered, mine)
-        if self.dims.rank != 0:
-            return {}
-        times = torch.stack(gathered).tolist()  # (rank, step, [compute, wait])
+        times = rows.reshape(rows.shape[0], rows.shape[1] // 2, 2).tolist()  # (rank, step, [compute, wait])
         columns: Dict[str, List[Optional[float]]] = {k: [] for k in (
             "rank_compute_s", "rank_wait_s", "slowest_rank", "slowest_ratio", "straggler_rank", "straggler_ratio")}
-        for i in range(mine.shape[0]):
+        for i in range(len(times[0])):
             compute = [times[r][i][0] for r in range(len(times))]
             ratios, onset, cleared = self.detector.feed(compute)
             for rank, level in onset:
