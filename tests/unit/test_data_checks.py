@@ -1,13 +1,11 @@
 """Bad data is refused before launch, one line naming the file and the fix (exit status 2).
 
 Most cases call the checks the entry point runs (``trainer3d.preflight.data_checks.check_data`` on the
-composed, validated config); two go through ``python -m trainer3d.train`` itself, where
-nothing launches, so they are quick too.
+composed, validated config); two go through the entry point's ``run``
+(trainer3d/train.py) in this process, its launch replaced by a failure: nothing may launch.
 """
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -183,25 +181,28 @@ def test_data_knobs_are_checked(overrides, fragment):
     assert any(fragment in p for p in err.value.problems), err.value.problems
 
 
-def run_entry_point(tmp_path, *overrides):
-    return subprocess.run([sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={tmp_path / 'run'}",
-                           f"data.cache_dir={tmp_path / 'cache'}", *SMALL, *overrides],
-                          capture_output=True, text=True, timeout=120)
+def run_entry_point(tmp_path, monkeypatch, capsys, *overrides):
+    """The entry point's exit status and stderr for ``overrides`` (its launch fails the test)."""
+    from trainer3d import train
+
+    monkeypatch.setattr(train, "launch", lambda cfg, record=None: pytest.fail("launched"))
+    code = train.run(make([f"data.cache_dir={tmp_path / 'cache'}", *SMALL, *overrides]))
+    return code, capsys.readouterr().err
 
 
-def test_ids_beyond_the_model_vocabulary_stop_the_entry_point_with_tensor_parallelism(tmp_path):
+def test_ids_beyond_the_model_vocabulary_stop_the_entry_point_with_tensor_parallelism(tmp_path, monkeypatch, capsys):
     """With tp=2 such ids would embed as zeros and train silently: refused, nothing launched."""
     path = token_file(tmp_path, "big.bin", 2000, vocab=300, ids=np.arange(2000) % 300)
-    proc = run_entry_point(tmp_path, "parallel=single", "parallel.tp=2", "data=tokens", f"data.path={path}")
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.strip() == (f"trainer3d: data error: {path}: tokenizer vocabulary 300 > "
-                                   "model.vocab_size=257; set model.vocab_size=300 (or more)")
-    assert not (tmp_path / "run" / "submitit").exists(), "nothing launched"
+    code, err = run_entry_point(tmp_path, monkeypatch, capsys, "parallel=single", "parallel.tp=2", "data=tokens",
+                                f"data.path={path}")
+    assert code == 2, err
+    assert err.strip() == (f"trainer3d: data error: {path}: tokenizer vocabulary 300 > "
+                           "model.vocab_size=257; set model.vocab_size=300 (or more)")
 
 
-def test_a_blend_on_the_command_line_is_checked_by_the_entry_point(tmp_path):
+def test_a_blend_on_the_command_line_is_checked_by_the_entry_point(tmp_path, monkeypatch, capsys):
     a, b = token_file(tmp_path, "a.bin", 3000), token_file(tmp_path, "b.bin", 3000, tokenizer=OTHER_TOKENIZER)
     blend = f"data.blend=[{{path: {a}, weight: 0.7}}, {{path: {b}, weight: 0.3}}]"
-    proc = run_entry_point(tmp_path, "parallel=dp2", "data=tokens", blend)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "were made with different tokenizers" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    code, err = run_entry_point(tmp_path, monkeypatch, capsys, "parallel=dp2", "data=tokens", blend)
+    assert code == 2, err
+    assert "were made with different tokenizers" in err and len(err.strip().splitlines()) == 1

@@ -127,12 +127,15 @@ def test_a_rank_without_a_gpu_of_its_own_is_refused_naming_the_knob(visible, env
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
-def test_entry_point_refuses_cuda_without_gpu_before_any_rank(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "trainer3d.train", "parallel=single", "train.device=cuda",
-                          f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2, out.stderr
-    assert "trainer3d: device error: train.device=cuda but no CUDA device is visible here" in out.stderr
-    assert not (tmp_path / "submitit").exists()  # nothing launched
+def test_entry_point_refuses_cuda_without_gpu_before_any_rank(monkeypatch, capsys):
+    """The entry point's run (trainer3d/train.py ``run``, in this process: the path from the
+    command line to its exit status is tests/unit/test_validate.py's and test_knobs.py's)."""
+    from trainer3d import train
+
+    monkeypatch.setattr(train, "launch", lambda cfg, record=None: pytest.fail("launched"))
+    assert train.run(make(["parallel=single", "train.device=cuda"])) == 2
+    err = capsys.readouterr().err
+    assert "trainer3d: device error: train.device=cuda but no CUDA device is visible here" in err, err
 
 
 @pytest.mark.parametrize("env, changed, settings", [

@@ -287,34 +287,36 @@ TOOL_COMMANDS = [pc for pc in documented_commands(TOOL)] + [pc for pc in documen
                                                              if "--calibrate" in pc[1]]
 
 
+DRIFTED = [["tools/sample.py", ["ckpt/", "--prompt", "a", "--greedy"]],
+           ["tools/sample.py", ["ckpt/", "--prompt", "a", "--max-tokens", "9"]],  # it is --max-new-tokens
+           ["tools/export_model.py", ["ckpt/"]]]
+"""The check's own check: a command that parses, a drifted flag, a missing positional."""
+
+
 @pytest.fixture(scope="module")
 def parsed_tool_commands():
-    """Every documented tool command parsed by its tool's own argparse, in one process."""
+    """Every documented tool command parsed by its tool's own argparse, then ``DRIFTED``'s
+    entries, in one process: {command: result}, and DRIFTED's results."""
     entries = []
     for _, command in TOOL_COMMANDS:
         args = shlex.split(command)[1:]
         entries.append(["-m " + args[1], args[2:]] if args[0] == "-m" else [args[0], args[1:]])
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "tool_args.py"), json.dumps(entries)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "tool_args.py"),
+                           json.dumps(entries + DRIFTED)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert len(results) == len(entries), proc.stdout
-    return {command: result for (_, command), result in zip(TOOL_COMMANDS, results)}
+    assert len(results) == len(entries) + len(DRIFTED), proc.stdout
+    return {command: result for (_, command), result in zip(TOOL_COMMANDS, results)}, results[len(entries):]
 
 
 @pytest.mark.parametrize("page, command", TOOL_COMMANDS, ids=_ids)
 def test_every_documented_tool_command_parses(page, command, parsed_tool_commands):
-    result = parsed_tool_commands[command]
+    result = parsed_tool_commands[0][command]
     assert result["ok"], f"{page}: `{command}` is refused as printed: {result['error']}"
 
 
-def test_the_tool_check_catches_a_drifted_flag():
-    entries = [["tools/sample.py", ["ckpt/", "--prompt", "a", "--greedy"]],
-               ["tools/sample.py", ["ckpt/", "--prompt", "a", "--max-tokens", "9"]],  # it is --max-new-tokens
-               ["tools/export_model.py", ["ckpt/"]]]
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "tool_args.py"), json.dumps(entries)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    ok, drifted, missing = [json.loads(line) for line in proc.stdout.splitlines()]
+def test_the_tool_check_catches_a_drifted_flag(parsed_tool_commands):
+    ok, drifted, missing = parsed_tool_commands[1]
     assert ok["ok"] and not drifted["ok"] and not missing["ok"]
     assert "unrecognized arguments: --max-tokens 9" in drifted["error"]
     assert "required: out" in missing["error"]

@@ -232,3 +232,22 @@ def test_the_searchs_own_refused_candidates_are_labelled_not_spoken_as_refusals_
     assert len(examples) == len(result.refusal_examples)
     for line, (knob, problem) in zip(examples, result.refusal_examples.items()):
         assert line == f"    candidate refused on {knob} ({result.refused[knob]:,}): {problem}"
+
+
+def test_calibrations_engine_probes_run_each_rank_on_one_thread(monkeypatch):
+    """--calibrate's engine probes (a negligible model: a step is host time) run their ranks on
+    one thread: with the launcher's share of the cores a step waits at each OpenMP region for a
+    second thread, which on a busy machine waits for a core (a 6-step one-process probe: 47-69 s
+    a step on 2 threads, 0.5-3 s on one; trainer3d/plan/calibrate.py PROBE_ENV)."""
+    from trainer3d.plan import calibrate
+
+    seen = []
+
+    def measured(overrides, steps, warmup, run_dir, env=None):
+        seen.append((" ".join(overrides), dict(env or {})))
+        return [0.01]
+
+    monkeypatch.setattr(calibrate, "measured_step_s", measured)
+    figures = {**dataclasses.asdict(PRESETS["cpu"]), "name": "calibrated"}
+    calibrate.engine_figures(figures, max_ranks=2, effort=calibrate.QUICK)
+    assert len(seen) == 3 and all(env.get("OMP_NUM_THREADS") == "1" for _, env in seen), seen

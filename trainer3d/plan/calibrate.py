@@ -13,7 +13,7 @@ machine, written as a Device (devices.py) that ``cluster.gpu=calibrated`` reads:
   in the bytes step_time.py charges);
 - gloo all-reduce between 2 ranks: latency (a 1 KiB message) and bus bandwidth (16 MiB);
 - the engine itself (trainer3d/plan/probe.py) on a model of negligible size (dim 32, 4
-  blocks, 4 micro-batches of 32 tokens), where a step is only fixed costs: one process (the
+  blocks, 4 micro-batches of 32 tokens; each rank on one thread), where a step is only fixed costs: one process (the
   host time of a step outside the blocks), tp=2 on 2, 4 and 8 ranks (a hop of a collective
   while that many ranks share the cores: where ranks outnumber cores a peer may be waiting
   for one), pp=2 and pp=4 (a pipeline action's host time with 2 and 4 ranks on the node).
@@ -152,6 +152,14 @@ TP_PROBES = {2: "parallel.tp=2", 4: "parallel.tp=2 parallel.dp=2", 8: "parallel.
 """Ranks on the node -> the layout whose tensor-parallel collectives time a hop at that sharing."""
 PP_PROBES = {2: "parallel.pp=2", 4: "parallel.pp=4"}
 """Ranks on the node -> the layout whose pipeline actions time one at that sharing."""
+PROBE_ENV = {"OMP_NUM_THREADS": "1"}
+"""Each rank of an engine probe runs on one thread (trainer3d/rank/threads.py cpu_threads reads
+the variable): at a negligible size a step is host time, which one thread runs, as every
+compute figure here is per CPU-second of one thread. With the launcher's share of the cores
+instead (all of them for one process), each OpenMP region of a step waits for a second thread,
+which on a machine busy with anything else waits for a core: the one-process probe, 6 steps,
+took 47-69 s a step and 32.6 CPU-s on 2 threads beside other work, 0.5-3 s a step and 11.4
+CPU-s on one (the same machine, minutes apart)."""
 
 
 def _fit(predict: Callable[[float], float], measured: float) -> float:
@@ -178,7 +186,7 @@ def engine_figures(figures: dict, max_ranks: int = RANKS[-1], effort: Effort = F
         cfg = training_config(overrides)
         world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
         run_dir = Path(tmp) / f"probe-{len(os.listdir(tmp))}"
-        took = min(measured_step_s(overrides, effort.steps, effort.warmup, run_dir))
+        took = min(measured_step_s(overrides, effort.steps, effort.warmup, run_dir, PROBE_ENV))
         print(f"calibrate: the engine at a negligible size, {layout or 'one process'}: {took * 1e3:.1f} ms/step",
               flush=True)
 

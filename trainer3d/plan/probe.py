@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Mapping, Optional, Sequence
 
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -29,12 +29,14 @@ def training_config(overrides: Sequence[str]) -> Config:
     return validate(OmegaConf.to_object(dcfg))
 
 
-def measured_step_s(overrides: Sequence[str], steps: int, warmup: int, run_dir: Path) -> List[float]:
-    """``step_time_s`` of every step after the first ``warmup`` of a ``steps``-step run."""
+def measured_step_s(overrides: Sequence[str], steps: int, warmup: int, run_dir: Path,
+                    env: Optional[Mapping[str, str]] = None) -> List[float]:
+    """``step_time_s`` of every step after the first ``warmup`` of a ``steps``-step run
+    (``env``: variables set for the run beside this process's)."""
     cmd = [sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run_dir}", *overrides,
            f"train.max_steps={steps}", "train.log_every=1", "checkpoint.save_final=false"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                          env=dict(os.environ, WANDB_MODE="disabled"))
+                          env={**os.environ, "WANDB_MODE": "disabled", **(env or {})})
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     rows, _ = read_metrics(Path(run_dir) / "metrics.jsonl")
