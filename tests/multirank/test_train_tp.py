@@ -1,5 +1,5 @@
-"""Tensor parallelism: same per-step loss as one process (tp2 through the real entry point,
-the other layouts on in-process ranks: tests/support/runs.py train_in_ranks).
+"""Tensor parallelism: same per-step loss as one process, on in-process ranks (tests/support/runs.py
+train_in_ranks; the entry point runs tp2 in the Slurm tests' tp2 x pp2 and tp2 x dp2).
 
 The tiny model has 4 heads and 2 kv-heads, which tp=4 cannot split; tp=4 runs (and their
 1-rank reference) use 8 heads and 4 kv-heads at the same width, so grouped-query attention
@@ -12,15 +12,14 @@ wait for each other on every one; 2 micro-batches still accumulate.
 
 import pytest
 
-from tests.support.runs import PARITY, assert_parity, losses, losses_in_ranks, reference_losses
+from tests.support.runs import PARITY, assert_parity, losses_in_ranks, reference_losses
 
 TP4 = ("model.n_heads=8", "model.n_kv_heads=4")  # the model of tp=4 (above)
 
 
 def _check(tmp_path, session_tmp, model, layout):
     ref = reference_losses(session_tmp, [*PARITY, *model])
-    run = losses if layout == ("parallel.tp=2",) else losses_in_ranks
-    got = run(tmp_path, [*PARITY, *model, "parallel=single", *layout])
+    got = losses_in_ranks(tmp_path, [*PARITY, *model, "parallel=single", *layout])
     worst = assert_parity(got, ref)
     print(f"{' '.join(layout)}: worst relative loss difference {worst:.2e}")
 
@@ -33,8 +32,8 @@ def test_tp2_matches_single_process(tmp_path, session_tmp, layout):
     _check(tmp_path, session_tmp, (), layout)
 
 
-# tp=4 without sequence parallelism trains in tests/multirank/test_parity_matrix.py's tp4 x pp2
-# case, on this model and against this reference.
+# tp=4 without sequence parallelism: each layer and the whole model against one rank in
+# tests/multirank/test_tensor_model.py (tp2 without sp trains 20 steps above).
 @pytest.mark.slow
 def test_tp4_sp_matches_single_process(tmp_path, session_tmp):
     _check(tmp_path, session_tmp, TP4, ("parallel.tp=4", "parallel.sequence_parallel=true"))
