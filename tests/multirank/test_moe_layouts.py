@@ -57,10 +57,10 @@ def reference(tmp_path_factory):
 
 LAYOUTS = {
     # each cp rank routes its two chunks of every sequence: counts summed over cp, the losses'
-    # gradient started cp times larger (parallel/expert/tokens.py)
-    "cp2-ring": (2, dict(cp=2)),
+    # gradient started cp times larger (parallel/expert/tokens.py); the all-gather exchange
     "cp2-dp2-all_gather": (4, dict(cp=2, dp=2, attention="all_gather")),
-    # the sort, the grouped matmuls and the counts' all-reduce over cp run again in backward
+    # the ring exchange, and the sort, the grouped matmuls and the counts' all-reduce over cp run
+    # again in backward (cp2 with the ring and no recomputation proves nothing this does not)
     "cp2-recompute": (2, dict(cp=2, recompute=True)),
     # the blocks compiled; the experts and the losses' bookkeeping eager (model/moe.py)
     "compile": (1, dict(compile_=True)),

@@ -40,7 +40,6 @@ accounting holds unchanged). What it gives up against whole-block compile is fus
 operators (a residual add into the next norm, the reshapes around attention).
 """
 
-import functools
 from typing import List
 
 import torch
@@ -48,6 +47,7 @@ from torch import nn
 
 from trainer3d.parallel.context.apply import ContextAttention
 from trainer3d.parallel.pipeline.timeline import ZERO_BUBBLE
+from trainer3d.parallel.recompute import is_recomputed, own_forward, recompute
 
 
 def compile_blocks(chunks: List[nn.Module]) -> int:
@@ -55,7 +55,7 @@ def compile_blocks(chunks: List[nn.Module]) -> int:
     count = 0
     for chunk in chunks:
         for block in chunk.layers.values():
-            if isinstance(block.forward, functools.partial) and _runs_eager_part(block):
+            if is_recomputed(block) and _runs_eager_part(block):
                 _compile_inside_recomputation(block)
             else:
                 block.compile()
@@ -69,14 +69,14 @@ def _runs_eager_part(block: nn.Module) -> bool:
 
 
 def _compile_inside_recomputation(block: nn.Module) -> None:
-    """A recomputed block (parallel/recompute.py: ``forward`` is the checkpoint's partial) with an
-    eager part: dynamo traces ``checkpoint`` as one higher-order operator whose body may not break
-    its graph, so compiling the whole block falls back to running all of it eagerly (no graph
-    at all: tests/multirank/test_context_parity.py counts them). The block's own forward is
-    compiled instead, inside the eager checkpoint, breaking its graph around the eager part; the
-    checkpoint keeps the block's input only and replays the compiled forward in backward."""
-    recompute = block.forward
-    block.forward = functools.partial(recompute.func, torch.compile(recompute.args[0]), *recompute.args[1:])
+    """A recomputed block (parallel/recompute.py) with an eager part: dynamo traces
+    ``checkpoint`` as one higher-order operator whose body may not break its graph, so compiling
+    the whole block falls back to running all of it eagerly (no graph at all:
+    tests/multirank/test_context_parity.py counts them). The block's own forward is compiled
+    instead and handed to ``recompute`` as the function it recomputes: it runs inside the eager
+    checkpoint, breaking its graph around the eager part; the checkpoint keeps the block's input
+    only and replays the compiled forward in backward."""
+    recompute(block, torch.compile(own_forward(block)))
 
 
 def compile_operators(chunks: List[nn.Module]) -> int:

@@ -18,7 +18,8 @@ hidden state or the first stage's token ids do not provide.
 """
 
 import functools
-from typing import Callable, List
+import types
+from typing import Callable, List, Optional
 
 import torch
 from torch import nn
@@ -29,12 +30,31 @@ def _recomputed(forward: Callable, x: torch.Tensor) -> torch.Tensor:
     return checkpoint(forward, x, use_reentrant=False)
 
 
+def own_forward(block: nn.Module) -> Callable:
+    """``block``'s forward as its class defines it, bound to ``block`` (whatever replaced it on
+    the instance)."""
+    return types.MethodType(type(block).forward, block)
+
+
+def is_recomputed(block: nn.Module) -> bool:
+    """Whether ``block``'s forward is the recomputing one ``recompute`` set."""
+    forward = vars(block).get("forward")
+    return isinstance(forward, functools.partial) and forward.func is _recomputed
+
+
+def recompute(block: nn.Module, forward: Optional[Callable] = None) -> None:
+    """Make ``block`` keep only its input and run ``forward`` under the checkpoint, again in
+    backward; ``forward`` is the block's own (``own_forward``) unless given: parallel/compile.py
+    passes the compiled one. Setting it again replaces the function recomputed."""
+    block.forward = functools.partial(_recomputed, forward if forward is not None else own_forward(block))
+
+
 def checkpoint_layers(chunks: List[nn.Module]) -> int:
     """Make every transformer block of ``chunks`` recompute its activations; returns how many."""
     count = 0
     for chunk in chunks:
         for block in chunk.layers.values():
-            if not isinstance(block.forward, functools.partial):  # idempotent
-                block.forward = functools.partial(_recomputed, block.forward)
+            if not is_recomputed(block):  # idempotent
+                recompute(block)
                 count += 1
     return count
