@@ -23,17 +23,35 @@ SMALL = ("parallel=single", "train.max_steps=100000", "train.log_every=1", "trai
          "train.micro_batch_size=2", "train.global_batch_size=16", "train.grad_accum_steps=null")
 
 
-def test_the_lock_names_its_holder_and_dies_with_it(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from trainer3d.rank.runlock import RunDirLock; "
-                               f"RunDirLock({str(tmp_path)!r}).acquire(job_id='4242'); print('held', flush=True); "
-                               "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+def _holding(directory) -> int:
+    """A process forked from this one (no interpreter to start, no torch to import) that takes
+    the lock of ``directory`` as job 4242 and keeps it until it is killed: its pid, once it holds it."""
+    ready, told = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(ready)
+            RunDirLock(str(directory)).acquire(job_id="4242")
+            os.write(told, b"held")
+            time.sleep(600)
+        finally:
+            os._exit(0)
+    os.close(told)
     try:
-        assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(RunDirBusy, match=rf"pid {holder.pid} on host .*, job 4242, started "):
+        assert os.read(ready, 4) == b"held"
+    finally:
+        os.close(ready)
+    return pid
+
+
+def test_the_lock_names_its_holder_and_dies_with_it(tmp_path):
+    holder = _holding(tmp_path)
+    try:
+        with pytest.raises(RunDirBusy, match=rf"pid {holder} on host .*, job 4242, started "):
             RunDirLock(str(tmp_path)).acquire()
     finally:
-        holder.kill()  # SIGKILL: no clean-up of its own, the kernel drops the lock
-        holder.wait()
+        os.kill(holder, signal.SIGKILL)  # no clean-up of its own, the kernel drops the lock
+        os.waitpid(holder, 0)
     with RunDirLock(str(tmp_path)):
         with pytest.raises(RunDirBusy):  # exclusive within one process too (a second open file)
             RunDirLock(str(tmp_path)).check_free()

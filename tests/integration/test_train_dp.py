@@ -1,22 +1,25 @@
-"""Data parallelism: same per-step loss as one process. dp=2 runs through the real entry point
-(one run: its losses and its progress lines are checked by two tests), dp=4 on in-process
-ranks (tests/support/runs.py: train_in_ranks)."""
+"""Data parallelism: same per-step loss as one process, dp=2 and dp=4, on in-process ranks doing
+the entry point's work (tests/support/runs.py: train_in_ranks). The dp2 run's losses and its
+progress lines (rank 0's stdout) are checked by two tests. A dp2 run of the entry point itself is
+held to the same reference where the launcher is under test: tests/integration/test_checkpoint_kill.py's
+killed run keeps the rows of the steps before its checkpoint (metrics.py drops only those the
+restart redoes), and the restart's comparison with the reference reads them."""
 
 import pytest
 
-from tests.support.runs import (PARITY, assert_parity, losses_in_ranks, read_metrics, reference_losses, run_train,
-                        train_losses)
+from tests.support.runs import PARITY, assert_parity, losses_in_ranks, read_metrics, reference_losses, train_in_ranks, \
+    train_losses
 
 # Its tests share a module fixture: one xdist worker runs them all (tests/conftest.py: xdist_scope).
 
 
 @pytest.fixture(scope="module")
 def dp2_run(tmp_path_factory):
-    """``python -m trainer3d.train`` on 2 data-parallel ranks, a progress line every 5 steps
-    (metrics.jsonl still has one row per step)."""
+    """2 data-parallel ranks, a progress line every 5 steps (metrics.jsonl still has one row per
+    step): the run dir and rank 0's stdout."""
     run_dir = tmp_path_factory.mktemp("dp2") / "run"
-    proc = run_train(run_dir, [*PARITY, "train.log_every=5", "parallel=single", "parallel.dp=2"])
-    return run_dir, proc
+    stdout = train_in_ranks(run_dir, [*PARITY, "train.log_every=5", "parallel=single", "parallel.dp=2"])
+    return run_dir, stdout
 
 
 def test_dp2_matches_single_process(session_tmp, dp2_run):
@@ -29,9 +32,9 @@ def test_dp4_matches_single_process(tmp_path, session_tmp):
 
 
 def test_run_reports_progress_and_metrics(dp2_run):
-    run_dir, proc = dp2_run
-    progress = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
-    assert len(progress) == 4 and "tok/s" in progress[-1] and progress[-1].startswith("step 20/20")
+    run_dir, stdout = dp2_run
+    progress = [line for line in stdout.splitlines() if line.startswith("step ")]
+    assert len(progress) == 4 and "tok/s" in progress[-1] and progress[-1].startswith("step 20/20"), stdout
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(20))
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s"):
