@@ -6,17 +6,17 @@ state over dp x cp and the expert slices' over the expert-dp group, each on the 
 stepped by the same host AdamW kernel, the experts' gradients scaled by 1 / ep before they
 leave for the host, and one clip divisor from one global norm.
 
-The tiny MoE of test_moe_parity.py (every expert active, so the top-k choice cannot flip
-between layouts), 20 steps, per-step losses within rel 1e-5 of the 1-rank run without
+The tiny MoE of test_moe_parity.py with 2 layers (every expert active, so the top-k choice
+cannot flip between layouts; one layer per stage at pp2), 20 steps, per-step losses within rel 1e-5 of the 1-rank run without
 offload, and the per-step gradient norm too (a wrong expert scale moves the norm at once, the
-loss hardly: test_moe_ep_parity.py). Checkpoints of an offloaded ep2 run resume bit for bit
-and reshard to one process.
+loss hardly: test_moe_ep_parity.py). The offloaded ep2 ZeRO-1 run's checkpoint resumes bit for
+bit and reshards to one process.
 """
 
 import numpy as np
 import pytest
 
-from tests.multirank.test_moe_parity import MOE, check_metrics
+from tests.multirank.test_moe_parity import MOE_TWO_LAYERS, check_metrics
 from tests.support.harness import run_ranks
 from tests.support.runs import (PARITY, assert_parity, losses_in_ranks, read_metrics, reference_dir, reference_losses,
                                 train_in_ranks)
@@ -26,26 +26,25 @@ OFFLOAD = "parallel.offload_optimizer=true"
 SMALL_BUCKETS = "parallel.bucket_mb=0.05"  # several buckets per half: most copies leave during backward
 
 
-def _check(tmp_path, session_tmp, layout):
-    ref = reference_losses(session_tmp, [*PARITY, *MOE])
-    got = losses_in_ranks(tmp_path, [*PARITY, *MOE, "parallel=single", *layout, OFFLOAD, SMALL_BUCKETS], timeout=900)
+def _check(tmp_path, session_tmp, layout, extra=()):
+    """The offloaded run of ``layout`` against the 1-rank reference: per-step losses, the experts'
+    token counts and aux loss, and the per-step gradient norm; its losses."""
+    ref = reference_losses(session_tmp, [*PARITY, *MOE_TWO_LAYERS])
+    got = losses_in_ranks(tmp_path, [*PARITY, *MOE_TWO_LAYERS, "parallel=single", *layout, OFFLOAD, SMALL_BUCKETS, *extra],
+                          timeout=900)
     print(f"{' '.join(layout)} offloaded: worst relative loss difference {assert_parity(got, ref):.1e}")
-    rows, ref_rows = read_metrics(tmp_path), read_metrics(reference_dir(session_tmp, [*PARITY, *MOE]))
-    check_metrics(rows, ref_rows)
+    rows, ref_rows = read_metrics(tmp_path), read_metrics(reference_dir(session_tmp, [*PARITY, *MOE_TWO_LAYERS]))
+    check_metrics(rows, ref_rows, n_layers=2)
     worst = max(abs(r["grad_norm"] - q["grad_norm"]) / q["grad_norm"] for r, q in zip(rows, ref_rows))
     print(f"worst relative grad-norm difference {worst:.1e}")
     assert worst <= 1e-5
+    return got
 
 
 @pytest.mark.slow
 def test_dp2_z1_offload_matches_single_process(tmp_path, session_tmp):
     """ep = 1: the experts' state in the one offloaded ZeRO-1 shard of each rank."""
     _check(tmp_path, session_tmp, ["parallel.dp=2", "parallel.zero_stage=1"])
-
-
-def test_dp2_ep2_z1_offload_matches_single_process(tmp_path, session_tmp):
-    """Each rank's two experts' state on its host, sharded over the expert-dp group (one rank)."""
-    _check(tmp_path, session_tmp, ["parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1"])
 
 
 @pytest.mark.slow
@@ -66,7 +65,7 @@ def test_bf16_ep2_offload_follows_the_device_step(tmp_path):
     clip coefficient where the device multiplies), so the losses stay within bf16's rounding.
     One micro-batch of 8 per rank: the host step runs once a step whatever the step accumulated
     (the fp32 cases above accumulate two)."""
-    base = [*PARITY, *MOE, "parallel=single", "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1",
+    base = [*PARITY, *MOE_TWO_LAYERS, "parallel=single", "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1",
             "train.dtype=bf16", "train.max_steps=12", "train.micro_batch_size=8", "checkpoint.save_final=false",
             SMALL_BUCKETS]
     plain = losses_in_ranks(tmp_path / "plain", base)
@@ -75,30 +74,32 @@ def test_bf16_ep2_offload_follows_the_device_step(tmp_path):
     assert offloaded[-1] < offloaded[0] - 1.0
 
 
-RESUME_AT = 15
+RESUME_AT = 18
+EP2 = ["parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1"]
 
 
-@pytest.mark.slow
-def test_offloaded_ep2_checkpoint_resumes_bit_for_bit_and_reshards_to_one_rank(tmp_path, session_tmp):
-    """dp2 ep2 ZeRO-1 offloaded runs 20 steps, saving at step 15 only. Resumed there in the same
-    layout, its losses are the uninterrupted run's bit for bit (the host masters, both halves'
-    moments and the step count all came back); one process without offload resumed there too
-    (every expert whole, the moments read from the ep ranks' host shards) follows the 1-rank
-    reference within rel 1e-5. Each resume trains the last 5 steps: the state after 15 steps
-    holds every moment a later step reads, and nothing reads a final checkpoint."""
+def test_dp2_ep2_z1_offload_matches_single_process_and_resumes_bit_for_bit_and_reshards_to_one_rank(
+        tmp_path, session_tmp):
+    """dp2 ep2 ZeRO-1 offloaded (each rank's two experts' state on its host, sharded over the
+    expert-dp group of one rank) runs 20 steps against the reference (``_check``), saving at
+    step 18 only. Resumed there in the same layout, its losses are the uninterrupted run's bit
+    for bit (the host masters, both halves' moments and the step count all came back); one
+    process without offload resumed there too (every expert whole, the moments read from the ep
+    ranks' host shards) follows the 1-rank reference within rel 1e-5. Each resume trains the
+    last 2 steps: the first reads the loaded parameters, the second the loaded moments and
+    masters; nothing reads a final checkpoint."""
     no_final = "checkpoint.save_final=false"
-    ep2 = [*PARITY, *MOE, "parallel=single", "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1", OFFLOAD,
-           no_final]
-    full = losses_in_ranks(tmp_path / "full", [*ep2, f"checkpoint.every={RESUME_AT}"])
+    full = _check(tmp_path / "full", session_tmp, EP2, extra=(f"checkpoint.every={RESUME_AT}",))
     saved = store.step_dir(tmp_path / "full" / "checkpoints", RESUME_AT)
-    train_in_ranks(tmp_path / "resumed", [*ep2, f"train.resume={saved}"])
+    train_in_ranks(tmp_path / "resumed", [*PARITY, *MOE_TWO_LAYERS, "parallel=single", *EP2, OFFLOAD, SMALL_BUCKETS, no_final,
+                                          f"train.resume={saved}"])
     rows = read_metrics(tmp_path / "resumed")
     assert [r["step"] for r in rows] == list(range(RESUME_AT, 20))
     assert [r["loss"] for r in rows] == full[RESUME_AT:]
-    stdout = train_in_ranks(tmp_path / "one", [*PARITY, *MOE, "parallel=single", no_final, f"train.resume={saved}"])
+    stdout = train_in_ranks(tmp_path / "one", [*PARITY, *MOE_TWO_LAYERS, "parallel=single", no_final, f"train.resume={saved}"])
     assert "layout changed since the checkpoint" in stdout
     one = [r["loss"] for r in read_metrics(tmp_path / "one")]
-    ref = reference_losses(session_tmp, [*PARITY, *MOE])
+    ref = reference_losses(session_tmp, [*PARITY, *MOE_TWO_LAYERS])
     worst = max(abs(a - b) / abs(b) for a, b in zip(one, ref[RESUME_AT:]))
     print(f"resumed on one process: worst relative loss difference {worst:.1e}")
     assert len(one) == 20 - RESUME_AT and worst <= 1e-5, (one, ref[RESUME_AT:])

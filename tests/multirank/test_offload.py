@@ -14,9 +14,10 @@ without it and the reverse, ZeRO-1 and ZeRO-3 alike.
 
 import numpy as np
 import pytest
+import torch.distributed as dist
 
 from tests.support.harness import dims_for, run_ranks
-from tests.support.runs import PARITY, assert_parity, losses_in_ranks, read_metrics, reference_losses
+from tests.support.runs import PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, read_metrics, reference_losses
 from trainer3d.checkpoint import store
 from trainer3d.config.schema import Config
 from trainer3d.config.validate import validate
@@ -28,20 +29,23 @@ OFFLOAD = "parallel.offload_optimizer=true"
 SMALL_BUCKETS = "parallel.bucket_mb=0.05"  # dozens of buckets: most copies leave during backward
 
 TIED = ("model.tie_embeddings=true", "optim.lr=1e-3")  # a gentler lr: at 3e-3 the tied model amplifies 1e-7 into 5e-5 in any layout
+# The untied layouts train TWO_LAYERS (tests/support/runs.py: each layer's buckets and collectives
+# as four layers' would be, at about half the CPU); the tied one the 4-layer model whose reference
+# test_parity_matrix.py's tied cases share.
 LAYOUTS = [
-    pytest.param((), ("parallel.tp=2", "parallel.dp=2", "parallel.zero_stage=1", "parallel.sequence_parallel=true"),
-                 id="tp2-dp2-z1-sp"),
+    pytest.param(TWO_LAYERS, ("parallel.tp=2", "parallel.dp=2", "parallel.zero_stage=1",
+                              "parallel.sequence_parallel=true"), id="tp2-dp2-z1-sp"),
     # each stage's buckets leaving during its backward, and the embedding's two copies (first and
     # last stage) summed after their gradients left: pp's one case, tied, as an untied run has
     # nothing of its own for offload to get wrong
     pytest.param(TIED, ("parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=1", SMALL_BUCKETS),
                  id="pp2-dp2-z1-tied"),
     # stage 0 on one rank: the whole state offloaded, every bucket's copy all of it
-    pytest.param((), ("parallel.zero_stage=0", SMALL_BUCKETS), id="single-z0"),
+    pytest.param(TWO_LAYERS, ("parallel.zero_stage=0", SMALL_BUCKETS), id="single-z0"),
     # FSDP2's CPUOffloadPolicy: parameter, gradient and optimizer shards on the host
-    pytest.param((), ("parallel.dp=2", "parallel.zero_stage=3"), id="dp2-z3"),
-    pytest.param((), ("parallel.tp=2", "parallel.dp=2", "parallel.zero_stage=2", "parallel.sequence_parallel=true"),
-                 id="tp2-dp2-z2-sp"),
+    pytest.param(TWO_LAYERS, ("parallel.dp=2", "parallel.zero_stage=3"), id="dp2-z3"),
+    pytest.param(TWO_LAYERS, ("parallel.tp=2", "parallel.dp=2", "parallel.zero_stage=2",
+                              "parallel.sequence_parallel=true"), id="tp2-dp2-z2-sp"),
 ]
 
 
@@ -56,7 +60,9 @@ def test_offload_matches_single_process(tmp_path, session_tmp, model, layout):
 # 8 steps of 8 sequences x 32 tokens, one micro-batch per rank (the host step's arithmetic runs
 # once a step whatever the step accumulated; the fp32 layouts above accumulate two): fp16 from a
 # loss scale of 2^17 skips its first step and two later ones (ZeRO-1's run), and the loss still
-# falls by more than 1.
+# falls by more than 1. The host step is the same for bf16 and fp16 but for fp16's loss scale and
+# skip flag, which each stage carries its own way (parallel/zero/offload.py, fsdp_offload.py):
+# fp16 on ZeRO-1 and ZeRO-3, bf16 on ZeRO-1.
 LOSS_SCALE_INIT = 2 ** 17
 MIXED = ("train.max_steps=8", "train.log_every=1", "train.seq_len=32", "train.micro_batch_size=4",
          "train.global_batch_size=8", "train.grad_accum_steps=null", "optim.warmup_steps=5", "parallel.timeout_s=60",
@@ -65,8 +71,7 @@ MIXED = ("train.max_steps=8", "train.log_every=1", "train.seq_len=32", "train.mi
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # two runs, each bounded by losses_in_ranks (900 s); pyproject's 600 s cut them short
-@pytest.mark.parametrize("stage", [1, 3])
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("dtype,stage", [("bf16", 1), ("fp16", 1), ("fp16", 3)])
 def test_mixed_precision_offload_follows_the_device_step(tmp_path, dtype, stage):
     """The same run with and without offload: per-step losses within bf16's rounding of one
     another (they differ only in dividing vs multiplying by the clip coefficient), and fp16's
@@ -85,8 +90,9 @@ def test_mixed_precision_offload_follows_the_device_step(tmp_path, dtype, stage)
 
 # One micro-batch per rank and step: a resume restores state, whatever a step accumulates. The
 # resumed run's first step reads the loaded parameters, its second the loaded moments and masters;
-# checkpoint.every=SAVE_AT saves no more before STEPS.
-STEPS, SAVE_AT = 5, 3
+# the run from the start keeps its save at SAVE_AT (after one step: moments and masters moved off
+# their initial values) and passes over checkpoint.every's later ones, which nothing reads.
+STEPS, SAVE_AT = 3, 1
 
 
 def _config(run_dir: str, dtype: str, offload: bool, resume: str, stage: int) -> Config:
@@ -106,21 +112,31 @@ def _state(opt):
             for v in opt.checkpoint_views() for kind, t in v.tensors.items()}
 
 
-def _train(rank, world, run_dir, dtype, offload, resume, stage):
-    """Train to STEPS; this rank's state by checkpoint key as built (or loaded), and as each save
-    of the run left it, by step (the save's own state: taken once the save has copied it)."""
+def _train(run_dir, dtype, offload, resume, stage, world):
+    """Train to STEPS; this rank's state by checkpoint key as built (or loaded), and as the save at
+    SAVE_AT left it (the save's own state: taken once the save has copied it)."""
     trainer = Trainer(_config(run_dir, dtype, offload, resume, stage), dims_for(dp=world))
     kind = OffloadedOptimizer if stage < 2 else OffloadedFSDPOptimizer
     assert isinstance(trainer.optimizer, kind) == offload
     loaded, saved, save = _state(trainer.optimizer), {}, trainer.save_checkpoint
 
     def save_and_keep(step, background=None):
-        save(step, background)
-        saved[step] = _state(trainer.optimizer)
-
+        if step == SAVE_AT:
+            save(step, background)
+            saved[step] = _state(trainer.optimizer)
     trainer.save_checkpoint = save_and_keep
     trainer.train()
     return loaded, saved
+
+
+def _saved_then_resumed(rank, world, root, dtype, saved_with, stage):
+    """The run from the start in one mode, then (on the same ranks) the run resumed from its
+    save in the other."""
+    full = _train(f"{root}/full", dtype, saved_with, "never", stage, world)
+    dist.barrier()  # the save published before any rank reads it
+    resumed = _train(f"{root}/resumed", dtype, not saved_with, str(store.step_dir(f"{root}/full/checkpoints", SAVE_AT)),
+                     stage, world)
+    return full, resumed
 
 
 @pytest.mark.slow
@@ -129,16 +145,14 @@ def _train(rank, world, run_dir, dtype, offload, resume, stage):
                          ids=["z1-bf16-offload-to-device", "z1-bf16-device-to-offload", "z1-fp32-device-to-offload",
                               "z3-fp32-offload-to-device", "z3-fp32-device-to-offload", "z3-bf16-offload-to-device"])
 def test_checkpoint_resumes_across_offload(tmp_path, stage, dtype, saved_with):
-    """dp2 trained 5 steps by one mode, saving after 3, and resumed there by the other: the loaded
+    """dp2 trained 3 steps by one mode, saving after 1, and resumed there by the other: the loaded
     parameters, fp32 masters (ZeRO-1 bf16; under FSDP the fp32 parameter shards are the masters)
     and moments are bit for bit what the saver held, under the same keys, and the resumed steps
     follow the saver's own (fp32 ZeRO-1: the host masters are taken from the loaded parameters;
     ZeRO-3: the shards are loaded where they live, host or device)."""
     full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
-    full = run_ranks(_train, 2, str(full_dir), dtype, saved_with, "never", stage, timeout=600)
-    resumed = run_ranks(_train, 2, str(resumed_dir), dtype, not saved_with,
-                        str(store.step_dir(full_dir / "checkpoints", SAVE_AT)), stage, timeout=600)
-    for rank, ((_, saves), (loaded, resaved)) in enumerate(zip(full, resumed)):
+    results = run_ranks(_saved_then_resumed, 2, str(tmp_path), dtype, saved_with, stage, timeout=600)
+    for rank, ((_, saves), (loaded, resaved)) in enumerate(results):
         assert list(saves) == [SAVE_AT] and resaved == {}, rank
         at_save = saves[SAVE_AT]
         assert at_save.keys() == loaded.keys(), rank

@@ -75,10 +75,16 @@ def _replay(tmp_path, policy, skipped):
     return fresh, results
 
 
+@pytest.fixture(scope="module")
+def rolled_back(tmp_path_factory):
+    """The uninterrupted rollback run (its directory and its ranks' results), which two tests read."""
+    spiked = tmp_path_factory.mktemp("spiked")
+    return spiked, run_ranks(_train, 2, str(spiked), "rollback", [], timeout=300)
+
+
 @pytest.mark.slow
-def test_rollback_then_a_fresh_run_told_its_skips_train_bit_identically(tmp_path):
-    spiked = tmp_path / "spiked"
-    results = run_ranks(_train, 2, str(spiked), "rollback", [], timeout=300)
+def test_rollback_then_a_fresh_run_told_its_skips_train_bit_identically(tmp_path, rolled_back):
+    spiked, results = rolled_back
     log = json.loads((spiked / "skipped_steps.json").read_text())
     # Checkpoints every 5 steps: the newest at or before step 20 - 4 + 1 = 17 is step 15's.
     assert log["steps"] == [17, 18, 19, 20], log
@@ -119,12 +125,11 @@ def test_skip_leaves_the_update_out_on_every_rank(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_preempted_after_its_rollback_resumes_into_the_same_losses(tmp_path):
+def test_a_run_preempted_after_its_rollback_resumes_into_the_same_losses(tmp_path, rolled_back):
     """The stop comes inside the skipped steps (the signal during step 16's rerun, agreed one
     step later): the resumed run reads the skip log, so it neither trains a skipped batch nor
     passes over any other — every row as an uninterrupted rollback run writes it."""
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    run_ranks(_train, 2, str(whole), "rollback", [], timeout=300)
+    whole, cut = rolled_back[0], tmp_path / "cut"
     results = run_ranks(_train, 2, str(cut), "rollback", [], 16, timeout=300)
     assert [r["stopped"] for r in results] == [18, 18] and [r["start"] for r in results] == [18, 18], results
     assert json.loads((cut / "skipped_steps.json").read_text()) == json.loads((whole / "skipped_steps.json").read_text())
