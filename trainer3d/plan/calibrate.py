@@ -157,9 +157,8 @@ PROBE_ENV = {"OMP_NUM_THREADS": "1"}
 the variable): at a negligible size a step is host time, which one thread runs, as every
 compute figure here is per CPU-second of one thread. With the launcher's share of the cores
 instead (all of them for one process), each OpenMP region of a step waits for a second thread,
-which on a machine busy with anything else waits for a core: the one-process probe, 6 steps,
-took 47-69 s a step and 32.6 CPU-s on 2 threads beside other work, 0.5-3 s a step and 11.4
-CPU-s on one (the same machine, minutes apart)."""
+which on a machine busy with anything else waits for a core and makes the probe measure the
+wait instead of the engine (tests/unit/test_plan.py holds every probe to this environment)."""
 
 
 def _fit(predict: Callable[[float], float], measured: float) -> float:
