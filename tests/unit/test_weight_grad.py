@@ -17,6 +17,7 @@ from trainer3d.model.transformer import Transformer
 from trainer3d.parallel.compile import compile_operators
 from trainer3d.parallel.pipeline.stages import keep_stage, stage_layer_ranges
 from trainer3d.parallel.pipeline.weight_grad import backward_weight
+from trainer3d.parallel.recompute import checkpoint_layers
 from trainer3d.parallel.wgrad import low_precision_sink, route_linear_layers
 from trainer3d.parallel.zero.buckets import FlatBuffers, GradReducer
 
@@ -184,3 +185,38 @@ def test_input_and_weight_steps_each_compute_their_half_once(compiled, monkeypat
     for got, want_dx in zip(dx, ref_dx):
         torch.testing.assert_close(got, want_dx, rtol=1e-5, atol=1e-7)
     assert saved_bytes(stage, batches[0][0]) == saved_bytes(middle_stage(torch.float32), batches[0][0])
+
+
+def test_weight_step_recomputes_a_checkpointed_block_once():
+    """Under ``train.activation_checkpointing`` (parallel/recompute.py) a zero-bubble micro-batch
+    runs its block's forward three times: the forward itself, the recomputation in I and one in W
+    for all of W's parameter groups (weight_grad.py: one ``GraphExecGroup``); torch's checkpoint
+    alone recomputes it in every group's call (one per projection or norm whose path meets the
+    stage input's). Each step's recomputation replays the forward on the micro-batch's own input:
+    the gradients are those of an ordinary backward without recomputation."""
+    batches = micro_batches(torch.float32)
+    ref, _, ref_dx = run_split(middle_stage(torch.float32), batches, None, torch.float32)
+    stage = middle_stage(torch.float32)
+    assert checkpoint_layers([stage]) == 1
+    phase, runs = ["F"], Counter()
+    block = next(iter(stage.layers.values()))
+    block.attention.register_forward_pre_hook(lambda *_: runs.update([phase[0]]))
+    block_call = stage.forward
+
+    def forward(x):
+        phase[0] = "F"
+        out = block_call(x)
+        phase[0] = "I"
+        return out
+
+    def weight_step(weights, groups):
+        assert len(groups) > 1  # W makes one backward call per group
+        phase[0] = "W"
+        backward_weight(weights, groups)
+
+    stage.forward = forward
+    buffers, _, dx = run_split(stage, batches, weight_step, torch.float32)
+    assert runs == Counter({"F": MICRO, "I": MICRO, "W": MICRO}), runs
+    torch.testing.assert_close(buffers.grad_buffer, ref.grad_buffer, rtol=1e-6, atol=1e-7)
+    for got, want_dx in zip(dx, ref_dx):
+        torch.testing.assert_close(got, want_dx, rtol=1e-6, atol=1e-7)

@@ -25,6 +25,19 @@ accumulates. The I step never runs those nodes (``autograd.grad`` to the inputs)
 is counted or accumulated twice. The first stage has no input gradient to compute: torch
 runs its whole backward at W (``backward_weight_one_chunk``), an ordinary ``autograd.backward``.
 
+Recomputation (``train.activation_checkpointing``, parallel/recompute.py): torch's non-reentrant
+checkpoint recomputes a block once per backward call that unpacks its saved tensors, keyed by the
+call's graph task (torch/utils/checkpoint.py ``unpack_hook``), and W makes one call per parameter
+group (a block has several: each projection and norm whose path meets the stage input's at its own
+node), so each group's call would recompute every block it reaches again. W's calls therefore run
+under one ``torch.utils.checkpoint.GraphExecGroup`` (pytorch/pytorch#166536, the API added for
+zero-bubble schedules): a block is recomputed once in W. The groups' calls cover disjoint parts of
+the graph (torch merges groups that share an intermediate or a weight path), as the group
+requires. I is a separate call and recomputes once more: W runs the intermediates I ran again, so
+one group over both would unpack their saved tensors twice, which it refuses; sharing that
+recomputation would also hold each block's recomputed activations from I to W.
+tests/unit/test_weight_grad.py counts a block's recomputations in I and in W.
+
 Memory: the graph I retained lives until W. The nodes W runs free their saved tensors as they
 run (no ``retain_graph``); the ones it never runs (the attention kernel and RoPE, which lead
 to no weight) go when W drops the intermediates, the graph's last reference (I detached the
@@ -37,6 +50,7 @@ from typing import Any, Dict, Iterable, List
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
+from torch.utils.checkpoint import GraphExecGroup
 from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
 
 
@@ -56,24 +70,30 @@ def backward_weight(weights: Iterable[nn.Parameter], param_groups: List[Dict[str
         missed = [tuple(param_of[n].shape) for n in param_of.keys() - grouped]
         raise RuntimeError(f"zero-bubble weight step: {len(missed)} weight(s) of shapes {missed} are not "
                            "reached from the stage input; use parallel.pp_schedule=1f1b or interleaved_1f1b")
-    for group in param_groups:
-        edges, grads = [], []
-        for grads_tuple, intermediate in zip(group.get("grads") or (), group["intermediates"]):
-            for i, grad in enumerate(grads_tuple):
-                if grad is not None:
-                    edges.append(GradientEdge(intermediate, i))
-                    grads.append(grad)
-        handles = []
-        try:
-            if len(group["intermediates"]) > 1:
-                # An intermediate below another would otherwise also receive the upper one's
-                # gradient again: each gets exactly what it received in I (as torch's W does).
-                for grads_tuple, intermediate in zip(group["grads"], group["intermediates"]):
-                    handles.append(intermediate.register_prehook(lambda _, saved=grads_tuple: saved))
-            del group["intermediates"]  # the pre-hook -> group -> intermediates cycle
-            if edges:
-                torch.autograd.backward(edges, grad_tensors=grads, inputs=[param_of[n] for n in group["params"]])
-            group.pop("grads", None)
-        finally:
-            for handle in handles:
-                handle.remove()
+    with GraphExecGroup():  # a recomputed block: once for all the groups' calls (module docstring)
+        for group in param_groups:
+            _group_backward(group, param_of)
+
+
+def _group_backward(group: Dict[str, Any], param_of: Dict[Any, nn.Parameter]) -> None:
+    """One parameter group's weight gradients, from its intermediates' gradients saved in I."""
+    edges, grads = [], []
+    for grads_tuple, intermediate in zip(group.get("grads") or (), group["intermediates"]):
+        for i, grad in enumerate(grads_tuple):
+            if grad is not None:
+                edges.append(GradientEdge(intermediate, i))
+                grads.append(grad)
+    handles = []
+    try:
+        if len(group["intermediates"]) > 1:
+            # An intermediate below another would otherwise also receive the upper one's
+            # gradient again: each gets exactly what it received in I (as torch's W does).
+            for grads_tuple, intermediate in zip(group["grads"], group["intermediates"]):
+                handles.append(intermediate.register_prehook(lambda _, saved=grads_tuple: saved))
+        del group["intermediates"]  # the pre-hook -> group -> intermediates cycle
+        if edges:
+            torch.autograd.backward(edges, grad_tensors=grads, inputs=[param_of[n] for n in group["params"]])
+        group.pop("grads", None)
+    finally:
+        for handle in handles:
+            handle.remove()
