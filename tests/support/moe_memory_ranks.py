@@ -1,9 +1,12 @@
 """What the mixture-of-experts memory tests run inside each gloo rank: an MoE model built by the
 real recipe (dense and MoE blocks mixed), its optimizer and loss, driven by
-``Trainer.forward_backward`` itself through one warm-up step and one measured step.
+``Trainer.forward_backward`` itself through one measured step. No warm-up step comes first:
+without a pipeline there are no shapes to infer on a first step (tests/support/activation_ranks.py
+has one for that), and a first step's saved tensors are a later step's; the optimizer's step after
+it makes its states (a warm-up step before it measured the same bytes, on every layout).
 
 Each rank returns, per layout: its tp and dp ranks, the model-state bytes it holds after the
-steps (trainer3d/observe/telemetry.py ``model_state_bytes``: parameters, gradients and every
+step (trainer3d/observe/telemetry.py ``model_state_bytes``: parameters, gradients and every
 tensor the optimizer declares), split into the device's and, with ``parallel.offload_optimizer``,
 the host's (the tensors each offloaded optimizer's ``HostAdamW`` allocated), and the peak bytes autograd saved for backward in the measured
 step (``SavedActivationMeter``), with what was left saved after it.
@@ -74,10 +77,6 @@ def measure(rank: int, world: int, layouts: List[dict]) -> List[dict]:
         rows = torch.randint(0, cfg.model.vocab_size, (t.grad_accum_steps, t.micro_batch_size, t.seq_len + 1),
                              generator=g)
         inputs, targets = rows[..., :-1], rows[..., 1:]
-        optimizer.zero_grad()
-        Trainer.forward_backward(trainer, inputs, targets)
-        optimizer.reduce_gradients()
-        optimizer.step(1e-3)
         meter = SavedActivationMeter([p for chunk in chunks for p in chunk.parameters()])
         optimizer.zero_grad()
         with meter:
