@@ -52,7 +52,10 @@ def case(tp, pp, dp, zero=0, model=(), extra=(), slow=True, id=None):
 #   torch.optim.Muon itself.
 # The 3-D case composes tp with sp, pp 1F1B, ZeRO-1 over dp and recomputation: a fault in any of them
 # moves its losses. zbv and dualpipev train on pp2 with a tied embedding (the V's first and last stage
-# on one rank share it) and on pp4 untied.
+# on one rank share it) and on pp4 untied; zbv on pp4 with recomputation, where each block is
+# recomputed in I and once more in W (parallel/pipeline/weight_grad.py), each from the micro-batch's
+# own saved input: a W step recomputing from any other input moves its losses
+# (tests/unit/test_weight_grad.py counts the recomputations).
 MATRIX = [
     case(2, 2, 2, zero=1, model=TWO_LAYERS, extra=("parallel.sequence_parallel=true", "train.activation_checkpointing=true"),
          id="tp2-pp2-dp2-z1-sp-recompute"),
