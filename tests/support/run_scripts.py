@@ -7,6 +7,9 @@ on sys.path) or ``-m MODULE``, and its arguments. Prints one JSON object per ent
 ``{"code": exit status, "stdout": ..., "stderr": ...}``; an exception other than SystemExit is
 exit status 1 with its traceback on stderr, as Python reports it. torch is imported once for all
 the entries, not once per process (a second or more each on a loaded 2-core machine).
+
+A test runs its entries with ``run_all`` (one fresh interpreter, one ``CompletedProcess`` per
+entry); the entries run in their order, so one may read what an earlier one wrote.
 """
 
 import contextlib
@@ -14,8 +17,10 @@ import io
 import json
 import os
 import runpy
+import subprocess
 import sys
 import traceback
+from typing import List, Optional, Sequence
 
 
 def run_as_main(target: str, args) -> None:
@@ -46,6 +51,21 @@ def run(target: str, args) -> dict:
             traceback.print_exc()
             code = 1
     return {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+def run_all(entries: Sequence, cwd=None, umask: Optional[int] = None,
+            timeout: float = 600) -> List[subprocess.CompletedProcess]:
+    """Run ``entries`` (``[target, args]`` pairs as above; ``args`` made strings) in one fresh
+    interpreter started as ``python tests/support/run_scripts.py`` in ``cwd`` (with ``umask`` where
+    given): each entry's exit status, stdout and stderr as a ``CompletedProcess`` of its own."""
+    entries = [[str(target), [str(a) for a in args]] for target, args in entries]
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(entries)], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
+    done = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert proc.returncode == 0 and len(done) == len(entries), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [subprocess.CompletedProcess([target, *args], d["code"], d["stdout"], d["stderr"])
+            for (target, args), d in zip(entries, done)]
 
 
 def main() -> None:

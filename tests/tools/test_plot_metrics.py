@@ -6,7 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
+from tests.support.run_scripts import run_all
+
+TOOL = ROOT / "tools" / "plot_metrics.py"
 
 TAB10 = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
 """matplotlib's first colours, in the order a figure's curves (or stacked areas) take them."""
@@ -39,12 +44,38 @@ def _fake_run(path, scale, overrides, val_every=0, goodput=False):
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_plot_two_runs(tmp_path):
-    _fake_run(tmp_path / "a", 1.0, ["parallel.dp=2"])
-    _fake_run(tmp_path / "b", 1.1, ["parallel.dp=4"])
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(tmp_path / "a"),
-                           str(tmp_path / "b"), "--out", str(tmp_path / "plots"), "--smooth", "3"],
-                          capture_output=True, text=True, timeout=120)
+SHARED = ["model=tiny", "train.max_steps=30", "hydra.run.dir=x"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The tool on each set of runs this file checks, its own directory each, one after another in
+    one interpreter (tests/support/run_scripts.py: torch and matplotlib imported once, not once per
+    command): {name: (its directory, its CompletedProcess)}."""
+    root = tmp_path_factory.mktemp("plots")
+    cases = {}
+    d = root / "two"
+    _fake_run(d / "a", 1.0, ["parallel.dp=2"])
+    _fake_run(d / "b", 1.1, ["parallel.dp=4"])
+    cases["two"] = (d, [d / "a", d / "b", "--out", d / "plots", "--smooth", "3"])
+    d = root / "goodput"
+    _fake_run(d / "a", 1.0, ["parallel.pp=2"], goodput=True)
+    cases["goodput"] = (d, [d / "a", "--out", d / "plots"])
+    d = root / "sweep"
+    _fake_run(d / "sweep" / "0", 1.0, ["parallel.dp=1"])
+    _fake_run(d / "sweep" / "1", 1.0, ["parallel.dp=2"])
+    cases["sweep"] = (d, [d / "sweep", "--out", d])
+    cases["missing"] = (d, [d / "nope"])
+    d = root / "val"
+    _fake_run(d / "a", 1.0, [*SHARED, "parallel.dp=2"], val_every=10)
+    _fake_run(d / "b", 1.1, [*SHARED, "parallel.dp=4", "train.lr=1e-3"], val_every=10)
+    cases["val"] = (d, [d / "a", d / "b", "--out", d / "plots"])
+    done = run_all([(TOOL, args) for _, args in cases.values()], cwd=root)
+    return {name: (directory, proc) for (name, (directory, _)), proc in zip(cases.items(), done)}
+
+
+def test_plot_two_runs(runs):
+    tmp_path, proc = runs["two"]
     assert proc.returncode == 0, proc.stderr
     for name in ("loss.png", "throughput.png"):
         _drawn(tmp_path / "plots" / name, series=2)
@@ -52,42 +83,30 @@ def test_plot_two_runs(tmp_path):
     assert not (tmp_path / "plots" / "goodput.png").exists()  # neither run logged goodput's parts
 
 
-def test_goodput_plot_of_runs_that_logged_it(tmp_path):
-    _fake_run(tmp_path / "a", 1.0, ["parallel.pp=2"], goodput=True)
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(tmp_path / "a"),
-                           "--out", str(tmp_path / "plots")], capture_output=True, text=True, timeout=120)
+def test_goodput_plot_of_runs_that_logged_it(runs):
+    tmp_path, proc = runs["goodput"]
     assert proc.returncode == 0, proc.stderr
     _drawn(tmp_path / "plots" / "goodput.png", series=3, alpha=0.8)  # compute, bubble, communication (no stall)
     assert "goodput.png" in proc.stdout
 
 
-def test_sweep_dir_and_missing_input(tmp_path):
-    _fake_run(tmp_path / "sweep" / "0", 1.0, ["parallel.dp=1"])
-    _fake_run(tmp_path / "sweep" / "1", 1.0, ["parallel.dp=2"])
-    tool = str(ROOT / "tools" / "plot_metrics.py")
-    ok = subprocess.run([sys.executable, tool, str(tmp_path / "sweep"), "--out", str(tmp_path)],
-                        capture_output=True, text=True, timeout=120)
+def test_sweep_dir_and_missing_input(runs):
+    ok, missing = runs["sweep"][1], runs["missing"][1]
     assert ok.returncode == 0 and "2 run(s)" in ok.stdout, ok.stderr
-    missing = subprocess.run([sys.executable, tool, str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
     assert missing.returncode != 0 and "not found" in missing.stderr
 
 
-def test_validation_loss_is_drawn_and_labels_say_what_differs(tmp_path):
+def test_validation_loss_is_drawn_and_labels_say_what_differs(runs, tmp_path):
     from trainer3d.tools.plot_metrics import find_runs, labels_of
 
-    shared = ["model=tiny", "train.max_steps=30", "hydra.run.dir=x"]
-    _fake_run(tmp_path / "a", 1.0, [*shared, "parallel.dp=2"], val_every=10)
-    _fake_run(tmp_path / "b", 1.1, [*shared, "parallel.dp=4", "train.lr=1e-3"], val_every=10)
+    made, proc = runs["val"]
     (tmp_path / "c").mkdir()  # no overrides: its directory name
-    (tmp_path / "c" / "metrics.jsonl").write_text((tmp_path / "a" / "metrics.jsonl").read_text())
-    runs = find_runs([str(tmp_path / n) for n in "abc"])
-    assert labels_of(runs) == ["parallel.dp=2", "parallel.dp=4 train.lr=1e-3", "c"]
-    assert labels_of(runs[:1]) == ["model=tiny train.max_steps=30 parallel.dp=2"]  # one run: all it was given
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(tmp_path / "a"),
-                           str(tmp_path / "b"), "--out", str(tmp_path / "plots")],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    _drawn(tmp_path / "plots" / "val_loss.png", series=2)
+    (tmp_path / "c" / "metrics.jsonl").write_text((made / "a" / "metrics.jsonl").read_text())
+    runs_found = find_runs([str(made / "a"), str(made / "b"), str(tmp_path / "c")])
+    assert labels_of(runs_found) == ["parallel.dp=2", "parallel.dp=4 train.lr=1e-3", "c"]
+    assert labels_of(runs_found[:1]) == ["model=tiny train.max_steps=30 parallel.dp=2"]  # one run: all it was given
+    assert proc.returncode == 0, proc.stderr  # the tool on a and b
+    _drawn(made / "plots" / "val_loss.png", series=2)
 
 
 def test_without_matplotlib_it_names_the_extra(tmp_path):

@@ -3,13 +3,12 @@ Jinja2's sandbox, the loss mask beside the ids, and the refusals (a template rea
 Python's internals, a template that raises, one whose prefixes are not prefixes)."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from tests.conftest import ROOT
+from tests.support.run_scripts import run_all
 from trainer3d.data import TokenFile
 from trainer3d.data.chat_sample import CHATML, byte_chat_tokenizer
 from trainer3d.data.doc_index import document_starts
@@ -24,9 +23,7 @@ CONVERSATIONS = [
 EOT, IM_START, IM_END = 256, 257, 258  # trainer3d/data/chat_sample.py's special tokens
 
 
-def run_tool(*args):
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "prepare_data.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=300)
+TOOL = ROOT / "tools" / "prepare_data.py"
 
 
 def _tokenizer(tmp_path, template=CHATML):
@@ -57,11 +54,69 @@ def _by_hand(conversations, train_on_all=False):
     return ids, ([1] * len(mask) if train_on_all else mask)
 
 
+MALICIOUS = [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ messages.__class__.__base__.__subclasses__() }}",
+    "{{ cycler.__init__.__globals__.os.popen('touch PWNED').read() }}",
+    "{{ lipsum.__globals__['os'].system('touch PWNED') }}",
+    "{% set x = messages.append(1) %}{{ x }}",
+    "{{ raise_exception.__globals__ }}",
+]
+RAISES = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message first') }}{% endif %}"
+          + CHATML)
+LOOP_LENGTH = "{% for m in messages %}[{{ loop.length }}] {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+"""A template that renders each turn with the conversation's length in it: the prefix up to an
+assistant turn is not a prefix of the whole."""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every run of the tool this file checks, each on inputs of its own directory, made one after
+    another in one interpreter started in ``root`` (tests/support/run_scripts.py: torch imported
+    once, not once per run): ``root`` and {name: (its directory, its CompletedProcess)}."""
+    root = tmp_path_factory.mktemp("chat")
+    cases = {}
+
+    def add(name, make_args):
+        (root / name).mkdir()
+        cases[name] = (root / name, make_args(root / name))
+
+    for train_on in ("assistant", "all"):
+        add(f"train-on-{train_on}", lambda d, train_on=train_on: ["--chat", "--tokenizer", _tokenizer(d), "--train-on", train_on,
+                                                             "--out", d / "out" / "sft.bin", _inputs(d)])
+    said = [{"role": "user", "content": "what is <|endoftext|>?"}, {"role": "assistant", "content": "an id"}]
+    add("eot-inside", lambda d: ["--chat", "--tokenizer", _tokenizer(d), "--out", d / "sft.bin",
+                                 _inputs(d, [said, CONVERSATIONS[0]])])
+    for i, template in enumerate(MALICIOUS):
+        add(f"malicious-{i}", lambda d, template=template: ["--chat", "--tokenizer", _tokenizer(d, template),
+                                                            "--out", d / "sft.bin", _inputs(d)])
+    add("raises", lambda d: ["--chat", "--tokenizer", _tokenizer(d, RAISES), "--out", d / "sft.bin",
+                             _inputs(d, [CONVERSATIONS[0], CONVERSATIONS[0], CONVERSATIONS[1]])])
+    add("not-prefixes", lambda d: ["--chat", "--tokenizer", _tokenizer(d, LOOP_LENGTH), "--out", d / "a.bin",
+                                   _inputs(d)])
+    add("not-prefixes-all", lambda d: ["--chat", "--tokenizer", _tokenizer(d, LOOP_LENGTH), "--train-on", "all",
+                                       "--out", d / "b.bin", _inputs(d)])
+    add("no-tokenizer", lambda d: ["--chat", "--out", d / "a.bin", _inputs(d)])
+
+    def bare(d):
+        (d / "bare").mkdir()
+        (d / "bare" / "tokenizer.json").write_text((_tokenizer(d) / "tokenizer.json").read_text())
+        return ["--chat", "--tokenizer", d / "bare", "--out", d / "a.bin", _inputs(d)]
+    add("no-template", bare)
+
+    def bad(d):
+        (d / "bad.jsonl").write_text(json.dumps({"messages": CONVERSATIONS[0]}) + "\n"
+                                     + json.dumps({"text": "no messages"}) + "\n")
+        return ["--chat", "--tokenizer", _tokenizer(d), "--out", d / "a.bin", d / "bad.jsonl"]
+    add("no-messages", bad)
+    done = run_all([(TOOL, args) for _, args in cases.values()], cwd=root)
+    return root, {name: (directory, proc) for (name, (directory, _)), proc in zip(cases.items(), done)}
+
+
 @pytest.mark.parametrize("train_on", ["assistant", "all"])
-def test_chat_ids_and_mask_are_chatml_written_by_hand(tmp_path, train_on):
+def test_chat_ids_and_mask_are_chatml_written_by_hand(runs, train_on):
+    tmp_path, proc = runs[1][f"train-on-{train_on}"]
     out = tmp_path / "out" / "sft.bin"
-    proc = run_tool("--chat", "--tokenizer", _tokenizer(tmp_path), "--train-on", train_on, "--out", out,
-                    _inputs(tmp_path))
     assert proc.returncode == 0, proc.stderr
     want_ids, want_mask = _by_hand(CONVERSATIONS, train_on_all=train_on == "all")
     tokens = TokenFile.open(out)
@@ -75,76 +130,48 @@ def test_chat_ids_and_mask_are_chatml_written_by_hand(tmp_path, train_on):
     assert document_starts(tokens).tolist() == np.cumsum([0] + lengths[:-1]).tolist()
 
 
-def test_an_end_of_text_inside_a_conversation_is_no_document_boundary(tmp_path):
-    said = [{"role": "user", "content": "what is <|endoftext|>?"}, {"role": "assistant", "content": "an id"}]
-    out = tmp_path / "sft.bin"
-    proc = run_tool("--chat", "--tokenizer", _tokenizer(tmp_path), "--out", out,
-                    _inputs(tmp_path, [said, CONVERSATIONS[0]]))
+def test_an_end_of_text_inside_a_conversation_is_no_document_boundary(runs):
+    tmp_path, proc = runs[1]["eot-inside"]
     assert proc.returncode == 0, proc.stderr
-    tokens = TokenFile.open(out)
+    tokens = TokenFile.open(tmp_path / "sft.bin")
     ids = np.asarray(tokens.tokens)
     assert (ids == EOT).sum() == 3  # the special token matched inside the text, and one after each conversation
     second = int(np.flatnonzero(ids == EOT)[1]) + 1
     assert document_starts(tokens).tolist() == [0, second]
 
 
-MALICIOUS = [
-    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
-    "{{ messages.__class__.__base__.__subclasses__() }}",
-    "{{ cycler.__init__.__globals__.os.popen('touch PWNED').read() }}",
-    "{{ lipsum.__globals__['os'].system('touch PWNED') }}",
-    "{% set x = messages.append(1) %}{{ x }}",
-    "{{ raise_exception.__globals__ }}",
-]
-
-
-@pytest.mark.parametrize("template", MALICIOUS)
-def test_a_template_reaching_for_python_internals_is_refused(tmp_path, template, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+@pytest.mark.parametrize("template", range(len(MALICIOUS)), ids=MALICIOUS)
+def test_a_template_reaching_for_python_internals_is_refused(runs, template):
+    root, (tmp_path, proc) = runs[0], runs[1][f"malicious-{template}"]
     out = tmp_path / "sft.bin"
-    proc = run_tool("--chat", "--tokenizer", _tokenizer(tmp_path, template), "--out", out, _inputs(tmp_path))
     assert proc.returncode == 1, proc.stdout
     assert f"{tmp_path / 'chats.jsonl'}:1: the chat template of {tmp_path / 'tok' / 'tokenizer_config.json'}" \
         in proc.stderr, proc.stderr
     assert "Security" in proc.stderr or "unsafe" in proc.stderr, proc.stderr
-    assert not (tmp_path / "PWNED").exists()
+    assert not (root / "PWNED").exists()  # the runs' working directory
     assert not out.exists() and not mask_path(out).exists() and not mask_header_path(out).exists()
 
 
-def test_a_template_that_raises_is_refused_naming_the_record(tmp_path):
-    template = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message first') }}{% endif %}"
-                + CHATML)
-    conversations = [CONVERSATIONS[0], CONVERSATIONS[0], CONVERSATIONS[1]]
-    proc = run_tool("--chat", "--tokenizer", _tokenizer(tmp_path, template), "--out", tmp_path / "sft.bin",
-                    _inputs(tmp_path, conversations))
+def test_a_template_that_raises_is_refused_naming_the_record(runs):
+    tmp_path, proc = runs[1]["raises"]
     assert proc.returncode == 1
     assert f"{tmp_path / 'chats.jsonl'}:3: the chat template of" in proc.stderr
     assert "a system message first" in proc.stderr
 
 
-def test_a_template_whose_prefixes_are_not_prefixes_is_refused_for_the_assistant_mask(tmp_path):
-    """A template that renders each turn with the conversation's length in it: the prefix up to
-    an assistant turn is not a prefix of the whole, so the mask cannot be placed; --train-on all
-    needs no mask and renders it."""
-    template = "{% for m in messages %}[{{ loop.length }}] {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    tok, chats = _tokenizer(tmp_path, template), _inputs(tmp_path)
-    proc = run_tool("--chat", "--tokenizer", tok, "--out", tmp_path / "a.bin", chats)
+def test_a_template_whose_prefixes_are_not_prefixes_is_refused_for_the_assistant_mask(runs):
+    """LOOP_LENGTH: the mask cannot be placed; --train-on all needs no mask and renders it."""
+    tmp_path, proc = runs[1]["not-prefixes"]
+    chats = tmp_path / "chats.jsonl"
     assert proc.returncode == 1
     assert f"{chats}:1:" in proc.stderr and "prefix" in proc.stderr and "--train-on all" in proc.stderr
-    assert run_tool("--chat", "--tokenizer", tok, "--train-on", "all", "--out", tmp_path / "b.bin",
-                    chats).returncode == 0
+    assert runs[1]["not-prefixes-all"][1].returncode == 0
 
 
-def test_chat_refusals_of_the_command_line_and_the_records(tmp_path):
-    chats = _inputs(tmp_path)
-    proc = run_tool("--chat", "--out", tmp_path / "a.bin", chats)
+def test_chat_refusals_of_the_command_line_and_the_records(runs):
+    proc = runs[1]["no-tokenizer"][1]
     assert proc.returncode == 2 and "--chat renders with a tokenizer's own chat template" in proc.stderr
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    (bare / "tokenizer.json").write_text((_tokenizer(tmp_path) / "tokenizer.json").read_text())
-    proc = run_tool("--chat", "--tokenizer", bare, "--out", tmp_path / "a.bin", chats)
+    proc = runs[1]["no-template"][1]
     assert proc.returncode == 1 and "has no chat template" in proc.stderr
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"messages": CONVERSATIONS[0]}) + "\n" + json.dumps({"text": "no messages"}) + "\n")
-    proc = run_tool("--chat", "--tokenizer", _tokenizer(tmp_path), "--out", tmp_path / "a.bin", bad)
+    bad, proc = runs[1]["no-messages"][0] / "bad.jsonl", runs[1]["no-messages"][1]
     assert proc.returncode == 1 and f"{bad}:2: no non-empty list under key 'messages'" in proc.stderr

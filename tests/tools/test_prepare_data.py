@@ -2,29 +2,25 @@
 
 import gzip
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 import tracemalloc
 
 import numpy as np
+import pytest
 
 from trainer3d.data import EOF_TOKEN, TokenFile, read_header
 from trainer3d.data import documents as docs
 from trainer3d.data import prepare
 from tests.conftest import ROOT
+from tests.support.run_scripts import run_all
 
 DOCS = ["def f(x):\n    return x + 1\n", "Ünïcödé text, twice: ünïcödé.\n", "one more document\n\nwith a gap",
         "short"]
 IN_ORDER = DOCS[2:] + DOCS[:2]  # c.jsonl.zst sorts before texts/
 
 
-def run_tool(*args, umask=None):
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "prepare_data.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=300,
-                          preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
+TOOL = ROOT / "tools" / "prepare_data.py"
 
 
 def write_inputs(root):
@@ -46,8 +42,59 @@ def split_documents(ids, eos):
     return [ids[a + 1 if i else 0:b].tolist() for i, (a, b) in enumerate(zip(np.r_[-1, ends[:-1]], ends))]
 
 
-def test_byte_level_from_directories_jsonl_and_compressed_files(tmp_path):
-    proc = run_tool("--out", tmp_path / "c.bin", *write_inputs(tmp_path))
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The tool's runs this file checks, each on inputs of its own directory, one after another in
+    one interpreter with umask 022 (tests/support/run_scripts.py: torch imported once, not once per
+    run); a run that reads an earlier one's tokenizer follows it, and the one reading a copy of it
+    (the Hugging Face directory) is a second interpreter's. {name: (its directory, CompletedProcess)}."""
+    root = tmp_path_factory.mktemp("prepare")
+    cases = {}
+
+    def add(name, make_args, directory=None):
+        directory = directory or root / name
+        directory.mkdir(exist_ok=True)
+        cases[name] = (directory, make_args(directory))
+
+    add("bytes", lambda d: ["--out", d / "c.bin", *write_inputs(d)])
+
+    def hello(d):
+        (d / "a.txt").write_text("hello")
+        return ["--out", d / "out" / "c.bin", d / "a.txt"]
+    add("umask", hello)
+    add("bpe", lambda d: ["--out", d / "bpe.bin", "--train-tokenizer", 300, "--workers", 2, *write_inputs(d)])
+
+    def repeated(d):
+        (d / "a.txt").write_text("the cat and the dog and the bird " * 20)
+        return ["--out", d / "bpe.bin", "--train-tokenizer", 300, d / "a.txt"]
+    add("small-vocab-bpe", repeated, root / "small-vocab")
+    add("small-vocab", lambda d: ["--out", d / "c.bin", "--tokenizer", d / "bpe.tokenizer.json",
+                                  "--vocab-size", 257, d / "a.txt"])
+
+    def no_text(d):
+        (d / "d.jsonl").write_text('{"text": "fine"}\n{"body": "no text key"}\n')
+        return ["--out", d / "c.bin", d / "d.jsonl"]
+    add("no-text-key", no_text)
+
+    def long(d):
+        (d / "long.txt").write_text("".join(f"line {i}: {'é' * (i % 5)} words\n    indented {i}\n\n"
+                                            for i in range(300)))
+        return ["--out", d / "bpe.bin", "--train-tokenizer", 300, d / "long.txt"]
+    add("long", long)
+    done = dict(zip(cases, run_all([(TOOL, args) for _, args in cases.values()], cwd=root, umask=0o022)))
+
+    bpe = root / "bpe"
+    (bpe / "hf").mkdir()
+    if done["bpe"].returncode == 0:
+        shutil.copy(read_header(bpe / "bpe.bin").tokenizer.path, bpe / "hf" / "tokenizer.json")
+    (bpe / "hf" / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|endoftext|>"}}))
+    done["hf"], = run_all([(TOOL, ["--out", bpe / "hf.bin", "--tokenizer", bpe / "hf",
+                                   bpe / "texts", bpe / "c.jsonl.zst"])], cwd=root)
+    return {name: (cases[name][0] if name in cases else bpe, proc) for name, proc in done.items()}
+
+
+def test_byte_level_from_directories_jsonl_and_compressed_files(runs):
+    tmp_path, proc = runs["bytes"]
     assert proc.returncode == 0, proc.stderr
     assert "tokens/s" in proc.stdout
     tf = TokenFile.open(tmp_path / "c.bin")
@@ -55,21 +102,19 @@ def test_byte_level_from_directories_jsonl_and_compressed_files(tmp_path):
     assert split_documents(np.asarray(tf.tokens), EOF_TOKEN) == [list(d.encode()) for d in IN_ORDER]
 
 
-def test_prepared_files_get_the_umask_permissions(tmp_path):
-    (tmp_path / "a.txt").write_text("hello")
-    proc = run_tool("--out", tmp_path / "out" / "c.bin", tmp_path / "a.txt", umask=0o022)
+def test_prepared_files_get_the_umask_permissions(runs):
+    tmp_path, proc = runs["umask"]  # made with umask 022
     assert proc.returncode == 0, proc.stderr
     for name in ("c.bin", "c.json", "c.docs", "c.docs.json"):
         assert oct((tmp_path / "out" / name).stat().st_mode & 0o777) == oct(0o644), name
 
 
-def test_a_tokenizer_made_file_round_trips_to_its_text(tmp_path):
+def test_a_tokenizer_made_file_round_trips_to_its_text(runs):
     """A BPE trained on the inputs (--train-tokenizer), two workers; then the same tokenizer as a
     Hugging Face directory (--tokenizer DIR, EOS from its tokenizer_config.json)."""
     from tokenizers import Tokenizer
 
-    inputs = write_inputs(tmp_path)
-    proc = run_tool("--out", tmp_path / "bpe.bin", "--train-tokenizer", 300, "--workers", 2, *inputs)
+    tmp_path, proc = runs["bpe"]
     assert proc.returncode == 0, proc.stderr
     header = read_header(tmp_path / "bpe.bin")
     tokenizer = Tokenizer.from_file(header.tokenizer.path)
@@ -78,48 +123,38 @@ def test_a_tokenizer_made_file_round_trips_to_its_text(tmp_path):
     assert len(ids) < sum(len(d.encode()) for d in DOCS), "BPE merges bytes"
     assert [tokenizer.decode(d) for d in split_documents(ids, header.eos_id)] == IN_ORDER
 
-    hf_dir = tmp_path / "hf"
-    hf_dir.mkdir()
-    shutil.copy(header.tokenizer.path, hf_dir / "tokenizer.json")
-    (hf_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|endoftext|>"}}))
-    proc = run_tool("--out", tmp_path / "hf.bin", "--tokenizer", hf_dir, *inputs)
+    proc = runs["hf"][1]  # the inputs again, with tmp_path / "hf": a copy of the trained tokenizer.json
     assert proc.returncode == 0, proc.stderr
     assert read_header(tmp_path / "hf.bin").tokenizer.sha256 == header.tokenizer.sha256
     assert np.array_equal(np.asarray(TokenFile.open(tmp_path / "hf.bin").tokens), ids)
 
 
-def test_ids_at_or_above_the_vocabulary_are_refused_at_preparation(tmp_path):
+def test_ids_at_or_above_the_vocabulary_are_refused_at_preparation(runs):
     """A vocabulary declared smaller than the tokenizer's (--vocab-size): merged tokens (ids >= 257
     in a trained BPE) do not fit, and nothing is written."""
-    (tmp_path / "a.txt").write_text("the cat and the dog and the bird " * 20)
-    proc = run_tool("--out", tmp_path / "bpe.bin", "--train-tokenizer", 300, tmp_path / "a.txt")
-    assert proc.returncode == 0, proc.stderr
-    proc = run_tool("--out", tmp_path / "c.bin", "--tokenizer", tmp_path / "bpe.tokenizer.json",
-                    "--vocab-size", 257, tmp_path / "a.txt")
+    assert runs["small-vocab-bpe"][1].returncode == 0, runs["small-vocab-bpe"][1].stderr
+    tmp_path, proc = runs["small-vocab"]
     assert proc.returncode == 1
     refused = re.search(r"c.bin: token id (\d+) is outside the vocabulary of 257", proc.stderr)
     assert refused and int(refused.group(1)) >= 257, proc.stderr
     assert not (tmp_path / "c.bin").exists() and not list(tmp_path.glob(".c.bin*")), "nothing written"
 
 
-def test_a_jsonl_record_without_the_text_key_is_named(tmp_path):
-    (tmp_path / "d.jsonl").write_text('{"text": "fine"}\n{"body": "no text key"}\n')
-    proc = run_tool("--out", tmp_path / "c.bin", tmp_path / "d.jsonl")
+def test_a_jsonl_record_without_the_text_key_is_named(runs):
+    proc = runs["no-text-key"][1]
     assert proc.returncode == 1 and "d.jsonl:2: no string under key 'text'" in proc.stderr
 
 
-def test_long_documents_are_encoded_in_pieces_with_unchanged_tokens(tmp_path, monkeypatch):
+def test_long_documents_are_encoded_in_pieces_with_unchanged_tokens(runs, tmp_path, monkeypatch):
     """A document longer than PIECE_BYTES is cut where byte-level pre-tokenization cuts anyway."""
-    text = "".join(f"line {i}: {'é' * (i % 5)} words\n    indented {i}\n\n" for i in range(300))
-    (tmp_path / "long.txt").write_text(text)
-    proc = run_tool("--out", tmp_path / "bpe.bin", "--train-tokenizer", 300, tmp_path / "long.txt")
+    made, proc = runs["long"]  # the tool on long.txt, its tokenizer trained on it
     assert proc.returncode == 0, proc.stderr
-    encoder = prepare.load_tokenizer(read_header(tmp_path / "bpe.bin").tokenizer.path)
+    encoder = prepare.load_tokenizer(read_header(made / "bpe.bin").tokenizer.path)
     monkeypatch.setattr(docs, "PIECE_BYTES", 97)  # many pieces
-    files = [tmp_path / "long.txt"]
+    files = [made / "long.txt"]
     assert len(list(docs.documents(files, "text", docs.Progress(files)))) > 50
     header = prepare.prepare(docs.documents(files, "text", docs.Progress(files)), tmp_path / "pieces.bin", encoder)
-    whole = TokenFile.open(tmp_path / "bpe.bin").tokens
+    whole = TokenFile.open(made / "bpe.bin").tokens
     assert header.n_tokens == len(whole) and np.array_equal(TokenFile.open(tmp_path / "pieces.bin").tokens, whole)
 
 

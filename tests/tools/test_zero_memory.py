@@ -2,7 +2,6 @@
 reconciled with the paper's term by term, and the bytes real ranks hold held to it."""
 
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from trainer3d.model.transformer import Transformer
 from trainer3d.parallel.zero.flat import bucket_numel
 from trainer3d.observe.telemetry import model_state_bytes, storage_bytes
 from tests.conftest import ROOT
+from tests.support import run_scripts
 from tests.support.harness import run_ranks
 from tests.support.zero_ranks import build, global_batch, loss_of, make_cfg, muon_cfg, train_step
 from trainer3d.optim.muon import is_muon_param
@@ -40,9 +40,16 @@ def test_formulas_reproduce_the_papers_table1():
             assert abs(value - float(printed)) < _last_digit(printed), (name, dp, value, printed)
 
 
+def _tool(*args: str) -> subprocess.CompletedProcess:
+    """tools/bench/zero_memory.py run to its end in this process as ``python tools/bench/zero_memory.py``
+    runs it (tests/support/run_scripts.py: it only reads presets and prints; no interpreter of its own
+    to start, and torch is here already)."""
+    done = run_scripts.run(str(ROOT / "tools" / "bench" / "zero_memory.py"), list(args))
+    return subprocess.CompletedProcess(args, done["code"], done["stdout"], done["stderr"])
+
+
 def test_zero_memory_tool_prints_table1():
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / "zero_memory.py")], capture_output=True,
-                          text=True, timeout=120)
+    proc = _tool()
     assert proc.returncode == 0, proc.stderr
     line = next(ln for ln in proc.stdout.splitlines() if ln.strip().startswith("64 |"))
     for figure in ("31.4", "16.6", "1.88", "536", "284", "32", "250"):
@@ -113,9 +120,7 @@ def test_zero_memory_tool_reports_the_dry_runs_rank_shapes():
     from trainer3d.config.schema import Config
     from trainer3d.memory.states import rank_parameter_shapes
 
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / "zero_memory.py"), "--model", "tiny", "--tp", "2",
-                           "--pp", "2", "--dp", "2", "--zero-stage", "1", "--dtype", "fp32"],
-                          capture_output=True, text=True, timeout=120)
+    proc = _tool("--model", "tiny", "--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "1", "--dtype", "fp32")
     assert proc.returncode == 0, proc.stderr
     cfg = Config()
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp = 2, 2, 2
