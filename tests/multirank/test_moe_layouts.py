@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.compiled import aot_graphs, inductor_graphs
 from tests.support.harness import dims_for, run_ranks
 from trainer3d.config.schema import Config
 from trainer3d.config.validate import validate
@@ -31,6 +32,7 @@ def _train(rank, world, run_dir, cp=1, dp=1, attention="ring", recompute=False, 
     # layout's collectives; the tokens a step trains are the same at any split
     t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, t.seq_len = 4, BATCH, None, SEQ
     t.max_steps, t.log_every, t.activation_checkpointing, t.compile = STEPS, 1, recompute, compile_
+    t.compile_backend = "aot_eager"  # the subject is what dynamo leaves eager, not inductor's code (test_compile.py's)
     cfg.checkpoint.save_final = False
     cfg.optim.lr, cfg.optim.warmup_steps = 1e-3, 5
     cfg.model.n_layers = 2
@@ -38,10 +40,10 @@ def _train(rank, world, run_dir, cp=1, dp=1, attention="ring", recompute=False, 
     m.num_experts, m.top_k, m.expert_ffn_dim, m.num_shared_experts = EXPERTS, EXPERTS, 64, 1
     m.aux_loss_coef, m.z_loss_coef = 0.1, 0.01
     Trainer(validate(cfg), dims_for(dp=dp, cp=cp, pp=pp, ep=ep)).train()
-    if compile_:  # why dynamo split the compiled blocks (torch/_dynamo/utils.py's counters)
+    if compile_:  # the graphs compiled, and why dynamo split the blocks (torch/_dynamo/utils.py's counters)
         from torch._dynamo.utils import counters
-        return sorted(counters["graph_break"])
-    return []
+        return aot_graphs(), inductor_graphs(), sorted(counters["graph_break"])
+    return 0, 0, []
 
 
 def _rows(run_dir):
@@ -78,12 +80,15 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_moe_layout_matches_single_process(tmp_path, reference, name):
     world, layout = LAYOUTS[name]
-    breaks = run_ranks(_train, world, str(tmp_path), *_args(layout), timeout=1200)
+    compiled = run_ranks(_train, world, str(tmp_path), *_args(layout), timeout=1200)
     rows = _rows(tmp_path)
     assert len(rows) == len(reference) == STEPS
     worst = max(abs(r["loss"] - ref["loss"]) / ref["loss"] for r, ref in zip(rows, reference))
     print(f"{name}: worst relative loss difference {worst:.1e}")
     assert worst <= 1e-5
+    graphs, inductor, breaks = zip(*compiled)
+    # compiled where asked, on every rank, by aot_eager (tests/support/compiled.py's counts)
+    assert [(bool(g), i) for g, i in zip(graphs, inductor)] == [(bool(layout.get("compile_")), 0)] * world, compiled
     if layout.get("ep", 1) > 1 and layout.get("compile_"):
         # the dispatch runs eagerly as a whole: dynamo never traces its host reads of the counts
         print(f"{name}: graph breaks: {[reason.splitlines()[0] for reason in breaks[0]]}")

@@ -2,10 +2,12 @@
 buckets launched.
 
 A compiled layout's parity alone cannot tell a compiled run from one that skipped compilation
-(both train the eager model's losses), so each rank also reports the graphs inductor built or
-loaded from its cache (``torch._dynamo.utils.counters["inductor"]``: ``fxgraph_cache_miss``
-and ``fxgraph_cache_hit``, one per forward or backward graph). A rank is forked from the
-harness's forkserver, which compiles nothing, so its counters start at zero.
+(both train the eager model's losses), so each rank also reports the graphs AOTAutograd
+compiled, with any ``train.compile_backend`` (``torch._dynamo.utils.counters["aot_autograd"]
+["total"]``, one per graph dynamo hands it: a forward and its backward), and of those the
+forward and backward graphs inductor built or loaded from its cache (``counters["inductor"]``:
+``fxgraph_cache_miss`` and ``fxgraph_cache_hit``), none under aot_eager. A rank is forked from
+the harness's forkserver, which compiles nothing, so its counters start at zero.
 
 Nor can it tell whether the post-accumulate hooks of the compiled blocks' parameters fired
 (trainer3d/parallel/zero/buckets.py): a bucket no hook launched is launched by
@@ -24,9 +26,19 @@ from trainer3d.parallel.zero.buckets import GradReducer
 
 class CompiledRank(NamedTuple):
     graphs: int
+    """Graphs AOTAutograd compiled in the rank (each a forward and its backward)."""
+    inductor: int
     """Inductor graphs (forward and backward each) the rank compiled or loaded."""
     launches: List[Tuple[int, int]]
     """Per step: (buckets launched by their hooks inside backward, buckets of the rank)."""
+
+
+def aot_graphs() -> int:
+    """Graphs (a forward and its backward each) AOTAutograd compiled in this process, with any
+    backend (torch/_dynamo/backends/common.py counts them)."""
+    from torch._dynamo.utils import counters
+
+    return counters["aot_autograd"]["total"]
 
 
 def inductor_graphs() -> int:
@@ -49,7 +61,7 @@ def _train_rank_counting(rank: int, world_size: int, cfg) -> CompiledRank:
         _train_rank(rank, world_size, cfg)
     finally:
         GradReducer.finish = finish
-    return CompiledRank(inductor_graphs(), launches)
+    return CompiledRank(aot_graphs(), inductor_graphs(), launches)
 
 
 def compiled_losses_in_ranks(run_dir: Path, overrides: Sequence[str], timeout: float = 900) -> Tuple[List[float], List[CompiledRank]]:

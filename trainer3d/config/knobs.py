@@ -90,6 +90,7 @@ CHOICES: Dict[str, Tuple[object, ...]] = {
     "parallel.backend": ("auto", "gloo", "nccl"),
     "train.dtype": ("fp32", "bf16", "fp16"),
     "train.device": ("auto", "cpu", "cuda"),
+    "train.compile_backend": ("inductor", "aot_eager"),
     "train.on_nonfinite": ("stop", "continue"),
     "train.spike.policy": ("skip", "rollback", "warn", "off"),
     "optim.name": ("adamw", "muon"),

@@ -102,6 +102,13 @@ class TrainConfig:
     """torch.compile each transformer block (after tensor parallelism, before pipeline staging);
     under parallel.pp_schedule=zb1p, zbv or dualpipev the model's elementwise operators instead
     (trainer3d/parallel/compile.py)."""
+    compile_backend: str = "inductor"
+    """torch.compile's backend under ``train.compile``, as torchtitan's ``compile.backend``:
+    inductor (generated kernels) or aot_eager (dynamo's graph and AOTAutograd's forward and
+    backward, split by inductor's min-cut partitioner, their operators run eagerly: no code
+    generated or built). aot_eager tells a fault of the trace from one of inductor's code, and checks what
+    compile does to the training (graph breaks, hooks, recomputation) without inductor's
+    lowering and C++ builds (trainer3d/parallel/compile.py)."""
     loss_chunk_tokens: int = 256
     """The last stage applies the head inside the loss, this many tokens at a time, so no more
     than this many rows of logits exist at once (parallel/tensor/loss.py; docs/memory.md);

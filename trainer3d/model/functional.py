@@ -33,7 +33,7 @@ alone and its weight step for the weights' alone (parallel/pipeline/weight_grad.
 SwiGLU then compute the input half in the one and the weight half in the other, not both twice.
 """
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -56,14 +56,24 @@ COMPOSITIONS: Dict[str, Callable] = {}
 that has no kernel of its own for it."""
 _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter, float, int, bool))
 """The argument types the operators take as they are (any other, such as DTensor, runs the composition)."""
-_COMPILED: Dict[str, Callable] = {}
-"""Each composition under ``torch.compile``, made on first use (dynamo is imported only by runs that compile)."""
+_COMPILED: Dict[Tuple[str, str], Callable] = {}
+"""Each composition under ``torch.compile`` by backend, made on first use (dynamo is imported only
+by runs that compile)."""
+_BACKEND = ["inductor"]
+"""The backend of the compositions that ``compiled=True`` calls (``compile_with``)."""
+
+
+def compile_with(backend: str) -> None:
+    """Have ``compiled=True`` call the compositions compiled by ``backend`` from now on in this
+    process (``train.compile_backend``; parallel/compile.py ``compile_operators``)."""
+    _BACKEND[0] = backend
 
 
 def _compiled(name: str) -> Callable:
-    if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(COMPOSITIONS[name])
-    return _COMPILED[name]
+    key = (name, _BACKEND[0])
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(COMPOSITIONS[name], backend=key[1])
+    return _COMPILED[key]
 
 
 def _needed(ctx, count: int):

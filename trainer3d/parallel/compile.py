@@ -38,6 +38,15 @@ so I computes input halves and W weight halves only, the linear layers' matmuls 
 autograd as in eager, and what backward saves is what the eager model saves (the memory
 accounting holds unchanged). What it gives up against whole-block compile is fusion across the
 operators (a residual add into the next norm, the reshapes around attention).
+
+``train.compile_backend`` chooses torch.compile's backend for both (torchtitan's
+``compile.backend``). inductor, the default, generates the kernels; aot_eager hands
+AOTAutograd's forward and backward graphs, split by the min-cut partitioner inductor uses but
+without inductor's decompositions, to eager ATen instead (torch/_dynamo/backends/debugging.py):
+the same trace, graph breaks, compiled autograd nodes and donated buffers, without the
+lowering and the C++ builds above: a fault that shows under inductor and not under aot_eager is
+in inductor's code, and what compile does to the training (where graphs break, which hooks
+fire, what recomputation replays) shows under either.
 """
 
 from typing import List
@@ -45,20 +54,22 @@ from typing import List
 import torch
 from torch import nn
 
+from trainer3d.model.functional import compile_with
 from trainer3d.parallel.context.apply import ContextAttention
 from trainer3d.parallel.pipeline.timeline import ZERO_BUBBLE
 from trainer3d.parallel.recompute import is_recomputed, own_forward, recompute
 
 
-def compile_blocks(chunks: List[nn.Module]) -> int:
-    """Compile every transformer block of ``chunks`` in place; returns how many."""
+def compile_blocks(chunks: List[nn.Module], backend: str = "inductor") -> int:
+    """Compile every transformer block of ``chunks`` in place with torch.compile's ``backend``;
+    returns how many."""
     count = 0
     for chunk in chunks:
         for block in chunk.layers.values():
             if is_recomputed(block) and _runs_eager_part(block):
-                _compile_inside_recomputation(block)
+                _compile_inside_recomputation(block, backend)
             else:
-                block.compile()
+                block.compile(backend=backend)
             count += 1
     return count
 
@@ -68,7 +79,7 @@ def _runs_eager_part(block: nn.Module) -> bool:
     return any(isinstance(m, ContextAttention) for m in block.modules())
 
 
-def _compile_inside_recomputation(block: nn.Module) -> None:
+def _compile_inside_recomputation(block: nn.Module, backend: str) -> None:
     """A recomputed block (parallel/recompute.py) with an eager part: dynamo traces
     ``checkpoint`` as one higher-order operator whose body may not break its graph, so compiling
     the whole block falls back to running all of it eagerly (no graph at all:
@@ -76,12 +87,14 @@ def _compile_inside_recomputation(block: nn.Module) -> None:
     instead and handed to ``recompute`` as the function it recomputes: it runs inside the eager
     checkpoint, breaking its graph around the eager part; the checkpoint keeps the block's input
     only and replays the compiled forward in backward."""
-    recompute(block, torch.compile(own_forward(block)))
+    recompute(block, torch.compile(own_forward(block), backend=backend))
 
 
-def compile_operators(chunks: List[nn.Module]) -> int:
+def compile_operators(chunks: List[nn.Module], backend: str = "inductor") -> int:
     """Make every module of ``chunks`` with elementwise operators (``compile_operators`` in
-    model/transformer.py: the norms, attention's RoPE, SwiGLU) run them compiled; returns how many."""
+    model/transformer.py: the norms, attention's RoPE, SwiGLU) run them compiled by ``backend``
+    (model/functional.py ``compile_with``: this process's); returns how many."""
+    compile_with(backend)
     count = 0
     for chunk in chunks:
         for module in chunk.modules():
@@ -91,9 +104,9 @@ def compile_operators(chunks: List[nn.Module]) -> int:
     return count
 
 
-def apply_compile(chunks: List[nn.Module], pp: int, schedule: str) -> int:
+def apply_compile(chunks: List[nn.Module], pp: int, schedule: str, backend: str = "inductor") -> int:
     """``train.compile``: the operators under a zero-bubble schedule (module docstring), else
-    every block; returns how many modules were compiled or set."""
+    every block, with ``train.compile_backend``; returns how many modules were compiled or set."""
     if pp > 1 and schedule in ZERO_BUBBLE:
-        return compile_operators(chunks)
-    return compile_blocks(chunks)
+        return compile_operators(chunks, backend)
+    return compile_blocks(chunks, backend)

@@ -116,7 +116,7 @@ def build_model_chunks(cfg: Config, dims: ParallelDims, initialise: bool = True)
     if param_dtype(cfg) != torch.float32:
         route_linear_layers(chunks)
     if cfg.train.compile:
-        apply_compile(chunks, dims.pp, cfg.parallel.pp_schedule)
+        apply_compile(chunks, dims.pp, cfg.parallel.pp_schedule, cfg.train.compile_backend)
     if sharded:  # refuses pp > 1, as validate() does before launch
         shard_and_materialise(chunks[0], cfg, dims, source, materialise_device(cfg, dims))
     return chunks
