@@ -150,8 +150,8 @@ def saved_bytes(stage, x) -> int:
     return total
 
 
-@pytest.mark.parametrize("compiled", [pytest.param(False, id="eager"),
-                                      pytest.param(True, id="compiled-operators", marks=pytest.mark.slow)])  # inductor: ~1 min
+@pytest.mark.parametrize("compiled", [pytest.param(None, id="eager"),
+                                      pytest.param("inductor", id="compiled-operators", marks=pytest.mark.slow)])  # inductor: ~1 min
 def test_input_and_weight_steps_each_compute_their_half_once(compiled, monkeypatch):
     """Under a zero-bubble schedule (parallel/compile.py's ``compile_operators`` with
     ``train.compile``), I computes the input half of each operator's backward and W the weight half,
@@ -162,7 +162,7 @@ def test_input_and_weight_steps_each_compute_their_half_once(compiled, monkeypat
     ref, _, ref_dx = run_split(middle_stage(torch.float32), batches, None, torch.float32)
     stage = middle_stage(torch.float32)
     if compiled:
-        assert compile_operators([stage]) == 4  # the block's two norms, attention (RoPE), SwiGLU
+        assert compile_operators([stage], compiled) == 4  # the block's two norms, attention (RoPE), SwiGLU
     phase = ["I"]
     calls = record_backward_halves(monkeypatch, phase)
     compiled_runs = count_compiled_nodes(stage, phase)

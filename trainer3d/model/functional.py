@@ -22,8 +22,8 @@ here by its composition of torch operators, for every device (``CompositeExplici
 A device may bring a kernel of its own for an operator without the model knowing it
 (trainer3d/cpu/ops.py registers fused CPU kernels); the Functions reach the operators through
 one seam, ``_operator``. Under a zero-bubble pipeline schedule with ``train.compile``, inductor
-is that kernel: the seam calls the composition compiled by ``torch.compile`` (``compiled=True``,
-set per module by parallel/compile.py), while the Functions, and so the autograd graph and what
+is that kernel: the seam calls the composition compiled by ``torch.compile`` (``compiled``: the
+backend, ``train.compile_backend``, set per module by parallel/compile.py), while the Functions, and so the autograd graph and what
 it saves, stay those above.
 
 Each backward computes only the gradients its backward pass runs on: ``ctx.needs_input_grad`` is
@@ -59,20 +59,12 @@ _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter, float, int, bool))
 _COMPILED: Dict[Tuple[str, str], Callable] = {}
 """Each composition under ``torch.compile`` by backend, made on first use (dynamo is imported only
 by runs that compile)."""
-_BACKEND = ["inductor"]
-"""The backend of the compositions that ``compiled=True`` calls (``compile_with``)."""
 
 
-def compile_with(backend: str) -> None:
-    """Have ``compiled=True`` call the compositions compiled by ``backend`` from now on in this
-    process (``train.compile_backend``; parallel/compile.py ``compile_operators``)."""
-    _BACKEND[0] = backend
-
-
-def _compiled(name: str) -> Callable:
-    key = (name, _BACKEND[0])
+def _compiled(name: str, backend: str) -> Callable:
+    key = (name, backend)
     if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(COMPOSITIONS[name], backend=key[1])
+        _COMPILED[key] = torch.compile(COMPOSITIONS[name], backend=backend)
     return _COMPILED[key]
 
 
@@ -102,21 +94,22 @@ def _operator(schema: str, composition: Callable) -> Callable:
     """Define ``torch.ops.trainer3d.<name>`` by ``schema`` and ``composition``; return the seam
     the Functions call it through. The seam runs the composition itself inside torch.compile
     (which fuses it; the operator would be opaque to it) and for a tensor subclass such as
-    DTensor (which has no sharding rule for the operator); ``compiled=True`` calls the
-    composition compiled on its own (a kernel of inductor's) instead of the operator."""
+    DTensor (which has no sharding rule for the operator); ``compiled`` (a torch.compile backend)
+    calls the composition compiled on its own by it (inductor: a kernel of its own) instead of the
+    operator."""
     name = schema.split("(", 1)[0]
     LIBRARY.define(schema)
     LIBRARY.impl(name, composition, "CompositeExplicitAutograd")
     COMPOSITIONS[name] = composition
     op = getattr(torch.ops.trainer3d, name).default
 
-    def call(*args, compiled: bool = False):
+    def call(*args, compiled: Optional[str] = None):
         if torch.compiler.is_compiling():
             return composition(*args)
         for t in args:
             if type(t) not in _PLAIN:
                 return composition(*args)
-        return _compiled(name)(*args) if compiled else op(*args)
+        return _compiled(name, compiled)(*args) if compiled else op(*args)
 
     return call
 
@@ -155,7 +148,7 @@ class _RMSNorm(torch.autograd.Function):
     """y = (x / rms(x)) * weight, normalised in fp32."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, compiled: bool) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, compiled: Optional[str]) -> torch.Tensor:
         y, rstd = rms_norm_forward(x, weight, eps, compiled=compiled)
         ctx.save_for_backward(x, weight, rstd)
         ctx.compiled = compiled
@@ -167,8 +160,8 @@ class _RMSNorm(torch.autograd.Function):
         return (*rms_norm_backward(grad_y, x, weight, rstd, *_needed(ctx, 2), compiled=ctx.compiled), None, None)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, compiled: bool = False) -> torch.Tensor:
-    """(x / rms(x)) * weight; ``compiled``: its elementwise work as inductor's kernels (module docstring)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, compiled: Optional[str] = None) -> torch.Tensor:
+    """(x / rms(x)) * weight; ``compiled``: its elementwise work compiled by that backend (module docstring)."""
     return _RMSNorm.apply(x, weight, eps, compiled)
 
 
@@ -200,7 +193,7 @@ class _Rotary(torch.autograd.Function):
     """x cos + rotate_half(x) sin in fp32, x: (seq, batch, heads, head_dim), tables (seq, head_dim)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, compiled: bool) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, compiled: Optional[str]) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
         ctx.compiled = compiled
         return rotary(x, cos, sin, 1, compiled=compiled)
@@ -211,7 +204,7 @@ class _Rotary(torch.autograd.Function):
         return rotary(grad_y, cos, sin, -1, compiled=ctx.compiled), None, None, None
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, compiled: Optional[str] = None) -> torch.Tensor:
     """Rotate pairs (i, i + head_dim/2) of x: (seq, batch, heads, head_dim) by the fp32 tables."""
     return _Rotary.apply(x, cos, sin, compiled)
 
@@ -245,7 +238,7 @@ class _SwiGLULinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor,
-                sink: Optional[Any], compiled: bool) -> torch.Tensor:
+                sink: Optional[Any], compiled: Optional[str]) -> torch.Tensor:
         ctx.save_for_backward(a, b, weight)
         ctx.sink, ctx.compiled = sink, compiled
         ctx.main_grad = sink.views[weight] if sink is not None else None
@@ -269,9 +262,9 @@ class _SwiGLULinear(torch.autograd.Function):
         return grad_a, grad_b, grad_weight, None, None
 
 
-def swiglu_linear(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+def swiglu_linear(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, compiled: Optional[str] = None) -> torch.Tensor:
     """``F.linear(F.silu(a) * b, weight)`` (SwiGLU's w2 applied to its gate), saving a and b only;
-    ``compiled``: the gate's elementwise work as inductor's kernels (module docstring)."""
+    ``compiled``: the gate's elementwise work compiled by that backend (module docstring)."""
     sink = getattr(weight, SINK, None)
     # Inside a compiled block the compiler owns the buffers (and cannot trace the sink's engine query).
     if sink is not None and (not torch.is_grad_enabled() or not weight.requires_grad

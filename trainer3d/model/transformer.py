@@ -34,9 +34,9 @@ from trainer3d.model.moe import MoE, ffn_params, moe_layer
 
 
 class RMSNorm(nn.Module):
-    compile_operators = False
-    """Run the elementwise operators as torch.compile'd kernels (set from outside by
-    parallel/compile.py; also on ``Attention`` and ``FeedForward``)."""
+    compile_operators: Optional[str] = None
+    """The torch.compile backend the elementwise operators run compiled by, None: eager (set from
+    outside by parallel/compile.py; also on ``Attention`` and ``FeedForward``)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -146,7 +146,7 @@ def rotate_per_token(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
 
 
 class Attention(nn.Module):
-    compile_operators = False  # as RMSNorm's
+    compile_operators: Optional[str] = None  # as RMSNorm's
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -183,7 +183,7 @@ class FeedForward(nn.Module):
     sums partial products over ranks (a row-parallel one, parallel/tensor/layers.py) does
     it in its ``reduce``, which its own forward calls after the same matmul."""
 
-    compile_operators = False  # as RMSNorm's
+    compile_operators: Optional[str] = None  # as RMSNorm's
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -54,7 +54,6 @@ from typing import List
 import torch
 from torch import nn
 
-from trainer3d.model.functional import compile_with
 from trainer3d.parallel.context.apply import ContextAttention
 from trainer3d.parallel.pipeline.timeline import ZERO_BUBBLE
 from trainer3d.parallel.recompute import is_recomputed, own_forward, recompute
@@ -93,13 +92,12 @@ def _compile_inside_recomputation(block: nn.Module, backend: str) -> None:
 def compile_operators(chunks: List[nn.Module], backend: str = "inductor") -> int:
     """Make every module of ``chunks`` with elementwise operators (``compile_operators`` in
     model/transformer.py: the norms, attention's RoPE, SwiGLU) run them compiled by ``backend``
-    (model/functional.py ``compile_with``: this process's); returns how many."""
-    compile_with(backend)
+    (model/functional.py); returns how many."""
     count = 0
     for chunk in chunks:
         for module in chunk.modules():
             if hasattr(module, "compile_operators"):
-                module.compile_operators = True
+                module.compile_operators = backend
                 count += 1
     return count
 
