@@ -17,12 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.run_scripts import run as run_script
 from tests.support.runs import PARITY, REL_TOL, read_metrics, reference_losses, run_train, train_in_ranks
 from trainer3d.checkpoint import store
 
 MODEL = ("model.n_heads=8", "model.n_kv_heads=4")
 BASE = (*PARITY, *MODEL, "parallel=single", "checkpoint.keep=10")
-KILL_RUN = ("checkpoint.every=2", "train.max_steps=8", f"optim.decay_steps={20 - 5}")
+SAME_SCHEDULE = f"optim.decay_steps={20 - 5}"
+"""The learning-rate schedule of the 20-step reference (PARITY: 5 steps of warm-up) for a run that
+stops earlier, so that a run resumed from its checkpoint is held to the reference's steps."""
+KILL_RUN = ("checkpoint.every=2", "train.max_steps=8", SAME_SCHEDULE)
 """A killed run's settings: a save every 2 steps, stopped at step 8 on the learning-rate schedule
 of the 20-step reference (PARITY: 5 steps of warm-up), whose first 8 losses the restart is held to."""
 
@@ -72,13 +76,12 @@ def test_reshard_chain_with_tp_changes(tmp_path, session_tmp):
     ref = reference_losses(session_tmp, [*PARITY, *MODEL])
     chain = [(layout(2, 2, 2, zero=1), None), (layout(1, 4, 2, zero=1), 5), (layout(4, 1, 1), 10),
              (layout(1, 1, 1), 15)]
-    same_schedule = f"optim.decay_steps={20 - 5}"  # PARITY: 20 steps, 5 of warm-up
     previous = None
     for i, (lay, start) in enumerate(chain):
         run = tmp_path / f"run{i}"
         stop = chain[i + 1][1] + 1 if i + 1 < len(chain) else 20
         resume = [f"train.resume={store.step_dir(previous / 'checkpoints', start)}"] if start else []
-        stdout = train_in_ranks(run, [*BASE, *lay, "checkpoint.every=5", same_schedule, f"train.max_steps={stop}",
+        stdout = train_in_ranks(run, [*BASE, *lay, "checkpoint.every=5", SAME_SCHEDULE, f"train.max_steps={stop}",
                                       *resume])
         if start:
             assert "layout changed since the checkpoint" in stdout
@@ -133,29 +136,33 @@ def test_exported_weights_give_the_same_loss_in_the_1_rank_model(tmp_path):
     from trainer3d.config.validate import validate
     from tests.unit.test_validate import make
 
-    run = tmp_path / "run"  # step 10's checkpoint and its loss: the run stops there
-    train_in_ranks(run, [*BASE, *layout(2, 2, 1), "checkpoint.every=10", "train.max_steps=11",
+    run = tmp_path / "run"  # step 4's checkpoint and its loss: the run stops there
+    train_in_ranks(run, [*BASE, *layout(2, 2, 1), "checkpoint.every=4", "train.max_steps=5",
                          "checkpoint.save_final=false"])
     rows = read_metrics(run)
     out = tmp_path / "export"
-    proc = subprocess.run([sys.executable, "tools/export_model.py", str(store.step_dir(run / "checkpoints", 10)),
-                           str(out), "--format", "trainer3d"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    # the script as ``python tools/export_model.py`` runs it, in this process (tests/support/run_scripts.py)
+    done = run_script("tools/export_model.py", [str(store.step_dir(run / "checkpoints", 4)), str(out),
+                                                "--format", "trainer3d"])
+    assert done["code"] == 0, done["stderr"]
     import json
     model_cfg = model_config_of({"model": json.loads((out / "config.json").read_text())})
     model = Transformer(model_cfg)
     model.load_state_dict(load_file(out / "model.safetensors"), strict=True)  # every name, every shape
     data, _ = build_readers(validate(make([*BASE, *layout(2, 2, 1)])), dp=1, dp_rank=0)  # the run's batches
-    inputs, targets = data.batch(10)
+    inputs, targets = data.batch(4)
     with torch.no_grad():
         loss = torch.stack([cross_entropy_loss(model(inputs[m]), targets[m]) for m in range(8)]).mean()
-    assert abs(loss.item() - rows[10]["loss"]) / rows[10]["loss"] <= REL_TOL
+    assert abs(loss.item() - rows[4]["loss"]) / rows[4]["loss"] <= REL_TOL
 
 
 def test_fsdp_zero3_checkpoint_loads_into_tp2_zero1(tmp_path, session_tmp):
+    """The ZeRO-3 run stops one step after its step-10 save, on the 20-step reference's schedule
+    (``SAME_SCHEDULE``); the tp2 run resumed from it trains steps 10-19."""
     ref = reference_losses(session_tmp, [*PARITY, *MODEL])
-    train_in_ranks(tmp_path / "a", [*BASE, *layout(1, 1, 2, zero=3), "checkpoint.every=10"])
-    stdout = train_in_ranks(tmp_path / "b", [*BASE, *layout(2, 1, 1, zero=1),
+    train_in_ranks(tmp_path / "a", [*BASE, *layout(1, 1, 2, zero=3), "checkpoint.every=10", SAME_SCHEDULE,
+                                    "train.max_steps=11"])
+    stdout = train_in_ranks(tmp_path / "b", [*BASE, *layout(2, 1, 1, zero=1), SAME_SCHEDULE,
                                              f"train.resume={store.step_dir(tmp_path / 'a' / 'checkpoints', 10)}"])
     assert "zero_stage 3 -> 1" in stdout
     assert_close([r["loss"] for r in read_metrics(tmp_path / "b")], ref[10:])
@@ -179,10 +186,11 @@ def test_muon_momentum_reshards_tp2_dp2_to_dp2(tmp_path, session_tmp):
     moves the next step's update by the whole buffer)."""
     ref = reference_losses(session_tmp, [*PARITY, *MODEL, *MUON])
     first, second = tmp_path / "tp2dp2", tmp_path / "dp2"
-    train_in_ranks(first, [*BASE, *MUON, *layout(2, 1, 2, zero=1), "checkpoint.every=10"])
+    train_in_ranks(first, [*BASE, *MUON, *layout(2, 1, 2, zero=1), "checkpoint.every=10", SAME_SCHEDULE,
+                           "train.max_steps=11"])  # stops one step after the save (as the ZeRO-3 test's)
     resume = f"train.resume={store.step_dir(first / 'checkpoints', 10)}"
     assert "layout changed since the checkpoint" in train_in_ranks(second, [*BASE, *MUON, *layout(1, 1, 2, zero=1),
-                                                                           resume])
+                                                                           SAME_SCHEDULE, resume])
     rows = read_metrics(second)
     assert [r["step"] for r in rows] == list(range(10, 20))
     print(f"worst {assert_close([r['loss'] for r in rows], ref[10:]):.1e}")

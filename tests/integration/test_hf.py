@@ -6,11 +6,12 @@ Every model here is a tiny random Llama made locally by transformers itself
 - logits: trainer3d's model filled from a transformers checkpoint gives transformers'
   logits (GQA and MHA, tied and untied, Llama-3 rope scaling, a head_dim other than
   dim / heads), which pins RMSNorm, RoPE, GQA and SwiGLU against an outside implementation;
-- the real entry point, ``model.init_from`` in 1x1x1 and tp2 x pp2 x dp2 ZeRO-1 (tied, a
-  vocabulary tp pads, rope scaling): the first step's loss and gradients equal
-  transformers' on the same batch, the 3D run trains the model the single process trains
-  (20 steps, fp32, rel 1e-5), its export loads in transformers without warnings and gives
-  trainer3d's logits, and importing the export again gives bit-identical weights;
+- the entry point's work on in-process ranks (tests/support/runs.py), ``model.init_from`` in
+  1x1x1 and tp2 x pp2 x dp2 ZeRO-1 (tied, a vocabulary tp pads, rope scaling): the first step's
+  loss and gradients equal transformers' on the same batch, the 3D run trains the model the
+  single process trains (20 steps, fp32, rel 1e-5), its export loads in transformers without
+  warnings and gives trainer3d's logits, and importing the export again gives bit-identical
+  weights;
 - bad input is refused before launch, one line each.
 """
 
@@ -18,8 +19,6 @@ import dataclasses
 import json
 import logging
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ import torch
 import torch.nn.functional as F
 import transformers  # a dev dependency: missing, these tests fail rather than skip
 
+from tests.support.run_scripts import run as run_script
 from tests.support.runs import REL_TOL, read_metrics, run_train, train_in_ranks
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.export import export, load_full_model
@@ -118,9 +118,11 @@ LAYOUTS = {"1x1x1": ("parallel=single",),
 def runs(tmp_path_factory):
     """A tied GQA Llama with rope scaling and a vocabulary tp=2 pads (301), trained 20 steps
     from model.init_from in one process and in tp2 x pp2 x dp2 with ZeRO-1 (in-process ranks:
-    tests/support/runs.py train_in_ranks), and one step of each with its gradient kept."""
+    tests/support/runs.py train_in_ranks), and one step of each with its gradient kept. Two
+    layers, one per pipeline stage (as tests/support/runs.py TWO_LAYERS): the tied embedding's
+    two copies still sit on the first and the last stage."""
     root = tmp_path_factory.mktemp("hf-runs")
-    out = {"hf": make_hf(root / "hf", tie_word_embeddings=True, rope_scaling=LLAMA3, num_hidden_layers=4)}
+    out = {"hf": make_hf(root / "hf", tie_word_embeddings=True, rope_scaling=LLAMA3)}
     for name, layout in LAYOUTS.items():
         out[name], out[f"{name}-first"] = root / name, root / f"{name}-first"
         train_in_ranks(out[name], [*COMMON, f"model.init_from={out['hf']}", *layout])
@@ -171,9 +173,14 @@ def test_tied_3d_run_matches_single_process(runs):
 def test_export_loads_in_transformers_and_reimports_bit_identical(runs, tmp_path, caplog):
     checkpoint = store.step_dir(runs["tp2-pp2-dp2-z1"] / "checkpoints", 20)
     out = tmp_path / "export"
-    proc = subprocess.run([sys.executable, "tools/export_model.py", str(checkpoint), str(out),
-                           "--max-shard-gb", "0.0002"], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
+    prompt = "def main("
+    # tools/export_model.py, then tools/sample.py (greedy, from the export and from the checkpoint),
+    # each as ``python SCRIPT`` runs it, in this process (tests/support/run_scripts.py)
+    sample = ["--prompt", prompt, "--greedy", "--max-new-tokens", "8", "--show-ids"]
+    exported, *sampled = [run_script(str(ROOT / script), [str(a) for a in args]) for script, args in (
+        ("tools/export_model.py", [checkpoint, out, "--max-shard-gb", "0.0002"]),
+        ("tools/sample.py", [out, *sample]), ("tools/sample.py", [checkpoint, *sample]))]
+    assert exported["code"] == 0, exported["stderr"]
     assert (out / "model.safetensors.index.json").exists() and (out / "generation_config.json").exists()
     with caplog.at_level(logging.WARNING, logger="transformers"):
         theirs, info = transformers.LlamaForCausalLM.from_pretrained(out, output_loading_info=True)
@@ -192,16 +199,12 @@ def test_export_loads_in_transformers_and_reimports_bit_identical(runs, tmp_path
         assert torch.equal(p, trained[name]), name
     config = json.loads((out / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)  # carried from model.init_from's config
-    # tools/sample.py, greedy, from the export and from the checkpoint: transformers' greedy ids.
-    prompt = "def main("
+    # tools/sample.py's greedy ids, from the export and from the checkpoint: transformers' greedy ids.
     expected = theirs.generate(torch.tensor([list(prompt.encode())]), max_new_tokens=8, do_sample=False)
     expected = expected[0, len(prompt):].tolist()
-    for source in (out, checkpoint):
-        proc = subprocess.run([sys.executable, "tools/sample.py", str(source), "--prompt", prompt, "--greedy",
-                               "--max-new-tokens", "8", "--show-ids"], capture_output=True, text=True, timeout=300,
-                              cwd=ROOT)
-        assert proc.returncode == 0, proc.stderr
-        assert proc.stdout.startswith(prompt) and proc.stdout.splitlines()[-1] == " ".join(map(str, expected))
+    for done in sampled:
+        assert done["code"] == 0, done["stderr"]
+        assert done["stdout"].startswith(prompt) and done["stdout"].splitlines()[-1] == " ".join(map(str, expected))
 
 
 @pytest.mark.slow

@@ -11,8 +11,6 @@ than the sequence, naming the field.
 
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ import torch
 import transformers  # a dev dependency: missing, these tests fail rather than skip
 from safetensors import safe_open
 
+from tests.support.run_scripts import run as run_script
 from tests.support.runs import REL_TOL, assert_parity, read_metrics, train_in_ranks
 from tests.unit.test_presets import _training
 from trainer3d.checkpoint import store
@@ -190,9 +189,9 @@ def test_first_step_loss_equals_transformers_and_layouts_train_the_same_model(ru
 def test_trained_export_loads_in_transformers_and_reimports_bit_identical(runs, tmp_path, caplog):
     checkpoint = store.step_dir(runs["tp2-dp2-z1"] / "checkpoints", 20)
     out = tmp_path / "export"
-    proc = subprocess.run([sys.executable, "tools/export_model.py", str(checkpoint), str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
+    # the script as ``python tools/export_model.py`` runs it, in this process (tests/support/run_scripts.py)
+    exported = run_script(str(ROOT / "tools/export_model.py"), [str(checkpoint), str(out)])
+    assert exported["code"] == 0, exported["stderr"]
     with caplog.at_level(logging.WARNING, logger="transformers"):
         theirs, info = transformers.MixtralForCausalLM.from_pretrained(out, output_loading_info=True)
     assert all(not v for v in info.values()), info
