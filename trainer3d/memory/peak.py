@@ -141,7 +141,7 @@ def rank_memory(cfg: Config, pp_rank: int, kernel: str = "flash", cuda: Optional
         for name, value in per_step.items():  # kept while any of the chunk's micro-batches is in flight
             activations[name] = activations.get(name, 0) + (value if n else 0)
     mem = RankMemory(pp_rank=pp_rank, states=_states_of(cfg, rank, model), activations=activations,
-                     in_flight=counts, staged=staged_bytes(cfg, pp_rank))
+                     in_flight=counts, staged=staged_bytes(cfg, pp_rank, model=model))
     if p.pp > 1:
         mem.buffers = _pipeline_buffers(cfg, z, pp_rank, stages, counts, last)
     mem.transients = _transients(cfg, z, stages, last, rank.shapes)
