@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.conftest import CONF_DIR, ROOT
+from trainer3d.memory import rank_layout
 from trainer3d.memory import states as memory
 from trainer3d.config.schema import Config
 from trainer3d.memory.states import format_bytes
@@ -57,6 +58,7 @@ def test_planner_prints_ranked_layouts_whose_commands_pass_validate():
 
 def test_search_of_1024_gpus_is_bounded_and_builds_one_meta_block_per_tp():
     memory._MODEL_SHAPES.clear()
+    rank_layout._LAYOUTS.clear()  # the ranks' layouts keep the shapes they were built from
     cfg = _plan_config("model=70b", "cluster.nodes=128", "cluster.gpus_per_node=8", "train.global_batch_size=1024",
                        "train.seq_len=4096")
     result = search(cfg, device_for("h100-sxm"))

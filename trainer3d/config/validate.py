@@ -57,7 +57,17 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> Config:
     ``world_size`` is what the launcher will start (Slurm: nodes * tasks_per_node;
     in place: $WORLD_SIZE); None means the local launcher, which starts tp * cp * pp * dp.
     """
-    cfg = expand_paths(copy.deepcopy(cfg))
+    return validate_owned(copy.deepcopy(cfg), world_size)
+
+
+def validate_owned(cfg: Config, world_size: Optional[int] = None) -> Config:
+    """``validate()`` of a config the caller made for it, completed in place and returned (no
+    copy): the two things validation writes are the batch knob it derives (``train``) and each
+    path knob's leading ``~`` (``expand_paths``, the same value once expanded). The planner's
+    search (trainer3d/plan/search.py) builds every candidate with a ``train`` and ``parallel``
+    of its own around groups only it holds, and so skips a deep copy of the whole config per
+    candidate."""
+    cfg = expand_paths(cfg)
     problems: List[str] = []
     _check_ranges(cfg, problems)
     if problems:  # the rules below divide by these knobs

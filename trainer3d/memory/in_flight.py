@@ -92,15 +92,35 @@ def peak_in_flight(ops: Sequence[Tuple[str, int]], per_micro: Sequence[int], per
 
 
 @functools.lru_cache(maxsize=4096)
-def _schedule_ops(schedule: str, pp: int, virtual: int, m: int, pp_rank: int) -> Tuple[Tuple[str, int], ...]:
-    return tuple(schedule_ops(schedule, pp, virtual, m, pp_rank))  # the planner asks often
+def _states(schedule: str, pp: int, virtual: int, m: int, pp_rank: int, chunks: int) -> Tuple[Tuple[int, ...], ...]:
+    """Each distinct count of micro-batches in flight per local chunk that the rank's ops pass
+    through, in the order first reached. The bytes alive at a point of the walk are a function
+    of those counts alone (``_alive_bytes``), so the walk's peak is the first of these with the
+    most bytes: ``peak_in_flight`` without walking the ops again for every candidate's bytes
+    (an interleaved schedule of m micro-batches walks 2 v m ops and passes through a few
+    hundred counts at most)."""
+    alive, seen = [0] * chunks, {}
+    for kind, chunk in schedule_ops(schedule, pp, virtual, m, pp_rank):
+        alive[chunk] += 1 if kind == "F" else -1
+        seen.setdefault(tuple(alive), None)
+    return tuple(seen)
+
+
+def _alive_bytes(counts: Sequence[int], per_micro: Sequence[int], per_step: Sequence[int]) -> int:
+    return sum(n * b + (s if n else 0) for n, b, s in zip(counts, per_micro, per_step))
 
 
 def in_flight(cfg: Config, pp_rank: int, per_micro: List[int], per_step: List[int]) -> Tuple[int, List[int]]:
     """Peak saved bytes of ``pp_rank`` and its chunks' micro-batches in flight then (closed
-    forms where there is one); ``per_micro``/``per_step`` by local chunk as in ``peak_in_flight``."""
+    forms where there is one); ``per_micro``/``per_step`` by local chunk as in ``peak_in_flight``
+    (the same figures, over ``_states``)."""
     p, m = cfg.parallel, cfg.train.grad_accum_steps
     if p.pp > 1 and p.pp_schedule not in ("1f1b", "gpipe"):
-        return peak_in_flight(_schedule_ops(p.pp_schedule, p.pp, p.pp_virtual_stages, m, pp_rank), per_micro, per_step)
+        best, at = 0, [0] * len(per_micro)
+        for counts in _states(p.pp_schedule, p.pp, p.pp_virtual_stages, m, pp_rank, len(per_micro)):
+            live = _alive_bytes(counts, per_micro, per_step)
+            if live > best:
+                best, at = live, list(counts)
+        return best, at
     count = 1 if p.pp == 1 else m if p.pp_schedule == "gpipe" else min(m, p.pp - pp_rank)
     return count * per_micro[0] + per_step[0], [count]

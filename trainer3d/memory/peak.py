@@ -44,13 +44,13 @@ from trainer3d.memory.activations import (FP32, Sizes, chunk_terms, cp_document_
 from trainer3d.memory.in_flight import in_flight
 from trainer3d.config.schema import Config
 from trainer3d.config.schema_parallel import zero_shards
-from trainer3d.memory.moe import layout_model_state_bytes, moe_layers, stage_expert_mask
+from trainer3d.memory.moe import layout_model_state_bytes
 from trainer3d.memory.muon_step import muon_step_bytes
+from trainer3d.memory.rank_layout import RankLayout, model_key, rank_layout
 from trainer3d.memory.staged import staged_bytes
 from trainer3d.memory.startup import startup_bytes
-from trainer3d.memory.states import BYTES, ModelStateBytes, model_shapes, stage_muon_mask, stage_parameter_shapes
+from trainer3d.memory.states import BYTES, ModelShapes, ModelStateBytes
 from trainer3d.parallel.pipeline.receive_count import receive_buffers_held
-from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
 
 
 @dataclass
@@ -105,19 +105,20 @@ class RankMemory:
 _STATES: Dict[str, ModelStateBytes] = {}
 
 
-def _states_of(cfg: Config, stages: List[int]) -> ModelStateBytes:
-    """Model states of these stages, cached on what they depend on (the planner asks often)."""
+def _states_of(cfg: Config, rank: RankLayout, model: str) -> ModelStateBytes:
+    """Model states of the rank's stages, cached on what they depend on (the planner asks
+    often); ``model``: ``model_key(cfg)``."""
     p = cfg.parallel
-    key = repr((sorted(vars(cfg.model).items()), p.tp, p.pp, p.pp_virtual_stages, p.pp_layers, zero_shards(p),
-                p.zero_stage, p.bucket_mb, cfg.train.dtype, stages, p.offload_optimizer, cfg.optim.name, p.ep))
+    key = model + repr((p.tp, p.pp, p.pp_virtual_stages, p.pp_layers, zero_shards(p), p.zero_stage, p.bucket_mb,
+                        cfg.train.dtype, list(rank.stages), p.offload_optimizer, cfg.optim.name, p.ep))
     if key not in _STATES:
-        shapes = [s for stage in stages for s in stage_parameter_shapes(cfg, stage)]
         bucket = max(1, int(p.bucket_mb * 2 ** 20) // 4)
-        # ZeRO shards over dp x cp (the gradient-reduction group, trainer3d/parallel/topology.py), HSDP over dp_shard x cp
-        muon = [m for stage in stages for m in stage_muon_mask(cfg, stage)] if cfg.optim.name == "muon" else None
-        experts = [x for stage in stages for x in stage_expert_mask(cfg, stage)]  # ep splits these (memory/moe.py)
-        _STATES[key] = layout_model_state_bytes(shapes, experts, p.ep, zero_shards(p), p.zero_stage, cfg.train.dtype,
-                                                bucket, offload=p.offload_optimizer, muon=muon)
+        # ZeRO shards over dp x cp (the gradient-reduction group, trainer3d/parallel/topology.py), HSDP over
+        # dp_shard x cp; ep splits the expert weights (memory/moe.py)
+        muon = list(rank.muon) if rank.muon is not None else None
+        _STATES[key] = layout_model_state_bytes(list(rank.params), list(rank.experts), p.ep, zero_shards(p),
+                                                p.zero_stage, cfg.train.dtype, bucket, offload=p.offload_optimizer,
+                                                muon=muon)
     return _STATES[key]
 
 
@@ -125,12 +126,12 @@ def rank_memory(cfg: Config, pp_rank: int, kernel: str = "flash", cuda: Optional
     """The peak of a validated config's pipeline rank ``pp_rank``, term by term; ``cuda``: the
     ranks run on CUDA (None: as the config says; trainer3d/memory/activations.py ``Sizes.of``)."""
     p, t = cfg.parallel, cfg.train
-    last, m = n_stages(cfg) - 1, t.grad_accum_steps
-    stages = stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule)
-    ranges = stage_layer_ranges(cfg.model.n_layers, last + 1, p.pp_layers)
+    model = model_key(cfg)
+    rank = rank_layout(cfg, pp_rank, model)
+    stages, last, m = list(rank.stages), rank.last, t.grad_accum_steps
     z = Sizes.of(cfg, kernel, cuda)
     recompute = t.activation_checkpointing
-    chunks = [chunk_terms(z, len(ranges[s]), s == 0, s == last, recompute, moe_layers(cfg, s)) for s in stages]
+    chunks = [chunk_terms(z, n, s == 0, s == last, recompute, moe) for s, n, moe in zip(stages, rank.layers, rank.moe)]
     shared = [shared_terms(z, m, s == 0, s == last, p.pp) for s in stages]
     _, counts = in_flight(cfg, pp_rank, [sum(c.values()) for c in chunks], [sum(s.values()) for s in shared])
     activations: Dict[str, int] = {}
@@ -139,32 +140,35 @@ def rank_memory(cfg: Config, pp_rank: int, kernel: str = "flash", cuda: Optional
             activations[name] = activations.get(name, 0) + n * value
         for name, value in per_step.items():  # kept while any of the chunk's micro-batches is in flight
             activations[name] = activations.get(name, 0) + (value if n else 0)
-    mem = RankMemory(pp_rank=pp_rank, states=_states_of(cfg, stages), activations=activations, in_flight=counts,
-                     staged=staged_bytes(cfg, pp_rank))
+    mem = RankMemory(pp_rank=pp_rank, states=_states_of(cfg, rank, model), activations=activations,
+                     in_flight=counts, staged=staged_bytes(cfg, pp_rank, model=model))
     if p.pp > 1:
-        mem.buffers = _pipeline_buffers(cfg, z, pp_rank, stages, counts)
-    mem.transients = _transients(cfg, z, stages, last)
-    muon = muon_step_bytes(cfg, sum(len(ranges[s]) for s in stages))  # the dp group's largest
+        mem.buffers = _pipeline_buffers(cfg, z, pp_rank, stages, counts, last)
+    mem.transients = _transients(cfg, z, stages, last, rank.shapes)
+    muon = muon_step_bytes(cfg, sum(rank.layers))  # the dp group's largest
     if muon:
         mem.transients["muon_step"] = muon
     if p.zero_stage >= 2:
-        shapes = [s for stage in stages for s in stage_parameter_shapes(cfg, stage)]
-        mem.startup, mem.startup_host = startup_bytes(cfg, shapes, mem.states, same_memory=False)
-        mem.startup_same_memory = startup_bytes(cfg, shapes, mem.states, same_memory=True)[0]
+        mem.startup, mem.startup_host = startup_bytes(cfg, rank.params, mem.states, same_memory=False)
+        mem.startup_same_memory = startup_bytes(cfg, rank.params, mem.states, same_memory=True)[0]
     return mem
 
 
 def receive_buffer_bytes(cfg: Config, pp_rank: int) -> int:
     """The most bytes of receive buffers pp rank ``pp_rank`` holds at once in a step (one
     hidden state each, for the micro-batches in flight: parallel/pipeline/receive_count.py)."""
+    return _receive_buffers(cfg, pp_rank) * Sizes.of(cfg).hidden_bytes()
+
+
+def _receive_buffers(cfg: Config, pp_rank: int) -> int:
     p = cfg.parallel
-    held = receive_buffers_held(p.pp_schedule, p.pp, p.pp_virtual_stages, cfg.train.grad_accum_steps, pp_rank)
-    return held * Sizes.of(cfg).hidden_bytes()
+    return receive_buffers_held(p.pp_schedule, p.pp, p.pp_virtual_stages, cfg.train.grad_accum_steps, pp_rank)
 
 
-def _pipeline_buffers(cfg: Config, z: Sizes, pp_rank: int, stages: List[int], counts: List[int]) -> Dict[str, int]:
-    hidden, last = z.hidden_bytes(), n_stages(cfg) - 1
-    receive = receive_buffer_bytes(cfg, pp_rank)
+def _pipeline_buffers(cfg: Config, z: Sizes, pp_rank: int, stages: List[int], counts: List[int],
+                      last: int) -> Dict[str, int]:
+    hidden = z.hidden_bytes()  # a hidden state's bytes depend on no kernel: receive_buffer_bytes's
+    receive = _receive_buffers(cfg, pp_rank) * hidden
     # the first block saves its input as is (its norm's x, or the whole input under
     # recomputation): counted as activations
     aliased = sum(n * hidden for s, n in zip(stages, counts) if s > 0)
@@ -173,7 +177,7 @@ def _pipeline_buffers(cfg: Config, z: Sizes, pp_rank: int, stages: List[int], co
     return {"pp_receive_buffers": max(0, receive - aliased), "pp_outputs_held": held}
 
 
-def _transients(cfg: Config, z: Sizes, stages: List[int], last: int) -> Dict[str, int]:
+def _transients(cfg: Config, z: Sizes, stages: List[int], last: int, shapes: ModelShapes) -> Dict[str, int]:
     p, t = cfg.parallel, cfg.train
     out: Dict[str, int] = {}
     if last in stages and z.loss_chunk:
@@ -191,22 +195,20 @@ def _transients(cfg: Config, z: Sizes, stages: List[int], last: int) -> Dict[str
         out["sequence_parallel_regather"] = 2 * z.p * z.n * z.h
     b = BYTES[t.dtype]
     if p.zero_stage in (0, 1) and b != FP32:
-        shapes = model_shapes(cfg.model, p.tp)
         held = [*shapes.block, *shapes.moe_block, *(shapes.before if 0 in stages else ()), *(shapes.after if last in stages else ())]
         out["low_precision_grad"] = b * max(_numel(s) for s in held)
     if p.zero_stage in (2, 3):
-        out["fsdp_unit"] = _fsdp_unit_bytes(cfg, b)
+        out["fsdp_unit"] = _fsdp_unit_bytes(cfg, b, shapes)
     return out
 
 
-def _fsdp_unit_bytes(cfg: Config, b: int) -> int:
+def _fsdp_unit_bytes(cfg: Config, b: int, shapes: ModelShapes) -> int:
     """FSDP2 shards every block and the root (embedding, final norm, head) as units: one
     unit's gradients unsharded (compute dtype, then fp32 for the reduce-scatter) and, for
     stage 3, its parameters gathered with the next unit's prefetched. Offloaded
     (parallel/zero/fsdp_offload.py): also the fp32 shards of those two units copied up for
     their all-gathers and the unit's scattered fp32 gradient shard before its copy down."""
     p = cfg.parallel
-    shapes = model_shapes(cfg.model, p.tp)
     block = max(sum(_numel(s) for s in shapes.block), sum(_numel(s) for s in shapes.moe_block))
     root = sum(_numel(s) for s in (*shapes.before, *shapes.after))
     unit = max(block, root)

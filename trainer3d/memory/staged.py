@@ -16,10 +16,11 @@ The test that holds this to the saver's own buffers: tests/multirank/test_staged
 """
 
 from math import prod
-from typing import List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from trainer3d.config.schema import Config
 from trainer3d.config.schema_parallel import zero_shards
+from trainer3d.memory.rank_layout import model_key
 from trainer3d.memory.states import BYTES, STEP_BYTES, model_shapes, stage_parameter_shapes
 from trainer3d.parallel.pipeline.stages import n_stages, stages_of_rank
 from trainer3d.parallel.zero.buckets import plan_buckets
@@ -60,11 +61,26 @@ def saves_in_background(cfg: Config) -> bool:
     return c.async_save and 0 < c.every <= cfg.train.max_steps
 
 
-def staged_bytes(cfg: Config, pp_rank: int, dp_rank: int = 0) -> int:
+_STAGED: Dict[str, int] = {}
+
+
+def staged_bytes(cfg: Config, pp_rank: int, dp_rank: int = 0, model: Optional[str] = None) -> int:
     """Host bytes a background save stages on a rank of ``pp_rank`` at position ``dp_rank``
-    of its ZeRO group (dp x cp, HSDP's dp_shard x cp; rank 0 holds the most); 0 where no save runs in the background."""
+    of its ZeRO group (dp x cp, HSDP's dp_shard x cp; rank 0 holds the most); 0 where no save runs in the background.
+    Cached on what it depends on (the planner asks for every layout it tries); ``model``:
+    ``model_key(cfg)`` where the caller has it."""
     if not saves_in_background(cfg):
         return 0
+    p = cfg.parallel
+    key = (model if model is not None else model_key(cfg)) + repr(
+        (p.tp, p.pp, p.pp_virtual_stages, p.pp_layers, p.pp_schedule, p.zero_stage, zero_shards(p), p.bucket_mb,
+         cfg.train.dtype, pp_rank, dp_rank))
+    if key not in _STAGED:
+        _STAGED[key] = _staged(cfg, pp_rank, dp_rank)
+    return _STAGED[key]
+
+
+def _staged(cfg: Config, pp_rank: int, dp_rank: int) -> int:
     p, dtype = cfg.parallel, cfg.train.dtype
     b, n = BYTES[dtype], zero_shards(p)
     scalars = STEP_BYTES + (FP16_PERSISTENT_BYTES if dtype == "fp16" else 0)

@@ -18,8 +18,9 @@ al. 2020, sec. 5). Measured against this by tests/multirank/test_zero3_init.py. 
 return nothing here: their start-up holds their step's model states at most.
 """
 
+import functools
 from math import prod
-from typing import List, Tuple
+from typing import Sequence, Tuple
 
 from trainer3d.config.schema import Config
 from trainer3d.config.schema_parallel import zero_shards
@@ -31,7 +32,7 @@ STREAM_BYTES = FP32 * CHUNK
 """The init stream's largest buffer (trainer3d/model/normal_stream.py)."""
 
 
-def startup_bytes(cfg: Config, shapes: List[Tuple[int, ...]], states: ModelStateBytes,
+def startup_bytes(cfg: Config, shapes: Sequence[Tuple[int, ...]], states: ModelStateBytes,
                   same_memory: bool) -> Tuple[int, int]:
     """(device, host) bytes at a ZeRO-2/3 rank's start-up peak, for its parameter ``shapes``
     and model ``states`` (trainer3d/memory/states.py); (0, 0) for stages 0/1.
@@ -39,9 +40,8 @@ def startup_bytes(cfg: Config, shapes: List[Tuple[int, ...]], states: ModelState
     p = cfg.parallel
     if p.zero_stage < 2 or not shapes:
         return 0, 0
-    n = zero_shards(p)  # FSDP2's shard group: dp x cp, HSDP's dp_shard x cp
-    largest = max(-(-s[0] // n) * prod(s[1:]) for s in shapes)
-    stream = min(STREAM_BYTES, FP32 * p.tp * max(prod(s) for s in shapes))  # a tp slice streams the full tensor
+    largest, whole = _largest(tuple(shapes), zero_shards(p))  # FSDP2's shard group: dp x cp, HSDP's dp_shard x cp
+    stream = min(STREAM_BYTES, FP32 * p.tp * whole)  # a tp slice streams the full tensor
     drawn = FP32 * largest + stream  # on the host
     if p.offload_optimizer:  # shards, their fill and the moments all on the host
         moments = states.host - 2 * FP32 * states.sharded  # 8 bytes a real element and the step counter
@@ -51,3 +51,11 @@ def startup_bytes(cfg: Config, shapes: List[Tuple[int, ...]], states: ModelState
         return states.params + max(drawn, states.optimizer), 0
     return states.params + states.optimizer, drawn
 
+
+
+@functools.lru_cache(maxsize=1024)
+def _largest(shapes: Tuple[Tuple[int, ...], ...], n: int) -> Tuple[int, int]:
+    """Elements of the largest of ``shapes``' shards over ``n`` ranks (FSDP2 pads each to
+    ceil(rows / n) rows), and of the largest tensor (cached: the planner asks for the same rank's
+    shapes over every ZeRO-2/3 layout it tries, trainer3d/plan/search.py)."""
+    return max(-(-s[0] // n) * prod(s[1:]) for s in shapes), max(prod(s) for s in shapes)

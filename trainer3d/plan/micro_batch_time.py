@@ -14,13 +14,12 @@ trainer3d/parallel/context/).
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 from trainer3d.config.schema import Config
 from trainer3d.memory.activations import FP32, Sizes
-from trainer3d.memory.moe import moe_layers
-from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
-from trainer3d.plan.block_time import all_reduce_s, block_time, tp_region_s
+from trainer3d.memory.rank_layout import rank_layout
+from trainer3d.plan.block_time import BlockTime, all_reduce_s, block_time, tp_region_s
 from trainer3d.plan.devices import Device
 from trainer3d.plan.links import _link_gbps
 
@@ -60,26 +59,32 @@ def _cp_exposed(cfg: Config, z: Sizes, device: Device, ranks_per_node: int) -> T
     return fwd, bwd
 
 
+def _block(cfg: Config, z: Sizes, device: Device, ranks_per_node: int, attention: str, moe: bool,
+           blocks: Dict[bool, BlockTime]) -> BlockTime:
+    """One block of the layout (an MoE block with ``moe``), with the ring's exposed exchange
+    under context parallelism; kept in ``blocks`` for the layout's other ranks."""
+    if moe not in blocks:
+        block = block_time(cfg, device, ranks_per_node, attention, moe=moe)
+        if cfg.parallel.cp > 1:
+            block.fwd["cp_comm"], block.bwd["cp_comm"] = _cp_exposed(cfg, z, device, ranks_per_node)
+        blocks[moe] = block
+    return blocks[moe]
+
+
 def micro_batch_times(cfg: Config, device: Device, pp_rank: int, ranks_per_node: int,
-                      attention: str = "flash") -> RankTimes:
-    p, t, m = cfg.parallel, cfg.train, cfg.model
+                      attention: str = "flash", blocks: Optional[Dict[bool, BlockTime]] = None) -> RankTimes:
+    """``blocks``: the layout's block times by kind (dense, MoE) where another of its ranks has
+    timed them (step_time.py passes one dict for all the ranks it times)."""
+    p, t = cfg.parallel, cfg.train
+    blocks = {} if blocks is None else blocks
     z = Sizes.of(cfg)
-    block = block_time(cfg, device, ranks_per_node, attention)
-    cp_fwd, cp_bwd = _cp_exposed(cfg, z, device, ranks_per_node)
-    if p.cp > 1:
-        block.fwd["cp_comm"], block.bwd["cp_comm"] = cp_fwd, cp_bwd
     region = tp_region_s(cfg, device, ranks_per_node)
-    last = n_stages(cfg) - 1
-    ranges = stage_layer_ranges(m.n_layers, last + 1, p.pp_layers)
-    stages = stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule)
-    layers = sum(len(ranges[s]) for s in stages)
-    experts = sum(moe_layers(cfg, s) for s in stages)  # MoE blocks among them (plan/moe_cost.py)
-    kinds = [(block, layers - experts)]
+    rank = rank_layout(cfg, pp_rank)
+    stages, last = rank.stages, rank.last
+    layers, experts = sum(rank.layers), sum(rank.moe)  # MoE blocks among them (plan/moe_cost.py)
+    kinds = [(_block(cfg, z, device, ranks_per_node, attention, False, blocks), layers - experts)]
     if experts:
-        moe = block_time(cfg, device, ranks_per_node, attention, moe=True)
-        if p.cp > 1:
-            moe.fwd["cp_comm"], moe.bwd["cp_comm"] = cp_fwd, cp_bwd
-        kinds.append((moe, experts))
+        kinds.append((_block(cfg, z, device, ranks_per_node, attention, True, blocks), experts))
     terms: Dict[str, float] = {}
     fwd = bwd = 0.0
     for kind, count in kinds:

@@ -27,6 +27,7 @@ from typing import Dict, Tuple
 from trainer3d.config.schema import Config
 from trainer3d.memory.activations import Sizes
 from trainer3d.memory.moe import all_to_all_bytes, stage_expert_mask
+from trainer3d.memory.rank_layout import model_key
 from trainer3d.memory.states import BYTES, stage_parameter_shapes
 from trainer3d.parallel.pipeline.stages import stages_of_rank
 from trainer3d.plan.devices import Device
@@ -109,6 +110,20 @@ def expert_gradient_bytes(cfg: Config, pp_rank: int, grads: int) -> Tuple[int, i
     p = cfg.parallel
     if p.ep == 1 or cfg.model.moe.num_experts == 0:
         return grads, 0
+    key = model_key(cfg) + repr((p.tp, p.pp, p.pp_virtual_stages, p.pp_layers, p.pp_schedule, p.ep, pp_rank))
+    if key not in _EXPERT_BYTES:
+        _EXPERT_BYTES[key] = _expert_bytes(cfg, pp_rank)
+    experts = _EXPERT_BYTES[key]
+    return max(0, grads - experts), experts
+
+
+_EXPERT_BYTES: Dict[str, int] = {}
+"""``_expert_bytes`` by model and layout (the search asks for every layout it tries)."""
+
+
+def _expert_bytes(cfg: Config, pp_rank: int) -> int:
+    """fp32 gradient bytes of ``pp_rank``'s expert weights on one ep rank."""
+    p = cfg.parallel
     experts = 0
     for stage in stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages):
         for shape, expert in zip(stage_parameter_shapes(cfg, stage), stage_expert_mask(cfg, stage)):
@@ -117,6 +132,5 @@ def expert_gradient_bytes(cfg: Config, pp_rank: int, grads: int) -> Tuple[int, i
                 for d in shape:
                     n *= d
                 experts += n // p.ep
-    experts *= BYTES["fp32"]
-    return max(0, grads - experts), experts
+    return experts * BYTES["fp32"]
 

@@ -17,6 +17,7 @@ counted by the knob they name), then through the peak-memory accounting of the r
 bound it (trainer3d/memory/peak.py), then through the step-time model (step_time.py).
 """
 
+import copy
 import dataclasses
 import re
 from collections import Counter
@@ -30,7 +31,7 @@ from trainer3d.plan.settings import PlanConfig
 from trainer3d.plan.devices import Device
 from trainer3d.plan.offload_cost import HostLink
 from trainer3d.plan.step_time import StepTime, ranks_evaluated, step_time, tokens_per_s
-from trainer3d.config.validate import ConfigError, validate
+from trainer3d.config.validate import ConfigError, validate_owned
 
 GiB = 2 ** 30
 
@@ -97,12 +98,14 @@ def context_parallel_sizes(cfg: PlanConfig, ranks: int) -> List[int]:
 
 
 def candidates(cfg: PlanConfig, device: Device) -> Iterator[Config]:
-    """Every layout of the search space, unvalidated (see the module docstring)."""
+    """Every layout of the search space, unvalidated (see the module docstring). Each has a
+    ``parallel`` and a ``train`` of its own; the other groups are one copy of the user's that
+    all candidates share (``validate_owned`` writes none of them but a path's ``~``)."""
     c, s, m = cfg.cluster, cfg.search, cfg.model
     world = c.nodes * c.gpus_per_node
     launcher = _launcher(cfg, device)
-    base = Config(model=cfg.model, optim=cfg.optim, data=cfg.data, logger=cfg.logger, checkpoint=cfg.checkpoint,
-                  launcher=launcher, run_dir=".")
+    base = copy.deepcopy(Config(model=cfg.model, optim=cfg.optim, data=cfg.data, logger=cfg.logger,
+                                checkpoint=cfg.checkpoint, launcher=launcher, run_dir="."))
     splits = [(t, k) for t in _divisors(c.gpus_per_node) for k in context_parallel_sizes(cfg, world // t)]
     for tp, cp in splits:
         for pp in (d for d in _divisors(world // (tp * cp)) if d <= m.n_layers):
@@ -181,7 +184,9 @@ def host_usable_bytes(cfg: PlanConfig) -> float:
 
 
 def _offloaded(cfg: Config) -> Config:
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, offload_optimizer=True))
+    """``cfg`` offloaded, with a ``train`` of its own for ``validate_owned`` to complete."""
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, offload_optimizer=True),
+                               train=dataclasses.replace(cfg.train))
 
 
 def _offload_tries(cfg: Config) -> List[Config]:
@@ -208,7 +213,7 @@ def search(cfg: PlanConfig, device: Device) -> SearchResult:
     for candidate in candidates(cfg, device):
         result.evaluated += 1
         try:
-            valid = validate(candidate)
+            valid = validate_owned(candidate)
         except ConfigError as err:
             knob = (_KNOB.search(err.problems[0]) or _KNOB.search("layout.other")).group(1)
             result.refused[knob] += 1
@@ -220,7 +225,7 @@ def search(cfg: PlanConfig, device: Device) -> SearchResult:
                 and not device.shared_memory):
             for tried in _offload_tries(valid):
                 try:  # optim=muon refuses offload (trainer3d/config/validate_optim.py)
-                    tried = validate(tried)
+                    tried = validate_owned(tried)
                 except ConfigError:
                     continue
                 offloaded = evaluate(tried, device, c.gpus_per_node, backend, c.attention, link)

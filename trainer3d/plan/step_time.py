@@ -43,7 +43,7 @@ from trainer3d.config.schema_parallel import zero_shards
 from trainer3d.memory.states import BYTES, ModelStateBytes
 from trainer3d.parallel.pipeline.bubble import bubble_theory
 from trainer3d.parallel.pipeline.timeline import ZERO_BUBBLE
-from trainer3d.plan.block_time import all_reduce_s
+from trainer3d.plan.block_time import BlockTime, all_reduce_s
 from trainer3d.plan.devices import Device
 from trainer3d.plan.links import _link_gbps, gather_s, overlap_cost
 from trainer3d.plan.micro_batch_time import RankTimes, micro_batch_times
@@ -184,7 +184,9 @@ def step_time(cfg: Config, device: Device, states: Dict[int, ModelStateBytes], r
     p, t = cfg.parallel, cfg.train
     m, v = t.grad_accum_steps, p.pp_virtual_stages
     node_ranks = min(ranks_per_node, p.tp * p.cp * p.pp * p.dp)
-    times: Dict[int, RankTimes] = {r: micro_batch_times(cfg, device, r, node_ranks, attention) for r in states}
+    blocks: Dict[bool, BlockTime] = {}  # one block of each kind, timed once for all the ranks
+    times: Dict[int, RankTimes] = {r: micro_batch_times(cfg, device, r, node_ranks, attention, blocks)
+                                   for r in states}
     slowest = max(times, key=lambda r: times[r].forward + times[r].backward)
     busy = times[slowest].forward + times[slowest].backward
     z = Sizes.of(cfg)
