@@ -92,3 +92,17 @@ def test_search_tries_every_ep_that_divides_the_group_and_the_experts():
     for plan in result.plans:
         p = plan.cfg.parallel
         assert (p.dp * p.cp) % p.ep == 0 and p.zero_stage <= 1
+
+
+def test_expert_gradients_of_a_v_schedule_are_those_of_its_two_stages():
+    """Under a V (zbv, dualpipev) pp rank r runs stages r and 2 pp - 1 - r, not r and r + pp: with
+    uneven stages (pp_layers 1, 1, 1, 3) rank 0 holds the last stage's 3 MoE blocks. Built without
+    validate(), which refuses MoE under zero-bubble schedules today; the planner's term must not
+    depend on that refusal."""
+    cfg = _compose("config", "model=tiny-moe", "model.n_layers=6", "parallel=single", "run_dir=.", "launcher.folder=.",
+                   "parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.pp_schedule=zbv",
+                   "parallel.pp_virtual_stages=2", "parallel.pp_layers=[1,1,1,3]")
+    m = cfg.model
+    per_block = 3 * m.moe.num_experts * m.dim * m.ffn_dim // 2  # w1, w3, w2 of every expert, over ep 2
+    assert expert_gradient_bytes(cfg, 0, 10 ** 9)[1] == 4 * per_block * (1 + 3)  # stages 0 and 3
+    assert expert_gradient_bytes(cfg, 1, 10 ** 9)[1] == 4 * per_block * (1 + 1)  # stages 1 and 2

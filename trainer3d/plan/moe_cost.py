@@ -22,14 +22,14 @@ Gradients: with ep > 1 the expert weights' gradients reduce over dp x cp / ep ra
 over dp x cp (``expert_gradient_bytes`` splits a rank's gradient bytes).
 """
 
+from math import prod
 from typing import Dict, Tuple
 
 from trainer3d.config.schema import Config
 from trainer3d.memory.activations import Sizes
-from trainer3d.memory.moe import all_to_all_bytes, stage_expert_mask
-from trainer3d.memory.rank_layout import model_key
-from trainer3d.memory.states import BYTES, stage_parameter_shapes
-from trainer3d.parallel.pipeline.stages import stages_of_rank
+from trainer3d.memory.moe import all_to_all_bytes
+from trainer3d.memory.rank_layout import model_key, rank_layout
+from trainer3d.memory.states import BYTES
 from trainer3d.plan.devices import Device
 from trainer3d.plan.links import _link_gbps
 
@@ -122,15 +122,9 @@ _EXPERT_BYTES: Dict[str, int] = {}
 
 
 def _expert_bytes(cfg: Config, pp_rank: int) -> int:
-    """fp32 gradient bytes of ``pp_rank``'s expert weights on one ep rank."""
-    p = cfg.parallel
-    experts = 0
-    for stage in stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages):
-        for shape, expert in zip(stage_parameter_shapes(cfg, stage), stage_expert_mask(cfg, stage)):
-            if expert:
-                n = 1
-                for d in shape:
-                    n *= d
-                experts += n // p.ep
+    """fp32 gradient bytes of ``pp_rank``'s expert weights on one ep rank: the stages the rank
+    runs under its schedule (a V's r and 2 pp - 1 - r: trainer3d/memory/rank_layout.py)."""
+    layout = rank_layout(cfg, pp_rank)
+    experts = sum(prod(shape) // cfg.parallel.ep for shape, expert in zip(layout.params, layout.experts) if expert)
     return experts * BYTES["fp32"]
 
