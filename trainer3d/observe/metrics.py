@@ -38,12 +38,12 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Protocol, Sequence, TextIO
+from typing import Callable, Dict, List, Optional, Sequence, TextIO
 
 import torch
-import torch.distributed as dist
 
 from trainer3d.config.rows import metric_row
+from trainer3d.observe.gathered import Gathered, all_gather_rows
 from trainer3d.observe.goodput import Prediction, lost_before, split_step, summarize, summary_lines, write_summary
 from trainer3d.observe.telemetry import CommTimer, process_memory
 from trainer3d.parallel.topology import ParallelDims
@@ -69,17 +69,6 @@ def mfu_text(mfu: Optional[float], peak_tflops: Optional[float]) -> str:
         return f"{100 * mfu:.1f}%"
     return (f">100% ({100 * mfu:.0f}% of a peak of {peak_tflops:.3g} TFLOP/s, which is low: measured at "
             "start-up under contention, or train.peak_tflops set low)")
-
-
-class Gathered(Protocol):
-    """A rider of the metrics' all-gather (``MetricsLogger.add_gathered``, ``flush(also=...)``)."""
-
-    def mine(self) -> torch.Tensor:
-        """This rank's values: a 1-D tensor, as long on every rank (it may be empty)."""
-
-    def take(self, rows: torch.Tensor) -> Dict[str, List[Optional[float]]]:
-        """Every rank: the gathered values, (world, len(mine())); returns columns of metrics.jsonl
-        (rank 0's are written; {} for none)."""
 
 
 class MetricsLogger:
@@ -221,7 +210,7 @@ class MetricsLogger:
         non-finite check of a logging step, trainer3d/observe/nonfinite.py: it may raise)."""
         if not self._steps:
             for rider in also:  # nothing of the metrics to gather: the riders still meet
-                rider.take(_all_gather(rider.mine()))
+                rider.take(all_gather_rows(rider.mine()))
             return self.last
         losses = torch.stack(self._losses)
         device, n = losses.device, len(self._steps)
@@ -233,7 +222,7 @@ class MetricsLogger:
         peaks = torch.tensor(list(per_rank.values()), dtype=torch.float64, device=device)
         riders = [*self._gathered, *also]
         parts = [summed.flatten(), peaks, *(rider.mine().to(device=device, dtype=torch.float64) for rider in riders)]
-        rows = _all_gather(torch.cat(parts))
+        rows = all_gather_rows(torch.cat(parts))
         rows = list(rows.split([p.numel() for p in parts], dim=1))
         reduced = {name: values for rider, part in zip(self._gathered, rows[2:]) for name, values in rider.take(part).items()}
         reduced.update({name: values for read in self._reduced for name, values in read().items()})
@@ -342,10 +331,3 @@ class MetricsLogger:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
-
-
-def _all_gather(mine: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``mine`` (1-D, as long on every rank), stacked: (world, len)."""
-    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, mine)
-    return torch.stack(rows)
