@@ -52,7 +52,6 @@ def startup_bytes(cfg: Config, shapes: Sequence[Tuple[int, ...]], states: ModelS
     return states.params + states.optimizer, drawn
 
 
-
 @functools.lru_cache(maxsize=1024)
 def _largest(shapes: Tuple[Tuple[int, ...], ...], n: int) -> Tuple[int, int]:
     """Elements of the largest of ``shapes``' shards over ``n`` ranks (FSDP2 pads each to

@@ -127,4 +127,3 @@ def _expert_bytes(cfg: Config, pp_rank: int) -> int:
     layout = rank_layout(cfg, pp_rank)
     experts = sum(prod(shape) // cfg.parallel.ep for shape, expert in zip(layout.params, layout.experts) if expert)
     return experts * BYTES["fp32"]
-
