@@ -44,7 +44,7 @@ def test_context_parallel_matches_single_process(tmp_path, session_tmp, model, l
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # inductor compiles on every rank at once: minutes on 2 loaded cores
+@pytest.mark.timeout(1500)  # dynamo and AOTAutograd trace on every rank at once on 2 loaded cores
 def test_cp2_zero1_with_recompute_and_compile_matches_single_process(tmp_path, session_tmp):
     """Activation checkpointing replays the ring in backward; compile builds each block's forward
     around the cp attention (which it leaves eager) inside the recomputation

@@ -81,7 +81,7 @@ def test_document_masked_interleaved_pipeline_matches_single_process(tmp_path, s
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # inductor compiles on both ranks at once: minutes on 2 loaded cores
+@pytest.mark.timeout(1500)  # dynamo and AOTAutograd trace on both ranks at once on 2 loaded cores
 def test_document_masked_cp2_with_compile_matches_single_process(tmp_path, session_tmp):
     """train.compile builds each block around the document-masked cp attention and its
     positions (left eager: trainer3d/parallel/context/apply.py), traced by aot_eager

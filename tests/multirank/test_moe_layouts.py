@@ -76,7 +76,7 @@ LAYOUTS = {
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # compile: inductor on 2 loaded cores
+@pytest.mark.timeout(1500)  # compile (aot_eager) traces on every rank at once on 2 loaded cores
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_moe_layout_matches_single_process(tmp_path, reference, name):
     world, layout = LAYOUTS[name]
