@@ -315,12 +315,18 @@ stop_daemon() {  # stop_daemon NAME: TERM, then KILL after 15 s; only the pid it
     pid=$(cat "$STATE/run/$1.pid")
     log "stopping $1 (pid $pid)"
     kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+    for _ in $(seq 150); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     if kill -0 "$pid" 2>/dev/null; then
         log "$1 ignored TERM; killing it"
         kill -KILL "$pid" 2>/dev/null || true
     fi
     rm -f "$STATE/run/$1.pid"
+}
+
+stop_daemons() {  # stop_daemons NAME...: stop_daemon on each at once (each takes ~2 s to exit after TERM)
+    local name
+    for name in "$@"; do stop_daemon "$name" & done
+    wait
 }
 
 cmd_stop() {
@@ -333,15 +339,15 @@ cmd_stop() {
             wait_for 30 "jobs ended" test -z "$(squeue -h -o %i 2>/dev/null)" || log "jobs still listed; stopping anyway"
         fi
     fi
-    local pidfile
+    local pidfile nodes=()
     for pidfile in "$STATE"/run/slurmd-*.pid; do
-        [ -e "$pidfile" ] && stop_daemon "$(basename "$pidfile" .pid)"
+        [ -e "$pidfile" ] && nodes+=("$(basename "$pidfile" .pid)")
     done
+    stop_daemons "${nodes[@]}"
     remove_network
-    stop_daemon slurmctld
-    stop_daemon slurmdbd
-    stop_daemon mariadbd
-    stop_daemon munged
+    stop_daemon slurmctld  # before slurmdbd, which takes its last accounting records
+    stop_daemon slurmdbd   # before its database, and before munged, which both need
+    stop_daemons mariadbd munged
     if [ -L "$ETC_LINK" ] && [ "$(readlink "$ETC_LINK")" = "$STATE/etc/slurm.conf" ]; then
         rm -f "$ETC_LINK" && log "removed $ETC_LINK"
     fi
