@@ -6,11 +6,12 @@ byte-level corpus; tools/export_model.py writes each under umask 022. transforme
 independent reader) must then load the tokenizer with ``AutoTokenizer`` (special tokens
 from the run's ids), the model with ``AutoModelForCausalLM``, and generate; tools/sample.py
 must give transformers' greedy ids, and refuse in one line a model whose vocabulary the
-tokenizer it would use does not fit. The tools run as ``python tools/X.py`` runs them, the
-exports in one process and the samples in another (tests/support/run_scripts.py).
+tokenizer it would use does not fit. The exports and samples run as ``python tools/X.py`` runs
+them, to their end in this process (tests/support/run_scripts.py ``run``), which has torch,
+transformers and the engine imported already: what is under test is the files they write and
+read, not a tool's start.
 """
 
-import json
 import os
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ import pytest
 import torch
 import transformers  # a dev dependency: missing, these tests fail rather than skip
 
+from tests.support import run_scripts
 from tests.support.runs import train_in_ranks
 from trainer3d.checkpoint import store
 from trainer3d.data import EOF_TOKEN, read_header
@@ -33,7 +35,6 @@ TRAIN = (f"train.max_steps={STEPS}", "train.log_every=10", "train.seq_len=64", "
          "model.dim=64", "model.n_layers=2", "model.ffn_dim=128", "model.max_seq_len=64",
          f"checkpoint.every={STEPS}", "parallel=single")
 PROMPT = "def split(self, text):\n    "
-RUN_SCRIPTS = ROOT / "tests" / "support" / "run_scripts.py"
 # ASCII text (every BPE token decodes to whole characters): a handful of Python modules.
 SOURCES = ["json/encoder.py", "json/decoder.py", "textwrap.py", "string.py", "shlex.py"]
 
@@ -43,15 +44,21 @@ def tool(*args, umask=None) -> subprocess.CompletedProcess:
                           preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
 
 
-def tools_in_one_process(entries, umask=None) -> list:
-    """Each (script, args) run to its end as ``python SCRIPT ARGS`` runs it, all in one fresh
-    process (tests/support/run_scripts.py: torch and transformers imported once, not once per
-    tool); one {"code", "stdout", "stderr"} per entry."""
-    proc = tool(RUN_SCRIPTS, json.dumps([[script, [str(a) for a in args]] for script, args in entries]),
-                umask=umask)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert len(results) == len(entries), proc.stdout[-3000:]
+def tools_in_this_process(entries, umask=None) -> list:
+    """Each (script, args) run to its end as ``python SCRIPT ARGS`` runs it from the checkout's
+    root, in this process, under ``umask`` where given (this process's own restored after), as
+    tests/tools/test_parity_tool.py runs its tool; one {"code", "stdout", "stderr"} per entry."""
+    argv, results = sys.argv, []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(ROOT)
+        before = os.umask(umask) if umask is not None else None
+        try:
+            for script, args in entries:
+                results.append(run_scripts.run(script, [str(a) for a in args]))
+        finally:
+            sys.argv = argv
+            if before is not None:
+                os.umask(before)
     return results
 
 
@@ -73,7 +80,7 @@ def exports(tmp_path_factory):
                        ("bytes", ())):
         train_in_ranks(root / name, [*TRAIN, *data])
         out[name] = root / f"{name}-export"
-    exported = tools_in_one_process([("tools/export_model.py", [store.step_dir(root / name / "checkpoints", STEPS),
+    exported = tools_in_this_process([("tools/export_model.py", [store.step_dir(root / name / "checkpoints", STEPS),
                                                                 out[name]]) for name in ("bpe", "bytes")], umask=0o022)
     for result in exported:
         assert result["code"] == 0, result["stderr"][-3000:]
@@ -81,7 +88,7 @@ def exports(tmp_path_factory):
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (out["bare"] / name).unlink()
     samples = sample_commands(out)
-    results = tools_in_one_process([("tools/sample.py", args) for args in samples.values()])
+    results = tools_in_this_process([("tools/sample.py", args) for args in samples.values()])
     out["sampled"] = dict(zip(samples, results))
     return out
 

@@ -14,7 +14,11 @@ from trainer3d.launch.follow import Watch
 from trainer3d.rank.heartbeat import Heartbeat, HeartbeatReader
 from trainer3d.rank.job_token import TOKEN_VAR
 
-TIMEOUT_S = 20
+TIMEOUT_S = 12
+"""What a stopped rank's job waits out: its peer's collective timeout, and the follower's silence
+before it calls a rank stopped, which counts only once a beat is stale (trainer3d/rank/heartbeat.py
+STALE_S, 10 s). A healthy step of these runs takes well under a second on an idle machine, so
+this leaves a loaded one ten times that and more (as tests/integration/test_pp_failure.py)."""
 SMALL = ("parallel=dp2", "train.max_steps=100000", "train.log_every=1", "train.seq_len=64",
          "train.micro_batch_size=2", "train.global_batch_size=16", "train.grad_accum_steps=null",
          f"parallel.timeout_s={TIMEOUT_S}")
@@ -42,10 +46,8 @@ def test_a_stopped_rank_ends_the_job_within_one_timeout_and_is_named(tmp_path):
 
 @pytest.mark.slow
 def test_a_one_rank_job_that_stops_is_ended_and_named(tmp_path):
-    """No peer beats beside it: the follower still sees the silence (it needed a second rank).
-    Nothing here is timed, so the job waits out a shorter timeout than the test above (which holds
-    the job's end to under two of them): still past a heartbeat's staleness (STALE_S, 10 s)."""
-    overrides = ("parallel=single", *SMALL[1:-1], "parallel.timeout_s=12")
+    """No peer beats beside it: the follower still sees the silence (it needed a second rank)."""
+    overrides = ("parallel=single", *SMALL[1:])
     with Run(tmp_path / "run", overrides) as run:
         run.wait_for("| loss ", count=2)
         os.kill(run.rank_pid(0), signal.SIGSTOP)

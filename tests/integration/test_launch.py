@@ -1,32 +1,17 @@
 """The local launcher with real submitit processes: the ranks meet on the port chosen for them;
-failures end the job, with the cause shown (the failing ranks' bodies: tests/support/failing_ranks.py)."""
-
-import datetime
-import os
+failures end the job, with the cause shown. The ranks' bodies live in modules that import only
+what they need (tests/support/port_ranks.py, tests/support/failing_ranks.py): a task imports
+the module of its function, and this one imports the launcher and pytest."""
 
 import pytest
 import submitit
-import torch.distributed as dist
 
 from tests.support.failing_ranks import exit_on_rank_1, hang_on_rank_1, raise_on_rank_1
+from tests.support.port_ranks import report_port
 from trainer3d.launch.follow import follow
 from trainer3d.rank.job_token import new_token
 from trainer3d.launch.local import submit_with_token
-from trainer3d.rank.task import export_rank_env
 from trainer3d.rank.master_port import ephemeral_range, local_port
-
-
-def _init():
-    export_rank_env()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
-    return dist.get_rank()
-
-
-def report_port():
-    rank = _init()
-    port = int(os.environ["MASTER_PORT"])
-    dist.barrier()
-    return rank, port
 
 
 def _submit(tmp_path, fn, tasks=2):

@@ -27,12 +27,17 @@ from trainer3d.config.validate import validate
 # parallel.init_timeout_s): a healthy step of this run takes well under a second on an idle
 # machine, so 12 s leaves a loaded one ten times that and more.
 TIMEOUT_S = 12
+FAULT_AT = 1
+"""The faulty rank's pipeline call that dies or hangs: the second step's, once a whole step has run
+on every stage (the failure comes mid-training, not at start-up)."""
 
 
 def _config(tmp_path, overrides):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         dcfg = compose(config_name="config", overrides=[
             *PARITY, "parallel=single", f"parallel.timeout_s={TIMEOUT_S}", "train.max_steps=50",
+            # 4 micro-batches a step at pp2, 2 per rank at pp2 x dp2 (the pipe filled once); no MFU peak measured
+            "train.global_batch_size=8", "train.peak_tflops=1",
             f"run_dir={tmp_path}", f"launcher.folder={tmp_path / 'submitit'}", *overrides])
     return validate(OmegaConf.to_object(dcfg))
 
@@ -62,7 +67,7 @@ def _run(tmp_path, capfd, overrides, faulty_rank, how):
     world = cfg.parallel.pp * cfg.parallel.dp
     executor = submitit.AutoExecutor(folder=tmp_path / "submitit", cluster="local")
     executor.update_parameters(tasks_per_node=world, timeout_min=10)
-    job = executor.submit(train_with_a_faulty_rank, cfg, faulty_rank, how, 3)
+    job = executor.submit(train_with_a_faulty_rank, cfg, faulty_rank, how, FAULT_AT)
     try:
         status = follow(job, TIMEOUT_S, heartbeat_dir(cfg.run_dir), pids_here=True)
     finally:

@@ -11,14 +11,20 @@ import pytest
 from tests.conftest import ROOT
 from tests.support import run_scripts
 
-COMMON = "train.seq_len=64 train.micro_batch_size=2 train.global_batch_size=8 optim.warmup_steps=2 parallel.timeout_s=60"
+# No final checkpoint and a given peak for the MFU column: the tool compares losses, and each
+# rank would otherwise import and run DCP for a save no check reads, and rank 0 measure its
+# matmul rate (tests/support/runs.py: PARITY_RUN_DEFAULTS, left out of parity runs the same way).
+COMMON = ("train.seq_len=64 train.micro_batch_size=2 train.global_batch_size=8 optim.warmup_steps=2 "
+          "parallel.timeout_s=60 checkpoint.save_final=false train.peak_tflops=1")
 
 # Rank 1's micro-batch losses (hence its gradients) are scaled by 1.5 before the dp reduction:
 # the bug a wrong loss/gradient scaling in a data-parallel path makes. It sits in a
-# sitecustomize module, which every Python process of the run (the ranks too) imports at start.
+# sitecustomize module, which every Python process of the run imports at start; only the ranks
+# (submitit's task variable, as tests/support/background.py tells them) import the trainer for
+# it, not the tool, the submitting processes or submitit's controller.
 PLANTED = textwrap.dedent("""
     import os
-    if os.environ.get("TRAINER3D_PLANTED_BUG"):
+    if os.environ.get("TRAINER3D_PLANTED_BUG") and os.environ.get("SUBMITIT_LOCAL_GLOBALID") is not None:
         import torch.distributed as dist
         from trainer3d import trainer
 

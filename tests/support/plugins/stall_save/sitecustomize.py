@@ -8,13 +8,19 @@ publication, or, with ``:write``, while its data files are written but not yet r
 (DCP's ``write_data``; the coordinator's ``.metadata`` not written yet). It writes its pid
 into ``<checkpoints>/stalled-rank<rank>`` so the test can kill it there. The engine carries
 no hook for this: torch.distributed.checkpoint is wrapped from outside.
+
+Only a rank's process wraps it (submitit's task variable, local or Slurm, as
+tests/support/background.py tells a rank): the submitting process and submitit's controller
+import this module too, and would otherwise each import torch.distributed.checkpoint for nothing
+(the controller imports no torch at all).
 """
 
 import os
 
 _SPEC = os.environ.get("TRAINER3D_TEST_STALL_SAVE")  # "<rank>:<step>[:write]"
+_A_RANK = os.environ.get("SUBMITIT_LOCAL_GLOBALID") is not None or os.environ.get("SLURM_PROCID") is not None
 
-if _SPEC:
+if _SPEC and _A_RANK:
     import time
     from pathlib import Path
 
