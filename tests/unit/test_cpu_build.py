@@ -11,11 +11,12 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
 from trainer3d.cpu import build_dir, shm_barrier
-from trainer3d.cpu.build import Build, compiler
+from trainer3d.cpu.build import Build, build_directory, compiler
 
 pytestmark = [pytest.mark.skipif(compiler() is None, reason="no C++ compiler"), pytest.mark.slow]
 
@@ -132,8 +133,8 @@ def _tool_that_logs(bin_dir, tool: str, real: str, log) -> str:
 def test_a_finished_build_loads_in_a_fresh_process_without_the_compiler_and_a_changed_source_rebuilds(
         tmp_path, monkeypatch):
     """A fresh process loads what an earlier one built without starting the compiler or ninja
-    (torch's ``load`` starts both in every fresh process); a changed source, and a library
-    another builder replaced, are built again."""
+    (torch's ``load`` starts both in every fresh process) or importing torch's builder (which
+    imports setuptools); a changed source, and a library another builder replaced, are built again."""
     started = tmp_path / "started"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -147,20 +148,40 @@ def test_a_finished_build_loads_in_a_fresh_process_without_the_compiler_and_a_ch
 
     def build(fresh: bool) -> str:
         code = ("from trainer3d.cpu.build import Build; from pathlib import Path; "
-                f"print(Build('t3d_test_stamp', Path({str(source)!r}), ['-O2'], 'test build', 'none', str).get())")
+                f"print(Build('t3d_test_stamp', Path({str(source)!r}), ['-O2'], 'test build', 'none', str).get()); "
+                "import sys; print('torch.utils.cpp_extension' in sys.modules)")
         if not fresh:
             return Build("t3d_test_stamp", source, ["-O2"], "test build", "none", str).get()
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr
-        return out.stdout.strip()
+        library, imported_builder = out.stdout.split()
+        builder_imported.append(imported_builder == "True")
+        return library
+
+    builder_imported = []
 
     first = build(fresh=False)
     assert first.endswith(".so") and {"c++", "ninja"} <= set(started.read_text().split())
     started.unlink()
     assert build(fresh=True) == first and not started.exists(), "a finished build started the compiler or ninja again"
+    assert builder_imported == [False], "a finished build imported torch's builder (and setuptools)"
     source.write_text(source.read_text() + "\n// changed\n")
     second = build(fresh=False)
     assert second.endswith(".so") and "c++" in started.read_text().split()  # built again
     started.unlink()
     os.utime(second)  # another builder's library in its place (one that keeps no stamp)
     assert build(fresh=True).endswith(".so") and "ninja" in started.read_text().split()
+
+
+def test_the_build_directory_is_torchs(monkeypatch, tmp_path):
+    """trainer3d/cpu/build.py finds torch's build directory without importing torch's builder;
+    it is the one torch's builder names, with TORCH_EXTENSIONS_DIR and without."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # torch's call makes the directory
+    for ext in (str(tmp_path / "ext"), None):
+        if ext is None:
+            monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCH_EXTENSIONS_DIR", ext)
+        assert build_directory("t3d_dir") == Path(cpp_extension._get_build_directory("t3d_dir", verbose=False))

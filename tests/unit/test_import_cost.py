@@ -2,7 +2,10 @@
 interpreter per rank, and each pays for its imports (tests/README.md, "What each tier costs").
 
 torch.distributed.pipelining imports torch._dynamo, and torch._inductor's config pulls in
-inductor: seconds of CPU that only a pp > 1 layout, cp > 1 or ``train.compile`` uses;
+inductor: seconds of CPU that only a pp > 1 layout, cp > 1 or ``train.compile`` uses (so do
+``torch.compiler.disable``, which compile applies to a model's eager parts, and a DTensor's
+constructor, which a checkpoint's pieces are not: trainer3d/parallel/compile.py ``leave_eager``,
+trainer3d/checkpoint/state.py ``Pieces``);
 torch.distributed.checkpoint, torch.distributed.tensor and torch.distributed.fsdp import sympy,
 which only a save, a load or ZeRO-2/3 needs (docs/performance.md, "A process's start and
 exit"). The ranks ``--calibrate`` spawns import torch alone (trainer3d/plan/calibrate_ranks.py)."""
@@ -25,16 +28,29 @@ import trainer3d.rank.task
 entry = loaded(["torch._dynamo", "torch._inductor", "torch.distributed.pipelining", "sympy", "torch.distributed.tensor",
                 "torch.distributed.checkpoint", "torch.distributed.fsdp", "trainer3d.trainer", "trainer3d.plan.search"])
 import torch
-from trainer3d.config.schema import ModelConfig
+from trainer3d.config.schema import ModelConfig, MoEConfig
 from trainer3d.model.transformer import Transformer
 with torch.device("meta"):
     Transformer(ModelConfig())  # the tiny model
+    Transformer(ModelConfig(moe=MoEConfig(num_experts=4)))  # a mixture of experts
 entry += loaded(["torch._dynamo"])
+import tempfile
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from trainer3d.checkpoint.state import PieceMaker
+with tempfile.TemporaryDirectory() as tmp:  # a save of one rank's pieces
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+    dcp.save({"w": PieceMaker()(torch.zeros(6), (2, 3), None, 0, 6)}, checkpoint_id=f"{tmp}/checkpoint")
+    dist.destroy_process_group()
+save = loaded(["torch._dynamo"])
+import trainer3d.trainer
+loop = loaded(["jinja2", "tokenizers"])
 import atexit, gc
 trainer3d.rank.task.skip_exit_collection()
 frozen_before = gc.get_freeze_count()
 atexit._run_exitfuncs()
-print(json.dumps({"ranks": ranks, "entry": entry, "frozen": [frozen_before, gc.get_freeze_count() > 10000]}))
+print(json.dumps({"ranks": ranks, "entry": entry, "save": save, "loop": loop,
+                  "frozen": [frozen_before, gc.get_freeze_count() > 10000]}))
 """
 
 
@@ -42,11 +58,13 @@ def test_a_rank_and_the_launcher_import_no_compiler_or_pipelining():
     """Nor does either import DCP, DTensor or FSDP2 (which bring sympy), the loop or the
     planner's search: a rank imports those as it runs (trainer3d/rank/task.py ``run_rank``), DCP
     where a checkpoint is saved or read, FSDP2 for ZeRO-2/3. Building a model on the meta
-    device (every rank, the memory estimate) imports no torch._dynamo. At exit, once the exit
+    device (every rank, the memory estimate), a mixture of experts too, imports no
+    torch._dynamo, nor does a save of a checkpoint's pieces; the loop imports no chat
+    template or tokenizer library (only data=chat_sample uses them). At exit, once the exit
     handlers have run, what is alive is frozen, so Python's last collection skips it."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.splitlines()[-1])
-    assert found == {"ranks": [], "entry": [], "frozen": [0, True]}, found
+    assert found == {"ranks": [], "entry": [], "save": [], "loop": [], "frozen": [0, True]}, found

@@ -35,6 +35,8 @@ DEFERRED = {
     ("trainer3d.checkpoint.metadata", "torch.distributed.checkpoint.metadata"): "the same (and a type hint)",
     ("trainer3d.parallel.zero.fsdp", "torch.distributed.fsdp"): "imports DTensor and sympy: only ZeRO-2/3 "
     "shards with FSDP2; every rank, the launcher and the planner import the module",
+    ("trainer3d.data.sources", "trainer3d.data.chat_sample"): "imports jinja2 and tokenizers: only data=chat_sample "
+    "uses them; every rank and the launcher import the sources",
 }
 DEFERRED_MODULES = {  # every import of the module may sit in a function, for the reason given
     "tools.bench.hotpath": "imports trainer3d from the revision it measures, put on sys.path at run time",

@@ -90,7 +90,7 @@ def _rank(rank: int, world: int, cfgs: Dict[str, List[object]], plain_root: Path
         for cfg in runs:
             trainer = Trainer(cfg, dims)
             trainer.train()
-        state = drop_tied_copies(rank_state(trainer.optimizer, dims, trainer.checkpointer.maker), dims)
+        state = drop_tied_copies(rank_state(trainer.optimizer, dims, trainer.checkpointer.pieces), dims)
         target = plain_root / f"plain{len(out['plain'])}"
         dist.barrier()
         started = time.perf_counter()
@@ -100,7 +100,7 @@ def _rank(rank: int, world: int, cfgs: Dict[str, List[object]], plain_root: Path
         shutil.rmtree(target, ignore_errors=True)
     path = store.published(trainer.checkpointer.root)[-1][1]
     metadata, recorded = store.read_metadata(path), store.read_marker(path)["files"]
-    passes, _ = load_passes(rank_state(trainer.optimizer, dims, trainer.checkpointer.maker),
+    passes, _ = load_passes(rank_state(trainer.optimizer, dims, trainer.checkpointer.pieces),
                             metadata.state_dict_metadata)
     if rank == 0:
         _drop_page_cache(path)

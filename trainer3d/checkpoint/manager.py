@@ -36,7 +36,6 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.choose import RESUME_FIX, Choice, choose
@@ -105,7 +104,10 @@ class Checkpointer:
         self.groups = SaveGroups.build(seconds(cfg.parallel.init_timeout_s), seconds(cfg.parallel.timeout_s))
         self.background = Background(self.groups, dims.rank, self._say, dims.device)
         self.staging = Staging(dims.device)
-        self._makers: Dict[str, PieceMaker] = {}
+        self.pieces = PieceMaker()
+        """Wraps the live state for a save or a load (trainer3d/checkpoint/state.py)."""
+        self.staged_pieces = PieceMaker(reuse=True)
+        """Wraps the staging buffers, made once and refilled by every background save."""
         self.last_saved: Optional[int] = None
         self.origin = Origin()
         """The data position the run started from (a resumed checkpoint's samples consumed)."""
@@ -138,28 +140,6 @@ class Checkpointer:
         hours, why = history.estimate(history.read(self.cfg.run_dir))
         self._say(f"checkpoint.mtbf_hours=auto: {hours:.2f} h between interruptions expected; {why}")
         return hours
-
-    def maker(self, device_type: str) -> PieceMaker:
-        """Pieces over a 1-D mesh of the world on ``device_type``, for the tensors on it: the
-        device's for device tensors, the CPU's (over the save group's gloo) for host tensors —
-        an offloaded optimizer's live state and the staged copies of a background save."""
-        if device_type not in self._makers:
-            if device_type == "cpu" and self.dims.device.type != "cpu" and self.groups.write is not None:
-                mesh = DeviceMesh.from_group(self.groups.write, "cpu")
-            else:
-                mesh = init_device_mesh(device_type, (self.dims.topo.world_size,))
-            self._makers[device_type] = PieceMaker(mesh)
-        return self._makers[device_type]
-
-    def staged_maker(self) -> PieceMaker:
-        """Pieces of the staging buffers, made once and refilled by every background save."""
-        if "staged" not in self._makers:
-            self._makers["staged"] = PieceMaker(self.maker("cpu").mesh, reuse=True)
-        return self._makers["staged"]
-
-    def _staged_maker_for(self, device_type: str) -> PieceMaker:
-        """Staged copies are host tensors whatever the live tensor's device (the maker refuses any other)."""
-        return self.staged_maker()
 
     # ------------------------------------------------------------------ save
 
@@ -196,11 +176,11 @@ class Checkpointer:
 
     def _job(self, steps_done: int, staged: bool) -> SaveJob:
         if staged:
-            state = rank_state(self.optimizer, self.dims, self._staged_maker_for, stage=self._stage,
+            state = rank_state(self.optimizer, self.dims, self.staged_pieces, stage=self._stage,
                                buffers=self.buffers)
             self.staging.done()
         else:
-            state = rank_state(self.optimizer, self.dims, self.maker, buffers=self.buffers)
+            state = rank_state(self.optimizer, self.dims, self.pieces, buffers=self.buffers)
         info = {"step": steps_done, "layout": layout_of(self.cfg), "dtype": self.cfg.train.dtype,
                 "config": scrub(dataclasses.asdict(self.cfg)), "saved_at": time.time(),
                 **marker_fields(self.cfg, steps_done, self.origin, self.resumed_from, self.data),
@@ -264,7 +244,7 @@ class Checkpointer:
         with _io(self.timeouts):
             while choice is not None:
                 same_world = choice.info.get("layout") == layout_of(self.cfg)
-                state = rank_state(self.optimizer, self.dims, self.maker, with_rng=same_world, buffers=self.buffers)
+                state = rank_state(self.optimizer, self.dims, self.pieces, with_rng=same_world, buffers=self.buffers)
                 metadata = store.read_metadata(choice.path)
                 passes, notes = load_passes(state, metadata.state_dict_metadata)
                 problem = shared_problem(choice.path, choice.info["files"], passes, metadata, self.dims.rank,

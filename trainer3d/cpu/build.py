@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+from torch._appdirs import user_cache_dir
 
 from trainer3d.cpu.build_dir import held as build_lock
 from trainer3d.cpu.build_dir import unsafe as build_dir_unsafe
@@ -85,6 +86,25 @@ def _load_built(path: str, python_module: bool) -> Any:
     return module
 
 
+def build_directory(name: str) -> Path:
+    """Where ``name`` is built: the directory torch's builder would choose
+    (torch/utils/cpp_extension.py ``_get_build_directory``: ``TORCH_EXTENSIONS_DIR``, else a
+    folder per Python and accelerator in the user's cache), found without importing the builder,
+    which imports setuptools: a process that loads a finished build never needs it
+    (tests/unit/test_cpu_build.py holds the two directories equal)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        if torch.version.hip is not None:
+            accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+        elif torch.version.cuda is not None:
+            accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+        else:
+            accelerator = "cpu"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(os.path.realpath(user_cache_dir(appname="torch_extensions")), f"{python}_{accelerator}")
+    return Path(root) / name
+
+
 def cpp_extension_load(name: str, source: Path, flags: List[str], python_module: bool) -> Any:
     """``torch.utils.cpp_extension.load`` of one source: the module (``python_module``), else
     the path of the shared library it built and loaded.
@@ -93,13 +113,12 @@ def cpp_extension_load(name: str, source: Path, flags: List[str], python_module:
     ``load`` in a fresh process rewrites its ninja file and starts the compiler and ninja to find
     nothing to do (seconds per rank on a busy host, paid by every rank of every job); the stamp
     of a finished build (``STAMP_NAME``) says which library answers ``build_key``."""
-    from torch.utils import cpp_extension
-
     if compiler() is None:
         raise RuntimeError("no C++ compiler (c++ or $CXX) on PATH")
     ldflags = ["-fopenmp"] if "-fopenmp" in flags else []
     key = build_key(source, flags, ldflags, python_module)
-    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))  # made if missing
+    build_dir = build_directory(name)
+    build_dir.mkdir(parents=True, exist_ok=True)
     why = build_dir_unsafe(build_dir)
     if why:
         # Not this user's alone: what it holds is not loaded, and not built on either.
@@ -120,6 +139,7 @@ def cpp_extension_load(name: str, source: Path, flags: List[str], python_module:
 def _build(name: str, source: Path, flags: List[str], ldflags: List[str], python_module: bool,
            build_dir: Path, key: str) -> Any:
     """``cpp_extension.load`` under the build lock, and the stamp of what it built."""
+    # Here, not at the top: torch's builder imports setuptools, which only a build needs.
     from torch.utils import cpp_extension
 
     built = _built(build_dir, key)  # by another process while this one waited for the lock

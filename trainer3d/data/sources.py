@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 from trainer3d.config.schema import Config, DataConfig
-from trainer3d.data.chat_sample import chat_sample
 from trainer3d.data.corpus import stdlib_corpus
 from trainer3d.data.sampler import Span, split
 from trainer3d.data import megatron
@@ -45,6 +44,9 @@ def train_files(data: DataConfig) -> List[Tuple[Path, float]]:
     if data.name == "stdlib":
         return [(stdlib_corpus(data.cache_dir), 1.0)]
     if data.name == "chat_sample":
+        # Here, not at the top: the conversations' template and tokenizer import jinja2 and
+        # tokenizers, which only this source uses (every rank and launcher imports this module).
+        from trainer3d.data.chat_sample import chat_sample
         return [(chat_sample(data.cache_dir), 1.0)]
     if data.blend:
         return [(data_path(s.path), float(s.weight)) for s in data.blend]

@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 # The engine imports the loop (with DCP) only as a rank runs, FSDP2 only for ZeRO-2/3,
 # pipelining (and with it torch._dynamo) only for a pp > 1 layout, and torch's C++ builder
-# (with setuptools: 0.3-0.5 s of CPU) where it first loads a CPU library
-# (trainer3d/cpu/build.py); its ranks here run every layout, so the server pays for them
+# (with setuptools: 0.3-0.5 s of CPU) where it builds a CPU library, not where it loads a
+# finished one (trainer3d/cpu/build.py); its ranks here run every layout, so the server pays for them
 # once. The libraries themselves load in each rank (a test may take one away). The rank's body
 # imports the planner's step (trainer3d/rank/task.py) and the pipeline's schedules as it runs,
 # and numpy imports numpy.ma on the sampler's first ``numpy.unique``: ~0.8 s of CPU a rank

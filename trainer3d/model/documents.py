@@ -135,17 +135,19 @@ def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 class DocumentAttention(CausalAttention):
     """Causal attention within each document of a sequence held whole."""
 
+    EAGER_PARTS = ("_positions", "_attend")
+    """What train.compile leaves eager (trainer3d/parallel/compile.py ``leave_eager``)."""
+
     def __init__(self, segments: Segments):
         super().__init__()
         self.segments = segments
         # The segments' caches are Python state, which dynamo would guard on and re-trace per
-        # micro-batch: under train.compile the rest of the block compiles around these two.
-        # Wrapped here, not as decorators, which would import torch._dynamo at every start
-        # (as trainer3d/parallel/context/apply.py does for its exchange). Functions, not bound
-        # methods: a deep copy of the block (parallel/pipeline/stages.py copies the model for each
-        # chunk of an interleaved rank) must read its own segments (model/moe.py does the same).
-        self._positions = torch.compiler.disable(DocumentAttention._segment_positions)
-        self._attend = torch.compiler.disable(DocumentAttention._document_attention)
+        # micro-batch: under train.compile the rest of the block compiles around these two
+        # (EAGER_PARTS). Functions, not bound methods: a deep copy of the block
+        # (parallel/pipeline/stages.py copies the model for each chunk of an interleaved rank)
+        # must read its own segments (model/moe.py does the same).
+        self._positions = DocumentAttention._segment_positions
+        self._attend = DocumentAttention._document_attention
 
     def positions(self, seq: int, device: torch.device) -> torch.Tensor:
         """(batch, seq): each sequence its own positions (model/transformer.py ``Attention`` rotates per token)."""

@@ -97,14 +97,8 @@ class _GroupedSwiGLU(torch.autograd.Function):
 # kernel's rule: torch/_meta_registrations.py, ``_meta_grouped_mm_common``) while the CPU kernel
 # runs fp32, and the loop fallback reads the counts on the host (a data-dependent graph break).
 # The compiled block splits around the experts; both sides keep their eager numerics. The
-# expert modules wrap it with ``torch.compiler.disable`` when they are built (``eager_grouped_swiglu``):
-# a decorator here would import torch._dynamo (1-2 s of CPU) at every rank's start, MoE or not
-# (tests/unit/test_import_cost.py).
-def eager_grouped_swiglu():
-    """``grouped_swiglu`` that compile leaves eager."""
-    return torch.compiler.disable(grouped_swiglu)
-
-
+# expert modules call it through their ``_grouped``, one of their ``EAGER_PARTS``, which
+# compile wraps with ``torch.compiler.disable`` (trainer3d/parallel/compile.py ``leave_eager``).
 def grouped_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
                    counts: torch.Tensor) -> torch.Tensor:
     """x (tokens, dim) sorted by expert, ``counts`` (E,) tokens per expert: (tokens, dim)."""

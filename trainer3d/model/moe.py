@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer3d.config.schema import ModelConfig
-from trainer3d.model.experts import eager_grouped_swiglu
+from trainer3d.model.experts import grouped_swiglu
 from trainer3d.model.functional import swiglu_linear
 
 
@@ -99,12 +99,15 @@ class Experts(nn.Module):
     """``num_experts`` SwiGLU experts as three 3-D weights, each expert's (in, out) matrix
     one slice: w1, w3 (E, dim, ffn), w2 (E, ffn, dim), the layout ``torch._grouped_mm`` reads."""
 
+    EAGER_PARTS = ("_grouped",)
+    """What train.compile leaves eager (model/experts.py; trainer3d/parallel/compile.py ``leave_eager``)."""
+
     def __init__(self, num_experts: int, dim: int, ffn_dim: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
-        self._grouped = eager_grouped_swiglu()
+        self._grouped = grouped_swiglu
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (tokens, dim) sorted by expert, ``counts[e]`` of them expert e's."""
@@ -129,6 +132,10 @@ class SharedExperts(nn.Module):
 class MoE(nn.Module):
     """The block's feed-forward for (..., dim) hidden states, returning the same shape."""
 
+    EAGER_PARTS = ("_account",)
+    """What train.compile leaves eager (trainer3d/parallel/compile.py ``leave_eager``): the
+    step's counts and the balance losses' hook are Python state dynamo would guard on."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         moe = cfg.moe
@@ -144,10 +151,10 @@ class MoE(nn.Module):
             self.shared = SharedExperts(cfg.dim, moe.num_shared_experts * expert_ffn_dim(cfg))
         # aux_free's routing bias: state, not a parameter (no gradient; the optimizer never sees it).
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts) if moe.balance == "aux_free" else None)
-        # Wrapped here, not decorated: a decorator would import torch._dynamo at every start. The
-        # function, not a bound method: a deep copy of the block (parallel/pipeline/stages.py
-        # copies the model for each chunk of an interleaved rank) must record into itself.
-        self._account = torch.compiler.disable(MoE._record_and_attach)
+        # One of the EAGER_PARTS. The function, not a bound method: a deep copy of the block
+        # (parallel/pipeline/stages.py copies the model for each chunk of an interleaved rank)
+        # must record into itself.
+        self._account = MoE._record_and_attach
         self.aux_grad_scale = 1.0
         """The gradient the aux and z losses start backward from: the trainer's scale of a
         micro-batch's loss (1 / grad_accum; times cp: parallel/expert/tokens.py)."""

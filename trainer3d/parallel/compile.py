@@ -65,12 +65,31 @@ def compile_blocks(chunks: List[nn.Module], backend: str = "inductor") -> int:
     count = 0
     for chunk in chunks:
         for block in chunk.layers.values():
-            if is_recomputed(block) and _runs_eager_part(block):
-                _compile_inside_recomputation(block, backend)
-            else:
-                block.compile(backend=backend)
+            compile_block(block, backend)
             count += 1
     return count
+
+
+def compile_block(block: nn.Module, backend: str = "inductor") -> None:
+    """Compile one block (or any module of the model) in place, its eager parts left eager."""
+    leave_eager(block)
+    if is_recomputed(block) and _runs_eager_part(block):
+        _compile_inside_recomputation(block, backend)
+    else:
+        block.compile(backend=backend)
+
+
+def leave_eager(module: nn.Module) -> None:
+    """Wrap with ``torch.compiler.disable`` what the modules of ``module`` name in their
+    ``EAGER_PARTS``: attributes holding the functions they call that dynamo must not trace (the
+    experts' grouped kernel, model/experts.py; the MoE's accounting, model/moe.py; document
+    masking's Python state, model/documents.py; expert parallelism's exchange,
+    parallel/expert/dispatch.py). Wrapped here, as a block is compiled, not as the model is
+    built: ``torch.compiler.disable`` imports torch._dynamo, seconds of CPU that a run without
+    train.compile never uses (tests/unit/test_import_cost.py)."""
+    for part in module.modules():
+        for name in getattr(part, "EAGER_PARTS", ()):
+            setattr(part, name, torch.compiler.disable(getattr(part, name)))
 
 
 def _runs_eager_part(block: nn.Module) -> bool:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer3d.model.experts import eager_grouped_swiglu
+from trainer3d.model.experts import grouped_swiglu
 from trainer3d.model.init import TPShard
 from trainer3d.model.moe import Experts, moe_blocks
 from trainer3d.parallel.topology import ParallelDims
@@ -93,6 +93,10 @@ class ExpertParallelExperts(nn.Module):
     """This rank's E / ep experts of one block (w1, w3 (L, dim, ffn), w2 (L, ffn, dim)), fed
     by all-to-all over the ep group."""
 
+    EAGER_PARTS = ("_grouped", "_exchange")
+    """What train.compile leaves eager (trainer3d/parallel/compile.py ``leave_eager``): the
+    experts' kernel (model/experts.py) and the all-to-all's exchange, whose counts are read on the host."""
+
     def __init__(self, experts: Experts, dims: ParallelDims):
         super().__init__()
         num, dim, ffn = experts.w1.shape[0], experts.w1.shape[1], experts.w1.shape[2]
@@ -101,12 +105,11 @@ class ExpertParallelExperts(nn.Module):
         local, like = num // dims.ep, experts.w1
         for name, shape in (("w1", (local, dim, ffn)), ("w3", (local, dim, ffn)), ("w2", (local, ffn, dim))):
             setattr(self, name, nn.Parameter(torch.empty(shape, device=like.device, dtype=like.dtype)))
-        self._grouped = eager_grouped_swiglu()
-        # Wrapped here, not decorated (a decorator imports torch._dynamo at every start:
-        # tests/unit/test_import_cost.py); the function, not a bound method, so a deep copy of
-        # the block (an interleaved rank's chunks: parallel/pipeline/stages.py) dispatches
-        # through its own weights, as model/moe.py's ``_account`` does.
-        self._exchange = torch.compiler.disable(_exchange)
+        self._grouped = grouped_swiglu
+        # The function, not a bound method, so a deep copy of the block (an interleaved rank's
+        # chunks: parallel/pipeline/stages.py) dispatches through its own weights, as
+        # model/moe.py's ``_account`` does.
+        self._exchange = _exchange
         self._mark()
 
     def _mark(self) -> None:
