@@ -253,3 +253,19 @@ def test_calibrations_engine_probes_run_each_rank_on_one_thread(monkeypatch):
     figures = {**dataclasses.asdict(PRESETS["cpu"]), "name": "calibrated"}
     calibrate.engine_figures(figures, max_ranks=2, effort=calibrate.QUICK)
     assert len(seen) == 3 and all(env.get("OMP_NUM_THREADS") == "1" for _, env in seen), seen
+
+
+def test_the_planners_caches_are_bounded_and_drop_the_least_recently_used():
+    """The memos of a layout's rank, states, staged and expert bytes (trainer3d/memory/bounded.py)
+    hold at most their size, so a process planning many models stays bounded."""
+    from trainer3d.memory import peak, staged
+    from trainer3d.memory.bounded import Bounded
+    from trainer3d.plan import moe_cost
+
+    assert all(isinstance(c, Bounded) for c in (rank_layout._LAYOUTS, peak._STATES, staged._STAGED,
+                                                moe_cost._EXPERT_BYTES))
+    made = []
+    cache = Bounded(2)
+    for key in ["a", "b", "a", "c", "a", "b"]:  # "b" is dropped for "c" ("a" was used since), then "c" for "b"
+        assert cache.get(key, lambda key=key: made.append(key) or key.upper()) == key.upper()
+    assert made == ["a", "b", "c", "b"] and len(cache) == 2

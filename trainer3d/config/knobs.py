@@ -9,7 +9,9 @@ the schema lacks — Hydra's ``+key=value`` adds them to the composed config, an
 """
 
 import dataclasses
+import functools
 import math
+import operator
 import os
 import typing
 from typing import Dict, List, Optional, Tuple
@@ -114,10 +116,14 @@ FREE_TEXT = ("model.name", "model.init_from", "train.resume", "data.path", "data
 
 
 def get(cfg: Config, knob: str):
-    value = cfg
-    for part in knob.split("."):
-        value = getattr(value, part)
-    return value
+    return _getter(knob)(cfg)
+
+
+@functools.lru_cache(maxsize=512)
+def _getter(knob: str):
+    """``operator.attrgetter`` of the dotted ``knob``: validate() reads every knob of the tables
+    above, for each of the planner's thousands of candidates (trainer3d/plan/search.py)."""
+    return operator.attrgetter(knob)
 
 
 def nullable(knob: str) -> bool:

@@ -39,6 +39,7 @@ slices of the flat buffers, reduced and gathered in place).
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from trainer3d.memory.bounded import Bounded
 from trainer3d.memory.activations import (FP32, Sizes, chunk_terms, cp_document_pair_bytes, document_mask_terms,
                                           layer_terms, loss_transient_bytes, moe_layer_terms, shared_terms)
 from trainer3d.memory.in_flight import in_flight
@@ -102,7 +103,7 @@ class RankMemory:
         return max(self.states.host, self.startup_host) if self.states.host else 0
 
 
-_STATES: Dict[str, ModelStateBytes] = {}
+_STATES: Bounded[ModelStateBytes] = Bounded(4096)
 
 
 def _states_of(cfg: Config, rank: RankLayout, model: str) -> ModelStateBytes:
@@ -111,22 +112,26 @@ def _states_of(cfg: Config, rank: RankLayout, model: str) -> ModelStateBytes:
     p = cfg.parallel
     key = model + repr((p.tp, p.pp, p.pp_virtual_stages, p.pp_layers, zero_shards(p), p.zero_stage, p.bucket_mb,
                         cfg.train.dtype, list(rank.stages), p.offload_optimizer, cfg.optim.name, p.ep))
-    if key not in _STATES:
-        bucket = max(1, int(p.bucket_mb * 2 ** 20) // 4)
-        # ZeRO shards over dp x cp (the gradient-reduction group, trainer3d/parallel/topology.py), HSDP over
-        # dp_shard x cp; ep splits the expert weights (memory/moe.py)
-        muon = list(rank.muon) if rank.muon is not None else None
-        _STATES[key] = layout_model_state_bytes(list(rank.params), list(rank.experts), p.ep, zero_shards(p),
-                                                p.zero_stage, cfg.train.dtype, bucket, offload=p.offload_optimizer,
-                                                muon=muon)
-    return _STATES[key]
+    return _STATES.get(key, lambda: _states(cfg, rank))
 
 
-def rank_memory(cfg: Config, pp_rank: int, kernel: str = "flash", cuda: Optional[bool] = None) -> RankMemory:
+def _states(cfg: Config, rank: RankLayout) -> ModelStateBytes:
+    p = cfg.parallel
+    bucket = max(1, int(p.bucket_mb * 2 ** 20) // 4)
+    # ZeRO shards over dp x cp (the gradient-reduction group, trainer3d/parallel/topology.py), HSDP over
+    # dp_shard x cp; ep splits the expert weights (memory/moe.py)
+    muon = list(rank.muon) if rank.muon is not None else None
+    return layout_model_state_bytes(list(rank.params), list(rank.experts), p.ep, zero_shards(p), p.zero_stage,
+                                    cfg.train.dtype, bucket, offload=p.offload_optimizer, muon=muon)
+
+
+def rank_memory(cfg: Config, pp_rank: int, kernel: str = "flash", cuda: Optional[bool] = None,
+                model: Optional[str] = None) -> RankMemory:
     """The peak of a validated config's pipeline rank ``pp_rank``, term by term; ``cuda``: the
-    ranks run on CUDA (None: as the config says; trainer3d/memory/activations.py ``Sizes.of``)."""
+    ranks run on CUDA (None: as the config says; trainer3d/memory/activations.py ``Sizes.of``);
+    ``model``: ``model_key(cfg)`` where the caller has it (the search: once for all its layouts)."""
     p, t = cfg.parallel, cfg.train
-    model = model_key(cfg)
+    model = model if model is not None else model_key(cfg)
     rank = rank_layout(cfg, pp_rank, model)
     stages, last, m = list(rank.stages), rank.last, t.grad_accum_steps
     z = Sizes.of(cfg, kernel, cuda)

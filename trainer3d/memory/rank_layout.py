@@ -9,9 +9,10 @@ built once per model, tp, pp, virtual stages, ``pp_layers``, schedule and rank.
 """
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 from trainer3d.config.schema import Config
+from trainer3d.memory.bounded import Bounded
 from trainer3d.memory.moe import moe_layers, stage_expert_mask
 from trainer3d.memory.states import ModelShapes, Shape, model_shapes, stage_muon_mask, stage_parameter_shapes
 from trainer3d.parallel.pipeline.stages import n_stages, stage_layer_ranges, stages_of_rank
@@ -42,7 +43,7 @@ def model_key(cfg: Config) -> str:
     return repr(sorted(vars(cfg.model).items()))
 
 
-_LAYOUTS: Dict[Tuple[str, str], RankLayout] = {}
+_LAYOUTS: Bounded[RankLayout] = Bounded(4096)
 
 
 def rank_layout(cfg: Config, pp_rank: int, model: Optional[str] = None) -> RankLayout:
@@ -51,13 +52,16 @@ def rank_layout(cfg: Config, pp_rank: int, model: Optional[str] = None) -> RankL
     p = cfg.parallel
     key = (model if model is not None else model_key(cfg),
            repr((p.tp, p.pp, p.pp_virtual_stages, p.pp_layers, p.pp_schedule, pp_rank, cfg.optim.name == "muon")))
-    if key not in _LAYOUTS:
-        stages = tuple(stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule))
-        ranges = stage_layer_ranges(cfg.model.n_layers, n_stages(cfg), p.pp_layers)
-        muon = tuple(m for s in stages for m in stage_muon_mask(cfg, s)) if cfg.optim.name == "muon" else None
-        _LAYOUTS[key] = RankLayout(
-            stages=stages, last=len(ranges) - 1, layers=tuple(len(ranges[s]) for s in stages),
-            moe=tuple(moe_layers(cfg, s) for s in stages), shapes=model_shapes(cfg.model, p.tp),
-            params=tuple(x for s in stages for x in stage_parameter_shapes(cfg, s)),
-            experts=tuple(x for s in stages for x in stage_expert_mask(cfg, s)), muon=muon)
-    return _LAYOUTS[key]
+    return _LAYOUTS.get(key, lambda: _build(cfg, pp_rank))
+
+
+def _build(cfg: Config, pp_rank: int) -> RankLayout:
+    p = cfg.parallel
+    stages = tuple(stages_of_rank(pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule))
+    ranges = stage_layer_ranges(cfg.model.n_layers, n_stages(cfg), p.pp_layers)
+    muon = tuple(m for s in stages for m in stage_muon_mask(cfg, s)) if cfg.optim.name == "muon" else None
+    return RankLayout(
+        stages=stages, last=len(ranges) - 1, layers=tuple(len(ranges[s]) for s in stages),
+        moe=tuple(moe_layers(cfg, s) for s in stages), shapes=model_shapes(cfg.model, p.tp),
+        params=tuple(x for s in stages for x in stage_parameter_shapes(cfg, s)),
+        experts=tuple(x for s in stages for x in stage_expert_mask(cfg, s)), muon=muon)

@@ -16,10 +16,11 @@ The test that holds this to the saver's own buffers: tests/multirank/test_staged
 """
 
 from math import prod
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from trainer3d.config.schema import Config
 from trainer3d.config.schema_parallel import zero_shards
+from trainer3d.memory.bounded import Bounded
 from trainer3d.memory.rank_layout import model_key
 from trainer3d.memory.states import BYTES, STEP_BYTES, model_shapes, stage_parameter_shapes
 from trainer3d.parallel.pipeline.stages import n_stages, stages_of_rank
@@ -61,7 +62,7 @@ def saves_in_background(cfg: Config) -> bool:
     return c.async_save and 0 < c.every <= cfg.train.max_steps
 
 
-_STAGED: Dict[str, int] = {}
+_STAGED: Bounded[int] = Bounded(4096)
 
 
 def staged_bytes(cfg: Config, pp_rank: int, dp_rank: int = 0, model: Optional[str] = None) -> int:
@@ -75,9 +76,7 @@ def staged_bytes(cfg: Config, pp_rank: int, dp_rank: int = 0, model: Optional[st
     key = (model if model is not None else model_key(cfg)) + repr(
         (p.tp, p.pp, p.pp_virtual_stages, p.pp_layers, p.pp_schedule, p.zero_stage, zero_shards(p), p.bucket_mb,
          cfg.train.dtype, pp_rank, dp_rank))
-    if key not in _STAGED:
-        _STAGED[key] = _staged(cfg, pp_rank, dp_rank)
-    return _STAGED[key]
+    return _STAGED.get(key, lambda: _staged(cfg, pp_rank, dp_rank))
 
 
 def _staged(cfg: Config, pp_rank: int, dp_rank: int) -> int:

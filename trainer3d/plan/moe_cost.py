@@ -28,6 +28,7 @@ from typing import Dict, Tuple
 from trainer3d.config.schema import Config
 from trainer3d.memory.activations import Sizes
 from trainer3d.memory.moe import all_to_all_bytes
+from trainer3d.memory.bounded import Bounded
 from trainer3d.memory.rank_layout import model_key, rank_layout
 from trainer3d.memory.states import BYTES
 from trainer3d.plan.devices import Device
@@ -111,13 +112,11 @@ def expert_gradient_bytes(cfg: Config, pp_rank: int, grads: int) -> Tuple[int, i
     if p.ep == 1 or cfg.model.moe.num_experts == 0:
         return grads, 0
     key = model_key(cfg) + repr((p.tp, p.pp, p.pp_virtual_stages, p.pp_layers, p.pp_schedule, p.ep, pp_rank))
-    if key not in _EXPERT_BYTES:
-        _EXPERT_BYTES[key] = _expert_bytes(cfg, pp_rank)
-    experts = _EXPERT_BYTES[key]
+    experts = _EXPERT_BYTES.get(key, lambda: _expert_bytes(cfg, pp_rank))
     return max(0, grads - experts), experts
 
 
-_EXPERT_BYTES: Dict[str, int] = {}
+_EXPERT_BYTES: Bounded[int] = Bounded(4096)
 """``_expert_bytes`` by model and layout (the search asks for every layout it tries)."""
 
 

@@ -26,6 +26,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from trainer3d.config.schema import Config, LauncherConfig
 from trainer3d.memory.peak import RankMemory, rank_memory
+from trainer3d.memory.rank_layout import model_key
 from trainer3d.plan.expert_search import expert_parallel_sizes
 from trainer3d.plan.settings import PlanConfig
 from trainer3d.plan.devices import Device
@@ -161,10 +162,11 @@ _KNOB = re.compile(r"([a-z_]+\.[a-z_]+)")
 
 
 def evaluate(cfg: Config, device: Device, ranks_per_node: int, backend: str, attention: str = "flash",
-             link: Optional[HostLink] = None) -> Plan:
+             link: Optional[HostLink] = None, model: Optional[str] = None) -> Plan:
     """A validated layout's worst peak memory and predicted step (the step is timed even
-    when the memory does not fit; search() drops those)."""
-    mems = {r: rank_memory(cfg, r, attention) for r in ranks_evaluated(cfg.parallel.pp)}
+    when the memory does not fit; search() drops those); ``model``: ``model_key(cfg)`` where
+    the caller has it."""
+    mems = {r: rank_memory(cfg, r, attention, model=model) for r in ranks_evaluated(cfg.parallel.pp)}
     step = step_time(cfg, device, {r: mem.states for r, mem in mems.items()}, ranks_per_node, backend, attention,
                      link)
     return Plan(cfg=cfg, memory=max(mems.values(), key=lambda mem: mem.total), step=step, ranks=mems)
@@ -210,6 +212,7 @@ def search(cfg: PlanConfig, device: Device) -> SearchResult:
     usable = device.usable_bytes(c.gpus_per_node)
     link, host_usable = host_link(cfg), host_usable_bytes(cfg)
     result = SearchResult()
+    model = None  # model_key of the one model all candidates share, once validate_owned has expanded its paths
     for candidate in candidates(cfg, device):
         result.evaluated += 1
         try:
@@ -219,7 +222,8 @@ def search(cfg: PlanConfig, device: Device) -> SearchResult:
             result.refused[knob] += 1
             result.refusal_examples.setdefault(knob, err.problems[0])
             continue
-        plan = evaluate(valid, device, c.gpus_per_node, backend, c.attention, link)
+        model = model if model is not None else model_key(valid)
+        plan = evaluate(valid, device, c.gpus_per_node, backend, c.attention, link, model)
         # a CPU node's ranks share one memory: moving state to the host frees nothing there
         if (plan.memory.total > usable and cfg.search.offload and not valid.parallel.offload_optimizer
                 and not device.shared_memory):
@@ -228,7 +232,7 @@ def search(cfg: PlanConfig, device: Device) -> SearchResult:
                     tried = validate_owned(tried)
                 except ConfigError:
                     continue
-                offloaded = evaluate(tried, device, c.gpus_per_node, backend, c.attention, link)
+                offloaded = evaluate(tried, device, c.gpus_per_node, backend, c.attention, link, model)
                 if offloaded.memory.total <= usable and offloaded.host_per_node(c.gpus_per_node) <= host_usable:
                     plan = offloaded
                     break

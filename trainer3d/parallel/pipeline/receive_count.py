@@ -4,7 +4,6 @@ and tests/multirank/test_pipeline.py holds the measured peak to.
 """
 
 import functools
-from types import SimpleNamespace
 from typing import Tuple
 
 from trainer3d.parallel.pipeline.placement import rank_of_stage
@@ -33,18 +32,33 @@ def _interleaved_held(pp: int, virtual: int, m: int) -> Tuple[int, ...]:
     """Per rank, the peak count of receive buffers over ``ScheduleInterleaved1F1B``'s actions
     with the receives torch inserts (``_add_send_recv``, torch 2.13 schedules.py): a buffer
     lives from its RECV_F or RECV_B to its micro-batch's backward on that stage."""
-    # Here, not at the top: torch.distributed.pipelining imports torch._dynamo (1-2 s of a
-    # process's start), and the planner and every rank's memory estimate import this module.
-    from torch.distributed.pipelining import ScheduleInterleaved1F1B
-    from torch.distributed.pipelining.schedules import _ComputationType
-
-    rounds = max(1, m // pp)
-    plan = SimpleNamespace(n_local_stages=virtual, microbatches_per_round=m // rounds, pp_group_size=pp,
-                           _n_microbatches=m)
-    compute = [[(a.stage_index, a.microbatch_index, a.computation_type is _ComputationType.FORWARD)
-                for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(plan, r) if a is not None]
-               for r in range(pp)]
+    compute = [interleaved_compute(pp, virtual, m, r) for r in range(pp)]
     return _sweep_receives(compute, pp, pp * virtual)
+
+
+def interleaved_compute(pp: int, virtual: int, m: int, rank: int) -> list:
+    """Rank ``rank``'s compute actions of ``ScheduleInterleaved1F1B`` as (stage, micro-batch,
+    is_forward), its idle slots left out: what ``_calculate_single_rank_operations`` returns
+    (torch 2.13 schedules.py, through ``_get_warmup_ops`` and ``_get_1f1b_rank_ops``), in plain
+    tuples. torch builds an ``_Action`` per step and looks the stage up by closures, which took
+    most of the 70B plan of docs/planning.md; tests/unit/test_stages.py
+    (``test_the_one_pass_interleaved_receive_count_is_torchs``) holds the count to torch's own
+    lists."""
+    per_round = m // max(1, m // pp)  # microbatches_per_round
+    warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - rank), m * virtual)
+    total = m * virtual  # warm-up forwards, then one forward and one backward each, then the backwards left
+    forwards, backwards = [0] * virtual, [0] * virtual  # per local stage: micro-batches handed out
+    out = []
+    for op in range(total + warmup):
+        if op < total:
+            local = (op // per_round) % virtual
+            out.append((local * pp + rank, forwards[local], True))
+            forwards[local] += 1
+        if op >= warmup:
+            local = virtual - 1 - ((op - warmup) // per_round) % virtual
+            out.append((local * pp + rank, backwards[local], False))
+            backwards[local] += 1
+    return out
 
 
 def _sweep_receives(compute: list, pp: int, n_stages: int) -> Tuple[int, ...]:

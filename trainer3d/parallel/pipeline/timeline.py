@@ -123,45 +123,62 @@ class Timeline:
 def simulate(actions: Dict[int, Tuple[Action, ...]], v: int) -> Timeline:
     """Run the per-rank lists with unit costs divided by ``v`` (see the module docstring)."""
     done: Dict[Action, float] = {}
-    n_stages = v * len(actions)
+    last = v * len(actions) - 1
+    cost = {kind: c / v for kind, c in COST.items()}
     pos = {r: 0 for r in actions}
     free = {r: 0.0 for r in actions}
     spans: Dict[int, List[Tuple[float, float, Action]]] = {r: [] for r in actions}
     while any(pos[r] < len(actions[r]) for r in actions):
         progressed = False
         for r, todo in actions.items():
-            while pos[r] < len(todo):
-                kind, stage, mb = todo[pos[r]]
-                inputs = [next((done[a] for a in alternatives if a in done), None)
-                          for alternatives in _dependencies(kind, stage, mb, n_stages)]
-                if None in inputs:
+            at, start = pos[r], free[r]
+            while at < len(todo):
+                action = todo[at]
+                kind, stage, mb = action
+                ready = _ready(done, kind, stage, mb, last)
+                if ready is None:
                     break
-                start = max([free[r], *inputs])
-                end = start + COST[kind] / v
-                done[(kind, stage, mb)] = end
-                spans[r].append((start, end, (kind, stage, mb)))
-                free[r], pos[r] = end, pos[r] + 1
+                for t in ready:
+                    start = max(start, t)
+                end = start + cost[kind]
+                done[action] = end
+                spans[r].append((start, end, action))
+                start, at = end, at + 1
                 progressed = True
+            pos[r], free[r] = at, start
         if not progressed:
             stuck = {r: actions[r][pos[r]] for r in actions if pos[r] < len(actions[r])}
             raise ValueError(f"schedule deadlocks at {stuck}")
     return Timeline(spans, max(free.values()))
 
 
-def _dependencies(kind: str, stage: int, mb: int, n_stages: int) -> List[List[Action]]:
-    """Alternatives per input: any one action of each inner list satisfies it."""
+def _ready(done: Dict[Action, float], kind: str, stage: int, mb: int, last: int):
+    """The end times of an action's inputs, or None while one has not run: F after the previous
+    stage's F of that micro-batch, I or B after its own F and the next stage's I (else its B),
+    W after its own I."""
     if kind == "F":
-        return [[("F", stage - 1, mb)]] if stage > 0 else []
-    if kind in ("I", "B"):
-        deps = [[("F", stage, mb)]]
-        if stage < n_stages - 1:
-            deps.append([("I", stage + 1, mb), ("B", stage + 1, mb)])
-        return deps
-    return [[("I", stage, mb)]]  # W
+        if stage == 0:
+            return ()
+        t = done.get(("F", stage - 1, mb))
+        return None if t is None else (t,)
+    if kind == "W":
+        t = done.get(("I", stage, mb))
+        return None if t is None else (t,)
+    f = done.get(("F", stage, mb))
+    if f is None:
+        return None
+    if stage == last:
+        return (f,)
+    t = done.get(("I", stage + 1, mb))
+    if t is None:
+        t = done.get(("B", stage + 1, mb))
+    return None if t is None else (f, t)
 
 
 def schedule_bubble(schedule: str, pp: int, v: int, m: int) -> float:
-    """The idle share of an ideal step of torch's ``schedule`` (the planner's and the tests' figure)."""
+    """The idle share of an ideal step of torch's ``schedule`` (the planner's and the tests' figure),
+    cached: the search (trainer3d/plan/search.py) asks it for every micro-batch size, ZeRO stage,
+    recomputation and ep of each (schedule, pp, v, m)."""
     if pp == 1:
         return 0.0
     return simulate(schedule_actions(schedule, pp, v, m), v).bubble()
