@@ -10,11 +10,9 @@ tp2 x pp2 and tp2 x dp2 across two).
 
 import pytest
 
-from tests.support.runs import PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, reference_losses
+from tests.support.runs import EIGHT_LAYERS, PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, reference_losses
 
-# pp=4 x 2 virtual stages needs 8 layers and, as in test_train_pp.py, a gentler lr (at the default
-# one the 8-layer model is chaotic under PARITY).
-EIGHT_LAYERS = ("model.n_layers=8", "optim.lr=1e-3")
+# pp=4 x 2 virtual stages needs 8 layers: tests/support/runs.py's EIGHT_LAYERS, shared with test_train_pp.py.
 # optim=muon: its reference is the one-process Muon run (itself held to torch.optim.Muon in
 # tests/multirank/test_muon.py). Newton-Schulz in fp32: in bf16 a last-bit difference of a
 # gradient flips roundings of the whole update, and no two layouts would agree to 1e-5. A
