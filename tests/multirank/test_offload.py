@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.support.harness import dims_for, run_ranks
-from tests.support.runs import PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, read_metrics, reference_losses
+from tests.support.runs import PARITY, TIED, TWO_LAYERS, assert_parity, losses_in_ranks, read_metrics, reference_losses
 from trainer3d.checkpoint import store
 from trainer3d.config.schema import Config
 from trainer3d.config.validate import validate
@@ -28,10 +28,9 @@ from trainer3d.trainer import Trainer
 OFFLOAD = "parallel.offload_optimizer=true"
 SMALL_BUCKETS = "parallel.bucket_mb=0.05"  # dozens of buckets: most copies leave during backward
 
-TIED = ("model.tie_embeddings=true", "optim.lr=1e-3")  # a gentler lr: at 3e-3 the tied model amplifies 1e-7 into 5e-5 in any layout
 # The untied layouts train TWO_LAYERS (tests/support/runs.py: each layer's buckets and collectives
-# as four layers' would be, at about half the CPU); the tied one the 4-layer model whose reference
-# test_parity_matrix.py's tied cases share.
+# as four layers' would be, at about half the CPU); the tied one tests/support/runs.py's TIED, whose
+# reference test_parity_matrix.py's tied cases share.
 LAYOUTS = [
     pytest.param(TWO_LAYERS, ("parallel.tp=2", "parallel.dp=2", "parallel.zero_stage=1",
                               "parallel.sequence_parallel=true"), id="tp2-dp2-z1-sp"),

@@ -10,7 +10,7 @@ tp2 x pp2 and tp2 x dp2 across two).
 
 import pytest
 
-from tests.support.runs import EIGHT_LAYERS, PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, reference_losses
+from tests.support.runs import EIGHT_LAYERS, PARITY, TIED, TWO_LAYERS, assert_parity, losses_in_ranks, reference_losses
 
 # pp=4 x 2 virtual stages needs 8 layers: tests/support/runs.py's EIGHT_LAYERS, shared with test_train_pp.py.
 # optim=muon: its reference is the one-process Muon run (itself held to torch.optim.Muon in
@@ -23,9 +23,8 @@ ZBV = ("parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2")
 DUALPIPEV = ("parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2")
 ZB1P = ("parallel.pp_schedule=zb1p",)
 # A V's tied embedding: the first and the last stage on pp rank 0 share one Parameter (parallel/
-# tied.py), accumulated by both stages' backwards and W steps, held once in the ZeRO buffers.
-# The gentler lr of tests/multirank/test_offload.py's tied case.
-TIED = ("model.tie_embeddings=true", "optim.lr=1e-3")
+# tied.py), accumulated by both stages' backwards and W steps, held once in the ZeRO buffers:
+# tests/support/runs.py's TIED, shared with tests/multirank/test_offload.py's tied case.
 MUON = ("optim=muon", "optim.muon.ns_dtype=fp32", "model.dim=64", "model.ffn_dim=192", "model.n_layers=2")
 
 
