@@ -48,8 +48,10 @@ def case(tp, pp, dp, zero=0, model=(), extra=(), slow=True, id=None):
 # - Muon on one process, dp2 (ZeRO-0/1), tp2 with sp, tp2 x dp2: tests/multirank/test_muon.py, against
 #   torch.optim.Muon itself.
 # The 3-D case composes tp with sp, pp 1F1B, ZeRO-1 over dp and recomputation: a fault in any of them
-# moves its losses. zbv and dualpipev train on pp2 with a tied embedding (the V's first and last stage
-# on one rank share it) and on pp4 untied; zbv on pp2 with recomputation, where each block is
+# moves its losses. zb1p's interleaved stages train on tp2 x pp2 with a tied embedding (the first and
+# the last stage on two ranks, the copies' gradients summed, vocabulary-parallel); zbv and dualpipev
+# on pp2 with a tied embedding (the V's first and last stage on one rank share it) and on pp4
+# untied; zbv on pp2 with recomputation, where each block is
 # recomputed in I and once more in W (parallel/pipeline/weight_grad.py), each from the micro-batch's
 # own saved input: a W step recomputing from any other input moves its losses (the V's two stages
 # per rank and two micro-batches in flight are there on pp2 as on pp4; tests/unit/test_weight_grad.py
@@ -57,7 +59,7 @@ def case(tp, pp, dp, zero=0, model=(), extra=(), slow=True, id=None):
 MATRIX = [
     case(2, 2, 2, zero=1, model=TWO_LAYERS, extra=("parallel.sequence_parallel=true", "train.activation_checkpointing=true"),
          id="tp2-pp2-dp2-z1-sp-recompute"),
-    case(2, 2, 1, extra=(*ZB1P, "parallel.pp_virtual_stages=2"), id="tp2-pp2-dp1-zb1p-v2"),
+    case(2, 2, 1, model=TIED, extra=(*ZB1P, "parallel.pp_virtual_stages=2"), id="tp2-pp2-dp1-zb1p-v2-tied"),
     case(1, 4, 1, model=EIGHT_LAYERS, extra=ZBV, id="tp1-pp4-dp1-zbv"),
     case(1, 4, 1, model=EIGHT_LAYERS, extra=DUALPIPEV, id="tp1-pp4-dp1-dualpipev"),
     case(1, 4, 1, model=EIGHT_LAYERS, extra=(*ZB1P, "parallel.pp_virtual_stages=2"), id="tp1-pp4-dp1-zb1p-v2"),
