@@ -61,7 +61,9 @@ def test_offload_matches_single_process(tmp_path, session_tmp, model, layout):
 # loss scale of 2^17 skips its first step and two later ones (ZeRO-1's run), and the loss still
 # falls by more than 1. The host step is the same for bf16 and fp16 but for fp16's loss scale and
 # skip flag, which each stage carries its own way (parallel/zero/offload.py, fsdp_offload.py):
-# fp16 on ZeRO-1 and ZeRO-3, bf16 on ZeRO-1.
+# fp16 on ZeRO-1 and ZeRO-3, bf16 on ZeRO-1. bf16 trains TWO_LAYERS (a host step that kept no fp32
+# masters moved its losses 4.3e-3 there); fp16 the 4-layer model, whose gradients grow enough for the
+# later overflows (with 2 layers only the first step overflowed).
 LOSS_SCALE_INIT = 2 ** 17
 MIXED = ("train.max_steps=8", "train.log_every=1", "train.seq_len=32", "train.micro_batch_size=4",
          "train.global_batch_size=8", "train.grad_accum_steps=null", "optim.warmup_steps=5", "parallel.timeout_s=60",
@@ -75,7 +77,8 @@ def test_mixed_precision_offload_follows_the_device_step(tmp_path, dtype, stage)
     """The same run with and without offload: per-step losses within bf16's rounding of one
     another (they differ only in dividing vs multiplying by the clip coefficient), and fp16's
     loss scale and skipped steps identical (2^17 to start: the first step overflows)."""
-    base = [*MIXED, f"parallel.zero_stage={stage}", f"train.dtype={dtype}", f"train.loss_scale_init={LOSS_SCALE_INIT}"]
+    base = [*MIXED, *(TWO_LAYERS if dtype == "bf16" else ()), f"parallel.zero_stage={stage}", f"train.dtype={dtype}",
+            f"train.loss_scale_init={LOSS_SCALE_INIT}"]
     plain = losses_in_ranks(tmp_path / "plain", base)
     offloaded = losses_in_ranks(tmp_path / "offload", [*base, OFFLOAD])
     np.testing.assert_allclose(offloaded, plain, rtol=1e-3)
