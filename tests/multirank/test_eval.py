@@ -7,33 +7,46 @@ tail (conf/data/stdlib.yaml: data.val_fraction) after steps 10 and 20. Each layo
 val_loss must equal the single process's (relative 1e-5), and its training losses must
 equal those of the same run without evaluation: the forward-only passes leave the model,
 its gradients and the optimizer untouched. The tp2 x pp2 x dp2 run is also the parity
-matrix's default-layout row (tests/multirank/test_parity_matrix.py): one run, both checks.
+matrix's default-layout row (tests/multirank/test_parity_matrix.py): one run, both checks. The
+layouts of at most two stages train TWO_LAYERS (tests/support/runs.py) against their own
+reference; pp4 needs a layer per stage and trains the 4-layer model.
 """
 
 import math
 
 import pytest
 
-from tests.support.runs import PARITY, REL_TOL, assert_parity, read_metrics, reference_losses, train_in_ranks
+from tests.support.runs import PARITY, REL_TOL, TWO_LAYERS, assert_parity, read_metrics, reference_losses, train_in_ranks
 
 # Its tests share a module fixture: one xdist worker runs them all (tests/conftest.py: xdist_scope).
 
 EVAL = ("train.eval_every=10", "train.eval_steps=2")
 
 
+def _reference(tmp_path_factory, model):
+    run = tmp_path_factory.mktemp("eval-reference")
+    train_in_ranks(run, [*PARITY, *model, *EVAL, "parallel=single"])
+    return read_metrics(run)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    run = tmp_path_factory.mktemp("eval-reference")
-    train_in_ranks(run, [*PARITY, *EVAL, "parallel=single"])
-    return read_metrics(run)
+    """The 1-rank run with evaluations of the 4-layer model (pp4's)."""
+    return _reference(tmp_path_factory, ())
+
+
+@pytest.fixture(scope="module")
+def reference_two(tmp_path_factory):
+    """The same of TWO_LAYERS (the other layouts')."""
+    return _reference(tmp_path_factory, TWO_LAYERS)
 
 
 def val_losses(rows):
     return {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
 
 
-def check_layout(tmp_path, reference, layout):
-    stdout = train_in_ranks(tmp_path, [*PARITY, *EVAL, "parallel=single", *layout])
+def check_layout(tmp_path, reference, layout, model=()):
+    stdout = train_in_ranks(tmp_path, [*PARITY, *model, *EVAL, "parallel=single", *layout])
     rows = read_metrics(tmp_path)
     got, want = val_losses(rows), val_losses(reference)
     assert sorted(got) == sorted(want) == [9, 19]
@@ -47,12 +60,13 @@ def check_layout(tmp_path, reference, layout):
           f"{assert_parity([r['loss'] for r in rows], [r['loss'] for r in reference]):.1e}")
 
 
-def test_evaluation_leaves_training_untouched(reference, session_tmp):
+def test_evaluation_leaves_training_untouched(reference, reference_two, session_tmp):
     assert [r["loss"] for r in reference] == reference_losses(session_tmp, PARITY)
+    assert [r["loss"] for r in reference_two] == reference_losses(session_tmp, [*PARITY, *TWO_LAYERS])
 
 
-def test_val_loss_tp2_pp2_dp2(tmp_path, reference):
-    check_layout(tmp_path, reference, ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"])
+def test_val_loss_tp2_pp2_dp2(tmp_path, reference_two):
+    check_layout(tmp_path, reference_two, ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"], TWO_LAYERS)
 
 
 @pytest.mark.slow
@@ -61,6 +75,7 @@ def test_val_loss_pp4(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_val_loss_dp2_zero3_offloaded(tmp_path, reference):
+def test_val_loss_dp2_zero3_offloaded(tmp_path, reference_two):
     """FSDP2 with its shards on the host (parallel/zero/fsdp_offload.py) evaluates the model it trains."""
-    check_layout(tmp_path, reference, ["parallel.dp=2", "parallel.zero_stage=3", "parallel.offload_optimizer=true"])
+    check_layout(tmp_path, reference_two, ["parallel.dp=2", "parallel.zero_stage=3", "parallel.offload_optimizer=true"],
+                 TWO_LAYERS)

@@ -22,9 +22,14 @@ from tests.support.runs import (PARITY, assert_parity, losses_in_ranks, read_met
                                 train_in_ranks)
 from trainer3d.checkpoint import store
 
+# The interleaved case's 4 layers (a layer per stage of pp2 x 2 virtual) at half the width (dim 64,
+# tests/support/runs.py's EIGHT_LAYERS and TIED): a stage's dispatch, sends and recomputation are
+# the same at any width.
+MOE_NARROW = (*MOE, "model.dim=64", "model.ffn_dim=192")
+
 
 def _check(tmp_path, session_tmp, layout, model=MOE_TWO_LAYERS, n_layers=2):
-    """``layout`` against the 1-rank run of ``model`` (the 4-layer MOE where 4 stages need it)."""
+    """``layout`` against the 1-rank run of ``model`` (the 4-layer MOE_NARROW where 4 stages need it)."""
     ref = reference_losses(session_tmp, [*PARITY, *model])
     got = losses_in_ranks(tmp_path, [*PARITY, *model, "parallel=single", *layout], timeout=900)
     print(f"{' '.join(layout)}: worst relative loss difference {assert_parity(got, ref):.1e}")
@@ -95,4 +100,4 @@ def test_interleaved_pp2_dp2_ep2_with_recompute_matches_single_process(tmp_path,
     run again there and a block's counts and balance loss must be recorded once, not twice."""
     _check(tmp_path, session_tmp, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
                                    "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1",
-                                   "train.activation_checkpointing=true"], model=MOE, n_layers=4)
+                                   "train.activation_checkpointing=true"], model=MOE_NARROW, n_layers=4)

@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.support.harness import dims_for, run_ranks
-from tests.support.runs import PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, read_metrics, reference_losses
+from tests.support.runs import PARITY, TIED, TWO_LAYERS, assert_parity, losses_in_ranks, read_metrics, reference_losses
 from trainer3d.checkpoint import store
 from trainer3d.config.schema import Config
 from trainer3d.config.validate import validate
@@ -28,10 +28,9 @@ from trainer3d.trainer import Trainer
 OFFLOAD = "parallel.offload_optimizer=true"
 SMALL_BUCKETS = "parallel.bucket_mb=0.05"  # dozens of buckets: most copies leave during backward
 
-TIED = ("model.tie_embeddings=true", "optim.lr=1e-3")  # a gentler lr: at 3e-3 the tied model amplifies 1e-7 into 5e-5 in any layout
 # The untied layouts train TWO_LAYERS (tests/support/runs.py: each layer's buckets and collectives
-# as four layers' would be, at about half the CPU); the tied one the 4-layer model whose reference
-# test_parity_matrix.py's tied cases share.
+# as four layers' would be, at about half the CPU); the tied one tests/support/runs.py's TIED, whose
+# reference test_parity_matrix.py's tied cases share.
 LAYOUTS = [
     pytest.param(TWO_LAYERS, ("parallel.tp=2", "parallel.dp=2", "parallel.zero_stage=1",
                               "parallel.sequence_parallel=true"), id="tp2-dp2-z1-sp"),
@@ -62,7 +61,9 @@ def test_offload_matches_single_process(tmp_path, session_tmp, model, layout):
 # loss scale of 2^17 skips its first step and two later ones (ZeRO-1's run), and the loss still
 # falls by more than 1. The host step is the same for bf16 and fp16 but for fp16's loss scale and
 # skip flag, which each stage carries its own way (parallel/zero/offload.py, fsdp_offload.py):
-# fp16 on ZeRO-1 and ZeRO-3, bf16 on ZeRO-1.
+# fp16 on ZeRO-1 and ZeRO-3, bf16 on ZeRO-1. bf16 trains TWO_LAYERS (a host step that kept no fp32
+# masters moved its losses 4.3e-3 there); fp16 the 4-layer model, whose gradients grow enough for the
+# later overflows (with 2 layers only the first step overflowed).
 LOSS_SCALE_INIT = 2 ** 17
 MIXED = ("train.max_steps=8", "train.log_every=1", "train.seq_len=32", "train.micro_batch_size=4",
          "train.global_batch_size=8", "train.grad_accum_steps=null", "optim.warmup_steps=5", "parallel.timeout_s=60",
@@ -76,7 +77,8 @@ def test_mixed_precision_offload_follows_the_device_step(tmp_path, dtype, stage)
     """The same run with and without offload: per-step losses within bf16's rounding of one
     another (they differ only in dividing vs multiplying by the clip coefficient), and fp16's
     loss scale and skipped steps identical (2^17 to start: the first step overflows)."""
-    base = [*MIXED, f"parallel.zero_stage={stage}", f"train.dtype={dtype}", f"train.loss_scale_init={LOSS_SCALE_INIT}"]
+    base = [*MIXED, *(TWO_LAYERS if dtype == "bf16" else ()), f"parallel.zero_stage={stage}", f"train.dtype={dtype}",
+            f"train.loss_scale_init={LOSS_SCALE_INIT}"]
     plain = losses_in_ranks(tmp_path / "plain", base)
     offloaded = losses_in_ranks(tmp_path / "offload", [*base, OFFLOAD])
     np.testing.assert_allclose(offloaded, plain, rtol=1e-3)

@@ -10,11 +10,9 @@ tp2 x pp2 and tp2 x dp2 across two).
 
 import pytest
 
-from tests.support.runs import PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, reference_losses
+from tests.support.runs import EIGHT_LAYERS, PARITY, TIED, TWO_LAYERS, assert_parity, losses_in_ranks, reference_losses
 
-# pp=4 x 2 virtual stages needs 8 layers and, as in test_train_pp.py, a gentler lr (at the default
-# one the 8-layer model is chaotic under PARITY).
-EIGHT_LAYERS = ("model.n_layers=8", "optim.lr=1e-3")
+# pp=4 x 2 virtual stages needs 8 layers: tests/support/runs.py's EIGHT_LAYERS, shared with test_train_pp.py.
 # optim=muon: its reference is the one-process Muon run (itself held to torch.optim.Muon in
 # tests/multirank/test_muon.py). Newton-Schulz in fp32: in bf16 a last-bit difference of a
 # gradient flips roundings of the whole update, and no two layouts would agree to 1e-5. A
@@ -25,9 +23,8 @@ ZBV = ("parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2")
 DUALPIPEV = ("parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2")
 ZB1P = ("parallel.pp_schedule=zb1p",)
 # A V's tied embedding: the first and the last stage on pp rank 0 share one Parameter (parallel/
-# tied.py), accumulated by both stages' backwards and W steps, held once in the ZeRO buffers.
-# The gentler lr of tests/multirank/test_offload.py's tied case.
-TIED = ("model.tie_embeddings=true", "optim.lr=1e-3")
+# tied.py), accumulated by both stages' backwards and W steps, held once in the ZeRO buffers:
+# tests/support/runs.py's TIED, shared with tests/multirank/test_offload.py's tied case.
 MUON = ("optim=muon", "optim.muon.ns_dtype=fp32", "model.dim=64", "model.ffn_dim=192", "model.n_layers=2")
 
 
@@ -51,19 +48,22 @@ def case(tp, pp, dp, zero=0, model=(), extra=(), slow=True, id=None):
 # - Muon on one process, dp2 (ZeRO-0/1), tp2 with sp, tp2 x dp2: tests/multirank/test_muon.py, against
 #   torch.optim.Muon itself.
 # The 3-D case composes tp with sp, pp 1F1B, ZeRO-1 over dp and recomputation: a fault in any of them
-# moves its losses. zbv and dualpipev train on pp2 with a tied embedding (the V's first and last stage
-# on one rank share it) and on pp4 untied; zbv on pp4 with recomputation, where each block is
+# moves its losses. zb1p's interleaved stages train on tp2 x pp2 with a tied embedding (the first and
+# the last stage on two ranks, the copies' gradients summed, vocabulary-parallel); zbv and dualpipev
+# on pp2 with a tied embedding (the V's first and last stage on one rank share it) and on pp4
+# untied; zbv on pp2 with recomputation, where each block is
 # recomputed in I and once more in W (parallel/pipeline/weight_grad.py), each from the micro-batch's
-# own saved input: a W step recomputing from any other input moves its losses
-# (tests/unit/test_weight_grad.py counts the recomputations).
+# own saved input: a W step recomputing from any other input moves its losses (the V's two stages
+# per rank and two micro-batches in flight are there on pp2 as on pp4; tests/unit/test_weight_grad.py
+# counts the recomputations).
 MATRIX = [
     case(2, 2, 2, zero=1, model=TWO_LAYERS, extra=("parallel.sequence_parallel=true", "train.activation_checkpointing=true"),
          id="tp2-pp2-dp2-z1-sp-recompute"),
-    case(2, 2, 1, extra=(*ZB1P, "parallel.pp_virtual_stages=2"), id="tp2-pp2-dp1-zb1p-v2"),
-    case(1, 4, 1, model=EIGHT_LAYERS, extra=(*ZBV, "train.activation_checkpointing=true"), id="tp1-pp4-dp1-zbv-recompute"),
+    case(2, 2, 1, model=TIED, extra=(*ZB1P, "parallel.pp_virtual_stages=2"), id="tp2-pp2-dp1-zb1p-v2-tied"),
+    case(1, 4, 1, model=EIGHT_LAYERS, extra=ZBV, id="tp1-pp4-dp1-zbv"),
     case(1, 4, 1, model=EIGHT_LAYERS, extra=DUALPIPEV, id="tp1-pp4-dp1-dualpipev"),
     case(1, 4, 1, model=EIGHT_LAYERS, extra=(*ZB1P, "parallel.pp_virtual_stages=2"), id="tp1-pp4-dp1-zb1p-v2"),
-    case(1, 2, 1, model=TIED, extra=ZBV, id="tp1-pp2-dp1-zbv-tied"),
+    case(1, 2, 1, model=TIED, extra=(*ZBV, "train.activation_checkpointing=true"), id="tp1-pp2-dp1-zbv-tied-recompute"),
     case(1, 2, 2, zero=1, model=TIED, extra=DUALPIPEV, id="tp1-pp2-dp2-z1-dualpipev-tied"),
     case(1, 2, 2, zero=1, model=MUON, id="muon-tp1-pp2-dp2-z1"),
 ]

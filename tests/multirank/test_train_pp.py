@@ -9,20 +9,19 @@ split of the layers beside dp.
 
 import pytest
 
-from tests.support.runs import PARITY, assert_parity, losses_in_ranks, parity_micro_batches, read_metrics, reference_losses
+from tests.support.runs import (EIGHT_LAYERS, PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, parity_micro_batches,
+                                read_metrics, reference_losses)
 
 # PARITY's global batch of 16 in parity_micro_batches' count (one per stage, pp).
-# pp=4 x 2 virtual stages needs a layer per stage. At the default lr the 8-layer tiny model is
-# chaotic under PARITY (loss spikes; even dp=2 drifts 2.7e-3 from one process by step 20, a
-# reduction-order difference of 1e-7 amplified), so its runs, reference included, use a gentler lr
-# (then dp=2, pp=2 and interleaved pp=4 all stay within 1.2e-7).
-EIGHT_LAYERS = ("model.n_layers=8", "optim.lr=1e-3")
+# pp=4 x 2 virtual stages needs a layer per stage: tests/support/runs.py's EIGHT_LAYERS (a gentler
+# lr, the 8-layer model being chaotic at the default one), shared with test_parity_matrix.py; pp2
+# trains TWO_LAYERS, one per stage.
 
 # The interleaved schedule on pp2 trains in tests/multirank/test_moe_ep_parity.py, test_moe_parity.py
 # and test_document_mask_parity.py; GPipe on pp4 shares 1F1B's sends and receives (test_eval.py's pp4).
 CASES = [
     # (pp, schedule, extra overrides, model overrides)
-    pytest.param(2, "gpipe", (), (), id="pp2-gpipe"),
+    pytest.param(2, "gpipe", (), TWO_LAYERS, id="pp2-gpipe"),
     pytest.param(4, "interleaved_1f1b", ("parallel.pp_virtual_stages=2",), EIGHT_LAYERS,
                  id="pp4-interleaved", marks=pytest.mark.slow),
 ]

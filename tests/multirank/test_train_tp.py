@@ -7,14 +7,16 @@ is exercised at every tp. The byte-level vocabulary (257) is odd: it is padded a
 
 The in-process runs take the global batch of 16 in 2 micro-batches of 8 (tests/support/runs.py:
 parity_micro_batches): every micro-batch costs ~13 collectives, and 4 gloo ranks sharing 2 cores
-wait for each other on every one; 2 micro-batches still accumulate.
+wait for each other on every one; 2 micro-batches still accumulate. They train TWO_LAYERS
+(tests/support/runs.py): each layer's tensor-parallel collectives and its norms' gradients summed
+over tp are those of any other, so a fault of either shows in two layers as in four.
 """
 
 import pytest
 
-from tests.support.runs import PARITY, assert_parity, losses_in_ranks, reference_losses
+from tests.support.runs import PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, reference_losses
 
-TP4 = ("model.n_heads=8", "model.n_kv_heads=4")  # the model of tp=4 (above)
+TP4 = (*TWO_LAYERS, "model.n_heads=8", "model.n_kv_heads=4")  # the model of tp=4 (above)
 
 
 def _check(tmp_path, session_tmp, model, layout):
@@ -29,7 +31,7 @@ def _check(tmp_path, session_tmp, model, layout):
     pytest.param(("parallel.tp=2", "parallel.sequence_parallel=true"), id="tp2-sp"),
 ])
 def test_tp2_matches_single_process(tmp_path, session_tmp, layout):
-    _check(tmp_path, session_tmp, (), layout)
+    _check(tmp_path, session_tmp, TWO_LAYERS, layout)
 
 
 # tp=4 without sequence parallelism: each layer and the whole model against one rank in

@@ -81,9 +81,11 @@ def _train_sink_then_plain(rank: int, world_size: int, sink_cfg, plain_cfg, stor
 
 
 LAYOUTS = [
+    # 4 layers for the 4 stages, at half the tiny model's width (tests/support/runs.py: TIED's)
     pytest.param(["train.dtype=bf16", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2",
                   "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2", "model.n_layers=4",
-                  "model.tie_embeddings=true", "train.activation_checkpointing=true"],
+                  "model.dim=64", "model.ffn_dim=192", "model.tie_embeddings=true",
+                  "train.activation_checkpointing=true"],
                  id="bf16-tp2-sp-pp2-interleaved-tied-recompute"),
     pytest.param(["train.dtype=fp16", "parallel.dp=2", "parallel.zero_stage=1", "optim.grad_clip=0.5",
                   "train.global_batch_size=8"], id="fp16-dp2-zero1-clip"),

@@ -71,6 +71,20 @@ PARITY = ("train.max_steps=20", "train.log_every=1", "train.seq_len=64", "train.
 # shows in one layer as in four. Its own shared reference, as every model's (``reference_losses``).
 TWO_LAYERS = ("model.n_layers=2",)
 
+# The model of the layouts with 8 pipeline stages (pp4 x 2 virtual stages: a layer per stage),
+# tests/multirank/test_parity_matrix.py's and test_train_pp.py's, one shared reference: 8 layers at
+# half the tiny model's width (tests/multirank/test_document_mask_parity.py's dim and ffn_dim). A
+# stage's sends, receives and schedule are the same at any width; at the default lr the 8-layer
+# model is chaotic under PARITY (loss spikes; dp=2 drifted 2.7e-3 from one process by step 20 at
+# the full width, a reduction-order difference of 1e-7 amplified), so its runs use a gentler lr.
+EIGHT_LAYERS = ("model.n_layers=8", "model.dim=64", "model.ffn_dim=192", "optim.lr=1e-3")
+
+# The model of the tied-embedding cases (tests/multirank/test_parity_matrix.py's V schedules on pp2,
+# test_offload.py's pp2 x dp2), one shared reference: 4 layers (pp2 x 2 virtual stages: a layer per
+# stage) at EIGHT_LAYERS' width, the input embedding and the output head one Parameter. A gentler lr:
+# at 3e-3 the tied model amplified 1e-7 into 5e-5 in any layout.
+TIED = ("model.tie_embeddings=true", "model.dim=64", "model.ffn_dim=192", "optim.lr=1e-3")
+
 REL_TOL = 1e-5
 PARITY_GLOBAL_BATCH, PARITY_MICRO_BATCH = 16, 2
 _SPLIT_KNOBS = ("train.micro_batch_size=", "train.grad_accum_steps=", "train.global_batch_size=")
