@@ -7,8 +7,10 @@ pathconf's NAME_MAX is created with os.mkdir and must fail with ENAMETOOLONG, on
 must be created.
 """
 
+import copy
 import dataclasses
 import errno
+import functools
 import json
 import math
 import os
@@ -84,6 +86,13 @@ def test_the_entry_point_refuses_a_name_too_long_before_opening_it(tmp_path, cap
 
 
 def _plan(*overrides):
+    """The planner's config (conf/plan.yaml) under ``overrides``: a copy of the one composed per
+    overrides in the session, for the caller to change."""
+    return copy.deepcopy(_plan_composed(overrides))
+
+
+@functools.lru_cache(maxsize=None)
+def _plan_composed(overrides):
     with initialize_config_dir(str(CONF_DIR), version_base=None):
         return OmegaConf.to_object(compose("plan", list(overrides)))
 

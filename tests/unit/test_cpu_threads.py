@@ -35,22 +35,34 @@ def test_the_share_is_the_rank_s_part_of_its_mask(cores, local_world, cpus_per_t
 
 
 _PROBE = """
-import json, os, torch, torch._inductor.config as inductor_config
+import json, os, sys, torch, torch._inductor.config as inductor_config
 from trainer3d.rank.threads import set_host_threads
-threads = set_host_threads()
-print(json.dumps({"threads": threads, "torch": torch.get_num_threads(), "compile": inductor_config.compile_threads,
-                  "omp": os.environ.get("OMP_NUM_THREADS"), "cpu_count": os.cpu_count()}))
+KNOBS = ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS", "LOCAL_WORLD_SIZE", "SLURM_CPUS_PER_TASK")
+for mask, env in json.loads(sys.argv[1]):
+    for knob in KNOBS:
+        os.environ.pop(knob, None)
+    os.environ.update(env)
+    os.sched_setaffinity(0, mask)
+    threads = set_host_threads()
+    print(json.dumps({"threads": threads, "torch": torch.get_num_threads(), "compile": inductor_config.compile_threads,
+                      "omp": os.environ.get("OMP_NUM_THREADS"), "cpu_count": os.cpu_count()}))
 """
 
 
-def _probe(mask, env):
+def _probe(cases):
+    """``set_host_threads`` of a rank under each (mask, environment) of ``cases``, in one fresh
+    process (one import of torch and inductor's config): the mask set before it starts for the
+    first, and by the process itself for each later one, as taskset or Slurm's binding would
+    have set it; torch's and inductor's thread counts, the OpenMP variable, os.cpu_count()."""
     clean = {k: v for k, v in os.environ.items()
              if k not in ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS", "LOCAL_WORLD_SIZE", "SLURM_CPUS_PER_TASK")}
-    out = subprocess.run([sys.executable, "-c", _PROBE], env={**clean, "PYTHONPATH": str(ROOT), **env},
-                         preexec_fn=lambda: os.sched_setaffinity(0, mask), capture_output=True, text=True,
+    first = cases[0][0]
+    out = subprocess.run([sys.executable, "-c", _PROBE, json.dumps([[sorted(m), e] for m, e in cases])],
+                         env={**clean, "PYTHONPATH": str(ROOT), **cases[0][1]},
+                         preexec_fn=lambda: os.sched_setaffinity(0, first), capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.splitlines()[-1])
+    return [json.loads(line) for line in out.stdout.splitlines()[-len(cases):]]
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
@@ -58,12 +70,14 @@ def _probe(mask, env):
 def test_threads_follow_the_affinity_mask_not_the_machine():
     one = {min(os.sched_getaffinity(0))}
     two = set(sorted(os.sched_getaffinity(0))[:2])
-    alone = _probe(one, {"LOCAL_WORLD_SIZE": "1"})  # taskset -c 0: one core of a machine of more
+    alone, shared, own, user = _probe([
+        (one, {"LOCAL_WORLD_SIZE": "1"}),  # taskset -c 0: one core of a machine of more
+        (two, {"LOCAL_WORLD_SIZE": "2"}),  # two ranks share two cores
+        (two, {"LOCAL_WORLD_SIZE": "2", "SLURM_CPUS_PER_TASK": "2"}),  # Slurm bound these two to this task
+        (two, {"LOCAL_WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}),  # the user's setting stands
+    ])
     assert alone["cpu_count"] >= 2
     assert (alone["threads"], alone["torch"], alone["compile"], alone["omp"]) == (1, 1, 1, "1")
-    shared = _probe(two, {"LOCAL_WORLD_SIZE": "2"})  # two ranks share two cores
     assert (shared["torch"], shared["compile"]) == (1, 1)
-    own = _probe(two, {"LOCAL_WORLD_SIZE": "2", "SLURM_CPUS_PER_TASK": "2"})  # Slurm bound these two to this task
     assert (own["torch"], own["compile"], own["omp"]) == (2, 2, "2")
-    user = _probe(two, {"LOCAL_WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"})  # the user's setting stands
     assert (user["torch"], user["compile"], user["omp"]) == (1, 2, "1")

@@ -2,6 +2,7 @@
 through validate(), the local machine's GPU count before launch, and the rank's own check.
 No GPU needed: the machine's GPU count is a parameter, the rank check is fed a CPU-only torch."""
 
+import json
 import os
 import subprocess
 import sys
@@ -138,23 +139,50 @@ def test_entry_point_refuses_cuda_without_gpu_before_any_rank(monkeypatch, capsy
     assert "trainer3d: device error: train.device=cuda but no CUDA device is visible here" in err, err
 
 
-@pytest.mark.parametrize("env, changed, settings", [
+PINNED_CASES = [
     ({}, True, "pinned_max_round_threshold_mb:64"),
     ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True,
      "expandable_segments:True,pinned_max_round_threshold_mb:64"),  # the user's settings given again
     ({"PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:8"}, False,
      "pinned_max_round_threshold_mb:8"),  # the user's threshold stays
-])
-def test_pinned_buffers_are_not_rounded_to_a_power_of_two(env, changed, settings):
-    """In a fresh process (the allocator setting is process-wide): what ``exact_pinned_sizes``
-    hands torch's allocator, read back from it."""
-    code = ("import torch; from trainer3d.config.device import exact_pinned_sizes; "
-            "print(exact_pinned_sizes(), repr(torch._C._accelerator_getAllocatorSettings()))")
+]
+
+_PINNED_PROBE = """
+import json, os, sys
+import torch
+for env in json.loads(sys.argv[1]):
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.environ.update(env)
+        from trainer3d.config.device import exact_pinned_sizes
+        print(exact_pinned_sizes(), repr(torch._C._accelerator_getAllocatorSettings()), flush=True)
+        os._exit(0)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+"""
+
+
+@pytest.fixture(scope="module")
+def pinned_settings():
+    """What ``exact_pinned_sizes`` hands torch's allocator under each PINNED_CASES environment,
+    read back from it. The setting is process-wide: each case runs in a process of its own,
+    forked from one fresh process that imported torch (one import, not three) with its
+    environment set before the allocator's configuration is first read (torch parses the
+    variables then, not at import: a case whose variable torch had read before would show the
+    settings without it)."""
     clean = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**clean, **env})
+    out = subprocess.run([sys.executable, "-c", _PINNED_PROBE, json.dumps([env for env, _, _ in PINNED_CASES])],
+                         capture_output=True, text=True, timeout=120, env=clean)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [str(changed), repr(settings)]
+    lines = out.stdout.splitlines()
+    assert len(lines) == len(PINNED_CASES), out.stdout + out.stderr
+    return [line.split() for line in lines]
+
+
+@pytest.mark.parametrize("case", range(len(PINNED_CASES)), ids=[settings for _, _, settings in PINNED_CASES])
+def test_pinned_buffers_are_not_rounded_to_a_power_of_two(case, pinned_settings):
+    _, changed, settings = PINNED_CASES[case]
+    assert pinned_settings[case] == [str(changed), repr(settings)]
 
 
 def test_a_torch_that_refuses_the_pinned_threshold_keeps_its_rounding(monkeypatch):

@@ -115,8 +115,8 @@ def _saved_bytes_of_each(dtype):
 
 
 def _block_sbh(dim, heads, kv_heads, ffn, s=32, b=4):
-    """Saved bytes of one bf16 block (flash kernel) per s b h, measured, and as the formula
-    (trainer3d/memory/activations.py) predicts them."""
+    """Saved bytes of one bf16 block (flash kernel) per s b h, measured over its forward, and as
+    the formula (trainer3d/memory/activations.py) predicts them."""
     cfg = ModelConfig(dim=dim, n_layers=1, n_heads=heads, n_kv_heads=kv_heads, ffn_dim=ffn, vocab_size=8,
                       max_seq_len=s)
     torch.manual_seed(0)
@@ -124,8 +124,7 @@ def _block_sbh(dim, heads, kv_heads, ffn, s=32, b=4):
     x = torch.randn(s, b, dim, dtype=torch.bfloat16, requires_grad=True)
     meter = SavedActivationMeter(block.parameters())
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION), meter:
-        out = block(x)
-    out.float().sum().backward()
+        block(x)  # the peak: every saved tensor lives until backward, which would only release them
     z = Sizes(b=b, s=s, h=dim, heads=heads, kv_heads=kv_heads, head_dim=dim // heads, ffn=ffn, vocab=8, t=1,
               sp=False, p=2)
     return meter.peak_bytes / (s * b * dim), sum(layer_terms(z).values()) / (s * b * dim)

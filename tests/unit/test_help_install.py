@@ -100,24 +100,25 @@ def test_a_non_editable_install_carries_conf_and_every_cpp_source(tmp_path):
     shipped = {p.relative_to(target): p.read_bytes() for p in (target / "trainer3d").rglob("*.cpp")}
     assert len(tree) >= 3 and shipped.keys() == tree.keys(), sorted(map(str, tree.keys() ^ shipped.keys()))
     assert shipped == tree
-    run = ("import sys; sys.argv = ['trainer3d', 'dry_run=true', 'parallel=single', 'hydra.run.dir=run']; "
-           "from trainer3d.config.conf_dir import CONF_DIR; print(CONF_DIR); "
-           "from trainer3d.train import main; main()")  # what the console script does
+    # In one fresh process (tests/support/run_scripts.py: one import of torch, not six), from
+    # elsewhere with the install on PYTHONPATH: where the installed package finds conf/, the
+    # console scripts pip wrote and the sample tool's module, and the `trainer3d` command's dry run.
+    where = tmp_path / "conf_dir.py"
+    where.write_text("from trainer3d.config.conf_dir import CONF_DIR\nprint(CONF_DIR)\n")
     env = dict(os.environ, PYTHONPATH=str(target))
-    proc = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env=env)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines()[0] == str(target / "trainer3d" / "conf")
-    # The console scripts pip wrote and the sample tool's module, run from elsewhere in one fresh
-    # process (tests/support/run_scripts.py): one import of torch, not five.
     scripts = [[str(target / "bin" / name), ["--help"]] for name in
                ("trainer3d", "trainer3d-prepare-data", "trainer3d-plot-metrics", "trainer3d-plan")]
+    dry_run = [str(target / "bin" / "trainer3d"), ["dry_run=true", "parallel=single", "hydra.run.dir=run"]]
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "run_scripts.py"),
-                           json.dumps([*scripts, ["-m trainer3d.tools.sample", ["--help"]]])],
+                           json.dumps([[str(where), []], *scripts, ["-m trainer3d.tools.sample", ["--help"]], dry_run])],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert len(results) == 5, proc.stdout[-3000:]
+    assert len(results) == 7, proc.stdout[-3000:]
+    assert results[0]["code"] == 0 and results[0]["stdout"].splitlines() == [str(target / "trainer3d" / "conf")], results[0]
+    assert results[6]["code"] == 0, results[6]["stderr"][-3000:]
+    assert "rank" in results[6]["stdout"], results[6]["stdout"][-3000:]
+    results = results[1:6]
     for (script, _), result in zip(scripts, results):
         assert result["code"] == 0 and "usage:" in result["stdout"], (script, result["stderr"][-2000:])
     assert results[4]["code"] == 0 and "--prompt" in results[4]["stdout"], results[4]["stderr"][-2000:]

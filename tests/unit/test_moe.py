@@ -284,12 +284,15 @@ def test_fp16_loss_scale_multiplies_the_aux_gradient():
 @pytest.mark.slow
 def test_compiled_block_keeps_the_balance_losses_gradient():
     """train.compile compiles each block (parallel/compile.py): the router's gradient from the
-    aux and z losses alone (zero output gradient) and with the output's are eager's."""
+    aux and z losses alone (zero output gradient) and with the output's are eager's. Its subject
+    is the autograd graph across the block's graph break (model/moe.py ``_record_and_attach``),
+    dynamo's and AOTAutograd's, which aot_eager builds as inductor does; inductor's lowering of
+    a compiled block is tests/multirank/test_compile.py's."""
     cfg = config(aux_loss_coef=0.3, z_loss_coef=0.05)
     x = torch.randn(4, 2, DIM, generator=torch.Generator().manual_seed(1))
     for grad in (torch.zeros, torch.ones):
         eager, compiled = block(cfg), block(cfg)
-        compile_block(compiled)
+        compile_block(compiled, "aot_eager")
         for moe in (eager, compiled):
             out = moe(x)
             out.backward(grad(out.shape))

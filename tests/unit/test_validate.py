@@ -1,5 +1,7 @@
 """Config validation: a pure function, tested without processes; and the CLI's clean exit."""
 
+import copy
+import functools
 import subprocess
 import sys
 
@@ -14,7 +16,14 @@ from tests.conftest import CONF_DIR
 
 def make(overrides=()) -> Config:
     """Compose the real conf/ with overrides, as the entry point does; the cases below are
-    written against the 2-rank data-parallel layout (parallel=dp2) unless they pick one."""
+    written against the 2-rank data-parallel layout (parallel=dp2) unless they pick one. A copy
+    of the config composed once per overrides in the session (hydra's compose is most of a
+    validation case's CPU): the caller may change it."""
+    return copy.deepcopy(_composed(tuple(overrides)))
+
+
+@functools.lru_cache(maxsize=None)
+def _composed(overrides) -> Config:
     base = [] if any(o.startswith("parallel=") for o in overrides) else ["parallel=dp2"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         dcfg = compose(config_name="config", overrides=base + list(overrides) + ["launcher.folder=/tmp/unused",
