@@ -175,6 +175,7 @@ def _ready(done: Dict[Action, float], kind: str, stage: int, mb: int, last: int)
     return None if t is None else (f, t)
 
 
+@functools.lru_cache(maxsize=1024)
 def schedule_bubble(schedule: str, pp: int, v: int, m: int) -> float:
     """The idle share of an ideal step of torch's ``schedule`` (the planner's and the tests' figure),
     cached: the search (trainer3d/plan/search.py) asks it for every micro-batch size, ZeRO stage,
