@@ -39,16 +39,15 @@ PROMPT = "def split(self, text):\n    "
 SOURCES = ["json/encoder.py", "json/decoder.py", "textwrap.py", "string.py", "shlex.py"]
 
 
-def tool(*args, umask=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
+def tool(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 def tools_in_this_process(entries, umask=None) -> list:
     """Each (script, args) run to its end as ``python SCRIPT ARGS`` runs it from the checkout's
     root, in this process, under ``umask`` where given (this process's own restored after), as
     tests/tools/test_parity_tool.py runs its tool; one {"code", "stdout", "stderr"} per entry."""
-    argv, results = sys.argv, []
+    results = []
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(ROOT)
         before = os.umask(umask) if umask is not None else None
@@ -56,7 +55,6 @@ def tools_in_this_process(entries, umask=None) -> list:
             for script, args in entries:
                 results.append(run_scripts.run(script, [str(a) for a in args]))
         finally:
-            sys.argv = argv
             if before is not None:
                 os.umask(before)
     return results

@@ -39,7 +39,9 @@ def run_as_main(target: str, args) -> None:
 
 
 def run(target: str, args) -> dict:
-    out, err, code = io.StringIO(), io.StringIO(), 0
+    """``target`` run to its end with ``args`` in this process (``run_as_main``), its exit status,
+    stdout and stderr; this process's ``sys.argv`` as it was after."""
+    out, err, code, argv = io.StringIO(), io.StringIO(), 0, sys.argv
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             run_as_main(target, args)
@@ -50,6 +52,8 @@ def run(target: str, args) -> dict:
         except Exception:  # noqa: BLE001 (reported as the interpreter reports it)
             traceback.print_exc()
             code = 1
+        finally:
+            sys.argv = argv
     return {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
 
 
