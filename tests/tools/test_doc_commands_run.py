@@ -3,7 +3,10 @@ it in a short budget, else named with the reason it is only parsed.
 
 tests/unit/test_doc_commands.py parses every command (its tool's argparse, Hydra's grammar, the
 config's validation, the planner in process); this tier runs the ones a CPU can, as a user
-types them, in a fresh process from a scratch directory holding the tiny inputs the test made:
+types them (``python -m MODULE`` or ``python tools/X.py``, as the interpreter runs it:
+tests/support/run_scripts.py), from a scratch directory holding the tiny inputs the test made,
+one after another in one fresh interpreter (torch, Hydra and the engine imported once, not once
+per command):
 
 - ``--help`` of the entry points;
 - ``python -m trainer3d.plan ...`` on the default model (no ``model=`` or ``experiment=``): the entry point's
@@ -25,6 +28,7 @@ either run or says why not.
 """
 
 import json
+import math
 import os
 import re
 import shlex
@@ -35,7 +39,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.unit.test_doc_commands import _commands_of, assert_shows, shown_output
+from tests.support.run_scripts import run_all
+from tests.unit.test_doc_commands import DEFAULT_MODEL_PLAN, HELP, _commands_of, assert_shows, shown_output
 
 pytestmark = pytest.mark.slow
 
@@ -55,9 +60,9 @@ def documented():
 
 PY = r"^(?:\.venv/bin/)?python3? "
 RUN = {  # what runs for real here: a pattern of the command -> how it is run (below)
-    "help": re.compile(PY + r"-m trainer3d\.(?:train|plan) --help$"),
+    "help": HELP,  # these two: test_doc_commands.py's RUN_TIER, which that file leaves to this one
     "calibrate": re.compile(PY + r"-m trainer3d\.plan --calibrate --max-ranks 2 --quick --out \S+$"),
-    "plan": re.compile(PY + r"-m trainer3d\.plan(?:$| (?!--)(?!.*\b(?:model|experiment)=))"),
+    "plan": DEFAULT_MODEL_PLAN,
     "print_config": re.compile(PY + r"-m trainer3d\.train --cfg job$"),
     "dry_run": re.compile(PY + r"-m trainer3d\.train (?!.*(?:init_from|data\.path|launcher=slurm))"
                           r".*\bdry_run=true\b"),
@@ -119,13 +124,12 @@ def scratch(tmp_path_factory):
     return root
 
 
-def _run(command: str, cwd, timeout: int):
-    """``command`` as a user types it (``python`` is this interpreter), from ``cwd``."""
+def _entry(command: str) -> list:
+    """``command`` as a user types it, as a run_scripts.py entry: ``[target, args]``."""
     args = shlex.split(os.path.expandvars(command))
-    args[0] = sys.executable
-    if args[1].startswith("tools/"):
-        args[1] = str(ROOT / args[1])
-    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_env())
+    if args[1] == "-m":
+        return [f"-m {args[2]}", args[3:]]
+    return [str(ROOT / args[1]) if args[1].startswith("tools/") else args[1], args[2:]]
 
 
 def _env() -> dict:
@@ -135,15 +139,28 @@ def _env() -> dict:
 
 RUNS = [(page, c, kind_of(c)[1]) for page, c in documented()
         if kind_of(c)[0] == "run" and kind_of(c)[1] != "after_a_run"]
+READ_BACK = "python -m trainer3d.plan cluster.gpu=calibrated cluster.calibration={out}"
+"""The planner on the calibration the documented ``--calibrate`` wrote."""
 
 
-@pytest.mark.timeout(900)
+@pytest.fixture(scope="module")
+def ran(scratch, tmp_path_factory):
+    """Every command of ``RUNS`` (``--calibrate``'s ``--out`` a scratch file), then ``READ_BACK``,
+    run in that order from ``scratch`` in one fresh interpreter: {command: its CompletedProcess},
+    the read-back's, and the calibration file."""
+    out = tmp_path_factory.mktemp("calibration") / "calibration.json"
+    commands = [re.sub(r"--out \S+", f"--out {out}", c) if how == "calibrate" else c for _, c, how in RUNS]
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in _env().items():
+            env.setenv(key, value)
+        done = run_all([_entry(c) for c in [*commands, READ_BACK.format(out=out)]], cwd=scratch, timeout=1700)
+    return {command: proc for (_, command, _), proc in zip(RUNS, done)}, done[-1], out
+
+
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("page, command, how", RUNS, ids=[f"{p}-{h}" for p, _, h in RUNS])
-def test_documented_command_runs(page, command, how, scratch, tmp_path):
-    if how == "calibrate":
-        out = tmp_path / "calibration.json"
-        command = re.sub(r"--out \S+", f"--out {out}", command)
-    proc = _run(command, scratch, timeout=840)
+def test_documented_command_runs(page, command, how, ran, scratch):
+    proc = ran[0][command]
     if how == "plan" and proc.returncode == 2:  # a page showing a refusal must show it as printed
         lines = proc.stderr.strip().splitlines()
         assert lines and all(line in (ROOT / page).read_text() for line in lines), f"{page}: `{command}`: {lines}"
@@ -163,21 +180,14 @@ def test_documented_command_runs(page, command, how, scratch, tmp_path):
     elif how == "prepare_data":
         assert (scratch / "data" / "notes.bin").stat().st_size > 0
     elif how == "calibrate":
-        check = _run(f"python -m trainer3d.plan cluster.gpu=calibrated cluster.calibration={out}", scratch, 600)
+        check, out = ran[1], ran[2]
         assert check.returncode == 0 and "python -m trainer3d.train" in check.stdout, check.stderr[-3000:]
-
-
-@pytest.mark.timeout(600)
-def test_the_calibration_times_the_models_own_block():
-    """``--calibrate``'s block probe on the model's block as it is (it crashed with
-    AttributeError 'Identity' object has no attribute 'positions' when it rebuilt the block by
-    hand): a positive, finite overhead and elementwise rate."""
-    import math
-
-    from trainer3d.plan.calibrate import block_figures
-
-    figures = block_figures()
-    assert all(math.isfinite(v) and v > 0 for v in figures.values()), figures
+        # the block probe on the model's block as it is (it crashed with AttributeError 'Identity'
+        # object has no attribute 'positions' when it rebuilt the block by hand): a positive, finite
+        # overhead and elementwise rate
+        figures = json.loads(out.read_text())
+        block = [figures["layer_overhead_us"], figures["elementwise_gbps"]]
+        assert all(math.isfinite(v) and v > 0 for v in block), block
 
 
 OUTPUTS = [  # what the pages' placeholders stand for, in a run the test made

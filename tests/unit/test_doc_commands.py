@@ -6,9 +6,12 @@ Each kind is run the furthest a test can:
 
 - ``python -m trainer3d.train ...``: composed from conf/ with its overrides and validated
   exactly as the entry point validates it before launch (a sweep's every point;
-  ``model.init_from`` left out, its directory being the user's); ``--help`` is run.
-- ``python -m trainer3d.plan ...``: run for real in this process (the search, or
-  ``plan.evaluate=true``'s evaluation: seconds, no devices); ``--help`` is run.
+  ``model.init_from`` left out, its directory being the user's).
+- ``python -m trainer3d.plan ...`` naming a model (``model=`` or ``experiment=``): run for real
+  in this process (the search, or ``plan.evaluate=true``'s evaluation: seconds, no devices),
+  once per command however many pages print it.
+- Each command tests/tools/test_doc_commands_run.py runs as printed (``RUN_TIER``: the entry
+  points' ``--help``, the planner on the default model) is run there alone, with the same checks.
 - ``python tools/*.py``, ``python tools/bench/*.py``, ``python -m trainer3d.plan --calibrate``:
   parsed by the tool's own argument parser and stopped there (tests/support/tool_args.py):
   a real run needs the user's data, a checkpoint, GPUs or minutes; the tools' own tests in
@@ -56,6 +59,12 @@ NOT_RUN = {  # command prefix: the test that covers it
     "python -c": "tests/integration/test_export_standard.py loads an export with transformers",
 }
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+HELP = re.compile(PYTHON + r"-m trainer3d\.(?:train|plan) --help$")
+DEFAULT_MODEL_PLAN = re.compile(PYTHON + r"-m trainer3d\.plan(?:$| (?!--)(?!.*\b(?:model|experiment)=))")
+RUN_TIER = (HELP, DEFAULT_MODEL_PLAN)
+"""What tests/tools/test_doc_commands_run.py runs as printed, with every check made here (its
+``RUN``): an entry point's ``--help`` and the planner on the default model. Each runs there
+once, not here as well."""
 REFUSAL = re.compile(r"^\$ (python -m trainer3d\.train .*)\n((?:trainer3d: config error: .*\n)+)", re.M)
 
 
@@ -135,11 +144,12 @@ def configure(overrides):
     return OmegaConf.to_object(dcfg)
 
 
-@pytest.mark.parametrize("page, command", documented_commands(TRAIN), ids=_ids)
+def _not_run_tier(commands):
+    return [(page, c) for page, c in commands if not any(kind.match(c) for kind in RUN_TIER)]
+
+
+@pytest.mark.parametrize("page, command", _not_run_tier(documented_commands(TRAIN)), ids=_ids)
 def test_every_documented_training_command_validates(page, command):
-    if "--help" in command.split():
-        _run_help(command)
-        return
     for overrides in points(command):
         try:
             validate(configure(overrides))
@@ -204,12 +214,6 @@ def test_a_batch_refusal_proposes_one_set_that_is_accepted(overrides):
         validate(configure([*overrides, *proposal]))
 
 
-def _run_help(command: str) -> None:
-    args = shlex.split(command)
-    proc = subprocess.run([sys.executable, *args[1:]], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 0 and " = " in proc.stdout, f"`{command}`: {proc.stderr[-2000:]}"
-
-
 SHOWN = re.compile(r"```bash\n(.*?)```\n```\n(.*?)```", re.S)
 MASK = [re.compile(r"\d{4}-\d\d-\d\d[ T/]\d\d[:-]\d\d(?:[:-]\d\d)?"), re.compile(r"\bjob \d+")]
 """What legitimately differs between the printed example and a run: dates and times, job ids."""
@@ -247,13 +251,23 @@ def test_the_output_check_catches_a_drifted_figure():
         assert_shows("step time 46.98 s:\nsearched 10 layouts", printed)
 
 
-@pytest.mark.parametrize("page, command", [pc for pc in documented_commands(PLAN) if "--calibrate" not in pc[1]],
-                         ids=_ids)
+def _plan_commands():
+    """(pages, command) of each planner search a page prints, once however many pages print it;
+    not ``--calibrate``'s and not the run tier's (``RUN_TIER``)."""
+    pages = {}
+    for page, command in _not_run_tier(documented_commands(PLAN)):
+        if "--calibrate" not in command:
+            pages.setdefault(command, []).append(page)
+    return [(" ".join(on), command) for command, on in pages.items()]
+
+
+@pytest.mark.parametrize("page, command", _plan_commands(), ids=_ids)
 def test_every_documented_plan_command_runs(page, command, tmp_path):
     """The planner for real, in this process: its search (or plan.evaluate=true's evaluation);
-    where the page prints the output under the command, every line shown is a line it prints.
-    One run per command: tests/tools/test_doc_commands_run.py runs the entry point itself
-    (``python -m trainer3d.plan`` in a fresh process) on the default model only."""
+    where a page prints the output under the command, every line shown is a line it prints.
+    One run per command (``page``: every page printing it): tests/tools/test_doc_commands_run.py
+    runs the entry point itself (``python -m trainer3d.plan`` in a fresh process) on the
+    default model, and its ``--help``."""
     from trainer3d.plan.devices import device_for
     from trainer3d.plan.evaluate import evaluate_report
     from trainer3d.plan.knobs import plan_problems
@@ -261,15 +275,12 @@ def test_every_documented_plan_command_runs(page, command, tmp_path):
     from trainer3d.plan.search import search
 
     args = shlex.split(command)[3:]
-    if "--help" in args:
-        _run_help(command)
-        return
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = OmegaConf.to_object(compose(config_name="plan", overrides=args))
     refused = plan_problems(cfg)
     if refused:  # a page showing a refusal: it must show it as the planner prints it
-        text = (ROOT / page).read_text()
-        assert all(f"trainer3d.plan: {p}" in text for p in refused), (page, command, refused)
+        for text in [(ROOT / one).read_text() for one in page.split()]:
+            assert all(f"trainer3d.plan: {p}" in text for p in refused), (page, command, refused)
         return
     device = device_for(cfg.cluster.gpu, str(tmp_path / "no-calibration.json"))
     try:

@@ -36,7 +36,7 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -49,7 +49,7 @@ from trainer3d.plan.devices import DEFAULT_CALIBRATION, Device
 from trainer3d.plan.probe import measured_step_s, training_config
 from trainer3d.plan.search import evaluate
 from trainer3d.plan.block_time import BWD_PASSES, FWD_PASSES, elementwise_bytes
-from trainer3d.plan.calibrate_ranks import MATMUL, rank_all_reduce, rank_matmul, run_ranks
+from trainer3d.plan.calibrate_ranks import MATMUL, best_matmul_gflops, rank_all_reduce, rank_matmul, run_ranks
 
 RANKS = (1, 2, 4, 8)
 
@@ -133,15 +133,26 @@ def block_figures(effort: Effort = FULL) -> Dict[str, float]:
     return {"layer_overhead_us": overhead * 1e6, "elementwise_gbps": traffic / max(took - overhead, 1e-9) / 1e9}
 
 
-def node_gflops(ranks: int, cores: int, rounds: int = FULL.node_rounds) -> float:
+def node_gflops(ranks: int, cores: int, rounds: int = FULL.node_rounds,
+                store: Optional[str] = None) -> Tuple[float, Optional[Dict[int, float]]]:
     """The node's total fp32 matmul rate with ``ranks`` processes computing at once: one-thread
     ranks give the cores they can have (min(ranks, cores)) at the rate per CPU-second each
-    reached; a rank with several threads, its best round's rate."""
+    reached; a rank with several threads, its best round's rate. One rank is this process (with
+    the threads trainer3d/rank/task.py would give it; one thread again after). With ``store``,
+    the ranks also time gloo all-reduces once they have multiplied (calibrate_ranks.py:
+    ``rank_matmul``): the rate, and those times (None without ``store``)."""
     threads = max(1, cores // ranks)
-    rates = run_ranks(rank_matmul, ranks, threads, rounds, results=ranks)
+    times = None
+    if ranks == 1 and store is None:
+        rates = [best_matmul_gflops(threads, rounds)]
+        torch.set_num_threads(1)
+    else:
+        got = run_ranks(rank_matmul, ranks, threads, rounds, store, results=ranks + (store is not None))
+        rates = [value for kind, value in got if kind == "matmul"]
+        times = next((value for kind, value in got if kind == "all_reduce"), None)
     if threads > 1:
-        return sum(rates)
-    return min(ranks, cores) * sum(rates) / ranks
+        return sum(rates), times
+    return min(ranks, cores) * sum(rates) / ranks, times
 
 
 # The engine at a negligible size: what is left of a step is host time and fixed costs.
@@ -207,10 +218,13 @@ def engine_figures(figures: dict, max_ranks: int = RANKS[-1], effort: Effort = F
     return fitted
 
 
-def all_reduce_figures() -> Dict[str, float]:
-    # A file store: a port probed free here could be taken again before rank 0 binds it.
-    with tempfile.TemporaryDirectory() as tmp:
-        (times,) = run_ranks(rank_all_reduce, 2, os.path.join(tmp, "store"))
+def all_reduce_figures(times: Optional[Dict[int, float]] = None) -> Dict[str, float]:
+    """Latency and bus bandwidth of gloo all-reduce between 2 ranks, from ``times``
+    (calibrate_ranks.py: ``all_reduce_times``), or timed by two ranks of their own."""
+    if times is None:
+        # A file store: a port probed free here could be taken again before rank 0 binds it.
+        with tempfile.TemporaryDirectory() as tmp:
+            (times,) = run_ranks(rank_all_reduce, 2, os.path.join(tmp, "store"))
     small, large = times[256], times[4 * 2 ** 20]
     # ring all-reduce over n = 2: 2 (n-1)/n B / bw + 2 (n-1) hops of latency
     return {"latency_us": small / 2 * 1e6, "gbps": 4 * 4 * 2 ** 20 / max(large - small, 1e-9) / 1e9}
@@ -222,10 +236,19 @@ def calibrate(max_ranks: int = RANKS[-1], effort: Effort = FULL) -> dict:
     cores = os.cpu_count() or 1
     torch.set_num_threads(1)
     single = matmul_gflops(rounds=effort.rounds)
-    node = {r: max(node_gflops(r, cores, effort.node_rounds) for _ in range(effort.starts)) / single
-            for r in RANKS if r <= max_ranks}
+    node: Dict[int, float] = {}
+    times = None
+    with tempfile.TemporaryDirectory() as tmp:  # a file store: a port probed free could be taken before rank 0 binds it
+        for ranks in [r for r in RANKS if r <= max_ranks]:
+            rates = []
+            for _ in range(effort.starts):  # the first start of two ranks times their all-reduces too
+                rate, got = node_gflops(ranks, cores, effort.node_rounds,
+                                        os.path.join(tmp, "store") if ranks == 2 and times is None else None)
+                rates.append(rate)
+                times = times or got
+            node[ranks] = max(rates) / single
     block = block_figures(effort)
-    collective = all_reduce_figures()
+    collective = all_reduce_figures(times)
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
     figures = {
         "name": "calibrated", "memory_gib": round(memory_gib, 1), "reserved_gib": 2.0,

@@ -1,5 +1,6 @@
 """The processes ``--calibrate`` (calibrate.py) measures the node with: every rank multiplying
-at once, and gloo all-reduces between two ranks.
+at once, and gloo all-reduces between two ranks (the two-rank node's own ranks, once they have
+multiplied: ``rank_matmul`` with a store).
 
 Each rank is a fresh interpreter (multiprocessing's spawn) that imports this module to find its
 function: it imports torch alone, so a rank starts in the time of ``import torch``, not of the
@@ -9,7 +10,7 @@ planner and the engine that calibrate.py brings.
 import datetime
 import multiprocessing as mp
 import time
-from typing import Callable, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,26 +19,40 @@ MATMUL = 512
 """The side of the square fp32 matrices every matmul figure is measured with."""
 
 
-def rank_matmul(rank: int, world: int, threads: int, rounds: int, barrier, out) -> None:
-    """Rounds in which every rank multiplies at once (a barrier starts each): the best round's
-    GFLOP per CPU-second of this one-thread process, or per second with several threads
-    (OpenMP threads spin while they wait for each other: their CPU time overstates the work)."""
+def best_matmul_gflops(threads: int, rounds: int, start: Callable[[], None] = lambda: None) -> float:
+    """The best of ``rounds`` rounds of 8 fp32 matmuls on ``threads`` threads (``start`` called
+    before each round): GFLOP per CPU-second of this process with one thread, or per second with
+    several (OpenMP threads spin while they wait for each other: their CPU time overstates the
+    work). It leaves torch on ``threads`` threads."""
     torch.set_num_threads(threads)
     clock = time.process_time if threads == 1 else time.perf_counter
     a, b = torch.randn(MATMUL, MATMUL), torch.randn(MATMUL, MATMUL)
     torch.mm(a, b)
     best = 0.0
     for _ in range(rounds):
-        barrier.wait()
+        start()
         started = clock()
         for _ in range(8):
             torch.mm(a, b)
         best = max(best, 8 * 2 * MATMUL ** 3 / max(clock() - started, 1e-9) / 1e9)
-    out.put(best)
+    return best
 
 
-def rank_all_reduce(rank: int, world: int, store: str, out, repeats: int = 20) -> None:
-    """The fastest of ``repeats`` all-reduces per size (a fixed count: every rank must join each)."""
+def rank_matmul(rank: int, world: int, threads: int, rounds: int, store: Optional[str], barrier, out) -> None:
+    """Rounds in which every rank multiplies at once (a barrier starts each): puts
+    ``("matmul", the best round's rate)`` (``best_matmul_gflops``). With ``store`` (a file
+    store's path), the ranks then time gloo all-reduces (``all_reduce_times``) in the same
+    processes, and rank 0 puts ``("all_reduce", their times)``."""
+    out.put(("matmul", best_matmul_gflops(threads, rounds, barrier.wait)))
+    if store is not None:
+        times = all_reduce_times(rank, world, store)
+        if rank == 0:
+            out.put(("all_reduce", times))
+
+
+def all_reduce_times(rank: int, world: int, store: str, repeats: int = 20) -> Dict[int, float]:
+    """The fastest of ``repeats`` gloo all-reduces per size in seconds, by element count (a fixed
+    count: every rank must join each), on one thread."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
@@ -52,6 +67,12 @@ def rank_all_reduce(rank: int, world: int, store: str, out, repeats: int = 20) -
             best = min(best, time.perf_counter() - started)
         times[numel] = best
     dist.destroy_process_group()
+    return times
+
+
+def rank_all_reduce(rank: int, world: int, store: str, out) -> None:
+    """``all_reduce_times`` alone: rank 0 puts them."""
+    times = all_reduce_times(rank, world, store)
     if rank == 0:
         out.put(times)
 
