@@ -3,8 +3,6 @@ is dropped with the reason, and the step-time model against hand-derived figures
 
 import dataclasses
 import importlib.util
-import subprocess
-import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -32,17 +30,22 @@ def _training_config(overrides):
         return OmegaConf.to_object(compose("config", [*overrides, "run_dir=.", "launcher.folder=."]))
 
 
-@pytest.mark.slow
 def test_planner_prints_ranked_layouts_whose_commands_pass_validate():
-    cmd = [sys.executable, "-m", "trainer3d.plan", "model=7b", "cluster.nodes=2", "cluster.gpus_per_node=8",
-           "cluster.gpu=h100-sxm", "train.global_batch_size=1024", "train.seq_len=4096", "search.top=4"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    assert "ranks; global batch 1024 x 4096 tokens, bf16" in proc.stdout
-    commands = [line.split(None, 1)[1] for line in proc.stdout.splitlines()
+    """What ``python -m trainer3d.plan`` prints (trainer3d/plan/__main__.py: ``report`` of its
+    ``search``), made in this process; the entry point itself runs in
+    tests/tools/test_doc_commands_run.py."""
+    from trainer3d.plan.report import report
+
+    args = ["model=7b", "cluster.nodes=2", "cluster.gpus_per_node=8", "cluster.gpu=h100-sxm",
+            "train.global_batch_size=1024", "train.seq_len=4096", "search.top=4"]
+    cfg = _plan_config(*args)
+    device = device_for(cfg.cluster.gpu, cfg.cluster.calibration)
+    stdout = report(cfg, device, search(cfg, device), args)
+    assert "ranks; global batch 1024 x 4096 tokens, bf16" in stdout
+    commands = [line.split(None, 1)[1] for line in stdout.splitlines()
                 if line.strip()[:1].isdigit() and "python -m trainer3d.train" in line]
     assert len(commands) == 4
-    table = proc.stdout.split("  #  tp", 1)[1].split("\n\n", 1)[0].splitlines()[1:]  # the ranked table's rows
+    table = stdout.split("  #  tp", 1)[1].split("\n\n", 1)[0].splitlines()[1:]  # the ranked table's rows
     rows = [line.split() for line in table]
     assert len(rows) == 4, table
     speeds = [float(r[-2].replace(",", "")) for r in rows]
