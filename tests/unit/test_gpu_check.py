@@ -3,9 +3,10 @@ calibration's arithmetic (trainer3d/plan/calibrate_gpu.py): what can be checked 
 The checks themselves run only on a GPU node (docs/gpu.md, "The first hour on a new cluster")."""
 
 import json
-import subprocess
-import sys
 import tomllib
+from contextlib import redirect_stderr, redirect_stdout
+from io import StringIO
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,8 +21,15 @@ from trainer3d.tools.gpu_check import CHECKS, Result, planner_errors, summarise
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "trainer3d.tools.gpu_check", *args], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+    """``trainer3d-gpu-check ARGS`` (the console script calls ``main``) in this process: its exit
+    status, stdout and stderr (argparse's refusals exit through SystemExit)."""
+    out, err = StringIO(), StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = gpu_check.main(list(args))
+        except SystemExit as exit_:
+            code = exit_.code
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def test_list_prints_each_check_on_a_line_of_its_own():
