@@ -26,21 +26,14 @@ entry for entry) and have logged ``--steps`` steps; otherwise the check is refus
 """
 
 import argparse
-import contextlib
-import io
-import logging
 import os
-import runpy
 import shlex
 import subprocess
 import sys
 import time
-import traceback
-import warnings
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import ListConfig, OmegaConf
 
 from trainer3d.config.command_line import overrides_problem
@@ -65,47 +58,16 @@ def train_command(run_dir: Path, overrides: Sequence[str]) -> List[str]:
     return [sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run_dir}", *overrides]
 
 
-def dry_run(run_dir: Path, overrides: Sequence[str]) -> Tuple[int, str, str]:
-    """``python -m trainer3d.train hydra.run.dir=RUN_DIR OVERRIDES dry_run=true`` run to its end in
-    this process, as the interpreter runs ``-m`` (``runpy``): its exit status, stdout and stderr.
-    A fresh interpreter per layout would import torch and the engine for a plan printed in a
-    fraction of that; this process's ``sys.argv``, root logger (which Hydra configures for its
-    job: hydra/conf/hydra/job_logging/default.yaml) and Hydra's job config are left as they were."""
-    root, argv, hydra_cfg = logging.getLogger(), sys.argv, HydraConfig.instance().cfg
-    handlers, level = root.handlers[:], root.level
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    sys.argv = ["-m", f"hydra.run.dir={run_dir}", *overrides, "dry_run=true"]  # runpy sets argv[0]
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
-            # runpy's warning where this process imported trainer3d.train before: a fresh run of it is what is meant
-            warnings.filterwarnings("ignore", "'trainer3d.train' found in sys.modules", RuntimeWarning)
-            try:
-                runpy.run_module("trainer3d.train", run_name="__main__", alter_sys=True)
-            except SystemExit as exit_:
-                code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-                if isinstance(exit_.code, str):
-                    print(exit_.code, file=sys.stderr)
-            except Exception:  # noqa: BLE001 (reported as the interpreter reports it)
-                traceback.print_exc()
-                code = 1
-    finally:
-        sys.argv = argv
-        HydraConfig.instance().cfg = hydra_cfg
-        for handler in root.handlers:
-            if handler not in handlers:
-                handler.close()
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    return code, out.getvalue(), err.getvalue()
-
-
 def check_configs(layouts: Dict[str, Sequence[str]], runs: Dict[str, Path]) -> Dict[str, Optional[str]]:
     """Each layout's dry-run plan's first line, or None after printing why it is refused (the
-    dry runs run one after the other, in this process: ``dry_run``)."""
+    dry runs run side by side)."""
+    procs = {name: subprocess.Popen(train_command(runs[name], [*overrides, "dry_run=true"]), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=_env())
+             for name, overrides in layouts.items()}
     plans: Dict[str, Optional[str]] = {}
-    for name, overrides in layouts.items():
-        code, out, err = dry_run(runs[name], overrides)
-        if code != 0:
+    for name, proc in procs.items():
+        out, err = proc.communicate()
+        if proc.returncode != 0:
             print(f"layout {name} is refused:\n{err.strip() or out.strip()}", file=sys.stderr)
             plans[name] = None
         else:
