@@ -1,5 +1,6 @@
 """The Slurm launcher against a real cluster on this machine (slurm/cluster.sh): jobs, sweeps,
-preemption requeue with resume, errors, and the users' own sbatch template."""
+errors, and the users' own sbatch template. Preemption requeue with resume, parity with one
+process and a lost node: test_slurm_two_nodes.py."""
 
 import json
 import os
@@ -8,24 +9,21 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
 from tests.conftest import ROOT
-from tests.slurm.conftest import losses
-from tests.support.runs import read_metrics
-from trainer3d.rank.preemption import REQUEUE_ASKED
+from tests.support.run_scripts import run_all
+from tests.support.runs import PARITY, TWO_LAYERS, read_metrics
 
 # One worker runs every Slurm test, one at a time (tests/conftest.py: xdist_scope): they share
 # the session's cluster (tests/support/slurm_cluster.py).
 pytestmark = pytest.mark.slurm
 
-SMALL = ("train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=16", "train.grad_accum_steps=null",
-         "optim.warmup_steps=5", "train.log_every=1", "parallel.timeout_s=60", "parallel=single")
-PP2 = ("parallel.pp=2",)  # two pipeline stages, two tasks (dp and tp through Slurm: test_slurm_two_nodes.py)
-STEPS = 20  # parity needs 20: room for two requeues GAP steps into their attempts
-GAP = 5  # steps each attempt trains before its signal: its stop (a step or two after) leaves room for the next
-CHECKPOINT_EVERY = 5  # the first signal lands as the step-5 save is written in the background
+# PARITY's batch and model (tests/support/runs.py), its step count left to each test.
+SMALL = (*(o for o in PARITY if not o.startswith("train.max_steps=")), *TWO_LAYERS, "parallel=single")
+PP2 = ("parallel.pp=2",)  # two pipeline stages, two tasks (test_slurm_two_nodes.py: one on each node)
 
 
 def train(env, run_dir: Path, *overrides, timeout=600):
@@ -33,19 +31,13 @@ def train(env, run_dir: Path, *overrides, timeout=600):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
-@pytest.fixture
-def local_run(local_losses):
-    """The pp2 run on local ranks (tests/slurm/conftest.py): what the requeued job must reproduce."""
-    return local_losses((*SMALL, *PP2, f"train.max_steps={STEPS}"))
-
-
 class Followed:
     """``train(..., launcher.wait=true)`` in a thread while the test acts on the job; ``proc`` is
     the finished submitting process once the ``with`` block has ended. A block that raises
     cancels the job first, so its follower returns instead of outliving the test."""
 
-    def __init__(self, env, run_dir: Path, *overrides):
-        self.env, self.run, self.proc = env, run_dir, None
+    def __init__(self, env, run_dir: Path, *overrides, earlier: Optional[str] = None):
+        self.env, self.run, self.proc, self.earlier = env, run_dir, None, earlier
         self._thread = threading.Thread(target=self._train, args=overrides)
 
     def _train(self, *overrides):
@@ -71,19 +63,17 @@ class Followed:
             time.sleep(0.5)
 
     def job(self) -> str:
-        """The Slurm job id the submitting process wrote to ``slurm_job.json``."""
-        self.until(lambda: (self.run / "slurm_job.json").exists(), "the job's submission")
-        return json.loads((self.run / "slurm_job.json").read_text())["job_id"]
+        """The Slurm job id the submitting process wrote to ``slurm_job.json`` (a job of its own,
+        not the ``earlier`` one a resubmission finds recorded there)."""
+        self.until(lambda: self._recorded() not in (None, self.earlier), "the job's submission")
+        return self._recorded()
 
-    def rows(self, n: int) -> None:
-        """Until ``metrics.jsonl`` holds ``n`` rows (a resumed attempt first cuts it back to its step)."""
-        self.until(lambda: _complete_rows(self.run / "metrics.jsonl") >= n, f"step {n}")
-
-
-def _complete_rows(path: Path) -> int:
-    """Rows of a metrics.jsonl rank 0 may be writing (a line without its end is not one yet)."""
-    text = path.read_text() if path.exists() else ""
-    return sum(1 for line in text.splitlines() if line.rstrip().endswith("}"))
+    def _recorded(self) -> Optional[str]:
+        record = self.run / "slurm_job.json"
+        try:
+            return json.loads(record.read_text())["job_id"]
+        except (FileNotFoundError, json.JSONDecodeError):  # not yet, or being written
+            return None
 
 
 def rank0_log(run: Path, job: str) -> str:
@@ -91,70 +81,42 @@ def rank0_log(run: Path, job: str) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted((run / "submitit").glob(f"{job}_0_log.*")))
 
 
-# One job for three claims about the same run (same overrides, same losses to reproduce): a job
-# submitted and followed through Slurm (launcher.wait=true) matches the local run; USR2 twice,
-# each GAP steps into an attempt with background saves every CHECKPOINT_EVERY steps, requeues it
-# twice and it resumes exactly, no step lost or repeated; the follower follows it through both
-# requeues. (tools/bench/preemption_chaos.py runs the same drill more times and times it.)
-@pytest.mark.slow
-def test_job_through_slurm_requeued_twice_on_usr2_matches_the_local_run(slurm_cluster, tmp_path, local_run):
-    run = tmp_path / "run"
-    stops = [0]
-    with Followed(slurm_cluster, run, *SMALL, *PP2, f"train.max_steps={STEPS}", f"checkpoint.every={CHECKPOINT_EVERY}",
-                  "launcher=slurm") as followed:
-        job = followed.job()
-        for i in range(2):
-            followed.rows(stops[-1] + GAP)
-            subprocess.run(["scancel", "--signal=USR2", job], check=True, env=slurm_cluster)
-            followed.until(lambda i=i: rank0_log(run, job).count("resumed from") > i, f"the resume after signal {i + 1}")
-            stops.append(int(rank0_log(run, job).split(REQUEUE_ASKED)[i].rsplit("stopped after step ", 1)[1].split()[0]))
-    assert stops[1] >= GAP and stops[2] >= stops[1] + GAP, stops  # each stop after GAP steps of its own attempt
-    deadline = time.monotonic() + 600
-    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, env=slurm_cluster).stdout.strip():
-        assert time.monotonic() < deadline
-        time.sleep(1)
-    proc = followed.proc
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "submitted Slurm job" in proc.stdout and f"step {STEPS}/{STEPS}" in proc.stdout
-    assert json.loads((run / "slurm_job.json").read_text())["num_tasks"] == 2
-    log = rank0_log(run, job)
-    assert log.count(REQUEUE_ASKED) == 2 and log.count("resumed from") == 2, log[-3000:]
-    assert losses(run) == local_run  # same layout, same numbers, every step once
-
-
-def test_two_point_sweep_runs_as_two_jobs(slurm_cluster, tmp_path):
-    cmd = [sys.executable, "-m", "trainer3d.train", "-m", *SMALL, "train.max_steps=4", "parallel.dp=1,2",
-           "launcher=slurm", "launcher.wait=true", f"hydra.sweep.dir={tmp_path}/sweep"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=slurm_cluster, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    jobs = {json.loads((tmp_path / "sweep" / n / "slurm_job.json").read_text())["job_id"] for n in ("0", "1")}
-    assert len(jobs) == 2
-    for n in ("0", "1"):
-        assert len(read_metrics(tmp_path / "sweep" / n)) == 4
-
-
-@pytest.mark.parametrize("override,expect", [
-    ("launcher.partition=nosuchpartition", "invalid partition"),
-    ("launcher.nodes=8", "launcher.nodes=8 but the default partition has"),
-])
-def test_sbatch_refusals_are_explained(slurm_cluster, tmp_path, override, expect):
-    extra = ("launcher.tasks_per_node=1", "parallel.dp=8") if "nodes" in override else ()
-    proc = train(slurm_cluster, tmp_path / "run", *SMALL, "train.max_steps=2", "launcher=slurm", override, *extra)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert expect in proc.stderr.lower() if expect.islower() else expect in proc.stderr
-    assert "Traceback" not in proc.stderr
-
-
-def test_a_job_failing_on_the_cluster_shows_the_failing_rank(slurm_cluster, tmp_path):
-    # Rank 1 fails after it joins the group (tests/support/plugins/fail_rank): nothing checked before launch sees it.
+# One sweep for two claims: its two points run as two Slurm jobs side by side, each followed
+# (launcher.wait=true), and the one whose rank 1 fails after it joins the group
+# (tests/support/plugins/fail_rank: a fault no check before launch sees) is shown with that
+# rank, while the point without a rank 1 trains to its end (trainer3d/launch/sweep.py).
+def test_two_point_sweep_runs_as_two_jobs_and_a_failing_rank_is_shown(slurm_cluster, tmp_path):
     plugin = Path(__file__).resolve().parents[1] / "support" / "plugins" / "fail_rank"
     env = dict(slurm_cluster, TRAINER3D_TEST_FAIL_RANK="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(plugin), slurm_cluster.get("PYTHONPATH")])))
-    proc = train(env, tmp_path / "run", *SMALL, "parallel.dp=2", "train.max_steps=2", "launcher=slurm",
-                 "launcher.wait=true")
-    assert proc.returncode != 0
+    cmd = [sys.executable, "-m", "trainer3d.train", "-m", *SMALL, "train.max_steps=4", "parallel.dp=1,2",
+           "launcher=slurm", "launcher.wait=true", f"hydra.sweep.dir={tmp_path}/sweep"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     out = proc.stdout + proc.stderr
-    assert "planted failure on rank 1" in out and "rank 1" in out, out[-3000:]
+    jobs = [json.loads((tmp_path / "sweep" / n / "slurm_job.json").read_text())["job_id"] for n in ("0", "1")]
+    assert len(set(jobs)) == 2
+    assert proc.returncode == 1, out[-3000:]  # the worst point's status
+    assert f"#0 parallel.dp=1: job {jobs[0]} ok" in proc.stdout, proc.stdout[-3000:]
+    assert len(read_metrics(tmp_path / "sweep" / "0")) == 4
+    assert f"#1 parallel.dp=2: job {jobs[1]} failed" in proc.stdout, proc.stdout[-3000:]
+    assert f"job {jobs[1]} failed: rank 1" in proc.stderr and "planted failure on rank 1" in out, out[-3000:]
+
+
+# Both refusals in one interpreter (tests/support/run_scripts.py: torch imported once), each
+# through the entry point as ``python -m trainer3d.train`` runs it.
+REFUSALS = {"launcher.partition=nosuchpartition": ("invalid partition", ()),
+            "launcher.nodes=8": ("launcher.nodes=8 but the default partition has",
+                                 ("launcher.tasks_per_node=1", "parallel.dp=8"))}
+
+
+def test_sbatch_refusals_are_explained(slurm_cluster, tmp_path):
+    entries = [("-m trainer3d.train", [f"hydra.run.dir={tmp_path / str(i)}", *SMALL, "train.max_steps=2",
+                                       "launcher=slurm", override, *extra])
+               for i, (override, (_, extra)) in enumerate(REFUSALS.items())]
+    for (override, (expect, _)), proc in zip(REFUSALS.items(), run_all(entries, cwd=ROOT, env=slurm_cluster)):
+        assert proc.returncode == 2, (override, proc.stdout + proc.stderr)
+        assert expect in proc.stderr.lower() if expect.islower() else expect in proc.stderr, (override, proc.stderr)
+        assert "Traceback" not in proc.stderr, (override, proc.stderr)
 
 
 def finished(env, job: str, timeout: float = 600) -> str:

@@ -58,13 +58,14 @@ def run(target: str, args) -> dict:
 
 
 def run_all(entries: Sequence, cwd=None, umask: Optional[int] = None,
-            timeout: float = 600) -> List[subprocess.CompletedProcess]:
+            timeout: float = 600, env: Optional[dict] = None) -> List[subprocess.CompletedProcess]:
     """Run ``entries`` (``[target, args]`` pairs as above; ``args`` made strings) in one fresh
-    interpreter started as ``python tests/support/run_scripts.py`` in ``cwd`` (with ``umask`` where
-    given): each entry's exit status, stdout and stderr as a ``CompletedProcess`` of its own."""
+    interpreter started as ``python tests/support/run_scripts.py`` in ``cwd`` (with ``umask`` and
+    the environment ``env`` where given): each entry's exit status, stdout and stderr as a
+    ``CompletedProcess`` of its own."""
     entries = [[str(target), [str(a) for a in args]] for target, args in entries]
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(entries)], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout,
+                          capture_output=True, text=True, timeout=timeout, env=env,
                           preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
     done = [json.loads(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0 and len(done) == len(entries), proc.stdout[-3000:] + proc.stderr[-3000:]
