@@ -113,6 +113,9 @@ def test_kill_mid_save_keeps_the_previous_checkpoint(tmp_path, session_tmp):
     os.kill(int(marker.read_text()), signal.SIGKILL)  # rank 1 dies after writing, before publication
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0, out
+    # named dead at once (its pid gone, trainer3d/launch/follow.py), the survivor's fate shown too
+    assert "rank 1: exited without a result" in out and "--- rank 1 log tail" in out, out
+    assert "\n  rank 0: " in out, out
     root = run / "checkpoints"
     # Never published; rank 0 removes the partial directory of the failed save when it gets
     # the chance before the job is ended (and a stale one is removed by the next save).
