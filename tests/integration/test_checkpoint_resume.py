@@ -1,6 +1,6 @@
-"""Checkpoints: exact resume, resharding, a kill mid-save, export. The killed run and the refusal run
-``python -m trainer3d.train``; the other runs, the restart after the kill among them, do its work on
-in-process ranks (tests/support/runs.py: train_in_ranks).
+"""Checkpoints: exact resume, resharding, a kill mid-save, export. The killed run runs
+``python -m trainer3d.train``, the refusal its ``run`` in this process; the other runs, the restart
+after the kill among them, do its work on in-process ranks (tests/support/runs.py: train_in_ranks).
 
 All runs use the PARITY settings (20 steps, global batch 16) and a model with 8 heads in 4
 kv-groups so that tp=4 can split it; losses after a resume are compared with the same
@@ -18,8 +18,10 @@ import pytest
 import torch
 
 from tests.support.run_scripts import run as run_script
-from tests.support.runs import PARITY, REL_TOL, read_metrics, reference_losses, run_train, train_in_ranks
+from tests.support.runs import PARITY, REL_TOL, configure, read_metrics, reference_losses, train_in_ranks
+from trainer3d import train
 from trainer3d.checkpoint import store
+from trainer3d.rank.resume import COMMAND_VAR
 
 MODEL = ("model.n_heads=8", "model.n_kv_heads=4")
 BASE = (*PARITY, *MODEL, "parallel=single", "checkpoint.keep=10")
@@ -113,6 +115,9 @@ def test_kill_mid_save_keeps_the_previous_checkpoint(tmp_path, session_tmp):
     os.kill(int(marker.read_text()), signal.SIGKILL)  # rank 1 dies after writing, before publication
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0, out
+    # named dead at once (its pid gone, trainer3d/launch/follow.py), the survivor's fate shown too
+    assert "rank 1: exited without a result" in out and "--- rank 1 log tail" in out, out
+    assert "\n  rank 0: " in out, out
     root = run / "checkpoints"
     # Never published; rank 0 removes the partial directory of the failed save when it gets
     # the chance before the job is ended (and a stale one is removed by the next save).
@@ -168,9 +173,15 @@ def test_fsdp_zero3_checkpoint_loads_into_tp2_zero1(tmp_path, session_tmp):
     assert_close([r["loss"] for r in read_metrics(tmp_path / "b")], ref[10:])
 
 
-def test_explicit_resume_path_is_checked_before_launch(tmp_path):
-    proc = run_train(tmp_path / "run", [*BASE, f"train.resume={tmp_path}/nope"], expect_ok=False)
-    assert proc.returncode == 2 and "train.resume" in proc.stderr and "Traceback" not in proc.stderr
+def test_explicit_resume_path_is_checked_before_launch(tmp_path, capsys, monkeypatch):
+    """The entry point's ``run`` in this process, on the config Hydra composes for that command
+    line (as tests/integration/test_runlock.py's checkpoint.dir test): the refusal is its return
+    status 2 and one line, before anything is launched."""
+    monkeypatch.setenv(COMMAND_VAR, "")  # run() records the resume command here; restored after
+    cfg = configure(tmp_path / "run", [*BASE, f"train.resume={tmp_path}/nope"])
+    assert train.run(cfg) == 2
+    err = capsys.readouterr().err
+    assert f"train.resume={tmp_path}/nope is not a usable checkpoint" in err, err
     assert not (tmp_path / "run" / "submitit").exists()
 
 

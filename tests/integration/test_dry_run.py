@@ -1,26 +1,27 @@
 """Dry run: the layout, groups, stages and per-rank model-state memory, without a process."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from tests.conftest import ROOT
 from tests.support.harness import dims_for, run_ranks
+from tests.support.runs import configure
+from trainer3d import train
 from trainer3d.config.schema import Config
 from trainer3d.memory.states import engine_model_state_bytes
 from trainer3d.memory.states import rank_parameter_shapes
 from trainer3d.config.validate import validate
 
 
-def test_dry_run_of_512_ranks_prints_every_rank_and_the_memory_without_processes():
-    cmd = [sys.executable, "-m", "trainer3d.train", "dry_run=true", "model=70b", "parallel=single",
-           "parallel.pp=8", "parallel.dp=64", "parallel.zero_stage=1", "train.dtype=bf16",
-           "train.micro_batch_size=1", "train.global_batch_size=512", "hydra.run.dir=/tmp/trainer3d-dry-run"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
+def test_dry_run_of_512_ranks_prints_every_rank_and_the_memory_without_processes(tmp_path, capsys):
+    """The entry point's ``run`` in this process, on the config Hydra composes for that command line
+    (as tests/integration/test_runlock.py's checkpoint.dir test): nothing is launched, so nothing
+    of the dry run needs an interpreter of its own."""
+    cfg = configure(tmp_path / "run", ["dry_run=true", "model=70b", "parallel=single", "parallel.pp=8",
+                                       "parallel.dp=64", "parallel.zero_stage=1", "train.dtype=bf16",
+                                       "train.micro_batch_size=1", "train.global_batch_size=512"])
+    assert train.run(cfg) == 0
+    out = capsys.readouterr().out
+    assert not (tmp_path / "run" / "submitit").exists(), "a dry run launches nothing"
     assert "layout: tp=1 x pp=8 x dp=64 = 512 ranks, zero_stage=1" in out
     assert "8 dp groups of 64: [0,1,...,63] [64,65,...,127]" in out
     assert "64 pp groups of 8: [0,64,128,192,256,320,384,448]" in out

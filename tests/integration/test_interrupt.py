@@ -1,41 +1,16 @@
-"""Class: the submitting process is told to stop. SIGTERM to ``python -m trainer3d.train`` ends
-the whole local job — every rank and every process a rank started, even one in a session of its
-own — prints one line and exits 128 + the signal. SIGINT and SIGHUP take the same path
-(trainer3d/launch/interrupt.py: JobSignals); they come from a terminal, to its whole foreground
-group, and tests/integration/test_terminal.py sends them so, with the same checks."""
+"""Class: the submitting process is told to stop (trainer3d/launch/interrupt.py), its parts
+without a job: the job's processes found by their token, a signal held until the job is known, a
+second signal. The entry point's own runs: SIGTERM to the submitting process alone ends the whole
+local job and names the checkpoint and the resume command (tests/integration/test_stop_resume.py);
+SIGINT and SIGHUP from a terminal, to its whole foreground group (tests/integration/test_terminal.py)."""
 
 import signal
 import time
 
 import pytest
 
-from tests.support.background import Run, marked
 from trainer3d.launch.interrupt import JobSignals, end_processes
 from trainer3d.rank.job_token import new_token, processes_with_token
-
-# One rank: the launcher ends the job's processes by their mark (trainer3d/rank/job_token.py), one
-# rank or many alike; the ranks' agreed stop at a step boundary is tests/integration/test_terminal.py's.
-SMALL = ("parallel=single", "train.max_steps=100000", "train.log_every=1", "train.seq_len=64",
-         "train.micro_batch_size=2", "train.global_batch_size=16", "train.grad_accum_steps=null",
-         "parallel.timeout_s=60")
-
-
-@pytest.mark.slow
-def test_a_signal_to_the_submitting_process_ends_every_rank_and_child(tmp_path):
-    sig = signal.SIGTERM
-    with Run(tmp_path / "run", SMALL, spawn_child=True) as run:
-        run.wait_for("| loss ")
-        started = marked(run.mark)
-        assert len(started) >= 4, "submitting process + controller + a rank + its grandchild"
-        sent = time.monotonic()
-        run.proc.send_signal(sig)
-        code = run.wait(timeout=120)
-        left = marked(run.mark)
-        print(f"{sig.name}: {len(started)} processes, none left {time.monotonic() - sent:.1f} s after the signal")
-        assert code == 128 + sig, run.text()
-        assert left == [], f"still running after the submitting process exited: {left}\n{run.text()}"
-        said = [line for line in run.err if f"{sig.name}: ending job" in line]
-        assert len(said) == 1, run.text()
 
 
 def test_end_processes_finds_children_by_token_not_by_tree(tmp_path):

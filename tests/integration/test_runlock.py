@@ -12,10 +12,9 @@ import time
 import pytest
 
 from tests.support.background import Run, marked
-from tests.support.runs import configure, run_train
+from tests.support.runs import configure
 from trainer3d import train
 from trainer3d.checkpoint import store
-from trainer3d.rank.master_port import local_port
 from trainer3d.rank.resume import COMMAND_VAR
 from trainer3d.rank.runlock import RunDirBusy, RunDirLock
 
@@ -78,21 +77,27 @@ def test_a_rank_holding_the_run_dir_keeps_it_busy_after_its_submitter_died(tmp_p
 
 @pytest.mark.slow
 def test_a_second_run_is_refused_while_the_first_lives_and_its_job_never_outlives_its_submitter(tmp_path):
-    """One running job, two checks in turn. A second start on its run dir is refused before it
-    launches anything, naming the holder. Then kill -9 of the first run's submitting process (no
-    handler runs): its ranks hold the run dir until they are gone, then stop at a step boundary,
-    save and exit on their own; nothing is left running."""
+    """One running job, two checks in turn. A second start on its run dir (another seed: its
+    record would differ) is refused before it launches or writes anything, naming the holder: the
+    running run's recorded config (.hydra/) and lock record are what they were, as its submitit
+    folder (every check comes before any write). Then kill -9 of the first run's submitting
+    process (no handler runs): its ranks hold the run dir until they are gone, then stop at a step
+    boundary, save and exit on their own; nothing is left running."""
     run_dir = tmp_path / "run"
     overrides = [*SMALL, "checkpoint.every=1000000", "parallel.timeout_s=60"]
     with Run(run_dir, overrides) as run:
         run.wait_for("| loss ", count=2)
         jobs_before = sorted(p.name for p in (run_dir / "submitit").iterdir())
-        second = subprocess.run([sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run_dir}", *overrides],
-                                capture_output=True, text=True, timeout=300)
+        records = _records(run_dir)
+        assert ".hydra/config.yaml" in records and "run.lock" in records, sorted(records)
+        second = subprocess.run([sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run_dir}", *overrides,
+                                 "train.seed=7"], capture_output=True, text=True, timeout=300)
         assert second.returncode == 2, second.stdout + second.stderr
-        assert f"in use by another run (pid {run.proc.pid} on host" in second.stderr, second.stderr
+        assert f"run dir {run_dir} is in use by another run (pid {run.proc.pid} on host" in second.stderr, \
+            second.stderr
         assert "job " in second.stderr and "started " in second.stderr
         assert sorted(p.name for p in (run_dir / "submitit").iterdir()) == jobs_before, "nothing was launched"
+        assert _records(run_dir) == records, "the refused start wrote into the running run's records"
         run.proc.send_signal(signal.SIGKILL)
         run.proc.wait()
         with pytest.raises(RunDirBusy, match=rf"pid {run.proc.pid} on host .*, which has exited; its processes "
@@ -108,27 +113,11 @@ def test_a_second_run_is_refused_while_the_first_lives_and_its_job_never_outlive
     RunDirLock(str(run_dir)).check_free()
 
 
-def _tree(directory):
-    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
-def test_a_refused_second_start_writes_nothing_into_the_running_runs_dirs(tmp_path):
-    """The running run's recorded config (.hydra/), its logs and lock record are what they were
-    after a second start in the same run dir is refused: every check comes before any write."""
-    run_dir = tmp_path / "run"
-    # The first run in place: one interpreter is the entry point and the rank (what it leaves is
-    # the setting here; the second start, through the local launcher, is under test).
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(local_port()), PYTHONUNBUFFERED="1")
-    first = subprocess.run([sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run_dir}", "launcher=inplace",
-                            *SMALL, "train.max_steps=1", "checkpoint.save_final=false"], capture_output=True,
-                           text=True, timeout=600, env=env)
-    assert first.returncode == 0 and (run_dir / ".hydra").is_dir(), first.stderr[-3000:]
-    with RunDirLock(str(run_dir)):  # the first run, still running
-        before = _tree(run_dir)
-        second = run_train(run_dir, [*SMALL, "train.max_steps=2", "train.seed=7"], expect_ok=False)
-        assert second.returncode == 2 and f"run dir {run_dir} is in use by another run" in second.stderr
-        assert _tree(run_dir) == before
+def _records(run_dir):
+    """The running run's files that only a start writes: its recorded config (.hydra/) and its
+    lock record (the rest, its logs and metrics, grow while it runs)."""
+    files = [run_dir / "run.lock", *sorted((run_dir / ".hydra").rglob("*"))]
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in files if p.is_file()}
 
 
 def test_the_lock_covers_a_checkpoint_dir_outside_the_run_dir(tmp_path, capsys, monkeypatch):

@@ -5,7 +5,8 @@ The follower under test reads only what the job's processes leave (result pickle
 logs), so these bodies import neither torch nor trainer3d (whose package imports torch): each
 process of the job costs an interpreter's start, not torch's import (seconds of CPU a rank).
 The peer's wait stands for a collective bounded by ``parallel.timeout_s``; the trainer's real
-collectives giving up on a dead or stuck stage are tests/integration/test_pp_failure.py's.
+collectives giving up on a stuck stage are tests/integration/test_pp_failure.py's, a real rank
+killed mid-save tests/integration/test_checkpoint_resume.py's.
 """
 
 import os
