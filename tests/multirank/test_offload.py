@@ -97,22 +97,25 @@ def test_mixed_precision_offload_follows_the_device_step(tmp_path, dtype, stage,
             assert [r[key] for r in rows_off] == [r[key] for r in rows_plain], key
 
 
-# One micro-batch per rank and step: a resume restores state, whatever a step accumulates. The
-# resumed run's first step reads the loaded parameters, its second the loaded moments and masters;
-# the run from the start keeps its save at SAVE_AT (after one step: moments and masters moved off
-# their initial values) and passes over checkpoint.every's later ones, which nothing reads.
-STEPS, SAVE_AT = 3, 1
+# One micro-batch per rank and step: a resume restores state, whatever a step accumulates. A
+# chain of runs on the same ranks, each link in the other mode (offload or not) than the one
+# before: link 0 trains from the start and keeps its save at step 1 (moments and masters moved off
+# their initial values); link i resumes there, trains to STEPS and keeps its save at step i + 1
+# for link i + 1 (the last link saves nothing). A resumed link's first step reads the loaded
+# parameters, its second (where it has one) the loaded moments and masters; the saves
+# checkpoint.every makes at other steps are passed over, as nothing reads them.
+STEPS = 3
 
 
-def _config(run_dir: str, dtype: str, offload: bool, resume: str, stage: int) -> Config:
-    """A run from the start saves at SAVE_AT, the one checkpoint anything reads; a resumed run saves nothing."""
+def _config(run_dir: str, dtype: str, offload: bool, resume: str, stage: int, save_at) -> Config:
+    """A link that keeps a save (``save_at``) saves every step (``_train`` keeps the one at ``save_at``)."""
     cfg = Config(run_dir=run_dir)
     cfg.parallel.dp, cfg.parallel.zero_stage, cfg.parallel.timeout_s = 2, stage, 60
     cfg.parallel.offload_optimizer = offload
     t = cfg.train
     t.micro_batch_size, t.global_batch_size, t.grad_accum_steps, t.seq_len = 2, 4, None, 32
     t.max_steps, t.log_every, t.dtype, t.resume = STEPS, 1, dtype, resume
-    cfg.checkpoint.every, cfg.checkpoint.save_final = (SAVE_AT if resume == "never" else 0), False
+    cfg.checkpoint.every, cfg.checkpoint.save_final = (1 if save_at else 0), False
     return validate(cfg)
 
 
@@ -121,16 +124,16 @@ def _state(opt):
             for v in opt.checkpoint_views() for kind, t in v.tensors.items()}
 
 
-def _train(run_dir, dtype, offload, resume, stage, world):
+def _train(run_dir, dtype, offload, resume, stage, world, save_at):
     """Train to STEPS; this rank's state by checkpoint key as built (or loaded), and as the save at
-    SAVE_AT left it (the save's own state: taken once the save has copied it)."""
-    trainer = Trainer(_config(run_dir, dtype, offload, resume, stage), dims_for(dp=world))
+    ``save_at`` left it (the save's own state: taken once the save has copied it)."""
+    trainer = Trainer(_config(run_dir, dtype, offload, resume, stage, save_at), dims_for(dp=world))
     kind = OffloadedOptimizer if stage < 2 else OffloadedFSDPOptimizer
     assert isinstance(trainer.optimizer, kind) == offload
     loaded, saved, save = _state(trainer.optimizer), {}, trainer.save_checkpoint
 
     def save_and_keep(step, background=None):
-        if step == SAVE_AT:
+        if step == save_at:
             save(step, background)
             saved[step] = _state(trainer.optimizer)
     trainer.save_checkpoint = save_and_keep
@@ -138,37 +141,50 @@ def _train(run_dir, dtype, offload, resume, stage, world):
     return loaded, saved
 
 
-def _saved_then_resumed(rank, world, root, dtype, saved_with, stage):
-    """The run from the start in one mode, then (on the same ranks) the run resumed from its
-    save in the other."""
-    full = _train(f"{root}/full", dtype, saved_with, "never", stage, world)
-    dist.barrier()  # the save published before any rank reads it
-    resumed = _train(f"{root}/resumed", dtype, not saved_with, str(store.step_dir(f"{root}/full/checkpoints", SAVE_AT)),
-                     stage, world)
-    return full, resumed
+def _chain(rank, world, root, dtype, modes, stage):
+    """The links of ``modes`` (offload or not, each), on the same ranks: link i resumes from link
+    i - 1's save at step i."""
+    links, resume = [], "never"
+    for i, offload in enumerate(modes):
+        save_at = i + 1 if i + 1 < len(modes) else None
+        links.append(_train(f"{root}/link{i}", dtype, offload, resume, stage, world, save_at))
+        dist.barrier()  # the save published before any rank reads it
+        resume = str(store.step_dir(f"{root}/link{i}/checkpoints", i + 1))
+    return links
+
+
+# Both directions where a stage and dtype load differently: ZeRO-1 bf16 (the masters saved and
+# loaded as state), ZeRO-3 fp32 (the shards loaded where they live, host or device); one direction
+# for ZeRO-1 fp32 (the host masters taken from the loaded parameters) and ZeRO-3 bf16.
+CHAINS = [(1, "bf16", (True, False, True)), (1, "fp32", (False, True)), (3, "fp32", (True, False, True)),
+          (3, "bf16", (True, False))]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,dtype,saved_with", [(1, "bf16", True), (1, "bf16", False), (1, "fp32", False),
-                                                    (3, "fp32", True), (3, "fp32", False), (3, "bf16", True)],
-                         ids=["z1-bf16-offload-to-device", "z1-bf16-device-to-offload", "z1-fp32-device-to-offload",
-                              "z3-fp32-offload-to-device", "z3-fp32-device-to-offload", "z3-bf16-offload-to-device"])
-def test_checkpoint_resumes_across_offload(tmp_path, stage, dtype, saved_with):
-    """dp2 trained 3 steps by one mode, saving after 1, and resumed there by the other: the loaded
-    parameters, fp32 masters (ZeRO-1 bf16; under FSDP the fp32 parameter shards are the masters)
-    and moments are bit for bit what the saver held, under the same keys, and the resumed steps
-    follow the saver's own (fp32 ZeRO-1: the host masters are taken from the loaded parameters;
-    ZeRO-3: the shards are loaded where they live, host or device)."""
-    full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
-    results = run_ranks(_saved_then_resumed, 2, str(tmp_path), dtype, saved_with, stage, timeout=600)
-    for rank, ((_, saves), (loaded, resaved)) in enumerate(results):
-        assert list(saves) == [SAVE_AT] and resaved == {}, rank
-        at_save = saves[SAVE_AT]
-        assert at_save.keys() == loaded.keys(), rank
-        assert any(k.startswith("master ") for k in loaded) == (dtype == "bf16" and stage == 1), rank
-        for key, value in at_save.items():
-            np.testing.assert_array_equal(loaded[key], value, err_msg=f"rank {rank} {key}")
-    rows_full, rows_resumed = read_metrics(full_dir), read_metrics(resumed_dir)
-    assert [r["step"] for r in rows_resumed] == list(range(SAVE_AT, STEPS))
-    np.testing.assert_allclose([r["loss"] for r in rows_resumed], [r["loss"] for r in rows_full[SAVE_AT:]],
-                               rtol=1e-3 if dtype == "bf16" else 1e-5)
+@pytest.mark.parametrize("stage,dtype,modes", CHAINS,
+                         ids=["z1-bf16-offload-device-offload", "z1-fp32-device-to-offload",
+                              "z3-fp32-offload-device-offload", "z3-bf16-offload-to-device"])
+def test_checkpoint_resumes_across_offload(tmp_path, stage, dtype, modes):
+    """dp2 trained by one mode, saving after a step, and resumed there by the other (and, in a
+    three-link chain, saved again and resumed in the first mode): the loaded parameters, fp32
+    masters (ZeRO-1 bf16; under FSDP the fp32 parameter shards are the masters) and moments are
+    bit for bit what the saver held, under the same keys, and the resumed steps follow the
+    saver's own (fp32 ZeRO-1: the host masters are taken from the loaded parameters; ZeRO-3: the
+    shards are loaded where they live, host or device)."""
+    results = run_ranks(_chain, 2, str(tmp_path), dtype, modes, stage, timeout=600)
+    for rank, links in enumerate(results):
+        assert links[-1][1] == {}, rank
+        for i in range(1, len(links)):
+            (_, saves), (loaded, _) = links[i - 1], links[i]
+            assert list(saves) == [i], (rank, i)
+            at_save = saves[i]
+            assert at_save.keys() == loaded.keys(), (rank, i)
+            assert any(k.startswith("master ") for k in loaded) == (dtype == "bf16" and stage == 1), (rank, i)
+            for key, value in at_save.items():
+                np.testing.assert_array_equal(loaded[key], value, err_msg=f"rank {rank} link {i} {key}")
+    for i in range(1, len(modes)):
+        saver = {r["step"]: r["loss"] for r in read_metrics(tmp_path / f"link{i - 1}")}
+        rows = read_metrics(tmp_path / f"link{i}")
+        assert [r["step"] for r in rows] == list(range(i, STEPS))
+        np.testing.assert_allclose([r["loss"] for r in rows], [saver[r["step"]] for r in rows],
+                                   rtol=1e-3 if dtype == "bf16" else 1e-5, err_msg=f"link {i}")
