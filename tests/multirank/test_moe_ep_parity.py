@@ -12,7 +12,7 @@ while its loss moved only 2.7e-6 by step 4 (AdamW is nearly blind to a constant 
 
 One case per mechanism: expert-dp groups of 2 (dp4 ep2 ZeRO-1; ZeRO-0 offloaded in test_moe_offload.py), an expert-dp group of
 1 (dp2 ep2 ZeRO-1, the checkpoint chain's first and last links), ep4 (one expert per rank) with
-the ep group carved out of dp x cp, sp (tp2), the pipeline (interleaved, with recomputation).
+the ep group carved out of dp x cp, sp (tp2), the pipeline (interleaved, with recomputation; cp2 x dp2 ep4 recomputes too).
 """
 
 import pytest
@@ -82,11 +82,15 @@ def test_checkpoint_reshards_ep2_to_one_rank_and_back(tmp_path, session_tmp):
 
 
 @pytest.mark.slow
-def test_cp2_dp2_ep4_matches_single_process(tmp_path, session_tmp):
+def test_cp2_dp2_ep4_with_recompute_matches_single_process(tmp_path, session_tmp):
     """ep groups carved out of dp x cp: the 4 ranks of a dp2 x cp2 one ep group, one expert per
     rank, each cp pair holding the two halves of a sequence's tokens and dispatching them over all
-    four ranks' experts."""
-    _check(tmp_path, session_tmp, ["parallel.cp=2", "parallel.dp=2", "parallel.ep=4", "parallel.zero_stage=1"])
+    four ranks' experts (counts summed over cp, the balance losses' gradient started cp times
+    larger: parallel/expert/tokens.py). Activation checkpointing re-runs the ring exchange, the
+    dispatch and the counts' all-reduce over cp in backward, counted once
+    (test_moe_layouts.py's cp2 ring case with recomputation, which this run holds)."""
+    _check(tmp_path, session_tmp, ["parallel.cp=2", "parallel.dp=2", "parallel.ep=4", "parallel.zero_stage=1",
+                                   "train.activation_checkpointing=true"])
 
 
 @pytest.mark.slow

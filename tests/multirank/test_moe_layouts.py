@@ -1,4 +1,4 @@
-"""MoE under context parallelism, recomputation and compile trains the one-process model.
+"""MoE under expert parallelism compiled trains the one-process model.
 
 A 2-layer MoE (4 experts, all active, a shared expert, aux and z losses weighted strongly
 enough that a wrong scale of their gradient shows in the loss) for 20 steps of 8 sequences x
@@ -9,10 +9,11 @@ Every expert takes every token (top_k = num_experts), as in test_moe_parity.py, 
 near-tie of the router's scores can go another way in a layout (docs/moe.md).
 
 The layouts this file no longer trains are proven by runs of the parity model: pp2 1F1B by
-test_moe_offload.py's pp2 x dp2 ep2 (its counts checked by hand there too); cp x dp by
-test_moe_ep_parity.py's cp2 x dp2 ep4 (all_gather's exchange is attention's alone:
-tests/multirank/test_context_parity.py); one compiled process by the compiled dp2 ep2 here and
-tests/unit/test_moe.py's compiled block, held to eager's gradients.
+test_moe_offload.py's pp2 x dp2 ep2 (its counts checked by hand there too); cp with the ring and
+recomputation, and cp x dp, by test_moe_ep_parity.py's cp2 x dp2 ep4 with recomputation
+(all_gather's exchange is attention's alone: tests/multirank/test_context_parity.py); one
+compiled process by the compiled dp2 ep2 here and tests/unit/test_moe.py's compiled block, held
+to eager's gradients.
 """
 
 import json
@@ -64,10 +65,6 @@ def reference(tmp_path_factory):
 
 
 LAYOUTS = {
-    # each cp rank routes its two chunks of every sequence: counts summed over cp, the losses'
-    # gradient started cp times larger (parallel/expert/tokens.py); the ring exchange, and the
-    # sort, the grouped matmuls and the counts' all-reduce over cp run again in backward
-    "cp2-recompute": (2, dict(cp=2, recompute=True)),
     # expert parallelism compiled: the blocks compiled, the dispatch (it reads its split sizes
     # on the host: parallel/expert/dispatch.py) and the losses' bookkeeping (model/moe.py) eager
     # between the block's compiled pieces
