@@ -6,8 +6,9 @@ fp32: pp2 x dp2 with tied embeddings (whose two copies' gradients are summed aft
 for the host), tp2 x dp2 (sequence parallel, whose norms' gradients change so too)
 and one rank (ZeRO-0) with offload match the 1-rank reference per step (relative 1e-5, 20
 steps, tests/support/runs.py: PARITY); so do ZeRO-3 on dp2 and ZeRO-2 on tp2 x dp2 (FSDP2 over
-the tp slices, sequence parallel) with their shards on the host. bf16 and fp16 with offload
-follow the same run without it (the step's arithmetic is the same, so well inside bf16's
+the tp slices, sequence parallel) with their shards on the host. bf16 (an MoE on dp2 ep2: both
+halves of parallel/expert/optimizer.py offloaded) and fp16 with offload follow the same run
+without it (fp16 ZeRO-3: ZeRO-1's; the step's arithmetic is the same, so well inside bf16's
 tolerance); fp16 skips the same overflowing steps. A checkpoint saved with offload resumes
 without it and the reverse, ZeRO-1 and ZeRO-3 alike.
 """
