@@ -45,9 +45,12 @@ def _train(rank, world, run_dir, dtype, zero_stage, resume):
     return state, scaler, opt.step_count.item()
 
 
-# bf16 with ZeRO-1's separate fp32 masters; fp16 (masters + loss scaler) under FSDP, whose fp32
-# parameters are the masters. The scaler's checkpoint path is the same for every stage.
-CASES = [("bf16", 1), ("fp16", 3)]
+# fp16 (masters + loss scaler) under FSDP, whose fp32 parameters are the masters. The scaler's
+# checkpoint path is the same for every stage. ZeRO-1's separate fp32 masters (bf16) coming back
+# bit for bit: tests/multirank/test_offload.py's resumes across offload, whose z1-bf16 cases load
+# them into the other optimizer and compare every loaded master, moment and parameter with the
+# saver's (masters rebuilt from the bf16 parameters fail them: 100 % of a weight's elements).
+CASES = [("fp16", 3)]
 
 
 @pytest.mark.parametrize("dtype,zero_stage", CASES, ids=[f"{d}-zero{z}" for d, z in CASES])

@@ -1,4 +1,4 @@
-"""MoE under context parallelism, recomputation and compile trains the one-process model.
+"""MoE under expert parallelism compiled trains the one-process model.
 
 A 2-layer MoE (4 experts, all active, a shared expert, aux and z losses weighted strongly
 enough that a wrong scale of their gradient shows in the loss) for 20 steps of 8 sequences x
@@ -7,6 +7,13 @@ losses within relative 1e-5, and every step's routed counts adding up to tokens 
 layer (a hand count: a recompute or a cp rank counted twice, or once too few, would not).
 Every expert takes every token (top_k = num_experts), as in test_moe_parity.py, so no
 near-tie of the router's scores can go another way in a layout (docs/moe.md).
+
+The layouts this file no longer trains are proven by runs of the parity model: pp2 1F1B by
+test_moe_offload.py's pp2 x dp2 ep2 (its counts checked by hand there too); cp with the ring and
+recomputation, and cp x dp, by test_moe_ep_parity.py's cp2 x dp2 ep4 with recomputation
+(all_gather's exchange is attention's alone: tests/multirank/test_context_parity.py); one
+compiled process by the compiled dp2 ep2 here and tests/unit/test_moe.py's compiled block, held
+to eager's gradients.
 """
 
 import json
@@ -58,20 +65,10 @@ def reference(tmp_path_factory):
 
 
 LAYOUTS = {
-    # each cp rank routes its two chunks of every sequence: counts summed over cp, the losses'
-    # gradient started cp times larger (parallel/expert/tokens.py); the all-gather exchange
-    "cp2-dp2-all_gather": (4, dict(cp=2, dp=2, attention="all_gather")),
-    # the ring exchange, and the sort, the grouped matmuls and the counts' all-reduce over cp run
-    # again in backward (cp2 with the ring and no recomputation proves nothing this does not)
-    "cp2-recompute": (2, dict(cp=2, recompute=True)),
-    # the blocks compiled; the experts and the losses' bookkeeping eager (model/moe.py)
-    "compile": (1, dict(compile_=True)),
-    # expert parallelism compiled: the dispatch reads its split sizes on the host, so it runs
-    # eagerly between the block's compiled pieces (parallel/expert/dispatch.py)
+    # expert parallelism compiled: the blocks compiled, the dispatch (it reads its split sizes
+    # on the host: parallel/expert/dispatch.py) and the losses' bookkeeping (model/moe.py) eager
+    # between the block's compiled pieces
     "dp2-ep2-compile": (2, dict(dp=2, ep=2, compile_=True)),
-    # the first stage's blocks: their losses' gradient from the stage's own backward, and
-    # torch's shape-inference forward not counted (parallel/pipeline/schedule.py)
-    "pp2-1f1b": (2, dict(pp=2)),
 }
 
 

@@ -5,9 +5,16 @@ enough that a wrong scale of their gradient shows in the loss) on 2 gloo ranks f
 the 1-rank reference (tests/support/runs.py: PARITY): per-step losses within relative 1e-5.
 The routing metrics are the global batch's: each step's counts of every layer add up to
 tokens x top_k (a hand count), the balance loss is 1 (by hand, below) and one process's.
-"""
 
-import pytest
+This file holds tp2 without sequence parallelism, the one layout no other run of this model
+trains, and the model and ``check_metrics`` the MoE parity files share. The others hold this
+model's remaining layouts, each one run proving what a run of its own here did: dp (the counts
+summed over dp, the experts reduced with the dense gradients) in test_moe_offload.py's dp2
+ZeRO-1; tp with sequence parallelism (the router's and experts' gradients and the counts summed
+over tp) in test_moe_ep_parity.py's tp2 x dp2 ep2; the pipeline (the first stage's balance
+losses, the shape inference not counted) in test_moe_offload.py's pp2 x dp2 ep2 1F1B and
+test_moe_ep_parity.py's interleaved pp2.
+"""
 
 from tests.support.runs import (PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, read_metrics, reference_dir,
                                 reference_losses)
@@ -27,7 +34,7 @@ MOE_TWO_LAYERS = (*MOE, *TWO_LAYERS)
 ROUTED_PER_STEP = 16 * 64 * 4  # global batch x seq_len x top_k (PARITY)
 
 
-def check_metrics(rows, ref_rows, n_layers=4):
+def check_metrics(rows, ref_rows, n_layers):
     layers = sorted({key.split("/")[1] for key in rows[0] if key.startswith("moe_tokens/")})
     assert layers == [f"L{i}" for i in range(n_layers)]
     for row in rows:
@@ -39,36 +46,10 @@ def check_metrics(rows, ref_rows, n_layers=4):
         assert abs(row["moe_aux_loss"] - ref["moe_aux_loss"]) <= 1e-5 * ref["moe_aux_loss"]
 
 
-def test_moe_data_parallel_matches_single_process(tmp_path, session_tmp):
-    """ZeRO-0 (ZeRO-1's shards of the experts: the pipeline case below)."""
+def test_moe_tensor_parallel_matches_single_process(tmp_path, session_tmp):
+    """Experts whole on each tp rank, every tp rank computing all the tokens (no sequence
+    parallelism: nothing summed over tp, the counts taken from tp rank 0 alone)."""
     ref = reference_losses(session_tmp, [*PARITY, *MOE_TWO_LAYERS])
-    got = losses_in_ranks(tmp_path, [*PARITY, *MOE_TWO_LAYERS, "parallel=single", "parallel.dp=2",
-                                     "parallel.zero_stage=0"], timeout=900)
+    got = losses_in_ranks(tmp_path, [*PARITY, *MOE_TWO_LAYERS, "parallel=single", "parallel.tp=2"], timeout=900)
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
     check_metrics(read_metrics(tmp_path), read_metrics(reference_dir(session_tmp, [*PARITY, *MOE_TWO_LAYERS])), 2)
-
-
-@pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
-def test_moe_tensor_parallel_matches_single_process(tmp_path, session_tmp, sp):
-    """Experts whole on each tp rank: with sequence parallelism each computes its shard's
-    tokens (router and expert gradients summed over tp, the counts too), without it all of them."""
-    ref = reference_losses(session_tmp, [*PARITY, *MOE_TWO_LAYERS])
-    got = losses_in_ranks(tmp_path, [*PARITY, *MOE_TWO_LAYERS, "parallel=single", "parallel.tp=2",
-                                     f"parallel.sequence_parallel={str(sp).lower()}"], timeout=900)
-    print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
-    check_metrics(read_metrics(tmp_path), read_metrics(reference_dir(session_tmp, [*PARITY, *MOE_TWO_LAYERS])), 2)
-
-
-@pytest.mark.slow
-def test_moe_pipeline_matches_single_process(tmp_path, session_tmp):
-    """1F1B on pp2 x dp2 with ZeRO-1 (the interleaved schedule, with expert parallelism:
-    tests/multirank/test_moe_ep_parity.py). The aux and z losses of the blocks on the first stage
-    (not the last, where the schedule's loss is) reach the gradients through the stage's backward,
-    scaled as the micro-batch's loss; the shape inference's extra forward is not counted in the
-    metrics (check_metrics' hand count). Two layers, one per stage."""
-    ref = reference_losses(session_tmp, [*PARITY, *MOE_TWO_LAYERS])
-    got = losses_in_ranks(tmp_path, [*PARITY, *MOE_TWO_LAYERS, "parallel=single", "parallel.pp=2", "parallel.dp=2",
-                                     "parallel.zero_stage=1"], timeout=900)
-    print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
-    check_metrics(read_metrics(tmp_path), read_metrics(reference_dir(session_tmp, [*PARITY, *MOE_TWO_LAYERS])), 2)
-
