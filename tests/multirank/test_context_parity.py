@@ -3,16 +3,15 @@ relative 1e-5 over 20 steps (tests/support/runs.py: PARITY) of the 1-rank run wi
 global batch, seed and data, for cp alone (ring exchange), cp over 4 ranks with grouped-query
 attention, cp beside tensor parallelism with sequence parallelism, beside pipeline parallelism
 (interleaved 1F1B), beside FSDP2's ZeRO-3 with the all-gather exchange, recomputation with
-compile and ZeRO-1 over cp, and cp beside data parallelism with ZeRO-1, whose checkpoint
-resumes in one process. Each mechanism is proven once, on the fewest ranks that show it.
+compile and ZeRO-1 over cp. Each mechanism is proven once, on the fewest ranks that show it: cp
+beside data parallelism with ZeRO-1, whose checkpoint resumes in one process, trains document-masked
+data in tests/multirank/test_document_mask_parity.py (one run for both).
 """
 
 import pytest
 
 from tests.support.compiled import compiled_losses_in_ranks, hooks_launched_every_bucket
-from tests.support.runs import (PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, read_metrics, reference_losses,
-                                train_in_ranks, train_losses)
-from trainer3d.checkpoint import store
+from tests.support.runs import PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, reference_losses
 
 GQA = ("model.n_heads=4", "model.n_kv_heads=2")
 
@@ -59,22 +58,3 @@ def test_cp2_zero1_with_recompute_and_compile_matches_single_process(tmp_path, s
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
     # the blocks ran compiled on both ranks (by aot_eager), and their parameters' hooks launched every bucket
     assert all(r.graphs and not r.inductor and hooks_launched_every_bucket(r, len(ref)) for r in ranks), ranks
-
-
-@pytest.mark.slow
-def test_cp2_dp2_zero1_matches_single_process_and_its_checkpoint_resumes_in_one_process(tmp_path, session_tmp):
-    """cp2 x dp2 with ZeRO-1 (optimizer state sharded over dp x cp = 4) trains the reference's
-    20 steps; cp is not in the saved state: its checkpoint of step 10 loads into one process,
-    which trains on as the reference."""
-    ref = reference_losses(session_tmp, [*PARITY, *GQA, *TWO_LAYERS])
-    first, second = tmp_path / "cp2", tmp_path / "single"
-    train_in_ranks(first, [*PARITY, *GQA, *TWO_LAYERS, "parallel=single", "parallel.cp=2", "parallel.dp=2",
-                           "parallel.zero_stage=1", "checkpoint.every=10"])
-    print(f"worst relative loss difference {assert_parity(train_losses(first), ref):.1e}")
-    stdout = train_in_ranks(second, [*PARITY, *GQA, *TWO_LAYERS, "parallel=single",
-                                     f"train.resume={store.step_dir(first / 'checkpoints', 10)}"])
-    assert "layout changed since the checkpoint" in stdout and "cp 2 -> 1" in stdout
-    rows = read_metrics(second)
-    assert [r["step"] for r in rows] == list(range(10, 20))
-    worst = max(abs(r["loss"] - want) / want for r, want in zip(rows, ref[10:]))
-    assert worst <= 1e-5, worst

@@ -5,7 +5,7 @@ of 64 tokens to one that spans two), made by tools/prepare_data.py's engine with
 index. Each layout's per-step losses over 20 steps (fp32) are held to the one-process run of
 the same config within 1e-5 (tests/support/runs.py): tensor with sequence parallelism, FSDP,
 the interleaved pipeline beside dp with ZeRO-1 and recomputation; context parallelism with
-each exchange, beside dp and under compile. The one-process masked model is itself held to each
+each exchange, beside dp (its checkpoint resumed in one process) and under compile. The one-process masked model is itself held to each
 document run alone in tests/unit/test_document_mask.py.
 """
 
@@ -15,7 +15,9 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.support.compiled import compiled_losses_in_ranks
-from tests.support.runs import PARITY, assert_parity, losses_in_ranks, once_per_session, reference_losses
+from tests.support.runs import (PARITY, assert_parity, losses_in_ranks, once_per_session, read_metrics, reference_losses,
+                                train_in_ranks, train_losses)
+from trainer3d.checkpoint import store
 from trainer3d.data import prepare
 from trainer3d.data.documents import Piece
 
@@ -47,13 +49,13 @@ SMALL = ("model.dim=64", "model.ffn_dim=192", "model.n_layers=2")
 
 
 # One case per mechanism: the pipeline with ZeRO-1 and recomputation runs interleaved (test below);
-# the ring exchange beside dp (cp2-dp2-z1).
+# the ring exchange beside dp with ZeRO-1 and its checkpoint's resumption in one process too (below).
+# dp2-z3 is also the suite's 20-step parity of ZeRO-3 over dp2 (tests/multirank/test_train_zero.py).
 LAYOUTS = [
     pytest.param(("parallel.tp=2", "parallel.sequence_parallel=true"), id="tp2-sp"),
     pytest.param(("parallel.dp=2", "parallel.zero_stage=3"), id="dp2-z3", marks=pytest.mark.slow),
     # context parallelism (trainer3d/parallel/context/documents.py): each exchange, the ring beside dp
     pytest.param(("parallel.cp=2", "parallel.cp_attention=all_gather"), id="cp2-all_gather"),
-    pytest.param(("parallel.cp=2", "parallel.dp=2", "parallel.zero_stage=1"), id="cp2-ring-dp2-z1", marks=pytest.mark.slow),
 ]
 
 
@@ -93,3 +95,27 @@ def test_document_masked_cp2_with_compile_matches_single_process(tmp_path, sessi
                                           timeout=1200)
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
     assert all(r.graphs and not r.inductor for r in ranks), ranks  # the blocks ran compiled on both ranks
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_document_masked_cp2_dp2_zero1_matches_single_process_and_its_checkpoint_resumes_in_one_process(
+        tmp_path, session_tmp):
+    """The ring exchange beside dp2 with ZeRO-1 (the optimizer state sharded over dp x cp = 4)
+    trains the reference's 20 steps; cp is not in the saved state: its checkpoint of step 10 loads
+    into one process, which trains on as the reference (the data's document index and the reader's
+    position with it). One run for what tests/multirank/test_context_parity.py held of cp2 x dp2
+    on unmasked data."""
+    data = document_data(session_tmp)
+    ref = reference_losses(session_tmp, [*PARITY, *data])
+    first, second = tmp_path / "cp2", tmp_path / "single"
+    train_in_ranks(first, [*PARITY, *data, "parallel=single", "parallel.cp=2", "parallel.dp=2", "parallel.zero_stage=1",
+                           "checkpoint.every=10"], timeout=900)
+    print(f"worst relative loss difference {assert_parity(train_losses(first), ref):.1e}")
+    stdout = train_in_ranks(second, [*PARITY, *data, "parallel=single",
+                                     f"train.resume={store.step_dir(first / 'checkpoints', 10)}"])
+    assert "layout changed since the checkpoint" in stdout and "cp 2 -> 1" in stdout
+    rows = read_metrics(second)
+    assert [r["step"] for r in rows] == list(range(10, 20))
+    worst = max(abs(r["loss"] - want) / want for r, want in zip(rows, ref[10:]))
+    assert worst <= 1e-5, worst

@@ -7,9 +7,11 @@ tail (conf/data/stdlib.yaml: data.val_fraction) after steps 10 and 20. Each layo
 val_loss must equal the single process's (relative 1e-5), and its training losses must
 equal those of the same run without evaluation: the forward-only passes leave the model,
 its gradients and the optimizer untouched. The tp2 x pp2 x dp2 run is also the parity
-matrix's default-layout row (tests/multirank/test_parity_matrix.py): one run, both checks. The
-layouts of at most two stages train TWO_LAYERS (tests/support/runs.py) against their own
-reference; pp4 needs a layer per stage and trains the 4-layer model.
+matrix's default-layout row (tests/multirank/test_parity_matrix.py): one run, both checks. Every
+layout trains TWO_LAYERS (tests/support/runs.py), one reference with evaluations for all; the
+pipeline's forward-only pass over more stages, and with the interleaved schedule, evaluates in
+tests/multirank/test_eval_partial.py against a hand computation (1F1B on pp4 trains 20 steps in
+tests/multirank/test_train_pp.py).
 """
 
 import math
@@ -30,14 +32,8 @@ def _reference(tmp_path_factory, model):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The 1-rank run with evaluations of the 4-layer model (pp4's)."""
-    return _reference(tmp_path_factory, ())
-
-
-@pytest.fixture(scope="module")
 def reference_two(tmp_path_factory):
-    """The same of TWO_LAYERS (the other layouts')."""
+    """The 1-rank run with evaluations of TWO_LAYERS (every layout's here)."""
     return _reference(tmp_path_factory, TWO_LAYERS)
 
 
@@ -60,18 +56,16 @@ def check_layout(tmp_path, reference, layout, model=()):
           f"{assert_parity([r['loss'] for r in rows], [r['loss'] for r in reference]):.1e}")
 
 
-def test_evaluation_leaves_training_untouched(reference, reference_two, session_tmp):
-    assert [r["loss"] for r in reference] == reference_losses(session_tmp, PARITY)
+def test_evaluation_leaves_training_untouched(reference_two, session_tmp):
     assert [r["loss"] for r in reference_two] == reference_losses(session_tmp, [*PARITY, *TWO_LAYERS])
 
 
 def test_val_loss_tp2_pp2_dp2(tmp_path, reference_two):
-    check_layout(tmp_path, reference_two, ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"], TWO_LAYERS)
-
-
-@pytest.mark.slow
-def test_val_loss_pp4(tmp_path, reference):
-    check_layout(tmp_path, reference, ["parallel.pp=4"])
+    """ZeRO-0 over dp2 in dozens of gradient buckets (bucket_mb 0.05: ~13k fp32 elements each), the
+    20-step parity of tests/multirank/test_train_zero.py's ZeRO-0 row, and tp2 without sequence
+    parallelism (tests/multirank/test_train_tp.py's docstring)."""
+    check_layout(tmp_path, reference_two, ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "parallel.bucket_mb=0.05"],
+                 TWO_LAYERS)
 
 
 @pytest.mark.slow

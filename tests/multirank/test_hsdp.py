@@ -19,32 +19,38 @@ from trainer3d.observe.telemetry import model_state_bytes
 from trainer3d.parallel.parallelize import build_model_chunks, build_optimizer
 from trainer3d.parallel.topology import ParallelDims, Topology
 from trainer3d.parallel.zero.flat import bucket_numel
-from tests.integration.test_checkpoint_resume import BASE, MODEL, assert_close
-from tests.support.runs import (PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, read_metrics, reference_dir, reference_losses,
-                                train_in_ranks)
+from tests.integration.test_checkpoint_resume import assert_close
+from tests.support.runs import (PARITY, TWO_LAYERS, assert_parity, read_metrics, reference_dir, reference_losses,
+                                train_in_ranks, train_losses)
 from trainer3d.checkpoint import store
 
-# One layout: ZeRO-3 HSDP over tensor-parallel slices with sequence parallelism (a fault of HSDP's
-# mesh, of FSDP2 over tp slices or of sp moves its losses). ZeRO-2 HSDP trains in the last link of
-# test_hsdp_checkpoints_reshard_to_zero1_and_one_process_and_back (steps 15-19 against the
-# uninterrupted one-process run) and, with ZeRO-3, three steps against torch's AdamW in
-# test_hsdp_shards_over_the_group_and_trains_as_one_process.
-LAYOUTS = [
-    ("parallel.zero_stage=3", "parallel.tp=2", "parallel.dp=4", "parallel.dp_shard=2",
-     "parallel.sequence_parallel=true"),
-]
+# One layout trains 20 steps against the one-process run: ZeRO-3 HSDP over tensor-parallel slices
+# with sequence parallelism (a fault of HSDP's mesh, of FSDP2 over tp slices or of sp moves its
+# losses), and its checkpoint of step 5 starts the chain of resharded resumptions (last test).
+# ZeRO-2 HSDP trains in the chain's last link (steps 15-19 against the same reference) and, with
+# ZeRO-3, three steps against torch's AdamW in test_hsdp_shards_over_the_group_and_trains_as_one_process.
+HSDP_TP = ("parallel.zero_stage=3", "parallel.tp=2", "parallel.dp=4", "parallel.dp_shard=2",
+           "parallel.sequence_parallel=true")
+TRAINED = (*PARITY, *TWO_LAYERS)
+SAVES = ("checkpoint.every=5", "checkpoint.keep=10")  # the chain reads step 5's, then 10's and 15's
+
+
+@pytest.fixture(scope="module")
+def hsdp_run(tmp_path_factory, session_tmp):
+    """The 20 steps of HSDP_TP, a checkpoint every 5 (its run directory)."""
+    run = tmp_path_factory.mktemp("hsdp")
+    train_in_ranks(run, [*TRAINED, "parallel=single", *HSDP_TP, *SAVES])
+    return run
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # 4-8 gloo ranks on 2 loaded cores
-@pytest.mark.parametrize("layout", LAYOUTS, ids=[" ".join(o.split(".")[-1] for o in lay) for lay in LAYOUTS])
-def test_hsdp_matches_single_process(tmp_path, session_tmp, layout):
-    ref = reference_losses(session_tmp, [*PARITY, *TWO_LAYERS])
-    assert_parity(losses_in_ranks(tmp_path, [*PARITY, *TWO_LAYERS, "parallel=single", *layout]), ref)
+def test_hsdp_matches_single_process(hsdp_run, session_tmp):
+    assert_parity(train_losses(hsdp_run), reference_losses(session_tmp, TRAINED))
     # the replicas' shards are counted once in the global norm: a double count is sqrt(2) apart,
     # the order of sums ~1e-5 (1.2e-5 measured at step 7 of dp4 S=2), so 1e-4 tells them apart
-    norms = [r["grad_norm"] for r in read_metrics(tmp_path)]
-    ref_norms = [r["grad_norm"] for r in read_metrics(reference_dir(session_tmp, [*PARITY, *TWO_LAYERS]))]
+    norms = [r["grad_norm"] for r in read_metrics(hsdp_run)]
+    ref_norms = [r["grad_norm"] for r in read_metrics(reference_dir(session_tmp, TRAINED))]
     assert norms == pytest.approx(ref_norms, rel=1e-4)
 
 
@@ -114,27 +120,24 @@ def test_hsdp_shards_over_the_group_and_trains_as_one_process():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)  # four runs of up to 4 gloo ranks on 2 loaded cores
-def test_hsdp_checkpoints_reshard_to_zero1_and_one_process_and_back(tmp_path, session_tmp):
-    """HSDP (dp4, S=2, ZeRO-3) -> ZeRO-1 dp2 -> one process -> HSDP (dp4, S=2, ZeRO-2), each
-    link resuming from the previous one's checkpoint (the pattern of tests/integration/
-    test_checkpoint_resume.py's reshard chain): the 20 steps trained once along the chain, each
-    link's losses within 1e-5 of the uninterrupted 1-rank run's."""
-    ref = reference_losses(session_tmp, [*PARITY, *MODEL])
-    hsdp = ("parallel.dp=4", "parallel.dp_shard=2")
-    chain = [((*hsdp, "parallel.zero_stage=3"), None), (("parallel.dp=2", "parallel.zero_stage=1"), 5),
-             (("parallel.zero_stage=0",), 10), ((*hsdp, "parallel.zero_stage=2"), 15)]
+@pytest.mark.timeout(2400)  # three runs of up to 4 gloo ranks on 2 loaded cores
+def test_hsdp_checkpoints_reshard_to_zero1_and_one_process_and_back(hsdp_run, tmp_path, session_tmp):
+    """HSDP (tp2 x dp4, S=2, ZeRO-3, sp: the run above) -> ZeRO-1 dp2 -> one process -> HSDP (dp4,
+    S=2, ZeRO-2), each link resuming from the previous one's checkpoint (the pattern of
+    tests/integration/test_checkpoint_resume.py's reshard chain): the 20 steps trained once along the
+    chain, each link's losses within 1e-5 of the uninterrupted 1-rank run's."""
+    ref = reference_losses(session_tmp, TRAINED)
+    chain = [(("parallel.dp=2", "parallel.zero_stage=1"), 5), (("parallel.zero_stage=0",), 10),
+             (("parallel.dp=4", "parallel.dp_shard=2", "parallel.zero_stage=2"), 15)]
     same_schedule = f"optim.decay_steps={20 - 5}"  # PARITY: 20 steps, 5 of warm-up
-    previous = None
+    previous = hsdp_run
     for i, (lay, start) in enumerate(chain):
-        run = tmp_path / f"run{i}"
+        run = tmp_path / f"run{i + 1}"
         stop = chain[i + 1][1] + 1 if i + 1 < len(chain) else 20
-        resume = [f"train.resume={store.step_dir(previous / 'checkpoints', start)}"] if start else []
-        stdout = train_in_ranks(run, [*BASE, *lay, "checkpoint.every=5", same_schedule, f"train.max_steps={stop}",
-                                      *resume])
-        if start:
-            assert "layout changed since the checkpoint" in stdout
+        stdout = train_in_ranks(run, [*TRAINED, "parallel=single", *lay, *SAVES, same_schedule, f"train.max_steps={stop}",
+                                      f"train.resume={store.step_dir(previous / 'checkpoints', start)}"])
+        assert "layout changed since the checkpoint" in stdout
         rows = read_metrics(run)
-        assert [r["step"] for r in rows] == list(range(start or 0, stop))
-        assert_close([r["loss"] for r in rows], ref[start or 0:stop])
+        assert [r["step"] for r in rows] == list(range(start, stop))
+        assert_close([r["loss"] for r in rows], ref[start:stop])
         previous = run

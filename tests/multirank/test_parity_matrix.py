@@ -37,14 +37,14 @@ def case(tp, pp, dp, zero=0, model=(), extra=(), slow=True, id=None):
 # Layouts of at most two stages train TWO_LAYERS (tests/support/runs.py), the deeper ones 4 or 8 layers.
 # One case per mechanism this file is the proof of; where another file trains a layout against the
 # same reference (20 steps, relative 1e-5), it is not trained again here:
-# - tp without sp, tp2 x pp2 x dp2 with ZeRO-0 (the default layout): tests/multirank/test_eval.py's
-#   test_val_loss_tp2_pp2_dp2 (its evaluations leave training untouched, as its first test shows);
-#   tp2 alone: tests/multirank/test_train_tp.py, tp4 with sp there too (tp4 without sp, layer by
-#   layer: tests/multirank/test_tensor_model.py);
-# - 1F1B on pp4: test_eval.py's test_val_loss_pp4; interleaved on pp4 and GPipe: test_train_pp.py;
-#   pp2 x dp2 with an uneven split: test_train_pp.py;
+# - tp without sp, tp2 x pp2 x dp2 with ZeRO-0 (the default layout, dozens of buckets):
+#   tests/multirank/test_eval.py's test_val_loss_tp2_pp2_dp2 (its evaluations leave training
+#   untouched, as its first test shows); tp4 with sp: tests/multirank/test_train_tp.py (tp4 without
+#   sp, layer by layer: tests/multirank/test_tensor_model.py);
+# - 1F1B, interleaved on pp4 and GPipe: test_train_pp.py; pp2 x dp2 with an uneven split there too;
 # - ZeRO-1 with 4 shards (reduce-scatter) and ZeRO-2 over tp slices with sp:
-#   tests/multirank/test_train_zero.py; ZeRO-3 (HSDP) over them: tests/multirank/test_hsdp.py;
+#   tests/multirank/test_train_zero.py; ZeRO-3 (HSDP) over them: tests/multirank/test_hsdp.py; ZeRO-3
+#   over dp2: tests/multirank/test_document_mask_parity.py's dp2-z3;
 # - Muon on one process, dp2 (ZeRO-0/1), tp2 with sp, tp2 x dp2: tests/multirank/test_muon.py, against
 #   torch.optim.Muon itself.
 # The 3-D case composes tp with sp, pp 1F1B, ZeRO-1 over dp and recomputation: a fault in any of them

@@ -1,10 +1,10 @@
 """Pipeline parallelism: same per-step loss as one process, on in-process ranks
 (tests/support/runs.py train_in_ranks; the entry point runs pp2 in the Slurm tests).
 
-1F1B trains in tests/multirank/test_eval.py (pp4, and tp2 x pp2 x dp2) and in every pp case of
-tests/multirank/test_parity_matrix.py; here GPipe, the interleaved schedule on four ranks (a middle
-stage's sends and receives both ways, the last rank's chunk feeding the first's next) and an uneven
-split of the layers beside dp.
+1F1B trains in tests/multirank/test_eval.py (tp2 x pp2 x dp2) and in every pp case of
+tests/multirank/test_parity_matrix.py; here 1F1B on four stages (the middle stages' sends and
+receives both ways), GPipe, the interleaved schedule on four ranks (the last rank's chunk feeding
+the first's next) and an uneven split of the layers beside dp.
 """
 
 import pytest
@@ -18,9 +18,10 @@ from tests.support.runs import (EIGHT_LAYERS, PARITY, TWO_LAYERS, assert_parity,
 # trains TWO_LAYERS, one per stage.
 
 # The interleaved schedule on pp2 trains in tests/multirank/test_moe_ep_parity.py, test_moe_parity.py
-# and test_document_mask_parity.py; GPipe on pp4 shares 1F1B's sends and receives (test_eval.py's pp4).
+# and test_document_mask_parity.py; GPipe on pp4 shares 1F1B's sends and receives (pp4-1f1b).
 CASES = [
     # (pp, schedule, extra overrides, model overrides)
+    pytest.param(4, "1f1b", (), (), id="pp4-1f1b", marks=pytest.mark.slow),  # the tiny model: a layer per stage
     pytest.param(2, "gpipe", (), TWO_LAYERS, id="pp2-gpipe"),
     pytest.param(4, "interleaved_1f1b", ("parallel.pp_virtual_stages=2",), EIGHT_LAYERS,
                  id="pp4-interleaved", marks=pytest.mark.slow),

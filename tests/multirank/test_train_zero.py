@@ -1,8 +1,9 @@
 """ZeRO stages and mixed precision, trained on in-process ranks (tests/support/runs.py: train_in_ranks,
 the entry point's work without an interpreter per rank).
 
-fp32: every stage's per-step loss equals the single-process run's (relative 1e-5, 20 steps),
-stage 2 over tensor-parallel slices (tp2 x dp2).
+fp32: the per-step loss equals the single-process run's (relative 1e-5, 20 steps) for ZeRO-1 over
+4 shards and stage 2 over tensor-parallel slices (tp2 x dp2); the other stages' runs are named at
+LAYOUTS.
 bf16/fp16 train (the loss falls as fp32's does); fp16 reports its loss scale and skipped steps.
 Every run trains tests/support/runs.py's TWO_LAYERS (no pipeline here).
 """
@@ -13,16 +14,18 @@ from tests.support.runs import (PARITY, TWO_LAYERS, assert_parity, losses_in_ran
                                 train_in_ranks)
 
 SMALL_BUCKETS = "parallel.bucket_mb=0.05"  # ~13k fp32 elements: dozens of buckets on the tiny model
-# One run per stage. ZeRO-1 with the all-reduce gloo's auto picks trains in every ZeRO-1 case of
-# tests/multirank/test_parity_matrix.py; here ZeRO-1 shards over 4 ranks (a shard count above 2).
-# ZeRO-2 runs over tensor-parallel slices with sequence parallelism (a fault of either stage-2 or
-# sp moves its losses); ZeRO-3 over them in tests/multirank/test_hsdp.py (HSDP, tp2 x dp4), all four
-# of stage 2/3 x sp against torch's AdamW in tests/multirank/test_zero.py.
+# One run per stage where no other file trains it against the same reference (20 steps, relative
+# 1e-5): ZeRO-0 over dp with dozens of buckets is tests/multirank/test_eval.py's tp2 x pp2 x dp2 run
+# (SMALL_BUCKETS there); ZeRO-1 with the all-reduce gloo's auto picks trains in every ZeRO-1 case of
+# tests/multirank/test_parity_matrix.py; ZeRO-3 over dp2 in tests/multirank/
+# test_document_mask_parity.py's dp2-z3 (the document mask beside it), over cp in
+# test_context_parity.py's, HSDP over tensor-parallel slices in test_hsdp.py. Here ZeRO-1 shards over
+# 4 ranks (a shard count above 2) and ZeRO-2 runs over tensor-parallel slices with sequence
+# parallelism (a fault of either stage-2 or sp moves its losses); all four of stage 2/3 x sp against
+# torch's AdamW in tests/multirank/test_zero.py.
 LAYOUTS = [
-    ("parallel.zero_stage=0", "parallel.dp=2", SMALL_BUCKETS),
     ("parallel.zero_stage=1", "parallel.dp=4", "parallel.zero_reduce=reduce_scatter", SMALL_BUCKETS),
     ("parallel.zero_stage=2", "parallel.tp=2", "parallel.dp=2", "parallel.sequence_parallel=true"),
-    ("parallel.zero_stage=3", "parallel.dp=2"),
 ]
 
 
@@ -33,20 +36,27 @@ def test_zero_matches_single_process(tmp_path, session_tmp, layout):
     assert_parity(losses_in_ranks(tmp_path, [*PARITY, *TWO_LAYERS, "parallel=single", *layout]), ref)
 
 
+# Not a parity test (bf16 does not follow fp32 to 1e-5): the first 10 of the reference's 20 steps
+# on its learning-rate schedule (SAME_SCHEDULE), in which the fp32 loss falls by 2 (5.55 to 3.46).
+STEPS = 10
+SAME_SCHEDULE = "optim.decay_steps=15"  # PARITY: 20 steps, 5 of warm-up
+
+
 @pytest.mark.slow
 def test_bf16_trains_like_fp32(tmp_path, session_tmp):
     ref = reference_losses(session_tmp, [*PARITY, *TWO_LAYERS])
     got = losses_in_ranks(tmp_path, [*PARITY, *TWO_LAYERS, "parallel=single", "parallel.zero_stage=1", "parallel.dp=2",
-                                     "train.dtype=bf16"])
-    assert got[-1] < got[0] - 1.5
-    assert got[-1] == pytest.approx(ref[-1], rel=0.1)
+                                     "train.dtype=bf16", f"train.max_steps={STEPS}", SAME_SCHEDULE])
+    assert len(got) == STEPS and got[-1] < got[0] - 1.5
+    assert got[-1] == pytest.approx(ref[STEPS - 1], rel=0.1)
 
 
 @pytest.mark.slow
 def test_fp16_skips_overflowing_steps_and_says_so(tmp_path):
     """Starting from a loss scale of 2^20 the first steps overflow: each is skipped on every
-    rank, reported in metrics.jsonl and the progress line, and halves the scale."""
-    steps = 12
+    rank, reported in metrics.jsonl and the progress line, and halves the scale (three skips: 2^17
+    is the first scale that does not overflow)."""
+    steps = 8
     stdout = train_in_ranks(tmp_path, [*PARITY, *TWO_LAYERS, "parallel=single", "parallel.zero_stage=1", "parallel.dp=2",
                                        "train.dtype=fp16", f"train.max_steps={steps}", "train.log_every=4",
                                        "train.loss_scale_init=1048576"])
