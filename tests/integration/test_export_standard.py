@@ -6,16 +6,14 @@ byte-level corpus; tools/export_model.py writes each under umask 022. transforme
 independent reader) must then load the tokenizer with ``AutoTokenizer`` (special tokens
 from the run's ids), the model with ``AutoModelForCausalLM``, and generate; tools/sample.py
 must give transformers' greedy ids, and refuse in one line a model whose vocabulary the
-tokenizer it would use does not fit. The exports and samples run as ``python tools/X.py`` runs
-them, to their end in this process (tests/support/run_scripts.py ``run``), which has torch,
+tokenizer it would use does not fit. The data's preparation, the exports and the samples run as
+``python tools/X.py`` runs them, to their end in this process (tests/support/run_scripts.py ``run``), which has torch,
 transformers and the engine imported already: what is under test is the files they write and
 read, not a tool's start.
 """
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,10 +35,6 @@ TRAIN = (f"train.max_steps={STEPS}", "train.log_every=10", "train.seq_len=64", "
 PROMPT = "def split(self, text):\n    "
 # ASCII text (every BPE token decodes to whole characters): a handful of Python modules.
 SOURCES = ["json/encoder.py", "json/decoder.py", "textwrap.py", "string.py", "shlex.py"]
-
-
-def tool(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 def tools_in_this_process(entries, umask=None) -> list:
@@ -71,8 +65,11 @@ def exports(tmp_path_factory):
     for name in SOURCES:
         text = (stdlib / name).read_text()
         (texts / name.replace("/", "_")).write_text(text.encode("ascii", errors="ignore").decode())
-    proc = tool("tools/prepare_data.py", "--out", root / "bpe.bin", "--train-tokenizer", 512, texts)
-    assert proc.returncode == 0, proc.stderr
+    with pytest.MonkeyPatch.context() as patch:  # the encoder sets it in os.environ (trainer3d/data/prepare.py)
+        patch.setenv("TOKENIZERS_PARALLELISM", "false")
+        (prepared,) = tools_in_this_process([("tools/prepare_data.py", ["--out", root / "bpe.bin", "--train-tokenizer",
+                                                                        512, texts])])
+    assert prepared["code"] == 0, prepared["stderr"][-3000:]
     out = {"data": root / "bpe.bin", "bare": root / "bare"}
     for name, data in (("bpe", ("data=tokens", f"data.path={root / 'bpe.bin'}", "model.vocab_size=512")),
                        ("bytes", ())):
