@@ -10,21 +10,22 @@ from tests.conftest import ROOT
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # 6 single-process runs and 8 ranks building 3 engines: minutes on a busy 2-core host
+@pytest.mark.timeout(1500)  # 4 single-process runs and 8 ranks building 3 engines: minutes on a busy 2-core host
 def test_optimizers_bench_prints_the_sweep_the_tokens_and_the_step_time_ratios():
-    """Its smallest budget: one step a run (a loss of 100 is reached at the first), two rates and two
-    seeds (the sweep chooses, the second seed trains at the chosen rate), one timed step of the
-    fewest micro-batches 1F1B takes (two of one sequence)."""
+    """Its smallest budget: one step a run (a loss of 100 is reached at the first), one rate and two
+    seeds (the sweep's column, then the second seed trained at the rate it chose: both rounds of
+    runs; a choice between two rates would be a tie, as a run's one logged loss precedes its first
+    update), one timed step of the fewest micro-batches 1F1B takes (two of one sequence)."""
     cmd = [sys.executable, str(ROOT / "tools" / "bench" / "optimizers.py"), "--steps", "1", "--seeds", "2",
-           "--lrs", "3e-3,1e-2", "--window", "1", "--target", "100", "--jobs", "2",
+           "--lrs", "1e-2", "--window", "1", "--target", "100", "--jobs", "2",
            "--time-steps", "1", "--time-warmup", "0", "--time-micro-batch", "1", "--time-grad-accum", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     for name in ("adamw", "muon"):
-        assert re.search(rf"^{name}\s+\d+\.\d{{4}}\s+\d+\.\d{{4}}$", out, re.M), out  # the sweep: a loss per lr
+        assert re.search(rf"^{name}\s+\d+\.\d{{4}}$", out, re.M), out  # the sweep: a loss per lr
         # every seed reaches a loss of 100 at its first step: 4,096 tokens
-        assert re.search(rf"^{name}\s+0\.0(03|1)\s+4,096\s+4,096\s+4,096$", out, re.M), out
+        assert re.search(rf"^{name}\s+0\.01\s+4,096\s+4,096\s+4,096$", out, re.M), out
     assert re.search(r"^muon / adamw tokens: 1\.00 x$", out, re.M), out
     for name in ("adamw", "muon-bf16", "muon-fp32"):
         assert re.search(rf"^{name}\s+\d+\.\d\dx$", out, re.M), out

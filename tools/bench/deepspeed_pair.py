@@ -3,7 +3,7 @@
 
     python tools/bench/deepspeed_pair.py [--pairs 4] [--steps 100] [--warmup 20] [--only trainer3d]
                                          [--against REV]
-    python tools/bench/deepspeed_pair.py --blocks 10
+    python tools/bench/deepspeed_pair.py --blocks 10 [--reps 50]
 
 Both train data-parallel over 2 CPU ranks (gloo), ZeRO stage 1, fp32, AdamW, gradient
 clipping at 1.0, micro-batches of 8 x 64 tokens, one micro-batch per step, each through its
@@ -38,8 +38,8 @@ ln 257 = 5.55 whatever the optimizer did, and a constant learning rate is not tr
 
 ``--blocks ROUNDS`` prints instead what one block of each model costs one thread, forward
 and backward at the bench's shape: the best ``time.thread_time`` (CPU time of the thread,
-which other processes on the core do not add to) of ROUNDS x 50, the two alternating by
-round: a figure a loaded machine moves far less than tokens/s.
+which other processes on the core do not add to) of ROUNDS x ``--reps`` (50) calls, the two
+alternating by round: a figure a loaded machine moves far less than tokens/s.
 
 Each pair runs both, alternating which goes first; each pair's ratio is trainer3d's tokens/s
 over DeepSpeed's, and the last line is the median ratio. ``--against REV`` adds trainer3d as
@@ -219,13 +219,15 @@ def run_deepspeed(steps: int, warmup: int, threads: int) -> dict:
 def block_thread_ms(rounds: int, reps: int = 50) -> dict:
     """One thread's CPU time (``time.thread_time``: what other processes take from the core
     does not count) for the forward and backward of one block of each model at the bench's
-    shape, best of ``rounds`` x ``reps``, the two measured in alternating rounds."""
+    shape, best of ``rounds`` x ``reps``, the two measured in alternating rounds (this thread's
+    intra-op thread count is put back after)."""
     import torch
 
     import trainer3d.cpu  # noqa: F401 - the CPU kernels of the model's operators, as a CPU rank has them
     from trainer3d.config.schema import ModelConfig
     from trainer3d.model.transformer import Block
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = ModelConfig(dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=HEADS, ffn_dim=SWIGLU, vocab_size=VOCAB,
@@ -235,12 +237,15 @@ def block_thread_ms(rounds: int, reps: int = 50) -> dict:
                             torch.randn(SEQ, MICRO, DIM)),
               "gpt2": (gpt2_model().h[0], torch.randn(MICRO, SEQ, DIM, requires_grad=True), torch.randn(MICRO, SEQ, DIM))}
     best = {name: float("inf") for name in blocks}
-    for _ in range(rounds):
-        for name, (block, x, grad) in blocks.items():
-            for _ in range(reps):
-                started = time.thread_time()
-                block(x).backward(grad)
-                best[name] = min(best[name], time.thread_time() - started)
+    try:
+        for _ in range(rounds):
+            for name, (block, x, grad) in blocks.items():
+                for _ in range(reps):
+                    started = time.thread_time()
+                    block(x).backward(grad)
+                    best[name] = min(best[name], time.thread_time() - started)
+    finally:
+        torch.set_num_threads(threads)
     return {name: seconds * 1e3 for name, seconds in best.items()}
 
 
@@ -273,14 +278,15 @@ def main(argv=None) -> int:
                         help="also run trainer3d as it is at git revision REV (its trainer3d/ and conf/) in each pair")
     parser.add_argument("--blocks", type=int, metavar="ROUNDS",
                         help="instead: one thread's best CPU time per block forward+backward, each model's")
+    parser.add_argument("--reps", type=int, default=50, help="--blocks: calls per round of each block")
     parser.add_argument("--deepspeed-rank", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.deepspeed_rank:
         deepspeed_rank(args)
         return 0
     if args.blocks:
-        ms = block_thread_ms(args.blocks)
-        print(f"one block's forward+backward, one thread, best thread time of {args.blocks} x 50: trainer3d Llama "
+        ms = block_thread_ms(args.blocks, args.reps)
+        print(f"one block's forward+backward, one thread, best thread time of {args.blocks} x {args.reps}: trainer3d Llama "
               f"{ms['trainer3d']:.3f} ms, GPT-2 {ms['gpt2']:.3f} ms, ratio {ms['trainer3d'] / ms['gpt2']:.3f} "
               f"(load average {os.getloadavg()[0]:.1f})")
         return 0
