@@ -1,7 +1,9 @@
 """Every refusal of a command line is one line and exit status 2, an unknown key names the
 nearest known ones (trainer3d/config/command_line.py), alike for ``python -m trainer3d.train``,
-``python -m trainer3d.plan`` and the parity tool. Hydra's own refusal of the same command line
-is a multi-line page ending in its HYDRA_FULL_ERROR hint, with exit status 1."""
+``python -m trainer3d.plan`` and the parity tool; so is a refusal of the config Hydra composed
+(an added ``+key`` outside the schema: trainer3d/config/knobs.py ``unknown_keys``; a layout
+trainer3d/config/validate.py refuses), with nothing launched. Hydra's own refusal of the same
+command line is a multi-line page ending in its HYDRA_FULL_ERROR hint, with exit status 1."""
 
 import json
 import subprocess
@@ -25,13 +27,17 @@ REFUSALS = [
     ([*PLAN, "parallel=tp3"], "parallel=tp3 is not an option of parallel"),
     ([*PARITY, "parallel.tpp=2", "--out", "parity"], "layout A: parallel.tpp is not a knob of this config; "
                                                      "did you mean parallel.tp"),
+    # refused after Hydra composed the config, each in a run dir of its own (nothing may be launched there)
+    ([*TRAIN, "hydra.run.dir=added-key", "+train.max_stpes=5"], "train.max_stpes is not a config key"),
+    ([*TRAIN, "hydra.run.dir=batch", "parallel.dp=3", "train.global_batch_size=32"],
+     "train.global_batch_size=32 is not a multiple"),
 ]
 
 
 @pytest.fixture(scope="module")
 def refused(tmp_path_factory):
     """Every command line of REFUSALS run as ``python -m MODULE ARGS`` runs it, one after another
-    in one fresh process (tests/support/run_scripts.py: torch imported once, not eight times),
+    in one fresh process (tests/support/run_scripts.py: torch imported once, not ten times),
     from an empty directory: each one's exit status and output, and that directory."""
     cwd = tmp_path_factory.mktemp("refusals")
     entries = [[f"-m {cmd[1]}", cmd[2:]] for cmd, _ in REFUSALS]
@@ -50,6 +56,9 @@ def test_a_command_line_refusal_is_one_line_with_exit_2_and_a_suggestion(case, r
     assert lines[0].startswith("trainer3d: config error: ") and "HYDRA_FULL_ERROR" not in out["stderr"]
     assert wanted in lines[0]
     assert not (cwd / "outputs").exists()  # each refused before Hydra made a run directory
+    assert "Traceback" not in out["stderr"] + out["stdout"]
+    run_dir = next((a.split("=", 1)[1] for a in REFUSALS[case][0] if a.startswith("hydra.run.dir=")), None)
+    assert run_dir is None or not (cwd / run_dir / "submitit").exists(), "nothing may be launched for a refused config"
 
 
 def test_hydras_own_refusal_of_the_same_key_is_a_page_with_exit_1(tmp_path):
