@@ -27,16 +27,21 @@ ASKED = [("trainer3d.train",), ("trainer3d.plan",), ("trainer3d.train", "model=7
 
 
 @pytest.fixture(scope="module")
-def helps() -> dict:
-    """What each ASKED command line prints, all run one after another in one fresh process
-    (tests/support/run_scripts.py, as ``python -m`` runs a module: torch imported once)."""
+def helps(tmp_path_factory) -> dict:
+    """What each ASKED command line prints, then the ``trainer3d`` console script's dry run
+    (CONSOLE, the script as its interpreter runs it), all one after another in one fresh process
+    (tests/support/run_scripts.py, as ``python -m`` runs a module: torch imported once) from a
+    directory outside the checkout: {asked: stdout}, and the dry run's result and run dir."""
+    assert CONSOLE.is_file(), f"{CONSOLE}: the `trainer3d` console script of pyproject.toml is not installed"
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
     entries = [[f"-m {module}", [*args, "--help"]] for module, *args in ASKED]
+    entries.append([str(CONSOLE), ["dry_run=true", "parallel=single", "hydra.run.dir=run"]])
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "run_scripts.py"), json.dumps(entries)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+                          capture_output=True, text=True, timeout=300, cwd=elsewhere)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert [r["code"] for r in results] == [0] * len(ASKED), [r["stderr"] for r in results]
-    return {asked: r["stdout"] for asked, r in zip(ASKED, results)}
+    assert [r["code"] for r in results[:len(ASKED)]] == [0] * len(ASKED), [r["stderr"] for r in results]
+    return {**{asked: r["stdout"] for asked, r in zip(ASKED, results)}, "console": (results[-1], elsewhere / "run")}
 
 
 @pytest.mark.parametrize("module, schema", [("trainer3d.train", Config), ("trainer3d.plan", PlanConfig)])
@@ -72,12 +77,10 @@ def test_pyproject_lists_every_package_and_ships_conf():
     assert tool["package-dir"] == {"trainer3d.conf": "conf"}
 
 
-def test_the_console_command_runs_from_any_directory(tmp_path):
-    assert CONSOLE.is_file(), f"{CONSOLE}: the `trainer3d` console script of pyproject.toml is not installed"
-    proc = subprocess.run([str(CONSOLE), "dry_run=true", "parallel=single", f"hydra.run.dir={tmp_path / 'run'}"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert "rank" in proc.stdout
+def test_the_console_command_runs_from_any_directory(helps):
+    result, run_dir = helps["console"]
+    assert result["code"] == 0, result["stderr"][-3000:]
+    assert "rank" in result["stdout"] and run_dir.is_dir()
 
 
 @pytest.mark.slow
