@@ -33,14 +33,24 @@ REFUSALS = [
      "train.global_batch_size=32 is not a multiple"),
 ]
 
+# the planner's own knobs out of range (trainer3d/plan/knobs.py plan_problems): refused before the
+# search, in its own words (without the check: "searched 0 layouts ... no layout fits" for
+# gpus_per_node=0, a search over NaN)
+BAD_CLUSTERS = [
+    ("cluster.gpus_per_node=0", "trainer3d.plan: cluster.gpus_per_node=0 must be in [1, 1025)"),
+    ("cluster.host_memory_gb=nan", "trainer3d.plan: cluster.host_memory_gb=nan must be in (0, 1.04858e+06)"),
+]
+
 
 @pytest.fixture(scope="module")
 def refused(tmp_path_factory):
-    """Every command line of REFUSALS run as ``python -m MODULE ARGS`` runs it, one after another
-    in one fresh process (tests/support/run_scripts.py: torch imported once, not ten times),
-    from an empty directory: each one's exit status and output, and that directory."""
+    """Every command line of REFUSALS, then the planner with each of BAD_CLUSTERS, run as
+    ``python -m MODULE ARGS`` runs it, one after another in one fresh process
+    (tests/support/run_scripts.py: torch imported once, not twelve times), from an empty
+    directory: each one's exit status and output, and that directory."""
     cwd = tmp_path_factory.mktemp("refusals")
     entries = [[f"-m {cmd[1]}", cmd[2:]] for cmd, _ in REFUSALS]
+    entries += [["-m trainer3d.plan", [override]] for override, _ in BAD_CLUSTERS]
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "run_scripts.py"), json.dumps(entries)],
                           capture_output=True, text=True, timeout=300, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -59,6 +69,13 @@ def test_a_command_line_refusal_is_one_line_with_exit_2_and_a_suggestion(case, r
     assert "Traceback" not in out["stderr"] + out["stdout"]
     run_dir = next((a.split("=", 1)[1] for a in REFUSALS[case][0] if a.startswith("hydra.run.dir=")), None)
     assert run_dir is None or not (cwd / run_dir / "submitit").exists(), "nothing may be launched for a refused config"
+
+
+@pytest.mark.parametrize("case", range(len(BAD_CLUSTERS)), ids=[o for o, _ in BAD_CLUSTERS])
+def test_the_planner_refuses_a_bad_cluster_before_searching(case, refused):
+    out, line = refused[0][len(REFUSALS) + case], BAD_CLUSTERS[case][1]
+    assert out["code"] == 2 and "Traceback" not in out["stderr"], out["stderr"]
+    assert out["stderr"].splitlines() == [line], out["stderr"]
 
 
 def test_hydras_own_refusal_of_the_same_key_is_a_page_with_exit_1(tmp_path):
