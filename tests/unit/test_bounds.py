@@ -1,6 +1,7 @@
 """Bounds: every path knob's name is checked against what its file system can hold, in one
 place, before anything opens it; the planner's own knobs (``cluster.*``, ``search.*``) have
-ranges, checked before the search as the training knobs are by ``validate``.
+ranges, checked before the search as the training knobs are by ``validate`` (the planner's
+entry point refusing them in one line: tests/unit/test_command_line.py).
 
 The reference for a name's limit is the file system itself: a directory one byte longer than
 pathconf's NAME_MAX is created with os.mkdir and must fail with ENAMETOOLONG, one at the limit
@@ -11,18 +12,15 @@ import copy
 import dataclasses
 import errno
 import functools
-import json
 import math
 import os
-import subprocess
-import sys
 import typing
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from tests.conftest import CONF_DIR, ROOT
+from tests.conftest import CONF_DIR
 from tests.unit.test_validate import make
 from trainer3d import train
 from trainer3d.config.knobs import PATHS, get, path_problems
@@ -144,28 +142,3 @@ def test_the_training_knobs_are_checked_for_the_planner_too():
     cfg = _plan()
     cfg.optim.lr = math.nan
     assert any(p.startswith("optim.lr=nan") for p in plan_problems(cfg))
-
-
-BAD_CLUSTERS = [
-    ("cluster.gpus_per_node=0", "trainer3d.plan: cluster.gpus_per_node=0 must be in [1, 1025)"),
-    ("cluster.host_memory_gb=nan", "trainer3d.plan: cluster.host_memory_gb=nan must be in (0, 1.04858e+06)"),
-]
-
-
-@pytest.fixture(scope="module")
-def planner_refusals():
-    """``python -m trainer3d.plan OVERRIDE`` of each BAD_CLUSTERS entry, one after another in one
-    fresh process (tests/support/run_scripts.py): exit status and output of each."""
-    entries = [["-m trainer3d.plan", [override]] for override, _ in BAD_CLUSTERS]
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "run_scripts.py"), json.dumps(entries)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines()]
-
-
-@pytest.mark.parametrize("case", range(len(BAD_CLUSTERS)), ids=[o for o, _ in BAD_CLUSTERS])
-def test_the_planner_refuses_a_bad_cluster_before_searching(case, planner_refusals):
-    """Without the table: "searched 0 layouts ... no layout fits" (gpus_per_node=0), a search over NaN."""
-    out, line = planner_refusals[case], BAD_CLUSTERS[case][1]
-    assert out["code"] == 2 and "Traceback" not in out["stderr"], out["stderr"]
-    assert out["stderr"].splitlines() == [line], out["stderr"]

@@ -3,6 +3,7 @@ wait on, a live build is waited for a bounded time with a line naming the lock, 
 library someone else could have written is never loaded (a real library whose load would write
 a marker file stands in for another user's code)."""
 
+import json
 import logging
 import os
 import shutil
@@ -101,25 +102,45 @@ def _other_users_root(lib, tmp_path):
     os.chown(tmp_path, 4321, 4321)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("loosen", [_loose_file, _other_users_dir, _other_users_root],
-                         ids=["library-group-writable", "build-dir-other-uid", "extensions-dir-other-uid"])
-def test_a_library_someone_else_could_write_is_not_loaded(tmp_path, monkeypatch, loosen):
-    if loosen is not _loose_file and os.geteuid() != 0:
-        pytest.skip("giving a directory to another uid needs root")
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    name = f"t3d_test_owner_{loosen.__name__.strip('_')}"
-    lib, marker = _planted(tmp_path, name)
-    loosen(lib, tmp_path)
-    # a fresh process: the library this one loaded stays loaded under its name
-    out = subprocess.run([sys.executable, "-c", f"from trainer3d.cpu.build import Build; from pathlib import Path; "
-                          f"print(Build({name!r}, Path({str(SOURCE)!r}), ['-O2'], 't', 'none', str).get())"],
-                         env={**os.environ}, capture_output=True, text=True, timeout=280)
+LOOSENED = [(_loose_file, "library-group-writable"), (_other_users_dir, "build-dir-other-uid"),
+            (_other_users_root, "extensions-dir-other-uid")]
+
+
+@pytest.mark.timeout(400)
+def test_a_library_someone_else_could_write_is_not_loaded(tmp_path, monkeypatch):
+    """Each way another user could have written the cached library (its file group-writable, its
+    build directory or the extensions directory another uid's: giving a directory away needs
+    root, so as another user the first case alone runs), each in an extensions directory of its
+    own: one fresh process asks for each library in turn (a fresh process: the library this one
+    loaded stays loaded under its name) and loads none of them, building a private one instead."""
+    cases = [(loosen, case) for loosen, case in LOOSENED if loosen is _loose_file or os.geteuid() == 0]
+    asked = []
+    for loosen, case in cases:
+        ext = tmp_path / case
+        ext.mkdir()
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext))
+        name = f"t3d_test_owner_{loosen.__name__.strip('_')}"
+        lib, marker = _planted(ext, name)
+        loosen(lib, ext)
+        asked.append((case, str(ext), name, marker))
+    code = textwrap.dedent(f"""
+        import json, os, sys
+        from pathlib import Path
+        from trainer3d.cpu.build import Build
+        for ext, name in json.loads(sys.argv[1]):
+            os.environ["TORCH_EXTENSIONS_DIR"] = ext
+            print(Build(name, Path({str(SOURCE)!r}), ['-O2'], 't', 'none', str).get(), flush=True)
+        """)
+    out = subprocess.run([sys.executable, "-c", code, json.dumps([[ext, name] for _, ext, name, _ in asked])],
+                         capture_output=True, text=True, timeout=380)
     assert out.returncode == 0, out.stderr
-    assert not marker.exists(), "the planted library ran"
-    built = out.stdout.strip()
-    assert built != "None" and not built.startswith(str(tmp_path)), built  # a private build instead
-    assert "building into the private directory" in out.stderr and str(tmp_path) in out.stderr, out.stderr
+    built = out.stdout.split()
+    assert len(built) == len(asked), out.stdout
+    for (case, ext, name, marker), library in zip(asked, built):
+        assert not marker.exists(), f"{case}: the planted library ran"
+        assert library != "None" and not library.startswith(ext), (case, library)  # a private build instead
+        said = [line for line in out.stderr.splitlines() if line.startswith(f"{name}: ") or f" {name}: " in line]
+        assert any("building into the private directory" in line and ext in line for line in said), (case, out.stderr)
 
 
 def _tool_that_logs(bin_dir, tool: str, real: str, log) -> str:

@@ -1,9 +1,10 @@
 """One install, every documented path: the user tools are commands of the package (and modules,
 and tools/ scripts in a checkout); each optional dependency is an extra named for its feature,
-`all` installs them, and a missing one is one line naming its pip command."""
+`all` installs them, and a missing one is one line naming its pip command. A checkout script run
+from another directory, and the entry point refusing a logger whose extra is missing, run in
+tests/unit/test_help_install.py's one fresh interpreter of command lines."""
 
 import importlib
-import subprocess
 import sys
 import pytest
 
@@ -37,29 +38,6 @@ def test_every_tool_is_a_command_a_module_and_a_checkout_script():
     for command, target in scripts.items():
         module, func = target.split(":")
         assert callable(getattr(importlib.import_module(module), func)), command
-
-
-def test_a_checkout_script_runs_from_another_directory(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "import_megatron.py"), "--help"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0 and "--vocab-size" in proc.stdout, proc.stderr
-
-
-def _hidden(module: str, code: str, tmp_path):
-    run = f"import sys; sys.modules[{module!r}] = None; {code}"
-    return subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-
-
-@pytest.mark.parametrize("logger", ["tensorboard"])
-def test_a_logger_without_its_extra_is_refused_before_launch_in_one_line(logger, tmp_path):
-    module = logger
-    code = (f"sys.argv = ['trainer3d', 'logger={logger}', 'parallel=single', 'train.max_steps=1', "
-            f"'hydra.run.dir={tmp_path / 'run'}']; from trainer3d.train import main; main()")
-    proc = _hidden(module, code, tmp_path)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        f"trainer3d: config error: logger={logger} needs {module}, which the {logger} extra installs: "
-        f"pip install 'trainer3d[{logger}]'"], proc.stderr
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_missing_names_the_extra_and_is_quiet_when_installed():

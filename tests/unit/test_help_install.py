@@ -1,7 +1,8 @@
 """One install, every documented path: ``--help`` of train and plan lists every knob with its
 value, valid values and docstring; the installed ``trainer3d`` command runs from any
 directory, also from a non-editable install that carries conf/ inside the package, and so do
-the user tools' commands (``trainer3d-prepare-data`` ...)."""
+the user tools' commands (``trainer3d-prepare-data`` ...) and a checkout's tools/ scripts; a
+logger whose extra is missing is refused in one line (tests/unit/test_extras.py: the extras)."""
 
 import json
 import os
@@ -27,16 +28,31 @@ ASKED = [("trainer3d.train",), ("trainer3d.plan",), ("trainer3d.train", "model=7
 
 
 @pytest.fixture(scope="module")
-def helps() -> dict:
-    """What each ASKED command line prints, all run one after another in one fresh process
-    (tests/support/run_scripts.py, as ``python -m`` runs a module: torch imported once)."""
+def helps(tmp_path_factory) -> dict:
+    """What each ASKED command line prints, then the ``trainer3d`` console script's dry run
+    (CONSOLE, the script as its interpreter runs it), the checkout's tools/import_megatron.py
+    --help, and the train entry point with the tensorboard extra missing, all one after another in
+    one fresh process (tests/support/run_scripts.py, as ``python -m`` runs a module and ``python
+    SCRIPT`` a script: torch imported once) from a directory outside the checkout: {asked: stdout},
+    and the others' results (with the run dirs of the two runs)."""
+    assert CONSOLE.is_file(), f"{CONSOLE}: the `trainer3d` console script of pyproject.toml is not installed"
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
     entries = [[f"-m {module}", [*args, "--help"]] for module, *args in ASKED]
+    entries.append([str(CONSOLE), ["dry_run=true", "parallel=single", "hydra.run.dir=run"]])
+    entries.append([str(ROOT / "tools" / "import_megatron.py"), ["--help"]])  # a checkout script, as python runs it
+    # last: the train entry point with tensorboard unimportable (hidden for the rest of the process)
+    hidden = elsewhere / "without_tensorboard.py"
+    hidden.write_text("import sys\nsys.modules['tensorboard'] = None\nfrom trainer3d.train import main\nmain()\n")
+    entries.append([str(hidden), ["logger=tensorboard", "parallel=single", "train.max_steps=1", "hydra.run.dir=run-tb"]])
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "run_scripts.py"), json.dumps(entries)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+                          capture_output=True, text=True, timeout=300, cwd=elsewhere)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert [r["code"] for r in results] == [0] * len(ASKED), [r["stderr"] for r in results]
-    return {asked: r["stdout"] for asked, r in zip(ASKED, results)}
+    assert len(results) == len(entries), proc.stdout[-3000:]
+    assert [r["code"] for r in results[:len(ASKED)]] == [0] * len(ASKED), [r["stderr"] for r in results]
+    console, checkout_script, without_tensorboard = results[len(ASKED):]
+    return {**{asked: r["stdout"] for asked, r in zip(ASKED, results)}, "console": (console, elsewhere / "run"),
+            "checkout script": checkout_script, "without tensorboard": (without_tensorboard, elsewhere / "run-tb")}
 
 
 @pytest.mark.parametrize("module, schema", [("trainer3d.train", Config), ("trainer3d.plan", PlanConfig)])
@@ -72,12 +88,24 @@ def test_pyproject_lists_every_package_and_ships_conf():
     assert tool["package-dir"] == {"trainer3d.conf": "conf"}
 
 
-def test_the_console_command_runs_from_any_directory(tmp_path):
-    assert CONSOLE.is_file(), f"{CONSOLE}: the `trainer3d` console script of pyproject.toml is not installed"
-    proc = subprocess.run([str(CONSOLE), "dry_run=true", "parallel=single", f"hydra.run.dir={tmp_path / 'run'}"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert "rank" in proc.stdout
+def test_the_console_command_runs_from_any_directory(helps):
+    result, run_dir = helps["console"]
+    assert result["code"] == 0, result["stderr"][-3000:]
+    assert "rank" in result["stdout"] and run_dir.is_dir()
+
+
+def test_a_checkout_script_runs_from_another_directory(helps):
+    result = helps["checkout script"]
+    assert result["code"] == 0 and "--vocab-size" in result["stdout"], result["stderr"][-3000:]
+
+
+def test_a_logger_without_its_extra_is_refused_before_launch_in_one_line(helps):
+    """trainer3d/config/extras.py: ``logger=tensorboard`` without tensorboard importable."""
+    result, run_dir = helps["without tensorboard"]
+    assert result["code"] == 2 and result["stderr"].strip().splitlines() == [
+        "trainer3d: config error: logger=tensorboard needs tensorboard, which the tensorboard extra installs: "
+        "pip install 'trainer3d[tensorboard]'"], result["stderr"]
+    assert not (run_dir / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow

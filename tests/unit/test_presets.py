@@ -7,15 +7,13 @@ recipe composes, validates, dry-runs, fits in memory by the planner's accounting
 layout the planner ranks first for its cluster.
 """
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.conftest import CONF_DIR, ROOT
+from trainer3d import train
 from trainer3d.config.validate import validate
 from trainer3d.hf.mapping import model_fields
 from trainer3d.memory.dry_run import describe_plan
@@ -164,11 +162,16 @@ def test_recipe_holds_the_planners_first_choice(recipe):
         f"python -m trainer3d.plan experiment={recipe} {' '.join(needs + cluster)}")
 
 
-def test_a_recipe_is_one_command():
-    cmd = [sys.executable, "-m", "trainer3d.train", "experiment=llama3.1-70b-64gpu", "data.path=/data/web.bin",
-           "dry_run=true", "hydra.run.dir=/tmp/trainer3d-recipe-dry-run"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
+def test_a_recipe_is_one_command(tmp_path, capsys):
+    """``python -m trainer3d.train experiment=llama3.1-70b-64gpu data.path=/data/web.bin dry_run=true``:
+    the entry point's ``run`` in this process on the config Hydra composes for that command line
+    (a dry run launches nothing; the entry point itself runs a dry run as users type it in
+    tests/unit/test_defaults_used.py and tests/tools/test_doc_commands_run.py)."""
+    cfg = _compose("config", ["experiment=llama3.1-70b-64gpu", "data.path=/data/web.bin", "dry_run=true",
+                              f"run_dir={tmp_path}", f"launcher.folder={tmp_path / 'submitit'}"])
+    assert train.run(cfg) == 0
+    out = capsys.readouterr().out
+    assert not (tmp_path / "submitit").exists(), "a dry run launches nothing"
     par = OmegaConf.load(ROOT / "conf" / "experiment" / "llama3.1-70b-64gpu.yaml").parallel
-    assert f"layout: tp={par.tp} x pp={par.pp} x dp={par.dp} = 64 ranks, zero_stage={par.zero_stage}" in proc.stdout
-    assert "model: llama3.1-70b, 70,553,706,496 parameters" in proc.stdout
+    assert f"layout: tp={par.tp} x pp={par.pp} x dp={par.dp} = 64 ranks, zero_stage={par.zero_stage}" in out
+    assert "model: llama3.1-70b, 70,553,706,496 parameters" in out
