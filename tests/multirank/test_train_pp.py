@@ -17,7 +17,7 @@ from tests.support.runs import (EIGHT_LAYERS, PARITY, TWO_LAYERS, assert_parity,
 # lr, the 8-layer model being chaotic at the default one), shared with test_parity_matrix.py; pp2
 # trains TWO_LAYERS, one per stage.
 
-# The interleaved schedule on pp2 trains in tests/multirank/test_moe_ep_parity.py, test_moe_parity.py
+# The interleaved schedule on pp2 trains in tests/multirank/test_moe_ep_parity.py
 # and test_document_mask_parity.py; GPipe on pp4 shares 1F1B's sends and receives (pp4-1f1b).
 CASES = [
     # (pp, schedule, extra overrides, model overrides)
