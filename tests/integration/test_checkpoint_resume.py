@@ -103,7 +103,7 @@ def test_reshard_chain_with_tp_changes(tmp_path, session_tmp):
 @pytest.mark.slow
 def test_kill_mid_save_keeps_the_previous_checkpoint(tmp_path, session_tmp):
     run = tmp_path / "run"
-    # Rank 1 killed: the follower ends the job once its heartbeat has been silent parallel.timeout_s.
+    # Rank 1 killed: the follower sees its pid gone and ends the job (parallel.timeout_s bounds a rank that hangs instead).
     args = [*BASE, *layout(1, 1, 2), *KILL_RUN, "parallel.timeout_s=12"]
     plugin = Path(__file__).resolve().parents[1] / "support" / "plugins" / "stall_save"  # its sitecustomize stalls rank 1 in the step-4 save
     env = dict(os.environ, TRAINER3D_TEST_STALL_SAVE="1:4", WANDB_MODE="offline",

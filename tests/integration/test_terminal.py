@@ -2,7 +2,8 @@
 whole foreground process group, from the line discipline) and a hang-up (SIGHUP to the whole
 group, as the shell relays it) do not kill the ranks on the spot: the controller and the ranks
 never receive them, the submitting process ends the job, on which the ranks take the agreed stop
-at a step boundary and save a checkpoint, and the run exits 130 / 129 with one line, leaving
+at a step boundary and save a checkpoint, and the run exits with one line (130 after Ctrl-C,
+the signal this test's run ends on), leaving
 nothing running: each rank starts a grandchild in a session of its own, out of the terminal's
 reach, which the launcher ends too (SIGTERM to the submitting process alone: test_interrupt.py)."""
 

@@ -61,7 +61,7 @@ def test_evaluation_leaves_training_untouched(reference_two, session_tmp):
 
 
 def test_val_loss_tp2_pp2_dp2(tmp_path, reference_two):
-    """ZeRO-0 over dp2 in dozens of gradient buckets (bucket_mb 0.05: ~13k fp32 elements each), the
+    """ZeRO-0 over dp2 in several gradient buckets a rank (bucket_mb 0.05: ~13k fp32 elements each), the
     20-step parity of tests/multirank/test_train_zero.py's ZeRO-0 row, and tp2 without sequence
     parallelism (tests/multirank/test_train_tp.py's docstring)."""
     check_layout(tmp_path, reference_two, ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "parallel.bucket_mb=0.05"],

@@ -118,7 +118,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)  # the module fixture trains 3 runs: counted in the first test
+@pytest.mark.timeout(3600)  # the module fixture trains 2 runs: counted in the first test
 def test_sparse_top2_margins_are_wide_and_dispatch_uneven(runs):
     cfg, single = runs["cfg"], runs["single"]
     whole, _ = build_readers(cfg, dp=1, dp_rank=0)

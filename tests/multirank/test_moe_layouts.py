@@ -4,7 +4,7 @@ A 2-layer MoE (4 experts, all active, a shared expert, aux and z losses weighted
 enough that a wrong scale of their gradient shows in the loss) for 20 steps of 8 sequences x
 32 tokens, on Trainer ranks, against the eager single process of the same config: per-step
 losses within relative 1e-5, and every step's routed counts adding up to tokens x top_k per
-layer (a hand count: a recompute or a cp rank counted twice, or once too few, would not).
+layer (a hand count: a token counted twice, or once too few, would not).
 Every expert takes every token (top_k = num_experts), as in test_moe_parity.py, so no
 near-tie of the router's scores can go another way in a layout (docs/moe.md).
 

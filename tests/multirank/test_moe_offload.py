@@ -98,16 +98,15 @@ def test_dp2_ep2_z1_offload_matches_single_process_and_resumes_bit_for_bit_and_r
     rows = read_metrics(tmp_path / "resumed")
     assert [r["step"] for r in rows] == [SAVE_AT, SAVE_AT + 1]
     assert [r["loss"] for r in rows] == full[SAVE_AT:SAVE_AT + 2]
-    # (layout, resumed from, steps to, saves at, the layout change it reports)
-    chain = [((), saved, 19, 18, "ep 2 -> None"), (EP2, None, 20, 0, "ep None -> 2")]
+    # (layout, resumed from, its first step, steps to, saves at, the layout change it reports)
+    chain = [((), saved, SAVE_AT, 19, 18, "ep 2 -> None"), (EP2, None, 18, 20, 0, "ep None -> 2")]
     previous = None
-    for i, (layout, start, stop, every, change) in enumerate(chain):
-        start = start or store.step_dir(previous, 18)
+    for i, (layout, start, first, stop, every, change) in enumerate(chain):
+        start = start or store.step_dir(previous, first)
         stdout = train_in_ranks(tmp_path / f"link{i}", [*PARITY, *MOE_TWO_LAYERS, *run, *layout, f"train.resume={start}",
                                                        f"train.max_steps={stop}", f"checkpoint.every={every}"])
         assert "layout changed since the checkpoint" in stdout and change in stdout, stdout[-2000:]
         rows = read_metrics(tmp_path / f"link{i}")
-        first = rows[0]["step"]
         assert [r["step"] for r in rows] == list(range(first, stop)) and stop - first >= 2
         got = [r["loss"] for r in rows]
         worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref[first:stop]))

@@ -37,7 +37,7 @@ def case(tp, pp, dp, zero=0, model=(), extra=(), slow=True, id=None):
 # Layouts of at most two stages train TWO_LAYERS (tests/support/runs.py), the deeper ones 4 or 8 layers.
 # One case per mechanism this file is the proof of; where another file trains a layout against the
 # same reference (20 steps, relative 1e-5), it is not trained again here:
-# - tp without sp, tp2 x pp2 x dp2 with ZeRO-0 (the default layout, dozens of buckets):
+# - tp without sp, tp2 x pp2 x dp2 with ZeRO-0 (the default layout, several buckets a rank):
 #   tests/multirank/test_eval.py's test_val_loss_tp2_pp2_dp2 (its evaluations leave training
 #   untouched, as its first test shows); tp4 with sp: tests/multirank/test_train_tp.py (tp4 without
 #   sp, layer by layer: tests/multirank/test_tensor_model.py);

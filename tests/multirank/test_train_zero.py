@@ -13,9 +13,9 @@ import pytest
 from tests.support.runs import (PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, read_metrics, reference_losses,
                                 train_in_ranks)
 
-SMALL_BUCKETS = "parallel.bucket_mb=0.05"  # ~13k fp32 elements: dozens of buckets on the tiny model
+SMALL_BUCKETS = "parallel.bucket_mb=0.05"  # ~13k fp32 elements: several buckets a rank on the tiny model
 # One run per stage where no other file trains it against the same reference (20 steps, relative
-# 1e-5): ZeRO-0 over dp with dozens of buckets is tests/multirank/test_eval.py's tp2 x pp2 x dp2 run
+# 1e-5): ZeRO-0 over dp in several buckets is tests/multirank/test_eval.py's tp2 x pp2 x dp2 run
 # (SMALL_BUCKETS there); ZeRO-1 with the all-reduce gloo's auto picks trains in every ZeRO-1 case of
 # tests/multirank/test_parity_matrix.py; ZeRO-3 over dp2 in tests/multirank/
 # test_document_mask_parity.py's dp2-z3 (the document mask beside it), over cp in

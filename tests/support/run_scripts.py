@@ -25,17 +25,19 @@ from typing import List, Optional, Sequence
 
 def run_as_main(target: str, args) -> None:
     """Run ``target`` (a script's path, or ``-m MODULE``) with ``args`` as ``python`` runs it:
-    as ``__main__``, ``sys.argv`` set, a script's folder first on ``sys.path`` (tool_args.py too)."""
+    as ``__main__``, ``sys.argv`` set, a script's folder first on ``sys.path`` (tool_args.py too);
+    ``sys.path`` as it was after."""
     module = target[3:] if target.startswith("-m ") else None
     sys.argv = [module or target, *args]
-    if module:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-        return
-    sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+    path = sys.path[:]  # a script may put its own folder first too (tools/prepare_data.py does)
     try:
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            return
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
         runpy.run_path(target, run_name="__main__")
     finally:
-        sys.path.pop(0)
+        sys.path[:] = path
 
 
 def run(target: str, args) -> dict:

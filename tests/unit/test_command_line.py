@@ -65,7 +65,7 @@ def test_a_command_line_refusal_is_one_line_with_exit_2_and_a_suggestion(case, r
     assert out["code"] == 2 and len(lines) == 1, (out["code"], out["stderr"])
     assert lines[0].startswith("trainer3d: config error: ") and "HYDRA_FULL_ERROR" not in out["stderr"]
     assert wanted in lines[0]
-    assert not (cwd / "outputs").exists()  # each refused before Hydra made a run directory
+    assert not (cwd / "outputs").exists()  # no run directory but the one a case names (hydra.run.dir=)
     assert "Traceback" not in out["stderr"] + out["stdout"]
     run_dir = next((a.split("=", 1)[1] for a in REFUSALS[case][0] if a.startswith("hydra.run.dir=")), None)
     assert run_dir is None or not (cwd / run_dir / "submitit").exists(), "nothing may be launched for a refused config"

@@ -229,15 +229,17 @@ def block_thread_ms(rounds: int, reps: int = 50) -> dict:
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    cfg = ModelConfig(dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=HEADS, ffn_dim=SWIGLU, vocab_size=VOCAB,
-                      max_seq_len=SEQ)
-    # The gradient from above as a block meets it in a model (dense, not ``sum()``'s expanded one).
-    blocks = {"trainer3d": (Block(cfg), torch.randn(SEQ, MICRO, DIM, requires_grad=True),  # sequence-first
-                            torch.randn(SEQ, MICRO, DIM)),
-              "gpt2": (gpt2_model().h[0], torch.randn(MICRO, SEQ, DIM, requires_grad=True), torch.randn(MICRO, SEQ, DIM))}
-    best = {name: float("inf") for name in blocks}
     try:
+        with torch.random.fork_rng(devices=[]):  # the bench's seed; its caller's generator is left as it was
+            torch.manual_seed(0)
+            cfg = ModelConfig(dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=HEADS, ffn_dim=SWIGLU,
+                              vocab_size=VOCAB, max_seq_len=SEQ)
+            # The gradient from above as a block meets it in a model (dense, not ``sum()``'s expanded one).
+            blocks = {"trainer3d": (Block(cfg), torch.randn(SEQ, MICRO, DIM, requires_grad=True),  # sequence-first
+                                    torch.randn(SEQ, MICRO, DIM)),
+                      "gpt2": (gpt2_model().h[0], torch.randn(MICRO, SEQ, DIM, requires_grad=True),
+                               torch.randn(MICRO, SEQ, DIM))}
+        best = {name: float("inf") for name in blocks}
         for _ in range(rounds):
             for name, (block, x, grad) in blocks.items():
                 for _ in range(reps):
