@@ -178,8 +178,10 @@ def _beating_child(directory, rank):
             time.sleep(60)
         finally:
             os._exit(0)
-    deadline = time.monotonic() + 30
-    while not (directory / f"rank{rank}").exists() and time.monotonic() < deadline:
+    # Its first record, not the file: start() creates the file before it writes, and a child
+    # killed in between leaves an empty file (CI's run of d8992d1 failed so: no record to judge).
+    reader, deadline = HeartbeatReader(directory, rank + 1), time.monotonic() + 30
+    while getattr(reader.read().get(rank), "pid", None) != pid and time.monotonic() < deadline:
         time.sleep(0.01)
     return pid
 
@@ -193,7 +195,7 @@ def test_a_killed_local_rank_is_trouble_at_once_and_named_dead(tmp_path, reaped)
     here = Watch(1, timeout_s=60, reader=HeartbeatReader(tmp_path, 1), pids_here=True)
     remote = Watch(1, timeout_s=60, reader=HeartbeatReader(tmp_path, 1))
     here.judge()
-    assert here.trouble_at is None and here.dead == {}, "alive and beating"
+    assert here.beats[0].pid == pid and here.trouble_at is None and here.dead == {}, "alive and beating"
     os.kill(pid, signal.SIGKILL)
     if reaped:
         os.waitpid(pid, 0)
