@@ -109,7 +109,10 @@ def test_low_precision_losses_identical_to_autograds_weight_gradients(tmp_path, 
                        timeout=900, pg_timeout_s=p.timeout_s)
     got = {name: train_losses(tmp_path / name) for name in ("sink", "plain")}
     assert got["sink"] == got["plain"], got
-    assert all(graphs) == sink_cfg.train.compile, f"compiled graphs per rank: {graphs}"  # compiled where asked
+    # Compiled where asked, and once: the blocks share one code and shapes, so each rank's first
+    # block's graph serves its other blocks and both runs (a forward set on each linear layer's
+    # instance, which dynamo guards by identity, recompiled every block: 8 graphs here).
+    assert graphs == [int(sink_cfg.train.compile)] * len(graphs), f"compiled graphs per rank: {graphs}"
     assert got["sink"][-1] < got["sink"][0]
 
 

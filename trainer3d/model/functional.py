@@ -265,9 +265,10 @@ class _SwiGLULinear(torch.autograd.Function):
 def swiglu_linear(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, compiled: Optional[str] = None) -> torch.Tensor:
     """``F.linear(F.silu(a) * b, weight)`` (SwiGLU's w2 applied to its gate), saving a and b only;
     ``compiled``: the gate's elementwise work compiled by that backend (module docstring)."""
-    sink = getattr(weight, SINK, None)
-    # Inside a compiled block the compiler owns the buffers (and cannot trace the sink's engine query).
-    if sink is not None and (not torch.is_grad_enabled() or not weight.requires_grad
-                             or torch.compiler.is_compiling()):
+    # Inside a compiled block the compiler owns the buffers (and cannot trace the sink's engine
+    # query); asked before the weight's sink is read, so that dynamo guards on no sink attribute
+    # and a run without the sink reuses the graph (tests/multirank/test_wgrad.py).
+    sink = None if torch.compiler.is_compiling() else getattr(weight, SINK, None)
+    if sink is not None and (not torch.is_grad_enabled() or not weight.requires_grad):
         sink = None
     return _SwiGLULinear.apply(a, b, weight, sink, compiled)

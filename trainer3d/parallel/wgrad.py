@@ -33,7 +33,6 @@ fp32 view (``.grad`` is the view), so fp32 training is unchanged. Blocks compile
 them (the head) still use the sink.
 """
 
-import functools
 from typing import Dict, Iterable, List, Optional
 
 import torch
@@ -118,27 +117,38 @@ class _LinearIntoMainGrad(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias); the weight gradient goes into its sink if it has one."""
-    sink = getattr(weight, SINK, None)
     # Inside a torch.compile'd block (train.compile) the plain path: dynamo cannot trace the
-    # backward's engine query and would split the block's graph at every projection.
-    if sink is None or not torch.is_grad_enabled() or not weight.requires_grad or torch.compiler.is_compiling():
+    # backward's engine query and would split the block's graph at every projection. Asked
+    # first, so that dynamo reads no sink attribute and guards on none (a run without the sink
+    # reuses the graph).
+    if torch.compiler.is_compiling():
+        return F.linear(x, weight)
+    sink = getattr(weight, SINK, None)
+    if sink is None or not torch.is_grad_enabled() or not weight.requires_grad:
         return F.linear(x, weight)
     return _LinearIntoMainGrad.apply(x, weight, sink)
 
 
-def _plain_linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, module.weight)
+class RoutedLinear(nn.Linear):
+    """A bias-free ``nn.Linear`` that computes through ``linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
 
 
 def route_linear_layers(chunks: Iterable[nn.Module]) -> int:
     """Make the model's bias-free ``nn.Linear`` layers compute through ``linear`` (the tensor-
-    parallel layers always do); returns how many. Replaces ``forward`` on the instance, as
-    parallel/recompute.py does, so parameter names do not change."""
+    parallel layers always do); returns how many. Swaps their class for ``RoutedLinear``, so
+    parameter names do not change, and every layer keeps one forward shared by its class: a
+    ``forward`` replaced on each instance (a ``functools.partial``) is an object dynamo guards
+    on by identity, so under ``train.compile`` every block of a bf16 run recompiled, and past
+    ``torch._dynamo.config.recompile_limit`` (8) the rest ran eager
+    (tests/multirank/test_wgrad.py counts the graphs)."""
     count = 0
     for chunk in chunks:
         for module in chunk.modules():
-            if type(module) is nn.Linear and module.bias is None and not isinstance(module.forward, functools.partial):
-                module.forward = functools.partial(_plain_linear_forward, module)
+            if type(module) is nn.Linear and module.bias is None:
+                module.__class__ = RoutedLinear
                 count += 1
     return count
 
