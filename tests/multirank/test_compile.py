@@ -6,7 +6,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.support.compiled import compiled_losses_in_ranks, hooks_launched_every_bucket
-from tests.support.runs import PARITY, assert_parity, reference_losses
+from tests.support.runs import PARITY, TWO_LAYERS, assert_parity, reference_losses
 from trainer3d.config.schema import ModelConfig
 from trainer3d.launch.local_ranks import preload
 from trainer3d.model.transformer import Transformer
@@ -29,27 +29,29 @@ def test_compile_is_in_place_and_keeps_parameter_names():
 @pytest.mark.timeout(900)
 def test_compiled_tp2_pp2_zero1_sp_recompute_matches_the_uncompiled_single_process(tmp_path, session_tmp):
     """One run composes compile with TP and sequence parallelism (their collectives inside the
-    compiled block), two 1F1B pipeline stages each compiling its blocks, ZeRO-1's bucket hooks on
+    compiled block), two 1F1B pipeline stages each compiling its block, ZeRO-1's bucket hooks on
     the compiled parameters and activation checkpointing; the reference is the plain eager single
-    process (shared with the matrix). Four ranks: a dp replica would compile the same blocks
+    process of TWO_LAYERS (shared with test_recompute.py and test_eval.py), a block per stage: a
+    stage's later blocks reusing its first block's graph is the inductor case's count (one graph
+    for two blocks) and test_wgrad.py's. Four ranks: a dp replica would compile the same blocks
     again under its own tp group's name (parallel/compile.py) and prove nothing more about
     compile; ZeRO-1 sharded over two ranks under compile is test_context_parity.py's cp2 case.
     Its subject is the trace (where the collectives, the stages and the recomputation meet the
     compiled block), which aot_eager builds as inductor does (dynamo's graph, AOTAutograd's joint
     graph and partition, the hooks); inductor's lowering of that graph is the next test's."""
-    ref = reference_losses(session_tmp, PARITY)
+    ref = reference_losses(session_tmp, [*PARITY, *TWO_LAYERS])
     layout = ("parallel=single", "parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1", "parallel.sequence_parallel=true",
               "train.activation_checkpointing=true", "train.compile=true", "train.compile_backend=aot_eager")
-    got, ranks = compiled_losses_in_ranks(tmp_path, [*PARITY, *layout, "checkpoint.save_final=true"], timeout=600)
+    got, ranks = compiled_losses_in_ranks(tmp_path, [*PARITY, *TWO_LAYERS, *layout, "checkpoint.save_final=true"],
+                                          timeout=600)
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
-    # Every block has the same code and shapes: each rank traces one block's graph and reuses it
-    # for the other block of its stage, so AOTAutograd compiles one graph per rank (inductor
-    # none); and every step, the hooks of its parameters launched each of its buckets in backward.
+    # Each rank compiles its stage's block, one graph (AOTAutograd's; inductor none), and every
+    # step the hooks of its parameters launched each of its buckets in backward.
     assert [(r.graphs, r.inductor, hooks_launched_every_bucket(r, len(ref))) for r in ranks] == [(1, 0, True)] * 4, ranks
     saved = dcp.FileSystemReader(str(tmp_path / "checkpoints" / "step_00000020")).read_metadata()
     model_keys = {k for k in saved.state_dict_metadata if k.startswith("model.")}
     with torch.device("meta"):
-        expected = {f"model.{n}" for n, _ in Transformer(ModelConfig()).named_parameters()}
+        expected = {f"model.{n}" for n, _ in Transformer(ModelConfig(n_layers=2)).named_parameters()}
     assert model_keys == expected
 
 
@@ -60,11 +62,13 @@ def test_inductor_compiled_blocks_match_the_uncompiled_single_process(tmp_path, 
     C++ kernels, and the one compiled process trains the eager process's model. The suite's one
     CPU run of inductor's code on whole blocks (the compiled operators' are
     tests/unit/test_weight_grad.py's; the GPU tier's tests/gpu run it on CUDA): one process, as
-    inductor builds the same kernels on every rank of a layout."""
-    ref = reference_losses(session_tmp, PARITY)
-    got, ranks = compiled_losses_in_ranks(tmp_path, [*PARITY, "parallel=single", "train.compile=true"], timeout=600)
+    inductor builds the same kernels on every rank of a layout. TWO_LAYERS: a second block shows
+    the first one's graph reused as a third would, and its reference is shared (test_recompute.py)."""
+    ref = reference_losses(session_tmp, [*PARITY, *TWO_LAYERS])
+    got, ranks = compiled_losses_in_ranks(tmp_path, [*PARITY, *TWO_LAYERS, "parallel=single", "train.compile=true"],
+                                          timeout=600)
     print(f"worst relative loss difference {assert_parity(got, ref):.1e}")
-    # one graph for the four blocks (same code and shapes), its forward and backward built by
+    # one graph for the two blocks (same code and shapes), its forward and backward built by
     # inductor, and the hooks of the compiled parameters launched every bucket in backward
     assert [(r.graphs, r.inductor, hooks_launched_every_bucket(r, len(ref))) for r in ranks] == [(1, 2, True)], ranks
 
