@@ -161,6 +161,14 @@ def block_ops() -> Tuple[int, int]:
     class Count(TorchDispatchMode):
         calls = 0
 
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            """No: a mode that says yes has its ``__torch_dispatch__`` wrapped in
+            ``torch._disable_dynamo``, whose first call imports torch._dynamo
+            (torch/utils/_python_dispatch.py ``__init_subclass__``, torch/_compile.py): seconds
+            of CPU in a planner that compiles nothing."""
+            return False
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             Count.calls += 1
             return func(*args, **(kwargs or {}))

@@ -60,11 +60,17 @@ def torch_schedule(schedule: str, pp: int, v: int, m: int):
     return torch_class(schedule)(_fake_stages(schedule, pp, v), m, loss_fn=lambda out, target: out, scale_grads=False)
 
 
+@functools.lru_cache(maxsize=2)
 def torch_order(schedule: str, pp: int, v: int, m: int) -> dict:
     """torch's ``pipeline_order`` (every rank's actions, with its idle slots as None), from the
     schedule class's own functions run on a stand-in holding the attributes they read: the
     class's constructor would also plan every communication, which takes seconds for the
-    hundreds of micro-batches the planner tries (its refusals stay ``torch_schedule``'s)."""
+    hundreds of micro-batches the planner tries (its refusals stay ``torch_schedule``'s).
+
+    Read, never changed, by its callers: a layout's bubble (``schedule_actions``) and its
+    receive count (receive_count.py), each cached, ask for the same order one after the other
+    (trainer3d/plan/search.py ``evaluate``), so the last two orders are kept: a zero-bubble
+    order of hundreds of micro-batches is tens of thousands of torch ``_Action``s."""
     cls = torch_class(schedule)
     if schedule not in ZERO_BUBBLE:
         return torch_schedule(schedule, pp, v, m).pipeline_order
