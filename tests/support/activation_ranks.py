@@ -2,9 +2,13 @@
 
 A layout's real model chunks, optimizer, loss function and pipeline are built by the
 trainer's own recipe and driven by ``Trainer.forward_backward`` itself (the method, on a
-stand-in holding just what it reads): one warm-up step (torch's pipeline infers shapes on
-its first), then one measured step under ``SavedActivationMeter``, which counts every
-storage autograd saves for backward once while any reference to it is saved.
+stand-in holding just what it reads): one measured step under ``SavedActivationMeter``, which
+counts every storage autograd saves for backward once while any reference to it is saved. It is
+the layout's first step: torch's pipeline infers its stages' shapes there, with one
+micro-batch's forward and backward of each chunk that release what they saved before the
+schedule's first forward (torch/distributed/pipelining/stage.py ``_forward_metadata_inference``),
+under the step's peak; every layout measured the same bytes, saved and received, as it did
+after a warm-up step.
 
 Each rank returns, per layout: its pipeline rank, the peak saved bytes over the measured
 step, the bytes still saved after it (0: backward freed everything) and the most bytes its
@@ -76,8 +80,6 @@ def measure(rank: int, world: int, layouts: List[dict]) -> List[dict]:
         trainer = SimpleNamespace(pipeline=pipeline, chunks=chunks, micro_loss=micro_loss, segments=None)
         inputs, targets = _batch(cfg, dims.is_first_stage, dims.is_last_stage)
         with sdpa_kernel(kernels[layout.get("kernel", "flash")]):
-            optimizer.zero_grad()
-            Trainer.forward_backward(trainer, inputs, targets)
             meter = SavedActivationMeter([p for chunk in chunks for p in chunk.parameters()])
             optimizer.zero_grad()
             if pipeline is not None:

@@ -22,10 +22,10 @@ import torch
 from trainer3d.config.schema import Config, ModelConfig
 from tests.support.harness import dims_for
 
-# Two dense blocks around two MoE ones (first_dense_layers=1, every=2: blocks 1 and 3), one
+# A dense block before an MoE one (first_dense_layers=1, every=2: block 1), one
 # shared expert, and widths that are multiples of 4 so the CPU grouped matmul runs
 # (model/experts.py); a vocabulary tp does not divide.
-MODEL = ModelConfig(name="moe-mem", dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=61,
+MODEL = ModelConfig(name="moe-mem", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=61,
                     max_seq_len=16)
 MODEL.moe.num_experts, MODEL.moe.top_k, MODEL.moe.expert_ffn_dim = 4, 2, 24
 MODEL.moe.num_shared_experts, MODEL.moe.first_dense_layers, MODEL.moe.every = 1, 1, 2
