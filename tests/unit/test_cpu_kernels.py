@@ -194,7 +194,7 @@ def test_off_and_unbuildable_run_the_composition(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     lib = cpu_kernels.LIBRARY
     monkeypatch.setattr(cpu_kernels, "LIBRARY", Build(lib.name, lib.source, lib.flags, lib.what, lib.fallback,
-                                                      lib._load, lib.python_module, lib.unfit))
+                                                      lib._load, lib.unfit))
     monkeypatch.setattr(cpu_kernels, "_lib", cpu_kernels._lib)
     monkeypatch.setattr(cpu_kernels, "_on", True)
     x, w = torch.randn(8, 64), torch.randn(64)

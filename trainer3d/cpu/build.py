@@ -2,10 +2,10 @@
 the machine's compiler.
 
 Every C++ source of the package goes through it: the CPU kernels and the shared-memory
-barrier of this package (plain C++ with ``extern "C"`` functions, loaded with ``ctypes``) and
-ZeRO-Offload's host AdamW (parallel/zero/host_kernel.py, a torch extension module). Why
-torch's builder for all three: the AdamW kernel needs torch's headers and ``at::parallel_for``,
-which only it provides; it keeps a build per name under torch's extension directory
+barrier of this package and ZeRO-Offload's host AdamW (parallel/zero/host_kernel.py), each
+plain C++ with ``extern "C"`` functions and no torch headers (a build of seconds, where
+``<torch/extension.h>`` alone takes most of a minute), loaded with ``ctypes``. Why torch's
+builder: it keeps a build per name under torch's extension directory
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), rebuilds when a source or a
 flag changes, and holds a lock file while it builds, so the ranks of a job that start at once
 build once (DeepSpeed's op builders load their CPU ops the same way,
@@ -19,7 +19,6 @@ the callers then run torch's operators (or gloo) instead, with the same results.
 import atexit
 import ctypes
 import hashlib
-import importlib.util
 import logging
 import os
 import shutil
@@ -47,13 +46,13 @@ STAMP_NAME = "trainer3d.built"
 the library it left."""
 
 
-def build_key(source: Path, flags: List[str], ldflags: List[str], python_module: bool) -> str:
+def build_key(source: Path, flags: List[str], ldflags: List[str]) -> str:
     """What a build depends on, as a digest: the source's text, the flags, the compiler, and the
-    torch and Python it was built for (the host AdamW compiles against torch's headers). A
+    torch and Python it was built for (torch's builder adds its own flags and libraries). A
     header the source includes from the system is not in it: after a compiler or library
     upgrade that keeps the compiler's path, delete the build directory to rebuild."""
     digest = hashlib.sha256(source.read_bytes())
-    for part in (*flags, "|", *ldflags, str(python_module), str(compiler()), torch.__version__,
+    for part in (*flags, "|", *ldflags, str(compiler()), torch.__version__,
                  os.path.dirname(torch.__file__), sys.version):
         digest.update(b"\0" + part.encode())
     return digest.hexdigest()
@@ -76,16 +75,6 @@ def _built(build_dir: Path, key: str) -> Optional[str]:
     return path if found == key and Path(path).parent == build_dir and unchanged else None
 
 
-def _load_built(path: str, python_module: bool) -> Any:
-    """What ``cpp_extension.load`` returns for a library it built: the module, else the path."""
-    if not python_module:
-        return path
-    spec = importlib.util.spec_from_file_location(Path(path).name.split(".")[0], path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def build_directory(name: str) -> Path:
     """Where ``name`` is built: the directory torch's builder would choose
     (torch/utils/cpp_extension.py ``_get_build_directory``: ``TORCH_EXTENSIONS_DIR``, else a
@@ -105,9 +94,8 @@ def build_directory(name: str) -> Path:
     return Path(root) / name
 
 
-def cpp_extension_load(name: str, source: Path, flags: List[str], python_module: bool) -> Any:
-    """``torch.utils.cpp_extension.load`` of one source: the module (``python_module``), else
-    the path of the shared library it built and loaded.
+def cpp_extension_load(name: str, source: Path, flags: List[str]) -> str:
+    """``torch.utils.cpp_extension.load`` of one source: the path of the shared library it built.
 
     A build this machine finished already is loaded straight from its directory: torch's
     ``load`` in a fresh process rewrites its ninja file and starts the compiler and ninja to find
@@ -116,7 +104,7 @@ def cpp_extension_load(name: str, source: Path, flags: List[str], python_module:
     if compiler() is None:
         raise RuntimeError("no C++ compiler (c++ or $CXX) on PATH")
     ldflags = ["-fopenmp"] if "-fopenmp" in flags else []
-    key = build_key(source, flags, ldflags, python_module)
+    key = build_key(source, flags, ldflags)
     build_dir = build_directory(name)
     build_dir.mkdir(parents=True, exist_ok=True)
     why = build_dir_unsafe(build_dir)
@@ -131,20 +119,19 @@ def cpp_extension_load(name: str, source: Path, flags: List[str], python_module:
     with build_lock(build_dir, shared=True):  # no builder replaces the library while it loads
         built = _built(build_dir, key)
         if built:
-            return _load_built(built, python_module)
+            return built
     with build_lock(build_dir):
-        return _build(name, source, flags, ldflags, python_module, build_dir, key)
+        return _build(name, source, flags, ldflags, build_dir, key)
 
 
-def _build(name: str, source: Path, flags: List[str], ldflags: List[str], python_module: bool,
-           build_dir: Path, key: str) -> Any:
+def _build(name: str, source: Path, flags: List[str], ldflags: List[str], build_dir: Path, key: str) -> str:
     """``cpp_extension.load`` under the build lock, and the stamp of what it built."""
     # Here, not at the top: torch's builder imports setuptools, which only a build needs.
     from torch.utils import cpp_extension
 
     built = _built(build_dir, key)  # by another process while this one waited for the lock
     if built:
-        return _load_built(built, python_module)
+        return built
     (build_dir / STAMP_NAME).unlink(missing_ok=True)
     # ninja (a dependency) installs its binary beside this interpreter, which a venv used
     # without activating has off PATH; torch's build looks for it on PATH.
@@ -153,32 +140,29 @@ def _build(name: str, source: Path, flags: List[str], ldflags: List[str], python
     if shutil.which("ninja") is None and scripts:
         os.environ["PATH"] = scripts + os.pathsep + path
     try:
-        loaded = cpp_extension.load(name, [str(source)], extra_cflags=flags, extra_ldflags=ldflags,
-                                    build_directory=str(build_dir), is_python_module=python_module,
-                                    verbose=False)
+        library = cpp_extension.load(name, [str(source)], extra_cflags=flags, extra_ldflags=ldflags,
+                                     build_directory=str(build_dir), is_python_module=False, verbose=False)
     finally:
         os.environ["PATH"] = path
     stamp = build_dir / f"{STAMP_NAME}.{os.getpid()}"
-    library = loaded.__file__ if python_module else loaded
     stamp.write_text(f"{key}\n{library}\n{_identity(library)}")
     os.replace(stamp, build_dir / STAMP_NAME)  # whole or absent to a reader
-    return loaded
+    return library
 
 
 class Build:
     """One source built once per process (and cached across processes), or None after one
     logged line saying why and what runs instead (``fallback``).
 
-    ``load`` turns the built module or library path into what callers use, and raises where
+    ``load`` turns the built library's path into what callers use, and raises where
     it is unfit (an ABI that does not match this module, a CPU the kernel was not written for);
     ``unfit``, asked before building, says why this machine cannot use it at all, or None.
     """
 
     def __init__(self, name: str, source: Path, flags: List[str], what: str, fallback: str,
-                 load: Callable[[Any], Any], python_module: bool = False,
-                 unfit: Optional[Callable[[], Optional[str]]] = None):
+                 load: Callable[[str], Any], unfit: Optional[Callable[[], Optional[str]]] = None):
         self.name, self.source, self.flags = name, source, list(flags)
-        self.what, self.fallback, self._load, self.python_module = what, fallback, load, python_module
+        self.what, self.fallback, self._load = what, fallback, load
         self.unfit = unfit
         self._value: Optional[Any] = None
         self._tried = False
@@ -190,7 +174,7 @@ class Build:
                 why = self.unfit() if self.unfit is not None else None
                 if why:
                     raise RuntimeError(why)
-                self._value = self._load(cpp_extension_load(self.name, self.source, self.flags, self.python_module))
+                self._value = self._load(cpp_extension_load(self.name, self.source, self.flags))
             except Exception as e:  # any build or load failure leaves the caller's fall-back in place
                 first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 log.warning("%s: %s: %s; %s", self.what, type(e).__name__, first, self.fallback)

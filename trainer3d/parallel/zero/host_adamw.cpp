@@ -18,17 +18,15 @@
 // threads split the runs' total length, the loop body is unrolled twice so that two independent
 // sqrt/div chains are in flight, and it prefetches its four streams ahead of the hardware.
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <optional>
-#include <string>
 #include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -206,61 +204,67 @@ constexpr int64_t kUnit = 16;
 // Units (of kUnit elements) per thread at least: a small state is not worth waking the pool.
 constexpr int64_t kGrain = 4096;
 
-// at::parallel_for's region runs on the OpenMP runtime this extension links (built with
-// -fopenmp: without it the region is serial), whose thread count torch.set_num_threads does not
-// reach: give it torch's, so ranks sharing a node's cores keep their share.
-void use_torchs_thread_count() {
+// at::parallel_for's split (ATen/ParallelOpenMP.h) without torch's headers: [0, total) in at most
+// ``threads`` contiguous chunks of ``grain`` or more, one per thread of an OpenMP region (serial
+// without -fopenmp). The threads are torch's count, passed in: the OpenMP runtime's own default
+// is every core, which ranks sharing a node's cores must not each take.
+template <typename F>
+void parallel_for(int64_t total, int64_t grain, int threads, const F& f) {
+  if (total <= 0) return;
+  const int64_t parts = std::min<int64_t>(std::max(threads, 1), (total + grain - 1) / grain);
 #ifdef _OPENMP
-  omp_set_num_threads(static_cast<int>(at::get_num_threads()));
+  if (parts > 1 && !omp_in_parallel()) {
+#pragma omp parallel num_threads(static_cast<int>(parts))
+    {
+      const int64_t granted = omp_get_num_threads();  // the runtime may give fewer than asked
+      const int64_t chunk = (total + granted - 1) / granted;
+      const int64_t begin = omp_get_thread_num() * chunk;
+      if (begin < total) f(begin, std::min(total, begin + chunk));
+    }
+    return;
+  }
 #endif
+  f(0, total);
 }
 
 }  // namespace
 
-// How many threads one at::parallel_for of this extension runs on (tests hold it to torch's).
-int64_t parallel_threads() {
-  use_torchs_thread_count();
+// A plain C interface, loaded with ctypes (trainer3d/parallel/zero/host_kernel.py checks the
+// arguments): no torch headers, so the build takes a second or two, not the minute
+// <torch/extension.h> costs.
+extern "C" {
+
+int t3d_host_adamw_abi() { return 1; }
+
+// The widest vector path this CPU runs: 0 scalar, 1 AVX2, 2 AVX-512.
+int t3d_host_adamw_isa() { return static_cast<int>(best_isa()); }
+
+// How many chunks one parallel_for of this library runs on ``threads`` (tests hold it to torch's count).
+int64_t t3d_host_adamw_parallel_threads(int threads) {
   std::atomic<int64_t> tasks{0};
-  at::parallel_for(0, int64_t{1} << 20, 1, [&](int64_t, int64_t) { tasks.fetch_add(1); });
+  parallel_for(int64_t{1} << 20, 1, threads, [&](int64_t, int64_t) { tasks.fetch_add(1); });
   return tasks.load();
 }
 
-// AdamW on the runs [start, end) of the flat fp32 buffers, in place. ``runs``: int64 [k, 3] of
-// (start, end, decays); ``step``: the step counter torch's kernel reads (already advanced);
-// ``grad_scale``: divides the gradients (stored back); ``found_inf``: 1 skips the step, as
-// torch's kernel does. ``isa``: -1 the best this CPU has, else 0 scalar, 1 AVX2, 2 AVX-512.
-void adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
-                torch::Tensor runs, torch::Tensor step, double lr, double beta1, double beta2, double weight_decay,
-                double eps, std::optional<torch::Tensor> grad_scale, std::optional<torch::Tensor> found_inf,
-                int64_t isa) {
-  for (const auto* t : {&param, &grad, &exp_avg, &exp_avg_sq}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat32 && t->is_contiguous(),
-                "host AdamW: the state must be contiguous fp32 host tensors");
-    TORCH_CHECK(t->numel() == param.numel(), "host AdamW: the state tensors differ in length");
-  }
-  TORCH_CHECK(runs.scalar_type() == torch::kInt64 && runs.dim() == 2 && runs.size(1) == 3 && runs.is_contiguous(),
-              "host AdamW: runs must be a contiguous int64 [k, 3] tensor");
-  if (found_inf.has_value() && found_inf->data_ptr<float>()[0] == 1.0f) return;
-  const Isa use = isa < 0 ? best_isa() : static_cast<Isa>(std::min<int64_t>(isa, static_cast<int64_t>(best_isa())));
-  const double step_value = step.item<float>();
-  const float* scale = grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
-  const Coeffs decayed = coeffs(lr, beta1, beta2, weight_decay, eps, step_value, scale);
-  const Coeffs plain = coeffs(lr, beta1, beta2, 0.0, eps, step_value, scale);
-
-  const int64_t k = runs.size(0);
-  const int64_t* r = runs.data_ptr<int64_t>();
+// AdamW on the runs of the flat fp32 buffers p, g, m, v (``numel`` elements each), in place.
+// ``runs``: k rows of (start, end, decays); ``step``: the step counter torch's kernel reads
+// (already advanced); ``grad_scale`` (or null): divides the gradients (stored back);
+// ``found_inf`` (or null): 1 skips the step, as torch's kernel does. ``isa``: -1 the best this
+// CPU has, else 0 scalar, 1 AVX2, 2 AVX-512. Returns 0, or -1 where a run lies outside the buffers.
+int t3d_host_adamw_step(float* p, float* g, float* m, float* v, int64_t numel, const int64_t* r, int64_t k,
+                        double step, double lr, double beta1, double beta2, double weight_decay, double eps,
+                        const float* grad_scale, const float* found_inf, int isa, int threads) {
   std::vector<int64_t> first_unit(k + 1, 0);  // run i covers units [first_unit[i], first_unit[i + 1])
   for (int64_t i = 0; i < k; ++i) {
-    TORCH_CHECK(0 <= r[3 * i] && r[3 * i] <= r[3 * i + 1] && r[3 * i + 1] <= param.numel(),
-                "host AdamW: a run lies outside the state");
+    if (!(0 <= r[3 * i] && r[3 * i] <= r[3 * i + 1] && r[3 * i + 1] <= numel)) return -1;
     first_unit[i + 1] = first_unit[i] + (r[3 * i + 1] - r[3 * i] + kUnit - 1) / kUnit;
   }
-  use_torchs_thread_count();
-  float* p = param.data_ptr<float>();
-  float* g = grad.data_ptr<float>();
-  float* m = exp_avg.data_ptr<float>();
-  float* v = exp_avg_sq.data_ptr<float>();
-  at::parallel_for(0, first_unit[k], kGrain, [&](int64_t begin, int64_t end) {
+  if (found_inf != nullptr && found_inf[0] == 1.0f) return 0;
+  const Isa best = best_isa();
+  const Isa use = isa < 0 ? best : static_cast<Isa>(std::min(isa, static_cast<int>(best)));
+  const Coeffs decayed = coeffs(lr, beta1, beta2, weight_decay, eps, step, grad_scale);
+  const Coeffs plain = coeffs(lr, beta1, beta2, 0.0, eps, step, grad_scale);
+  parallel_for(first_unit[k], kGrain, threads, [&](int64_t begin, int64_t end) {
     int64_t i = std::upper_bound(first_unit.begin(), first_unit.end(), begin) - first_unit.begin() - 1;
     for (; i < k && first_unit[i] < end; ++i) {
       const int64_t start = r[3 * i], stop = r[3 * i + 1];
@@ -273,18 +277,7 @@ void adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, 
       for (int64_t j = std::max(lo, vector_end); j < hi; ++j) tail_element(p + j, g + j, m + j, v + j, c);
     }
   });
+  return 0;
 }
 
-std::string isa_name() {
-  switch (best_isa()) {
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx2: return "avx2";
-    default: return "scalar";
-  }
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("adamw_step", &adamw_step, "AdamW on runs of flat fp32 host buffers, bit for bit torch's fused CPU kernel");
-  module.def("isa", &isa_name, "The widest vector path this CPU runs");
-  module.def("parallel_threads", &parallel_threads, "Threads of one at::parallel_for here");
-}
+}  // extern "C"
