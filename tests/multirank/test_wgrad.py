@@ -91,7 +91,8 @@ LAYOUTS = [
                   "train.global_batch_size=8"], id="fp16-dp2-zero1-clip"),
     # compiled blocks: autograd's path, through AOTAutograd's graphs (aot_eager: the trace is the
     # subject, the same in both runs; inductor's code is test_compile.py's)
-    pytest.param(["train.dtype=bf16", "train.compile=true", "train.compile_backend=aot_eager"], id="bf16-compile"),
+    pytest.param(["train.dtype=bf16", "train.compile=true", "train.compile_backend=aot_eager",
+                  "train.activation_checkpointing=true"], id="bf16-compile-recompute"),
 ]
 
 

@@ -8,7 +8,7 @@ constructor, which a checkpoint's pieces are not: trainer3d/parallel/compile.py 
 trainer3d/checkpoint/state.py ``Pieces``);
 torch.distributed.checkpoint, torch.distributed.tensor and torch.distributed.fsdp import sympy,
 which only a save, a load or ZeRO-2/3 needs (docs/performance.md, "A process's start and
-exit"). The ranks ``--calibrate`` spawns import torch alone (trainer3d/plan/calibrate_ranks.py)."""
+exit"). The ranks ``--calibrate`` starts fork from a server that imported torch alone (trainer3d/plan/calibrate_ranks.py)."""
 
 import json
 import os

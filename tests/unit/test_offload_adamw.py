@@ -154,9 +154,10 @@ def test_host_step_with_the_kernel_is_the_host_step_with_torchs():
 
 
 def test_compiled_kernel_runs_on_torchs_threads():
-    """The kernel's at::parallel_for is an OpenMP region compiled into the extension: serial
-    unless built with -fopenmp, and on torch's thread count (``torch.set_num_threads``), which
-    the extension's own OpenMP runtime does not see by itself."""
+    """The kernel's split over the cores is an OpenMP region of its library: serial unless built
+    with -fopenmp, and on torch's thread count (``torch.set_num_threads``), which the library's
+    OpenMP runtime does not see by itself: the step and this count take it from one place
+    (host_kernel.py ``_threads``)."""
     kernel = _kernel()
     before = torch.get_num_threads()
     try:

@@ -83,7 +83,9 @@ def _context():
     """The forkserver the ranks fork from, started on first use. A process has one forkserver,
     and the modules it preloads are those named before it starts: where one runs already
     (trainer3d/launch/local_ranks.py's, which has the engine imported), the ranks fork from
-    that one and import this module as they unpickle their function."""
+    that one and import this module as they unpickle their function. The other order, this
+    server first and local_ranks' ranks later in the same process, leaves those ranks a server
+    without the engine imported: they import it as they start (slower, no different)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
     return ctx

@@ -41,7 +41,13 @@ _SIGNATURES = {
 }
 
 
-class HostAdamW:
+def _threads() -> int:
+    """The threads a step splits over: torch's intra-op count (``torch.set_num_threads``), which
+    the library's OpenMP runtime does not see by itself."""
+    return torch.get_num_threads()
+
+
+class HostAdamWKernel:
     """The built library: AdamW on runs of flat fp32 host buffers, bit for bit torch's fused CPU
     kernel; what the library cannot see (devices, dtypes, lengths) is checked here."""
 
@@ -54,7 +60,7 @@ class HostAdamW:
 
     def parallel_threads(self) -> int:
         """Threads one split of the kernel runs on (torch's intra-op count)."""
-        return self._lib.t3d_host_adamw_parallel_threads(torch.get_num_threads())
+        return self._lib.t3d_host_adamw_parallel_threads(_threads())
 
     def adamw_step(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                    runs: torch.Tensor, step: torch.Tensor, lr: float, beta1: float, beta2: float,
@@ -79,12 +85,12 @@ class HostAdamW:
             scalars.append(None if t is None else t.data_ptr())
         if self._lib.t3d_host_adamw_step(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
                                          exp_avg_sq.data_ptr(), n, runs.data_ptr(), runs.size(0), step.item(), lr,
-                                         beta1, beta2, weight_decay, eps, *scalars, isa, torch.get_num_threads()):
+                                         beta1, beta2, weight_decay, eps, *scalars, isa, _threads()):
             raise ValueError("host AdamW: a run lies outside the state")
 
 
-def _vector_kernel(path: str) -> HostAdamW:
-    kernel = HostAdamW(c_library("t3d_host_adamw_abi", ABI, _SIGNATURES)(path))
+def _vector_kernel(path: str) -> HostAdamWKernel:
+    kernel = HostAdamWKernel(c_library("t3d_host_adamw_abi", ABI, _SIGNATURES)(path))
     if kernel.isa() == "scalar":
         raise RuntimeError("the CPU has neither AVX-512 nor AVX2 with FMA")
     return kernel
@@ -99,7 +105,7 @@ BUILD = Build(NAME, SOURCE, FLAGS, "host AdamW", "running torch's fused CPU kern
               _vector_kernel, unfit=_not_x86)
 
 
-def host_kernel() -> Optional[HostAdamW]:
+def host_kernel() -> Optional[HostAdamWKernel]:
     """The compiled kernel, built once per process (and cached across processes); None where it
     cannot be built, after one logged line saying why and that torch's kernel runs instead."""
     return BUILD.get()

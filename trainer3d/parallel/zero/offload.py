@@ -57,7 +57,7 @@ def host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Te
 def contiguous_runs(segments: Sequence[Segment], decay: Sequence[bool]) -> List[Tuple[int, int, bool]]:
     """(start, end, decay) ranges of the owned-state buffers: neighbouring segments with the same
     weight decay merged into one. The fused kernel then gets a few long tensors, which it splits
-    over the cores itself (at::parallel_for in cache-line multiples), instead of one call of
+    over the cores itself (in cache-line multiples, host_adamw.cpp), instead of one call of
     overhead per parameter."""
     runs: List[Tuple[int, int, bool]] = []
     for s, d in zip(segments, decay):
