@@ -132,6 +132,35 @@ def test_compiled_kernel_is_torch_fused_adamw_bit_for_bit(beta1):
                 assert torch.equal(a, b), f"isa {isa} step {step}: {name} differs at {(a != b).nonzero()[:5].tolist()}"
 
 
+def test_compiled_kernel_refuses_what_it_cannot_read_and_writes_nothing():
+    """The library reads raw pointers, so its wrapper refuses first: a state tensor off the host
+    (a device's scalar here: the meta device, as a GPU's would be), of another dtype or length,
+    not contiguous, a divisor that is not one host fp32 value, a run past the buffers (the
+    library's own check, before it writes)."""
+    kernel = _kernel()
+    n = 64
+    state = [torch.randn(n) for _ in range(4)]
+    before = [t.clone() for t in state]
+    runs, step = run_table([(0, n, True)]), torch.ones(())
+
+    def step_with(*tensors, runs=runs, grad_scale=None):
+        kernel.adamw_step(*tensors, runs, step, CFG.lr, 0.9, CFG.beta2, CFG.weight_decay, CFG.eps, grad_scale, None, -1)
+
+    cases = [
+        (lambda: step_with(state[0].double(), *state[1:]), "contiguous fp32 host tensors"),
+        (lambda: step_with(state[0], torch.randn(2 * n)[::2], *state[2:]), "contiguous fp32 host tensors"),
+        (lambda: step_with(state[0], torch.randn(n + 1), *state[2:]), "differ in length"),
+        (lambda: step_with(*state, grad_scale=torch.ones(1, device="meta")), "grad_scale must be one fp32 host value"),
+        (lambda: step_with(*state, runs=run_table([(0, n + 16, True)])), "a run lies outside the state"),
+        (lambda: step_with(*state, runs=run_table([(0, n, True)]).int()), "runs must be a contiguous int64"),
+    ]
+    for call, words in cases:
+        with pytest.raises(ValueError, match=words):
+            call()
+    for a, b in zip(state, before):
+        assert torch.equal(a, b), "a refused step wrote into the state"
+
+
 def test_host_step_with_the_kernel_is_the_host_step_with_torchs():
     """HostAdamW through the compiled kernel and through torch's kernel (the fallback): the same
     bits in the masters, moments and the cast parameters, and the same step counter, through a
