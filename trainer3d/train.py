@@ -5,7 +5,9 @@ it (``model.init_from``: the model section from a Hugging Face config.json), val
 in this process — a refused config exits with status 2 and one line per problem, before
 any rank starts, as overrides Hydra cannot compose do (trainer3d/config/command_line.py) — checks the machine, the memory, the data and the run dirs the same way
 (trainer3d/preflight/), and hands it to the launcher (trainer3d/launch/; in place, the rank's
-body: trainer3d/rank/task.py).
+task: trainer3d/rank/task.py). This process imports torch only where a check asks it (the GPU
+count, the memory estimate, a checkpoint's metadata, the dry run, ``model.init_from``):
+tests/unit/test_import_cost.py.
 """
 
 import os
@@ -26,10 +28,8 @@ from trainer3d.config.help import print_help, wants_help
 from trainer3d.config.knobs import path_problems, unknown_keys
 from trainer3d.config.schema import Config  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.config.validate import ConfigError, validate
-from trainer3d.hf.check import apply_init_from
 from trainer3d.launch.local import launch_local
 from trainer3d.launch.slurm import check_run_dir_free, launch_slurm
-from trainer3d.memory.dry_run import print_plan
 from trainer3d.preflight.refusal import refused_before_launch, report
 from trainer3d.preflight.rundir import write_record
 from trainer3d.rank.resume import remember_command
@@ -118,6 +118,7 @@ def run(cfg: Config, explicit_model: Sequence[str] = (), given: Optional[Set[str
         if path_problems(cfg):  # before init_from, the resume check or any rank opens one
             raise ConfigError(path_problems(cfg))
         if cfg.model.init_from:
+            from trainer3d.hf.check import apply_init_from  # imports torch (hf/mapping.py): init_from runs only
             cfg = apply_init_from(cfg, explicit_model)
         cfg = validate(cfg, allocation_world_size(cfg))
         if unpinned_run_dir(cfg):
@@ -128,6 +129,7 @@ def run(cfg: Config, explicit_model: Sequence[str] = (), given: Optional[Set[str
     if not check_resume(cfg):
         return 2
     if cfg.dry_run:
+        from trainer3d.memory.dry_run import print_plan  # builds the model on the meta device: imports torch
         print_plan(cfg, defaults_block(cfg, given))
         try:  # the record of what was planned, unless another run owns the run dir (its record stays)
             RunDirLock.for_run(cfg).check_free()

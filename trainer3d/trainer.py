@@ -77,7 +77,7 @@ class Trainer:
         self.stop_signal = StopSignal()
         self.stopped: Optional[Stop] = None
         self.heartbeat = None
-        """Set by the rank's body (trainer3d/rank/task.py, trainer3d/rank/heartbeat.py): told the steps completed at each step boundary."""
+        """Set by the rank's body (trainer3d/rank/body.py, trainer3d/rank/heartbeat.py): told the steps completed at each step boundary."""
         self.warm_step: Optional[int] = None
         """The step after the first evaluation (None before it): it waits up to the start-up timeout."""
         t = cfg.train

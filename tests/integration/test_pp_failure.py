@@ -22,7 +22,7 @@ from tests.conftest import CONF_DIR
 from tests.support.runs import PARITY
 from trainer3d.launch.follow import follow
 from trainer3d.rank.heartbeat import Heartbeat, heartbeat_dir
-from trainer3d.rank.task import run_rank
+from trainer3d.rank.body import run_rank
 from trainer3d.parallel.pipeline.schedule import Pipeline
 from trainer3d.config.validate import validate
 

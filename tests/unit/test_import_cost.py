@@ -8,7 +8,12 @@ constructor, which a checkpoint's pieces are not: trainer3d/parallel/compile.py 
 trainer3d/checkpoint/state.py ``Pieces``);
 torch.distributed.checkpoint, torch.distributed.tensor and torch.distributed.fsdp import sympy,
 which only a save, a load or ZeRO-2/3 needs (docs/performance.md, "A process's start and
-exit"). The ranks ``--calibrate`` starts fork from a server that imported torch alone (trainer3d/plan/calibrate_ranks.py)."""
+exit"). The ranks ``--calibrate`` starts fork from a server that imported torch alone (trainer3d/plan/calibrate_ranks.py).
+The submitting process imports torch (2-3 s of CPU) only in the checks that ask it, where they
+run: the GPU count of a ``train.device=auto`` run, the memory estimate's block on the meta
+device, a checkpoint's metadata pickle, ``dry_run``, ``model.init_from``. Composing and
+validating the config, ``--help``, a refusal, the device rules of a CPU run, the data and
+run-dir checks and the submission itself import none."""
 
 import json
 import os
@@ -26,7 +31,8 @@ ranks = loaded(["trainer3d.plan.calibrate", "trainer3d.plan.search", "trainer3d.
 import trainer3d.train
 import trainer3d.rank.task
 entry = loaded(["torch._dynamo", "torch._inductor", "torch.distributed.pipelining", "sympy", "torch.distributed.tensor",
-                "torch.distributed.checkpoint", "torch.distributed.fsdp", "trainer3d.trainer", "trainer3d.plan.search"])
+                "torch.distributed.checkpoint", "torch.distributed.fsdp", "trainer3d.rank.body", "trainer3d.trainer",
+                "trainer3d.plan.search"])
 import torch
 from trainer3d.config.schema import ModelConfig, MoEConfig
 from trainer3d.model.transformer import Transformer
@@ -43,7 +49,7 @@ with tempfile.TemporaryDirectory() as tmp:  # a save of one rank's pieces
     dcp.save({"w": PieceMaker()(torch.zeros(6), (2, 3), None, 0, 6)}, checkpoint_id=f"{tmp}/checkpoint")
     dist.destroy_process_group()
 save = loaded(["torch._dynamo"])
-import trainer3d.trainer
+import trainer3d.rank.body
 loop = loaded(["jinja2", "tokenizers"])
 import atexit, gc
 trainer3d.rank.task.skip_exit_collection()
@@ -55,9 +61,10 @@ print(json.dumps({"ranks": ranks, "entry": entry, "save": save, "loop": loop,
 
 
 def test_a_rank_and_the_launcher_import_no_compiler_or_pipelining():
-    """Nor does either import DCP, DTensor or FSDP2 (which bring sympy), the loop or the
-    planner's search: a rank imports those as it runs (trainer3d/rank/task.py ``run_rank``), DCP
-    where a checkpoint is saved or read, FSDP2 for ZeRO-2/3. Building a model on the meta
+    """Nor does either import DCP, DTensor or FSDP2 (which bring sympy), the rank's body, the
+    loop or the planner's search: a rank imports those as it runs (trainer3d/rank/task.py
+    ``TrainTask``, trainer3d/rank/body.py), DCP where a checkpoint is saved or read, FSDP2 for
+    ZeRO-2/3. Building a model on the meta
     device (every rank, the memory estimate), a mixture of experts too, imports no
     torch._dynamo, nor does a save of a checkpoint's pieces; the loop imports no chat
     template or tokenizer library (only data=chat_sample uses them). At exit, once the exit
@@ -68,3 +75,35 @@ def test_a_rank_and_the_launcher_import_no_compiler_or_pipelining():
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.splitlines()[-1])
     assert found == {"ranks": [], "entry": [], "save": [], "loop": [], "frozen": [0, True]}, found
+
+
+_LAUNCHER = """
+import json, runpy, sys
+import cloudpickle
+import trainer3d.train, trainer3d.launch.local, trainer3d.launch.slurm, trainer3d.launch.follow, trainer3d.launch.sweep
+from trainer3d.config.schema import Config
+from trainer3d.rank.task import TrainTask
+cloudpickle.dumps(TrainTask(Config()))  # as submitit pickles the task: by reference to its module
+sys.argv = ["trainer3d.train", *sys.argv[1:]]
+try:
+    runpy.run_module("trainer3d.train", run_name="__main__")
+except SystemExit as stop:
+    status = stop.code
+print(json.dumps({"status": status, "torch": sorted(m for m in sys.modules if m.split(".")[0] == "torch")}))
+"""
+
+
+def test_the_submitting_process_imports_no_torch(tmp_path):
+    """The entry point's own work on a fresh CPU run, in one interpreter: the launcher's modules,
+    the pickled ``TrainTask`` (trainer3d/rank/task.py), then ``python -m trainer3d.train`` composing,
+    resolving and validating the config, choosing the checkpoint to resume (none yet), checking
+    the devices and the data, which refuses the run (a vocabulary the model cannot embed): no
+    module of torch is imported on the way (the memory estimate, which builds on the meta
+    device, is off here: trainer3d/preflight/refusal.py ``estimate_problems``)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    args = ["train.device=cpu", "launcher.check_memory=false", "model.vocab_size=16", f"hydra.run.dir={tmp_path}/run"]
+    proc = subprocess.run([sys.executable, "-c", _LAUNCHER, *args], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "data error: " in proc.stderr and "model.vocab_size=16" in proc.stderr, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"status": 2, "torch": []}

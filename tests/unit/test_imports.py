@@ -27,9 +27,17 @@ DEFERRED = {
     "every rank's start: only data.document_mask on CUDA (and its tests) runs FlexAttention",
     ("trainer3d.cpu.build", "torch.utils"): "the compiler driver, needed only where a C++ source is first "
     "built (the CPU kernels, the shared-memory barrier, the host AdamW kernel)",
-    ("trainer3d.rank.task", "trainer3d.trainer"): "the launcher imports the rank's body to pickle TrainTask; "
-    "only a rank runs the loop, which imports DCP (DTensor, sympy: seconds of CPU)",
-    ("trainer3d.rank.task", "trainer3d.plan.predict"): "the same: only a rank asks the planner for its step",
+    ("trainer3d.config.device", "torch"): "validate imports the device rules, so the submitting process does; "
+    "torch (2-3 s of CPU) only where a GPU count decides something, and in a rank",
+    ("trainer3d.checkpoint.metadata", "torch"): "the same as its DCP imports: only reading a checkpoint's metadata, "
+    "whose pickle names torch's classes",
+    ("trainer3d.preflight.refusal", "trainer3d.preflight.memory_check"): "the estimate builds a block on the "
+    "meta device (torch): only a run past the config, resume and device checks, with the check on",
+    ("trainer3d.train", "trainer3d.memory.dry_run"): "builds the model on the meta device (torch): only dry_run=true",
+    ("trainer3d.train", "trainer3d.hf.check"): "reads a Hugging Face checkpoint with torch's dtypes (hf/mapping.py): "
+    "only model.init_from runs",
+    ("trainer3d.rank.task", "trainer3d.rank.body"): "the launcher imports TrainTask's module to pickle it; "
+    "only a rank runs the body, which imports torch (2-3 s of CPU), the loop and the planner",
     ("trainer3d.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"): "DCP imports DTensor and "
     "sympy: only reading a checkpoint's metadata needs its classes; the launcher lists checkpoints",
     ("trainer3d.checkpoint.metadata", "torch.distributed.checkpoint.metadata"): "the same (and a type hint)",

@@ -1,6 +1,9 @@
 """The torch floor: pyproject.toml's requirement and the import-time check say the same version."""
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -22,3 +25,16 @@ def test_older_torch_refused_with_the_fix(version):
 @pytest.mark.parametrize("version", [TORCH_FLOOR + ".0", "2.11.0+cu130", "2.12.0a0+gitabc", "2.13.0+cpu", "3.0.0"])
 def test_floor_and_newer_accepted(version):
     check_torch(version)
+
+
+def test_the_package_refuses_the_installed_torch_when_too_old(tmp_path):
+    """``import trainer3d`` checks the installed distribution's version (trainer3d/__init__.py,
+    without importing torch): a torch 2.9.1 found first on sys.path is refused with the fix."""
+    info = tmp_path / "torch-2.9.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.9.1\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    proc = subprocess.run([sys.executable, "-c", "import trainer3d"], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120)
+    assert proc.returncode == 1
+    assert f"ImportError: trainer3d needs torch>={TORCH_FLOOR}, this Python has torch 2.9.1" in proc.stderr

@@ -23,8 +23,6 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 if TYPE_CHECKING:  # the checks import it where they run (check_shape)
     from torch.distributed.checkpoint.metadata import Metadata
 
@@ -77,15 +75,17 @@ def _require(ok: bool, what: str) -> None:
         raise MetadataError(what)
 
 
-def _sizes(value, key: str) -> None:
-    _require(isinstance(value, torch.Size) and all(isinstance(v, int) and v >= 0 for v in value),
+def _sizes(value, key: str, size_type: type) -> None:
+    _require(isinstance(value, size_type) and all(isinstance(v, int) and v >= 0 for v in value),
              f"entry {key!r} has a malformed shape")
 
 
 def check_shape(metadata) -> None:
     """Every field of ``metadata`` is of the type and range DCP's FileSystemWriter writes."""
     # Here, not at the top: torch.distributed.checkpoint imports DTensor and sympy (about two
-    # seconds of CPU), which the launcher and the tools that only list or choose checkpoints skip.
+    # seconds of CPU), and torch itself two more, which the launcher and the tools that only list
+    # checkpoints skip (the pickle being checked names torch's classes: reading it imports torch).
+    import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
                                                        TensorProperties, TensorStorageMetadata)
@@ -98,12 +98,12 @@ def check_shape(metadata) -> None:
                  f"entry {key!r} is a {type(entry).__name__}, not a tensor (this engine stores tensors only)")
         _require(type(entry.properties) is TensorProperties and isinstance(entry.properties.dtype, torch.dtype),
                  f"entry {key!r} has malformed tensor properties")
-        _sizes(entry.size, key)
+        _sizes(entry.size, key, torch.Size)
         _require(isinstance(entry.chunks, list), f"entry {key!r} has malformed chunks")
         for chunk in entry.chunks:
             _require(type(chunk) is ChunkStorageMetadata, f"entry {key!r} has a malformed chunk")
-            _sizes(chunk.offsets, key)
-            _sizes(chunk.sizes, key)
+            _sizes(chunk.offsets, key, torch.Size)
+            _sizes(chunk.sizes, key, torch.Size)
             _require(len(chunk.offsets) == len(chunk.sizes) == len(entry.size)
                      and all(o + s <= n for o, s, n in zip(chunk.offsets, chunk.sizes, entry.size)),
                      f"entry {key!r} has a chunk outside its shape")

@@ -17,11 +17,12 @@ every task, or one bound to each task by Slurm).
 
 import os
 import shutil
-from typing import List, Mapping, Optional
-
-import torch
+from typing import TYPE_CHECKING, List, Mapping, Optional
 
 from trainer3d.config.schema import Config
+
+if TYPE_CHECKING:  # imported where it is asked (the GPUs visible, a rank's device): validate imports this module
+    import torch
 
 
 class DeviceError(RuntimeError):
@@ -69,20 +70,36 @@ def cpu_overrides(cfg: Config) -> List[str]:
                                 ("parallel.backend=auto", p.backend == "nccl")) if needed]
 
 
+def visible_gpus() -> int:
+    """torch's count of the GPUs this process sees (CUDA_VISIBLE_DEVICES; none in a CPU build of
+    torch), as the ranks it starts here will. The one question of the submitting process's
+    device check that imports torch; the other checks and ``validate`` do not."""
+    import torch  # here, not at the top: validate imports this module, and a refused config asks no GPU count
+    return torch.cuda.device_count()
+
+
+def _count(device_count: Optional[int]) -> int:
+    return visible_gpus() if device_count is None else device_count
+
+
 def machine_problems(cfg: Config, world_size: int, device_count: Optional[int] = None,
                      slurm_client: Optional[bool] = None) -> List[str]:
     """What this machine cannot give a local run (the launcher starts every rank here), or a
     Slurm run of GPUs where this machine has neither a Slurm client nor a GPU.
-    ``slurm_client``: whether sbatch is on PATH (looked up where None)."""
-    count = torch.cuda.device_count() if device_count is None else device_count
+    ``slurm_client``: whether sbatch is on PATH (looked up where None); ``device_count``: the
+    GPUs visible here, asked (``visible_gpus``) only where the answer decides something: a
+    local run whose device is fixed (``train.device=cpu``) or an inplace one asks nothing."""
     if cfg.launcher.name == "slurm":
         has_sbatch = shutil.which("sbatch") is not None if slurm_client is None else slurm_client
-        if has_sbatch or count > 0 or not uses_cuda(cfg, False):
+        if has_sbatch or not uses_cuda(cfg, False) or _count(device_count) > 0:
             return []  # the job's nodes are Slurm's to check
         return [f"launcher=slurm with launcher.gpus_per_node={cfg.launcher.gpus_per_node}, but this machine has "
                 "neither a Slurm client (sbatch) nor a CUDA device; to run on its CPU ranks add "
                 f"{' '.join(cpu_overrides(cfg))}"]
-    if cfg.launcher.name != "local" or not uses_cuda(cfg, count > 0):
+    if cfg.launcher.name != "local" or not uses_cuda(cfg, True):  # CPU ranks whatever is visible
+        return []
+    count = _count(device_count)
+    if not uses_cuda(cfg, count > 0):
         return []
     if count == 0:
         knob = (f"launcher.gpus_per_node={cfg.launcher.gpus_per_node}" if cfg.launcher.gpus_per_node
@@ -97,8 +114,11 @@ def machine_problems(cfg: Config, world_size: int, device_count: Optional[int] =
     return []
 
 
-def rank_device(cfg: Config) -> torch.device:
-    """This rank's device; raises DeviceError where a CUDA rank cannot have its own GPU."""
+def rank_device(cfg: Config) -> "torch.device":
+    """This rank's device; raises DeviceError where a CUDA rank cannot have its own GPU.
+    Inside a rank (trainer3d/rank/body.py), where torch is imported already."""
+    import torch  # a rank's question, torch imported already: validate imports this module too
+
     if not uses_cuda(cfg, torch.cuda.is_available()):
         return torch.device("cpu")
     count = torch.cuda.device_count()
@@ -158,6 +178,8 @@ def exact_pinned_sizes() -> bool:
     is the user's and stays, and the user's other settings are given again with it (the
     setter parses a whole setting string); a torch without the setter or the key (2.11 refuses
     it: found on the first GPU run, docs/gpu.md) keeps its rounding."""
+    import torch  # a rank's setting, torch imported already: validate imports this module too
+
     given = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if "pinned_max_round_threshold_mb" in given or setter is None:

@@ -2,7 +2,7 @@
 
 This process has validated the config and checked the data (trainer3d/preflight/); it takes
 the run dir's lock (trainer3d/rank/runlock.py), submits ``TrainTask`` (trainer3d/rank/task.py,
-each rank's body) and follows the job (trainer3d/launch/follow.py): it echoes rank 0's
+which runs each rank's body, trainer3d/rank/body.py) and follows the job (trainer3d/launch/follow.py): it echoes rank 0's
 progress lines; if a rank fails or stops beating it ends the job and names the cause; if it is
 itself told to stop (SIGTERM, SIGINT, SIGHUP) it ends the job first
 (trainer3d/launch/interrupt.py).

@@ -31,12 +31,12 @@ import torch.distributed as dist
 # (with setuptools: 0.3-0.5 s of CPU) where it builds a CPU library, not where it loads a
 # finished one (trainer3d/cpu/build.py); its ranks here run every layout, so the server pays for them
 # once. The libraries themselves load in each rank (a test may take one away). The rank's body
-# imports the planner's step (trainer3d/rank/task.py) and the pipeline's schedules as it runs,
+# (trainer3d/rank/body.py) imports the planner's step and the loop, and the pipeline's schedules as it runs,
 # and numpy imports numpy.ma on the sampler's first ``numpy.unique``: ~0.8 s of CPU a rank
 # where the server has not; torch.save and torch.load import torch.utils.serialization on first
 # use (torch/serialization.py).
 # tests/multirank/test_rank_imports.py holds a rank to importing nothing as it trains.
-_PRELOAD = ["torch", "torch.distributed", "trainer3d.rank.task", "trainer3d.trainer", "trainer3d.plan.predict",
+_PRELOAD = ["torch", "torch.distributed", "trainer3d.rank.task", "trainer3d.rank.body", "trainer3d.trainer", "trainer3d.plan.predict",
             "trainer3d.parallel.pipeline.schedule", "torch.distributed.fsdp", "torch.distributed.pipelining",
             "torch.utils.cpp_extension", "numpy.ma", "torch.utils.serialization"]
 

@@ -5,7 +5,7 @@ machine, written as a Device (devices.py) that ``cluster.gpu=calibrated`` reads:
 
 - the fp32 (and bf16, fp16) matmul rate of one thread;
 - the node's total matmul rate with 1, 2, 4 and 8 ranks computing at once, each with the
-  threads trainer3d/rank/task.py gives it (cores // ranks, at least one): how the ranks share
+  threads trainer3d/rank/body.py gives it (cores // ranks, at least one): how the ranks share
   the cores, their caches and memory;
 - the memory bandwidth of one thread (a large in-place add: the optimizer's kind of work);
 - a transformer block's forward + backward on one thread: its dispatch overhead (at a
@@ -138,7 +138,7 @@ def node_gflops(ranks: int, cores: int, rounds: int = FULL.node_rounds,
     """The node's total fp32 matmul rate with ``ranks`` processes computing at once: one-thread
     ranks give the cores they can have (min(ranks, cores)) at the rate per CPU-second each
     reached; a rank with several threads, its best round's rate. One rank is this process (with
-    the threads trainer3d/rank/task.py would give it; one thread again after). With ``store``,
+    the threads trainer3d/rank/body.py would give it; one thread again after). With ``store``,
     the ranks also time gloo all-reduces once they have multiplied (calibrate_ranks.py:
     ``rank_matmul``): the rate, and those times (None without ``store``)."""
     threads = max(1, cores // ranks)

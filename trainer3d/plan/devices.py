@@ -12,7 +12,7 @@ placeholder: ``python -m trainer3d.plan --calibrate`` measures this machine
 (trainer3d/plan/calibrate.py) and ``cluster.gpu=calibrated`` reads what it wrote.
 
 On a GPU every rank owns its device, so a node's throughput grows with its ranks. CPU ranks
-share the node's cores (trainer3d/rank/task.py gives each cores // ranks threads, at least
+share the node's cores (trainer3d/rank/body.py gives each cores // ranks threads, at least
 one), so the calibration also measures the node's total matmul rate with 1, 2, 4, 8 ranks
 busy at once: the step-time model bounds a step by the node's work over that rate.
 """

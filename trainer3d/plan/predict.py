@@ -1,6 +1,6 @@
 """The planner's step for a run's own layout, which goodput is split by (trainer3d/observe/goodput.py).
 
-The rank's body (trainer3d/rank/task.py) computes it and hands it to the trainer, so the
+The rank's body (trainer3d/rank/body.py) computes it and hands it to the trainer, so the
 training loop imports no part of the planner.
 """
 

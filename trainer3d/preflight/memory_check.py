@@ -31,7 +31,7 @@ import torch
 
 from trainer3d.config.schema import Config
 from trainer3d.config.schema_parallel import zero_shards
-from trainer3d.config.device import uses_cuda
+from trainer3d.config.device import uses_cuda, visible_gpus
 from trainer3d.memory.moe import moe_layers
 from trainer3d.memory.peak import rank_memory
 from trainer3d.memory.states import BYTES, format_bytes, model_shapes
@@ -149,7 +149,7 @@ def memory_problems(cfg: Config, world_size: int, device_bytes: Optional[int] = 
     ``device_bytes``/``host_bytes``: the limits (default: this machine's)."""
     if not cfg.launcher.check_memory or cfg.launcher.name != "local":
         return []
-    count = torch.cuda.device_count() if device_bytes is None else max(1, world_size)
+    count = visible_gpus() if device_bytes is None else max(1, world_size)
     if uses_cuda(cfg, count > 0):
         if device_bytes is None:
             if count < world_size:

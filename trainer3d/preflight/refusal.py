@@ -16,7 +16,6 @@ from trainer3d.config.extras import EXTRAS, missing
 from trainer3d.config.schema import Config
 from trainer3d.config.validate import world_size_of
 from trainer3d.preflight.data_checks import check_data
-from trainer3d.preflight.memory_check import memory_problems
 from trainer3d.preflight.rundir import directory_problems
 
 
@@ -34,10 +33,21 @@ def extras_problems(cfg: Config) -> List[str]:
     return [problem] if problem else []
 
 
+def estimate_problems(cfg: Config) -> List[str]:
+    """``memory_check``'s refusal. It builds a block of the model on the meta device, so it
+    imports torch (and the model, the parallel layers): only a run past the config, resume and
+    device checks pays for that; ``--help``, ``--cfg job``, a refused config and a run without the
+    check (``launcher.check_memory=false``, not the local launcher) import no torch here."""
+    if not cfg.launcher.check_memory or cfg.launcher.name != "local":
+        return []  # memory_problems's own condition, asked before its import
+    from trainer3d.preflight.memory_check import memory_problems  # imports torch: see above
+    return memory_problems(cfg, world_size_of(cfg))
+
+
 CHECKS: Tuple[Tuple[str, Callable[[Config], List[str]]], ...] = (
     ("config", extras_problems),
     ("device", lambda cfg: machine_problems(cfg, world_size_of(cfg))),
-    ("memory", lambda cfg: memory_problems(cfg, world_size_of(cfg))),
+    ("memory", estimate_problems),
     ("data", check_data),  # also a data vocabulary or id the model (init_from's included) cannot embed
     ("run dir", directory_problems),
 )

@@ -1,4 +1,6 @@
-"""The oldest torch trainer3d runs on, checked when the package is imported.
+"""The oldest torch trainer3d runs on, checked when the package is imported (the installed
+distribution's version, ``importlib.metadata``: importing torch costs the submitting process,
+which imports trainer3d but no torch, seconds of CPU: tests/unit/test_import_cost.py).
 
 The floor is the oldest release the tests were seen to pass on: 2.11 (ZeRO stages 0-3, TP,
 pipeline, topology, process-group timeout and floor tests; CI runs 2.13). On 2.9.1 the ZeRO-2 (FSDP2

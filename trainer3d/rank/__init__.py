@@ -1,8 +1,9 @@
 """The rank: what runs in each rank's own process, around the training loop.
 
-``task`` is the body submitit runs in every task (``TrainTask``: the torch.distributed
-environment, the process group with an explicit timeout, the layout, the planner's predicted
-step, then ``trainer.Trainer``; a rank started in place runs the same); ``heartbeat`` the
+``task`` is what submitit runs in every task (``TrainTask``: the torch.distributed
+environment, then ``body``: the process group with an explicit timeout, the layout, the
+planner's predicted step, then ``trainer.Trainer``; a rank started in place runs the same;
+``task`` imports no torch, as the submitting process pickles ``TrainTask``); ``heartbeat`` the
 file each rank rewrites every second, which the submitting process follows; ``owner`` the
 watch that stops a local job's ranks when the process that started them is gone;
 ``preemption`` what the ranks do after the agreed stop (trainer3d/checkpoint/stop.py):

@@ -1,11 +1,15 @@
-"""Each rank's body: what submitit runs in every task (``TrainTask``), or a rank started in place.
+"""What submitit runs on every task (``TrainTask``), or a rank started in place.
 
 Inside each task, submitit's ``TorchDistributedEnvironment`` exports MASTER_ADDR/PORT (the
 port: trainer3d/rank/master_port.py), RANK and WORLD_SIZE, the rank starts its heartbeat
 (trainer3d/rank/heartbeat.py) and watches the process that owns it (trainer3d/rank/owner.py),
-and the process group starts with an explicit timeout, so a dead peer ends the job instead of
-hanging it for gloo's default 30 minutes. Then the trainer runs; after an agreed stop the rank
-requeues or exits (trainer3d/rank/preemption.py). The submitting side is trainer3d/launch/.
+then runs the rank's body (trainer3d/rank/body.py: the process group, the layout, the trainer);
+after an agreed stop the rank requeues or exits (trainer3d/rank/preemption.py). The submitting
+side is trainer3d/launch/.
+
+This module imports no torch: submitit pickles ``TrainTask`` by reference, so the submitting
+process imports it, and that process computes nothing with tensors on its way to the submission
+(tests/unit/test_import_cost.py); the body is imported in the rank, by ``TrainTask.__call__``.
 """
 
 import atexit
@@ -17,22 +21,14 @@ import sys
 from typing import Optional
 
 import submitit
-import torch
-import torch.distributed as dist
 
-from trainer3d.config.device import exact_pinned_sizes, rank_device
 from trainer3d.config.schema import Config
-from trainer3d.cpu.malloc import keep_freed_memory
 from trainer3d.observe.failure import rank_failures
-from trainer3d.parallel.timeouts import seconds
-from trainer3d.parallel.topology import ParallelDims, Topology
 from trainer3d.rank.heartbeat import Heartbeat, heartbeat_dir
 from trainer3d.rank.master_port import job_port
 from trainer3d.rank.owner import watch_owner
-from trainer3d.rank.preemption import leave
-from trainer3d.rank.runlock import RunDirBusy, RunDirLock, run_dirs
+from trainer3d.rank.runlock import run_dirs
 from trainer3d.rank.runlock import join as join_run_dir
-from trainer3d.rank.threads import set_host_threads
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,73 +51,6 @@ def in_distributed_env() -> bool:
         return True
     submitit_task = any(k.startswith("SUBMITIT_") for k in os.environ)
     return "SLURM_STEP_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1 and not submitit_task
-
-
-def init_distributed(cfg: Config) -> torch.device:
-    """Initialise the default process group from the environment; return this rank's device.
-
-    The group starts with the start-up timeout (``parallel.init_timeout_s``); the trainer
-    switches to the step's after the first step (trainer3d/parallel/timeouts.py)."""
-    device = rank_device(cfg)
-    use_cuda = device.type == "cuda"
-    set_host_threads()  # the node's ranks share its cores (trainer3d/rank/threads.py)
-    if use_cuda:
-        torch.cuda.set_device(device)
-        exact_pinned_sizes()  # before the first pinned buffer
-    else:
-        keep_freed_memory()
-    backend = cfg.parallel.backend
-    if backend == "auto":
-        backend = "nccl" if use_cuda else "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=seconds(cfg.parallel.init_timeout_s),
-                                device_id=device if use_cuda else None)
-    return device
-
-
-def run_rank(cfg: Config, heartbeat: Optional[Heartbeat] = None, lock_run_dir: bool = False):
-    """The body of every rank: process group, layout, trainer. Returns rank 0's summary.
-
-    ``lock_run_dir``: rank 0 takes the run dir's lock (Slurm and in-place runs, where no
-    submitting process holds it); every rank fails alike when another run holds it."""
-    # Here, not at the top: the submitting process imports this module to pickle TrainTask, and
-    # only a rank trains; the loop imports DCP (with DTensor and sympy) and the planner's search.
-    from trainer3d.plan.predict import predict_step
-    from trainer3d.trainer import Trainer
-
-    device = init_distributed(cfg)
-    lock = None
-    try:
-        if lock_run_dir:
-            lock = _lock_on_rank0(cfg)
-        p = cfg.parallel
-        dims = ParallelDims.build(Topology.of(p), device, cfg.model.tie_embeddings,
-                                  timeout_s=p.init_timeout_s)
-        trainer = Trainer(cfg, dims, prediction=predict_step(cfg, dims))
-        trainer.heartbeat = heartbeat
-        summary = trainer.train()
-        if trainer.stopped is not None:  # SIGUSR2/SIGTERM: every rank stopped at the same step
-            leave(trainer.stopped, trainer.stop_signal, dims.rank, cfg)
-        return summary
-    finally:
-        if lock is not None:
-            lock.release()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _lock_on_rank0(cfg: Config) -> Optional[RunDirLock]:
-    """Rank 0 takes the run dir's lock; all ranks learn whether it could (one broadcast)."""
-    lock, refusal = None, [None]
-    if dist.get_rank() == 0:
-        try:
-            lock = RunDirLock.for_run(cfg).acquire(job_id=os.environ.get("SLURM_JOB_ID"))
-        except RunDirBusy as err:
-            refusal[0] = str(err)
-    dist.broadcast_object_list(refusal, src=0)
-    if refusal[0] is not None:
-        raise RunDirBusy(refusal[0])
-    return lock
 
 
 def export_rank_env() -> None:
@@ -164,6 +93,8 @@ class TrainTask:
             with rank_failures([self.cfg.run_dir, self.cfg.checkpoint.dir or self.cfg.run_dir]):
                 if not self.lock_run_dir:
                     join_run_dir(*run_dirs(self.cfg))  # run and checkpoint dirs stay locked while this rank lives
+                # Here, not at the top: the body imports torch, which only a rank needs (see above).
+                from trainer3d.rank.body import run_rank
                 return run_rank(self.cfg, heartbeat, self.lock_run_dir)
         finally:
             heartbeat.stop()
