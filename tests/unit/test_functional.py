@@ -84,6 +84,50 @@ def test_rotary_matches_the_composition(dtype):
     _compare(apply_rotary, _plain_rotary, [x], (cos, sin), dtype)
 
 
+def test_rotary_tables_are_kept_per_shape_and_handed_out_as_copies():
+    """rotary_cos_sin keeps its tables per (seq_len, head_dim, theta, scaling, device) and returns
+    a copy of them (model/transformer.py): every key gets the tables computed afresh, bit for bit,
+    on its first call and its later ones; what a caller writes into its copy reaches no later
+    call, and no copy requires a gradient. Under a dispatch mode nothing is kept: both calls run
+    the whole computation (plan/kernels.py counts a block's operators under one)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trainer3d.config.schema import RopeScalingConfig
+    from trainer3d.model.transformer import _tables
+
+    cpu = torch.device("cpu")
+    llama3 = dict(type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8)
+    cases = [(12, 16, 10000.0, None), (20, 16, 10000.0, None), (12, 16, 500.0, None), (12, 8, 10000.0, None),
+             (12, 16, 10000.0, RopeScalingConfig(factor=8.0, **llama3)),
+             (12, 16, 10000.0, RopeScalingConfig(factor=2.0, **llama3)), (12, 16, 10000.0, RopeScalingConfig())]
+    for _ in range(2):
+        for seq, head_dim, theta, scaling in cases:
+            want = _tables(seq, head_dim, theta, cpu, scaling, None)
+            got = rotary_cos_sin(seq, head_dim, theta, cpu, scaling)
+            assert all(torch.equal(g, w) and not g.requires_grad for g, w in zip(got, want)), (seq, theta, scaling)
+            for table in got:
+                table.mul_(-2.0)
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            return False  # as plan/kernels.py's: no torch._dynamo import for a counting mode
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for _ in range(2):
+        Count.calls = 0
+        with Count():
+            rotary_cos_sin(28, 16, 10000.0, cpu)
+        counts.append(Count.calls)
+    assert counts[0] == counts[1] > 2, counts
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu_linear_matches_the_composition(dtype):
     a, b, w = _leaves((6, 2, 24), (6, 2, 24), (16, 24), dtype=dtype)

@@ -79,8 +79,13 @@ def _strip_hooks(chunks):
             saved.append((module, "_forward_pre_hooks", dict(module._forward_pre_hooks)))
             module._forward_pre_hooks.clear()
         for p in chunk.parameters():
-            saved.append((p, "_post_accumulate_grad_hooks", getattr(p, "_post_accumulate_grad_hooks", None)))
-            p._post_accumulate_grad_hooks = None
+            hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+            if hooks:
+                saved.append((p, "_post_accumulate_grad_hooks", hooks))
+                # an empty dict, not None: assigning None leaves the tensor's C++ hook (which holds
+                # the dict) in place, and the engine's hooks would run inside the model's share
+                # (torch/csrc/autograd/python_variable.cpp ``THPVariable_set_post_accumulate_grad_hooks``)
+                p._post_accumulate_grad_hooks = {}
 
     def restore():
         for owner, name, value in saved:

@@ -70,27 +70,37 @@ def enabled(on: bool) -> Iterator[None]:
         _on = before
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_FP32 = torch.float32
+
+
 def _plain_fp32_cpu(t) -> bool:
-    return (isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, torch.nn.Parameter)
-            and t.device.type == "cpu" and t.dtype == torch.float32)
+    # ``type(t)`` rules out subclasses and non-tensors at once; ``is_cpu`` reads the tensor's
+    # dispatch keys where ``t.device.type`` builds a device object; dtypes are singletons.
+    return type(t) in _PLAIN and t.is_cpu and t.dtype is _FP32
 
 
 def usable(*tensors: torch.Tensor) -> bool:
     """Whether the kernels take these tensors: plain (not a subclass) contiguous fp32 CPU
-    tensors, outside torch.compile's tracing, with the kernels on and built."""
-    if not _on or torch.compiler.is_compiling():
+    tensors, outside torch.compile's tracing, with the kernels on and built. Asked for every
+    operator call (trainer3d/cpu/ops.py): a loop, not a generator."""
+    if not _on:
         return False
-    if not all(_plain_fp32_cpu(t) and t.is_contiguous() for t in tensors):
-        return False
-    return library() is not None
+    for t in tensors:
+        if not (type(t) in _PLAIN and t.is_cpu and t.dtype is _FP32 and t.is_contiguous()):
+            return False
+    return not torch.compiler.is_compiling() and library() is not None
 
 
 def rotary_usable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """``usable`` for the rotary kernel, which reads x (seq, batch, heads, head_dim) with its first
     three dimensions in any memory order (the last one dense) and (seq, head_dim) tables."""
-    if x.dim() != 4 or x.stride(-1) != 1 or x.shape[-1] % 2 or not _plain_fp32_cpu(x):
+    if not _plain_fp32_cpu(x):
         return False
-    if cos.shape != (x.shape[0], x.shape[-1]) or sin.shape != cos.shape:
+    shape = x.shape
+    if len(shape) != 4 or shape[3] % 2 or x.stride(3) != 1:
+        return False
+    if cos.shape != (shape[0], shape[3]) or sin.shape != cos.shape:
         return False
     return usable(cos, sin)
 
@@ -125,7 +135,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -> 
     """x (seq, batch, heads, head_dim) rotated by the (seq, head_dim) tables, forward (sign 1) or
     back (-1); x may be any permutation of the first three dimensions' memory (the gradient
     reaching RoPE is attention's, in (batch, heads, seq) order), the result is contiguous."""
-    out = torch.empty(x.shape, dtype=x.dtype)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)  # a size argument is parsed slower
     seq, batch, heads, hd = x.shape
     s_seq, s_batch, s_head, _ = x.stride()
     _lib.t3d_rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), seq, batch, heads, hd,

@@ -24,7 +24,9 @@ Per layer, with the flash kernel:
                                              to a multiple of 32: model/transformer.py kv_expanded)
     SwiGLU        2 p sbf/t                  w1 x and w3 x (silu and the product are recomputed)
     RoPE tables   8 s head_dim               cos and sin, fp32 (8 sb head_dim with data.document_mask:
-                                             each sequence its own positions)
+                                             each sequence its own positions); each block's own
+                                             copy of the kept tables (model/transformer.py
+                                             rotary_cos_sin), so one per block and micro-batch
 
 (the norm, RoPE and SwiGLU are autograd Functions that save no more: model/functional.py).
 A mixture-of-experts block replaces the SwiGLU term by its own (``moe_layer_terms``: the router,

@@ -20,6 +20,7 @@ logits come out batch-first: the token ids are transposed before the lookup (int
 view) and the logits are returned as a batch-first view of the sequence-first result.
 """
 
+import functools
 import math
 import sys
 from typing import Optional
@@ -73,9 +74,29 @@ def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.devi
     """cos/sin tables of shape (seq_len, head_dim), computed in fp32, for positions
     0..seq_len-1 or the ``positions`` given (a context-parallel shard's, trainer3d/parallel/context/).
 
-    Recomputed per forward (O(seq * head_dim), negligible next to the matmuls), which keeps
-    the model free of buffers that meta-device construction would have to re-materialise.
+    For positions 0..seq_len-1 the tables are computed once per (seq_len, head_dim, theta,
+    scaling, device) and kept outside the model (``_cached_tables``; Megatron-core keeps its
+    own under ``functools.lru_cache``: megatron/core/models/common/embeddings/
+    rotary_pos_embedding.py): the model holds no buffers that meta-device construction would
+    have to re-materialise. Each call returns its own copy of them, as computing them did:
+    ``apply_rotary`` saves the tables for backward, and the saved-activation accounting counts
+    them per block and micro-batch (trainer3d/memory/activations.py ``rope_tables``, held to
+    what ``saved_tensors_hooks`` sees by tests/multirank/test_activation_memory.py); no caller
+    can reach the kept ones. Computed as before, not kept, for given positions, inside
+    torch.compile's tracing (the graph computes them) and under a dispatch mode (one that
+    counts or fakes operators sees every one: trainer3d/plan/kernels.py ``block_ops``).
     """
+    if positions is None and not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack():
+        key = (None if scaling is None or scaling.type != "llama3" else
+               (scaling.type, scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor,
+                scaling.original_max_seq_len))
+        cos, sin = _cached_tables(seq_len, head_dim, theta, device, key)
+        return cos.clone(), sin.clone()
+    return _tables(seq_len, head_dim, theta, device, scaling, positions)
+
+
+def _tables(seq_len: int, head_dim: int, theta: float, device: torch.device,
+            scaling: Optional[RopeScalingConfig], positions: Optional[torch.Tensor]):
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     if scaling is not None and scaling.type == "llama3":
         inv_freq = llama3_scaled_frequencies(inv_freq, scaling)
@@ -84,6 +105,13 @@ def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.devi
     angles = torch.outer(positions.to(torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_tables(seq_len: int, head_dim: int, theta: float, device: torch.device, scaling: Optional[tuple]):
+    """The tables ``rotary_cos_sin`` copies, by what they depend on (``scaling``: the llama3
+    scaling's fields, None without it)."""
+    return _tables(seq_len, head_dim, theta, device, None if scaling is None else RopeScalingConfig(*scaling), None)
 
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
