@@ -20,6 +20,7 @@ logits come out batch-first: the token ids are transposed before the lookup (int
 view) and the logits are returned as a batch-first view of the sequence-first result.
 """
 
+import dataclasses
 import functools
 import math
 import sys
@@ -87,9 +88,7 @@ def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.devi
     counts or fakes operators sees every one: trainer3d/plan/kernels.py ``block_ops``).
     """
     if positions is None and not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack():
-        key = (None if scaling is None or scaling.type != "llama3" else
-               (scaling.type, scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor,
-                scaling.original_max_seq_len))
+        key = None if scaling is None or scaling.type != "llama3" else dataclasses.astuple(scaling)
         cos, sin = _cached_tables(seq_len, head_dim, theta, device, key)
         return cos.clone(), sin.clone()
     return _tables(seq_len, head_dim, theta, device, scaling, positions)
@@ -110,7 +109,7 @@ def _tables(seq_len: int, head_dim: int, theta: float, device: torch.device,
 @functools.lru_cache(maxsize=16)
 def _cached_tables(seq_len: int, head_dim: int, theta: float, device: torch.device, scaling: Optional[tuple]):
     """The tables ``rotary_cos_sin`` copies, by what they depend on (``scaling``: the llama3
-    scaling's fields, None without it)."""
+    scaling's fields in their order, ``dataclasses.astuple``; None without it)."""
     return _tables(seq_len, head_dim, theta, device, None if scaling is None else RopeScalingConfig(*scaling), None)
 
 
