@@ -230,11 +230,9 @@ class FeedForward(nn.Module):
 def _is_dtensor(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a DTensor, without importing torch.distributed.tensor: that import
     pulls sympy (about a second of CPU in every process that imports the model), and no tensor
-    can be a DTensor before it is imported. Nor before its class is defined: a background save
-    imports the module in its own thread (trainer3d/checkpoint/saver.py ``write``), and while it
-    runs, the module is in ``sys.modules`` without ``DTensor`` yet."""
-    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    return cls is not None and isinstance(tensor, cls)
+    can be a DTensor before it is imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 class Block(nn.Module):
