@@ -33,10 +33,6 @@ import trainer3d.rank.task
 entry = loaded(["torch._dynamo", "torch._inductor", "torch.distributed.pipelining", "sympy", "torch.distributed.tensor",
                 "torch.distributed.checkpoint", "torch.distributed.fsdp", "trainer3d.rank.body", "trainer3d.trainer",
                 "trainer3d.plan.search"])
-import trainer3d.rank.body  # what a rank imports before its first step: the body, the loop, the planner's step
-rank = loaded(["torch._dynamo", "torch._inductor", "torch.distributed.pipelining", "sympy", "torch.distributed.tensor",
-               "torch.distributed.checkpoint", "torch.distributed.fsdp"])
-loop = loaded(["jinja2", "tokenizers"])
 import torch
 from trainer3d.config.schema import ModelConfig, MoEConfig
 from trainer3d.model.transformer import Transformer
@@ -46,30 +42,20 @@ with torch.device("meta"):
 entry += loaded(["torch._dynamo"])
 import tempfile
 import torch.distributed as dist
-from trainer3d.config.schema import Config
-from trainer3d.config.validate import validate
-from trainer3d.rank.body import run_rank
-with tempfile.TemporaryDirectory() as tmp:  # a rank's first step, with no checkpoint to load or save
-    cfg = Config(run_dir=tmp)
-    cfg.train.max_steps, cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.seq_len = 1, 2, 2, 16
-    cfg.train.grad_accum_steps, cfg.train.eval_every, cfg.train.resume, cfg.checkpoint.save_final = None, 0, "never", False
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-    run_rank(validate(cfg))  # ends the process group
-rank += loaded(["torch._dynamo", "sympy", "torch.distributed.tensor", "torch.distributed.checkpoint"])
-from trainer3d.checkpoint.state import PieceMaker
-piece = PieceMaker(reuse=True)(torch.zeros(6), (2, 3), None, 0, 6)  # staged in the loop for a background save
-staged = loaded(["torch.distributed.tensor"])
 import torch.distributed.checkpoint as dcp
+from trainer3d.checkpoint.state import PieceMaker
 with tempfile.TemporaryDirectory() as tmp:  # a save of one rank's pieces
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-    dcp.save({"w": piece}, checkpoint_id=f"{tmp}/checkpoint")
+    dcp.save({"w": PieceMaker()(torch.zeros(6), (2, 3), None, 0, 6)}, checkpoint_id=f"{tmp}/checkpoint")
     dist.destroy_process_group()
 save = loaded(["torch._dynamo"])
+import trainer3d.rank.body
+loop = loaded(["jinja2", "tokenizers"])
 import atexit, gc
 trainer3d.rank.task.skip_exit_collection()
 frozen_before = gc.get_freeze_count()
 atexit._run_exitfuncs()
-print(json.dumps({"ranks": ranks, "entry": entry, "rank": rank, "staged": staged, "save": save, "loop": loop,
+print(json.dumps({"ranks": ranks, "entry": entry, "save": save, "loop": loop,
                   "frozen": [frozen_before, gc.get_freeze_count() > 10000]}))
 """
 
@@ -80,9 +66,7 @@ def test_a_rank_and_the_launcher_import_no_compiler_or_pipelining():
     ``TrainTask``, trainer3d/rank/body.py), DCP where a checkpoint is saved or read, FSDP2 for
     ZeRO-2/3. Building a model on the meta
     device (every rank, the memory estimate), a mixture of experts too, imports no
-    torch._dynamo, nor does a save of a checkpoint's pieces. A rank's first step, with no
-    checkpoint to load or save, imports no DCP, DTensor or sympy, nor does the staging of a
-    background save's pieces (the save's thread imports them); the loop imports no chat
+    torch._dynamo, nor does a save of a checkpoint's pieces; the loop imports no chat
     template or tokenizer library (only data=chat_sample uses them). At exit, once the exit
     handlers have run, what is alive is frozen, so Python's last collection skips it."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
@@ -90,8 +74,7 @@ def test_a_rank_and_the_launcher_import_no_compiler_or_pipelining():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.splitlines()[-1])
-    assert found == {"ranks": [], "entry": [], "rank": [], "staged": [], "save": [], "loop": [],
-                     "frozen": [0, True]}, found
+    assert found == {"ranks": [], "entry": [], "save": [], "loop": [], "frozen": [0, True]}, found
 
 
 _LAUNCHER = """

@@ -41,14 +41,6 @@ DEFERRED = {
     ("trainer3d.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"): "DCP imports DTensor and "
     "sympy: only reading a checkpoint's metadata needs its classes; the launcher lists checkpoints",
     ("trainer3d.checkpoint.metadata", "torch.distributed.checkpoint.metadata"): "the same (and a type hint)",
-    ("trainer3d.checkpoint.saver", "torch.distributed.checkpoint"): "DCP imports DTensor and sympy, seconds of "
-    "CPU before a rank's first step: only a save needs it (a background one imports it in its thread)",
-    ("trainer3d.checkpoint.saver", "trainer3d.checkpoint.writer"): "the same (its writer is DCP's subclass)",
-    ("trainer3d.checkpoint.manager", "torch.distributed.checkpoint"): "the same: only a resume or rollback loads",
-    ("trainer3d.checkpoint.manager", "trainer3d.checkpoint.reader"): "the same (its reader is DCP's subclass)",
-    ("trainer3d.checkpoint.manager", "trainer3d.checkpoint.verify"): "the same (it reads DCP's load plan)",
-    ("trainer3d.checkpoint.state", "torch.distributed.tensor._shards_wrapper"): "imports DTensor and sympy: "
-    "made where DCP first asks, in a background save's thread, not in the loop's stall",
     ("trainer3d.parallel.zero.fsdp", "torch.distributed.fsdp"): "imports DTensor and sympy: only ZeRO-2/3 "
     "shards with FSDP2; every rank, the launcher and the planner import the module",
     ("trainer3d.data.sources", "trainer3d.data.chat_sample"): "imports jinja2 and tokenizers: only data=chat_sample "

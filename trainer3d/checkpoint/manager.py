@@ -35,6 +35,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.choose import RESUME_FIX, Choice, choose
@@ -42,10 +43,12 @@ from trainer3d.checkpoint import history
 from trainer3d.checkpoint.lineage import marker_fields, origin_of, set_aside
 from trainer3d.checkpoint.interval import AutoInterval, Measured
 from trainer3d.checkpoint.precision import load_passes
+from trainer3d.checkpoint.reader import CheckpointReader, TensorOnlyLoadPlanner
 from trainer3d.checkpoint.saver import Background, SaveGroups, SaveJob, SaveReport, write
 from trainer3d.checkpoint.staging import Staging
 from trainer3d.checkpoint.state import PieceMaker, after_load, rank_state
 from trainer3d.checkpoint.store import CheckpointError, checkpoint_root
+from trainer3d.checkpoint.verify import shared_problem
 from trainer3d.config.schema import Config
 from trainer3d.config.validate import layout_of
 from trainer3d.config.secrets import scrub
@@ -238,13 +241,6 @@ class Checkpointer:
         """Load ``choice`` (from ``agree_on_resume``) into this rank's model and optimizer, after
         the ranks verified its data (``auto`` goes on to older ones past a damaged one);
         returns the step to start at (0 without a checkpoint)."""
-        if choice is None:
-            return 0
-        # Here, not at the top: the verification reads DCP's plan (trainer3d/checkpoint/reader.py), and
-        # torch.distributed.checkpoint imports DTensor and sympy, which a rank without a checkpoint to
-        # load needs only at its first save (trainer3d/checkpoint/saver.py ``write``).
-        from trainer3d.checkpoint.verify import shared_problem
-
         with _io(self.timeouts):
             while choice is not None:
                 same_world = choice.info.get("layout") == layout_of(self.cfg)
@@ -274,10 +270,6 @@ class Checkpointer:
         dist.barrier()
 
     def _load(self, choice: Choice, state: dict, passes: List[dict], notes: List[str], same_world: bool) -> int:
-        import torch.distributed.checkpoint as dcp  # lazy: see load
-
-        from trainer3d.checkpoint.reader import CheckpointReader, TensorOnlyLoadPlanner
-
         for part in passes:  # the same number of passes on every rank (both, even where one is empty)
             dcp.load(part, storage_reader=CheckpointReader(str(choice.path)), planner=TensorOnlyLoadPlanner())
         for note in notes:

@@ -49,9 +49,11 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from trainer3d.checkpoint import store
 from trainer3d.checkpoint.store import CheckpointError
+from trainer3d.checkpoint.writer import CheckpointWriter
 
 
 @dataclasses.dataclass
@@ -103,12 +105,6 @@ class SaveReport:
 def write(job: SaveJob, group: Optional[dist.ProcessGroup], rank: int) -> Path:
     """Write ``job`` on every rank and publish it (rank 0); the published path, or the error on
     every rank (then nothing is published and rank 0 has removed the partial directory)."""
-    # Here, not at the top: torch.distributed.checkpoint imports DTensor and sympy, which a rank
-    # needs no sooner than its first save; a save in the background imports them in its thread.
-    import torch.distributed.checkpoint as dcp
-
-    from trainer3d.checkpoint.writer import CheckpointWriter
-
     partial = store.partial_dir(job.root, job.step)
     try:
         if rank == 0:

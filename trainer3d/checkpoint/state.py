@@ -33,6 +33,7 @@ unpickles anything; the step, the layout and the config go into the JSON marker.
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 from trainer3d.checkpoint.chunks import full_shape, pieces
 from trainer3d.parallel.zero.optimizer import ZeroOptimizer
@@ -56,28 +57,14 @@ class Pieces(torch.Tensor):
     building one imports torch._dynamo (``DTensor.__init__`` is wrapped by ``torch._disable_dynamo``,
     torch/_compile.py), seconds of CPU in every rank that saves, and ``DTensor.from_local`` copies
     a piece to its mesh's device (host state of an offloaded run onto the GPU: a save would copy
-    it there and a load fill the copy). A piece here is the view it was given.
-
-    The wrapper is made where DCP first asks (``held``), not with the piece: its module
-    imports DTensor and sympy (torch/distributed/tensor/__init__.py), which a background save
-    then imports in its own thread (trainer3d/checkpoint/saver.py), not in the loop's stall."""
+    it there and a load fill the copy). A piece here is the view it was given."""
 
     @staticmethod
     def __new__(cls, views: Sequence[torch.Tensor], offsets: Sequence[Sequence[int]], shape: Sequence[int]):
         made = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=views[0].dtype,
                                                    device=views[0].device)
-        made.views, made.offsets = list(views), [list(o) for o in offsets]
-        made._held = None
+        made.held = LocalShardsWrapper(list(views), [list(o) for o in offsets])
         return made
-
-    @property
-    def held(self):
-        """torch's ``LocalShardsWrapper`` over the views, made on first use."""
-        if self._held is None:
-            from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
-
-            self._held = LocalShardsWrapper(self.views, self.offsets)
-        return self._held
 
     def __create_write_items__(self, fqn: str, obj: object):
         return self.held.__create_write_items__(fqn, self)
@@ -90,10 +77,10 @@ class Pieces(torch.Tensor):
 
     def local_shards(self) -> List[torch.Tensor]:
         """The views, in the order they were given."""
-        return list(self.views)
+        return self.held.local_shards()
 
     def __repr__(self) -> str:  # torch's would run an operator on a tensor without data
-        offsets = [tuple(o) for o in self.offsets]
+        offsets = [tuple(o) for o in self.held.local_offsets()]
         return f"Pieces({tuple(self.shape)}, {self.dtype}, {self.device}, offsets {offsets})"
 
     @classmethod

@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 
 
-# The engine imports the loop only as a rank runs, DCP at a rank's first save or load
-# (trainer3d/checkpoint/saver.py, manager.py, state.py), FSDP2 only for ZeRO-2/3,
+# The engine imports the loop (with DCP) only as a rank runs, FSDP2 only for ZeRO-2/3,
 # pipelining (and with it torch._dynamo) only for a pp > 1 layout, and torch's C++ builder
 # (with setuptools: 0.3-0.5 s of CPU) where it builds a CPU library, not where it loads a
 # finished one (trainer3d/cpu/build.py); its ranks here run every layout, so the server pays for them
@@ -37,9 +36,7 @@ import torch.distributed as dist
 # where the server has not; torch.save and torch.load import torch.utils.serialization on first
 # use (torch/serialization.py).
 # tests/multirank/test_rank_imports.py holds a rank to importing nothing as it trains.
-_PRELOAD = ["torch", "torch.distributed", "trainer3d.rank.task", "trainer3d.rank.body", "trainer3d.trainer",
-            "trainer3d.plan.predict", "trainer3d.checkpoint.reader", "trainer3d.checkpoint.writer",
-            "trainer3d.checkpoint.verify", "torch.distributed.tensor._shards_wrapper",
+_PRELOAD = ["torch", "torch.distributed", "trainer3d.rank.task", "trainer3d.rank.body", "trainer3d.trainer", "trainer3d.plan.predict",
             "trainer3d.parallel.pipeline.schedule", "torch.distributed.fsdp", "torch.distributed.pipelining",
             "torch.utils.cpp_extension", "numpy.ma", "torch.utils.serialization"]
 

@@ -87,15 +87,6 @@ def materialise_device(cfg: Config, dims: ParallelDims) -> torch.device:
     return dims.device
 
 
-def to_empty(module: nn.Module, device: torch.device) -> nn.Module:
-    """``module.to_empty(device=device)``: every tensor of a meta-device module allocated, not
-    filled, on ``device``, with the strides it had. Not ``Module.to_empty`` itself: its
-    ``torch.empty_like`` of a meta tensor runs torch's Python reference (torch/_refs/__init__.py
-    ``empty_like``), which imports sympy (about a second of CPU in every rank) to work out
-    the layout it preserves."""
-    return module._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
-
-
 def build_model_chunks(cfg: Config, dims: ParallelDims, initialise: bool = True) -> List[nn.Module]:
     """This rank's model chunks (one per pipeline stage it runs; one when pp == 1).
 
@@ -108,7 +99,7 @@ def build_model_chunks(cfg: Config, dims: ParallelDims, initialise: bool = True)
     for chunk in chunks:
         chunk.to(dtype=param_dtype(cfg))
         if not sharded:
-            to_empty(chunk, materialise_device(cfg, dims))
+            chunk.to_empty(device=materialise_device(cfg, dims))
             for block in moe_blocks([chunk]):  # a resume loads the bias over it
                 block.reset_bias(materialise_device(cfg, dims))
             if source is None:
