@@ -148,7 +148,7 @@ def test_zero3_shards_leave_the_device(tmp_path, one_nccl_rank):
 
 def test_a_large_pinned_buffer_takes_the_bytes_it_asks_for():
     """In a fresh process: after ``exact_pinned_sizes`` (what every CUDA rank runs first,
-    trainer3d/rank/task.py) torch's host allocator gives a 65 MiB + 4 KiB pinned buffer that many
+    trainer3d/rank/body.py) torch's host allocator gives a 65 MiB + 4 KiB pinned buffer that many
     bytes, not the next power of two (128 MiB) it gives without."""
     import subprocess
     import sys

@@ -95,7 +95,10 @@ def test_rotary_tables_are_kept_per_shape_and_handed_out_as_copies():
     from trainer3d.config.schema import RopeScalingConfig
     from trainer3d.model.transformer import _tables
 
+    from trainer3d.model.transformer import _cached_tables
+
     cpu = torch.device("cpu")
+    _cached_tables.cache_clear()
     llama3 = dict(type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8)
     cases = [(12, 16, 10000.0, None), (20, 16, 10000.0, None), (12, 16, 500.0, None), (12, 8, 10000.0, None),
              (12, 16, 10000.0, RopeScalingConfig(factor=8.0, **llama3)),
@@ -107,6 +110,8 @@ def test_rotary_tables_are_kept_per_shape_and_handed_out_as_copies():
             assert all(torch.equal(g, w) and not g.requires_grad for g, w in zip(got, want)), (seq, theta, scaling)
             for table in got:
                 table.mul_(-2.0)
+    # kept, computed once per key: six keys (the scaling of type "none" is keyed as no scaling), 14 calls
+    assert _cached_tables.cache_info()[:2] == (8, 6), _cached_tables.cache_info()
 
     class Count(TorchDispatchMode):
         calls = 0

@@ -27,6 +27,8 @@ DEFERRED = {
     "every rank's start: only data.document_mask on CUDA (and its tests) runs FlexAttention",
     ("trainer3d.cpu.build", "torch.utils"): "the compiler driver, needed only where a C++ source is first "
     "built (the CPU kernels, the shared-memory barrier, the host AdamW kernel)",
+    ("trainer3d", "torch"): "only a torch without package metadata (a source tree on PYTHONPATH) is asked its "
+    "version by importing it; the installed distribution's metadata answers without torch's 2-3 s of CPU",
     ("trainer3d.config.device", "torch"): "validate imports the device rules, so the submitting process does; "
     "torch (2-3 s of CPU) only where a GPU count decides something, and in a rank",
     ("trainer3d.checkpoint.metadata", "torch"): "the same as its DCP imports: only reading a checkpoint's metadata, "

@@ -38,3 +38,22 @@ def test_the_package_refuses_the_installed_torch_when_too_old(tmp_path):
                           cwd=tmp_path, timeout=120)
     assert proc.returncode == 1
     assert f"ImportError: trainer3d needs torch>={TORCH_FLOOR}, this Python has torch 2.9.1" in proc.stderr
+
+
+def test_a_torch_without_package_metadata_is_asked_its_version():
+    """A torch that imports but has no installed metadata (a source tree on PYTHONPATH, some
+    cluster modules' builds) is checked by its own ``torch.__version__`` (trainer3d/__init__.py),
+    not refused for the missing metadata."""
+    code = ("import importlib.metadata as m\n"
+            "installed = m.version\n"
+            "def version(name):\n"
+            "    if name == 'torch':\n"
+            "        raise m.PackageNotFoundError(name)\n"
+            "    return installed(name)\n"
+            "m.version = version\n"
+            "import sys, trainer3d\n"
+            "print('torch' in sys.modules)\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True"]

@@ -88,7 +88,7 @@ def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.devi
     counts or fakes operators sees every one: trainer3d/plan/kernels.py ``block_ops``).
     """
     if positions is None and not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack():
-        key = None if scaling is None or scaling.type != "llama3" else dataclasses.astuple(scaling)
+        key = None if scaling is None or scaling.type != "llama3" else tuple(getattr(scaling, f.name) for f in dataclasses.fields(scaling))
         cos, sin = _cached_tables(seq_len, head_dim, theta, device, key)
         return cos.clone(), sin.clone()
     return _tables(seq_len, head_dim, theta, device, scaling, positions)
@@ -109,7 +109,7 @@ def _tables(seq_len: int, head_dim: int, theta: float, device: torch.device,
 @functools.lru_cache(maxsize=16)
 def _cached_tables(seq_len: int, head_dim: int, theta: float, device: torch.device, scaling: Optional[tuple]):
     """The tables ``rotary_cos_sin`` copies, by what they depend on (``scaling``: the llama3
-    scaling's fields in their order, ``dataclasses.astuple``; None without it)."""
+    scaling's fields in their order; None without it)."""
     return _tables(seq_len, head_dim, theta, device, None if scaling is None else RopeScalingConfig(*scaling), None)
 
 
