@@ -12,6 +12,7 @@ from tests.unit.test_validate import make
 from trainer3d import train
 from trainer3d.config.validate import validate, world_size_of
 from trainer3d.preflight.memory_check import host_lower_bound, memory_problems, states_lower_bound
+from trainer3d.preflight.refusal import estimate_problems
 from trainer3d.memory.dry_run import peak_lines
 from trainer3d.memory.peak import rank_memory
 from trainer3d.memory.states import format_bytes, rank_parameter_shapes
@@ -65,8 +66,19 @@ def test_cpu_ranks_are_held_to_the_hosts_memory_by_the_dry_runs_sum():
     (line,) = memory_problems(cfg, world_size_of(cfg), host_bytes=need - 1)
     gib = f"{need / 2 ** 30:.2f} GiB" if need >= 2 ** 30 else f"{need / 2 ** 20:.1f} MiB"
     assert f"for the 8 CPU rank(s) on this host is {gib}" in line and "activations" in line, line
+
+
+def test_the_check_runs_for_the_local_launcher_unless_turned_off():
+    """trainer3d/preflight/refusal.py ``estimate_problems`` decides whether the estimate is asked:
+    a 70B model on CPU ranks is refused for this host's memory by the local launcher, launched
+    anyway with ``launcher.check_memory=false``, and left to its nodes under Slurm."""
+    cfg = _cfg(["model=70b", "train.device=cpu"])
+    (line,) = estimate_problems(cfg)
+    assert "CPU rank(s) on this host" in line and "launcher.check_memory=false" in line, line
     cfg.launcher.check_memory = False
-    assert memory_problems(cfg, world_size_of(cfg), host_bytes=1) == []
+    assert estimate_problems(cfg) == []
+    cfg = _cfg(["model=70b", "train.device=cpu", "launcher=slurm"])
+    assert estimate_problems(cfg) == []
 
 
 def test_cuda_ranks_are_held_to_each_gpus_memory():

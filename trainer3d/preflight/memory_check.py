@@ -145,10 +145,9 @@ def host_memory() -> int:
 
 def memory_problems(cfg: Config, world_size: int, device_bytes: Optional[int] = None,
                     host_bytes: Optional[int] = None) -> List[str]:
-    """One line if the validated ``cfg`` does not fit this machine (local launcher), else [].
-    ``device_bytes``/``host_bytes``: the limits (default: this machine's)."""
-    if not cfg.launcher.check_memory or cfg.launcher.name != "local":
-        return []
+    """One line if the validated ``cfg`` does not fit this machine, else []: asked where its
+    ranks start here (trainer3d/preflight/refusal.py ``estimate_problems`` decides whether the
+    check runs). ``device_bytes``/``host_bytes``: the limits (default: this machine's)."""
     count = visible_gpus() if device_bytes is None else max(1, world_size)
     if uses_cuda(cfg, count > 0):
         if device_bytes is None:

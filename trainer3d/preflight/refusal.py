@@ -39,7 +39,7 @@ def estimate_problems(cfg: Config) -> List[str]:
     device checks pays for that; ``--help``, ``--cfg job``, a refused config and a run without the
     check (``launcher.check_memory=false``, not the local launcher) import no torch here."""
     if not cfg.launcher.check_memory or cfg.launcher.name != "local":
-        return []  # memory_problems's own condition, asked before its import
+        return []  # the one place that decides whether the check runs, before its import
     from trainer3d.preflight.memory_check import memory_problems  # imports torch: see above
     return memory_problems(cfg, world_size_of(cfg))
 
