@@ -1,4 +1,5 @@
 import ast
+import compileall
 import functools
 import os
 import signal
@@ -9,6 +10,8 @@ from xdist.scheduler import LoadScopeScheduling
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = ROOT / "conf"
+BYTECODE_TREES = ("trainer3d", "tests", "tools")
+"""What ``pytest_configure`` compiles (the processes the suite starts import from these)."""
 
 # Tests never talk to wandb's servers.
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -21,6 +24,17 @@ os.environ.setdefault("WANDB_MODE", "offline")
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS",
                           str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
+
+def pytest_configure(config):
+    """The package's and the tests' bytecode, compiled once by the controlling process before
+    any worker starts. Python writes a module's cache as it first imports it, unless
+    ``PYTHONDONTWRITEBYTECODE`` is set (a CI runner may set it): then every fresh interpreter the
+    suite starts (each run's submitting process, submitit's ranks, the tools, the forkservers)
+    compiled the package's modules from source again. A cache that exists is read either way."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        for tree in BYTECODE_TREES:
+            compileall.compile_dir(str(ROOT / tree), quiet=2)
 
 
 @pytest.fixture(scope="session")

@@ -15,12 +15,15 @@ device, a checkpoint's metadata pickle, ``dry_run``, ``model.init_from``. Compos
 validating the config, ``--help``, a refusal, the device rules of a CPU run, the data and
 run-dir checks and the submission itself import none."""
 
+import importlib.util
 import json
 import os
+import struct
 import subprocess
 import sys
+from pathlib import Path
 
-from tests.conftest import ROOT
+from tests.conftest import BYTECODE_TREES, ROOT
 
 _PROBE = """
 import json, sys
@@ -107,3 +110,20 @@ def test_the_submitting_process_imports_no_torch(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "data error: " in proc.stderr and "model.vocab_size=16" in proc.stderr, proc.stderr[-3000:]
     assert json.loads(proc.stdout.splitlines()[-1]) == {"status": 2, "torch": []}
+
+
+def test_every_module_a_fresh_process_imports_has_current_bytecode():
+    """tests/conftest.py compiles the package, the tests and the tools once before any worker
+    starts, so a fresh interpreter reads each module's bytecode instead of compiling its source,
+    where ``PYTHONDONTWRITEBYTECODE`` keeps Python from writing it: every cache exists and records
+    its source's current modification time and size (a timestamp-checked .pyc, PEP 552)."""
+    stale = []
+    for tree in BYTECODE_TREES:
+        for source in (ROOT / tree).rglob("*.py"):
+            cache = Path(importlib.util.cache_from_source(str(source)))
+            stat = source.stat()
+            want = struct.pack("<4sIII", importlib.util.MAGIC_NUMBER, 0, int(stat.st_mtime) & 0xFFFFFFFF,
+                               stat.st_size & 0xFFFFFFFF)
+            if not cache.exists() or cache.read_bytes()[:16] != want:
+                stale.append(str(source.relative_to(ROOT)))
+    assert not stale, f"{len(stale)} modules without current bytecode, e.g. {stale[:5]}"
