@@ -272,3 +272,46 @@ def test_the_planners_caches_are_bounded_and_drop_the_least_recently_used():
     for key in ["a", "b", "a", "c", "a", "b"]:  # "b" is dropped for "c" ("a" was used since), then "c" for "b"
         assert cache.get(key, lambda key=key: made.append(key) or key.upper()) == key.upper()
     assert made == ["a", "b", "c", "b"] and len(cache) == 2
+
+
+def _layout(moe=None, train=None, **parallel) -> Config:
+    cfg = Config()
+    cfg.model.n_layers = 8
+    cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.grad_accum_steps = 2, 16, None
+    for group, changes in ((cfg.model.moe, moe), (cfg.train, train), (cfg.parallel, parallel)):
+        for key, value in (changes or {}).items():
+            setattr(group, key, value)
+    return validate(cfg)
+
+
+def test_the_searchs_block_times_are_kept_by_everything_they_depend_on():
+    """search() keeps the block times of all its layouts on its device (micro_batch_time.py
+    ``block_key``). Each variant differs from its base layout in one thing a block's time
+    depends on: timed after the base with one shared memo, as the search times them, its step
+    is the step it gets timed alone, and not the base's (were that thing missing from the key,
+    the memo would hand out the base's block). An MoE model keeps a block of each kind."""
+    h100 = PRESETS["h100-sxm"]
+    rates = _ideal(matmul_tflops={"fp32": 1.0, "bf16": 1.0, "fp16": 2.0})
+    hops = _ideal(latency_by_ranks={2: 1.0, 8: 10.0})  # a tp collective's latency by the node's busy ranks
+    moe = {"num_experts": 4, "top_k": 2, "first_dense_layers": 1}
+    cases = {  # base and variant: (layout, device, ranks per node, attention)
+        "micro-batch": ((_layout(tp=2, dp=4), h100, 8, "flash"),
+                        (_layout(train={"micro_batch_size": 4}, tp=2, dp=4), h100, 8, "flash")),
+        "sequence parallelism": ((_layout(tp=2, dp=4), h100, 8, "flash"),
+                                 (_layout(tp=2, dp=4, sequence_parallel=True), h100, 8, "flash")),
+        "expert parallelism": ((_layout(moe, dp=4), h100, 8, "flash"), (_layout(moe, dp=4, ep=2), h100, 8, "flash")),
+        "attention kernel": ((_layout(tp=2, dp=4), h100, 8, "flash"), (_layout(tp=2, dp=4), h100, 8, "math")),
+        "ranks per node": ((_layout(tp=2, dp=4), hops, 8, "flash"), (_layout(tp=2, dp=4), hops, 2, "flash")),
+        "dtype": ((_layout(train={"dtype": "bf16"}, tp=2, dp=4), rates, 8, "flash"),  # 2 bytes each
+                  (_layout(train={"dtype": "fp16"}, tp=2, dp=4), rates, 8, "flash")),
+    }
+    for name, ((base, device, per_node, attention), (cfg, _, variant_per_node, variant_attention)) in cases.items():
+        blocks = {}
+        first = evaluate(base, device, per_node, "nccl", attention, blocks=blocks).step
+        shared = evaluate(cfg, device, variant_per_node, "nccl", variant_attention, blocks=blocks).step
+        alone = evaluate(cfg, device, variant_per_node, "nccl", variant_attention).step
+        assert shared == alone != first, name
+        assert len(blocks) == 2 + 2 * (name == "expert parallelism"), (name, list(blocks))
+    blocks = {}
+    evaluate(_layout(moe, dp=4), h100, 8, "nccl", blocks=blocks)
+    assert sorted(key[0] for key in blocks) == [False, True]  # dense and MoE

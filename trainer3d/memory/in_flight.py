@@ -27,7 +27,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from trainer3d.config.schema import Config
 from trainer3d.parallel.pipeline.placement import stages_of_rank
-from trainer3d.parallel.pipeline.timeline import ZERO_BUBBLE, schedule_actions
+from trainer3d.parallel.pipeline.timeline import ZERO_BUBBLE, schedule_actions, steady_micro_batches
 
 
 def schedule_ops(schedule: str, pp: int, virtual: int, m: int, pp_rank: int) -> List[Tuple[str, int]]:
@@ -117,7 +117,8 @@ def in_flight(cfg: Config, pp_rank: int, per_micro: List[int], per_step: List[in
     p, m = cfg.parallel, cfg.train.grad_accum_steps
     if p.pp > 1 and p.pp_schedule not in ("1f1b", "gpipe"):
         best, at = 0, [0] * len(per_micro)
-        for counts in _states(p.pp_schedule, p.pp, p.pp_virtual_stages, m, pp_rank, len(per_micro)):
+        steady = steady_micro_batches(p.pp_schedule, p.pp, m)  # the same counts as m's (timeline.py)
+        for counts in _states(p.pp_schedule, p.pp, p.pp_virtual_stages, steady, pp_rank, len(per_micro)):
             live = _alive_bytes(counts, per_micro, per_step)
             if live > best:
                 best, at = live, list(counts)

@@ -18,7 +18,7 @@ from typing import Dict, Optional, Tuple
 
 from trainer3d.config.schema import Config
 from trainer3d.memory.activations import FP32, Sizes
-from trainer3d.memory.rank_layout import rank_layout
+from trainer3d.memory.rank_layout import model_key, rank_layout
 from trainer3d.plan.block_time import BlockTime, all_reduce_s, block_time, tp_region_s
 from trainer3d.plan.devices import Device
 from trainer3d.plan.links import _link_gbps
@@ -59,32 +59,46 @@ def _cp_exposed(cfg: Config, z: Sizes, device: Device, ranks_per_node: int) -> T
     return fwd, bwd
 
 
+BlockKey = Tuple[bool, str, str, int, str, Sizes]
+
+
+def block_key(cfg: Config, z: Sizes, ranks_per_node: int, attention: str, moe: bool, model: str) -> BlockKey:
+    """What ``_block`` reads of a layout on one device: the kind, the model (``model_key``), the
+    attention kernel, the node's busy ranks, the dtype (the device's matmul rate) and ``Sizes``
+    (micro-batch, sequence, tp, cp, sequence parallelism, ep, the model's widths)."""
+    return moe, model, attention, ranks_per_node, cfg.train.dtype, z
+
+
 def _block(cfg: Config, z: Sizes, device: Device, ranks_per_node: int, attention: str, moe: bool,
-           blocks: Dict[bool, BlockTime]) -> BlockTime:
+           blocks: Dict[BlockKey, BlockTime], model: str) -> BlockTime:
     """One block of the layout (an MoE block with ``moe``), with the ring's exposed exchange
-    under context parallelism; kept in ``blocks`` for the layout's other ranks."""
-    if moe not in blocks:
+    under context parallelism; kept in ``blocks`` (one device's) under ``block_key``."""
+    key = block_key(cfg, z, ranks_per_node, attention, moe, model)
+    if key not in blocks:
         block = block_time(cfg, device, ranks_per_node, attention, moe=moe)
         if cfg.parallel.cp > 1:
             block.fwd["cp_comm"], block.bwd["cp_comm"] = _cp_exposed(cfg, z, device, ranks_per_node)
-        blocks[moe] = block
-    return blocks[moe]
+        blocks[key] = block
+    return blocks[key]
 
 
 def micro_batch_times(cfg: Config, device: Device, pp_rank: int, ranks_per_node: int,
-                      attention: str = "flash", blocks: Optional[Dict[bool, BlockTime]] = None) -> RankTimes:
-    """``blocks``: the layout's block times by kind (dense, MoE) where another of its ranks has
-    timed them (step_time.py passes one dict for all the ranks it times)."""
+                      attention: str = "flash", blocks: Optional[Dict[BlockKey, BlockTime]] = None,
+                      model: Optional[str] = None) -> RankTimes:
+    """``blocks``: block times on ``device`` by ``block_key``, where another rank or layout has
+    timed them (step_time.py passes one dict for all the ranks it times, the search one for
+    all its layouts); ``model``: ``model_key(cfg)`` where the caller has it."""
     p, t = cfg.parallel, cfg.train
     blocks = {} if blocks is None else blocks
+    model = model if model is not None else model_key(cfg)
     z = Sizes.of(cfg)
     region = tp_region_s(cfg, device, ranks_per_node)
-    rank = rank_layout(cfg, pp_rank)
+    rank = rank_layout(cfg, pp_rank, model)
     stages, last = rank.stages, rank.last
     layers, experts = sum(rank.layers), sum(rank.moe)  # MoE blocks among them (plan/moe_cost.py)
-    kinds = [(_block(cfg, z, device, ranks_per_node, attention, False, blocks), layers - experts)]
+    kinds = [(_block(cfg, z, device, ranks_per_node, attention, False, blocks, model), layers - experts)]
     if experts:
-        kinds.append((_block(cfg, z, device, ranks_per_node, attention, True, blocks), experts))
+        kinds.append((_block(cfg, z, device, ranks_per_node, attention, True, blocks, model), experts))
     terms: Dict[str, float] = {}
     fwd = bwd = 0.0
     for kind, count in kinds:

@@ -31,6 +31,8 @@ from trainer3d.plan.expert_search import expert_parallel_sizes
 from trainer3d.plan.settings import PlanConfig
 from trainer3d.plan.devices import Device
 from trainer3d.plan.offload_cost import HostLink
+from trainer3d.plan.block_time import BlockTime
+from trainer3d.plan.micro_batch_time import BlockKey
 from trainer3d.plan.step_time import StepTime, ranks_evaluated, step_time, tokens_per_s
 from trainer3d.config.validate import ConfigError, validate_owned
 
@@ -162,13 +164,16 @@ _KNOB = re.compile(r"([a-z_]+\.[a-z_]+)")
 
 
 def evaluate(cfg: Config, device: Device, ranks_per_node: int, backend: str, attention: str = "flash",
-             link: Optional[HostLink] = None, model: Optional[str] = None) -> Plan:
+             link: Optional[HostLink] = None, model: Optional[str] = None,
+             blocks: Optional[Dict[BlockKey, BlockTime]] = None) -> Plan:
     """A validated layout's worst peak memory and predicted step (the step is timed even
     when the memory does not fit; search() drops those); ``model``: ``model_key(cfg)`` where
-    the caller has it."""
+    the caller has it; ``blocks``: the block times on ``device`` of the layouts evaluated
+    before (step_time.py)."""
+    model = model if model is not None else model_key(cfg)
     mems = {r: rank_memory(cfg, r, attention, model=model) for r in ranks_evaluated(cfg.parallel.pp)}
     step = step_time(cfg, device, {r: mem.states for r, mem in mems.items()}, ranks_per_node, backend, attention,
-                     link)
+                     link, model, blocks)
     return Plan(cfg=cfg, memory=max(mems.values(), key=lambda mem: mem.total), step=step, ranks=mems)
 
 
@@ -213,6 +218,7 @@ def search(cfg: PlanConfig, device: Device) -> SearchResult:
     link, host_usable = host_link(cfg), host_usable_bytes(cfg)
     result = SearchResult()
     model = None  # model_key of the one model all candidates share, once validate_owned has expanded its paths
+    blocks: Dict[BlockKey, BlockTime] = {}  # block times on this device, shared by the layouts
     for candidate in candidates(cfg, device):
         result.evaluated += 1
         try:
@@ -223,7 +229,7 @@ def search(cfg: PlanConfig, device: Device) -> SearchResult:
             result.refusal_examples.setdefault(knob, err.problems[0])
             continue
         model = model if model is not None else model_key(valid)
-        plan = evaluate(valid, device, c.gpus_per_node, backend, c.attention, link, model)
+        plan = evaluate(valid, device, c.gpus_per_node, backend, c.attention, link, model, blocks)
         # a CPU node's ranks share one memory: moving state to the host frees nothing there
         if (plan.memory.total > usable and cfg.search.offload and not valid.parallel.offload_optimizer
                 and not device.shared_memory):
@@ -232,7 +238,7 @@ def search(cfg: PlanConfig, device: Device) -> SearchResult:
                     tried = validate_owned(tried)
                 except ConfigError:
                     continue
-                offloaded = evaluate(tried, device, c.gpus_per_node, backend, c.attention, link, model)
+                offloaded = evaluate(tried, device, c.gpus_per_node, backend, c.attention, link, model, blocks)
                 if offloaded.memory.total <= usable and offloaded.host_per_node(c.gpus_per_node) <= host_usable:
                     plan = offloaded
                     break

@@ -40,13 +40,14 @@ from typing import Dict, List, Optional
 from trainer3d.memory.activations import FP32, Sizes
 from trainer3d.config.schema import Config
 from trainer3d.config.schema_parallel import zero_shards
+from trainer3d.memory.rank_layout import model_key
 from trainer3d.memory.states import BYTES, ModelStateBytes
 from trainer3d.parallel.pipeline.bubble import bubble_theory
 from trainer3d.parallel.pipeline.timeline import ZERO_BUBBLE
 from trainer3d.plan.block_time import BlockTime, all_reduce_s
 from trainer3d.plan.devices import Device
 from trainer3d.plan.links import _link_gbps, gather_s, overlap_cost
-from trainer3d.plan.micro_batch_time import RankTimes, micro_batch_times
+from trainer3d.plan.micro_batch_time import BlockKey, RankTimes, micro_batch_times
 from trainer3d.plan.moe_cost import expert_gradient_bytes
 from trainer3d.plan.muon_cost import muon_s
 from trainer3d.plan.offload_cost import HostLink, fsdp_offload_s, offload_s
@@ -176,16 +177,20 @@ def _fsdp_exposed(cfg: Config, device: Device, states: ModelStateBytes, times: R
 
 
 def step_time(cfg: Config, device: Device, states: Dict[int, ModelStateBytes], ranks_per_node: int,
-              backend: str = "nccl", attention: str = "flash", link: Optional[HostLink] = None) -> StepTime:
+              backend: str = "nccl", attention: str = "flash", link: Optional[HostLink] = None,
+              model: Optional[str] = None, blocks: Optional[Dict[BlockKey, BlockTime]] = None) -> StepTime:
     """``states``: model states of the pipeline ranks to time (at least the first and the
     last: the others differ only by the layers they hold, balanced by the stage split);
     ``attention``: the attention kernel (``cluster.attention``, kernels.py); ``link``: the host's
-    figures for an offloaded optimizer."""
+    figures for an offloaded optimizer; ``model``: ``model_key(cfg)`` where the caller has it;
+    ``blocks``: block times on ``device`` already timed (micro_batch_time.py ``block_key``), which
+    the search keeps for all its layouts."""
     p, t = cfg.parallel, cfg.train
     m, v = t.grad_accum_steps, p.pp_virtual_stages
     node_ranks = min(ranks_per_node, p.tp * p.cp * p.pp * p.dp)
-    blocks: Dict[bool, BlockTime] = {}  # one block of each kind, timed once for all the ranks
-    times: Dict[int, RankTimes] = {r: micro_batch_times(cfg, device, r, node_ranks, attention, blocks)
+    blocks = {} if blocks is None else blocks  # each kind of block timed once for all the ranks
+    model = model if model is not None else model_key(cfg)
+    times: Dict[int, RankTimes] = {r: micro_batch_times(cfg, device, r, node_ranks, attention, blocks, model)
                                    for r in states}
     slowest = max(times, key=lambda r: times[r].forward + times[r].backward)
     busy = times[slowest].forward + times[slowest].backward

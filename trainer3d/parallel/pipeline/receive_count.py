@@ -7,7 +7,7 @@ import functools
 from typing import Tuple
 
 from trainer3d.parallel.pipeline.placement import rank_of_stage
-from trainer3d.parallel.pipeline.timeline import ZERO_BUBBLE, torch_order
+from trainer3d.parallel.pipeline.timeline import ZERO_BUBBLE, steady_micro_batches, torch_order
 
 
 def receive_buffers_held(schedule: str, pp: int, virtual: int, m: int, pp_rank: int) -> int:
@@ -15,14 +15,15 @@ def receive_buffers_held(schedule: str, pp: int, virtual: int, m: int, pp_rank: 
 
     1F1B: stage s receives its input for each of its min(m, pp - s) micro-batches in flight,
     plus one output gradient during a backward (none on the last stage); GPipe: all m
-    inputs, plus that gradient. Interleaved 1F1B: counted along torch's own action order.
+    inputs, plus that gradient. Interleaved 1F1B and the zero-bubble schedules: counted along
+    torch's own action order, of ``steady_micro_batches`` (timeline.py) micro-batches.
     """
     if pp == 1:
         return 0
-    if schedule == "interleaved_1f1b":
-        return _interleaved_held(pp, virtual, m)[pp_rank]
+    if schedule == "interleaved_1f1b":  # past the warm-up the count no longer grows with m
+        return _interleaved_held(pp, virtual, steady_micro_batches(schedule, pp, m))[pp_rank]
     if schedule in ZERO_BUBBLE:
-        return _zero_bubble_held(schedule, pp, virtual, m)[pp_rank]
+        return _zero_bubble_held(schedule, pp, virtual, steady_micro_batches(schedule, pp, m))[pp_rank]
     in_flight = m if schedule == "gpipe" else min(m, pp - pp_rank)
     return (pp_rank > 0) * in_flight + (pp_rank < pp - 1)
 

@@ -181,12 +181,56 @@ def _ready(done: Dict[Action, float], kind: str, stage: int, mb: int, last: int)
     return None if t is None else (f, t)
 
 
+STEADY_FROM = 3
+"""``steady_micro_batches``'s threshold, in micro-batches per pp rank."""
+
+
+def steady_micro_batches(schedule: str, pp: int, m: int) -> int:
+    """The micro-batch count whose step holds a pp rank's peaks as ``m``'s does: the most receive
+    buffers (receive_count.py), the micro-batches in flight on each chunk at each count they pass
+    through (trainer3d/memory/in_flight.py ``_states``), and the same idle time per rank
+    (``schedule_bubble``). Past the warm-up, every multi-chunk schedule repeats one pattern per
+    round of micro-batches (``microbatches_per_round`` = pp once the rounds are m // pp of pp
+    each: zb1p and interleaved_1f1b take m % pp == 0 there; zbv and dualpipev any m), so those
+    figures stop changing with m once the warm-up and cool-down no longer depend on it: from 2 pp
+    micro-batches, for pp 2-8 and every schedule and 1-4 chunks a rank
+    (tests/unit/test_stages.py ``test_the_steady_count_holds_the_figures_of_every_larger_one``).
+    ``STEADY_FROM`` pp is used, a margin over that. Any other m: ``m``. The search
+    (trainer3d/plan/search.py) asks for up to a thousand micro-batches, each count simulated in
+    torch's order once (tens of thousands of actions per rank)."""
+    if pp == 1 or schedule not in ZERO_BUBBLE + ("interleaved_1f1b",):
+        return m
+    start = STEADY_FROM * pp
+    period = 1 if schedule in ("zbv", "dualpipev") else pp
+    return start if m > start and m % period == 0 else m
+
+
+@functools.lru_cache(maxsize=64)
+def _steady_timeline(schedule: str, pp: int, v: int, m: int) -> Tuple[float, Tuple[float, ...]]:
+    """(makespan, each rank's busy time) of ``simulate`` on ``m`` micro-batches."""
+    line = simulate(schedule_actions(schedule, pp, v, m), v)
+    return line.makespan, tuple(sum(e - s for s, e, _ in spans) for spans in line.spans.values())
+
+
 @functools.lru_cache(maxsize=1024)
 def schedule_bubble(schedule: str, pp: int, v: int, m: int) -> float:
     """The idle share of an ideal step of torch's ``schedule`` (the planner's and the tests' figure),
     cached: the search (trainer3d/plan/search.py) asks it for every micro-batch size, ZeRO stage,
-    recomputation and ep of each (schedule, pp, v, m)."""
+    recomputation and ep of each (schedule, pp, v, m).
+
+    Past ``steady_micro_batches`` each more micro-batch adds its F, I and W (or F and B: 3 units,
+    1/v each on each of the rank's v stages) to every rank's busy time and to the makespan, so
+    the steady count's timeline gives m's; with v a power of two every time in it is a multiple
+    of 1/v, added exactly, so the figure is the one ``Timeline.bubble`` computes from m's own
+    simulation, bit for bit (tests/unit/test_stages.py holds them equal); other v simulate m."""
     if pp == 1:
         return 0.0
-    return simulate(schedule_actions(schedule, pp, v, m), v).bubble()
+    steady = steady_micro_batches(schedule, pp, m)
+    if steady == m or v & (v - 1):
+        return simulate(schedule_actions(schedule, pp, v, m), v).bubble()
+    makespan, busy = _steady_timeline(schedule, pp, v, steady)
+    extra = 3 * (m - steady)
+    makespan += extra
+    idle = [1.0 - (b + extra) / makespan for b in busy]
+    return sum(idle) / len(idle)
 

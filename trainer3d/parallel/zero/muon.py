@@ -27,6 +27,7 @@ the other parameters.
 """
 
 import dataclasses
+import functools
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -70,6 +71,14 @@ def ns_cost(shape: Sequence[int], tp_sharded: bool, steps: int) -> Tuple[int, in
     expert's matrix of a stacked 3-D weight its own), then its elements, smaller side and tp
     sharding (what its step transient depends on: trainer3d/memory/muon_step.py), so parameters
     that tie are alike in all of them."""
+    return _ns_cost(tuple(shape), tp_sharded, steps)
+
+
+@functools.lru_cache(maxsize=4096)
+def _ns_cost(shape: Tuple[int, ...], tp_sharded: bool, steps: int) -> Tuple[int, int, int, bool]:
+    """``ns_cost``, cached on its arguments: the planner (trainer3d/plan/muon_cost.py,
+    trainer3d/memory/muon_step.py) asks it for every matrix of every layout it tries, of a
+    model with a few distinct shapes."""
     rows, cols = shape[-2:]
     experts = math.prod(shape[:-2])
     return experts * ns_flops(rows, cols, steps), experts * rows * cols, min(rows, cols), tp_sharded
@@ -82,12 +91,18 @@ def ns_owners(costs: Sequence[Tuple[int, ...]], ranks: int) -> List[int]:
     (megatron/core/optimizer/layer_wise_optimizer.py): the costliest parameter goes to the least
     loaded rank, ties to the lower index. Which parameters a rank gets depends on the multiset
     of costs alone, so the planner and the memory accounting reproduce each rank's share."""
+    return list(_ns_owners(tuple(costs), ranks))
+
+
+@functools.lru_cache(maxsize=256)
+def _ns_owners(costs: Tuple[Tuple[int, ...], ...], ranks: int) -> Tuple[int, ...]:
+    """``ns_owners``, cached on its arguments (the planner asks it for each layout's ranks)."""
     loads, owners = [0] * ranks, [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: costs[i], reverse=True):
         rank = min(range(ranks), key=lambda r: (loads[r], r))
         owners[i] = rank
         loads[rank] += costs[i][0]
-    return owners
+    return tuple(owners)
 
 
 class FlatMuonAdamW:
