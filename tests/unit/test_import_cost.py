@@ -8,7 +8,9 @@ constructor, which a checkpoint's pieces are not: trainer3d/parallel/compile.py 
 trainer3d/checkpoint/state.py ``Pieces``);
 torch.distributed.checkpoint, torch.distributed.tensor and torch.distributed.fsdp import sympy,
 which only a save, a load or ZeRO-2/3 needs (docs/performance.md, "A process's start and
-exit"). The ranks ``--calibrate`` starts fork from a server that imported torch alone (trainer3d/plan/calibrate_ranks.py).
+exit"). The ranks ``--calibrate`` starts fork from a server that imports torch and, by name, what
+an engine probe's rank runs (trainer3d/plan/calibrate_ranks.py); importing that module imports
+neither the planner nor Hydra.
 The submitting process imports torch (2-3 s of CPU) only in the checks that ask it, where they
 run: the GPU count of a ``train.device=auto`` run, the memory estimate's block on the meta
 device, a checkpoint's metadata pickle, ``dry_run``, ``model.init_from``. Composing and

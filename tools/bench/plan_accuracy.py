@@ -7,7 +7,7 @@ through the real engine, predicted vs measured step time.
     python tools/bench/plan_accuracy.py --measured steps.json    # predict again after recalibrating
 
 Each layout runs as ``python -m trainer3d.train <COMMON> <layout>`` for ``--steps`` steps
-(local ranks, gloo), ``--rounds`` times, the layouts interleaved; its measured step time is
+(its ranks on this node, started as torchrun starts them: trainer3d/plan/probe.py; gloo), ``--rounds`` times, the layouts interleaved; its measured step time is
 the fastest ``step_time_s`` of metrics.jsonl after ``--warmup`` steps over the rounds (on a
 machine shared with other jobs: the least disturbed step, the footing --calibrate measures
 on; the median is printed beside it). The prediction is trainer3d.plan's

@@ -6,7 +6,7 @@ which is fastest.
     knobs.py       their ranges and choices, checked with the training knobs' before a search
     devices.py     device presets (with their sources) and calibration files
     calibrate.py   --calibrate: this machine's matmul rate, memory bandwidth, collectives
-    calibrate_ranks.py  the processes --calibrate measures the node with (forked from a server that imports torch alone)
+    calibrate_ranks.py  the processes --calibrate measures the node with, and their server (torch and the engine, once)
     calibrate_gpu.py  --calibrate on CUDA: the GPU's preset with its matmul rate and bandwidth measured
     step_time.py   the step-time model: the pipeline's slots and bubble, data-parallel communication, optimizer
     micro_batch_time.py  one micro-batch's forward and backward on a pipeline rank, by term
@@ -15,7 +15,7 @@ which is fastest.
     block_time.py  one block's forward and backward by term
     moe_cost.py    an MoE block's extra terms: the experts' GEMMs, the all-to-alls, the experts' gradients
     kernels.py     GPU kernels by shape: GEMMs, attention, launches (with their sources)
-    probe.py       the engine at a negligible size, for --calibrate's fixed costs
+    probe.py       the engine's ranks on a layout, started here: --calibrate's fixed costs
     search.py      enumerate, validate(), fit (trainer3d/memory/peak.py), time, rank
     expert_search.py  the ep degrees tried, and the ep layouts validate() refuses until ep is built
     evaluate.py    plan.evaluate=true: one given layout, every term, a JSON last line

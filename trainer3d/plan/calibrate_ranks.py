@@ -2,9 +2,10 @@
 at once, and gloo all-reduces between two ranks (the two-rank node's own ranks, once they have
 multiplied: ``rank_matmul`` with a store).
 
-Each rank is forked from a forkserver that has imported this module (and with it torch alone,
-not the planner and the engine that calibrate.py brings): torch is imported once, by the server,
-not by every rank of every start (``--max-ranks 8`` starts 2 + 4 + 8 ranks three times over).
+Each rank is forked from a forkserver that has imported this module (and with it torch) and
+what the ranks of calibrate.py's engine probes run (trainer3d/plan/probe.py, which forks them
+from the same server): these are imported once, by the server, not by every rank of every start
+(``--max-ranks 8`` starts 2 + 4 + 8 ranks three times over, then 21 probe ranks).
 """
 
 import datetime
@@ -78,23 +79,32 @@ def rank_all_reduce(rank: int, world: int, store: str, out) -> None:
         out.put(times)
 
 
+PROBE_MODULES = ("trainer3d.plan.probe", "trainer3d.train", "trainer3d.rank.body",
+                 "trainer3d.parallel.pipeline.schedule", "numpy.ma")
+"""What a probe's rank runs: the entry point, a rank's body (torch, the loop, the planner's
+prediction), the pipeline's schedules (torch.distributed.pipelining: the pp probes) and numpy.ma
+(the sampler's first ``numpy.unique`` imports it; trainer3d/launch/local_ranks.py). Named for
+the server to import, not imported here (the planner's processes that measure nothing, and
+importing this module, stay without them: tests/unit/test_import_cost.py)."""
+
+
 @functools.lru_cache(maxsize=None)
-def _context():
+def forkserver():
     """The forkserver the ranks fork from, started on first use. A process has one forkserver,
     and the modules it preloads are those named before it starts: where one runs already
     (trainer3d/launch/local_ranks.py's, which has the engine imported), the ranks fork from
     that one and import this module as they unpickle their function. The other order, this
     server first and local_ranks' ranks later in the same process, leaves those ranks a server
-    without the engine imported: they import it as they start (slower, no different)."""
+    without the engine's preloads: they import those as they start (slower, no different)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    ctx.set_forkserver_preload([__name__, *PROBE_MODULES])
     return ctx
 
 
 def run_ranks(target: Callable, ranks: int, *args, results: int = 1) -> List:
     """Start ``ranks`` processes running ``target(rank, ranks, *args, queue)``; the first
     ``results`` things they put on the queue."""
-    ctx = _context()
+    ctx = forkserver()
     queue = ctx.Queue()
     if target is rank_matmul:
         args = (*args, ctx.Barrier(ranks))

@@ -2,22 +2,35 @@
 
 ``--calibrate`` runs it at a negligible model size, where a step is nothing but the host's
 and the collectives' fixed costs (calibrate.py fits them); tools/bench/plan_accuracy.py runs it at
-a real size and compares with the prediction. Each run is ``python -m trainer3d.train`` with
-Hydra overrides (local ranks, gloo, wandb off), its step times read from metrics.jsonl.
+a real size and compares with the prediction. Each run is the entry point's ranks, ``python -m
+trainer3d.train`` with Hydra overrides (gloo, wandb off), started here as torchrun starts them
+(``launcher=inplace``; tests/integration/test_torchrun.py): each rank runs the module as ``python
+-m`` does, with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (every rank on this
+node, as under the local launcher, whose ranks trainer3d/rank/threads.py sizes the same way from
+it), ``MASTER_ADDR`` and ``MASTER_PORT`` in its environment, and the store served by this process
+as torchrun's agent serves it; its step times are read from metrics.jsonl. The step is what is
+measured: the local launcher's submitting process (its pre-launch checks, the job it follows)
+and submitit's controller, which no step runs through, are left out, and the ranks fork from
+--calibrate's forkserver (calibrate_ranks.py), which has imported torch and the entry point once
+for all of them, instead of each being an interpreter that imports them.
 """
 
 import os
-import subprocess
+import runpy
 import sys
+import tempfile
+from multiprocessing.connection import wait
 from pathlib import Path
-from typing import List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
+import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from trainer3d.config.rows import read_metrics
 from trainer3d.config.schema import Config
-from trainer3d.config.validate import validate
+from trainer3d.config.validate import validate, world_size_of
+from trainer3d.plan.calibrate_ranks import forkserver
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,15 +42,62 @@ def training_config(overrides: Sequence[str]) -> Config:
     return validate(OmegaConf.to_object(dcfg))
 
 
+def _rank(argv: List[str], env: Dict[str, str], log: str) -> None:
+    """One rank, in a process forked for it: ``env`` for its environment, its output to ``log``,
+    and ``python -m trainer3d.train <argv>`` run as that command runs it (``runpy``, from ROOT)."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(ROOT)
+    sys.argv = ["-m", *argv]  # runpy puts the module's path first, as ``python -m`` does
+    runpy.run_module("trainer3d.train", run_name="__main__", alter_sys=True)
+
+
 def measured_step_s(overrides: Sequence[str], steps: int, warmup: int, run_dir: Path,
                     env: Optional[Mapping[str, str]] = None) -> List[float]:
     """``step_time_s`` of every step after the first ``warmup`` of a ``steps``-step run
-    (``env``: variables set for the run beside this process's)."""
-    cmd = [sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run_dir}", *overrides,
-           f"train.max_steps={steps}", "train.log_every=1", "checkpoint.save_final=false"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "WANDB_MODE": "disabled", **(env or {})})
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    (``env``: variables set for the run's ranks beside this process's)."""
+    args = [f"hydra.run.dir={run_dir}", *overrides, "launcher=inplace", f"train.max_steps={steps}",
+            "train.log_every=1", "checkpoint.save_final=false"]
+    world = world_size_of(training_config(overrides))
+    # The ranks' store, served here as torchrun's agent serves it: its port is this process's from
+    # the start, so no other socket can take it before rank 0 would bind it (trainer3d/rank/master_port.py).
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    common = {**os.environ, "WANDB_MODE": "disabled", **(env or {}), "WORLD_SIZE": str(world),
+              "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+              "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    ctx = forkserver()
+    with tempfile.TemporaryDirectory() as logs:
+        procs = [ctx.Process(target=_rank, daemon=True, args=(
+            args, {**common, "RANK": str(r), "LOCAL_RANK": str(r)}, os.path.join(logs, f"rank{r}.log")))
+            for r in range(world)]
+        for p in procs:
+            p.start()
+        failed = _wait(procs)
+        if failed is not None:
+            tail = Path(logs, f"rank{failed}.log").read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"python -m trainer3d.train {' '.join(args)}: rank {failed} of {world} exited "
+                               f"{procs[failed].exitcode}:\n{tail}")
+    del store
     rows, _ = read_metrics(Path(run_dir) / "metrics.jsonl")
     return [r["step_time_s"] for r in rows[warmup:]]
+
+
+def _wait(procs) -> Optional[int]:
+    """Wait for every rank; the first that failed (the others killed then), or None."""
+    pending = list(procs)
+    failed = None
+    while pending and failed is None:
+        wait([p.sentinel for p in pending])
+        for p in [p for p in pending if p.exitcode is not None]:
+            pending.remove(p)
+            if p.exitcode != 0 and failed is None:
+                failed = procs.index(p)
+    for p in pending:
+        p.kill()
+    for p in procs:
+        p.join()
+    return failed

@@ -26,13 +26,17 @@ entry for entry) and have logged ``--steps`` steps; otherwise the check is refus
 """
 
 import argparse
+import contextlib
+import io
 import os
+import runpy
 import shlex
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import ListConfig, OmegaConf
 
@@ -58,16 +62,35 @@ def train_command(run_dir: Path, overrides: Sequence[str]) -> List[str]:
     return [sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run_dir}", *overrides]
 
 
+def dry_run(run_dir: Path, overrides: Sequence[str]) -> Tuple[int, str, str]:
+    """``python -m trainer3d.train hydra.run.dir=<run_dir> <overrides> dry_run=true`` run to its
+    end in this process as ``python -m`` runs it (``runpy``): its exit status, stdout and stderr.
+    One process plans both layouts, so torch, which a dry run imports to build the model on the
+    meta device, is imported once, not by an interpreter per layout."""
+    out, err, argv = io.StringIO(), io.StringIO(), sys.argv
+    sys.argv = train_command(run_dir, [*overrides, "dry_run=true"])[2:]  # runpy puts the module's path first
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_module("trainer3d.train", run_name="__main__", alter_sys=True)
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        if isinstance(exit_.code, str):
+            err.write(exit_.code + "\n")
+    except Exception:  # noqa: BLE001 - reported as the interpreter would: exit status 1, the traceback
+        err.write(traceback.format_exc())
+        code = 1
+    finally:
+        sys.argv = argv
+    return code, out.getvalue(), err.getvalue()
+
+
 def check_configs(layouts: Dict[str, Sequence[str]], runs: Dict[str, Path]) -> Dict[str, Optional[str]]:
-    """Each layout's dry-run plan's first line, or None after printing why it is refused (the
-    dry runs run side by side)."""
-    procs = {name: subprocess.Popen(train_command(runs[name], [*overrides, "dry_run=true"]), stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=_env())
-             for name, overrides in layouts.items()}
+    """Each layout's dry-run plan's first line, or None after printing why it is refused."""
     plans: Dict[str, Optional[str]] = {}
-    for name, proc in procs.items():
-        out, err = proc.communicate()
-        if proc.returncode != 0:
+    for name, overrides in layouts.items():
+        code, out, err = dry_run(runs[name], overrides)
+        if code != 0:
             print(f"layout {name} is refused:\n{err.strip() or out.strip()}", file=sys.stderr)
             plans[name] = None
         else:
