@@ -28,6 +28,8 @@ def loaded(names):
     return sorted(n for n in names if n in sys.modules)
 import trainer3d.plan.calibrate_ranks
 ranks = loaded(["trainer3d.plan.calibrate", "trainer3d.plan.search", "trainer3d.model", "hydra"])
+import trainer3d.rank.task
+task = loaded(["hydra", "omegaconf", "yaml", "antlr4"])
 import trainer3d.train
 import trainer3d.rank.task
 entry = loaded(["torch._dynamo", "torch._inductor", "torch.distributed.pipelining", "sympy", "torch.distributed.tensor",
@@ -55,16 +57,18 @@ import atexit, gc
 trainer3d.rank.task.skip_exit_collection()
 frozen_before = gc.get_freeze_count()
 atexit._run_exitfuncs()
-print(json.dumps({"ranks": ranks, "entry": entry, "save": save, "loop": loop,
+print(json.dumps({"ranks": ranks, "task": task, "entry": entry, "save": save, "loop": loop,
                   "frozen": [frozen_before, gc.get_freeze_count() > 10000]}))
 """
 
 
 def test_a_rank_and_the_launcher_import_no_compiler_or_pipelining():
-    """Nor does either import DCP, DTensor or FSDP2 (which bring sympy), the rank's body, the
-    loop or the planner's search: a rank imports those as it runs (trainer3d/rank/task.py
-    ``TrainTask``, trainer3d/rank/body.py), DCP where a checkpoint is saved or read, FSDP2 for
-    ZeRO-2/3. Building a model on the meta
+    """Submitit's task (trainer3d/rank/task.py, with the config a rank unpickles) imports no Hydra
+    or OmegaConf: a rank composes nothing (trainer3d/config/composed.py; the body's modules are
+    held to it by tests/unit/test_imports.py). Neither the task nor the launcher imports DCP,
+    DTensor or FSDP2 (which bring sympy), the rank's body, the loop or the planner's search: a
+    rank imports those as it runs (trainer3d/rank/task.py ``TrainTask``, trainer3d/rank/body.py),
+    DCP where a checkpoint is saved or read, FSDP2 for ZeRO-2/3. Building a model on the meta
     device (every rank, the memory estimate), a mixture of experts too, imports no
     torch._dynamo, nor does a save of a checkpoint's pieces; the loop imports no chat
     template or tokenizer library (only data=chat_sample uses them). At exit, once the exit
@@ -74,7 +78,7 @@ def test_a_rank_and_the_launcher_import_no_compiler_or_pipelining():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.splitlines()[-1])
-    assert found == {"ranks": [], "entry": [], "save": [], "loop": [], "frozen": [0, True]}, found
+    assert found == {"ranks": [], "task": [], "entry": [], "save": [], "loop": [], "frozen": [0, True]}, found
 
 
 _LAUNCHER = """
