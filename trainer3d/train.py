@@ -25,8 +25,9 @@ from trainer3d.config.command_line import refuse_bad_overrides
 from trainer3d.config.conf_dir import CONF_DIR
 from trainer3d.config.defaults_used import defaults_block, given_keys, recipe_keys
 from trainer3d.config.help import print_help, wants_help
-from trainer3d.config.knobs import path_problems, unknown_keys
-from trainer3d.config.schema import Config  # noqa: F401  (registers the schema in the ConfigStore)
+from trainer3d.config.composed import unknown_keys  # and registers the schema in the ConfigStore
+from trainer3d.config.knobs import path_problems
+from trainer3d.config.schema import Config
 from trainer3d.config.validate import ConfigError, validate
 from trainer3d.launch.local import launch_local
 from trainer3d.launch.slurm import check_run_dir_free, launch_slurm

@@ -20,6 +20,7 @@ from tests.conftest import CONF_DIR, ROOT
 from tests.support.harness import dims_for, run_ranks
 from tests.support.runs import _train_rank, configure, read_metrics
 from tests.support.wandb_records import read_run, run_files
+import trainer3d.config.composed  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.memory.states import engine_model_state_bytes
 from trainer3d.observe.metrics import MetricsLogger

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from tests.conftest import CONF_DIR
 from tests.support.runs import PARITY
+import trainer3d.config.composed  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.launch.follow import follow
 from trainer3d.rank.heartbeat import Heartbeat, heartbeat_dir
 from trainer3d.rank.body import run_rank

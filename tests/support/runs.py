@@ -50,6 +50,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.conftest import CONF_DIR
+import trainer3d.config.composed  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.config.schema import Config
 from trainer3d.preflight.data_checks import check_data
 from trainer3d.hf.check import apply_init_from

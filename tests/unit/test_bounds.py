@@ -27,6 +27,7 @@ from trainer3d.config.knobs import PATHS, get, path_problems
 from trainer3d.config.schema import BlendSource
 from trainer3d.plan.knobs import (PLAN_CHOICE_LISTS, PLAN_CHOICES, PLAN_FLAG_LISTS, PLAN_FREE_TEXT, PLAN_LISTS, PLAN_RANGES,
                                   plan_problems)
+import trainer3d.plan.composed  # noqa: F401  (registers the planner's schema in the ConfigStore)
 from trainer3d.plan.settings import ClusterConfig, SearchConfig
 
 

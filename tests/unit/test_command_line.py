@@ -1,7 +1,7 @@
 """Every refusal of a command line is one line and exit status 2, an unknown key names the
 nearest known ones (trainer3d/config/command_line.py), alike for ``python -m trainer3d.train``,
 ``python -m trainer3d.plan`` and the parity tool; so is a refusal of the config Hydra composed
-(an added ``+key`` outside the schema: trainer3d/config/knobs.py ``unknown_keys``; a layout
+(an added ``+key`` outside the schema: trainer3d/config/composed.py ``unknown_keys``; a layout
 trainer3d/config/validate.py refuses), with nothing launched. Hydra's own refusal of the same
 command line is a multi-line page ending in its HYDRA_FULL_ERROR hint, with exit status 1."""
 
@@ -80,7 +80,7 @@ def test_the_planner_refuses_a_bad_cluster_before_searching(case, refused):
 
 def test_hydras_own_refusal_of_the_same_key_is_a_page_with_exit_1(tmp_path):
     """The reference the one line replaces: Hydra itself, through its compose API's run."""
-    code = ("import sys; from hydra import main; from trainer3d.config.schema import Config\n"
+    code = ("import sys; from hydra import main; import trainer3d.config.composed\n"
             "from trainer3d.config.conf_dir import CONF_DIR\n"
             "main(version_base=None, config_path=str(CONF_DIR), config_name='config')(lambda cfg: None)()")
     out = subprocess.run([sys.executable, "-c", code, "optim.lrr=1e-3"], capture_output=True, text=True,

@@ -8,6 +8,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.conftest import CONF_DIR, ROOT
+import trainer3d.config.composed  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.config.defaults_used import SIZING, defaults_used, given_keys, recipe_keys
 from trainer3d.config.validate import validate
 

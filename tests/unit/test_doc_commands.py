@@ -38,6 +38,7 @@ from hydra.errors import OverrideParseException
 from omegaconf import OmegaConf
 
 from tests.conftest import ROOT
+import trainer3d.plan.composed  # noqa: F401  (registers the planner's schema in the ConfigStore)
 from trainer3d.config.conf_dir import CONF_DIR
 from trainer3d.config.validate import ConfigError, validate
 

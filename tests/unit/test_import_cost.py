@@ -33,6 +33,8 @@ def loaded(names):
     return sorted(n for n in names if n in sys.modules)
 import trainer3d.plan.calibrate_ranks
 ranks = loaded(["trainer3d.plan.calibrate", "trainer3d.plan.search", "trainer3d.model", "hydra"])
+import trainer3d.rank.task
+task = loaded(["hydra", "omegaconf", "yaml", "antlr4"])
 import trainer3d.train
 import trainer3d.rank.task
 entry = loaded(["torch._dynamo", "torch._inductor", "torch.distributed.pipelining", "sympy", "torch.distributed.tensor",
@@ -54,32 +56,45 @@ with tempfile.TemporaryDirectory() as tmp:  # a save of one rank's pieces
     dcp.save({"w": PieceMaker()(torch.zeros(6), (2, 3), None, 0, 6)}, checkpoint_id=f"{tmp}/checkpoint")
     dist.destroy_process_group()
 save = loaded(["torch._dynamo"])
-import trainer3d.rank.body
-loop = loaded(["jinja2", "tokenizers"])
-import atexit, gc
+import gc
+collections = [s["collections"] for s in gc.get_stats()]
+frozen = [gc.get_freeze_count()]
+trainer3d.rank.task.rank_body()  # the body's import, as TrainTask runs it
+body = [after - before for before, after in zip(collections, [s["collections"] for s in gc.get_stats()])]
+frozen.append(gc.get_freeze_count() > 100000)
+loop = loaded(["jinja2", "tokenizers", "trainer3d.trainer"])
+import atexit
 trainer3d.rank.task.skip_exit_collection()
-frozen_before = gc.get_freeze_count()
+alive = [[n] for n in range(1000)]  # what the run made after the body's import
+frozen.append(len(gc.get_objects()) >= 1000)
 atexit._run_exitfuncs()
-print(json.dumps({"ranks": ranks, "entry": entry, "save": save, "loop": loop,
-                  "frozen": [frozen_before, gc.get_freeze_count() > 10000]}))
+frozen.append(len(gc.get_objects()))  # left to Python's last collection
+print(json.dumps({"ranks": ranks, "task": task, "entry": entry, "save": save, "body": body, "loop": loop,
+                  "frozen": frozen, "collector": gc.isenabled()}))
 """
 
 
 def test_a_rank_and_the_launcher_import_no_compiler_or_pipelining():
-    """Nor does either import DCP, DTensor or FSDP2 (which bring sympy), the rank's body, the
-    loop or the planner's search: a rank imports those as it runs (trainer3d/rank/task.py
-    ``TrainTask``, trainer3d/rank/body.py), DCP where a checkpoint is saved or read, FSDP2 for
-    ZeRO-2/3. Building a model on the meta
+    """Submitit's task (trainer3d/rank/task.py, with the config a rank unpickles) imports no Hydra
+    or OmegaConf: a rank composes nothing (trainer3d/config/composed.py; the body's modules are
+    held to it by tests/unit/test_imports.py). Neither the task nor the launcher imports DCP,
+    DTensor or FSDP2 (which bring sympy), the rank's body, the loop or the planner's search: a
+    rank imports those as it runs (trainer3d/rank/task.py ``TrainTask``, trainer3d/rank/body.py),
+    DCP where a checkpoint is saved or read, FSDP2 for ZeRO-2/3. Building a model on the meta
     device (every rank, the memory estimate), a mixture of experts too, imports no
     torch._dynamo, nor does a save of a checkpoint's pieces; the loop imports no chat
-    template or tokenizer library (only data=chat_sample uses them). At exit, once the exit
-    handlers have run, what is alive is frozen, so Python's last collection skips it."""
+    template or tokenizer library (only data=chat_sample uses them). The body is imported with
+    the garbage collector off: one full collection after it, none during it, and what it
+    imported frozen (trainer3d/rank/task.py ``rank_body``), the collector on again. At exit,
+    once the exit handlers have run, what is alive since is frozen too, so Python's last
+    collection skips it."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.splitlines()[-1])
-    assert found == {"ranks": [], "entry": [], "save": [], "loop": [], "frozen": [0, True]}, found
+    assert found == {"ranks": [], "task": [], "entry": [], "save": [], "body": [0, 0, 1], "loop": ["trainer3d.trainer"],
+                     "frozen": [0, True, True, 0], "collector": True}, found
 
 
 _LAUNCHER = """

@@ -245,6 +245,45 @@ def test_the_loop_imports_no_planner():
     assert sorted(m for m in seen if m.startswith("trainer3d.plan")) == []
 
 
+def _reached(edges: Dict[str, Set[str]], start: Iterable[str]) -> Set[str]:
+    """The modules of the tree ``start`` imports at their tops, directly or through another."""
+    seen, todo = set(), list(start)
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(edges.get(module, ()))
+    return seen
+
+
+def _importing(modules: Iterable[str], packages: Set[str]) -> List[str]:
+    """``module -> package`` for each of ``modules`` whose top-level imports name one of
+    ``packages`` (third-party: Hydra, OmegaConf)."""
+    paths = _modules()
+    found = []
+    for module in sorted(modules):
+        for node in ast.parse(paths[module].read_text()).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            found += [f"{module} -> {n}" for n in names if n.split(".")[0] in packages]
+    return found
+
+
+def test_a_rank_imports_no_hydra():
+    """What a rank imports at the top of its modules, from submitit's task (trainer3d/rank/task.py,
+    which unpickles the config) through its body (trainer3d/rank/body.py: the loop, the
+    checkpoints, the planner's prediction), reaches neither Hydra nor OmegaConf: a rank composes
+    nothing, and the schema's registration in Hydra's ConfigStore lives where the config is
+    composed (trainer3d/config/composed.py, trainer3d/plan/composed.py). The entry point, which
+    composes, does reach them (the scan sees a module's third-party imports)."""
+    edges, _ = _graph()
+    rank = _reached(edges, ["trainer3d.rank.task", "trainer3d.rank.body"])
+    assert {"trainer3d.trainer", "trainer3d.plan.settings", "trainer3d.config.schema"} <= rank
+    assert _importing(rank, {"hydra", "omegaconf"}) == []
+    assert "trainer3d.config.composed -> hydra.core.config_store" in _importing(_reached(edges, ["trainer3d.train"]),
+                                                                                {"hydra"})
+
+
 def test_the_package_root_holds_only_the_entry_point_and_the_loop():
     root = {path.stem for path in (ROOT / "trainer3d").glob("*.py")}
     assert root <= ROOT_MODULES, sorted(root - ROOT_MODULES)

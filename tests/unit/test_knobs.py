@@ -1,5 +1,5 @@
 """Every knob of the schema is checked: numeric ranges and choices from one table
-(trainer3d/config/knobs.py), keys outside the schema refused, a GPU asked for where there is none.
+(trainer3d/config/knobs.py), keys outside the schema refused (trainer3d/config/composed.py), a GPU asked for where there is none.
 
 The sweeps below walk the dataclass schema itself, so a field added later without a range
 or a choice fails here; each invalid value is pushed through ``validate`` and must come back
@@ -18,7 +18,8 @@ from hydra import compose, initialize_config_dir
 from tests.unit.test_validate import CONF_DIR, make
 from trainer3d import train
 from trainer3d.config.schema import Config
-from trainer3d.config.knobs import CHOICES, FREE_TEXT, RANGES, unknown_keys
+from trainer3d.config.composed import unknown_keys  # and registers the schema in the ConfigStore
+from trainer3d.config.knobs import CHOICES, FREE_TEXT, RANGES
 from trainer3d.config.validate import ConfigError, validate
 
 

@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.conftest import CONF_DIR
+import trainer3d.config.composed  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.config.validate import ConfigError, validate
 from trainer3d.data import BYTE_LEVEL, TokenFile, TokenFileError, write_token_file

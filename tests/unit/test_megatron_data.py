@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from tests.conftest import CONF_DIR
 from tests.support.megatron_files import write_megatron
+import trainer3d.config.composed  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.config.validate import validate
 from trainer3d.data import TokenFile
 from trainer3d.preflight.data_checks import check_data

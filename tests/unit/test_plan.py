@@ -11,6 +11,8 @@ from omegaconf import OmegaConf
 from tests.conftest import CONF_DIR, ROOT
 from trainer3d.memory import rank_layout
 from trainer3d.memory import states as memory
+import trainer3d.config.composed  # noqa: F401  (registers the schema in the ConfigStore)
+import trainer3d.plan.composed  # noqa: F401  (registers the planner's schema in the ConfigStore)
 from trainer3d.config.schema import Config
 from trainer3d.memory.states import format_bytes
 from trainer3d.model.flops import layer_matmul_params, matmul_params

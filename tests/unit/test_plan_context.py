@@ -6,6 +6,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.conftest import CONF_DIR
+import trainer3d.plan.composed  # noqa: F401  (registers the planner's schema in the ConfigStore)
 from trainer3d.config.schema import Config
 from trainer3d.config.validate import validate
 from trainer3d.model.flops import matmul_params

@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.conftest import CONF_DIR, ROOT
+import trainer3d.plan.composed  # noqa: F401  (registers the planner's schema in the ConfigStore)
 from trainer3d.config.validate import ConfigError
 from trainer3d.plan.devices import device_for
 from trainer3d.plan.evaluate import LayoutError, evaluate_report

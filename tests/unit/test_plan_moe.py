@@ -8,6 +8,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.conftest import CONF_DIR
+import trainer3d.config.composed  # noqa: F401  (registers the schema in the ConfigStore)
+import trainer3d.plan.composed  # noqa: F401  (registers the planner's schema in the ConfigStore)
 from trainer3d.config.validate import validate
 from trainer3d.plan.block_time import block_time
 from trainer3d.plan.devices import PRESETS

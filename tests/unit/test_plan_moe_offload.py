@@ -9,6 +9,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.conftest import CONF_DIR
+import trainer3d.plan.composed  # noqa: F401  (registers the planner's schema in the ConfigStore)
 from trainer3d.config.validate import validate
 from trainer3d.memory.moe import layout_model_state_bytes
 from trainer3d.plan.devices import PRESETS

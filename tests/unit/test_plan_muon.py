@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 
+import trainer3d.plan.composed  # noqa: F401  (registers the planner's schema in the ConfigStore)
 from trainer3d.config.schema import Config
 from trainer3d.plan.devices import PRESETS
 from trainer3d.memory.muon_step import muon_step_bytes, ns_shares, parameter_step_bytes, rank_muon_params

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from tests.conftest import CONF_DIR, ROOT
 from trainer3d import train
+import trainer3d.plan.composed  # noqa: F401  (registers the planner's schema in the ConfigStore)
 from trainer3d.config.validate import validate
 from trainer3d.hf.mapping import model_fields
 from trainer3d.memory.dry_run import describe_plan

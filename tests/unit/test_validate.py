@@ -7,6 +7,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import trainer3d.config.composed  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.config.schema import Config
 from trainer3d.config.validate import ConfigError, validate
 from tests.conftest import CONF_DIR

@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+import trainer3d.config.composed  # noqa: E402,F401  (registers the schema in the ConfigStore)
 from trainer3d.checkpoint import digest, store  # noqa: E402
 from trainer3d.checkpoint.precision import load_passes  # noqa: E402
 from trainer3d.checkpoint.state import rank_state  # noqa: E402

@@ -53,6 +53,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from common import model_preset  # noqa: E402
+import trainer3d.config.composed  # noqa: E402,F401  (registers the schema in the ConfigStore)
 from trainer3d.config.schema import Config  # noqa: E402
 from trainer3d.config.rows import read_metrics  # noqa: E402
 from trainer3d.config.validate import validate  # noqa: E402

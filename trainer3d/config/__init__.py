@@ -4,7 +4,9 @@
 ``conf/`` only selects and overrides them), joining and re-exporting the sections kept in
 their own modules: ``schema_model`` (``model.*``, rotary scaling), ``schema_parallel``
 (``parallel.*``), ``schema_train`` (``train.*``, ``optim.*``) and ``schema_run`` (``data.*``,
-``launcher.*``, ``logger.*``, ``checkpoint.*``); ``knobs`` every field's range or choices;
+``launcher.*``, ``logger.*``, ``checkpoint.*``); ``composed`` their registration in Hydra's
+ConfigStore and the check of a composed config's keys, imported where the config is composed
+(the schema imports no Hydra: a rank composes nothing); ``knobs`` every field's range or choices;
 ``validate`` the rules of a layout as a pure function, run in the submitting process and
 naming the knob to change, with the rules of one concern each in ``validate_pipeline``
 (``parallel.pp*``, and the batch set a refusal proposes), ``validate_data``, ``validate_moe``

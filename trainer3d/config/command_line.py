@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from trainer3d.config.conf_dir import CONF_DIR
-from trainer3d.config.schema import Config  # noqa: F401  (registers the training schema; the planner's registers its own)
+import trainer3d.config.composed  # noqa: F401  (registers the training schema; trainer3d/plan/composed.py the planner's)
 
 # Hydra's own flags that choose another config, or print something other than a run: Hydra handles them
 OTHER_CONFIG = ("config_path", "config_name", "config_dir", "info", "shell_completion", "hydra_help", "version")

@@ -20,6 +20,7 @@ from typing import Dict, List, Sequence
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import trainer3d.config.composed  # noqa: F401  (registers the training schema; trainer3d/plan/composed.py the planner's)
 from trainer3d.config.conf_dir import CONF_DIR
 from trainer3d.config.knobs import CHOICES, RANGES
 

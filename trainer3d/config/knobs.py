@@ -3,9 +3,9 @@
 ``validate`` (trainer3d/config/validate.py) checks each numeric knob against ``RANGES`` and each
 string knob against ``CHOICES`` (or lists it in ``FREE_TEXT``): the tests hold every field
 of the schema to being in one of them, so a new knob cannot arrive unchecked. NaN and inf
-are refused everywhere (a NaN compares false with every bound). ``unknown_keys`` finds keys
-the schema lacks — Hydra's ``+key=value`` adds them to the composed config, and
-``OmegaConf.to_object`` would drop them without a word.
+are refused everywhere (a NaN compares false with every bound). Keys of a composed config
+that the schema lacks are found by trainer3d/config/composed.py ``unknown_keys`` (this module
+is imported by every rank, through ``validate``, and imports no OmegaConf).
 """
 
 import dataclasses
@@ -15,8 +15,6 @@ import operator
 import os
 import typing
 from typing import Dict, List, Optional, Tuple
-
-from omegaconf import DictConfig, ListConfig
 
 from trainer3d.config.schema import Config
 
@@ -235,31 +233,3 @@ def path_problems(cfg: Config) -> List[str]:
         elif knob in DIRECTORIES and os.path.exists(os.path.expanduser(value)) and not os.path.isdir(os.path.expanduser(value)):
             problems.append(f"{knob}={value} is a file, not a directory; give a directory")
     return problems
-
-
-def _unwrap(hint):
-    """The dataclass a field holds (directly, optionally, or as list elements), else None."""
-    for arg in (hint, *typing.get_args(hint)):
-        if dataclasses.is_dataclass(arg):
-            return arg
-    return None
-
-
-def unknown_keys(node, schema=Config, prefix: str = "") -> List[str]:
-    """The keys of the composed config ``node`` that the dataclass ``schema`` has no field for."""
-    hints = typing.get_type_hints(schema)
-    found = []
-    for key in node.keys() if isinstance(node, DictConfig) else ():
-        name = f"{prefix}{key}"
-        if key not in hints:
-            where = f"the keys of {prefix[:-1]}" if prefix else "the top-level keys"
-            found.append(f"{name} is not a config key (misspelled?); {where} are: {', '.join(sorted(hints))}")
-            continue
-        inner = _unwrap(hints[key])
-        child = node._get_node(key)
-        if inner is not None and isinstance(child, DictConfig):
-            found += unknown_keys(child, inner, f"{name}.")
-        elif inner is not None and isinstance(child, ListConfig):
-            for i, item in enumerate(child):
-                found += unknown_keys(item, inner, f"{name}[{i}].")
-    return found

@@ -1,22 +1,23 @@
 """The run's typed configuration.
 
 Every knob lives in one of these dataclasses, registered in Hydra's ConfigStore as the
-schema; the YAML files in ``conf/`` only select a group member and override values, so a
+schema (by trainer3d/config/composed.py, where the config is composed); the YAML files in ``conf/`` only select a group member and override values, so a
 typo or a wrong type is refused by Hydra before anything runs. Cross-field rules (batch
 arithmetic, divisibility, ZeRO with pipelining) are checked by ``trainer3d.config.validate``.
 Each section lives in a module of its own: ``schema_model`` (``model.*``), ``schema_parallel``
 (``parallel.*``), ``schema_train`` (``train.*``, ``optim.*``) and ``schema_run`` (``data.*``,
 ``launcher.*``, ``logger.*``, ``checkpoint.*``); this module joins them into ``Config``,
-re-exports them, so ``trainer3d.config.schema`` names every class of the schema, and registers
-the whole with Hydra.
+re-exports them, so ``trainer3d.config.schema`` names every class of the schema.
+
+It imports neither Hydra nor OmegaConf: a rank unpickles its ``Config`` from this module
+(trainer3d/rank/task.py) and composes nothing, so it pays for neither
+(tests/unit/test_import_cost.py); trainer3d/config/composed.py registers the schema with
+Hydra for every place that composes.
 """
 
 import re
 from dataclasses import dataclass, field
 from typing import Optional
-
-from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
 
 from trainer3d.config.schema_model import ModelConfig, MoEConfig, RopeScalingConfig
 from trainer3d.config.schema_parallel import ParallelConfig
@@ -28,7 +29,7 @@ __all__ = [
     "BlendSource", "CheckpointConfig", "Config", "DataConfig", "InjectConfig", "LauncherConfig", "LoggerConfig",
     "ModelConfig", "MoEConfig", "MuonConfig", "OptimConfig", "ParallelConfig", "RUN_NAME", "RopeScalingConfig",
     "SpikeConfig", "StragglerConfig", "TrainConfig",
-    "flatten", "named_run_dir", "register_configs",
+    "flatten", "named_run_dir",
 ]
 
 
@@ -72,15 +73,3 @@ def named_run_dir(name: Optional[str], default: str) -> str:
     (also for a malformed name, which validate refuses in one line: an exception raised while
     Hydra resolves its run dir would reach the user as a page of traceback)."""
     return f"outputs/{name}" if name is not None and RUN_NAME.match(str(name)) else default
-
-
-OmegaConf.register_new_resolver("trainer3d_run_dir", named_run_dir, replace=True)
-
-
-def register_configs() -> None:
-    """Register the schema so conf/config.yaml can name it first in its defaults list."""
-    cs = ConfigStore.instance()
-    cs.store(name="trainer3d_schema", node=Config)
-
-
-register_configs()

@@ -1,14 +1,16 @@
 """What surrounds the loop in the run's schema: ``data.*`` (the tokens it reads),
 ``launcher.*`` (how its ranks start), ``logger.*`` (where its metrics go) and ``checkpoint.*``
-(what it saves). Part of ``trainer3d.config.schema``, which re-exports every class and registers
-the whole schema with Hydra; the field docstrings under each field are what ``--help`` prints
+(what it saves). Part of ``trainer3d.config.schema``, which re-exports every class
+(trainer3d/config/composed.py registers the whole schema with Hydra); the field docstrings under each field are what ``--help`` prints
 (trainer3d/config/help.py).
 """
 
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from omegaconf import MISSING
+MISSING = "???"
+"""OmegaConf's ``MISSING`` (a value the config must give), spelled out: a rank imports this
+module and no OmegaConf (trainer3d/config/composed.py)."""
 
 
 @dataclass

@@ -3,6 +3,7 @@ stage x sequence parallelism x recomputation x virtual stages (x expert parallel
 which is fastest.
 
     settings.py    cluster.* and search.* on top of the training schema
+    composed.py    their registration in Hydra's ConfigStore, imported where ``plan`` is composed (a rank composes nothing)
     knobs.py       their ranges and choices, checked with the training knobs' before a search
     devices.py     device presets (with their sources) and calibration files
     calibrate.py   --calibrate: this machine's matmul rate, memory bandwidth, collectives

@@ -22,7 +22,7 @@ from trainer3d.config.validate import ConfigError
 from trainer3d.plan.calibrate import main as calibrate_main
 from trainer3d.plan.evaluate import LayoutError, evaluate_report
 from trainer3d.plan.knobs import plan_problems
-from trainer3d.plan.settings import PlanConfig  # noqa: F401  (registers the schema)
+from trainer3d.plan.composed import PlanConfig  # registers the schema in the ConfigStore
 from trainer3d.plan.devices import device_for
 from trainer3d.plan.report import report
 from trainer3d.plan.search import search

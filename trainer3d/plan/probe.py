@@ -27,6 +27,7 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import trainer3d.config.composed  # noqa: F401  (registers the schema in the ConfigStore)
 from trainer3d.config.rows import read_metrics
 from trainer3d.config.schema import Config
 from trainer3d.config.validate import validate, world_size_of

@@ -3,13 +3,12 @@
 ``PlanConfig`` extends the training ``Config`` (same groups, same ``validate()``), so
 ``python -m trainer3d.plan model=7b train.global_batch_size=1024 ...`` reads the model and
 batch exactly as ``python -m trainer3d.train`` would, and the layout knobs it searches are
-the training config's own (``parallel.*``, ``train.micro_batch_size``, ...).
+the training config's own (``parallel.*``, ``train.micro_batch_size``, ...). Hydra's
+ConfigStore learns ``PlanConfig`` from trainer3d/plan/composed.py, where ``plan`` is composed.
 """
 
 from dataclasses import dataclass, field
 from typing import List
-
-from hydra.core.config_store import ConfigStore
 
 from trainer3d.config.schema import Config
 from trainer3d.plan.devices import DEFAULT_CALIBRATION
@@ -85,10 +84,3 @@ class PlanConfig(Config):
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
     plan: PlanOptions = field(default_factory=PlanOptions)
-
-
-def register_plan_config() -> None:
-    ConfigStore.instance().store(name="trainer3d_plan_schema", node=PlanConfig)
-
-
-register_plan_config()

@@ -44,6 +44,34 @@ def skip_exit_collection() -> None:
     atexit.register(gc.freeze)
 
 
+def rank_body():
+    """The rank's body (trainer3d/rank/body.py ``run_rank``), imported with the cyclic garbage
+    collector off, then one full collection and ``gc.freeze()``.
+
+    The body's import is most of a fresh rank's start: torch, DCP, the loop, hundreds of
+    thousands of objects that live as long as the process. With the collector on, each
+    allocation threshold reached during the import runs a collection over the young objects,
+    and the generation-2 ones walk every object imported so far, again and again
+    (https://docs.python.org/3/library/gc.html). Off, the import allocates the same objects;
+    one collection then frees the import's own cyclic garbage, and ``gc.freeze()`` moves what
+    is left to the permanent generation, which the training loop's collections skip
+    (CPython's own advice for a process that builds a long-lived heap first: the gc module's
+    documentation of ``freeze``). Where the body is imported already (the ranks the tests fork
+    from a server that preloads it: trainer3d/launch/local_ranks.py), nothing is done."""
+    if "trainer3d.rank.body" not in sys.modules:
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            import trainer3d.rank.body  # noqa: F401  (here, not at the top: see the module's docstring)
+        finally:
+            gc.collect()
+            gc.freeze()
+            if enabled:
+                gc.enable()
+    from trainer3d.rank.body import run_rank
+    return run_rank
+
+
 def in_distributed_env() -> bool:
     """True when this process is already one rank of an allocation (torchrun, or an srun step)."""
     if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -94,8 +122,7 @@ class TrainTask:
                 if not self.lock_run_dir:
                     join_run_dir(*run_dirs(self.cfg))  # run and checkpoint dirs stay locked while this rank lives
                 # Here, not at the top: the body imports torch, which only a rank needs (see above).
-                from trainer3d.rank.body import run_rank
-                return run_rank(self.cfg, heartbeat, self.lock_run_dir)
+                return rank_body()(self.cfg, heartbeat, self.lock_run_dir)
         finally:
             heartbeat.stop()
             if owner is not None:
