@@ -2,6 +2,7 @@ import ast
 import compileall
 import functools
 import os
+import py_compile
 import signal
 from pathlib import Path
 
@@ -31,10 +32,12 @@ def pytest_configure(config):
     any worker starts. Python writes a module's cache as it first imports it, unless
     ``PYTHONDONTWRITEBYTECODE`` is set (a CI runner may set it): then every fresh interpreter the
     suite starts (each run's submitting process, submitit's ranks, the tools, the forkservers)
-    compiled the package's modules from source again. A cache that exists is read either way."""
+    compiled the package's modules from source again. A cache that exists is read either way.
+    Timestamp-checked, as Python writes them itself (py_compile would check hashes where
+    ``SOURCE_DATE_EPOCH`` is set)."""
     if os.environ.get("PYTEST_XDIST_WORKER") is None:
         for tree in BYTECODE_TREES:
-            compileall.compile_dir(str(ROOT / tree), quiet=2)
+            compileall.compile_dir(str(ROOT / tree), quiet=2, invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,9 @@
 is dropped with the reason, and the step-time model against hand-derived figures."""
 
 import dataclasses
+import multiprocessing
+import os
+import time
 import importlib.util
 
 import pytest
@@ -317,3 +320,30 @@ def test_the_searchs_block_times_are_kept_by_everything_they_depend_on():
     blocks = {}
     evaluate(_layout(moe, dp=4), h100, 8, "nccl", blocks=blocks)
     assert sorted(key[0] for key in blocks) == [False, True]  # dense and MoE
+
+
+def _sleep_forever():
+    time.sleep(3600)
+
+
+def _exit_3():
+    os._exit(3)
+
+
+def test_a_probes_wait_is_bounded_and_names_a_failed_rank():
+    """trainer3d/plan/probe.py ``_wait``: a rank that exits non-zero is named (its index) while
+    another still runs, and ranks still running at the deadline raise TimeoutError naming them
+    (measured_step_s then kills them) instead of waiting on."""
+    from trainer3d.plan.probe import _wait
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_sleep_forever, daemon=True), ctx.Process(target=_exit_3, daemon=True)]
+    try:
+        for p in procs:
+            p.start()
+        assert _wait(procs, time.monotonic() + 60) == 1
+        with pytest.raises(TimeoutError, match=r"ranks \[0\] of 1 still running"):
+            _wait(procs[:1], time.monotonic() + 0.2)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()

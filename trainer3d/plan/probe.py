@@ -15,10 +15,13 @@ and submitit's controller, which no step runs through, are left out, and the ran
 for all of them, instead of each being an interpreter that imports them.
 """
 
+import ctypes
 import os
 import runpy
+import signal
 import sys
 import tempfile
+import time
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
@@ -46,6 +49,7 @@ def training_config(overrides: Sequence[str]) -> Config:
 def _rank(argv: List[str], env: Dict[str, str], log: str) -> None:
     """One rank, in a process forked for it: ``env`` for its environment, its output to ``log``,
     and ``python -m trainer3d.train <argv>`` run as that command runs it (``runpy``, from ROOT)."""
+    _die_with_parent()
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -63,11 +67,16 @@ def measured_step_s(overrides: Sequence[str], steps: int, warmup: int, run_dir: 
     (``env``: variables set for the run's ranks beside this process's)."""
     args = [f"hydra.run.dir={run_dir}", *overrides, "launcher=inplace", f"train.max_steps={steps}",
             "train.log_every=1", "checkpoint.save_final=false"]
-    world = world_size_of(training_config(overrides))
+    cfg = training_config(overrides)
+    world = world_size_of(cfg)
+    # The run's own bounds: the start-up timeout, then one collective timeout a step (a rank stuck
+    # outside any collective is not caught by them: killed at this deadline).
+    deadline = time.monotonic() + cfg.parallel.init_timeout_s + steps * cfg.parallel.timeout_s
     # The ranks' store, served here as torchrun's agent serves it: its port is this process's from
     # the start, so no other socket can take it before rank 0 would bind it (trainer3d/rank/master_port.py).
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    common = {**os.environ, "WANDB_MODE": "disabled", **(env or {}), "WORLD_SIZE": str(world),
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("SUBMITIT_", "TORCHELASTIC_"))}
+    common = {**inherited, "WANDB_MODE": "disabled", **(env or {}), "WORLD_SIZE": str(world),
               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
               "TORCHELASTIC_USE_AGENT_STORE": "True"}
     ctx = forkserver()
@@ -75,9 +84,15 @@ def measured_step_s(overrides: Sequence[str], steps: int, warmup: int, run_dir: 
         procs = [ctx.Process(target=_rank, daemon=True, args=(
             args, {**common, "RANK": str(r), "LOCAL_RANK": str(r)}, os.path.join(logs, f"rank{r}.log")))
             for r in range(world)]
-        for p in procs:
-            p.start()
-        failed = _wait(procs)
+        try:
+            for p in procs:
+                p.start()
+            failed = _wait(procs, deadline)
+        finally:  # an interrupt, the deadline or a failed rank: none is left running
+            for p in procs:
+                if p.pid is not None and p.exitcode is None:
+                    p.kill()
+                    p.join()
         if failed is not None:
             tail = Path(logs, f"rank{failed}.log").read_text(errors="replace")[-3000:]
             raise RuntimeError(f"python -m trainer3d.train {' '.join(args)}: rank {failed} of {world} exited "
@@ -87,18 +102,33 @@ def measured_step_s(overrides: Sequence[str], steps: int, warmup: int, run_dir: 
     return [r["step_time_s"] for r in rows[warmup:]]
 
 
-def _wait(procs) -> Optional[int]:
-    """Wait for every rank; the first that failed (the others killed then), or None."""
+def _wait(procs, deadline: float) -> Optional[int]:
+    """Wait for every rank until ``deadline`` (``time.monotonic``); the first that failed, or
+    None. Past the deadline: TimeoutError naming the ranks still running (the caller kills them)."""
     pending = list(procs)
-    failed = None
-    while pending and failed is None:
-        wait([p.sentinel for p in pending])
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"ranks {[procs.index(p) for p in pending]} of {len(procs)} still running at the "
+                               "probe's deadline (parallel.init_timeout_s + a parallel.timeout_s a step)")
+        wait([p.sentinel for p in pending], timeout=remaining)
         for p in [p for p in pending if p.exitcode is not None]:
             pending.remove(p)
-            if p.exitcode != 0 and failed is None:
-                failed = procs.index(p)
-    for p in pending:
-        p.kill()
-    for p in procs:
-        p.join()
-    return failed
+            if p.exitcode != 0:
+                return procs.index(p)
+    return None
+
+
+def _die_with_parent() -> None:
+    """The rank is killed when the process it was forked from (calibrate_ranks.py's forkserver,
+    which exits with the probing process) exits first: a killed ``--calibrate`` leaves no rank
+    (prctl(2) PR_SET_PDEATHSIG; Linux, as the engine's other ranks: trainer3d/rank/owner.py)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        return
+    if os.getppid() == 1:  # the server exited before the call
+        os._exit(1)
+
+
+PR_SET_PDEATHSIG = 1
+"""prctl(2)'s option number (linux/prctl.h)."""
