@@ -19,6 +19,7 @@ run names them); ``command_line`` the one-line refusal (exit 2) of overrides tha
 compose, with the nearest known keys, shared by every entry point; ``help`` and ``conf_dir`` the ``--help`` page and where conf/ is; ``extras``
 the optional packages and the line that says how to install one; ``device`` which device
 the ranks run on, decided from the config (its pure rules in ``validate()``, the machine's GPUs
-before launch, CUDA inside each rank). May import nothing of trainer3d: every other package
+before launch, CUDA inside each rank); ``parent_death`` a process's request to die with its
+parent (prctl(2)), which the ranks of a local job and the planner's probe ranks make. May import nothing of trainer3d: every other package
 reads the config.
 """

@@ -15,7 +15,6 @@ and submitit's controller, which no step runs through, are left out, and the ran
 for all of them, instead of each being an interpreter that imports them.
 """
 
-import ctypes
 import os
 import runpy
 import signal
@@ -31,6 +30,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import trainer3d.config.composed  # noqa: F401  (registers the schema in the ConfigStore)
+from trainer3d.config.parent_death import die_with_parent
 from trainer3d.config.rows import read_metrics
 from trainer3d.config.schema import Config
 from trainer3d.config.validate import validate, world_size_of
@@ -49,7 +49,9 @@ def training_config(overrides: Sequence[str]) -> Config:
 def _rank(argv: List[str], env: Dict[str, str], log: str) -> None:
     """One rank, in a process forked for it: ``env`` for its environment, its output to ``log``,
     and ``python -m trainer3d.train <argv>`` run as that command runs it (``runpy``, from ROOT)."""
-    _die_with_parent()
+    # Killed when its forkserver (calibrate_ranks.py's), which exits with this process, exits
+    # first: a killed --calibrate leaves no rank.
+    die_with_parent(signal.SIGKILL)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -117,18 +119,3 @@ def _wait(procs, deadline: float) -> Optional[int]:
             if p.exitcode != 0:
                 return procs.index(p)
     return None
-
-
-def _die_with_parent() -> None:
-    """The rank is killed when the process it was forked from (calibrate_ranks.py's forkserver,
-    which exits with the probing process) exits first: a killed ``--calibrate`` leaves no rank
-    (prctl(2) PR_SET_PDEATHSIG; Linux, as the engine's other ranks: trainer3d/rank/owner.py)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
-        return
-    if os.getppid() == 1:  # the server exited before the call
-        os._exit(1)
-
-
-PR_SET_PDEATHSIG = 1
-"""prctl(2)'s option number (linux/prctl.h)."""

@@ -13,21 +13,21 @@ rank:
   (trainer3d/checkpoint/stop.py), so the ranks save a checkpoint and exit; a rank still alive
   ``GRACE_S`` later (blocked in a collective with a dead peer) is killed;
 - every rank asks the kernel for SIGTERM when its own parent, the controller, dies
-  (``prctl(PR_SET_PDEATHSIG)``, prctl(2); Linux only, through libc by ctypes).
+  (``prctl(PR_SET_PDEATHSIG)``, prctl(2); Linux only: trainer3d/config/parent_death.py, which
+  the planner's probe ranks ask too).
 """
 
-import ctypes
-import ctypes.util
 import os
 import signal
 import threading
 from typing import Optional
 
+from trainer3d.config.parent_death import die_with_parent
+
 OWNER_VAR = "TRAINER3D_OWNER"
 WATCH_S = 1.0
 GRACE_S = 60.0
 """After the owner is gone: how long the ranks have to stop at a step boundary and save."""
-PR_SET_PDEATHSIG = 1
 
 
 def start_time(pid: int) -> Optional[str]:
@@ -74,21 +74,10 @@ class OwnerWatch:
         self._stopped.set()
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Ask the kernel for ``sig`` when this process's parent dies (and send it now if it
-    already has: the parent may die between fork and this call)."""
-    parent = os.getppid()
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-        return  # not Linux, or refused: the owner watch still ends the rank
-    if os.getppid() != parent or parent == 1:
-        os.kill(os.getpid(), sig)
-
-
 def watch_owner() -> Optional[OwnerWatch]:
     """In a rank of a local job (its environment names an owner): both mechanisms; else None."""
     owner = os.environ.get(OWNER_VAR)
     if not owner:
         return None
-    die_with_parent()
+    die_with_parent()  # SIGTERM; where prctl is refused (not Linux), the owner watch still ends the rank
     return OwnerWatch(owner).start()
