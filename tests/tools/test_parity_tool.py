@@ -3,6 +3,7 @@
 The correct check runs both layouts once (a module fixture); the planted-bug check compares
 with that check's one-process run (``--reuse-b``): the bug lives on rank 1 only."""
 
+import logging
 import subprocess
 import textwrap
 
@@ -120,7 +121,14 @@ def test_reuse_b_refuses_a_run_of_other_overrides(tmp_path):
 
 
 def test_parity_tool_refuses_a_bad_layout_before_running(tmp_path):
+    """... and leaves this process's logging as it was: the dry run, in this process, composed
+    with Hydra, which put its handlers (the run dir's train.log, a captured stdout) on the root
+    logger and set its level (trainer3d/tools/parity.py ``logging_kept``)."""
+    root, named = logging.getLogger(), logging.getLogger("tests.parity_tool")
+    named.setLevel(logging.WARNING)
+    before = (root.handlers[:], root.level, named.handlers[:], named.level)
     proc = _parity(tmp_path, "parallel=single parallel.dp=3", steps=2)
+    assert (root.handlers, root.level, named.handlers, named.level) == before
     assert proc.returncode == 2
     assert "layout A is refused" in proc.stderr and "global_batch_size" in proc.stderr
     assert not (tmp_path / "runs" / "a" / "metrics.jsonl").exists()
