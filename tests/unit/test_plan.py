@@ -2,6 +2,7 @@
 is dropped with the reason, and the step-time model against hand-derived figures."""
 
 import dataclasses
+import inspect
 import multiprocessing
 import os
 import time
@@ -331,19 +332,61 @@ def _exit_3():
 
 
 def test_a_probes_wait_is_bounded_and_names_a_failed_rank():
-    """trainer3d/plan/probe.py ``_wait``: a rank that exits non-zero is named (its index) while
-    another still runs, and ranks still running at the deadline raise TimeoutError naming them
-    (measured_step_s then kills them) instead of waiting on."""
-    from trainer3d.plan.probe import _wait
+    """trainer3d/plan/calibrate_ranks.py ``wait_ranks``, an engine probe's wait (probe.py): a rank
+    that exits non-zero is named (its index) while another still runs, and ranks still running at
+    the deadline raise TimeoutError naming them (measured_step_s then kills them) instead of
+    waiting on."""
+    from trainer3d.plan.calibrate_ranks import wait_ranks
     ctx = multiprocessing.get_context("fork")
     procs = [ctx.Process(target=_sleep_forever, daemon=True), ctx.Process(target=_exit_3, daemon=True)]
     try:
         for p in procs:
             p.start()
-        assert _wait(procs, time.monotonic() + 60) == 1
+        assert wait_ranks(procs, time.monotonic() + 60, "a minute") == 1
         with pytest.raises(TimeoutError, match=r"ranks \[0\] of 1 still running"):
-            _wait(procs[:1], time.monotonic() + 0.2)
+            wait_ranks(procs[:1], time.monotonic() + 0.2, "0.2 s")
     finally:
         for p in procs:
             p.kill()
             p.join()
+
+
+def _put_or_hang(rank, world, pids, hang, out):
+    """A calibration rank (calibrate_ranks.py ``run_ranks``' protocol): records its pid, then
+    puts its result, or, as rank ``hang``, sleeps without one."""
+    (pids / str(rank)).write_text(str(os.getpid()))
+    if rank == hang:
+        time.sleep(3600)
+    out.put(rank)
+
+
+def _put_then_exit_3(rank, world, out):
+    out.put(rank)
+    if rank == 1:
+        os._exit(3)
+
+
+def test_calibrations_ranks_are_bounded_and_a_hung_one_is_ended_and_named(tmp_path):
+    """--calibrate's own ranks (trainer3d/plan/calibrate_ranks.py ``run_ranks``: the node's matmul
+    rates, gloo all-reduce) are bounded as a run is (``RANKS_TIMEOUT_S``: the schema's start-up
+    timeout and one collective timeout): a rank that hangs without its result is named in a
+    TimeoutError at the deadline and killed; one that hangs after it, in the wait for the ranks'
+    exit, too; one that exits non-zero is named. The ranks fork from this process here, not from
+    the forkserver, whose start imports torch and the entry point."""
+    from trainer3d.config.schema_parallel import ParallelConfig
+    from trainer3d.plan import calibrate_ranks
+    from trainer3d.plan.calibrate_ranks import run_ranks
+    assert calibrate_ranks.RANKS_TIMEOUT_S == ParallelConfig.init_timeout_s + ParallelConfig.timeout_s
+    assert inspect.signature(run_ranks).parameters["timeout_s"].default == calibrate_ranks.RANKS_TIMEOUT_S
+    ctx = multiprocessing.get_context("fork")
+    for results in (2, 1):  # rank 1 hangs before its result; with one result wanted, after rank 0's
+        pids = tmp_path / str(results)
+        pids.mkdir()
+        with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2 still running"):
+            run_ranks(_put_or_hang, 2, pids, 1, results=results, timeout_s=0.5, context=ctx)
+        hung = int((pids / "1").read_text())
+        assert not os.path.exists(f"/proc/{hung}"), "the hung rank was left running"
+    with pytest.raises(RuntimeError, match="rank 1 of 2 exited 3"):
+        run_ranks(_put_then_exit_3, 2, results=2, timeout_s=60, context=ctx)
+    (tmp_path / "none").mkdir()
+    assert sorted(run_ranks(_put_or_hang, 2, tmp_path / "none", -1, results=2, timeout_s=60, context=ctx)) == [0, 1]

@@ -7,7 +7,7 @@ which is fastest.
     knobs.py       their ranges and choices, checked with the training knobs' before a search
     devices.py     device presets (with their sources) and calibration files
     calibrate.py   --calibrate: this machine's matmul rate, memory bandwidth, collectives
-    calibrate_ranks.py  the processes --calibrate measures the node with, and their server (torch and the engine, once)
+    calibrate_ranks.py  the processes --calibrate measures the node with, their server (torch and the engine, once), their bounded wait
     calibrate_gpu.py  --calibrate on CUDA: the GPU's preset with its matmul rate and bandwidth measured
     step_time.py   the step-time model: the pipeline's slots and bubble, data-parallel communication, optimizer
     micro_batch_time.py  one micro-batch's forward and backward on a pipeline rank, by term

@@ -6,19 +6,33 @@ Each rank is forked from a forkserver that has imported this module (and with it
 what the ranks of calibrate.py's engine probes run (trainer3d/plan/probe.py, which forks them
 from the same server): these are imported once, by the server, not by every rank of every start
 (``--max-ranks 8`` starts 2 + 4 + 8 ranks three times over, then 21 probe ranks).
+
+Both kinds of rank are waited for within a deadline and every rank still running is killed
+when the wait ends (``wait_ranks``, ``end_ranks``): a hung rank is named, never waited on.
 """
 
 import datetime
 import functools
 import multiprocessing as mp
+import queue as queues
 import time
-from typing import Callable, Dict, List, Optional
+from multiprocessing.connection import wait
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from trainer3d.config.schema_parallel import ParallelConfig
+
 MATMUL = 512
 """The side of the square fp32 matrices every matmul figure is measured with."""
+COLLECTIVE_TIMEOUT_S = ParallelConfig.timeout_s
+"""The all-reduce ranks' process group timeout: a run's collective timeout, the schema's default
+(``parallel.timeout_s``)."""
+RANKS_TIMEOUT_S = ParallelConfig.init_timeout_s + COLLECTIVE_TIMEOUT_S
+"""How long ``run_ranks`` waits for its ranks before it kills them and names those still running:
+a run's bound on its start-up (``parallel.init_timeout_s``, the schema's default) and one
+collective timeout, as the engine probes' deadline is those and one a step (probe.py)."""
 
 
 def best_matmul_gflops(threads: int, rounds: int, start: Callable[[], None] = lambda: None) -> float:
@@ -57,7 +71,7 @@ def all_reduce_times(rank: int, world: int, store: str, repeats: int = 20) -> Di
     count: every rank must join each), on one thread."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     times = {}
     for numel in (256, 4 * 2 ** 20):
         t = torch.ones(numel)
@@ -101,17 +115,68 @@ def forkserver():
     return ctx
 
 
-def run_ranks(target: Callable, ranks: int, *args, results: int = 1) -> List:
+def run_ranks(target: Callable, ranks: int, *args, results: int = 1, timeout_s: float = RANKS_TIMEOUT_S,
+              context=None) -> List:
     """Start ``ranks`` processes running ``target(rank, ranks, *args, queue)``; the first
-    ``results`` things they put on the queue."""
-    ctx = forkserver()
+    ``results`` things they put on the queue, once every rank has exited. A rank that exits
+    non-zero raises RuntimeError naming it; ranks still running ``timeout_s`` after the start
+    raise TimeoutError naming them; every rank still running then is killed. ``context``: the
+    multiprocessing context the ranks start from (default: ``forkserver()``)."""
+    ctx = context or forkserver()
     queue = ctx.Queue()
     if target is rank_matmul:
         args = (*args, ctx.Barrier(ranks))
     procs = [ctx.Process(target=target, args=(r, ranks, *args, queue), daemon=True) for r in range(ranks)]
-    for p in procs:
-        p.start()
-    out = [queue.get(timeout=600) for _ in range(results)]
-    for p in procs:
-        p.join(timeout=60)
+    deadline = time.monotonic() + timeout_s
+    bound = f"{timeout_s:g} s (parallel.init_timeout_s + parallel.timeout_s)"
+    try:
+        for p in procs:
+            p.start()
+        out = []
+        while len(out) < results:  # read before waiting: a rank exits once what it put is written
+            try:
+                out.append(queue.get(timeout=min(1.0, max(0.0, deadline - time.monotonic()))))
+                continue
+            except queues.Empty:
+                pass
+            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"rank {failed[0]} of {ranks} exited {procs[failed[0]].exitcode}")
+            if all(p.exitcode == 0 for p in procs) and queue.empty():
+                raise RuntimeError(f"the ranks exited having put {len(out)} of {results} results")
+            if time.monotonic() >= deadline:
+                wait_ranks(procs, deadline, bound)  # raises, naming the ranks still running
+        failed = wait_ranks(procs, deadline, bound)
+        if failed is not None:
+            raise RuntimeError(f"rank {failed} of {ranks} exited {procs[failed].exitcode}")
+    finally:
+        end_ranks(procs)
     return out
+
+
+def wait_ranks(procs: Sequence, deadline: float, bound: str) -> Optional[int]:
+    """Wait for every process of ``procs`` (rank order) until ``deadline`` (``time.monotonic``);
+    the first that exited non-zero (its rank), or None. Past the deadline: TimeoutError naming
+    the ranks still running and the ``bound`` that set it (the caller kills them: ``end_ranks``)."""
+    pending = list(procs)
+    while True:
+        for p in [p for p in pending if p.exitcode is not None]:
+            pending.remove(p)
+            if p.exitcode != 0:
+                return procs.index(p)
+        if not pending:
+            return None
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"ranks {[procs.index(p) for p in pending]} of {len(procs)} still running at "
+                               f"the deadline, {bound}")
+        wait([p.sentinel for p in pending], timeout=remaining)
+
+
+def end_ranks(procs: Sequence) -> None:
+    """Kill every process of ``procs`` that was started and still runs, and reap it: after an
+    interrupt, a deadline or a failed rank, none is left running."""
+    for p in procs:
+        if p.pid is not None and p.exitcode is None:
+            p.kill()
+            p.join()

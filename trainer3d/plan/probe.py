@@ -21,7 +21,6 @@ import signal
 import sys
 import tempfile
 import time
-from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
@@ -34,7 +33,7 @@ from trainer3d.config.parent_death import die_with_parent
 from trainer3d.config.rows import read_metrics
 from trainer3d.config.schema import Config
 from trainer3d.config.validate import validate, world_size_of
-from trainer3d.plan.calibrate_ranks import forkserver
+from trainer3d.plan.calibrate_ranks import end_ranks, forkserver, wait_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,7 +72,8 @@ def measured_step_s(overrides: Sequence[str], steps: int, warmup: int, run_dir: 
     world = world_size_of(cfg)
     # The run's own bounds: the start-up timeout, then one collective timeout a step (a rank stuck
     # outside any collective is not caught by them: killed at this deadline).
-    deadline = time.monotonic() + cfg.parallel.init_timeout_s + steps * cfg.parallel.timeout_s
+    limit_s = cfg.parallel.init_timeout_s + steps * cfg.parallel.timeout_s
+    deadline = time.monotonic() + limit_s
     # The ranks' store, served here as torchrun's agent serves it: its port is this process's from
     # the start, so no other socket can take it before rank 0 would bind it (trainer3d/rank/master_port.py).
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -89,12 +89,10 @@ def measured_step_s(overrides: Sequence[str], steps: int, warmup: int, run_dir: 
         try:
             for p in procs:
                 p.start()
-            failed = _wait(procs, deadline)
+            failed = wait_ranks(procs, deadline, f"{limit_s:g} s (parallel.init_timeout_s + a parallel.timeout_s "
+                                                 f"for each of {steps} steps)")
         finally:  # an interrupt, the deadline or a failed rank: none is left running
-            for p in procs:
-                if p.pid is not None and p.exitcode is None:
-                    p.kill()
-                    p.join()
+            end_ranks(procs)
         if failed is not None:
             tail = Path(logs, f"rank{failed}.log").read_text(errors="replace")[-3000:]
             raise RuntimeError(f"python -m trainer3d.train {' '.join(args)}: rank {failed} of {world} exited "
@@ -102,20 +100,3 @@ def measured_step_s(overrides: Sequence[str], steps: int, warmup: int, run_dir: 
     del store
     rows, _ = read_metrics(Path(run_dir) / "metrics.jsonl")
     return [r["step_time_s"] for r in rows[warmup:]]
-
-
-def _wait(procs, deadline: float) -> Optional[int]:
-    """Wait for every rank until ``deadline`` (``time.monotonic``); the first that failed, or
-    None. Past the deadline: TimeoutError naming the ranks still running (the caller kills them)."""
-    pending = list(procs)
-    while pending:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"ranks {[procs.index(p) for p in pending]} of {len(procs)} still running at the "
-                               "probe's deadline (parallel.init_timeout_s + a parallel.timeout_s a step)")
-        wait([p.sentinel for p in pending], timeout=remaining)
-        for p in [p for p in pending if p.exitcode is not None]:
-            pending.remove(p)
-            if p.exitcode != 0:
-                return procs.index(p)
-    return None
