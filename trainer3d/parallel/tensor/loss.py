@@ -2,12 +2,17 @@
 
 Each tp rank holds the logits of its slice of the (padded) vocabulary. The full logits are
 never gathered (Shoeybi et al. 2019, sec. 3: gathering them would move batch x seq x vocab
-values per step); three all-reduces over tp of one number per token do instead:
+values per step); reductions over tp of one number per token do instead:
 
     m   = max over all ranks of the local max logit            (all-reduce MAX)
     S   = sum over all ranks of sum_j exp(z_j - m)             (all-reduce SUM)
     z_t = the target's logit, on the rank that holds it, else 0 (all-reduce SUM)
     loss per token = log S - (z_t - m)
+
+The two sums travel in one all-reduce (S and z_t - m stacked), as Megatron-LM's fused
+cross-entropy does (megatron/core/fusions/fused_cross_entropy.py: the max, then one all-reduce
+of the predicted logits and the sums of exponentials concatenated): two synchronisations of the
+tp group per micro-batch (per chunk, in ``chunked_head_loss``) instead of three.
 
 The gradient is local: softmax(z) - onehot(target), restricted to this rank's columns.
 
@@ -83,7 +88,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax = (torch.zeros if valid < local else torch.empty)((n, local), device=logits.device)
         exp = torch.sub(z, z_max.unsqueeze(-1), out=softmax[:, :valid]).exp_()
         sum_exp = exp.sum(dim=-1)
-        _all_reduce(sum_exp, group)
 
         if group is None and norm is None:
             here, local_t = None, targets
@@ -97,7 +101,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 target_z = target_z.masked_fill(~here, 0.0)
         else:
             target_z = torch.zeros_like(z_max)
-        _all_reduce(target_z, group)
+        if group is not None:  # the two sums in one all-reduce, as Megatron-LM's (module docstring)
+            sums = torch.stack([sum_exp, target_z])
+            _all_reduce(sums, group)
+            sum_exp, target_z = sums[0], sums[1]
 
         token_loss = sum_exp.log() - target_z
         exp.div_(sum_exp.unsqueeze(-1))
