@@ -32,8 +32,10 @@ def test_smollm2_135m_laptop_recipe_trains(tmp_path):
 # Two of SmolLM2's 30 layers: what the SFT test checks is the recipe's data and loss (the masks,
 # the document index, the tokens counted), which the layers in between do not touch; the laptop
 # test above trains the recipe's whole model. Its vocabulary stays, so a fresh model's first loss
-# is still about log(49,152).
-SFT_SHORT = ("train.max_steps=8", "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4",
+# is still about log(49,152). Three steps: the masked loss falls by more than 1.0 in the first
+# (11.18 -> 9.62 -> 7.80 at tree e1128ea), so the fall is judged with a wide margin.
+SFT_STEPS = 3
+SFT_SHORT = (f"train.max_steps={SFT_STEPS}", "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4",
              "train.log_every=1", "optim.warmup_steps=2", "checkpoint.save_final=false", "model.n_layers=2")
 
 
@@ -54,7 +56,7 @@ def test_sft_recipe_trains_on_the_assistants_tokens(tmp_path):
     assert starts is not None and len(starts) == int((np.asarray(tokens.tokens) == tokens.header.eos_id).sum())
     train_in_ranks(tmp_path, overrides, timeout=840)
     rows = read_metrics(tmp_path)
-    assert [r["step"] for r in rows] == list(range(8))
+    assert [r["step"] for r in rows] == list(range(SFT_STEPS))
     losses = [r["loss"] for r in rows]
     assert all(math.isfinite(v) for v in losses)
     assert abs(losses[0] - math.log(49152)) < 1.5

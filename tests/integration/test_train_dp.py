@@ -7,8 +7,12 @@ restart redoes), and the restart's comparison with the reference reads them."""
 
 import pytest
 
-from tests.support.runs import PARITY, assert_parity, losses_in_ranks, read_metrics, reference_losses, train_in_ranks, \
+from tests.support.runs import PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, read_metrics, reference_losses, train_in_ranks, \
     train_losses
+
+# The two-layer model (tests/support/runs.py TWO_LAYERS and its shared reference): a data-parallel
+# fault (the gradients' all-reduce, the data's split over the replicas) shows in one layer as in four.
+TRAINED = (*PARITY, *TWO_LAYERS)
 
 # Its tests share a module fixture: one xdist worker runs them all (tests/conftest.py: xdist_scope).
 
@@ -18,17 +22,17 @@ def dp2_run(tmp_path_factory):
     """2 data-parallel ranks, a progress line every 5 steps (metrics.jsonl still has one row per
     step): the run dir and rank 0's stdout."""
     run_dir = tmp_path_factory.mktemp("dp2") / "run"
-    stdout = train_in_ranks(run_dir, [*PARITY, "train.log_every=5", "parallel=single", "parallel.dp=2"])
+    stdout = train_in_ranks(run_dir, [*TRAINED, "train.log_every=5", "parallel=single", "parallel.dp=2"])
     return run_dir, stdout
 
 
 def test_dp2_matches_single_process(session_tmp, dp2_run):
-    assert_parity(train_losses(dp2_run[0]), reference_losses(session_tmp, PARITY))
+    assert_parity(train_losses(dp2_run[0]), reference_losses(session_tmp, TRAINED))
 
 
 def test_dp4_matches_single_process(tmp_path, session_tmp):
-    ref = reference_losses(session_tmp, PARITY)
-    assert_parity(losses_in_ranks(tmp_path, [*PARITY, "parallel=single", "parallel.dp=4"]), ref)
+    ref = reference_losses(session_tmp, TRAINED)
+    assert_parity(losses_in_ranks(tmp_path, [*TRAINED, "parallel=single", "parallel.dp=4"]), ref)
 
 
 def test_run_reports_progress_and_metrics(dp2_run):
