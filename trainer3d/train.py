@@ -35,7 +35,7 @@ from trainer3d.preflight.refusal import refused_before_launch, report
 from trainer3d.preflight.rundir import write_record
 from trainer3d.rank.resume import remember_command
 from trainer3d.rank.runlock import RunDirBusy, RunDirLock
-from trainer3d.rank.task import TrainTask, in_distributed_env, skip_exit_collection
+from trainer3d.rank.task import TrainTask, imports_frozen, in_distributed_env, skip_exit_collection
 
 def resolve(dcfg: DictConfig) -> Config:
     """The composed config as plain dataclasses, interpolations resolved (picklable).
@@ -138,7 +138,9 @@ def run(cfg: Config, explicit_model: Sequence[str] = (), given: Optional[Set[str
         except RunDirBusy:
             pass
         return 0
-    if refused_before_launch(cfg):  # extras, devices, memory, data, run dirs (trainer3d/preflight/)
+    with imports_frozen():  # the device and memory checks import torch (trainer3d/rank/task.py)
+        refused = refused_before_launch(cfg)  # extras, devices, memory, data, run dirs (trainer3d/preflight/)
+    if refused:
         return 2
     remember_command(cfg, sweep_point())  # the ranks' stop line prints it (trainer3d/rank/resume.py)
     return launch(cfg, record)
