@@ -40,6 +40,17 @@ import trainer3d.rank.task
 entry = loaded(["torch._dynamo", "torch._inductor", "torch.distributed.pipelining", "sympy", "torch.distributed.tensor",
                 "torch.distributed.checkpoint", "torch.distributed.fsdp", "trainer3d.rank.body", "trainer3d.trainer",
                 "trainer3d.plan.search"])
+import dataclasses, gc, tempfile
+from trainer3d.config.schema import Config
+with tempfile.TemporaryDirectory() as tmp:  # the launcher's checks, refused at the data check after the memory estimate
+    cfg = Config(run_dir=tmp)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=16),
+                              train=dataclasses.replace(cfg.train, device="cpu"))
+    collections = [s["collections"] for s in gc.get_stats()]
+    status = trainer3d.train.run(cfg)
+    full = gc.get_stats()[2]["collections"] - collections[2]  # over every object, torch's included
+    launcher = [status, "torch" in sys.modules, full, gc.get_freeze_count() > 100000]
+gc.unfreeze()
 import torch
 from trainer3d.config.schema import ModelConfig, MoEConfig
 from trainer3d.model.transformer import Transformer
@@ -69,8 +80,8 @@ alive = [[n] for n in range(1000)]  # what the run made after the body's import
 frozen.append(len(gc.get_objects()) >= 1000)
 atexit._run_exitfuncs()
 frozen.append(len(gc.get_objects()))  # left to Python's last collection
-print(json.dumps({"ranks": ranks, "task": task, "entry": entry, "save": save, "body": body, "loop": loop,
-                  "frozen": frozen, "collector": gc.isenabled()}))
+print(json.dumps({"ranks": ranks, "task": task, "entry": entry, "launcher": launcher, "save": save, "body": body,
+                  "loop": loop, "frozen": frozen, "collector": gc.isenabled()}))
 """
 
 
@@ -83,9 +94,12 @@ def test_a_rank_and_the_launcher_import_no_compiler_or_pipelining():
     DCP where a checkpoint is saved or read, FSDP2 for ZeRO-2/3. Building a model on the meta
     device (every rank, the memory estimate), a mixture of experts too, imports no
     torch._dynamo, nor does a save of a checkpoint's pieces; the loop imports no chat
-    template or tokenizer library (only data=chat_sample uses them). The body is imported with
-    the garbage collector off: one full collection after it, none during it, and what it
-    imported frozen (trainer3d/rank/task.py ``rank_body``), the collector on again. At exit,
+    template or tokenizer library (only data=chat_sample uses them). The submitting process's
+    checks (trainer3d/train.py ``run``), which import torch for the memory estimate, and the
+    rank's body run with the garbage collector off: no collection during them nor after (no full
+    one in the submitting process's run at all; the body's import, none of any generation), and
+    what they imported frozen (trainer3d/rank/task.py ``imports_frozen``), the collector on
+    again. At exit,
     once the exit handlers have run, what is alive since is frozen too, so Python's last
     collection skips it."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
@@ -93,8 +107,9 @@ def test_a_rank_and_the_launcher_import_no_compiler_or_pipelining():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.splitlines()[-1])
-    assert found == {"ranks": [], "task": [], "entry": [], "save": [], "body": [0, 0, 1], "loop": ["trainer3d.trainer"],
-                     "frozen": [0, True, True, 0], "collector": True}, found
+    assert found == {"ranks": [], "task": [], "entry": [], "launcher": [2, True, 0, True], "save": [],
+                     "body": [0, 0, 0], "loop": ["trainer3d.trainer"], "frozen": [0, True, True, 0],
+                     "collector": True}, found
 
 
 _LAUNCHER = """
@@ -104,12 +119,20 @@ import trainer3d.train, trainer3d.launch.local, trainer3d.launch.slurm, trainer3
 from trainer3d.config.schema import Config
 from trainer3d.rank.task import TrainTask
 cloudpickle.dumps(TrainTask(Config()))  # as submitit pickles the task: by reference to its module
+from hydra._internal.hydra import Hydra
+compositions = []
+compose_config = Hydra.compose_config
+def counted(self, *args, **kwargs):
+    compositions.append(kwargs.get("run_mode"))
+    return compose_config(self, *args, **kwargs)
+Hydra.compose_config = counted  # every composition, Hydra's main's and the compose API's
 sys.argv = ["trainer3d.train", *sys.argv[1:]]
 try:
     runpy.run_module("trainer3d.train", run_name="__main__")
 except SystemExit as stop:
     status = stop.code
-print(json.dumps({"status": status, "torch": sorted(m for m in sys.modules if m.split(".")[0] == "torch")}))
+print(json.dumps({"status": status, "torch": sorted(m for m in sys.modules if m.split(".")[0] == "torch"),
+                  "compositions": len(compositions)}))
 """
 
 
@@ -119,14 +142,17 @@ def test_the_submitting_process_imports_no_torch(tmp_path):
     resolving and validating the config, choosing the checkpoint to resume (none yet), checking
     the devices and the data, which refuses the run (a vocabulary the model cannot embed): no
     module of torch is imported on the way (the memory estimate, which builds on the meta
-    device, is off here: trainer3d/preflight/refusal.py ``estimate_problems``)."""
+    device, is off here: trainer3d/preflight/refusal.py ``estimate_problems``). The config is
+    composed twice, both Hydra's main's own (its mode, then the run): a command line that
+    composes is not composed a third time to check it (trainer3d/config/command_line.py
+    ``run_refusing_bad_overrides``)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     args = ["train.device=cpu", "launcher.check_memory=false", "model.vocab_size=16", f"hydra.run.dir={tmp_path}/run"]
     proc = subprocess.run([sys.executable, "-c", _LAUNCHER, *args], capture_output=True, text=True, env=env,
                           cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "data error: " in proc.stderr and "model.vocab_size=16" in proc.stderr, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.splitlines()[-1]) == {"status": 2, "torch": []}
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"status": 2, "torch": [], "compositions": 2}
 
 
 def test_every_module_a_fresh_process_imports_has_current_bytecode():

@@ -13,6 +13,7 @@ process imports it, and that process computes nothing with tensors on its way to
 """
 
 import atexit
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -44,30 +45,41 @@ def skip_exit_collection() -> None:
     atexit.register(gc.freeze)
 
 
-def rank_body():
-    """The rank's body (trainer3d/rank/body.py ``run_rank``), imported with the cyclic garbage
-    collector off, then one full collection and ``gc.freeze()``.
+@contextlib.contextmanager
+def imports_frozen():
+    """What runs inside (a large import: torch, the rank's body) runs with the cyclic garbage
+    collector off; then ``gc.freeze()`` and the collector as it was.
 
-    The body's import is most of a fresh rank's start: torch, DCP, the loop, hundreds of
-    thousands of objects that live as long as the process. With the collector on, each
-    allocation threshold reached during the import runs a collection over the young objects,
-    and the generation-2 ones walk every object imported so far, again and again
-    (https://docs.python.org/3/library/gc.html). Off, the import allocates the same objects;
-    one collection then frees the import's own cyclic garbage, and ``gc.freeze()`` moves what
-    is left to the permanent generation, which the training loop's collections skip
-    (CPython's own advice for a process that builds a long-lived heap first: the gc module's
-    documentation of ``freeze``). Where the body is imported already (the ranks the tests fork
-    from a server that preloads it: trainer3d/launch/local_ranks.py), nothing is done."""
+    An import of torch and the engine makes hundreds of thousands of objects that live as long
+    as the process. With the collector on, each allocation threshold reached during the import
+    runs a collection over the young objects, and the generation-2 ones walk every object
+    imported so far, again and again (https://docs.python.org/3/library/gc.html). Off, the
+    import allocates the same objects; ``gc.freeze()`` then moves them to the permanent
+    generation, which later collections skip (CPython's own advice for a process that builds a
+    long-lived heap first: the gc module's documentation of ``freeze``). No collection runs
+    before the freeze: the import's own cyclic garbage (well under a megabyte: functions, cells
+    and tuples of torch's import) stays, frozen, rather than paying a full collection over the
+    whole heap, the size of the import's, to free it. The rank's body (``rank_body``) and the
+    submitting process's checks that import torch (trainer3d/train.py ``run``) use it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
+
+
+def rank_body():
+    """The rank's body (trainer3d/rank/body.py ``run_rank``), imported inside ``imports_frozen``.
+
+    The body's import is most of a fresh rank's start: torch, DCP, the loop; frozen, its objects
+    are skipped by the loop's collections too. Where the body is imported already (the ranks the
+    tests fork from a server that preloads it: trainer3d/launch/local_ranks.py), nothing is done."""
     if "trainer3d.rank.body" not in sys.modules:
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with imports_frozen():
             import trainer3d.rank.body  # noqa: F401  (here, not at the top: see the module's docstring)
-        finally:
-            gc.collect()
-            gc.freeze()
-            if enabled:
-                gc.enable()
     from trainer3d.rank.body import run_rank
     return run_rank
 
