@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer3d.checkpoint.choose import choose
 from trainer3d.checkpoint.store import CheckpointError, checkpoint_root
-from trainer3d.config.command_line import composed, run_refusing_bad_overrides
+from trainer3d.config.command_line import refuse_bad_overrides
 from trainer3d.config.conf_dir import CONF_DIR
 from trainer3d.config.defaults_used import defaults_block, given_keys, recipe_keys
 from trainer3d.config.help import print_help, wants_help
@@ -189,7 +189,6 @@ def launch(cfg: Config, record: Callable[[], None] = lambda: None) -> int:
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def _main(dcfg: DictConfig) -> int:
-    composed()  # the command line composed: Hydra's output, held meanwhile, is written out
     unknown = report("config", unknown_keys(dcfg))  # what a +key=value added: to_object would drop it silently
     hydra_cfg = HydraConfig.get()
     status = 2 if unknown else run(resolve(dcfg), explicit_model_fields(), given_knobs(),
@@ -206,9 +205,8 @@ def main() -> None:
     if wants_help(sys.argv[1:]):  # every knob with its default, range and docstring (Hydra's page lists groups only)
         print_help("python -m trainer3d.train", "config", Config, sys.argv[1:])
         sys.exit(0)  # as argparse's --help
-    # One line and exit 2 where Hydra's own refusal is a page and 1; composed again only after Hydra
-    # refused, not before every launch (trainer3d/config/command_line.py)
-    run_refusing_bad_overrides("config", sys.argv[1:], _main)
+    refuse_bad_overrides("config", sys.argv[1:])  # one line and exit 2, where Hydra's own refusal is a page and 1
+    _main()
 
 
 if __name__ == "__main__":

@@ -5,22 +5,15 @@ overrides on: trainer3d/tools/parity.py).
 
 Hydra refuses a mistyped key, a missing group option or a value of the wrong type itself,
 with a multi-line message, a ``HYDRA_FULL_ERROR`` hint and exit status 1. ``overrides_problem``
-composes the overrides (the first point of a sweep) with Hydra's own ``compose`` and
+composes the overrides first (the first point of a sweep) with Hydra's own ``compose`` and
 turns its exception into one line: an unknown key with the nearest known keys of the
 composed config (``difflib``, as Python's own "did you mean" for names), a group option
 with the options there are, a value with the type its knob expects.
-
-``refuse_bad_overrides`` composes them before Hydra's main does (the planner, the tools);
-``run_refusing_bad_overrides`` (the entry point, trainer3d/train.py) composes them only once
-Hydra's main has refused them: Hydra's main composes a run's config twice already (its mode,
-then the run: hydra/_internal/utils.py ``_run_hydra``), and a command line that composes, every
-launch, pays no third composition. What Hydra writes to stderr meanwhile is held until its task
-starts (``composed``), or dropped for the one line.
 """
 
 import difflib
 import sys
-from typing import Any, Callable, Iterable, List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence
 
 from hydra import compose, initialize_config_dir
 from hydra._internal.utils import get_args_parser
@@ -147,66 +140,3 @@ def refuse_bad_overrides(config_name: str, argv: Sequence[str]) -> None:
         print(f"trainer3d: config error: {problem}", file=sys.stderr)
         sys.exit(2)
 
-
-
-class _HeldStderr:
-    """``sys.stderr`` while Hydra's main composes: what is written is held (``held``), then
-    written out (``release``) or dropped where the one line replaces it. Once released it writes
-    through, so a handler that took it meanwhile (a logging config's ``ext://sys.stderr``) still
-    reaches the stream."""
-
-    def __init__(self, stream):
-        self.stream: Any = stream
-        self.held: Optional[List[str]] = []
-
-    def write(self, text: str) -> int:
-        if self.held is None:
-            return self.stream.write(text)
-        self.held.append(text)
-        return len(text)
-
-    def flush(self) -> None:
-        if self.held is None:
-            self.stream.flush()
-
-    def release(self, keep: bool = True) -> None:
-        held, self.held = self.held, None
-        if held and keep:
-            self.stream.write("".join(held))
-            self.stream.flush()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.stream, name)
-
-
-def composed() -> None:
-    """Called first by the task of a main run by ``run_refusing_bad_overrides``: Hydra composed
-    the command line; what it wrote meanwhile is written out, and stderr is the stream again."""
-    held = sys.stderr
-    if isinstance(held, _HeldStderr):
-        sys.stderr = held.stream
-        held.release()
-
-
-def run_refusing_bad_overrides(config_name: str, argv: Sequence[str], hydra_main: Callable[[], Any]) -> Any:
-    """Run ``hydra_main`` (a ``@hydra.main`` function whose task calls ``composed`` first); where
-    Hydra refuses ``argv`` before its task starts (its exit status 1), and ``overrides_problem``
-    names why, exit with status 2 after that one ``trainer3d: config error:`` line instead of
-    Hydra's page. Otherwise what Hydra wrote is written out as it would have been."""
-    held = _HeldStderr(sys.stderr)
-    sys.stderr = held
-    try:
-        return hydra_main()
-    except SystemExit as stop:
-        if held.held is not None and stop.code == 1:  # Hydra's run_and_report: no task started
-            problem = overrides_problem(config_name, argv)
-            if problem:
-                held.release(keep=False)
-                sys.stderr = held.stream
-                print(f"trainer3d: config error: {problem}", file=sys.stderr)
-                raise SystemExit(2) from None
-        raise
-    finally:
-        if sys.stderr is held:
-            sys.stderr = held.stream
-        held.release()
