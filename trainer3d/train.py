@@ -10,6 +10,7 @@ count, the memory estimate, a checkpoint's metadata, the dry run, ``model.init_f
 tests/unit/test_import_cost.py.
 """
 
+import contextlib
 import os
 import sys
 from typing import Callable, List, Optional, Sequence, Set
@@ -110,11 +111,14 @@ def sweep_point() -> Optional[List[str]]:
 
 
 def run(cfg: Config, explicit_model: Sequence[str] = (), given: Optional[Set[str]] = None,
-        record: Callable[[], None] = lambda: None) -> int:
+        record: Callable[[], None] = lambda: None, entry_point: bool = False) -> int:
     """Validate, prepare and launch; return the exit status. ``explicit_model``: the model
     fields given on the command line (checked against ``model.init_from``'s config.json);
     ``given``: the knobs the user set (a dry run names the sizing knobs left at defaults);
-    ``record``: writes the run's record of its config, called once the run dir is the run's."""
+    ``record``: writes the run's record of its config, called once the run dir is the run's;
+    ``entry_point``: this process is ``python -m trainer3d.train``'s, so the checks' first import
+    of torch runs with the collector off and is frozen (trainer3d/rank/task.py ``imports_frozen``),
+    which a caller's own process (a test's, a tool's) is left without."""
     try:
         if path_problems(cfg):  # before init_from, the resume check or any rank opens one
             raise ConfigError(path_problems(cfg))
@@ -138,7 +142,8 @@ def run(cfg: Config, explicit_model: Sequence[str] = (), given: Optional[Set[str
         except RunDirBusy:
             pass
         return 0
-    with imports_frozen():  # the device and memory checks import torch (trainer3d/rank/task.py)
+    freeze = entry_point and "torch" not in sys.modules  # once: a sweep's later points import nothing
+    with imports_frozen() if freeze else contextlib.nullcontext():  # the device and memory checks import torch
         refused = refused_before_launch(cfg)  # extras, devices, memory, data, run dirs (trainer3d/preflight/)
     if refused:
         return 2
@@ -192,7 +197,7 @@ def _main(dcfg: DictConfig) -> int:
     unknown = report("config", unknown_keys(dcfg))  # what a +key=value added: to_object would drop it silently
     hydra_cfg = HydraConfig.get()
     status = 2 if unknown else run(resolve(dcfg), explicit_model_fields(), given_knobs(),
-                                   lambda: write_record(dcfg, hydra_cfg))
+                                   lambda: write_record(dcfg, hydra_cfg), entry_point=True)
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         return status  # one failed point must not end the sweep: trainer3d/launch/sweep.py reports them all
     if status:

@@ -1,7 +1,8 @@
 """Data parallelism: same per-step loss as one process, dp=2 and dp=4, on in-process ranks doing
 the entry point's work (tests/support/runs.py: train_in_ranks). The dp2 run's losses and its
-progress lines (rank 0's stdout) are checked by two tests. A dp2 run of the entry point itself is
-held to the same reference where the launcher is under test: tests/integration/test_checkpoint_kill.py's
+progress lines (rank 0's stdout) are checked by two tests. Both train TWO_LAYERS against its
+shared reference. A dp2 run of the entry point itself, of the four-layer model, is held to its
+one-process reference where the launcher is under test: tests/integration/test_checkpoint_kill.py's
 killed run keeps the rows of the steps before its checkpoint (metrics.py drops only those the
 restart redoes), and the restart's comparison with the reference reads them."""
 

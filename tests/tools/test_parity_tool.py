@@ -121,9 +121,9 @@ def test_reuse_b_refuses_a_run_of_other_overrides(tmp_path):
 
 
 def test_parity_tool_refuses_a_bad_layout_before_running(tmp_path):
-    """... and leaves this process's logging as it was: the dry run, in this process, composed
-    with Hydra, which put its handlers (the run dir's train.log, a captured stdout) on the root
-    logger and set its level (trainer3d/tools/parity.py ``logging_kept``)."""
+    """... and leaves this process's logging as it was: the dry run composes with Hydra in this
+    process, and Hydra's default job logging would put its handlers (the run dir's train.log, a
+    captured stdout) on the root logger and set its level (trainer3d/tools/parity.py ``QUIET``)."""
     root, named = logging.getLogger(), logging.getLogger("tests.parity_tool")
     named.setLevel(logging.WARNING)
     before = (root.handlers[:], root.level, named.handlers[:], named.level)

@@ -47,7 +47,7 @@ with tempfile.TemporaryDirectory() as tmp:  # the launcher's checks, refused at 
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=16),
                               train=dataclasses.replace(cfg.train, device="cpu"))
     collections = [s["collections"] for s in gc.get_stats()]
-    status = trainer3d.train.run(cfg)
+    status = trainer3d.train.run(cfg, entry_point=True)  # as python -m trainer3d.train's process
     full = gc.get_stats()[2]["collections"] - collections[2]  # over every object, torch's included
     launcher = [status, "torch" in sys.modules, full, gc.get_freeze_count() > 100000]
 gc.unfreeze()

@@ -28,7 +28,6 @@ entry for entry) and have logged ``--steps`` steps; otherwise the check is refus
 import argparse
 import contextlib
 import io
-import logging
 import os
 import runpy
 import shlex
@@ -59,6 +58,10 @@ def _env() -> Dict[str, str]:
 FIXED = ("train.log_every=1", "train.grad_accum_steps=null")
 
 
+QUIET = ("hydra/job_logging=none", "hydra/hydra_logging=none")
+"""A dry run's own overrides: Hydra leaves the logging of the process running it alone."""
+
+
 def train_command(run_dir: Path, overrides: Sequence[str]) -> List[str]:
     return [sys.executable, "-m", "trainer3d.train", f"hydra.run.dir={run_dir}", *overrides]
 
@@ -69,10 +72,12 @@ def dry_run(run_dir: Path, overrides: Sequence[str]) -> Tuple[int, str, str]:
     One process plans both layouts, so torch, which a dry run imports to build the model on the
     meta device, is imported once, not by an interpreter per layout."""
     out, err, argv = io.StringIO(), io.StringIO(), sys.argv
-    sys.argv = train_command(run_dir, [*overrides, "dry_run=true"])[2:]  # runpy puts the module's path first
+    # Hydra configures no logging for it (conf/plan.yaml's choice for the planner): this process's
+    # handlers and levels stay as they are; runpy puts the module's path first
+    sys.argv = train_command(run_dir, [*overrides, "dry_run=true", *QUIET])[2:]
     code = 0
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), logging_kept():
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             runpy.run_module("trainer3d.train", run_name="__main__", alter_sys=True)
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
@@ -84,35 +89,6 @@ def dry_run(run_dir: Path, overrides: Sequence[str]) -> Tuple[int, str, str]:
     finally:
         sys.argv = argv
     return code, out.getvalue(), err.getvalue()
-
-
-@contextlib.contextmanager
-def logging_kept():
-    """The logging state of this process as it was before the block, after it. Hydra configures
-    logging for the job it runs (hydra/job_logging/default.yaml: the root logger at INFO,
-    writing to the stdout of the moment, here a dry run's captured one, and to the run dir's
-    ``train.log``; ``hydra.verbose``: the loggers it names at DEBUG). After the block every
-    logger that existed before it has its handlers, level, propagation and ``disabled`` back,
-    the root logger included, and ``logging.disable`` its level; the handlers the block left on
-    them are closed (the run dir's log file). A logger first made in the block stays as made:
-    torch configures its loggers as it is imported, and hydra/hydra_logging/default.yaml makes
-    ``logging_example`` at DEBUG, which nothing logs to."""
-    manager = logging.Logger.manager
-    loggers = [logging.getLogger(), *(lg for lg in manager.loggerDict.values() if isinstance(lg, logging.Logger))]
-    kept = [(lg, lg.handlers[:], lg.level, lg.propagate, lg.disabled) for lg in loggers]
-    disabled = manager.disable
-    try:
-        yield
-    finally:
-        logging.disable(disabled)
-        left = set()
-        for lg, handlers, level, propagate, was_disabled in kept:
-            left.update(h for h in lg.handlers if h not in handlers)
-            lg.handlers[:] = handlers
-            lg.setLevel(level)
-            lg.propagate, lg.disabled = propagate, was_disabled
-        for handler in left:
-            handler.close()
 
 
 def check_configs(layouts: Dict[str, Sequence[str]], runs: Dict[str, Path]) -> Dict[str, Optional[str]]:
