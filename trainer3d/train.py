@@ -11,6 +11,7 @@ tests/unit/test_import_cost.py.
 """
 
 import contextlib
+import gc
 import os
 import sys
 from typing import Callable, List, Optional, Sequence, Set
@@ -142,7 +143,7 @@ def run(cfg: Config, explicit_model: Sequence[str] = (), given: Optional[Set[str
         except RunDirBusy:
             pass
         return 0
-    freeze = entry_point and "torch" not in sys.modules  # once: a sweep's later points import nothing
+    freeze = entry_point and gc.get_freeze_count() == 0  # once a process: a sweep's later points find it done
     with imports_frozen() if freeze else contextlib.nullcontext():  # the device and memory checks import torch
         refused = refused_before_launch(cfg)  # extras, devices, memory, data, run dirs (trainer3d/preflight/)
     if refused:
