@@ -109,8 +109,9 @@ class CommTimer:
 
 def measured_peak_tflops(device: torch.device, dtype: torch.dtype = torch.float32, size: int = 768,
                          repeats: int = 10) -> float:
-    """Best-of-``repeats`` dense matmul TFLOP/s on ``device`` after two warm-up products
-    (about a tenth of a second on one CPU core). On a loaded machine this under-estimates."""
+    """Best-of-``repeats`` dense matmul TFLOP/s on ``device`` after two warm-up products: 2 +
+    ``repeats`` products of 2 ``size``³ FLOPs each (11 GFLOPs at the defaults; its CPU time on a
+    CPU rank is that over the core's rate). On a loaded machine this under-estimates."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     for _ in range(2):
