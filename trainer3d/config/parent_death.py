@@ -5,7 +5,7 @@ Two kinds of process ask it: a local job's ranks, of submitit's controller
 (trainer3d/rank/owner.py), and ``--calibrate``'s probe ranks, of the forkserver they are forked
 from (trainer3d/plan/probe.py). The planner may not import the rank's package (the table in
 tests/unit/test_imports.py); of the floors both may import (``observe``, ``parallel``,
-``config``) this is the one below every other, and the one that imports no torch at its tops: the
+``config``) this is the one below every other, and the one that imports no torch at its top: the
 submitting process imports owner.py (trainer3d/launch/local.py) and stays without torch.
 """
 
