@@ -4,7 +4,8 @@ requeue the job through submitit's handler on SIGUSR2, or exit on SIGTERM, every
 
 import signal
 import sys
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,8 @@ def leave(stop: Stop, stop_signal: StopSignal, rank: int, cfg=None) -> None:
             print(f"trainer3d: {what}; {REQUEUE_ASKED}", flush=True)
             outcome, reason = REFUSED, "submitit's handler returned without requeuing"
             try:
-                handler(signal.SIGUSR2, None)
+                with _children_ignore_sigterm():
+                    handler(signal.SIGUSR2, None)
             except SystemExit as requeued:  # submitit exits after `scontrol requeue`
                 outcome, submitit_exit = REQUEUED, requeued
             except Exception as err:  # noqa: BLE001 - e.g. UncompletedJobError past max_requeues
@@ -68,6 +70,33 @@ def leave(stop: Stop, stop_signal: StopSignal, rank: int, cfg=None) -> None:
         print(f"trainer3d: {what}; not requeued ({reason}): "
               + (f"resume with: {command}" if command else "resubmit or requeue to resume"), file=sys.stderr, flush=True)
     sys.exit(EXIT_STOPPED)
+
+
+_UNCHANGED = object()
+
+
+@contextmanager
+def _children_ignore_sigterm() -> Iterator[None]:
+    """Ignore SIGTERM while submitit's handler runs ``scontrol requeue``, which inherits it ignored.
+
+    Slurm carries out a requeue by signalling every process of the job's steps, the ``scontrol``
+    that asked for it among them: SIGTERM can reach it before it has read slurmctld's answer, and
+    submitit then takes the accepted requeue for a refused one (CalledProcessError, "died with
+    SIGTERM"), so the job would fail while Slurm requeues it. An ignored signal stays ignored
+    across exec (a blocked one does not: shells unblock it), and scontrol sets no SIGTERM handler
+    of its own (Slurm 22.05's ``scontrol requeue`` under strace: SIGALRM and SIGPIPE only). This
+    rank loses nothing: it has stopped and saved, and leaves right after; Slurm's SIGKILL follows
+    its KillWait either way.
+    """
+    try:
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except ValueError:  # not the main thread: no disposition can change here
+        previous = _UNCHANGED
+    try:
+        yield
+    finally:
+        if previous is not _UNCHANGED:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _broadcast(value: int, group: Optional[dist.ProcessGroup]) -> int:
