@@ -229,6 +229,7 @@ class Trainer:
             # A save in the background finishes (or, with a peer gone, is given up) before the error ends the rank.
             with contextlib.suppress(BaseException):
                 self.checkpointer.wait("stopping on an error", timeout_s=self.cfg.parallel.timeout_s)
+            self.stop_signal.restore()
             raise
 
     def _train(self) -> Optional[dict]:
@@ -248,13 +249,15 @@ class Trainer:
         last = self.metrics.flush()
         self.optimizer.wait_params()  # the model a caller reads after training holds the last step
         self.data.close()
-        self.stop_signal.close()
         self.nonfinite.check()
         if self.stopped is not None:  # waits for a save in flight first; nothing left to overlap with
             self.save_checkpoint(self.stopped.step, background=False)
         elif self.cfg.checkpoint.save_final and self.start_step < t.max_steps:
             self.save_checkpoint(t.max_steps, background=False)
         self.checkpointer.wait("the end of training")
+        # Only now submitit's handlers are back: a SIGUSR2 in the last save is recorded and left
+        # (the run is done), not a requeue of a finished job with rank 0 leaving the save alone.
+        self.stop_signal.close()
         if self.dims.rank == 0:
             history.append(self.cfg.run_dir, {"event": "end", "step": self.stopped.step if self.stopped else t.max_steps,
                                               "how": "stopped" if self.stopped else "finished"})

@@ -108,3 +108,37 @@ def test_the_ranks_verify_the_data_they_load_and_auto_falls_back(tmp_path):
     results = run_ranks(_damaged_newest_is_skipped, 2, str(tmp_path), timeout=300)
     bad = str(store.step_dir(tmp_path / "run" / "checkpoints", 8))
     assert results == [{"start": 4, "bad": [bad]}] * 2
+
+
+def _signalled_in_the_last_save(rank: int, world: int, root: str) -> dict:
+    """A SIGUSR2 reaches rank 0 as the run's last save starts (Slurm's warning after the last
+    step); a recorder stands in for submitit's handler, which requeues the job and exits."""
+    seen: list = []
+
+    def submitits(signum, frame):
+        seen.append(signum)
+    previous = signal.signal(signal.SIGUSR2, submitits)
+    try:
+        trainer = Trainer(_cfg(f"{root}/run", world, 3), dims_for(dp=world))
+        real_save = trainer.save_checkpoint
+
+        def save(step, background=None):
+            if rank == 0:
+                os.kill(os.getpid(), signal.SIGUSR2)
+            return real_save(step, background)
+        trainer.save_checkpoint = save
+        trainer.train()
+        back = signal.getsignal(signal.SIGUSR2) is submitits
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    return {"seen": seen, "stopped": trainer.stopped, "back": back}
+
+
+def test_a_signal_in_the_last_save_neither_requeues_nor_stops_the_finished_run(tmp_path):
+    """The run's stop handlers hold until its last save is written: the signal is the trainer's
+    to record and leave (nothing is left to stop), never submitit's requeue of a finished job,
+    which would end rank 0 inside the save while the others wait in its collectives."""
+    results = run_ranks(_signalled_in_the_last_save, 2, str(tmp_path), timeout=300)
+    assert results == [{"seen": [], "stopped": None, "back": True}] * 2, results
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert [s for s, _ in store.published(ckpts)] == [3]

@@ -54,8 +54,8 @@ class StopSignal:
     """Record SIGUSR2/SIGTERM, and agree across ranks on the step boundary to stop at.
 
     Construct on every rank (it creates a gloo group: a collective); call ``agreed()`` at
-    every step boundary, on every rank; ``close()`` at the end restores the handlers it
-    replaced (submitit's) and settles the last check.
+    every step boundary, on every rank; ``close()`` at the end, after the last save, settles the
+    last check and restores the handlers it replaced (submitit's).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None):
@@ -94,6 +94,10 @@ class StopSignal:
         if self._pending is not None:  # every rank started the same checks: this one completes
             self._pending.wait()
             self._pending = None
+        self.restore()
+
+    def restore(self) -> None:
+        """The handlers it replaced back (on an error too, with no check to settle)."""
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
