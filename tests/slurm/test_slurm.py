@@ -60,7 +60,7 @@ class Followed:
             assert not ended and time.monotonic() < deadline, (
                 f"{what}: not seen ({'the job ended first' if ended else f'not within {timeout:.0f} s'})\n"
                 + (self.proc.stdout[-2000:] + self.proc.stderr[-2000:] if ended else ""))
-            time.sleep(0.5)
+            time.sleep(0.1)  # a step is 0.08 s on an idle machine: a signal sent steps late may come after the last
 
     def job(self) -> str:
         """The Slurm job id the submitting process wrote to ``slurm_job.json`` (a job of its own,

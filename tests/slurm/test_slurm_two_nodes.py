@@ -26,17 +26,21 @@ TWO_NODES = ("launcher=slurm", "launcher.nodes=2", "parallel.timeout_s=30")
 TP2_DP2 = ("parallel.tp=2", "parallel.pp=1", "parallel.dp=2")  # two tasks a node: tp within it, dp across
 # What the two-node jobs must reproduce: the session's one-process run of the same model
 # (tests/support/runs.py reference_losses, shared with tests/multirank/), 20 steps within
-# REL_TOL. Each job takes the micro-batches a parity run of its layout takes (runs.py
+# REL_TOL (the preempted job: its own 40-step reference, PREEMPTED below). Each job takes the micro-batches a parity run of its layout takes (runs.py
 # parity_micro_batches: the pipe filled once for pp2, two a step for dp2).
 REFERENCE = (*PARITY, *TWO_LAYERS)
 JOB = (*REFERENCE, "parallel=single")
-STEPS = 20  # PARITY's train.max_steps
 CHECKPOINT_EVERY = 4  # the first job's node is lost once its step-4 save is published
 # Steps each attempt of the resubmission is seen to train before its signal. The stop comes some
 # steps later (this test's poll, the signal's way through Slurm, the ranks' agreement at a step
-# boundary one all-reduce ahead: 4 steps of 0.12 s on a loaded machine), and both stops must come
-# before step 20, so the signal goes as soon as an attempt has trained a step.
+# boundary one all-reduce ahead), and both stops must come before the run's last step, so the
+# signal goes as soon as an attempt has trained a step.
 GAP = 1
+# The preempted run's length: the lost job's newest checkpoint (step 4 or 8) and each stop's
+# latency (4-8 steps of 0.08 s on an idle machine, where a 20-step run once ended before its
+# second signal came) leave it 16 steps or more to spare.
+STEPS = 40
+PREEMPTED = (*(o for o in REFERENCE if not o.startswith("train.max_steps=")), f"train.max_steps={STEPS}")
 
 
 @pytest.fixture
@@ -93,8 +97,8 @@ def _stopped(run: Path, job: str, i: int) -> int:
 def test_a_lost_node_ends_the_job_named_and_its_resubmission_resumes_through_two_preemptions(
         two_nodes, tmp_path, session_tmp):
     run = tmp_path / "run"
-    overrides = (*JOB, *PP2, "train.micro_batch_size=8", *TWO_NODES, "launcher.tasks_per_node=1",
-                 f"checkpoint.every={CHECKPOINT_EVERY}")
+    overrides = (*PREEMPTED, "parallel=single", *PP2, "train.micro_batch_size=8", *TWO_NODES,
+                 "launcher.tasks_per_node=1", f"checkpoint.every={CHECKPOINT_EVERY}")
     with Followed(two_nodes, run, *overrides) as followed:
         first = followed.job()
         followed.until(lambda: _checkpoints(run), f"the step-{CHECKPOINT_EVERY} checkpoint")
@@ -137,4 +141,4 @@ def test_a_lost_node_ends_the_job_named_and_its_resubmission_resumes_through_two
     resumed = log.split("resumed from", 1)[1].splitlines()[0]
     assert newest in resumed, (newest, resumed)  # the resubmission: the lost job's newest checkpoint
     assert _hosts(run, 2) == ["t3d-n1", "t3d-n2"], "one stage on each node"
-    assert_parity(train_losses(run), reference_losses(session_tmp, REFERENCE))  # every step once, the same model
+    assert_parity(train_losses(run), reference_losses(session_tmp, PREEMPTED))  # every step once, the same model
