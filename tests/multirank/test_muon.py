@@ -32,6 +32,7 @@ def _train(rank, world, tp, dp, stage, sp, adjust_lr="original", nesterov=True):
     opt = build_optimizer(chunks, cfg, dims)
     model, loss_fn, accum = chunks[0], build_loss_fn(cfg, dims, chunks), cfg.train.grad_accum_steps
     grads = GradFinalizer(chunks, opt, dims, sp)
+    start = params_by_name(model, opt)
     norms, losses = [], []
     for step in range(STEPS):
         opt.zero_grad()
@@ -52,22 +53,31 @@ def _train(rank, world, tp, dp, stage, sp, adjust_lr="original", nesterov=True):
     named = {canonical_name(n): p for n, p in model.named_parameters()}
     want = {n: (_shard(ref_params[n], p) if tp_shard_of(p) is not None else ref_params[n]) for n, p in named.items()}
     return (norms, losses, ref_norms, ref_losses, {n: t.numpy() for n, t in got.items()},
-            {n: t.numpy() for n, t in want.items()})
+            {n: t.numpy() for n, t in want.items()}, {n: t.numpy() for n, t in start.items()})
 
 
-def _check(results, atol=1e-4):
-    """Every step's dp-mean loss and global norm within rel 1e-5 of the reference; the final
-    parameters within ``atol`` (AdamW divides by sqrt(v): an embedding element with a near-zero
-    gradient turns order-of-sums noise into up to ~6e-5 after 20 steps, as test_zero.py notes)."""
+MOVED = 1e-3
+"""How far a final parameter tensor may lie from the reference's, as a fraction of how far the
+reference moved it in STEPS steps (Frobenius norms). Measured on AVX-512 kernels: up to 2.2e-5
+(the attention's wq), the embedding 6.4e-5. Not element by element: AdamW divides by sqrt(v),
+so an element whose gradient nearly cancels turns order-of-sums noise into an lr-sized
+difference (one embedding element ended 1.4e-4 off where every other element of every tensor
+was under 1e-5), while a wrong update is off by a good part of the whole tensor's movement."""
+
+
+def _check(results):
+    """Every step's dp-mean loss and global norm within rel 1e-5 of the reference; each final
+    parameter tensor within MOVED of the reference's movement."""
     worst = 0.0
-    for rank, (norms, losses, ref_norms, ref_losses, got, want) in enumerate(results):
+    for rank, (norms, losses, ref_norms, ref_losses, got, want, start) in enumerate(results):
         assert len(losses) == STEPS
         assert norms[0] > 0.5, "the clip must be active for this test to mean anything"
         assert losses == pytest.approx(ref_losses, rel=1e-5), rank
         assert norms == pytest.approx(ref_norms, rel=1e-5), rank
         worst = max(worst, max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)))
         for name, ref in want.items():
-            np.testing.assert_allclose(got[name], ref, rtol=1e-5, atol=atol, err_msg=f"rank {rank} {name}")
+            off, moved = np.linalg.norm(got[name] - ref), np.linalg.norm(ref - start[name])
+            assert off <= MOVED * moved, f"rank {rank} {name}: {off:.2e} from the reference, which moved {moved:.2e}"
     return worst
 
 
