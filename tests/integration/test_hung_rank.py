@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.background import Run, marked
-from trainer3d.launch.follow import Watch
-from trainer3d.rank.heartbeat import Heartbeat, HeartbeatReader
+from trainer3d.launch.follow import Watch, stale_lines
+from trainer3d.rank.heartbeat import Beat, Heartbeat, HeartbeatReader
 from trainer3d.rank.job_token import TOKEN_VAR
 
 TIMEOUT_S = 12
@@ -239,3 +239,21 @@ def test_after_trouble_a_rank_beating_since_is_not_waited_for_but_one_silent_sin
         assert watch.stale == {} and not watch.settled(), "silent since before the error: it may be the cause"
     finally:
         lost.stop()
+
+
+def _beat(rank: int, host: str, step: int, silent_since: float) -> Beat:
+    return Beat(rank=rank, host=host, pid=1 << 22, attempt=0, step=step, state="running", beat=step,
+                seen_change=silent_since)
+
+
+def test_the_first_to_go_silent_is_named_first():
+    """A lost node's survivor beats on until Slurm aborts the step (srun: "io error and missing
+    step on node 1") or a timeout kills it, seconds after: by the time the follower settles both
+    nodes can be silent. The report leads with the one silent first, whatever the names' order
+    (the two-node test once led with the live node t3d-n1)."""
+    lost, survivor = _beat(1, "t3d-n2", 7, silent_since=100.0), _beat(0, "t3d-n1", 9, silent_since=102.5)
+    beats = {0: survivor, 1: lost}
+    lines = stale_lines(beats, beats)
+    assert [line.split(":")[0] for line in lines] == ["node t3d-n2 stopped responding", "node t3d-n1 stopped responding"]
+    one_host = {0: _beat(0, "n1", 9, 102.5), 1: _beat(1, "n1", 7, 100.0), 2: _beat(2, "n1", 9, 101.0)}
+    assert [line.split(" stopped")[0] for line in stale_lines(one_host, one_host)] == ["rank 1", "rank 2", "rank 0"]

@@ -235,22 +235,27 @@ def _log_tail(path: Path, lines: int = 30) -> str:
 
 
 def stale_lines(stale: Dict[int, Beat], beats: Dict[int, Beat]) -> List[str]:
-    """One line per node whose every rank went silent (when others still beat), else per rank."""
+    """One line per node whose every rank went silent (when others still beat), else per rank;
+    the first to go silent first, the likeliest cause: a lost node's survivors beat on, blocked
+    in its collectives, until a timeout or Slurm's abort of the step (srun's "io error ... on
+    node 1") kills them too, seconds later."""
     hosts = {b.host for b in beats.values()}
     lines, named = [], set()
     for host in sorted({b.host for b in stale.values()}):
         on_host = sorted(r for r, b in beats.items() if b.host == host)
         if len(hosts) > 1 and all(r in stale for r in on_host):
             steps = sorted({stale[r].step for r in on_host})
-            lines.append(f"node {host} stopped responding: ranks {', '.join(map(str, on_host))} sent no heartbeat "
-                         f"after step {steps[0]} (node lost, or its processes killed or stopped)")
+            silent_since = max(stale[r].seen_change for r in on_host)  # when the node's last rank went quiet
+            lines.append((silent_since, f"node {host} stopped responding: ranks {', '.join(map(str, on_host))} "
+                                        f"sent no heartbeat after step {steps[0]} (node lost, or its processes "
+                                        f"killed or stopped)"))
             named.update(on_host)
     now = time.monotonic()
     for r in sorted(set(stale) - named):
         b = stale[r]
-        lines.append(f"rank {r} stopped making progress after step {b.step}: no heartbeat for "
-                     f"{b.age(now):.0f} s ({_process_state(b)})")
-    return lines
+        lines.append((b.seen_change, f"rank {r} stopped making progress after step {b.step}: no heartbeat for "
+                                     f"{b.age(now):.0f} s ({_process_state(b)})"))
+    return [line for _, line in sorted(lines, key=lambda entry: entry[0])]
 
 
 def report(job: submitit.Job, watch: Watch, cancelled: bool = False, silent: Optional[List[str]] = None) -> int:
