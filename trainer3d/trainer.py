@@ -18,6 +18,7 @@ update; the schedule advances over them. Stragglers: the straggler watch
 """
 
 import contextlib
+import signal
 import time
 from typing import List, Optional, Tuple
 
@@ -50,7 +51,7 @@ from trainer3d.parallel.finalize import GradFinalizer
 from trainer3d.parallel.parallelize import build_eval_loss_fn, build_loss_fn, build_model_chunks, build_optimizer
 from trainer3d.parallel.zero.optimizer import ZeroOptimizer
 from trainer3d.parallel.pipeline.losses import MicroBatchLoss
-from trainer3d.checkpoint.stop import Stop, StopSignal
+from trainer3d.checkpoint.stop import TERMINAL, Stop, StopSignal
 from trainer3d.observe.telemetry import model_state_bytes, resolve_peak_tflops
 from trainer3d.parallel.timeouts import GroupTimeouts
 from trainer3d.parallel.topology import ParallelDims
@@ -229,7 +230,7 @@ class Trainer:
             # A save in the background finishes (or, with a peer gone, is given up) before the error ends the rank.
             with contextlib.suppress(BaseException):
                 self.checkpointer.wait("stopping on an error", timeout_s=self.cfg.parallel.timeout_s)
-            self.stop_signal.restore()
+            self.stop_signal.restore(signal.SIGTERM, *TERMINAL)
             raise
 
     def _train(self) -> Optional[dict]:
@@ -249,20 +250,22 @@ class Trainer:
         last = self.metrics.flush()
         self.optimizer.wait_params()  # the model a caller reads after training holds the last step
         self.data.close()
+        self.stop_signal.restore(*TERMINAL)
         self.nonfinite.check()
         if self.stopped is not None:  # waits for a save in flight first; nothing left to overlap with
             self.save_checkpoint(self.stopped.step, background=False)
         elif self.cfg.checkpoint.save_final and self.start_step < t.max_steps:
             self.save_checkpoint(t.max_steps, background=False)
         self.checkpointer.wait("the end of training")
-        # Only now submitit's handlers are back: a SIGUSR2 in the last save is recorded and left
-        # (the run is done), not a requeue of a finished job with rank 0 leaving the save alone.
-        self.stop_signal.close()
         if self.dims.rank == 0:
             history.append(self.cfg.run_dir, {"event": "end", "step": self.stopped.step if self.stopped else t.max_steps,
                                               "how": "stopped" if self.stopped else "finished"})
         self.metrics.summarize()
         self.metrics.close()
+        # Only now submitit's handlers are back: a SIGUSR2 in the last save or the run's summary is
+        # recorded and left (the run is done), not a requeue of a finished job that ends rank 0
+        # inside the save while the others wait in its collectives.
+        self.stop_signal.close()
         if self.dims.rank != 0:
             return None
         done = self.stopped.step if self.stopped else t.max_steps

@@ -254,6 +254,7 @@ def test_the_first_to_go_silent_is_named_first():
     lost, survivor = _beat(1, "t3d-n2", 7, silent_since=100.0), _beat(0, "t3d-n1", 9, silent_since=102.5)
     beats = {0: survivor, 1: lost}
     lines = stale_lines(beats, beats)
-    assert [line.split(":")[0] for line in lines] == ["node t3d-n2 stopped responding", "node t3d-n1 stopped responding"]
+    assert [line.split(":")[0] for line in lines] == ["node t3d-n2 stopped responding",
+                                                      "node t3d-n1 stopped responding"]
     one_host = {0: _beat(0, "n1", 9, 102.5), 1: _beat(1, "n1", 7, 100.0), 2: _beat(2, "n1", 9, 101.0)}
     assert [line.split(" stopped")[0] for line in stale_lines(one_host, one_host)] == ["rank 1", "rank 2", "rank 0"]

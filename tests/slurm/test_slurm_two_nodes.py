@@ -26,8 +26,9 @@ TWO_NODES = ("launcher=slurm", "launcher.nodes=2", "parallel.timeout_s=30")
 TP2_DP2 = ("parallel.tp=2", "parallel.pp=1", "parallel.dp=2")  # two tasks a node: tp within it, dp across
 # What the two-node jobs must reproduce: the session's one-process run of the same model
 # (tests/support/runs.py reference_losses, shared with tests/multirank/), 20 steps within
-# REL_TOL (the preempted job: its own 40-step reference, PREEMPTED below). Each job takes the micro-batches a parity run of its layout takes (runs.py
-# parity_micro_batches: the pipe filled once for pp2, two a step for dp2).
+# REL_TOL (the preempted job: its own 40-step reference, PREEMPTED below). Each job takes the
+# micro-batches a parity run of its layout takes (runs.py parity_micro_batches: the pipe filled
+# once for pp2, two a step for dp2).
 REFERENCE = (*PARITY, *TWO_LAYERS)
 JOB = (*REFERENCE, "parallel=single")
 CHECKPOINT_EVERY = 4  # the first job's node is lost once its step-4 save is published

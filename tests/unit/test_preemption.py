@@ -39,5 +39,10 @@ def test_a_refused_requeue_still_fails_the_job():
         subprocess.check_call(["sh", "-c", "exit 1"], timeout=60)
 
     stop_signal = SimpleNamespace(previous={signal.SIGUSR2: refused}, group=None)
-    with pytest.raises(TrainingStopped, match=r"not requeued: CalledProcessError: .*exit status 1"):
-        leave(Stop(step=8, flag=REQUEUE), stop_signal, rank=0)
+    mine = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        with pytest.raises(TrainingStopped, match=r"not requeued: CalledProcessError: .*exit status 1"):
+            leave(Stop(step=8, flag=REQUEUE), stop_signal, rank=0)
+        assert signal.getsignal(signal.SIGTERM) is signal.default_int_handler, "the rank's handler is back"
+    finally:
+        signal.signal(signal.SIGTERM, mine)

@@ -22,6 +22,7 @@ The agreement lives here, below the loop, because the loop calls it at every ste
 its only outcome the loop acts on is a checkpoint at the agreed step.
 """
 
+import contextlib
 import signal
 from dataclasses import dataclass
 from typing import Dict, Optional
@@ -37,6 +38,9 @@ FLAG_OF = {signal.SIGUSR2: REQUEUE, signal.SIGTERM: END, signal.SIGINT: END, sig
 place, under torchrun); the local launcher starts its ranks with them blocked and relays them
 as SIGTERM (trainer3d/launch/interrupt.py). Either way they are the same agreed stop."""
 NAME_OF = {REQUEUE: "SIGUSR2", END: "SIGTERM"}
+TERMINAL = (signal.SIGINT, signal.SIGHUP)
+"""A terminal's signals: given back when the loop ends, so a Ctrl-C still interrupts an in-place
+run's last save (a Slurm or local job's ranks never see them: FLAG_OF's note)."""
 
 
 @dataclass
@@ -54,8 +58,8 @@ class StopSignal:
     """Record SIGUSR2/SIGTERM, and agree across ranks on the step boundary to stop at.
 
     Construct on every rank (it creates a gloo group: a collective); call ``agreed()`` at
-    every step boundary, on every rank; ``close()`` at the end, after the last save, settles the
-    last check and restores the handlers it replaced (submitit's).
+    every step boundary, on every rank; ``close()`` at the very end, after the last save,
+    settles the last check and restores the handlers it replaced (submitit's).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None):
@@ -94,12 +98,18 @@ class StopSignal:
         if self._pending is not None:  # every rank started the same checks: this one completes
             self._pending.wait()
             self._pending = None
-        self.restore()
+        self.restore(*self.previous)
 
-    def restore(self) -> None:
-        """The handlers it replaced back (on an error too, with no check to settle)."""
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+    def restore(self, *signals: int) -> None:
+        """The handlers it replaced for ``signals`` back (the loop's end gives a terminal's
+        SIGINT/SIGHUP back before the last save; an error all but SIGUSR2, which would requeue
+        a failed job through submitit's handler). A handler set from C reads as None and cannot
+        be put back from Python: that signal keeps the recorder."""
+        for sig in signals:
+            handler = self.previous.get(sig)
+            if handler is not None:
+                with contextlib.suppress(ValueError):  # not the main thread: nothing was replaced here
+                    signal.signal(sig, handler)
 
 
 class _Done:
