@@ -83,7 +83,7 @@ def _whole_model(rank, world_size, sp):
     loss = loss_fn(model(tokens), targets)
     loss.backward()
     grads.finalize()
-    out["loss"] = abs(loss.item() - ref_loss.item())
+    out["loss"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
     for name, p in model.named_parameters():
         full, grad = ref_params[name].grad, optimizer.grad(p)
         expect = _shard(full, p) if tp_shard_of(p) is not None else full
