@@ -111,7 +111,8 @@ def test_hsdp_shards_over_the_group_and_trains_as_one_process():
             assert r["views"][name] == (lo, hi), (rank, stage, name)
         assert r["norms"] == pytest.approx(ref_norms, rel=1e-5), (rank, stage)
         for name, value in ref_params.items():
-            torch.testing.assert_close(torch.from_numpy(r["params"][name]), value, rtol=1e-5, atol=4e-6,
+            # atol as tests/multirank/test_zero.py's (AdamW's sqrt(v) and order-of-sums noise)
+            torch.testing.assert_close(torch.from_numpy(r["params"][name]), value, rtol=1e-5, atol=3e-5,
                                        msg=f"{rank} {stage} {name}")
     # 16 bytes per parameter of the shard group's share (the ZeRO paper's 16Ψ/N, fp32, N = dp_shard),
     # plus the step counter; ZeRO-2 keeps its gathered parameters only from forward to backward

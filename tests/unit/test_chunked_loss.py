@@ -54,7 +54,7 @@ def test_chunked_loss_matches_the_whole_logits(dtype, tied, chunk):
     (3 * loss).backward()
     want = _reference(ref, x, y)
     assert loss.dtype == torch.float32
-    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=0)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert p.grad.dtype == q.grad.dtype, name
         scale = q.grad.float().abs().max().item()
@@ -65,8 +65,9 @@ def test_chunked_loss_matches_the_whole_logits(dtype, tied, chunk):
             # magnitude (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., 3.1)
             tol = dict(rtol=1e-5, atol=x.numel() * torch.finfo(torch.float32).eps * scale)
         else:  # bf16: both round the logits' gradient to 8 bits, then sum in another order (a tied
-            # embedding adds its two gradients in bf16): within one 8-bit step of the largest value
-            tol = dict(rtol=2e-2, atol=2 ** -7 * scale)
+            # embedding adds its two gradients in bf16): within two 8-bit steps of the largest value
+            # (one step was met with 1 % to spare: two roundings of a value near the largest)
+            tol = dict(rtol=2e-2, atol=2 ** -6 * scale)
         torch.testing.assert_close(p.grad.float(), q.grad.float(), **tol, msg=name)
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.support.tolerance import assert_close_to_scale
 from trainer3d.cpu import kernels as cpu_kernels
 from trainer3d.cpu import shm_barrier
 from trainer3d.cpu.build import Build, c_library
@@ -93,7 +94,7 @@ def test_kernels_match_float64(name):
     for got, plain, want in zip(fused, composed, exact):
         err, plain_err = (got.double() - want).abs().max().item(), (plain.double() - want).abs().max().item()
         assert err <= 4 * plain_err + 1e-6 * want.abs().max().item(), (name, err, plain_err)
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        assert_close_to_scale(got.double(), want)
 
 
 def test_rotation_is_bit_for_bit_the_composition():

@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 
+from tests.support.tolerance import assert_close_to_scale
 from trainer3d.config.schema import ModelConfig
 from trainer3d.model.init import RandomInit, full_init, full_shape, init_parameters, mark_tp_shard, tp_shard_of
 from trainer3d.model.transformer import Transformer, count_parameters, cross_entropy_loss, token_rows
@@ -125,6 +126,7 @@ def test_fused_loss_on_one_rank_matches_torch_in_loss_and_gradient():
 
     cfg = Config(model=CFG)
     loss_fn = build_loss_fn(cfg, planning_dims(cfg, 0))
+    torch.manual_seed(0)  # the inputs of every order the tests run in
     targets = torch.randint(0, CFG.vocab_size, (3, 7))
     for dtype in (torch.float32, torch.bfloat16):
         logits = (4 * torch.randn(3, 7, CFG.vocab_size)).to(dtype).requires_grad_(True)
@@ -134,5 +136,7 @@ def test_fused_loss_on_one_rank_matches_torch_in_loss_and_gradient():
         (2 * ref).backward()
         assert loss.dtype == torch.float32 and logits.grad.dtype == dtype
         torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
-        rtol, atol = (1e-5, 1e-8) if dtype == torch.float32 else (8e-3, 1e-5)  # bf16: the gradient rounded to 8 bits
-        torch.testing.assert_close(logits.grad.float(), ref_logits.grad, rtol=rtol, atol=atol)
+        if dtype == torch.float32:  # at each target p - 1 cancels: within the largest element's rounding
+            assert_close_to_scale(logits.grad, ref_logits.grad)
+        else:  # bf16: the gradient rounded to 8 bits
+            torch.testing.assert_close(logits.grad.float(), ref_logits.grad, rtol=8e-3, atol=1e-5)
