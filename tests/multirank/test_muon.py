@@ -152,9 +152,10 @@ def test_step_on_the_same_gradients_equals_torch_muon_and_adamw(adjust_lr, neste
 
 def _moe_one_process(rank, world, steps):
     """One rank, fp32 Newton-Schulz, MoE blocks of 2 experts both chosen by every token (top_k=2:
-    no discrete routing choice for a last-bit difference to flip): per parameter, the largest
-    difference from the reference after ``steps`` steps (relative to its largest element), where
-    torch's Muon steps each expert's matrix as a Parameter of its own (it takes 2-D only)."""
+    no discrete routing choice for a last-bit difference to flip): per parameter, how far it ends
+    from the reference after ``steps`` steps as a fraction of the reference's movement (Frobenius,
+    as MOVED), where torch's Muon steps each expert's matrix as a Parameter of its own (it takes
+    2-D only)."""
     cfg = muon_cfg(make_cfg(1, 0, grad_clip=0.5))
     moe = cfg.model.moe
     moe.num_experts, moe.top_k, moe.expert_ffn_dim, moe.balance = 2, 2, 32, "none"
@@ -174,6 +175,7 @@ def _moe_one_process(rank, world, steps):
     adamw = torch.optim.AdamW(param_groups(rest, cfg.optim.weight_decay), lr=LR,
                               betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
     accum = cfg.train.grad_accum_steps
+    start = {n: p.detach().clone() for n, p in named}
     for step in range(steps):
         x, y = global_batch(cfg, step)
         opt.zero_grad()
@@ -196,11 +198,11 @@ def _moe_one_process(rank, world, steps):
             for w, ms in zip(stacked, experts):
                 w.copy_(torch.stack([m.detach() for m in ms]))
     opt.wait_params()
-    return {n: ((engine[n] - p).abs().max() / p.abs().max()).item() for n, p in named}
+    return {n: ((engine[n] - p).norm() / (p - start[n]).norm()).item() for n, p in named}
 
 
 def test_moe_experts_are_orthogonalised_one_matrix_each():
     """A stacked (experts, in, out) weight: Muon per expert matrix, each scaled by its own shape."""
     worst = run_ranks(_moe_one_process, 1, 5, timeout=300)[0]
     assert any("experts" in n for n in worst)
-    assert max(worst.values()) <= 1e-4, worst
+    assert max(worst.values()) <= MOVED, worst  # measured up to 4.4e-5 of the movement
