@@ -18,7 +18,6 @@ update; the schedule advances over them. Stragglers: the straggler watch
 """
 
 import contextlib
-import signal
 import time
 from typing import List, Optional, Tuple
 
@@ -51,7 +50,7 @@ from trainer3d.parallel.finalize import GradFinalizer
 from trainer3d.parallel.parallelize import build_eval_loss_fn, build_loss_fn, build_model_chunks, build_optimizer
 from trainer3d.parallel.zero.optimizer import ZeroOptimizer
 from trainer3d.parallel.pipeline.losses import MicroBatchLoss
-from trainer3d.checkpoint.stop import TERMINAL, Stop, StopSignal
+from trainer3d.checkpoint.stop import ON_ERROR, TERMINAL, Stop, StopSignal
 from trainer3d.observe.telemetry import model_state_bytes, resolve_peak_tflops
 from trainer3d.parallel.timeouts import GroupTimeouts
 from trainer3d.parallel.topology import ParallelDims
@@ -230,7 +229,7 @@ class Trainer:
             # A save in the background finishes (or, with a peer gone, is given up) before the error ends the rank.
             with contextlib.suppress(BaseException):
                 self.checkpointer.wait("stopping on an error", timeout_s=self.cfg.parallel.timeout_s)
-            self.stop_signal.restore(signal.SIGTERM, *TERMINAL)
+            self.stop_signal.restore(*ON_ERROR)
             raise
 
     def _train(self) -> Optional[dict]:
@@ -262,10 +261,7 @@ class Trainer:
                                               "how": "stopped" if self.stopped else "finished"})
         self.metrics.summarize()
         self.metrics.close()
-        # Only now submitit's handlers are back: a SIGUSR2 in the last save or the run's summary is
-        # recorded and left (the run is done), not a requeue of a finished job that ends rank 0
-        # inside the save while the others wait in its collectives.
-        self.stop_signal.close()
+        self.stop_signal.close()  # only now: a SIGUSR2 in the last save is left, no requeue of a finished job
         if self.dims.rank != 0:
             return None
         done = self.stopped.step if self.stopped else t.max_steps

@@ -41,6 +41,11 @@ NAME_OF = {REQUEUE: "SIGUSR2", END: "SIGTERM"}
 TERMINAL = (signal.SIGINT, signal.SIGHUP)
 """A terminal's signals: given back when the loop ends, so a Ctrl-C still interrupts an in-place
 run's last save (a Slurm or local job's ranks never see them: FLAG_OF's note)."""
+ON_ERROR = (signal.SIGTERM, *TERMINAL)
+"""Given back when the loop fails: all but SIGUSR2, whose handler (submitit's) would requeue the
+failed job. Until ``close()`` after the last save and the run's summary, a SIGUSR2 is recorded
+and left: submitit's handler would requeue a finished job and end rank 0 inside the save while
+the others wait in its collectives."""
 
 
 @dataclass
