@@ -49,7 +49,13 @@ def session_tmp(tmp_path_factory) -> Path:
         shared.mkdir(exist_ok=True)
         return shared
     return tmp_path_factory.mktemp("session")
-from tests.support.slurm_cluster import slurm_cluster  # noqa: E402,F401  (session fixture)
+from tests.support.slurm_cluster import slurm_cluster, stop_after  # noqa: E402,F401  (session fixture)
+
+
+@pytest.hookimpl(trylast=True)  # after the test's own fixtures are torn down
+def pytest_runtest_teardown(item, nextitem):
+    """The Slurm cluster stops after the last Slurm test (tests/support/slurm_cluster.py)."""
+    stop_after(item)
 
 
 def pytest_collection_modifyitems(config, items):

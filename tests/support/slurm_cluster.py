@@ -1,7 +1,10 @@
 """The dev Slurm cluster of slurm/cluster.sh (two namespace nodes, or one), for the tests marked ``slurm``.
 
 Started once per test session (a few seconds once the packages are installed; the first
-start installs them) and stopped at its end. Before anything is installed or created, one
+start installs them) and stopped as soon as its worker's last Slurm test is done
+(``stop_after``, called from tests/conftest.py), not at the session's end: the tier runs first
+(its tests are slow), and its ~10 s of daemons exiting then overlap the other tests instead of
+ending the whole run. Before anything is installed or created, one
 line on the terminal says what the start will do to this machine (``cluster.sh announce``):
 as root it apt-installs Slurm, munge and MariaDB and makes a bridge and network namespaces. Where it cannot run here (not root, no
 apt-get: cluster.sh exits 3) the tests skip with that reason — except under CI (``CI`` set),
@@ -54,5 +57,26 @@ def slurm_cluster(tmp_path_factory, request):
     # ranks and stall at each OpenMP region. One thread each, as under two xdist workers
     # (tests/conftest.py); sbatch passes the submitting environment on to the ranks.
     env.setdefault("OMP_NUM_THREADS", "1")
+    _running.append(env)
     yield env
-    subprocess.run(["bash", str(SCRIPT), "stop"], capture_output=True, text=True, timeout=300, env=env)
+    _stop()
+
+
+_running: list = []
+"""The environment of the cluster this process started and has not stopped yet (at most one)."""
+
+
+def _stop() -> None:
+    while _running:
+        subprocess.run(["bash", str(SCRIPT), "stop"], capture_output=True, text=True, timeout=300, env=_running.pop())
+
+
+def stop_after(item) -> None:
+    """Stop the cluster once ``item``, just torn down, is the session's last Slurm test in the
+    order they run: the order of collection, under ``-n 0`` as on a worker, which takes the tier
+    as one unit of work (tests/conftest.py: xdist_scope). The session fixture's own teardown then
+    has nothing left to stop."""
+    if _running and item.get_closest_marker("slurm"):
+        last = [i for i in item.session.items if i.get_closest_marker("slurm")][-1]
+        if item is last:
+            _stop()
