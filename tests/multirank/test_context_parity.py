@@ -9,11 +9,11 @@ data in tests/multirank/test_document_mask_parity.py (one run for both).
 """
 
 import pytest
+from omegaconf import OmegaConf
 
+from tests.conftest import CONF_DIR
 from tests.support.compiled import compiled_losses_in_ranks, hooks_launched_every_bucket
 from tests.support.runs import PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, reference_losses
-
-GQA = ("model.n_heads=4", "model.n_kv_heads=2")
 
 
 def case(cp, tp=1, pp=1, dp=1, zero=0, model=(), extra=(), slow=True, id=None):
@@ -27,12 +27,19 @@ def case(cp, tp=1, pp=1, dp=1, zero=0, model=(), extra=(), slow=True, id=None):
 # one (4 stages) the tiny model's 4 layers.
 MATRIX = [
     case(2, model=TWO_LAYERS, slow=False),
-    case(4, model=(*GQA, *TWO_LAYERS), id="cp4-gqa"),
+    case(4, model=TWO_LAYERS, id="cp4-gqa"),  # grouped-query: the tiny model's own heads (held below)
     case(2, tp=2, model=TWO_LAYERS, extra=("parallel.sequence_parallel=true",), id="cp2-tp2-sp"),
     case(2, pp=2, extra=("parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"),
          id="cp2-pp2-interleaved"),
     case(2, dp=1, zero=3, model=TWO_LAYERS, extra=("parallel.cp_attention=all_gather",), id="cp2-z3-fsdp2-all_gather"),
 ]
+
+
+def test_the_cp4_case_trains_grouped_query_attention():
+    """cp4-gqa sets no heads: conf/model/tiny.yaml's 4 query heads share 2 key-value heads, so the
+    case trains grouped-query attention against the 2-layer reference the other cases share."""
+    tiny = OmegaConf.load(CONF_DIR / "model" / "tiny.yaml")
+    assert (tiny.n_heads, tiny.n_kv_heads) == (4, 2)
 
 
 @pytest.mark.parametrize("model,layout", MATRIX)

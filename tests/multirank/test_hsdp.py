@@ -26,20 +26,22 @@ from trainer3d.checkpoint import store
 
 # One layout trains 20 steps against the one-process run: ZeRO-3 HSDP over tensor-parallel slices
 # with sequence parallelism (a fault of HSDP's mesh, of FSDP2 over tp slices or of sp moves its
-# losses), and its checkpoint of step 5 starts the chain of resharded resumptions (last test).
-# ZeRO-2 HSDP trains in the chain's last link (steps 15-19 against the same reference) and, with
+# losses), and its checkpoint of step 15 starts the chain of resharded resumptions (last test).
+# ZeRO-2 HSDP trains in the chain's last link (steps 17-19 against the same reference) and, with
 # ZeRO-3, three steps against torch's AdamW in test_hsdp_shards_over_the_group_and_trains_as_one_process.
 HSDP_TP = ("parallel.zero_stage=3", "parallel.tp=2", "parallel.dp=4", "parallel.dp_shard=2",
            "parallel.sequence_parallel=true")
 TRAINED = (*PARITY, *TWO_LAYERS)
-SAVES = ("checkpoint.every=5", "checkpoint.keep=10")  # the chain reads step 5's, then 10's and 15's
+CHAIN_START = 15
+"""The step of the HSDP run's one checkpoint, where the chain starts: past the warm-up, moments of
+15 steps in it (the chain's links then train 2, 2 and 3 steps)."""
 
 
 @pytest.fixture(scope="module")
 def hsdp_run(tmp_path_factory, session_tmp):
-    """The 20 steps of HSDP_TP, a checkpoint every 5 (its run directory)."""
+    """The 20 steps of HSDP_TP, a checkpoint at step CHAIN_START (its run directory)."""
     run = tmp_path_factory.mktemp("hsdp")
-    train_in_ranks(run, [*TRAINED, "parallel=single", *HSDP_TP, *SAVES])
+    train_in_ranks(run, [*TRAINED, "parallel=single", *HSDP_TP, f"checkpoint.every={CHAIN_START}"])
     return run
 
 
@@ -125,17 +127,20 @@ def test_hsdp_shards_over_the_group_and_trains_as_one_process():
 def test_hsdp_checkpoints_reshard_to_zero1_and_one_process_and_back(hsdp_run, tmp_path, session_tmp):
     """HSDP (tp2 x dp4, S=2, ZeRO-3, sp: the run above) -> ZeRO-1 dp2 -> one process -> HSDP (dp4,
     S=2, ZeRO-2), each link resuming from the previous one's checkpoint (the pattern of
-    tests/integration/test_checkpoint_resume.py's reshard chain): the 20 steps trained once along the
-    chain, each link's losses within 1e-5 of the uninterrupted 1-rank run's."""
+    tests/integration/test_checkpoint_resume.py's reshard chain: each link saves at the step the
+    next resumes from and stops one step after it), steps 15-19 trained once along the chain, each
+    link's losses within 1e-5 of the uninterrupted 1-rank run's: every link's first step reads the
+    parameters and moments it loaded, and its second one what it stepped from them."""
     ref = reference_losses(session_tmp, TRAINED)
-    chain = [(("parallel.dp=2", "parallel.zero_stage=1"), 5), (("parallel.zero_stage=0",), 10),
-             (("parallel.dp=4", "parallel.dp_shard=2", "parallel.zero_stage=2"), 15)]
+    chain = [(("parallel.dp=2", "parallel.zero_stage=1"), CHAIN_START), (("parallel.zero_stage=0",), CHAIN_START + 1),
+             (("parallel.dp=4", "parallel.dp_shard=2", "parallel.zero_stage=2"), CHAIN_START + 2)]
     same_schedule = f"optim.decay_steps={20 - 5}"  # PARITY: 20 steps, 5 of warm-up
     previous = hsdp_run
     for i, (lay, start) in enumerate(chain):
         run = tmp_path / f"run{i + 1}"
-        stop = chain[i + 1][1] + 1 if i + 1 < len(chain) else 20
-        stdout = train_in_ranks(run, [*TRAINED, "parallel=single", *lay, *SAVES, same_schedule, f"train.max_steps={stop}",
+        save, stop = (chain[i + 1][1], chain[i + 1][1] + 1) if i + 1 < len(chain) else (0, 20)  # 0: no save
+        stdout = train_in_ranks(run, [*TRAINED, "parallel=single", *lay, f"checkpoint.every={save}", same_schedule,
+                                      f"train.max_steps={stop}",
                                       f"train.resume={store.step_dir(previous / 'checkpoints', start)}"])
         assert "layout changed since the checkpoint" in stdout
         rows = read_metrics(run)

@@ -59,6 +59,18 @@ def run(target: str, args) -> dict:
     return {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
 
 
+def run_here(target: str, args: Sequence) -> subprocess.CompletedProcess:
+    """``run`` as a ``CompletedProcess``, as ``subprocess.run([sys.executable, target, *args],
+    capture_output=True, text=True)`` gives it, without an interpreter of its own: the test's
+    torch and engine serve the script, and a script's ``run_ranks`` forks its ranks from this
+    process's forkserver (trainer3d/launch/local_ranks.py), which unpickles the script's rank
+    functions by re-importing it as ``__mp_main__``. For scripts that leave this process as they
+    found it: no threads, environment or torch settings of their own."""
+    args = [str(a) for a in args]
+    done = run(str(target), args)
+    return subprocess.CompletedProcess([str(target), *args], done["code"], done["stdout"], done["stderr"])
+
+
 def run_all(entries: Sequence, cwd=None, umask: Optional[int] = None,
             timeout: float = 600, env: Optional[dict] = None) -> List[subprocess.CompletedProcess]:
     """Run ``entries`` (``[target, args]`` pairs as above; ``args`` made strings) in one fresh

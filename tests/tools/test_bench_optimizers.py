@@ -1,12 +1,11 @@
 """tools/bench/optimizers.py at its smallest budget: the tables it prints, not their numbers."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 
 from tests.conftest import ROOT
+from tests.support.run_scripts import run_here
 
 
 @pytest.mark.slow
@@ -16,10 +15,9 @@ def test_optimizers_bench_prints_the_sweep_the_tokens_and_the_step_time_ratios()
     seeds (the sweep's column, then the second seed trained at the rate it chose: both rounds of
     runs; a choice between two rates would be a tie, as a run's one logged loss precedes its first
     update), one timed step of the fewest micro-batches 1F1B takes (two of one sequence)."""
-    cmd = [sys.executable, str(ROOT / "tools" / "bench" / "optimizers.py"), "--steps", "1", "--seeds", "2",
-           "--lrs", "1e-2", "--window", "1", "--target", "100", "--jobs", "2",
-           "--time-steps", "1", "--time-warmup", "0", "--time-micro-batch", "1", "--time-grad-accum", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1400)
+    proc = run_here(ROOT / "tools" / "bench" / "optimizers.py", [
+        "--steps", "1", "--seeds", "2", "--lrs", "1e-2", "--window", "1", "--target", "100", "--jobs", "2",
+        "--time-steps", "1", "--time-warmup", "0", "--time-micro-batch", "1", "--time-grad-accum", "2"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     for name in ("adamw", "muon"):

@@ -13,17 +13,15 @@ and 0.70 at m = 8, above theory + (1 - theory) / 2 = 0.67 and 0.56; a bubble tha
 shrink with more micro-batches is no pipeline's.
 """
 
-import subprocess
-import sys
 
 from tests.conftest import ROOT
+from tests.support.run_scripts import run_here
 from trainer3d.parallel.pipeline.bubble import bubble_theory
 
 
 def test_bench_pipeline_prints_measured_bubble_and_theory():
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / "pipeline.py"), "--model", "sleep",
-                           "--schedules", "1f1b,gpipe", "--pp", "2", "--multiples", "1,4", "--steps", "2",
-                           "--warmup", "1"], capture_output=True, text=True, timeout=300)
+    proc = run_here(ROOT / "tools" / "bench" / "pipeline.py", ["--model", "sleep", "--schedules", "1f1b,gpipe", "--pp", "2",
+                                                               "--multiples", "1,4", "--steps", "2", "--warmup", "1"])
     assert proc.returncode == 0, proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines()[1:]]
     points = [(r[0], int(r[1]), int(r[2])) for r in rows]

@@ -44,8 +44,7 @@ def _tool(*args: str) -> subprocess.CompletedProcess:
     """tools/bench/zero_memory.py run to its end in this process as ``python tools/bench/zero_memory.py``
     runs it (tests/support/run_scripts.py: it only reads presets and prints; no interpreter of its own
     to start, and torch is here already)."""
-    done = run_scripts.run(str(ROOT / "tools" / "bench" / "zero_memory.py"), list(args))
-    return subprocess.CompletedProcess(args, done["code"], done["stdout"], done["stderr"])
+    return run_scripts.run_here(ROOT / "tools" / "bench" / "zero_memory.py", args)
 
 
 def test_zero_memory_tool_prints_table1():
