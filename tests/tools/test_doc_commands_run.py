@@ -20,7 +20,8 @@ per command):
 - ``python tools/prepare_data.py`` on text files made by the test;
 - the workflow after a run — ``tools/export_model.py``, ``tools/sample.py`` (of the checkpoint
   and of the export) and ``tools/plot_metrics.py`` — on a two-step run of the tiny model the
-  test trains, its paths put where the page has ``outputs/...``, ``exported/`` or ``llama-ft/``.
+  test trains, its paths put where the page has ``outputs/...``, ``exported/`` or ``llama-ft/``;
+  these in the test's own process (``run_here``), which has torch and the engine imported.
 
 A command that is neither run here nor given a reason in ``NOT_RUN`` fails
 ``test_every_documented_command_is_run_or_has_a_reason``, so a new documented command is
@@ -32,14 +33,12 @@ import math
 import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT
-from tests.support.run_scripts import run_all
+from tests.support.run_scripts import run_all, run_here
 from tests.unit.test_doc_commands import DEFAULT_MODEL_PLAN, HELP, _commands_of, assert_shows, shown_output
 
 pytestmark = pytest.mark.slow
@@ -204,7 +203,7 @@ def _in_the_run(command: str, run, checkpoint, exports) -> str:
 
 
 @pytest.mark.timeout(900)
-def test_the_tools_after_a_run_run_as_documented(tmp_path):
+def test_the_tools_after_a_run_run_as_documented(tmp_path, monkeypatch):
     """Every documented export, sample and plot command, in that order (a sample may read an
     export), on a two-step run of the tiny model: exit 0, and what each writes is there. The
     tools are under test, not the run that feeds them: it runs on forkserver ranks
@@ -228,22 +227,21 @@ def test_the_tools_after_a_run_run_as_documented(tmp_path):
         if "sample.py" in command:  # a short budget: 8 new tokens (the default and the pages' 200: minutes here)
             command = re.sub(r" --max-new-tokens \d+", "", command) + " --max-new-tokens 8"
         runs.append((documented_command, command))
-    # one fresh process runs the tools one after another, each as ``python tools/X.py`` runs it
-    # (tests/support/run_scripts.py): torch imported once, not once per command
-    entries = [[str(ROOT / shlex.split(c)[1]), shlex.split(os.path.expandvars(c))[2:]] for _, c in runs]
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "run_scripts.py"), json.dumps(entries)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=_env())
-    results = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert proc.returncode == 0 and len(results) == len(runs), proc.stderr[-3000:]
-    for (documented_command, command), result in zip(runs, results):
-        assert result["code"] == 0, f"`{documented_command}` as `{command}` exited {result['code']}:\n{result['stderr'][-3000:]}"
+    # this process runs the tools one after another, each as ``python tools/X.py`` runs it
+    # (tests/support/run_scripts.py run_here), in the run's directory: they read and write files
+    # and set nothing of the process's own, and torch and the engine are imported here already
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    for documented_command, command in runs:
+        result = run_here(ROOT / shlex.split(command)[1], shlex.split(os.path.expandvars(command))[2:])
+        assert result.returncode == 0, f"`{documented_command}` as `{command}` exited {result.returncode}:\n{result.stderr[-3000:]}"
         if "export_model" in command:
             out = Path(shlex.split(command)[3])
             assert (out / "config.json").is_file() and list(out.glob("*.safetensors")), sorted(out.iterdir())
         elif "sample.py" in command:
             prompt = shlex.split(command)[shlex.split(command).index("--prompt") + 1]
-            assert result["stdout"].startswith(prompt), result["stdout"][:500]
+            assert result.stdout.startswith(prompt), result.stdout[:500]
         else:
             out = Path(shlex.split(command)[shlex.split(command).index("--out") + 1])
             assert out.is_absolute() or (tmp_path / out).is_dir()
-            assert list((tmp_path / out).glob("*.png")), result["stdout"][-2000:]
+            assert list((tmp_path / out).glob("*.png")), result.stdout[-2000:]
