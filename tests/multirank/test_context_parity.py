@@ -9,11 +9,9 @@ data in tests/multirank/test_document_mask_parity.py (one run for both).
 """
 
 import pytest
-from omegaconf import OmegaConf
 
-from tests.conftest import CONF_DIR
 from tests.support.compiled import compiled_losses_in_ranks, hooks_launched_every_bucket
-from tests.support.runs import PARITY, TWO_LAYERS, assert_parity, losses_in_ranks, reference_losses
+from tests.support.runs import PARITY, TWO_LAYERS, assert_parity, configure, losses_in_ranks, reference_losses
 
 
 def case(cp, tp=1, pp=1, dp=1, zero=0, model=(), extra=(), slow=True, id=None):
@@ -35,11 +33,12 @@ MATRIX = [
 ]
 
 
-def test_the_cp4_case_trains_grouped_query_attention():
-    """cp4-gqa sets no heads: conf/model/tiny.yaml's 4 query heads share 2 key-value heads, so the
-    case trains grouped-query attention against the 2-layer reference the other cases share."""
-    tiny = OmegaConf.load(CONF_DIR / "model" / "tiny.yaml")
-    assert (tiny.n_heads, tiny.n_kv_heads) == (4, 2)
+def test_the_cp4_case_trains_grouped_query_attention(tmp_path):
+    """cp4-gqa sets no heads: the model its runs compose (conf/model/tiny.yaml, 2 layers) has 4
+    query heads sharing 2 key-value heads, so the case trains grouped-query attention against the
+    2-layer reference the other cases share."""
+    model = configure(tmp_path, [*PARITY, *TWO_LAYERS]).model
+    assert (model.n_heads, model.n_kv_heads) == (4, 2)
 
 
 @pytest.mark.parametrize("model,layout", MATRIX)

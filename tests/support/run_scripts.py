@@ -60,12 +60,15 @@ def run(target: str, args) -> dict:
 
 
 def run_here(target: str, args: Sequence) -> subprocess.CompletedProcess:
-    """``run`` as a ``CompletedProcess``, as ``subprocess.run([sys.executable, target, *args],
-    capture_output=True, text=True)`` gives it, without an interpreter of its own: the test's
-    torch and engine serve the script, and a script's ``run_ranks`` forks its ranks from this
-    process's forkserver (trainer3d/launch/local_ranks.py), which unpickles the script's rank
-    functions by re-importing it as ``__mp_main__``. For scripts that leave this process as they
-    found it: no threads, environment or torch settings of their own."""
+    """``run`` as a ``CompletedProcess``, its exit status, and what the script itself printed, as
+    ``subprocess.run([sys.executable, target, *args], capture_output=True, text=True)`` has
+    them, without an interpreter of its own: the test's torch and engine serve the script, and a
+    script's ``run_ranks`` forks its ranks from this process's forkserver
+    (trainer3d/launch/local_ranks.py), which unpickles the script's rank functions by
+    re-importing it as ``__mp_main__``. What the ranks print goes where the forkserver's output
+    goes, not into the result (a rank's traceback still arrives through ``run_ranks``). For
+    scripts that leave this process as they found it: no environment or torch settings of their
+    own, and no thread that outlives a timeout the test gives it."""
     args = [str(a) for a in args]
     done = run(str(target), args)
     return subprocess.CompletedProcess([str(target), *args], done["code"], done["stdout"], done["stderr"])

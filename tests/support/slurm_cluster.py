@@ -1,10 +1,10 @@
 """The dev Slurm cluster of slurm/cluster.sh (two namespace nodes, or one), for the tests marked ``slurm``.
 
 Started once per test session (a few seconds once the packages are installed; the first
-start installs them) and stopped as soon as its worker's last Slurm test is done
-(``stop_after``, called from tests/conftest.py), not at the session's end: the tier runs first
-(its tests are slow), and its ~10 s of daemons exiting then overlap the other tests instead of
-ending the whole run. Before anything is installed or created, one
+start installs them) and stopped as soon as the last test that uses it is done (``stop_after``,
+called from tests/conftest.py), not at the session's end: on two workers the tier is one unit of
+work, taken early (its two-node tests are slow), and its ~10 s of daemons exiting then overlap
+the other tests instead of ending the whole run. Before anything is installed or created, one
 line on the terminal says what the start will do to this machine (``cluster.sh announce``):
 as root it apt-installs Slurm, munge and MariaDB and makes a bridge and network namespaces. Where it cannot run here (not root, no
 apt-get: cluster.sh exits 3) the tests skip with that reason — except under CI (``CI`` set),
@@ -72,11 +72,11 @@ def _stop() -> None:
 
 
 def stop_after(item) -> None:
-    """Stop the cluster once ``item``, just torn down, is the session's last Slurm test in the
-    order they run: the order of collection, under ``-n 0`` as on a worker, which takes the tier
-    as one unit of work (tests/conftest.py: xdist_scope). The session fixture's own teardown then
-    has nothing left to stop."""
-    if _running and item.get_closest_marker("slurm"):
-        last = [i for i in item.session.items if i.get_closest_marker("slurm")][-1]
+    """Stop the cluster once ``item``, just torn down, is the session's last test that uses it, in
+    the order they run: the order of collection, under ``-n 0`` as on a worker, which takes the
+    tier as one unit of work (tests/conftest.py: xdist_scope). The session fixture's own teardown
+    then has nothing left to stop."""
+    if _running and "slurm_cluster" in item.fixturenames:
+        last = [i for i in item.session.items if "slurm_cluster" in getattr(i, "fixturenames", ())][-1]
         if item is last:
             _stop()

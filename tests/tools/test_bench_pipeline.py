@@ -13,7 +13,6 @@ and 0.70 at m = 8, above theory + (1 - theory) / 2 = 0.67 and 0.56; a bubble tha
 shrink with more micro-batches is no pipeline's.
 """
 
-
 from tests.conftest import ROOT
 from tests.support.run_scripts import run_here
 from trainer3d.parallel.pipeline.bubble import bubble_theory

@@ -231,9 +231,8 @@ def test_the_tools_after_a_run_run_as_documented(tmp_path, monkeypatch):
     # (tests/support/run_scripts.py run_here), in the run's directory: they read and write files
     # and set nothing of the process's own, and torch and the engine are imported here already
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("WANDB_MODE", "disabled")
     for documented_command, command in runs:
-        result = run_here(ROOT / shlex.split(command)[1], shlex.split(os.path.expandvars(command))[2:])
+        result = run_here(*_entry(command))
         assert result.returncode == 0, f"`{documented_command}` as `{command}` exited {result.returncode}:\n{result.stderr[-3000:]}"
         if "export_model" in command:
             out = Path(shlex.split(command)[3])

@@ -4,7 +4,7 @@ tp2 x pp2 x dp2.
 
     python tools/bench/optimizers.py [--steps 200] [--seeds 3] [--lrs 1e-3,3e-3,1e-2]
                                      [--target 2.0] [--window 10] [--ns-dtype fp32] [--jobs 1]
-                                     [--time-steps 6] [--time-warmup 2] [--time-model tiny]
+                                     [--time-steps 6] [--time-warmup 2] [--time-model tiny] [--timeout 21600]
 
 Tokens to a loss: the README's default run (the ``tiny`` model, the standard-library corpus of
 conf/data/stdlib.yaml, 32 sequences of 128 tokens a step, warm-up then cosine decay over
@@ -100,9 +100,10 @@ def _train_rank(rank: int, world: int, cfg) -> None:
         Trainer(cfg, ParallelDims.build(Topology(tp=1, pp=1, dp=1), torch.device("cpu"))).train()
 
 
-def _losses(cfg, steps: int) -> List[float]:
-    """The per-step training losses of one single-process run of ``cfg``."""
-    run_ranks(_train_rank, 1, cfg, timeout=6 * 3600, pg_timeout_s=600)
+def _losses(cfg, steps: int, timeout_s: float) -> List[float]:
+    """The per-step training losses of one single-process run of ``cfg`` (ended and reported
+    if it outlives ``timeout_s``)."""
+    run_ranks(_train_rank, 1, cfg, timeout=timeout_s, pg_timeout_s=600)
     rows, _ = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(steps)), f"{cfg.run_dir}: one metrics row per step expected"
     return [r["loss"] for r in rows]
@@ -118,7 +119,7 @@ def train_losses(root: Path, runs: Sequence[tuple], args) -> Dict[tuple, List[fl
         tokens = cfgs[name, lr, seed].train.global_batch_size * cfgs[name, lr, seed].train.seq_len
         assert tokens == TOKENS_PER_STEP, "the default run's batch changed"
     with ThreadPoolExecutor(args.jobs) as pool:
-        futures = {run: pool.submit(_losses, cfg, args.steps) for run, cfg in cfgs.items()}
+        futures = {run: pool.submit(_losses, cfg, args.steps, args.timeout) for run, cfg in cfgs.items()}
     return {run: f.result() for run, f in futures.items()}
 
 
@@ -216,7 +217,7 @@ def _time_rank(rank: int, world: int, args) -> Dict[str, float]:
 
 
 def time_table(args) -> None:
-    medians = run_ranks(_time_rank, TP * PP * DP, args, timeout=3600, pg_timeout_s=600)[0]
+    medians = run_ranks(_time_rank, TP * PP * DP, args, timeout=args.timeout, pg_timeout_s=600)[0]
     print(f"\nstep time, tp={TP} pp={PP} dp={DP} ZeRO-1, model {args.time_model}, {args.time_grad_accum} "
           f"micro-batches of {args.time_micro_batch} x 128 tokens, {args.time_steps} timed steps, median of the "
           "slowest rank")
@@ -235,6 +236,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ns-dtype", default="fp32", choices=("fp32", "bf16"),
                         help="optim.muon.ns_dtype of the loss runs (bf16 matmuls are ~20x slower on this CPU)")
     parser.add_argument("--jobs", type=int, default=1, help="loss runs trained at once, each its own process")
+    parser.add_argument("--timeout", type=float, default=6 * 3600,
+                        help="seconds a run may take before its ranks are ended and the bench fails")
     parser.add_argument("--time-steps", type=int, default=6, help="timed steps in tp2 x pp2 x dp2 (0: skip)")
     parser.add_argument("--time-warmup", type=int, default=2)
     parser.add_argument("--time-model", default="tiny", help="the timed model, a conf/model preset")
