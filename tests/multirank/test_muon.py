@@ -1,8 +1,11 @@
 """``optim.name=muon`` on real gloo ranks against one process of ``torch.optim.Muon`` (the
 blocks' matrices) + ``torch.optim.AdamW`` (the rest) on the whole global batch.
 
-Every rank runs the reference too, and compares its own parameters (its tp slices) with it.
+The test's process runs the reference once per configuration (``_reference``); every rank
+compares its own parameters (its tp slices) with it.
 """
+
+import functools
 
 import numpy as np
 import pytest
@@ -22,10 +25,23 @@ STEPS = 20
 LR = 1e-2
 
 
-def _train(rank, world, tp, dp, stage, sp, adjust_lr="original", nesterov=True):
+def _cfg(dp, stage, adjust_lr, nesterov):
+    return muon_cfg(make_cfg(dp, stage, grad_clip=0.5), adjust_lr, nesterov)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(dp, adjust_lr, nesterov):
+    """torch's Muon + AdamW on the global batch of a dp-rank layout (ZeRO's stage does not change
+    it), run once in the test's process for every test that shares it: final parameters by
+    canonical name as numpy arrays, every step's norm and loss."""
+    params, norms, losses = reference_muon_steps(_cfg(dp, 0, adjust_lr, nesterov), STEPS, LR)
+    return {n: t.numpy() for n, t in params.items()}, norms, losses
+
+
+def _train(rank, world, tp, dp, stage, sp, reference, adjust_lr="original", nesterov=True):
     """STEPS clipped steps of the tiny model in tp x dp; this rank's parameters (tp slices), every
-    step's global norm and dp-mean loss, and the reference's."""
-    cfg = muon_cfg(make_cfg(dp, stage, grad_clip=0.5), adjust_lr, nesterov)
+    step's global norm and dp-mean loss, and the reference's (``_reference``)."""
+    cfg = _cfg(dp, stage, adjust_lr, nesterov)
     cfg.parallel.tp, cfg.parallel.sequence_parallel = tp, sp
     dims = dims_for(tp=tp, dp=dp)
     chunks = build_model_chunks(cfg, dims)
@@ -48,7 +64,8 @@ def _train(rank, world, tp, dp, stage, sp, adjust_lr="original", nesterov=True):
         grads.finalize()
         norms.append(opt.clip_grad_norm(cfg.optim.grad_clip).item())
         opt.step(LR)
-    ref_params, ref_norms, ref_losses = reference_muon_steps(cfg, STEPS, LR)
+    ref_params, ref_norms, ref_losses = reference
+    ref_params = {n: torch.from_numpy(a) for n, a in ref_params.items()}
     got = params_by_name(model, opt)
     named = {canonical_name(n): p for n, p in model.named_parameters()}
     want = {n: (_shard(ref_params[n], p) if tp_shard_of(p) is not None else ref_params[n]) for n, p in named.items()}
@@ -85,24 +102,24 @@ def _check(results):
 def test_one_process_equals_torch_muon_and_adamw(adjust_lr, nesterov):
     """One rank, ZeRO-0, Newton-Schulz in fp32 on both sides: every step's loss and norm and the
     final parameters equal torch's Muon + AdamW training on the same batches."""
-    _check(run_ranks(_train, 1, 1, 1, 0, False, adjust_lr, nesterov, timeout=300))
+    _check(run_ranks(_train, 1, 1, 1, 0, False, _reference(1, adjust_lr, nesterov), adjust_lr, nesterov, timeout=300))
 
 
 @pytest.mark.parametrize("stage", [0, 1])
 def test_dp2_equals_torch_muon(stage):
     """dp2: ZeRO-1 cuts matrices between the dp ranks' owned slices (bucket_mb=0.01 also cuts
     buckets mid-layer); each matrix is gathered whole before Newton-Schulz."""
-    _check(run_ranks(_train, 2, 1, 2, stage, False, timeout=300))
+    _check(run_ranks(_train, 2, 1, 2, stage, False, _reference(2, "original", True), timeout=300))
 
 
 def test_tp2_sp_equals_torch_muon():
     """tp2 with sequence parallelism: column- and row-parallel weights gathered over tp."""
-    _check(run_ranks(_train, 2, 2, 1, 0, True, timeout=300))
+    _check(run_ranks(_train, 2, 2, 1, 0, True, _reference(1, "original", True), timeout=300))
 
 
 @pytest.mark.slow
 def test_tp2_dp2_zero1_equals_torch_muon():
-    _check(run_ranks(_train, 4, 2, 2, 1, True, timeout=600))
+    _check(run_ranks(_train, 4, 2, 2, 1, True, _reference(2, "original", True), timeout=600))
 
 
 def _same_gradients(rank, world, adjust_lr, nesterov):

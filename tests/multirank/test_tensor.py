@@ -2,9 +2,10 @@
 
 Every rank builds the single-rank reference itself (same seed, same inputs), so each
 comparison is local: a TP layer's output and gradients must equal the matching slice of
-the reference's (max abs diff <= 1e-6, fp32), for tp in {2, 4}, with and without sequence
-parallelism. Weights of the layer tests are cut from the reference by the test itself
-(not by the project's init), so the layers and the init are checked independently.
+the reference's (every difference within TOL of the reference's largest element, fp32), for
+tp in {2, 4}, with and without sequence parallelism. Weights of the layer tests are cut from
+the reference by the test itself (not by the project's init), so the layers and the init are
+checked independently.
 """
 
 import pytest
@@ -13,20 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.support.harness import dims_for, run_ranks
+from tests.support.tolerance import scaled_max_diff
 
 TOL = 1e-5
-"""What ``_max_diff`` may return: measured up to 8e-7 on AVX-512 and AVX2 kernels."""
+"""What ``scaled_max_diff`` may return (tests/support/tolerance.py: the largest difference relative
+to the reference's largest element; a weight's gradient here is a sum of 16 products of N(0, 1)
+values, up to ~10, where 1e-6 absolute is two ulps and AVX2's order of sums once missed it by
+1.9e-6): measured up to 8e-7 on AVX-512 and AVX2 kernels."""
 S, B = 8, 2  # sequence (divisible by tp=4 for sequence parallelism), batch: activations are sequence-first
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest difference, relative to the reference ``b``'s largest element: fp32's rounding
-    scales with the values (a weight's gradient here is a sum of 16 products of N(0, 1) values, up
-    to ~10, where 1e-6 absolute is two ulps and AVX2's order of sums once missed it by 1.9e-6)."""
-    assert a.shape == b.shape, (a.shape, b.shape)
-    if not a.numel():
-        return 0.0
-    return (a - b).abs().max().item() / max(b.abs().max().item(), torch.finfo(torch.float32).tiny)
 
 
 def _shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -80,12 +75,12 @@ def _compare_module(ref: nn.Module, tp_module: nn.Module, x: torch.Tensor, dims,
     if out_slice is not None:
         y_expect, dy_local = out_slice(y_expect), out_slice(dy_local)
     (y_tp * dy_local).sum().backward()
-    diffs = {"output": _max_diff(y_tp.detach(), y_expect),
-             "input.grad": _max_diff(x_tp.grad, _seq(x_ref.grad, dims, sp_in))}
+    diffs = {"output": scaled_max_diff(y_tp.detach(), y_expect),
+             "input.grad": scaled_max_diff(x_tp.grad, _seq(x_ref.grad, dims, sp_in))}
     ref_params = dict(ref.named_parameters())
     for name, p in tp_module.named_parameters():
         full = ref_params[name].grad
-        diffs[f"{name}.grad"] = _max_diff(p.grad, _shard(full, p) if tp_shard_of(p) is not None else full)
+        diffs[f"{name}.grad"] = scaled_max_diff(p.grad, _shard(full, p) if tp_shard_of(p) is not None else full)
     return diffs
 
 
@@ -127,9 +122,9 @@ def _layer_cases(rank, world_size, sp):
     x_tp = _leaf(x[..., cols])
     y_tp = row(x_tp)
     (y_tp * _seq(dy, dims, sp)).sum().backward()
-    results["row"] = {"output": _max_diff(y_tp.detach(), _seq(y_ref.detach(), dims, sp)),
-                      "input.grad": _max_diff(x_tp.grad, x_ref.grad[..., cols]),
-                      "weight.grad": _max_diff(row.weight.grad, _shard(ref.weight.grad, row.weight))}
+    results["row"] = {"output": scaled_max_diff(y_tp.detach(), _seq(y_ref.detach(), dims, sp)),
+                      "input.grad": scaled_max_diff(x_tp.grad, x_ref.grad[..., cols]),
+                      "weight.grad": scaled_max_diff(row.weight.grad, _shard(ref.weight.grad, row.weight))}
 
     ref = nn.Embedding(257, 16)  # 257 = 2 * 128 + 1 = 4 * 64 + 1: the last rank holds padding
     nn.init.normal_(ref.weight, std=0.02)
@@ -142,8 +137,8 @@ def _layer_cases(rank, world_size, sp):
     (y_ref * dy).sum().backward()
     y_tp = emb(tokens)
     (y_tp * _seq(dy, dims, sp)).sum().backward()
-    results["embedding"] = {"output": _max_diff(y_tp.detach(), _seq(y_ref.detach(), dims, sp)),
-                            "weight.grad": _max_diff(emb.weight.grad, _shard(ref.weight.grad, emb.weight))}
+    results["embedding"] = {"output": scaled_max_diff(y_tp.detach(), _seq(y_ref.detach(), dims, sp)),
+                            "weight.grad": scaled_max_diff(emb.weight.grad, _shard(ref.weight.grad, emb.weight))}
 
     cfg = ModelConfig(dim=64, n_layers=1, n_heads=8, n_kv_heads=4, ffn_dim=96, vocab_size=257, max_seq_len=S)
     ref = Attention(cfg)
@@ -187,7 +182,7 @@ def _loss_case(rank, world_size):
         loss = vocab_parallel_cross_entropy(mine, targets, vocab, dims)
         loss.backward()
         out.update({f"{layout}loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
-                    f"{layout}logits.grad": _max_diff(mine.grad[..., :valid], ref_logits.grad[..., start:start + valid]),
+                    f"{layout}logits.grad": scaled_max_diff(mine.grad[..., :valid], ref_logits.grad[..., start:start + valid]),
                     f"{layout}padding.grad": mine.grad[..., valid:].abs().max().item() if valid < local else 0.0})
     return out
 

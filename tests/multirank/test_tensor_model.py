@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from tests.support.harness import dims_for, run_ranks
-from tests.multirank.test_tensor import TOL, _max_diff, _shard
+from tests.multirank.test_tensor import TOL, _shard
+from tests.support.tolerance import scaled_max_diff
 
 VOCAB, B, S = 257, 2, 16
 VOCAB_PARAMS = ("tok_embeddings.weight", "output.weight")
@@ -58,8 +59,8 @@ def _whole_model(rank, world_size, sp):
            "replicated_bytes": 0, "replicated_full_bytes": 0, "vocab_bytes": 0}
     for name, p in model.named_parameters():
         sharded = tp_shard_of(p) is not None
-        out["init"] = max(out["init"], _max_diff(p.detach(), _shard(ref_params[name].detach(), p) if sharded
-                                                 else ref_params[name].detach()))
+        want = _shard(ref_params[name].detach(), p) if sharded else ref_params[name].detach()
+        out["init"] = max(out["init"], scaled_max_diff(p.detach(), want))
         nbytes, full = p.untyped_storage().nbytes(), ref_params[name].untyped_storage().nbytes()
         if name in VOCAB_PARAMS:
             out["vocab_bytes"] += nbytes
@@ -88,7 +89,7 @@ def _whole_model(rank, world_size, sp):
         full, grad = ref_params[name].grad, optimizer.grad(p)
         expect = _shard(full, p) if tp_shard_of(p) is not None else full
         valid = _valid_rows(p, dims) if name in VOCAB_PARAMS else p.shape[0]
-        out["grad"] = max(out["grad"], _max_diff(grad[:valid], expect[:valid]))
+        out["grad"] = max(out["grad"], scaled_max_diff(grad[:valid], expect[:valid]))
         out["padding.grad"] = max(out["padding.grad"], grad[valid:].abs().max().item() if valid < p.shape[0] else 0)
     ref_norm = torch.stack([p.grad.norm() for p in ref.parameters()]).norm()
     out["grad_norm_rel"] = abs(optimizer.clip_grad_norm(0.0).item() - ref_norm.item()) / ref_norm.item()
