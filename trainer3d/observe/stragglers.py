@@ -14,10 +14,9 @@ its compute over the median compute of its peers in that step. A rank is named w
 median of its ratios over the last ``train.straggler.window`` steps has been at or above
 ``train.straggler.threshold`` for ``train.straggler.persist`` steps in a row: a median over a
 window, held, so a rank descheduled for a few steps, or a step stalled by the host, names
-nobody. On a 2-core machine running 4 CPU ranks at loads of 19-47, three 1,000-step clean
-soaks at a threshold of 1.25 named a rank three times (window medians 1.29-1.36x: time-shared
-cores do starve one process for a second or two), never above 1.4x: hence the default 1.5. A rank without peers (one rank per stage) is never
-judged.
+nobody. The default threshold of 1.5 sits above what clean soaks of CPU ranks on time-shared
+cores reached (docs/failures.md, "Stragglers", gives their figures). A rank without peers (one
+rank per stage) is never judged.
 
 Cost: the times are marks on the host clock (CPU, where ops run synchronously) or CUDA events
 recorded on the current stream (read only at the logging interval, when the metrics are read
