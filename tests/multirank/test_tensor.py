@@ -2,7 +2,7 @@
 
 Every rank builds the single-rank reference itself (same seed, same inputs), so each
 comparison is local: a TP layer's output and gradients must equal the matching slice of
-the reference's (every difference within TOL of the reference's largest element, fp32), for
+the reference's (every difference at most TOL x the reference's largest magnitude, fp32), for
 tp in {2, 4}, with and without sequence parallelism. Weights of the layer tests are cut from
 the reference by the test itself (not by the project's init), so the layers and the init are
 checked independently.

@@ -1,11 +1,13 @@
-"""What the ZeRO multi-rank tests run inside each gloo rank: a tiny model built by the real
-recipe, the optimizer under test, and a single-process torch reference on the same rank."""
+"""What the ZeRO multi-rank tests run: a tiny model built by the real recipe, the optimizer
+under test (inside each gloo rank), and a single-process torch reference (on the same rank, or
+once in the test's process: tests/multirank/test_muon.py)."""
 
 import copy
 from typing import List, Tuple
 
 import torch
 import torch.nn.functional as F
+import torch.optim._muon as torch_muon_module
 
 from trainer3d.config.schema import Config, ModelConfig
 from trainer3d.model.init import canonical_name
@@ -141,11 +143,10 @@ def torch_muon(params, cfg: Config, lr: float):
     """``torch.optim.Muon`` with ``optim.muon``'s arguments; for ``ns_dtype=fp32`` its Newton-Schulz
     (a module function it looks up at each step) is ``fp32_newton_schulz``: the rest of the
     step — momentum, look-ahead, weight decay, scale — stays torch's."""
-    import torch.optim._muon as torch_muon_module
-
     m = cfg.optim.muon
     if m.ns_dtype == "fp32":
-        torch_muon_module._zeropower_via_newtonschulz = fp32_newton_schulz  # this rank's process only
+        # for the rest of the process (a rank's); reference_muon_steps puts torch's own back
+        torch_muon_module._zeropower_via_newtonschulz = fp32_newton_schulz
     return torch.optim.Muon(params, lr=lr * m.lr / cfg.optim.lr, weight_decay=m.weight_decay, momentum=m.momentum,
                             nesterov=m.nesterov, ns_steps=m.ns_steps, eps=m.eps, adjust_lr_fn=m.adjust_lr)
 
@@ -160,22 +161,26 @@ def reference_muon_steps(cfg: Config, steps: int, lr: float = 1e-2) -> Tuple[dic
     named = [(canonical_name(n), p) for n, p in model.named_parameters()]
     hidden = [p for n, p in named if n.startswith("layers.") and p.ndim == 2]
     rest = [(n, p) for n, p in named if not (n.startswith("layers.") and p.ndim == 2)]
-    muon = torch_muon(hidden, cfg, lr)
-    adamw = torch.optim.AdamW(param_groups(rest, cfg.optim.weight_decay), lr=lr,
-                              betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
-    n_micro = cfg.parallel.dp * cfg.train.grad_accum_steps
-    norms, losses = [], []
-    for step in range(steps):
-        muon.zero_grad()
-        adamw.zero_grad()
-        x, y = global_batch(cfg, step)
-        total = 0.0
-        for i in range(n_micro):
-            loss = loss_of(model, x[i], y[i]) / n_micro
-            loss.backward()
-            total += loss.item()
-        losses.append(total)
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip).item())
-        muon.step()
-        adamw.step()
+    torch_newton_schulz = torch_muon_module._zeropower_via_newtonschulz
+    try:
+        muon = torch_muon(hidden, cfg, lr)
+        adamw = torch.optim.AdamW(param_groups(rest, cfg.optim.weight_decay), lr=lr,
+                                  betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
+        n_micro = cfg.parallel.dp * cfg.train.grad_accum_steps
+        norms, losses = [], []
+        for step in range(steps):
+            muon.zero_grad()
+            adamw.zero_grad()
+            x, y = global_batch(cfg, step)
+            total = 0.0
+            for i in range(n_micro):
+                loss = loss_of(model, x[i], y[i]) / n_micro
+                loss.backward()
+                total += loss.item()
+            losses.append(total)
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip).item())
+            muon.step()
+            adamw.step()
+    finally:  # torch's own again for the process's other tests (torch_muon replaced it)
+        torch_muon_module._zeropower_via_newtonschulz = torch_newton_schulz
     return {n: p.detach().clone() for n, p in named}, norms, losses
