@@ -130,9 +130,7 @@ def test_hsdp_checkpoints_reshard_to_zero1_and_one_process_and_back(hsdp_run, tm
     tests/integration/test_checkpoint_resume.py's reshard chain: each link saves at the step the
     next resumes from and stops one step after it), steps 12-19 trained once along the chain, each
     link's losses within 1e-5 of the uninterrupted 1-rank run's: every link's first loss reads the
-    parameters it loaded, and its second and third the updates it made with the moments it loaded.
-    (The HSDP run's one save is at step 12; the chain started at its step-5 save before, its links
-    trained 6, 6 and 5 steps.)"""
+    parameters it loaded, and its second and third the updates it made with the moments it loaded."""
     ref = reference_losses(session_tmp, TRAINED)
     chain = [(("parallel.dp=2", "parallel.zero_stage=1"), CHAIN_START), (("parallel.zero_stage=0",), CHAIN_START + 2),
              (("parallel.dp=4", "parallel.dp_shard=2", "parallel.zero_stage=2"), CHAIN_START + 4)]

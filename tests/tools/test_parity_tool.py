@@ -4,7 +4,6 @@ The correct check runs both layouts once (a module fixture); the planted-bug che
 with that check's one-process run (``--reuse-b``): the bug lives on rank 1 only."""
 
 import logging
-import subprocess
 import textwrap
 
 import pytest
@@ -58,8 +57,7 @@ def _parity(tmp_path, layout, *extra, planted=False, steps=STEPS):
         else:
             env.delenv("TRAINER3D_PLANTED_BUG", raising=False)
         env.chdir(tmp_path)
-        done = run_scripts.run(str(ROOT / "tools" / "parity.py"), args)
-    return subprocess.CompletedProcess(args, done["code"], done["stdout"], done["stderr"])
+        return run_scripts.run_here(ROOT / "tools" / "parity.py", args)
 
 
 @pytest.fixture(scope="module")
